@@ -1,0 +1,416 @@
+// See shim.h. One MLX call per function; argument conversion only.
+#include "mlxcel/cpp/shim.h"
+
+#include <cstring>
+#include <sstream>
+#include <stdexcept>
+
+#include "mlxcel/src/mlx/ffi.rs.h"
+
+namespace mx = mlx::core;
+
+namespace mlxcel {
+
+namespace {
+
+mx::Shape to_shape(rust::Slice<const int32_t> s) { return mx::Shape(s.begin(), s.end()); }
+std::vector<int> to_ints(rust::Slice<const int32_t> s) { return std::vector<int>(s.begin(), s.end()); }
+
+ArrayPtr wrap(array a) { return std::make_unique<array>(std::move(a)); }
+
+mx::Dtype to_mx(Dtype d) {
+  switch (d) {
+    case Dtype::Bool: return mx::bool_;
+    case Dtype::U8: return mx::uint8;
+    case Dtype::U16: return mx::uint16;
+    case Dtype::U32: return mx::uint32;
+    case Dtype::I8: return mx::int8;
+    case Dtype::I32: return mx::int32;
+    case Dtype::I64: return mx::int64;
+    case Dtype::F16: return mx::float16;
+    case Dtype::BF16: return mx::bfloat16;
+    case Dtype::F32: return mx::float32;
+    default: break;
+  }
+  throw std::invalid_argument("unknown dtype code");
+}
+
+Dtype from_mx(mx::Dtype d) {
+  switch (d.val()) {
+    case mx::Dtype::Val::bool_: return Dtype::Bool;
+    case mx::Dtype::Val::uint8: return Dtype::U8;
+    case mx::Dtype::Val::uint16: return Dtype::U16;
+    case mx::Dtype::Val::uint32: return Dtype::U32;
+    case mx::Dtype::Val::int8: return Dtype::I8;
+    case mx::Dtype::Val::int32: return Dtype::I32;
+    case mx::Dtype::Val::int64: return Dtype::I64;
+    case mx::Dtype::Val::float16: return Dtype::F16;
+    case mx::Dtype::Val::bfloat16: return Dtype::BF16;
+    case mx::Dtype::Val::float32: return Dtype::F32;
+    default: return Dtype::Unsupported;
+  }
+}
+
+mx::Stream to_stream(const StreamRef& s) {
+  return mx::Stream(s.index, mx::Device(s.gpu ? mx::Device::gpu : mx::Device::cpu, s.device_index));
+}
+
+StreamRef from_stream(const mx::Stream& s) {
+  StreamRef r;
+  r.index = s.index;
+  r.gpu = s.device.type == mx::Device::gpu;
+  r.device_index = s.device.index;
+  return r;
+}
+
+void check_gpu_index(int32_t index) {
+  int n = mx::is_available(mx::Device::gpu) ? mx::device_count(mx::Device::gpu) : 0;
+  if (index < 0 || index >= n) {
+    std::ostringstream msg;
+    msg << "invalid GPU index " << index << ": " << n << " GPU(s) visible";
+    throw std::out_of_range(msg.str());
+  }
+}
+
+std::string info_string(const std::unordered_map<std::string, std::variant<std::string, size_t>>& m,
+                        const char* key) {
+  auto it = m.find(key);
+  if (it == m.end()) return "";
+  if (auto p = std::get_if<std::string>(&it->second)) return *p;
+  return std::to_string(std::get<size_t>(it->second));
+}
+
+uint64_t info_size(const std::unordered_map<std::string, std::variant<std::string, size_t>>& m,
+                   const char* key) {
+  auto it = m.find(key);
+  if (it == m.end()) return 0;
+  if (auto p = std::get_if<size_t>(&it->second)) return *p;
+  return 0;
+}
+
+}  // namespace
+
+// ---- version, devices, streams ----
+rust::String mlx_version() { return rust::String(mx::version()); }
+
+rust::String backend_name() {
+  if (mx::cu::is_available()) return "cuda";
+  if (mx::metal::is_available()) return "metal";
+  return "cpu";
+}
+
+bool gpu_available() { return mx::is_available(mx::Device::gpu); }
+
+int32_t gpu_device_count() { return gpu_available() ? mx::device_count(mx::Device::gpu) : 0; }
+
+DeviceInfo gpu_device_info(int32_t index) {
+  check_gpu_index(index);
+  const auto& m = mx::device_info(mx::Device(mx::Device::gpu, index));
+  DeviceInfo d;
+  d.name = info_string(m, "device_name");
+  d.architecture = info_string(m, "architecture");
+  d.total_memory = info_size(m, "total_memory");
+  if (d.total_memory == 0) d.total_memory = info_size(m, "memory_size");
+  d.free_memory = info_size(m, "free_memory");
+  d.pci_bus_id = info_string(m, "pci_bus_id");
+  d.uuid = info_string(m, "uuid");
+  return d;
+}
+
+StreamRef default_stream_ref(bool gpu) {
+  return from_stream(mx::default_stream(gpu ? mx::Device(mx::Device::gpu) : mx::Device(mx::Device::cpu)));
+}
+
+StreamRef new_stream_on_gpu(int32_t index) {
+  check_gpu_index(index);
+  return from_stream(mx::new_stream(mx::Device(mx::Device::gpu, index)));
+}
+
+StreamRef new_cpu_stream() { return from_stream(mx::new_stream(mx::Device(mx::Device::cpu))); }
+
+void set_default_stream_ref(const StreamRef& s) {
+  auto st = to_stream(s);
+  mx::set_default_device(st.device);
+  mx::set_default_stream(st);
+}
+
+void set_default_device_cpu() { mx::set_default_device(mx::Device(mx::Device::cpu)); }
+
+void synchronize_stream(const StreamRef& s) { mx::synchronize(to_stream(s)); }
+void synchronize_default() { mx::synchronize(); }
+
+// ---- memory ----
+uint64_t active_memory() { return mx::get_active_memory(); }
+uint64_t peak_memory() { return mx::get_peak_memory(); }
+uint64_t cache_memory() { return mx::get_cache_memory(); }
+void reset_peak_memory() { mx::reset_peak_memory(); }
+uint64_t set_memory_limit(uint64_t limit) { return mx::set_memory_limit(limit); }
+uint64_t memory_limit() { return mx::get_memory_limit(); }
+uint64_t set_cache_limit(uint64_t limit) { return mx::set_cache_limit(limit); }
+void clear_cache() { mx::clear_cache(); }
+
+// ---- array basics ----
+ArrayPtr from_bytes(rust::Slice<const uint8_t> data, rust::Slice<const int32_t> shape, Dtype dtype) {
+  auto dt = to_mx(dtype);
+  auto sh = to_shape(shape);
+  size_t n = 1;
+  for (auto d : sh) {
+    if (d < 0) throw std::invalid_argument("negative dimension in shape");
+    n *= static_cast<size_t>(d);
+  }
+  size_t expect = n * dt.size();
+  if (expect != data.size()) {
+    std::ostringstream msg;
+    msg << "from_bytes: " << data.size() << " bytes given, shape needs " << expect;
+    throw std::invalid_argument(msg.str());
+  }
+  auto buf = mx::allocator::malloc(std::max<size_t>(expect, 1));
+  if (expect > 0) std::memcpy(buf.buffer().raw_ptr(), data.data(), expect);
+  return wrap(array(std::move(buf), std::move(sh), dt));
+}
+
+ArrayPtr scalar_f32(float v, Dtype dtype) { return wrap(array(v, to_mx(dtype))); }
+ArrayPtr scalar_i32(int32_t v) { return wrap(array(v, mx::int32)); }
+ArrayPtr full(rust::Slice<const int32_t> shape, float v, Dtype dtype) {
+  return wrap(mx::full(to_shape(shape), v, to_mx(dtype)));
+}
+ArrayPtr arange(double start, double stop, double step, Dtype dtype) {
+  return wrap(mx::arange(start, stop, step, to_mx(dtype)));
+}
+ArrayPtr clone_array(const array& a) { return wrap(a); }
+
+rust::Vec<int32_t> shape(const array& a) {
+  rust::Vec<int32_t> out;
+  for (auto d : a.shape()) out.push_back(d);
+  return out;
+}
+Dtype dtype(const array& a) { return from_mx(a.dtype()); }
+size_t ndim(const array& a) { return a.ndim(); }
+size_t size(const array& a) { return a.size(); }
+size_t nbytes(const array& a) { return a.nbytes(); }
+
+rust::Vec<uint8_t> to_bytes(const array& a) {
+  array c = mx::contiguous(a);
+  c.eval();
+  rust::Vec<uint8_t> out;
+  size_t n = c.nbytes();
+  out.reserve(n);
+  const uint8_t* p = c.data<uint8_t>();
+  for (size_t i = 0; i < n; ++i) out.push_back(p[i]);
+  return out;
+}
+
+void eval_one(const array& a) {
+  array c = a;
+  c.eval();
+}
+void eval_many(const ArrayVec& v) { mx::eval(v.items); }
+void async_eval_many(const ArrayVec& v) { mx::async_eval(v.items); }
+
+rust::String describe(const array& a) {
+  std::ostringstream s;
+  s << a;
+  return rust::String(s.str());
+}
+
+// ---- array lists ----
+std::unique_ptr<ArrayVec> array_vec_new() { return std::make_unique<ArrayVec>(); }
+void array_vec_push(ArrayVec& v, const array& a) { v.items.push_back(a); }
+size_t array_vec_len(const ArrayVec& v) { return v.items.size(); }
+ArrayPtr array_vec_get(const ArrayVec& v, size_t i) { return wrap(v.items.at(i)); }
+
+// ---- element-wise, reductions ----
+ArrayPtr unary(const array& a, UnaryOp op) {
+  switch (op) {
+    case UnaryOp::Exp: return wrap(mx::exp(a));
+    case UnaryOp::Log: return wrap(mx::log(a));
+    case UnaryOp::Sqrt: return wrap(mx::sqrt(a));
+    case UnaryOp::Rsqrt: return wrap(mx::rsqrt(a));
+    case UnaryOp::Negative: return wrap(mx::negative(a));
+    case UnaryOp::Sigmoid: return wrap(mx::sigmoid(a));
+    case UnaryOp::Silu: return wrap(mx::multiply(a, mx::sigmoid(a)));
+    case UnaryOp::Abs: return wrap(mx::abs(a));
+    case UnaryOp::Tanh: return wrap(mx::tanh(a));
+    case UnaryOp::Sin: return wrap(mx::sin(a));
+    case UnaryOp::Cos: return wrap(mx::cos(a));
+    case UnaryOp::Floor: return wrap(mx::floor(a));
+    case UnaryOp::Square: return wrap(mx::square(a));
+    case UnaryOp::Reciprocal: return wrap(mx::reciprocal(a));
+    case UnaryOp::LogicalNot: return wrap(mx::logical_not(a));
+    case UnaryOp::IsNan: return wrap(mx::isnan(a));
+  }
+  throw std::invalid_argument("unknown unary op");
+}
+
+ArrayPtr binary(const array& a, const array& b, BinaryOp op) {
+  switch (op) {
+    case BinaryOp::Add: return wrap(mx::add(a, b));
+    case BinaryOp::Subtract: return wrap(mx::subtract(a, b));
+    case BinaryOp::Multiply: return wrap(mx::multiply(a, b));
+    case BinaryOp::Divide: return wrap(mx::divide(a, b));
+    case BinaryOp::Maximum: return wrap(mx::maximum(a, b));
+    case BinaryOp::Minimum: return wrap(mx::minimum(a, b));
+    case BinaryOp::Power: return wrap(mx::power(a, b));
+    case BinaryOp::Remainder: return wrap(mx::remainder(a, b));
+    case BinaryOp::Equal: return wrap(mx::equal(a, b));
+    case BinaryOp::NotEqual: return wrap(mx::not_equal(a, b));
+    case BinaryOp::Greater: return wrap(mx::greater(a, b));
+    case BinaryOp::GreaterEqual: return wrap(mx::greater_equal(a, b));
+    case BinaryOp::Less: return wrap(mx::less(a, b));
+    case BinaryOp::LessEqual: return wrap(mx::less_equal(a, b));
+    case BinaryOp::LogicalAnd: return wrap(mx::logical_and(a, b));
+    case BinaryOp::LogicalOr: return wrap(mx::logical_or(a, b));
+  }
+  throw std::invalid_argument("unknown binary op");
+}
+
+ArrayPtr reduce(const array& a, ReduceOp op, rust::Slice<const int32_t> axes_, bool keepdims) {
+  auto axes = to_ints(axes_);
+  switch (op) {
+    case ReduceOp::Sum: return wrap(mx::sum(a, axes, keepdims));
+    case ReduceOp::Mean: return wrap(mx::mean(a, axes, keepdims));
+    case ReduceOp::Max: return wrap(mx::max(a, axes, keepdims));
+    case ReduceOp::Min: return wrap(mx::min(a, axes, keepdims));
+    case ReduceOp::Prod: return wrap(mx::prod(a, axes, keepdims));
+    case ReduceOp::LogSumExp: return wrap(mx::logsumexp(a, axes, keepdims));
+    case ReduceOp::All: return wrap(mx::all(a, axes, keepdims));
+    case ReduceOp::Any: return wrap(mx::any(a, axes, keepdims));
+  }
+  throw std::invalid_argument("unknown reduce op");
+}
+
+ArrayPtr astype(const array& a, Dtype dtype) { return wrap(mx::astype(a, to_mx(dtype))); }
+ArrayPtr view_as(const array& a, Dtype dtype) { return wrap(mx::view(a, to_mx(dtype))); }
+ArrayPtr where_(const array& cond, const array& x, const array& y) { return wrap(mx::where(cond, x, y)); }
+ArrayPtr softmax(const array& a, int32_t axis, bool precise) { return wrap(mx::softmax(a, axis, precise)); }
+ArrayPtr cumsum(const array& a, int32_t axis, bool reverse, bool inclusive) {
+  return wrap(mx::cumsum(a, axis, reverse, inclusive));
+}
+ArrayPtr argmax(const array& a, int32_t axis, bool keepdims) { return wrap(mx::argmax(a, axis, keepdims)); }
+ArrayPtr topk(const array& a, int32_t k, int32_t axis) { return wrap(mx::topk(a, k, axis)); }
+ArrayPtr sort(const array& a, int32_t axis) { return wrap(mx::sort(a, axis)); }
+ArrayPtr argsort(const array& a, int32_t axis) { return wrap(mx::argsort(a, axis)); }
+ArrayPtr argpartition(const array& a, int32_t kth, int32_t axis) {
+  return wrap(mx::argpartition(a, kth, axis));
+}
+
+// ---- shapes and indexing ----
+ArrayPtr matmul(const array& a, const array& b) { return wrap(mx::matmul(a, b)); }
+ArrayPtr addmm(const array& c, const array& a, const array& b) { return wrap(mx::addmm(c, a, b)); }
+ArrayPtr reshape(const array& a, rust::Slice<const int32_t> s) { return wrap(mx::reshape(a, to_shape(s))); }
+ArrayPtr transpose(const array& a, rust::Slice<const int32_t> axes) {
+  return wrap(mx::transpose(a, to_ints(axes)));
+}
+ArrayPtr expand_dims(const array& a, int32_t axis) { return wrap(mx::expand_dims(a, axis)); }
+ArrayPtr squeeze(const array& a, int32_t axis) { return wrap(mx::squeeze(a, axis)); }
+ArrayPtr broadcast_to(const array& a, rust::Slice<const int32_t> s) {
+  return wrap(mx::broadcast_to(a, to_shape(s)));
+}
+ArrayPtr slice(const array& a, rust::Slice<const int32_t> start, rust::Slice<const int32_t> stop,
+               rust::Slice<const int32_t> strides) {
+  return wrap(mx::slice(a, to_shape(start), to_shape(stop), to_shape(strides)));
+}
+ArrayPtr slice_dynamic(const array& a, const array& start, rust::Slice<const int32_t> axes,
+                       rust::Slice<const int32_t> slice_size) {
+  return wrap(mx::slice(a, start, to_ints(axes), to_shape(slice_size)));
+}
+ArrayPtr slice_update(const array& src, const array& update, rust::Slice<const int32_t> start,
+                      rust::Slice<const int32_t> stop, rust::Slice<const int32_t> strides) {
+  return wrap(mx::slice_update(src, update, to_shape(start), to_shape(stop), to_shape(strides)));
+}
+ArrayPtr slice_update_dynamic(const array& src, const array& update, const array& start,
+                              rust::Slice<const int32_t> axes) {
+  return wrap(mx::slice_update(src, update, start, to_ints(axes)));
+}
+ArrayPtr concatenate(const ArrayVec& v, int32_t axis) { return wrap(mx::concatenate(v.items, axis)); }
+ArrayPtr stack(const ArrayVec& v, int32_t axis) { return wrap(mx::stack(v.items, axis)); }
+std::unique_ptr<ArrayVec> split_sections(const array& a, rust::Slice<const int32_t> indices, int32_t axis) {
+  auto out = std::make_unique<ArrayVec>();
+  out->items = mx::split(a, to_shape(indices), axis);
+  return out;
+}
+ArrayPtr take(const array& a, const array& indices, int32_t axis) { return wrap(mx::take(a, indices, axis)); }
+ArrayPtr take_along_axis(const array& a, const array& indices, int32_t axis) {
+  return wrap(mx::take_along_axis(a, indices, axis));
+}
+ArrayPtr put_along_axis(const array& a, const array& indices, const array& values, int32_t axis) {
+  return wrap(mx::put_along_axis(a, indices, values, axis));
+}
+ArrayPtr repeat(const array& a, int32_t repeats, int32_t axis) { return wrap(mx::repeat(a, repeats, axis)); }
+ArrayPtr contiguous(const array& a) { return wrap(mx::contiguous(a)); }
+ArrayPtr copy_to_stream(const array& a, const StreamRef& s) { return wrap(mx::copy(a, to_stream(s))); }
+
+// ---- fast kernels ----
+ArrayPtr rms_norm(const array& x, const array& weight, float eps) {
+  return wrap(mx::fast::rms_norm(x, weight, eps));
+}
+ArrayPtr rms_norm_no_weight(const array& x, float eps) {
+  return wrap(mx::fast::rms_norm(x, std::nullopt, eps));
+}
+ArrayPtr rope(const array& x, int32_t dims, bool traditional, float base, float scale, int32_t offset) {
+  return wrap(mx::fast::rope(x, dims, traditional, base, scale, offset));
+}
+ArrayPtr rope_array_offset(const array& x, int32_t dims, bool traditional, float base, float scale,
+                           const array& offset) {
+  return wrap(mx::fast::rope(x, dims, traditional, base, scale, offset));
+}
+ArrayPtr rope_freqs(const array& x, int32_t dims, bool traditional, float scale, const array& offset,
+                    const array& freqs) {
+  return wrap(mx::fast::rope(x, dims, traditional, std::nullopt, scale, offset, freqs));
+}
+ArrayPtr sdpa(const array& q, const array& k, const array& v, float scale, rust::Str mask_mode) {
+  return wrap(mx::fast::scaled_dot_product_attention(q, k, v, scale, std::string(mask_mode)));
+}
+ArrayPtr sdpa_masked(const array& q, const array& k, const array& v, float scale, const array& mask) {
+  return wrap(mx::fast::scaled_dot_product_attention(q, k, v, scale, "array", mask));
+}
+
+// ---- quantization ----
+ArrayPtr quantized_matmul(const array& x, const array& w, const array& scales, const array& biases,
+                          bool transpose, int32_t group_size, int32_t bits) {
+  return wrap(mx::quantized_matmul(x, w, scales, biases, transpose, group_size, bits));
+}
+ArrayPtr dequantize(const array& w, const array& scales, const array& biases, int32_t group_size,
+                    int32_t bits) {
+  return wrap(mx::dequantize(w, scales, biases, group_size, bits));
+}
+std::unique_ptr<ArrayVec> quantize(const array& w, int32_t group_size, int32_t bits) {
+  auto out = std::make_unique<ArrayVec>();
+  out->items = mx::quantize(w, group_size, bits);
+  return out;
+}
+
+// ---- random ----
+ArrayPtr random_key(uint64_t seed) { return wrap(mx::random::key(seed)); }
+std::unique_ptr<ArrayVec> random_split(const array& key, int32_t num) {
+  auto keys = mx::random::split(key, num);
+  auto out = std::make_unique<ArrayVec>();
+  for (int i = 0; i < num; ++i) out->items.push_back(mx::take(keys, i, 0));
+  return out;
+}
+ArrayPtr random_uniform(rust::Slice<const int32_t> shape, Dtype dtype, const array& key) {
+  return wrap(mx::random::uniform(to_shape(shape), to_mx(dtype), key));
+}
+ArrayPtr random_normal(rust::Slice<const int32_t> shape, Dtype dtype, float loc, float scale,
+                       const array& key) {
+  return wrap(mx::random::normal(to_shape(shape), to_mx(dtype), loc, scale, key));
+}
+ArrayPtr random_categorical(const array& logits, int32_t axis, const array& key) {
+  return wrap(mx::random::categorical(logits, axis, key));
+}
+
+// ---- distributed ----
+bool distributed_available(rust::Str backend) { return mx::distributed::is_available(std::string(backend)); }
+std::unique_ptr<Group> distributed_init(rust::Str backend, bool strict) {
+  return std::make_unique<Group>(mx::distributed::init(strict, std::string(backend)));
+}
+int32_t group_rank(const Group& g) { return g.group.rank(); }
+int32_t group_size(const Group& g) { return g.group.size(); }
+ArrayPtr all_sum(const array& x, const Group& g, const StreamRef& s) {
+  return wrap(mx::distributed::all_sum(x, g.group, to_stream(s)));
+}
+ArrayPtr all_gather(const array& x, const Group& g, const StreamRef& s) {
+  return wrap(mx::distributed::all_gather(x, g.group, to_stream(s)));
+}
+
+}  // namespace mlxcel

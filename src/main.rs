@@ -1,0 +1,3 @@
+fn main() {
+    println!("mlx {} backend {} gpus {}", mlxcel::mlx::version(), mlxcel::mlx::backend(), mlxcel::mlx::gpu_device_count());
+}

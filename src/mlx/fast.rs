@@ -1,0 +1,90 @@
+//! MLX `fast` kernels (RMSNorm, RoPE, attention) and affine quantization.
+use super::array::ArrayList;
+use super::ffi::ffi;
+use super::{Array, Result};
+
+/// RMS normalisation over the last axis, scaled by `weight` when given.
+pub fn rms_norm(x: &Array, weight: Option<&Array>, eps: f32) -> Result<Array> {
+    Ok(Array::from_ptr(match weight {
+        Some(w) => ffi::rms_norm(x.raw(), w.raw(), eps)?,
+        None => ffi::rms_norm_no_weight(x.raw(), eps)?,
+    }))
+}
+
+/// Rotary position embedding of `x` (`[..., seq, head_dim]`) starting at position `offset`.
+pub fn rope(x: &Array, dims: i32, traditional: bool, base: f32, scale: f32, offset: i32) -> Result<Array> {
+    Ok(Array::from_ptr(ffi::rope(x.raw(), dims, traditional, base, scale, offset)?))
+}
+
+/// RoPE with the offset held in an array: a scalar, or one offset per batch row.
+pub fn rope_dynamic(x: &Array, dims: i32, traditional: bool, base: f32, scale: f32, offset: &Array) -> Result<Array> {
+    Ok(Array::from_ptr(ffi::rope_array_offset(x.raw(), dims, traditional, base, scale, offset.raw())?))
+}
+
+/// RoPE with explicit inverse frequencies (`freqs`, `[dims/2]`), e.g. Llama-3 scaled ones.
+pub fn rope_with_freqs(
+    x: &Array,
+    dims: i32,
+    traditional: bool,
+    scale: f32,
+    offset: &Array,
+    freqs: &Array,
+) -> Result<Array> {
+    Ok(Array::from_ptr(ffi::rope_freqs(x.raw(), dims, traditional, scale, offset.raw(), freqs.raw())?))
+}
+
+/// Attention mask for [`sdpa`].
+pub enum Mask<'a> {
+    None,
+    /// Causal with the queries aligned to the end of the keys.
+    Causal,
+    /// Boolean (true = attend) or additive mask, broadcastable to `[B, H, Lq, Lk]`.
+    Array(&'a Array),
+}
+
+/// `softmax(q kᵀ · scale + mask) v`, with q `[B, Hq, Lq, D]`, k/v `[B, Hkv, Lk, D]` (GQA when Hq > Hkv).
+pub fn sdpa(q: &Array, k: &Array, v: &Array, scale: f32, mask: Mask<'_>) -> Result<Array> {
+    Ok(Array::from_ptr(match mask {
+        Mask::None => ffi::sdpa(q.raw(), k.raw(), v.raw(), scale, "")?,
+        Mask::Causal => ffi::sdpa(q.raw(), k.raw(), v.raw(), scale, "causal")?,
+        Mask::Array(m) => ffi::sdpa_masked(q.raw(), k.raw(), v.raw(), scale, m.raw())?,
+    }))
+}
+
+/// `x @ dequantize(w)ᵀ` (transpose = true) for MLX affine-quantized `w`.
+pub fn quantized_matmul(
+    x: &Array,
+    w: &Array,
+    scales: &Array,
+    biases: &Array,
+    transpose: bool,
+    group_size: i32,
+    bits: i32,
+) -> Result<Array> {
+    Ok(Array::from_ptr(ffi::quantized_matmul(
+        x.raw(),
+        w.raw(),
+        scales.raw(),
+        biases.raw(),
+        transpose,
+        group_size,
+        bits,
+    )?))
+}
+
+/// Inverse of [`quantize`].
+pub fn dequantize(w: &Array, scales: &Array, biases: &Array, group_size: i32, bits: i32) -> Result<Array> {
+    Ok(Array::from_ptr(ffi::dequantize(w.raw(), scales.raw(), biases.raw(), group_size, bits)?))
+}
+
+/// MLX affine quantization along the last axis: `(w_q, scales, biases)`.
+pub fn quantize(w: &Array, group_size: i32, bits: i32) -> Result<(Array, Array, Array)> {
+    let mut v = ArrayList(ffi::quantize(w.raw(), group_size, bits)?).into_vec()?;
+    if v.len() != 3 {
+        return Err(super::MlxError::Invalid(format!("quantize returned {} arrays, expected 3", v.len())));
+    }
+    let b = v.pop().unwrap();
+    let s = v.pop().unwrap();
+    let q = v.pop().unwrap();
+    Ok((q, s, b))
+}

@@ -1,0 +1,235 @@
+//! Array operations: element-wise math, reductions, shapes, indexing, matmul.
+use super::array::ArrayList;
+use super::ffi::ffi::{self, BinaryOp, ReduceOp, UnaryOp};
+use super::{Array, Dtype, MlxError, Result};
+
+macro_rules! unary_ops {
+    ($($name:ident => $op:ident),* $(,)?) => {
+        $(pub fn $name(&self) -> Result<Array> { self.unary(UnaryOp::$op) })*
+    };
+}
+macro_rules! binary_ops {
+    ($($name:ident => $op:ident),* $(,)?) => {
+        $(pub fn $name(&self, other: &Array) -> Result<Array> { self.binary(other, BinaryOp::$op) })*
+    };
+}
+macro_rules! reduce_ops {
+    ($($name:ident => $op:ident),* $(,)?) => {
+        $(pub fn $name(&self, axes: &[i32], keepdims: bool) -> Result<Array> { self.reduce(ReduceOp::$op, axes, keepdims) })*
+    };
+}
+
+impl Array {
+    fn unary(&self, op: UnaryOp) -> Result<Array> {
+        Ok(Array::from_ptr(ffi::unary(self.raw(), op)?))
+    }
+    fn binary(&self, other: &Array, op: BinaryOp) -> Result<Array> {
+        Ok(Array::from_ptr(ffi::binary(self.raw(), other.raw(), op)?))
+    }
+    fn reduce(&self, op: ReduceOp, axes: &[i32], keepdims: bool) -> Result<Array> {
+        Ok(Array::from_ptr(ffi::reduce(self.raw(), op, axes, keepdims)?))
+    }
+
+    unary_ops! {
+        exp => Exp, log => Log, sqrt => Sqrt, rsqrt => Rsqrt, neg => Negative, sigmoid => Sigmoid,
+        silu => Silu, abs => Abs, tanh => Tanh, sin => Sin, cos => Cos, floor => Floor,
+        square => Square, reciprocal => Reciprocal, logical_not => LogicalNot, isnan => IsNan,
+    }
+    binary_ops! {
+        add => Add, sub => Subtract, mul => Multiply, div => Divide, maximum => Maximum,
+        minimum => Minimum, pow => Power, rem => Remainder, eq => Equal, ne => NotEqual,
+        gt => Greater, ge => GreaterEqual, lt => Less, le => LessEqual,
+        logical_and => LogicalAnd, logical_or => LogicalOr,
+    }
+    reduce_ops! {
+        sum => Sum, mean => Mean, max => Max, min => Min, prod => Prod,
+        logsumexp => LogSumExp, all => All, any => Any,
+    }
+
+    /// `self + v` with `v` a scalar of this array's dtype.
+    pub fn add_scalar(&self, v: f32) -> Result<Array> {
+        self.add(&Array::scalar(v, self.dtype())?)
+    }
+
+    /// `self * v` with `v` a scalar of this array's dtype.
+    pub fn mul_scalar(&self, v: f32) -> Result<Array> {
+        self.mul(&Array::scalar(v, self.dtype())?)
+    }
+
+    pub fn astype(&self, dtype: Dtype) -> Result<Array> {
+        if self.dtype() == dtype {
+            return Ok(self.clone());
+        }
+        Ok(Array::from_ptr(ffi::astype(self.raw(), dtype)?))
+    }
+
+    /// Reinterpret the bytes as another dtype (last axis rescaled by the size ratio).
+    pub fn view_as(&self, dtype: Dtype) -> Result<Array> {
+        Ok(Array::from_ptr(ffi::view_as(self.raw(), dtype)?))
+    }
+
+    pub fn softmax(&self, axis: i32, precise: bool) -> Result<Array> {
+        Ok(Array::from_ptr(ffi::softmax(self.raw(), axis, precise)?))
+    }
+
+    pub fn cumsum(&self, axis: i32, reverse: bool, inclusive: bool) -> Result<Array> {
+        Ok(Array::from_ptr(ffi::cumsum(self.raw(), axis, reverse, inclusive)?))
+    }
+
+    /// Index of the maximum along `axis` (uint32).
+    pub fn argmax(&self, axis: i32, keepdims: bool) -> Result<Array> {
+        Ok(Array::from_ptr(ffi::argmax(self.raw(), axis, keepdims)?))
+    }
+
+    /// The `k` largest values along `axis` (unordered).
+    pub fn topk(&self, k: i32, axis: i32) -> Result<Array> {
+        Ok(Array::from_ptr(ffi::topk(self.raw(), k, axis)?))
+    }
+
+    pub fn sort(&self, axis: i32) -> Result<Array> {
+        Ok(Array::from_ptr(ffi::sort(self.raw(), axis)?))
+    }
+
+    pub fn argsort(&self, axis: i32) -> Result<Array> {
+        Ok(Array::from_ptr(ffi::argsort(self.raw(), axis)?))
+    }
+
+    pub fn argpartition(&self, kth: i32, axis: i32) -> Result<Array> {
+        Ok(Array::from_ptr(ffi::argpartition(self.raw(), kth, axis)?))
+    }
+
+    /// Matrix product (batched over leading axes, broadcasting).
+    pub fn matmul(&self, other: &Array) -> Result<Array> {
+        Ok(Array::from_ptr(ffi::matmul(self.raw(), other.raw())?))
+    }
+
+    /// `c + self @ b` in one kernel where the backend has one.
+    pub fn addmm(&self, b: &Array, c: &Array) -> Result<Array> {
+        Ok(Array::from_ptr(ffi::addmm(c.raw(), self.raw(), b.raw())?))
+    }
+
+    pub fn reshape(&self, shape: &[i32]) -> Result<Array> {
+        Ok(Array::from_ptr(ffi::reshape(self.raw(), shape)?))
+    }
+
+    pub fn transpose(&self, axes: &[i32]) -> Result<Array> {
+        Ok(Array::from_ptr(ffi::transpose(self.raw(), axes)?))
+    }
+
+    /// Swap the last two axes.
+    pub fn t(&self) -> Result<Array> {
+        let n = self.ndim() as i32;
+        if n < 2 {
+            return Err(MlxError::Invalid(format!("t(): array has {n} dimension(s), needs 2")));
+        }
+        let mut axes: Vec<i32> = (0..n).collect();
+        axes.swap((n - 1) as usize, (n - 2) as usize);
+        self.transpose(&axes)
+    }
+
+    pub fn expand_dims(&self, axis: i32) -> Result<Array> {
+        Ok(Array::from_ptr(ffi::expand_dims(self.raw(), axis)?))
+    }
+
+    pub fn squeeze(&self, axis: i32) -> Result<Array> {
+        Ok(Array::from_ptr(ffi::squeeze(self.raw(), axis)?))
+    }
+
+    pub fn broadcast_to(&self, shape: &[i32]) -> Result<Array> {
+        Ok(Array::from_ptr(ffi::broadcast_to(self.raw(), shape)?))
+    }
+
+    /// `self[start:stop:strides]` over all axes.
+    pub fn slice(&self, start: &[i32], stop: &[i32], strides: &[i32]) -> Result<Array> {
+        Ok(Array::from_ptr(ffi::slice(self.raw(), start, stop, strides)?))
+    }
+
+    /// `self[..., start:stop, ...]` on one axis (negative axis counts from the end).
+    pub fn slice_axis(&self, axis: i32, start: i32, stop: i32) -> Result<Array> {
+        let shape = self.shape();
+        let n = shape.len() as i32;
+        let ax = if axis < 0 { axis + n } else { axis };
+        if ax < 0 || ax >= n {
+            return Err(MlxError::Invalid(format!("slice_axis: axis {axis} out of range for {n} dims")));
+        }
+        let mut lo = vec![0; shape.len()];
+        let mut hi = shape.clone();
+        lo[ax as usize] = start;
+        hi[ax as usize] = stop;
+        self.slice(&lo, &hi, &vec![1; shape.len()])
+    }
+
+    /// Slice of `slice_size` starting at positions held in the array `start` (one per axis in `axes`).
+    pub fn slice_dynamic(&self, start: &Array, axes: &[i32], slice_size: &[i32]) -> Result<Array> {
+        Ok(Array::from_ptr(ffi::slice_dynamic(self.raw(), start.raw(), axes, slice_size)?))
+    }
+
+    /// A copy of `self` with `update` written into `[start:stop:strides]`.
+    pub fn slice_update(&self, update: &Array, start: &[i32], stop: &[i32], strides: &[i32]) -> Result<Array> {
+        Ok(Array::from_ptr(ffi::slice_update(self.raw(), update.raw(), start, stop, strides)?))
+    }
+
+    /// `slice_update` with start positions held in an array (no re-tracing when they change).
+    pub fn slice_update_dynamic(&self, update: &Array, start: &Array, axes: &[i32]) -> Result<Array> {
+        Ok(Array::from_ptr(ffi::slice_update_dynamic(self.raw(), update.raw(), start.raw(), axes)?))
+    }
+
+    /// Gather entries of `self` along `axis` at `indices`.
+    pub fn take(&self, indices: &Array, axis: i32) -> Result<Array> {
+        Ok(Array::from_ptr(ffi::take(self.raw(), indices.raw(), axis)?))
+    }
+
+    pub fn take_along_axis(&self, indices: &Array, axis: i32) -> Result<Array> {
+        Ok(Array::from_ptr(ffi::take_along_axis(self.raw(), indices.raw(), axis)?))
+    }
+
+    pub fn put_along_axis(&self, indices: &Array, values: &Array, axis: i32) -> Result<Array> {
+        Ok(Array::from_ptr(ffi::put_along_axis(self.raw(), indices.raw(), values.raw(), axis)?))
+    }
+
+    pub fn repeat(&self, repeats: i32, axis: i32) -> Result<Array> {
+        Ok(Array::from_ptr(ffi::repeat(self.raw(), repeats, axis)?))
+    }
+
+    /// A row-major copy if the array is not already contiguous.
+    pub fn contiguous(&self) -> Result<Array> {
+        Ok(Array::from_ptr(ffi::contiguous(self.raw())?))
+    }
+
+    /// A copy made on `stream` (and so on its device).
+    pub fn copy_to_stream(&self, stream: &super::Stream) -> Result<Array> {
+        Ok(Array::from_ptr(ffi::copy_to_stream(self.raw(), &stream.raw)?))
+    }
+}
+
+/// `cond ? x : y`, element-wise with broadcasting.
+pub fn where_(cond: &Array, x: &Array, y: &Array) -> Result<Array> {
+    Ok(Array::from_ptr(ffi::where_(cond.raw(), x.raw(), y.raw())?))
+}
+
+pub fn concatenate(arrays: &[&Array], axis: i32) -> Result<Array> {
+    let list = ArrayList::new(arrays.iter().copied());
+    Ok(Array::from_ptr(ffi::concatenate(list.raw(), axis)?))
+}
+
+pub fn stack(arrays: &[&Array], axis: i32) -> Result<Array> {
+    let list = ArrayList::new(arrays.iter().copied());
+    Ok(Array::from_ptr(ffi::stack(list.raw(), axis)?))
+}
+
+/// Split `a` along `axis` at the given indices (`[2, 5]` gives `[:2]`, `[2:5]`, `[5:]`).
+pub fn split_sections(a: &Array, indices: &[i32], axis: i32) -> Result<Vec<Array>> {
+    ArrayList(ffi::split_sections(a.raw(), indices, axis)?).into_vec()
+}
+
+/// Evaluate several arrays together (one graph walk).
+pub fn eval(arrays: &[&Array]) -> Result<()> {
+    let list = ArrayList::new(arrays.iter().copied());
+    Ok(ffi::eval_many(list.raw())?)
+}
+
+/// Start evaluating without waiting; a later `eval`/read waits for the result.
+pub fn async_eval(arrays: &[&Array]) -> Result<()> {
+    let list = ArrayList::new(arrays.iter().copied());
+    Ok(ffi::async_eval_many(list.raw())?)
+}
