@@ -99,7 +99,7 @@ rust::String backend_name() {
   return "cpu";
 }
 
-bool gpu_available() { return mx::is_available(mx::Device::gpu); }
+static bool gpu_available() { return mx::is_available(mx::Device::gpu); }
 
 int32_t gpu_device_count() { return gpu_available() ? mx::device_count(mx::Device::gpu) : 0; }
 

@@ -41,7 +41,6 @@ using ArrayPtr = std::unique_ptr<array>;
 rust::String mlx_version();
 rust::String backend_name();
 int32_t gpu_device_count();
-bool gpu_available();
 DeviceInfo gpu_device_info(int32_t index);
 StreamRef default_stream_ref(bool gpu);
 StreamRef new_stream_on_gpu(int32_t index);

@@ -38,7 +38,8 @@ fn main() {
     ] {
         println!("cargo:rerun-if-env-changed={var}");
     }
-    let pins = Path::new(&env::var("CARGO_MANIFEST_DIR").unwrap()).join("../third_party/mlx-wheels.sha256");
+    let pins = Path::new(&env::var("CARGO_MANIFEST_DIR").unwrap())
+        .join("../third_party/mlx-wheels.sha256");
     println!("cargo:rerun-if-changed={}", pins.display());
     println!("cargo:rerun-if-changed=build.rs");
 
@@ -110,7 +111,9 @@ fn find(pins: &Path) -> Result<Found, String> {
     let requested = requested_backend();
     if let Some(b) = &requested {
         if !["cpu", "metal", "cuda13", "cuda12"].contains(&b.as_str()) {
-            return Err(format!("MLXCEL_MLX_BACKEND={b} is not one of cpu, metal, cuda13, cuda12"));
+            return Err(format!(
+                "MLXCEL_MLX_BACKEND={b} is not one of cpu, metal, cuda13, cuda12"
+            ));
         }
     }
     // 1. MLX_DIR
@@ -131,7 +134,9 @@ fn find(pins: &Path) -> Result<Found, String> {
         });
     }
     let python = env::var("MLXCEL_PYTHON").unwrap_or_else(|_| "python3".into());
-    let fetch_only = env::var("MLXCEL_MLX_FETCH").map(|v| v == "1").unwrap_or(false);
+    let fetch_only = env::var("MLXCEL_MLX_FETCH")
+        .map(|v| v == "1")
+        .unwrap_or(false);
     // 2. an installed Python package
     if !fetch_only {
         if let Some(found) = find_python_package(&python, requested.as_deref()) {
@@ -177,9 +182,18 @@ fn find_python_package(python: &str, requested: Option<&str>) -> Option<Found> {
 
 /// Which MLX wheel a site-packages folder holds, from its dist-info folders.
 fn detect_wheel_backend(site: &Path) -> String {
-    let Ok(entries) = fs::read_dir(site) else { return "unknown".into() };
-    let names: Vec<String> = entries.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect();
-    let has = |prefix: &str| names.iter().any(|n| n.starts_with(prefix) && n.ends_with(".dist-info"));
+    let Ok(entries) = fs::read_dir(site) else {
+        return "unknown".into();
+    };
+    let names: Vec<String> = entries
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    let has = |prefix: &str| {
+        names
+            .iter()
+            .any(|n| n.starts_with(prefix) && n.ends_with(".dist-info"))
+    };
     if has("mlx_cuda_13") {
         "cuda13".into()
     } else if has("mlx_cuda_12") {
@@ -204,7 +218,9 @@ fn cache_root() -> Result<PathBuf, String> {
     }
     match env::var("HOME") {
         Ok(h) => Ok(PathBuf::from(h).join(".cache/mlxcel")),
-        Err(_) => Err("no HOME, XDG_CACHE_HOME or MLXCEL_MLX_CACHE to cache the MLX wheel in".into()),
+        Err(_) => {
+            Err("no HOME, XDG_CACHE_HOME or MLXCEL_MLX_CACHE to cache the MLX wheel in".into())
+        }
     }
 }
 
@@ -252,7 +268,18 @@ fn fetch(python: &str, backend: &str, pins: &Path) -> Result<Found, String> {
     fs::create_dir_all(&wheels).map_err(|e| format!("cannot create {}: {e}", wheels.display()))?;
     let spec = format!("{package}=={MLX_VERSION}");
     run(
-        Command::new(python).args(["-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "-d"]).arg(&wheels).arg(&spec),
+        Command::new(python)
+            .args([
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                "--no-deps",
+                "--only-binary=:all:",
+                "-d",
+            ])
+            .arg(&wheels)
+            .arg(&spec),
         &format!("{python} -m pip download {spec}"),
     )?;
     let wheel = fs::read_dir(&wheels)
@@ -270,7 +297,8 @@ fn fetch(python: &str, backend: &str, pins: &Path) -> Result<Found, String> {
         "sha256 of the MLX wheel",
     )?;
     let sum = sum.trim().to_string();
-    let pinned = fs::read_to_string(pins).map_err(|e| format!("cannot read {}: {e}", pins.display()))?;
+    let pinned =
+        fs::read_to_string(pins).map_err(|e| format!("cannot read {}: {e}", pins.display()))?;
     let want = pinned
         .lines()
         .filter(|l| !l.trim_start().starts_with('#'))
@@ -295,20 +323,33 @@ fn fetch(python: &str, backend: &str, pins: &Path) -> Result<Found, String> {
     if backend.starts_with("cuda") {
         // The CUDA wheel needs the NVIDIA library wheels in a site-packages layout.
         run(
-            Command::new(python).args(["-m", "pip", "install", "-q", "--no-compile", "--target"]).arg(&site).arg(&wheel),
-            &format!("{python} -m pip install --target {} {file_name}", site.display()),
+            Command::new(python)
+                .args(["-m", "pip", "install", "-q", "--no-compile", "--target"])
+                .arg(&site)
+                .arg(&wheel),
+            &format!(
+                "{python} -m pip install --target {} {file_name}",
+                site.display()
+            ),
         )?;
     } else {
         run(
-            Command::new(python).args(["-m", "zipfile", "-e"]).arg(&wheel).arg(&site),
+            Command::new(python)
+                .args(["-m", "zipfile", "-e"])
+                .arg(&wheel)
+                .arg(&site),
             &format!("unpacking {file_name}"),
         )?;
     }
     if !is_mlx_root(&site.join("mlx")) {
-        return Err(format!("{file_name} has no mlx/include and mlx/lib/{}", lib_name()));
+        return Err(format!(
+            "{file_name} has no mlx/include and mlx/lib/{}",
+            lib_name()
+        ));
     }
     let _ = fs::remove_dir_all(&dir);
-    fs::rename(&site, &dir).map_err(|e| format!("cannot move {} to {}: {e}", site.display(), dir.display()))?;
+    fs::rename(&site, &dir)
+        .map_err(|e| format!("cannot move {} to {}: {e}", site.display(), dir.display()))?;
     let _ = fs::remove_dir_all(&tmp);
     fs::write(dir.join(".complete"), format!("{file_name} {sum}\n")).map_err(|e| e.to_string())?;
     Ok(Found {
@@ -321,13 +362,24 @@ fn fetch(python: &str, backend: &str, pins: &Path) -> Result<Found, String> {
 
 fn read_version(include: &Path) -> Result<String, String> {
     let path = include.join("mlx/version.h");
-    let text = fs::read_to_string(&path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    let text =
+        fs::read_to_string(&path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
     let get = |key: &str| -> Option<String> {
-        text.lines()
-            .find_map(|l| l.trim().strip_prefix(&format!("#define {key} ")).map(|v| v.trim().to_string()))
+        text.lines().find_map(|l| {
+            l.trim()
+                .strip_prefix(&format!("#define {key} "))
+                .map(|v| v.trim().to_string())
+        })
     };
-    match (get("MLX_VERSION_MAJOR"), get("MLX_VERSION_MINOR"), get("MLX_VERSION_PATCH")) {
+    match (
+        get("MLX_VERSION_MAJOR"),
+        get("MLX_VERSION_MINOR"),
+        get("MLX_VERSION_PATCH"),
+    ) {
         (Some(a), Some(b), Some(c)) => Ok(format!("{a}.{b}.{c}")),
-        _ => Err(format!("{} does not define MLX_VERSION_MAJOR/MINOR/PATCH", path.display())),
+        _ => Err(format!(
+            "{} does not define MLX_VERSION_MAJOR/MINOR/PATCH",
+            path.display()
+        )),
     }
 }

@@ -1347,6 +1347,8 @@ def main() -> None:
         write_reference_json(folder / "reference.json", ref)
         summarize("llama_q4", ref)
 
+    for f in out.rglob("*"):  # safetensors writes 0600 files; normalise
+        os.chmod(f, 0o755 if f.is_dir() else 0o644)
     verify(out)
     total = sum(f.stat().st_size for f in out.rglob("*") if f.is_file())
     print(f"total bytes under {out}: {total} ({total / 2**20:.2f} MiB)")

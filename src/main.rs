@@ -1,3 +1,8 @@
 fn main() {
-    println!("mlx {} backend {} gpus {}", mlxcel::mlx::version(), mlxcel::mlx::backend(), mlxcel::mlx::gpu_device_count());
+    println!(
+        "mlx {} backend {} gpus {}",
+        mlxcel::mlx::version(),
+        mlxcel::mlx::backend(),
+        mlxcel::mlx::gpu_device_count()
+    );
 }

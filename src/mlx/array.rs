@@ -45,7 +45,10 @@ impl Element for bool {
 
 impl Array {
     pub(super) fn from_ptr(ptr: UniquePtr<ffi::Array>) -> Array {
-        Array { ptr, _not_send: PhantomData }
+        Array {
+            ptr,
+            _not_send: PhantomData,
+        }
     }
 
     pub(super) fn raw(&self) -> &ffi::Array {
@@ -55,7 +58,9 @@ impl Array {
     /// An array with a copy of `data`, laid out row-major with `shape`.
     pub fn from_slice<T: Element>(data: &[T], shape: &[i32]) -> Result<Array> {
         // SAFETY: T is a plain numeric type (or bool, one byte 0/1), so its bytes are initialised.
-        let bytes = unsafe { std::slice::from_raw_parts(data.as_ptr() as *const u8, std::mem::size_of_val(data)) };
+        let bytes = unsafe {
+            std::slice::from_raw_parts(data.as_ptr() as *const u8, std::mem::size_of_val(data))
+        };
         Self::from_bytes(bytes, shape, T::DTYPE)
     }
 
@@ -135,20 +140,29 @@ impl Array {
     pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
         let actual = self.dtype();
         if actual != T::DTYPE {
-            return Err(MlxError::DtypeMismatch { what: "to_vec", expected: T::DTYPE, actual });
+            return Err(MlxError::DtypeMismatch {
+                what: "to_vec",
+                expected: T::DTYPE,
+                actual,
+            });
         }
         let bytes = self.to_bytes()?;
         let n = bytes.len() / std::mem::size_of::<T>();
         let mut out = vec![T::default(); n];
         // SAFETY: out has exactly bytes.len() bytes of plain numeric T.
-        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), out.as_mut_ptr() as *mut u8, bytes.len()) };
+        unsafe {
+            std::ptr::copy_nonoverlapping(bytes.as_ptr(), out.as_mut_ptr() as *mut u8, bytes.len())
+        };
         Ok(out)
     }
 
     /// The single element of a one-element array (evaluates).
     pub fn item<T: Element>(&self) -> Result<T> {
         if self.size() != 1 {
-            return Err(MlxError::Invalid(format!("item: array has {} elements, not 1", self.size())));
+            return Err(MlxError::Invalid(format!(
+                "item: array has {} elements, not 1",
+                self.size()
+            )));
         }
         Ok(self.to_vec::<T>()?[0])
     }
@@ -167,7 +181,12 @@ impl Clone for Array {
 
 impl fmt::Debug for Array {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Array(shape={:?}, dtype={:?})", self.shape(), self.dtype())
+        write!(
+            f,
+            "Array(shape={:?}, dtype={:?})",
+            self.shape(),
+            self.dtype()
+        )
     }
 }
 
@@ -189,6 +208,8 @@ impl ArrayList {
 
     pub(super) fn into_vec(self) -> Result<Vec<Array>> {
         let n = ffi::array_vec_len(self.raw());
-        (0..n).map(|i| Ok(Array::from_ptr(ffi::array_vec_get(self.raw(), i)?))).collect()
+        (0..n)
+            .map(|i| Ok(Array::from_ptr(ffi::array_vec_get(self.raw(), i)?)))
+            .collect()
     }
 }

@@ -94,13 +94,20 @@ pub struct Stream {
 impl fmt::Debug for Stream {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let dev = if self.raw.gpu { "gpu" } else { "cpu" };
-        write!(f, "Stream({}, {dev}:{})", self.raw.index, self.raw.device_index)
+        write!(
+            f,
+            "Stream({}, {dev}:{})",
+            self.raw.index, self.raw.device_index
+        )
     }
 }
 
 impl Stream {
     fn from_raw(raw: ffi::StreamRef) -> Stream {
-        Stream { raw, _not_send: PhantomData }
+        Stream {
+            raw,
+            _not_send: PhantomData,
+        }
     }
 
     /// A new stream on the CPU.
@@ -152,4 +159,9 @@ pub fn set_default_gpu(index: i32) -> Result<Stream> {
 /// Make the CPU this thread's default device.
 pub fn set_default_cpu() -> Result<()> {
     Ok(ffi::set_default_device_cpu()?)
+}
+
+/// Wait for all work queued on this thread's default stream.
+pub fn synchronize() -> Result<()> {
+    Ok(ffi::synchronize_default()?)
 }

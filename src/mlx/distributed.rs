@@ -46,7 +46,9 @@ impl FromStr for GroupBackend {
             "any" => Ok(GroupBackend::Any),
             "nccl" => Ok(GroupBackend::Nccl),
             "ring" => Ok(GroupBackend::Ring),
-            _ => Err(format!("unknown distributed backend `{s}` (expected any, nccl or ring)")),
+            _ => Err(format!(
+                "unknown distributed backend `{s}` (expected any, nccl or ring)"
+            )),
         }
     }
 }
@@ -70,7 +72,11 @@ pub struct Group {
 /// must check [`Group::size`].
 pub fn init(backend: GroupBackend, strict: bool) -> Result<Group> {
     let ptr = ffi::distributed_init(backend.name(), strict)?;
-    Ok(Group { ptr, backend, _not_send: PhantomData })
+    Ok(Group {
+        ptr,
+        backend,
+        _not_send: PhantomData,
+    })
 }
 
 impl Group {
@@ -108,7 +114,11 @@ impl Group {
     /// Concatenation of every rank's `x` along axis 0, in rank order.
     pub fn all_gather(&self, x: &Array) -> Result<Array> {
         let s = self.stream()?;
-        Ok(Array::from_ptr(ffi::all_gather(x.raw(), self.raw(), &s.raw)?))
+        Ok(Array::from_ptr(ffi::all_gather(
+            x.raw(),
+            self.raw(),
+            &s.raw,
+        )?))
     }
 
     /// Check that the group has the expected size (a failed init gives size 1).

@@ -12,13 +12,41 @@ pub fn rms_norm(x: &Array, weight: Option<&Array>, eps: f32) -> Result<Array> {
 }
 
 /// Rotary position embedding of `x` (`[..., seq, head_dim]`) starting at position `offset`.
-pub fn rope(x: &Array, dims: i32, traditional: bool, base: f32, scale: f32, offset: i32) -> Result<Array> {
-    Ok(Array::from_ptr(ffi::rope(x.raw(), dims, traditional, base, scale, offset)?))
+pub fn rope(
+    x: &Array,
+    dims: i32,
+    traditional: bool,
+    base: f32,
+    scale: f32,
+    offset: i32,
+) -> Result<Array> {
+    Ok(Array::from_ptr(ffi::rope(
+        x.raw(),
+        dims,
+        traditional,
+        base,
+        scale,
+        offset,
+    )?))
 }
 
 /// RoPE with the offset held in an array: a scalar, or one offset per batch row.
-pub fn rope_dynamic(x: &Array, dims: i32, traditional: bool, base: f32, scale: f32, offset: &Array) -> Result<Array> {
-    Ok(Array::from_ptr(ffi::rope_array_offset(x.raw(), dims, traditional, base, scale, offset.raw())?))
+pub fn rope_dynamic(
+    x: &Array,
+    dims: i32,
+    traditional: bool,
+    base: f32,
+    scale: f32,
+    offset: &Array,
+) -> Result<Array> {
+    Ok(Array::from_ptr(ffi::rope_array_offset(
+        x.raw(),
+        dims,
+        traditional,
+        base,
+        scale,
+        offset.raw(),
+    )?))
 }
 
 /// RoPE with explicit inverse frequencies (`freqs`, `[dims/2]`), e.g. Llama-3 scaled ones.
@@ -30,7 +58,14 @@ pub fn rope_with_freqs(
     offset: &Array,
     freqs: &Array,
 ) -> Result<Array> {
-    Ok(Array::from_ptr(ffi::rope_freqs(x.raw(), dims, traditional, scale, offset.raw(), freqs.raw())?))
+    Ok(Array::from_ptr(ffi::rope_freqs(
+        x.raw(),
+        dims,
+        traditional,
+        scale,
+        offset.raw(),
+        freqs.raw(),
+    )?))
 }
 
 /// Attention mask for [`sdpa`].
@@ -73,15 +108,30 @@ pub fn quantized_matmul(
 }
 
 /// Inverse of [`quantize`].
-pub fn dequantize(w: &Array, scales: &Array, biases: &Array, group_size: i32, bits: i32) -> Result<Array> {
-    Ok(Array::from_ptr(ffi::dequantize(w.raw(), scales.raw(), biases.raw(), group_size, bits)?))
+pub fn dequantize(
+    w: &Array,
+    scales: &Array,
+    biases: &Array,
+    group_size: i32,
+    bits: i32,
+) -> Result<Array> {
+    Ok(Array::from_ptr(ffi::dequantize(
+        w.raw(),
+        scales.raw(),
+        biases.raw(),
+        group_size,
+        bits,
+    )?))
 }
 
 /// MLX affine quantization along the last axis: `(w_q, scales, biases)`.
 pub fn quantize(w: &Array, group_size: i32, bits: i32) -> Result<(Array, Array, Array)> {
     let mut v = ArrayList(ffi::quantize(w.raw(), group_size, bits)?).into_vec()?;
     if v.len() != 3 {
-        return Err(super::MlxError::Invalid(format!("quantize returned {} arrays, expected 3", v.len())));
+        return Err(super::MlxError::Invalid(format!(
+            "quantize returned {} arrays, expected 3",
+            v.len()
+        )));
     }
     let b = v.pop().unwrap();
     let s = v.pop().unwrap();

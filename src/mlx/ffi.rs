@@ -108,7 +108,6 @@ pub(crate) mod ffi {
         fn mlx_version() -> String;
         fn backend_name() -> String;
         fn gpu_device_count() -> i32;
-        fn gpu_available() -> bool;
         fn gpu_device_info(index: i32) -> Result<DeviceInfo>;
         fn default_stream_ref(gpu: bool) -> Result<StreamRef>;
         fn new_stream_on_gpu(index: i32) -> Result<StreamRef>;
@@ -151,12 +150,18 @@ pub(crate) mod ffi {
 
         fn unary(a: &Array, op: UnaryOp) -> Result<UniquePtr<Array>>;
         fn binary(a: &Array, b: &Array, op: BinaryOp) -> Result<UniquePtr<Array>>;
-        fn reduce(a: &Array, op: ReduceOp, axes: &[i32], keepdims: bool) -> Result<UniquePtr<Array>>;
+        fn reduce(
+            a: &Array,
+            op: ReduceOp,
+            axes: &[i32],
+            keepdims: bool,
+        ) -> Result<UniquePtr<Array>>;
         fn astype(a: &Array, dtype: Dtype) -> Result<UniquePtr<Array>>;
         fn view_as(a: &Array, dtype: Dtype) -> Result<UniquePtr<Array>>;
         fn where_(cond: &Array, x: &Array, y: &Array) -> Result<UniquePtr<Array>>;
         fn softmax(a: &Array, axis: i32, precise: bool) -> Result<UniquePtr<Array>>;
-        fn cumsum(a: &Array, axis: i32, reverse: bool, inclusive: bool) -> Result<UniquePtr<Array>>;
+        fn cumsum(a: &Array, axis: i32, reverse: bool, inclusive: bool)
+            -> Result<UniquePtr<Array>>;
         fn argmax(a: &Array, axis: i32, keepdims: bool) -> Result<UniquePtr<Array>>;
         fn topk(a: &Array, k: i32, axis: i32) -> Result<UniquePtr<Array>>;
         fn sort(a: &Array, axis: i32) -> Result<UniquePtr<Array>>;
@@ -170,7 +175,12 @@ pub(crate) mod ffi {
         fn expand_dims(a: &Array, axis: i32) -> Result<UniquePtr<Array>>;
         fn squeeze(a: &Array, axis: i32) -> Result<UniquePtr<Array>>;
         fn broadcast_to(a: &Array, shape: &[i32]) -> Result<UniquePtr<Array>>;
-        fn slice(a: &Array, start: &[i32], stop: &[i32], strides: &[i32]) -> Result<UniquePtr<Array>>;
+        fn slice(
+            a: &Array,
+            start: &[i32],
+            stop: &[i32],
+            strides: &[i32],
+        ) -> Result<UniquePtr<Array>>;
         fn slice_dynamic(
             a: &Array,
             start: &Array,
@@ -231,7 +241,13 @@ pub(crate) mod ffi {
             offset: &Array,
             freqs: &Array,
         ) -> Result<UniquePtr<Array>>;
-        fn sdpa(q: &Array, k: &Array, v: &Array, scale: f32, mask_mode: &str) -> Result<UniquePtr<Array>>;
+        fn sdpa(
+            q: &Array,
+            k: &Array,
+            v: &Array,
+            scale: f32,
+            mask_mode: &str,
+        ) -> Result<UniquePtr<Array>>;
         fn sdpa_masked(
             q: &Array,
             k: &Array,

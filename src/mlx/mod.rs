@@ -12,8 +12,8 @@
 mod array;
 mod device;
 pub mod distributed;
-mod ffi;
 pub mod fast;
+mod ffi;
 pub mod memory;
 mod ops;
 pub mod random;
@@ -21,7 +21,7 @@ pub mod random;
 pub use array::{Array, Element};
 pub use device::{
     backend, device_info, gpu_device_count, new_stream_on_gpu, set_default_cpu, set_default_gpu,
-    set_default_stream, version, Backend, DeviceInfo, Stream,
+    set_default_stream, synchronize, version, Backend, DeviceInfo, Stream,
 };
 pub use ffi::ffi::Dtype;
 pub use ops::{async_eval, concatenate, eval, split_sections, stack, where_};
@@ -37,7 +37,11 @@ pub enum MlxError {
     InvalidGpuIndex { index: i32, count: i32 },
     /// An array had another element type than the caller asked for.
     #[error("{what}: array has dtype {actual:?}, expected {expected:?}")]
-    DtypeMismatch { what: &'static str, expected: Dtype, actual: Dtype },
+    DtypeMismatch {
+        what: &'static str,
+        expected: Dtype,
+        actual: Dtype,
+    },
     /// Arguments that MLX would reject or misread, caught before the call.
     #[error("{0}")]
     Invalid(String),

@@ -27,7 +27,12 @@ impl Array {
         Ok(Array::from_ptr(ffi::binary(self.raw(), other.raw(), op)?))
     }
     fn reduce(&self, op: ReduceOp, axes: &[i32], keepdims: bool) -> Result<Array> {
-        Ok(Array::from_ptr(ffi::reduce(self.raw(), op, axes, keepdims)?))
+        Ok(Array::from_ptr(ffi::reduce(
+            self.raw(),
+            op,
+            axes,
+            keepdims,
+        )?))
     }
 
     unary_ops! {
@@ -73,7 +78,12 @@ impl Array {
     }
 
     pub fn cumsum(&self, axis: i32, reverse: bool, inclusive: bool) -> Result<Array> {
-        Ok(Array::from_ptr(ffi::cumsum(self.raw(), axis, reverse, inclusive)?))
+        Ok(Array::from_ptr(ffi::cumsum(
+            self.raw(),
+            axis,
+            reverse,
+            inclusive,
+        )?))
     }
 
     /// Index of the maximum along `axis` (uint32).
@@ -120,7 +130,9 @@ impl Array {
     pub fn t(&self) -> Result<Array> {
         let n = self.ndim() as i32;
         if n < 2 {
-            return Err(MlxError::Invalid(format!("t(): array has {n} dimension(s), needs 2")));
+            return Err(MlxError::Invalid(format!(
+                "t(): array has {n} dimension(s), needs 2"
+            )));
         }
         let mut axes: Vec<i32> = (0..n).collect();
         axes.swap((n - 1) as usize, (n - 2) as usize);
@@ -141,7 +153,12 @@ impl Array {
 
     /// `self[start:stop:strides]` over all axes.
     pub fn slice(&self, start: &[i32], stop: &[i32], strides: &[i32]) -> Result<Array> {
-        Ok(Array::from_ptr(ffi::slice(self.raw(), start, stop, strides)?))
+        Ok(Array::from_ptr(ffi::slice(
+            self.raw(),
+            start,
+            stop,
+            strides,
+        )?))
     }
 
     /// `self[..., start:stop, ...]` on one axis (negative axis counts from the end).
@@ -150,7 +167,9 @@ impl Array {
         let n = shape.len() as i32;
         let ax = if axis < 0 { axis + n } else { axis };
         if ax < 0 || ax >= n {
-            return Err(MlxError::Invalid(format!("slice_axis: axis {axis} out of range for {n} dims")));
+            return Err(MlxError::Invalid(format!(
+                "slice_axis: axis {axis} out of range for {n} dims"
+            )));
         }
         let mut lo = vec![0; shape.len()];
         let mut hi = shape.clone();
@@ -161,17 +180,44 @@ impl Array {
 
     /// Slice of `slice_size` starting at positions held in the array `start` (one per axis in `axes`).
     pub fn slice_dynamic(&self, start: &Array, axes: &[i32], slice_size: &[i32]) -> Result<Array> {
-        Ok(Array::from_ptr(ffi::slice_dynamic(self.raw(), start.raw(), axes, slice_size)?))
+        Ok(Array::from_ptr(ffi::slice_dynamic(
+            self.raw(),
+            start.raw(),
+            axes,
+            slice_size,
+        )?))
     }
 
     /// A copy of `self` with `update` written into `[start:stop:strides]`.
-    pub fn slice_update(&self, update: &Array, start: &[i32], stop: &[i32], strides: &[i32]) -> Result<Array> {
-        Ok(Array::from_ptr(ffi::slice_update(self.raw(), update.raw(), start, stop, strides)?))
+    pub fn slice_update(
+        &self,
+        update: &Array,
+        start: &[i32],
+        stop: &[i32],
+        strides: &[i32],
+    ) -> Result<Array> {
+        Ok(Array::from_ptr(ffi::slice_update(
+            self.raw(),
+            update.raw(),
+            start,
+            stop,
+            strides,
+        )?))
     }
 
     /// `slice_update` with start positions held in an array (no re-tracing when they change).
-    pub fn slice_update_dynamic(&self, update: &Array, start: &Array, axes: &[i32]) -> Result<Array> {
-        Ok(Array::from_ptr(ffi::slice_update_dynamic(self.raw(), update.raw(), start.raw(), axes)?))
+    pub fn slice_update_dynamic(
+        &self,
+        update: &Array,
+        start: &Array,
+        axes: &[i32],
+    ) -> Result<Array> {
+        Ok(Array::from_ptr(ffi::slice_update_dynamic(
+            self.raw(),
+            update.raw(),
+            start.raw(),
+            axes,
+        )?))
     }
 
     /// Gather entries of `self` along `axis` at `indices`.
@@ -180,11 +226,20 @@ impl Array {
     }
 
     pub fn take_along_axis(&self, indices: &Array, axis: i32) -> Result<Array> {
-        Ok(Array::from_ptr(ffi::take_along_axis(self.raw(), indices.raw(), axis)?))
+        Ok(Array::from_ptr(ffi::take_along_axis(
+            self.raw(),
+            indices.raw(),
+            axis,
+        )?))
     }
 
     pub fn put_along_axis(&self, indices: &Array, values: &Array, axis: i32) -> Result<Array> {
-        Ok(Array::from_ptr(ffi::put_along_axis(self.raw(), indices.raw(), values.raw(), axis)?))
+        Ok(Array::from_ptr(ffi::put_along_axis(
+            self.raw(),
+            indices.raw(),
+            values.raw(),
+            axis,
+        )?))
     }
 
     pub fn repeat(&self, repeats: i32, axis: i32) -> Result<Array> {
@@ -198,7 +253,10 @@ impl Array {
 
     /// A copy made on `stream` (and so on its device).
     pub fn copy_to_stream(&self, stream: &super::Stream) -> Result<Array> {
-        Ok(Array::from_ptr(ffi::copy_to_stream(self.raw(), &stream.raw)?))
+        Ok(Array::from_ptr(ffi::copy_to_stream(
+            self.raw(),
+            &stream.raw,
+        )?))
     }
 }
 
