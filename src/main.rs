@@ -1,8 +1,13 @@
-fn main() {
-    println!(
-        "mlx {} backend {} gpus {}",
-        mlxcel::mlx::version(),
-        mlxcel::mlx::backend(),
-        mlxcel::mlx::gpu_device_count()
-    );
+//! The `mlxcel` binary: see [`mlxcel::cli`].
+use std::process::ExitCode;
+
+fn main() -> ExitCode {
+    match mlxcel::cli::main() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            // the cause chain on one line; logs went to stderr before it
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
 }

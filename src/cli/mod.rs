@@ -1,0 +1,92 @@
+//! The `mlxcel` command line: argument parsing, logging, and the subcommands.
+//!
+//! Every start logs one line `detected N GPUs (backend B, MLX V)` to stderr.
+//! Subcommands whose names start with `_` are hidden helpers that the binary
+//! runs as child processes of itself (device probes, collective tests).
+use std::io::IsTerminal;
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+use tracing_subscriber::EnvFilter;
+
+use crate::mlx;
+
+pub mod devices;
+pub mod probe;
+
+/// LLM inference over MLX, with tensor parallelism across the GPUs of one node.
+#[derive(Debug, Parser)]
+#[command(name = "mlxcel", version, about, propagate_version = true)]
+pub struct Cli {
+    /// More log output (-v debug, -vv trace). `RUST_LOG`, when set, wins.
+    #[arg(short, long, global = true, action = clap::ArgAction::Count)]
+    pub verbose: u8,
+
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    // Room for the user-facing commands, added with their implementations:
+    //   Generate(generate::GenerateArgs)  - run a model on a prompt (default: the built-in demo model)
+    //   Bench(bench::BenchArgs)           - prefill/decode throughput
+    //   Plan(plan::PlanArgs)              - how a model splits over the GPUs (TP degree, memory)
+    //   Serve(serve::ServeArgs)           - OpenAI-compatible HTTP server
+    /// List the GPUs MLX sees (and, with --check, test each one in a child process).
+    Devices(devices::DevicesArgs),
+
+    /// (internal) Test the one GPU this process sees; prints one JSON line.
+    #[command(name = "_probe-device", hide = true)]
+    ProbeDevice(probe::ProbeDeviceArgs),
+
+    /// (internal) Join a distributed group, all_sum and all_gather; prints one JSON line.
+    #[command(name = "_allsum-probe", hide = true)]
+    AllsumProbe(probe::AllsumProbeArgs),
+}
+
+/// Entry point of the `mlxcel` binary.
+pub fn main() -> Result<()> {
+    let cli = Cli::parse();
+    init_logging(cli.verbose);
+    prepare_cuda_env();
+    tracing::info!(
+        "detected {} GPUs (backend {}, MLX {})",
+        mlx::gpu_device_count(),
+        mlx::backend(),
+        mlx::version()
+    );
+    match cli.command {
+        Command::Devices(args) => devices::run(&args),
+        Command::ProbeDevice(args) => probe::probe_device(&args),
+        Command::AllsumProbe(args) => probe::allsum_probe(&args),
+    }
+}
+
+/// Logs go to stderr: `RUST_LOG` if set, else info (debug with -v, trace with -vv).
+fn init_logging(verbose: u8) {
+    let level = match verbose {
+        0 => "info",
+        1 => "debug",
+        _ => "trace",
+    };
+    let filter = match std::env::var("RUST_LOG") {
+        Ok(s) if !s.trim().is_empty() => EnvFilter::new(s),
+        _ => EnvFilter::new(level),
+    };
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .try_init();
+}
+
+/// Number GPUs in PCI bus order (as `nvidia-smi` does) unless the user chose an
+/// order, so this process's GPU `i` and a child placed on entry `i` agree.
+/// Runs before any MLX call, while the process has one thread.
+fn prepare_cuda_env() {
+    use crate::parallel::placement::{DEFAULT_DEVICE_ORDER, DEVICE_ORDER_VAR};
+    if std::env::var_os(DEVICE_ORDER_VAR).is_none() {
+        std::env::set_var(DEVICE_ORDER_VAR, DEFAULT_DEVICE_ORDER);
+    }
+}

@@ -1,0 +1,3 @@
+//! Engine: KV cache, sampling, generation loop and scheduling (all on the MLX thread).
+pub mod kv_cache;
+pub mod sampler;

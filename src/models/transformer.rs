@@ -1,0 +1,410 @@
+//! The decoder forward pass shared by the Llama-like families (Llama, Mistral,
+//! Qwen2, Qwen3), written like single-device code: embedding → N × (attention
+//! + SwiGLU MLP, pre-norm, residual) → norm → lm_head.
+//!
+//! A forward step takes a batch of sequences, each with its KV-cache slot and
+//! new tokens; their positions are the slots' current lengths.
+use crate::engine::kv_cache::{KvCache, KvError};
+use crate::mlx::{self, fast, Array, Dtype};
+
+use super::config::ModelConfig;
+use super::layers::{Embedding, Linear, Result, RmsNorm, Rope};
+use super::weights::WeightSource;
+
+struct Attention {
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
+    q_norm: Option<RmsNorm>,
+    k_norm: Option<RmsNorm>,
+    n_heads: i32,
+    n_kv_heads: i32,
+    head_dim: i32,
+    scale: f32,
+}
+
+struct Mlp {
+    gate_proj: Linear,
+    up_proj: Linear,
+    down_proj: Linear,
+}
+
+struct Block {
+    input_layernorm: RmsNorm,
+    self_attn: Attention,
+    post_attention_layernorm: RmsNorm,
+    mlp: Mlp,
+}
+
+/// One sequence's part of a forward step.
+#[derive(Debug, Clone, Copy)]
+pub struct SeqInput<'a> {
+    pub slot: usize,
+    pub tokens: &'a [u32],
+}
+
+/// Which logits a step returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Logits {
+    /// Only each sequence's last position: `[n_seqs, vocab]`.
+    Last,
+    /// Every position of every sequence (tests): one `[T, vocab]` per sequence.
+    All,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ForwardError {
+    #[error(transparent)]
+    Kv(#[from] KvError),
+    #[error(transparent)]
+    Mlx(#[from] mlx::MlxError),
+    #[error("token id {id} is outside the vocabulary (size {vocab})")]
+    BadToken { id: u32, vocab: usize },
+    #[error("empty step: a sequence has no tokens")]
+    Empty,
+}
+
+pub struct Transformer {
+    pub cfg: ModelConfig,
+    embed_tokens: Embedding,
+    layers: Vec<Block>,
+    norm: RmsNorm,
+    lm_head: Option<Linear>,
+    rope: Rope,
+}
+
+impl Transformer {
+    /// Load every weight named as in the HF / mlx-community checkpoint.
+    pub fn load(
+        cfg: &ModelConfig,
+        src: &WeightSource,
+        mut progress: impl FnMut(usize, usize),
+    ) -> Result<Transformer> {
+        let h = cfg.hidden_size;
+        let q = cfg.quantization;
+        let (nh, nkv, hd) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
+        let eps = cfg.rms_norm_eps;
+        let embed_tokens = Embedding::load(src, "model.embed_tokens", cfg.vocab_size, h, q)?;
+        let mut layers = Vec::with_capacity(cfg.num_layers);
+        for i in 0..cfg.num_layers {
+            let p = format!("model.layers.{i}");
+            let qk_norm = |name: &str| -> Result<Option<RmsNorm>> {
+                if cfg.qk_norm {
+                    Ok(Some(RmsNorm::load(
+                        src,
+                        &format!("{p}.self_attn.{name}.weight"),
+                        hd,
+                        eps,
+                    )?))
+                } else {
+                    Ok(None)
+                }
+            };
+            let self_attn = Attention {
+                q_proj: Linear::load(
+                    src,
+                    &format!("{p}.self_attn.q_proj"),
+                    h,
+                    nh * hd,
+                    cfg.qkv_bias,
+                    q,
+                )?,
+                k_proj: Linear::load(
+                    src,
+                    &format!("{p}.self_attn.k_proj"),
+                    h,
+                    nkv * hd,
+                    cfg.qkv_bias,
+                    q,
+                )?,
+                v_proj: Linear::load(
+                    src,
+                    &format!("{p}.self_attn.v_proj"),
+                    h,
+                    nkv * hd,
+                    cfg.qkv_bias,
+                    q,
+                )?,
+                o_proj: Linear::load(src, &format!("{p}.self_attn.o_proj"), nh * hd, h, false, q)?,
+                q_norm: qk_norm("q_norm")?,
+                k_norm: qk_norm("k_norm")?,
+                n_heads: nh as i32,
+                n_kv_heads: nkv as i32,
+                head_dim: hd as i32,
+                scale: (hd as f32).powf(-0.5),
+            };
+            let i_sz = cfg.intermediate_size;
+            let mlp = Mlp {
+                gate_proj: Linear::load(src, &format!("{p}.mlp.gate_proj"), h, i_sz, false, q)?,
+                up_proj: Linear::load(src, &format!("{p}.mlp.up_proj"), h, i_sz, false, q)?,
+                down_proj: Linear::load(src, &format!("{p}.mlp.down_proj"), i_sz, h, false, q)?,
+            };
+            layers.push(Block {
+                input_layernorm: RmsNorm::load(
+                    src,
+                    &format!("{p}.input_layernorm.weight"),
+                    h,
+                    eps,
+                )?,
+                self_attn,
+                post_attention_layernorm: RmsNorm::load(
+                    src,
+                    &format!("{p}.post_attention_layernorm.weight"),
+                    h,
+                    eps,
+                )?,
+                mlp,
+            });
+            // materialise layer by layer so file pages and host copies are released early
+            let arrays = layers.last().unwrap().arrays();
+            mlx::eval(&arrays)?;
+            progress(i + 1, cfg.num_layers);
+        }
+        let norm = RmsNorm::load(src, "model.norm.weight", h, eps)?;
+        let lm_head = if cfg.tie_word_embeddings {
+            None
+        } else {
+            Some(Linear::load(src, "lm_head", h, cfg.vocab_size, false, q)?)
+        };
+        let model = Transformer {
+            cfg: cfg.clone(),
+            embed_tokens,
+            layers,
+            norm,
+            lm_head,
+            rope: Rope::new(cfg)?,
+        };
+        let rest: Vec<&Array> = model
+            .embed_tokens
+            .arrays()
+            .into_iter()
+            .chain(std::iter::once(&model.norm.weight))
+            .chain(model.lm_head.iter().flat_map(|l| l.arrays()))
+            .collect();
+        mlx::eval(&rest)?;
+        Ok(model)
+    }
+
+    /// Element type of activations and of the KV cache.
+    pub fn activation_dtype(&self) -> Dtype {
+        self.embed_tokens.out_dtype()
+    }
+
+    /// A KV cache for this model.
+    pub fn new_cache(&self, slots: usize, max_len: usize) -> KvCache {
+        KvCache::new(
+            self.cfg.num_layers,
+            slots,
+            self.cfg.num_kv_heads,
+            self.cfg.head_dim,
+            self.activation_dtype(),
+            max_len,
+        )
+    }
+
+    /// Bytes of all weights.
+    pub fn weight_bytes(&self) -> usize {
+        let mut all = self.embed_tokens.arrays();
+        all.push(&self.norm.weight);
+        if let Some(l) = &self.lm_head {
+            all.extend(l.arrays());
+        }
+        for b in &self.layers {
+            all.extend(b.arrays());
+        }
+        all.iter().map(|a| a.nbytes()).sum()
+    }
+
+    /// Run one step. Sequences with one token are batched together (decode);
+    /// longer ones (prefill chunks) run one at a time. Logits are float32, in input order.
+    pub fn forward(
+        &self,
+        cache: &mut KvCache,
+        seqs: &[SeqInput<'_>],
+        mode: Logits,
+    ) -> std::result::Result<Vec<Array>, ForwardError> {
+        let vocab = self.cfg.vocab_size;
+        let mut needed = 0;
+        for s in seqs {
+            cache.check_slot(s.slot)?;
+            if s.tokens.is_empty() {
+                return Err(ForwardError::Empty);
+            }
+            if let Some(&id) = s.tokens.iter().find(|&&t| t as usize >= vocab) {
+                return Err(ForwardError::BadToken { id, vocab });
+            }
+            needed = needed.max(cache.len(s.slot) + s.tokens.len());
+        }
+        cache.reserve(self.layers.len(), needed)?;
+        let mut out: Vec<Option<Array>> = vec![None; seqs.len()];
+        let decode: Vec<usize> = (0..seqs.len())
+            .filter(|&i| seqs[i].tokens.len() == 1)
+            .collect();
+        if decode.len() > 1 && mode == Logits::Last {
+            let logits = self.forward_decode_batch(cache, seqs, &decode)?;
+            for (row, &i) in decode.iter().enumerate() {
+                out[i] = Some(logits.slice_axis(0, row as i32, row as i32 + 1)?);
+            }
+        }
+        for (i, s) in seqs.iter().enumerate() {
+            if out[i].is_none() {
+                out[i] = Some(self.forward_one(cache, s, mode)?);
+            }
+        }
+        Ok(out.into_iter().map(|a| a.unwrap()).collect())
+    }
+
+    fn forward_one(
+        &self,
+        cache: &mut KvCache,
+        s: &SeqInput<'_>,
+        mode: Logits,
+    ) -> std::result::Result<Array, ForwardError> {
+        let t = s.tokens.len() as i32;
+        let pos = cache.len(s.slot);
+        let ids: Vec<i32> = s.tokens.iter().map(|&x| x as i32).collect();
+        let ids = Array::from_slice(&ids, &[1, t])?;
+        let offset = Array::scalar_i32(pos as i32)?;
+        let mut h = self.embed_tokens.forward(&ids)?;
+        for (li, block) in self.layers.iter().enumerate() {
+            let a = &block.self_attn;
+            let x = block.input_layernorm.forward(&h)?;
+            let (q, k, v) = a.qkv(&x, 1, t, &self.rope, &offset)?;
+            let (kk, vv) = cache.write_and_read(li, s.slot, pos, &k, &v)?;
+            let mask = if t > 1 {
+                fast::Mask::Causal
+            } else {
+                fast::Mask::None
+            };
+            let o = fast::sdpa(&q, &kk, &vv, a.scale, mask)?;
+            h = h.add(&a.out(&o, 1, t)?)?;
+            h = h.add(
+                &block
+                    .mlp
+                    .forward(&block.post_attention_layernorm.forward(&h)?)?,
+            )?;
+        }
+        cache.advance(s.slot, t as usize);
+        let h = if mode == Logits::Last {
+            h.slice_axis(1, t - 1, t)?
+        } else {
+            h
+        };
+        let logits = self.head(&h)?;
+        Ok(logits.reshape(&[-1, self.cfg.vocab_size as i32])?)
+    }
+
+    fn forward_decode_batch(
+        &self,
+        cache: &mut KvCache,
+        seqs: &[SeqInput<'_>],
+        rows: &[usize],
+    ) -> std::result::Result<Array, ForwardError> {
+        let b = rows.len() as i32;
+        let slots: Vec<usize> = rows.iter().map(|&i| seqs[i].slot).collect();
+        let positions: Vec<usize> = slots.iter().map(|&s| cache.len(s)).collect();
+        let ids: Vec<i32> = rows.iter().map(|&i| seqs[i].tokens[0] as i32).collect();
+        let ids = Array::from_slice(&ids, &[b, 1])?;
+        let pos_i32: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
+        let offset = Array::from_slice(&pos_i32, &[b])?;
+        let max_len = positions.iter().max().unwrap() + 1;
+        // attend to positions 0..=p of each row
+        let lens: Vec<i32> = positions.iter().map(|&p| p as i32 + 1).collect();
+        let lens = Array::from_slice(&lens, &[b, 1, 1, 1])?;
+        let mask = Array::arange(0.0, max_len as f64, 1.0, Dtype::I32)?
+            .reshape(&[1, 1, 1, max_len as i32])?
+            .lt(&lens)?;
+        let mut h = self.embed_tokens.forward(&ids)?;
+        for (li, block) in self.layers.iter().enumerate() {
+            let a = &block.self_attn;
+            let x = block.input_layernorm.forward(&h)?;
+            let (q, k, v) = a.qkv(&x, b, 1, &self.rope, &offset)?;
+            let (kk, vv) = cache.write_and_read_batch(li, &slots, &positions, &k, &v)?;
+            let o = fast::sdpa(&q, &kk, &vv, a.scale, fast::Mask::Array(&mask))?;
+            h = h.add(&a.out(&o, b, 1)?)?;
+            h = h.add(
+                &block
+                    .mlp
+                    .forward(&block.post_attention_layernorm.forward(&h)?)?,
+            )?;
+        }
+        for &s in &slots {
+            cache.advance(s, 1);
+        }
+        Ok(self.head(&h)?.reshape(&[b, self.cfg.vocab_size as i32])?)
+    }
+
+    fn head(&self, h: &Array) -> mlx::Result<Array> {
+        let h = self.norm.forward(h)?;
+        let logits = match &self.lm_head {
+            Some(l) => l.forward(&h)?,
+            None => self.embed_tokens.as_linear(&h)?,
+        };
+        logits.astype(Dtype::F32)
+    }
+}
+
+impl Attention {
+    /// Project to q/k/v `[B, heads, T, head_dim]`, with q/k norm and RoPE applied.
+    fn qkv(
+        &self,
+        x: &Array,
+        b: i32,
+        t: i32,
+        rope: &Rope,
+        offset: &Array,
+    ) -> mlx::Result<(Array, Array, Array)> {
+        let heads = |y: Array, n: i32, norm: &Option<RmsNorm>| -> mlx::Result<Array> {
+            let y = y.reshape(&[b, t, n, self.head_dim])?;
+            let y = match norm {
+                Some(nm) => nm.forward(&y)?,
+                None => y,
+            };
+            y.transpose(&[0, 2, 1, 3])
+        };
+        let q = heads(self.q_proj.forward(x)?, self.n_heads, &self.q_norm)?;
+        let k = heads(self.k_proj.forward(x)?, self.n_kv_heads, &self.k_norm)?;
+        let v = heads(self.v_proj.forward(x)?, self.n_kv_heads, &None)?;
+        Ok((rope.forward(&q, offset)?, rope.forward(&k, offset)?, v))
+    }
+
+    /// Merge heads and project back to the hidden size.
+    fn out(&self, o: &Array, b: i32, t: i32) -> mlx::Result<Array> {
+        let o = o
+            .transpose(&[0, 2, 1, 3])?
+            .reshape(&[b, t, self.n_heads * self.head_dim])?;
+        self.o_proj.forward(&o)
+    }
+}
+
+impl Mlp {
+    fn forward(&self, x: &Array) -> mlx::Result<Array> {
+        let g = self.gate_proj.forward(x)?.silu()?;
+        self.down_proj.forward(&g.mul(&self.up_proj.forward(x)?)?)
+    }
+}
+
+impl Block {
+    fn arrays(&self) -> Vec<&Array> {
+        let a = &self.self_attn;
+        let mut v: Vec<&Array> = vec![
+            &self.input_layernorm.weight,
+            &self.post_attention_layernorm.weight,
+        ];
+        for l in [
+            &a.q_proj,
+            &a.k_proj,
+            &a.v_proj,
+            &a.o_proj,
+            &self.mlp.gate_proj,
+            &self.mlp.up_proj,
+            &self.mlp.down_proj,
+        ] {
+            v.extend(l.arrays());
+        }
+        v.extend(a.q_norm.iter().map(|n| &n.weight));
+        v.extend(a.k_norm.iter().map(|n| &n.weight));
+        v
+    }
+}

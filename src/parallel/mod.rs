@@ -1,0 +1,2 @@
+//! Tensor parallelism across the GPUs of one node: one process per GPU.
+pub mod placement;

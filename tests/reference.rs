@@ -1,0 +1,243 @@
+//! The engine against independent references made by `scripts/make_fixtures.py`
+//! (HF transformers in float32; mlx-lm for the 4-bit model): prompt token ids,
+//! prompt logits (max-abs diff ≤ 1e-4) and greedy tokens (equal up to the
+//! reference's first near-tie, top-1/top-2 gap < 1e-3).
+use std::path::{Path, PathBuf};
+
+use mlxcel::mlx::{Array, Dtype};
+use mlxcel::model_dir::ModelDir;
+use mlxcel::models::{self, LoadFormat, Logits, SeqInput};
+use mlxcel::tokenizer::Tokenizer;
+use serde_json::Value;
+
+const FIXTURES: &[&str] = &[
+    "llama3",
+    "llama_gqa2_tied",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "llama_q4",
+];
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name)
+}
+
+fn reference_logits(dir: &Path, i: usize) -> (Vec<f32>, Vec<usize>) {
+    let bytes = std::fs::read(dir.join("reference.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let t = st.tensor(&format!("logits.{i}")).unwrap();
+    assert_eq!(t.dtype(), safetensors::Dtype::F32);
+    let v = t
+        .data()
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
+    (v, t.shape().to_vec())
+}
+
+fn check_fixture(name: &str) {
+    let dir = fixture(name);
+    let md = ModelDir::open(&dir).unwrap();
+    let loaded = models::load(&md, LoadFormat::Safetensors, |_, _| {}).unwrap();
+    let model = loaded.model;
+    let config: Value = md.read_config().unwrap();
+    let tok = Tokenizer::from_dir(&dir, &config).unwrap();
+    let reference: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
+            .unwrap();
+    for (i, p) in reference["prompts"].as_array().unwrap().iter().enumerate() {
+        let ids: Vec<u32> = p["ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect();
+        assert_eq!(
+            tok.encode(p["text"].as_str().unwrap(), true).unwrap(),
+            ids,
+            "{name} prompt {i} ids"
+        );
+
+        // prompt logits, all positions, in one prefill
+        let mut cache = model.new_cache(1, 4096);
+        let out = model
+            .forward(
+                &mut cache,
+                &[SeqInput {
+                    slot: 0,
+                    tokens: &ids,
+                }],
+                Logits::All,
+            )
+            .unwrap();
+        let got = out[0].to_vec::<f32>().unwrap();
+        let (want, shape) = reference_logits(&dir, i);
+        assert_eq!(
+            out[0].shape(),
+            vec![shape[0] as i32, shape[1] as i32],
+            "{name} logits shape"
+        );
+        let max_diff = got
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        assert!(
+            max_diff <= 1e-4,
+            "{name} prompt {i}: logits max-abs diff {max_diff}"
+        );
+
+        // greedy decode with the KV cache, one token at a time
+        let greedy: Vec<u32> = p["greedy"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect();
+        let gaps: Vec<f64> = p["gaps"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap())
+            .collect();
+        let tie = gaps.iter().position(|&g| g < 1e-3).unwrap_or(greedy.len());
+        let mut cache = model.new_cache(1, 4096);
+        let mut last = model
+            .forward(
+                &mut cache,
+                &[SeqInput {
+                    slot: 0,
+                    tokens: &ids,
+                }],
+                Logits::Last,
+            )
+            .unwrap();
+        let mut produced = Vec::new();
+        for _ in 0..tie {
+            let next = last[0]
+                .argmax(-1, false)
+                .unwrap()
+                .astype(Dtype::U32)
+                .unwrap()
+                .to_vec::<u32>()
+                .unwrap()[0];
+            produced.push(next);
+            last = model
+                .forward(
+                    &mut cache,
+                    &[SeqInput {
+                        slot: 0,
+                        tokens: &[next],
+                    }],
+                    Logits::Last,
+                )
+                .unwrap();
+        }
+        assert_eq!(
+            produced,
+            greedy[..tie],
+            "{name} prompt {i}: greedy tokens (compared up to step {tie})"
+        );
+    }
+}
+
+#[test]
+fn llama3_matches_transformers() {
+    check_fixture("llama3");
+}
+#[test]
+fn llama_gqa2_tied_head_dim_matches_transformers() {
+    check_fixture("llama_gqa2_tied");
+}
+#[test]
+fn mistral_matches_transformers() {
+    check_fixture("mistral");
+}
+#[test]
+fn qwen2_matches_transformers() {
+    check_fixture("qwen2");
+}
+#[test]
+fn qwen3_matches_transformers() {
+    check_fixture("qwen3");
+}
+#[test]
+fn llama_q4_matches_mlx_lm() {
+    check_fixture("llama_q4");
+}
+
+/// Batched decode of several sequences in different slots at different
+/// positions gives the same logits as decoding each alone.
+#[test]
+fn batched_decode_equals_single() {
+    let dir = fixture("qwen3");
+    let md = ModelDir::open(&dir).unwrap();
+    let model = models::load(&md, LoadFormat::Safetensors, |_, _| {})
+        .unwrap()
+        .model;
+    let prompts: [&[u32]; 3] = [
+        &[1, 2, 3, 4, 5],
+        &[9, 8],
+        &[100, 101, 102, 103, 104, 105, 106, 107],
+    ];
+    let next = [17u32, 23, 42];
+    let mut single = Vec::new();
+    for (p, n) in prompts.iter().zip(next) {
+        let mut c = model.new_cache(1, 64);
+        model
+            .forward(&mut c, &[SeqInput { slot: 0, tokens: p }], Logits::Last)
+            .unwrap();
+        single.push(
+            model
+                .forward(
+                    &mut c,
+                    &[SeqInput {
+                        slot: 0,
+                        tokens: &[n],
+                    }],
+                    Logits::Last,
+                )
+                .unwrap()
+                .remove(0),
+        );
+    }
+    let mut c = model.new_cache(4, 64);
+    let slots = [3usize, 0, 2];
+    for (p, &s) in prompts.iter().zip(&slots) {
+        model
+            .forward(&mut c, &[SeqInput { slot: s, tokens: p }], Logits::Last)
+            .unwrap();
+    }
+    let step: Vec<SeqInput> = slots
+        .iter()
+        .zip(&next)
+        .map(|(&s, n)| SeqInput {
+            slot: s,
+            tokens: std::slice::from_ref(n),
+        })
+        .collect();
+    let batched = model.forward(&mut c, &step, Logits::Last).unwrap();
+    for (b, s) in batched.iter().zip(&single) {
+        let d = b
+            .sub(s)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max(&[0, 1], false)
+            .unwrap()
+            .item::<f32>()
+            .unwrap();
+        assert!(d < 1e-4, "batched vs single max diff {d}");
+    }
+    let _ = Array::scalar_i32(0);
+}
+
+#[test]
+fn all_fixture_names_exist() {
+    for f in FIXTURES {
+        assert!(fixture(f).join("config.json").is_file(), "{f}");
+    }
+}
