@@ -231,10 +231,13 @@ fn print_checks(checks: &[CheckResult]) {
     }
 }
 
+/// The environment of one probe child, or why there is none.
+type ChildEnv = Result<Vec<(String, String)>, String>;
+
 /// One child per GPU (or one CPU child when `n_gpus == 0`), all at once.
 fn run_checks(n_gpus: usize, timeout: Duration) -> Result<Vec<CheckResult>> {
     let exe = std::env::current_exe().context("locating the mlxcel binary")?;
-    let jobs: Vec<(Option<usize>, Result<Vec<(String, String)>, String>)> = if n_gpus == 0 {
+    let jobs: Vec<(Option<usize>, ChildEnv)> = if n_gpus == 0 {
         vec![(None, Ok(Vec::new()))]
     } else {
         (0..n_gpus)
@@ -265,7 +268,7 @@ fn run_checks(n_gpus: usize, timeout: Duration) -> Result<Vec<CheckResult>> {
 fn check_one(
     exe: &std::path::Path,
     index: Option<usize>,
-    env: Result<Vec<(String, String)>, String>,
+    env: ChildEnv,
     timeout: Duration,
 ) -> CheckResult {
     let mut result = CheckResult {

@@ -11,7 +11,9 @@ use tracing_subscriber::EnvFilter;
 
 use crate::mlx;
 
+pub mod bench;
 pub mod devices;
+pub mod generate;
 pub mod probe;
 
 /// LLM inference over MLX, with tensor parallelism across the GPUs of one node.
@@ -33,6 +35,10 @@ pub enum Command {
     //   Bench(bench::BenchArgs)           - prefill/decode throughput
     //   Plan(plan::PlanArgs)              - how a model splits over the GPUs (TP degree, memory)
     //   Serve(serve::ServeArgs)           - OpenAI-compatible HTTP server
+    /// Generate text from a prompt (default model: the built-in demo model).
+    Generate(generate::GenerateArgs),
+    /// Measure prefill and decode speed; prints JSON.
+    Bench(bench::BenchArgs),
     /// List the GPUs MLX sees (and, with --check, test each one in a child process).
     Devices(devices::DevicesArgs),
 
@@ -57,6 +63,8 @@ pub fn main() -> Result<()> {
         mlx::version()
     );
     match cli.command {
+        Command::Generate(args) => generate::run(&args),
+        Command::Bench(args) => bench::run(&args),
         Command::Devices(args) => devices::run(&args),
         Command::ProbeDevice(args) => probe::probe_device(&args),
         Command::AllsumProbe(args) => probe::allsum_probe(&args),

@@ -1,3 +1,4 @@
 //! Engine: KV cache, sampling, generation loop and scheduling (all on the MLX thread).
+pub mod generate;
 pub mod kv_cache;
 pub mod sampler;

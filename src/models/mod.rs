@@ -2,6 +2,7 @@
 //! features it does not implement); the Llama-like ones share the forward pass
 //! in [`transformer`], built from the layers in [`layers`].
 pub mod config;
+pub mod demo;
 pub mod layers;
 pub mod llama;
 pub mod qwen2;

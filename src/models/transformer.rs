@@ -261,10 +261,25 @@ impl Transformer {
         s: &SeqInput<'_>,
         mode: Logits,
     ) -> std::result::Result<Array, ForwardError> {
-        let t = s.tokens.len() as i32;
-        let pos = cache.len(s.slot);
         let ids: Vec<i32> = s.tokens.iter().map(|&x| x as i32).collect();
-        let ids = Array::from_slice(&ids, &[1, t])?;
+        let ids = Array::from_slice(&ids, &[1, ids.len() as i32])?;
+        self.forward_slot_ids(cache, s.slot, &ids, mode)
+    }
+
+    /// One sequence's step with its token ids already on the device (`[1, T]` int32), so a
+    /// decode loop can queue step i+1 before reading token i. Ids are not range-checked here.
+    pub fn forward_slot_ids(
+        &self,
+        cache: &mut KvCache,
+        slot: usize,
+        ids: &Array,
+        mode: Logits,
+    ) -> std::result::Result<Array, ForwardError> {
+        cache.check_slot(slot)?;
+        let t = ids.dim(1);
+        cache.reserve(self.layers.len(), cache.len(slot) + t as usize)?;
+        let s = SeqInput { slot, tokens: &[] };
+        let pos = cache.len(s.slot);
         let offset = Array::scalar_i32(pos as i32)?;
         let mut h = self.embed_tokens.forward(&ids)?;
         for (li, block) in self.layers.iter().enumerate() {

@@ -1,0 +1,218 @@
+//! `mlxcel generate`: run a model on one prompt, stream the text, print stats.
+use std::io::{IsTerminal, Write};
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+
+use crate::engine::generate::{generate, GenerateOptions, Generation};
+use crate::engine::sampler::SamplingParams;
+use crate::model_dir::ModelDir;
+use crate::models::{self, demo, LoadFormat, Transformer};
+use crate::tokenizer::{chat::ChatMessage, Tokenizer};
+
+/// Where the model comes from; shared by generate, bench and serve.
+#[derive(Debug, Args, Clone)]
+pub struct ModelArgs {
+    /// Model folder, or `org/name` in the Hugging Face cache (offline). Default: the built-in demo model.
+    #[arg(short = 'm', long)]
+    pub model: Option<String>,
+    /// `safetensors` reads the checkpoint; `dummy` makes random weights from config.json alone.
+    #[arg(long, value_enum, default_value_t = LoadFormat::Safetensors)]
+    pub load_format: LoadFormat,
+    /// Maximum tokens per sequence (prompt + generated). Default: the model's max_position_embeddings, at most 8192.
+    #[arg(short = 'c', long)]
+    pub ctx_size: Option<usize>,
+}
+
+#[derive(Debug, Args)]
+pub struct GenerateArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// The prompt.
+    #[arg(short = 'p', long, default_value = "The meaning of life is")]
+    pub prompt: String,
+    /// Wrap the prompt as a user message in the model's chat template.
+    #[arg(long)]
+    pub chat: bool,
+    /// System message for --chat.
+    #[arg(long, requires = "chat")]
+    pub system: Option<String>,
+    /// Maximum new tokens.
+    #[arg(short = 'n', long = "max-tokens", default_value_t = 128)]
+    pub max_tokens: usize,
+    /// Sampling temperature (0 = greedy).
+    #[arg(long = "temp", default_value_t = 0.0)]
+    pub temperature: f32,
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
+    /// 0 = off.
+    #[arg(long, default_value_t = 0)]
+    pub top_k: u32,
+    #[arg(long, default_value_t = 0.0)]
+    pub min_p: f32,
+    /// HF-style repetition penalty (1 = off).
+    #[arg(
+        long = "repeat-penalty",
+        alias = "repetition-penalty",
+        default_value_t = 1.0
+    )]
+    pub repetition_penalty: f32,
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Stop when this text appears (repeatable); it is not printed.
+    #[arg(long)]
+    pub stop: Vec<String>,
+    /// Keep generating after an EOS token.
+    #[arg(long)]
+    pub ignore_eos: bool,
+    /// Prompt tokens per prefill step.
+    #[arg(long, default_value_t = 512)]
+    pub prefill_chunk: usize,
+    /// Print exactly one JSON line (ids, text, finish_reason, stats) instead of streaming text.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// A model folder and its parsed parts, loaded on this (the MLX) thread.
+pub struct LoadedModel {
+    pub dir: ModelDir,
+    pub model: Transformer,
+    pub tokenizer: Tokenizer,
+    pub ctx_size: usize,
+}
+
+/// Resolve `-m` (or the demo model), load weights and tokenizer, with progress for big models.
+pub fn load_model(args: &ModelArgs) -> Result<LoadedModel> {
+    let dir = match (&args.model, args.load_format) {
+        (Some(m), LoadFormat::Dummy) => ModelDir::resolve_config_only(m)?,
+        (Some(m), LoadFormat::Safetensors) => ModelDir::resolve(m)?,
+        (None, _) => {
+            let d = demo::ensure_demo_model()
+                .context("writing the built-in demo model into the cache")?;
+            ModelDir::open(&d)?
+        }
+    };
+    let config = dir.read_config()?;
+    let cfg = models::read_config(&dir)?;
+    let tokenizer = Tokenizer::from_dir(&dir.root, &config)?;
+    let ctx_size = args
+        .ctx_size
+        .unwrap_or(cfg.max_position_embeddings.min(8192));
+    if ctx_size == 0 {
+        bail!("--ctx-size must be at least 1");
+    }
+    if ctx_size > cfg.max_position_embeddings {
+        tracing::warn!(
+            "--ctx-size {ctx_size} exceeds max_position_embeddings {} of {}",
+            cfg.max_position_embeddings,
+            dir.config.display()
+        );
+    }
+    let big = cfg.num_parameters() > 500_000_000 && std::io::stderr().is_terminal();
+    let bar = big.then(|| {
+        let b = indicatif::ProgressBar::new(cfg.num_layers as u64);
+        b.set_style(
+            indicatif::ProgressStyle::with_template(
+                "loading {bar:40} {pos}/{len} layers {elapsed}",
+            )
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+        b
+    });
+    let loaded = models::load(&dir, args.load_format, |done, _| {
+        if let Some(b) = &bar {
+            b.set_position(done as u64);
+        }
+    })
+    .with_context(|| format!("loading {}", dir.root.display()))?;
+    if let Some(b) = bar {
+        b.finish_and_clear();
+    }
+    tracing::info!(
+        "loaded {} ({}, {} layers, {:.2} GB of weights) in {:.2}s, read {:.2} GB",
+        dir.root.display(),
+        cfg.model_type,
+        cfg.num_layers,
+        loaded.model.weight_bytes() as f64 / 1e9,
+        loaded.seconds,
+        loaded.bytes_read as f64 / 1e9
+    );
+    Ok(LoadedModel {
+        dir,
+        model: loaded.model,
+        tokenizer,
+        ctx_size,
+    })
+}
+
+pub fn run(args: &GenerateArgs) -> Result<()> {
+    let params = SamplingParams {
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        min_p: args.min_p,
+        repetition_penalty: args.repetition_penalty,
+        seed: args.seed,
+        ..SamplingParams::default()
+    };
+    params
+        .validate()
+        .map_err(|e| anyhow::anyhow!("invalid sampling option: {e}"))?;
+    let m = load_model(&args.model)?;
+    let prompt_ids = if args.chat {
+        let mut messages = Vec::new();
+        if let Some(s) = &args.system {
+            messages.push(ChatMessage::new("system", s.clone()));
+        }
+        messages.push(ChatMessage::new("user", args.prompt.clone()));
+        m.tokenizer.encode_chat(&messages, true)?
+    } else {
+        m.tokenizer.encode(&args.prompt, true)?
+    };
+    let opts = GenerateOptions {
+        max_tokens: args.max_tokens,
+        stop: args.stop.clone(),
+        ignore_eos: args.ignore_eos,
+        prefill_chunk: args.prefill_chunk,
+        skip_special_tokens: true,
+    };
+    let mut cache = m.model.new_cache(1, m.ctx_size);
+    let mut stdout = std::io::stdout().lock();
+    let json = args.json;
+    let g = generate(
+        &m.model,
+        &m.tokenizer,
+        &mut cache,
+        0,
+        &prompt_ids,
+        params,
+        &opts,
+        |piece| {
+            if !json {
+                let _ = stdout.write_all(piece.as_bytes());
+                let _ = stdout.flush();
+            }
+        },
+    )?;
+    if json {
+        writeln!(stdout, "{}", serde_json::to_string(&g)?)?;
+    } else {
+        writeln!(stdout)?;
+        writeln!(stdout, "{}", stats_line(&g))?;
+    }
+    Ok(())
+}
+
+/// `prompt: N tokens, X tok/s | generated: M tokens, Y tok/s | peak memory: Z GB | finish: stop`
+pub fn stats_line(g: &Generation) -> String {
+    let s = &g.stats;
+    format!(
+        "prompt: {} tokens, {:.1} tok/s | generated: {} tokens, {:.1} tok/s | peak memory: {:.3} GB | finish: {}",
+        s.prompt_tokens,
+        s.prefill_tokens_per_second,
+        s.generated_tokens,
+        s.decode_tokens_per_second,
+        s.peak_memory_bytes as f64 / 1e9,
+        serde_json::to_value(g.finish_reason).ok().and_then(|v| v.as_str().map(String::from)).unwrap_or_default()
+    )
+}

@@ -1,0 +1,207 @@
+//! Single-sequence generation: chunked prefill, sampling, EOS and stop-string
+//! handling, streaming text, and the statistics `generate` and `bench` report.
+use std::time::Instant;
+
+use serde::Serialize;
+
+use super::kv_cache::KvCache;
+use super::sampler::{sample_batch, SamplingParams, SequenceSampler};
+use crate::mlx::{self, Array};
+use crate::models::{ForwardError, Logits, SeqInput, Transformer};
+use crate::tokenizer::stream::{StopMatcher, StreamDecoder};
+use crate::tokenizer::{Tokenizer, TokenizerError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum GenerateError {
+    #[error("the prompt has {prompt} tokens, which leaves no room in the context of {ctx} (raise --ctx-size)")]
+    PromptTooLong { prompt: usize, ctx: usize },
+    #[error("empty prompt: nothing to generate from")]
+    EmptyPrompt,
+    #[error("sampling parameters: {0}")]
+    Params(String),
+    #[error(transparent)]
+    Forward(#[from] ForwardError),
+    #[error(transparent)]
+    Mlx(#[from] mlx::MlxError),
+    #[error(transparent)]
+    Tokenizer(#[from] TokenizerError),
+}
+
+/// Why generation ended (OpenAI's names).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FinishReason {
+    /// An EOS token or a stop string.
+    Stop,
+    /// `max_tokens` or the context length.
+    Length,
+}
+
+#[derive(Debug, Clone)]
+pub struct GenerateOptions {
+    pub max_tokens: usize,
+    pub stop: Vec<String>,
+    pub ignore_eos: bool,
+    /// Prompt tokens per prefill forward pass.
+    pub prefill_chunk: usize,
+    pub skip_special_tokens: bool,
+}
+
+impl Default for GenerateOptions {
+    fn default() -> Self {
+        GenerateOptions {
+            max_tokens: 128,
+            stop: vec![],
+            ignore_eos: false,
+            prefill_chunk: 512,
+            skip_special_tokens: true,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Stats {
+    pub prompt_tokens: usize,
+    pub prefill_seconds: f64,
+    pub prefill_tokens_per_second: f64,
+    pub generated_tokens: usize,
+    pub decode_seconds: f64,
+    pub decode_tokens_per_second: f64,
+    pub peak_memory_bytes: u64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Generation {
+    pub prompt_token_ids: Vec<u32>,
+    pub generated_token_ids: Vec<u32>,
+    pub text: String,
+    pub finish_reason: FinishReason,
+    pub stats: Stats,
+}
+
+/// Prefill `prompt` into `slot` in chunks; return the last position's logits `[1, vocab]`.
+pub fn prefill(
+    model: &Transformer,
+    cache: &mut KvCache,
+    slot: usize,
+    prompt: &[u32],
+    chunk: usize,
+) -> Result<Array, GenerateError> {
+    let chunk = chunk.max(1);
+    let mut last = None;
+    for part in prompt.chunks(chunk) {
+        let mut out = model.forward(cache, &[SeqInput { slot, tokens: part }], Logits::Last)?;
+        let logits = out.remove(0);
+        logits.eval()?;
+        last = Some(logits);
+    }
+    last.ok_or(GenerateError::EmptyPrompt)
+}
+
+/// Generate from `prompt` in `slot` of `cache` (which is reset first), calling
+/// `on_text` with each new piece of text (never a broken UTF-8 sequence, never
+/// part of a stop string).
+pub fn generate(
+    model: &Transformer,
+    tokenizer: &Tokenizer,
+    cache: &mut KvCache,
+    slot: usize,
+    prompt: &[u32],
+    params: SamplingParams,
+    opts: &GenerateOptions,
+    mut on_text: impl FnMut(&str),
+) -> Result<Generation, GenerateError> {
+    params.validate().map_err(GenerateError::Params)?;
+    if prompt.is_empty() {
+        return Err(GenerateError::EmptyPrompt);
+    }
+    let ctx = cache.max_capacity();
+    if prompt.len() >= ctx {
+        return Err(GenerateError::PromptTooLong {
+            prompt: prompt.len(),
+            ctx,
+        });
+    }
+    cache.reset(slot);
+    mlx::memory::reset_peak();
+    let eos: Vec<u32> = tokenizer.eos_token_ids().to_vec();
+    let mut sampler = SequenceSampler::new(params, prompt)?;
+    let mut decoder = StreamDecoder::new(tokenizer, opts.skip_special_tokens);
+    let mut stops = StopMatcher::new(opts.stop.clone());
+    let mut text = String::new();
+    let mut generated = Vec::new();
+
+    let t0 = Instant::now();
+    let logits = prefill(model, cache, slot, prompt, opts.prefill_chunk)?;
+    let mut token = sample_batch(&logits, &mut [&mut sampler])?[0].token;
+    let prefill_seconds = t0.elapsed().as_secs_f64();
+    let t1 = Instant::now();
+    let mut finish = FinishReason::Length;
+    let mut emit = |piece: &str, text: &mut String| {
+        if !piece.is_empty() {
+            text.push_str(piece);
+            on_text(piece);
+        }
+    };
+    loop {
+        generated.push(token);
+        sampler.observe(token);
+        if !opts.ignore_eos && eos.contains(&token) {
+            finish = FinishReason::Stop;
+            break;
+        }
+        let delta = decoder.push(token)?;
+        let out = stops.push(&delta);
+        emit(&out.emit, &mut text);
+        if out.stopped {
+            finish = FinishReason::Stop;
+            break;
+        }
+        if generated.len() >= opts.max_tokens || cache.len(slot) + 1 > ctx {
+            break;
+        }
+        let logits = model
+            .forward(
+                cache,
+                &[SeqInput {
+                    slot,
+                    tokens: &[token],
+                }],
+                Logits::Last,
+            )?
+            .remove(0);
+        token = sample_batch(&logits, &mut [&mut sampler])?[0].token;
+    }
+    if !stops.is_stopped() {
+        let tail = decoder.finish()?;
+        let out = stops.push(&tail);
+        emit(&out.emit, &mut text);
+        if out.stopped {
+            finish = FinishReason::Stop;
+        } else {
+            let rest = stops.flush();
+            emit(&rest, &mut text);
+        }
+    }
+    let decode_seconds = t1.elapsed().as_secs_f64();
+    let decoded = generated.len().saturating_sub(1);
+    Ok(Generation {
+        prompt_token_ids: prompt.to_vec(),
+        stats: Stats {
+            prompt_tokens: prompt.len(),
+            prefill_seconds,
+            prefill_tokens_per_second: prompt.len() as f64 / prefill_seconds.max(1e-9),
+            generated_tokens: generated.len(),
+            decode_seconds,
+            decode_tokens_per_second: if decoded > 0 {
+                decoded as f64 / decode_seconds.max(1e-9)
+            } else {
+                0.0
+            },
+            peak_memory_bytes: mlx::memory::peak(),
+        },
+        generated_token_ids: generated,
+        text,
+        finish_reason: finish,
+    })
+}
