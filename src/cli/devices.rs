@@ -396,3 +396,30 @@ pub fn run_with_timeout(mut cmd: Command, timeout: Duration) -> Result<ChildOutp
         stderr: err_t.join().unwrap_or_default(),
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn run_with_timeout_kills_a_hung_child() {
+        let mut cmd = Command::new("sleep");
+        cmd.arg("30");
+        let start = Instant::now();
+        let out = run_with_timeout(cmd, Duration::from_millis(200)).unwrap();
+        assert!(out.timed_out);
+        assert!(out.status.is_none());
+        assert!(start.elapsed() < Duration::from_secs(10));
+    }
+
+    #[test]
+    fn run_with_timeout_collects_output() {
+        let mut cmd = Command::new("sh");
+        cmd.args(["-c", "echo out; echo err >&2; exit 3"]);
+        let out = run_with_timeout(cmd, Duration::from_secs(30)).unwrap();
+        assert!(!out.timed_out);
+        assert_eq!(out.status.and_then(|s| s.code()), Some(3));
+        assert_eq!(out.stdout, "out\n");
+        assert_eq!(out.stderr, "err\n");
+    }
+}

@@ -6,6 +6,7 @@ use clap::Args;
 
 use crate::engine::generate::{generate, GenerateOptions, Generation};
 use crate::engine::sampler::SamplingParams;
+use crate::engine::step::LocalExecutor;
 use crate::model_dir::ModelDir;
 use crate::models::{self, demo, LoadFormat, Transformer};
 use crate::tokenizer::{chat::ChatMessage, Tokenizer};
@@ -176,13 +177,13 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
         prefill_chunk: args.prefill_chunk,
         skip_special_tokens: true,
     };
-    let mut cache = m.model.new_cache(1, m.ctx_size);
+    let mut exec = LocalExecutor::new(m.model, 1, m.ctx_size);
     let mut stdout = std::io::stdout().lock();
     let json = args.json;
     let g = generate(
-        &m.model,
+        &mut exec,
         &m.tokenizer,
-        &mut cache,
+        0,
         0,
         &prompt_ids,
         params,

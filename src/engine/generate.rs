@@ -5,7 +5,8 @@ use std::time::Instant;
 use serde::Serialize;
 
 use super::kv_cache::KvCache;
-use super::sampler::{sample_batch, SamplingParams, SequenceSampler};
+use super::sampler::SamplingParams;
+use super::step::{Executor, SeqStart, SeqStep, StepError, StepPlan};
 use crate::mlx::{self, Array};
 use crate::models::{ForwardError, Logits, SeqInput, Transformer};
 use crate::tokenizer::stream::{StopMatcher, StreamDecoder};
@@ -21,6 +22,8 @@ pub enum GenerateError {
     Params(String),
     #[error(transparent)]
     Forward(#[from] ForwardError),
+    #[error(transparent)]
+    Step(#[from] StepError),
     #[error(transparent)]
     Mlx(#[from] mlx::MlxError),
     #[error(transparent)]
@@ -79,7 +82,8 @@ pub struct Generation {
     pub stats: Stats,
 }
 
-/// Prefill `prompt` into `slot` in chunks; return the last position's logits `[1, vocab]`.
+/// Prefill `prompt` into `slot` in chunks directly on a model; return the last position's
+/// logits `[1, vocab]` (used by `bench`).
 pub fn prefill(
     model: &Transformer,
     cache: &mut KvCache,
@@ -98,13 +102,14 @@ pub fn prefill(
     last.ok_or(GenerateError::EmptyPrompt)
 }
 
-/// Generate from `prompt` in `slot` of `cache` (which is reset first), calling
-/// `on_text` with each new piece of text (never a broken UTF-8 sequence, never
-/// part of a stop string).
+/// Generate from `prompt` as sequence `seq_id` in `slot` of `exec`, calling `on_text`
+/// with each new piece of text (never a broken UTF-8 sequence, never part of a stop
+/// string).
+#[allow(clippy::too_many_arguments)]
 pub fn generate(
-    model: &Transformer,
+    exec: &mut dyn Executor,
     tokenizer: &Tokenizer,
-    cache: &mut KvCache,
+    seq_id: u64,
     slot: usize,
     prompt: &[u32],
     params: SamplingParams,
@@ -115,25 +120,44 @@ pub fn generate(
     if prompt.is_empty() {
         return Err(GenerateError::EmptyPrompt);
     }
-    let ctx = cache.max_capacity();
+    let ctx = exec.ctx_size();
     if prompt.len() >= ctx {
         return Err(GenerateError::PromptTooLong {
             prompt: prompt.len(),
             ctx,
         });
     }
-    cache.reset(slot);
     mlx::memory::reset_peak();
     let eos: Vec<u32> = tokenizer.eos_token_ids().to_vec();
-    let mut sampler = SequenceSampler::new(params, prompt)?;
     let mut decoder = StreamDecoder::new(tokenizer, opts.skip_special_tokens);
     let mut stops = StopMatcher::new(opts.stop.clone());
     let mut text = String::new();
     let mut generated = Vec::new();
 
     let t0 = Instant::now();
-    let logits = prefill(model, cache, slot, prompt, opts.prefill_chunk)?;
-    let mut token = sample_batch(&logits, &mut [&mut sampler])?[0].token;
+    let chunk = opts.prefill_chunk.max(1);
+    let n_chunks = prompt.len().div_ceil(chunk);
+    let mut token = 0;
+    for (k, part) in prompt.chunks(chunk).enumerate() {
+        let step = SeqStep {
+            seq_id,
+            slot,
+            pos: k * chunk,
+            tokens: part.to_vec(),
+            start: (k == 0).then(|| SeqStart {
+                params: params.clone(),
+                prompt: prompt.to_vec(),
+            }),
+            sample: k + 1 == n_chunks,
+        };
+        let r = exec.execute(&StepPlan {
+            seqs: vec![step],
+            ..Default::default()
+        })?;
+        if let Some(s) = r.sampled.first() {
+            token = s.token;
+        }
+    }
     let prefill_seconds = t0.elapsed().as_secs_f64();
     let t1 = Instant::now();
     let mut finish = FinishReason::Length;
@@ -145,7 +169,6 @@ pub fn generate(
     };
     loop {
         generated.push(token);
-        sampler.observe(token);
         if !opts.ignore_eos && eos.contains(&token) {
             finish = FinishReason::Stop;
             break;
@@ -157,21 +180,32 @@ pub fn generate(
             finish = FinishReason::Stop;
             break;
         }
-        if generated.len() >= opts.max_tokens || cache.len(slot) + 1 > ctx {
+        let pos = prompt.len() + generated.len() - 1;
+        if generated.len() >= opts.max_tokens || pos + 1 > ctx {
             break;
         }
-        let logits = model
-            .forward(
-                cache,
-                &[SeqInput {
-                    slot,
-                    tokens: &[token],
-                }],
-                Logits::Last,
-            )?
-            .remove(0);
-        token = sample_batch(&logits, &mut [&mut sampler])?[0].token;
+        let step = SeqStep {
+            seq_id,
+            slot,
+            pos,
+            tokens: vec![token],
+            start: None,
+            sample: true,
+        };
+        let r = exec.execute(&StepPlan {
+            seqs: vec![step],
+            ..Default::default()
+        })?;
+        token = r
+            .sampled
+            .first()
+            .map(|s| s.token)
+            .ok_or_else(|| GenerateError::Step(StepError::NoSampler(seq_id)))?;
     }
+    exec.execute(&StepPlan {
+        release: vec![seq_id],
+        ..Default::default()
+    })?;
     if !stops.is_stopped() {
         let tail = decoder.finish()?;
         let out = stops.push(&tail);

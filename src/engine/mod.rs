@@ -2,3 +2,4 @@
 pub mod generate;
 pub mod kv_cache;
 pub mod sampler;
+pub mod step;

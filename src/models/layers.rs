@@ -1,6 +1,10 @@
 //! Building blocks that model files call like single-device layers: linear
 //! (dense or MLX-affine-quantized), embedding, RMSNorm, rotary embedding.
 //! Each layer loads its own tensors by name, with shapes from the config.
+use std::ops::Range;
+use std::rc::Rc;
+
+use crate::mlx::distributed::Group;
 use crate::mlx::{self, fast, Array, Dtype};
 
 use super::config::{ModelConfig, QuantConfig};
@@ -8,23 +12,41 @@ use super::weights::{LoadError, TensorKind, WeightSource};
 
 pub type Result<T> = std::result::Result<T, LoadError>;
 
-/// `y = x Wᵀ (+ b)`, with W dense `[out, in]` or MLX affine-quantized.
-pub enum Linear {
-    Dense {
-        w: Array,
-        b: Option<Array>,
-    },
+/// How a linear layer is split across tensor-parallel ranks.
+#[derive(Clone, Default)]
+pub enum Shard {
+    /// The whole weight.
+    #[default]
+    Full,
+    /// Output rows `range` (column-parallel): no communication.
+    Column(Range<usize>),
+    /// Input columns `range` (row-parallel): partial sums are `all_sum`med over
+    /// `group`, then the bias is added once.
+    Row(Range<usize>, Rc<Group>),
+}
+
+enum Weight {
+    Dense(Array),
     Quantized {
         w: Array,
         scales: Array,
         biases: Array,
         q: QuantConfig,
-        b: Option<Array>,
     },
 }
 
+/// `y = x Wᵀ (+ b)`, with W dense `[out, in]` or MLX affine-quantized, possibly one
+/// rank's shard of it (see [`Shard`]); model code calls it like a plain linear layer.
+pub struct Linear {
+    weight: Weight,
+    bias: Option<Array>,
+    reduce: Option<Rc<Group>>,
+}
+
 impl Linear {
-    /// Load `{prefix}.weight` (and `.scales`/`.biases` when quantized, `.bias` when `bias`).
+    /// Load `{prefix}.weight` (and `.scales`/`.biases` when quantized, `.bias` when `bias`),
+    /// reading only this rank's part under `shard`.
+    #[allow(clippy::too_many_arguments)]
     pub fn load(
         src: &WeightSource,
         prefix: &str,
@@ -32,79 +54,104 @@ impl Linear {
         out_dim: usize,
         bias: bool,
         quant: Option<QuantConfig>,
+        shard: Shard,
     ) -> Result<Linear> {
-        let b = if bias {
-            Some(src.load(&format!("{prefix}.bias"), &[out_dim], TensorKind::Float)?)
+        let (rows, cols, reduce) = match shard {
+            Shard::Full => (None, None, None),
+            Shard::Column(r) => (Some(r), None, None),
+            Shard::Row(c, g) => (None, Some(c), Some(g)),
+        };
+        let bias = if bias {
+            Some(src.load_block(
+                &format!("{prefix}.bias"),
+                &[out_dim],
+                rows.clone(),
+                None,
+                TensorKind::Float,
+            )?)
         } else {
             None
         };
-        match quant {
+        let weight = match quant {
             Some(q) if src.contains(&format!("{prefix}.scales")) => {
-                let packed = in_dim * q.bits as usize / 32;
-                let groups = in_dim / q.group_size as usize;
-                Ok(Linear::Quantized {
-                    w: src.load(
+                let (bits, g) = (q.bits as usize, q.group_size as usize);
+                let packed = cols.clone().map(|c| c.start * bits / 32..c.end * bits / 32);
+                let groups = cols.clone().map(|c| c.start / g..c.end / g);
+                Weight::Quantized {
+                    w: src.load_block(
                         &format!("{prefix}.weight"),
-                        &[out_dim, packed],
+                        &[out_dim, in_dim * bits / 32],
+                        rows.clone(),
+                        packed,
                         TensorKind::Packed,
                     )?,
-                    scales: src.load(
+                    scales: src.load_block(
                         &format!("{prefix}.scales"),
-                        &[out_dim, groups],
+                        &[out_dim, in_dim / g],
+                        rows.clone(),
+                        groups.clone(),
                         TensorKind::Scales,
                     )?,
-                    biases: src.load(
+                    biases: src.load_block(
                         &format!("{prefix}.biases"),
-                        &[out_dim, groups],
+                        &[out_dim, in_dim / g],
+                        rows,
+                        groups,
                         TensorKind::QuantBiases,
                     )?,
                     q,
-                    b,
-                })
+                }
             }
-            _ => Ok(Linear::Dense {
-                w: src.load(
-                    &format!("{prefix}.weight"),
-                    &[out_dim, in_dim],
-                    TensorKind::Float,
-                )?,
-                b,
-            }),
-        }
+            _ => Weight::Dense(src.load_block(
+                &format!("{prefix}.weight"),
+                &[out_dim, in_dim],
+                rows,
+                cols,
+                TensorKind::Float,
+            )?),
+        };
+        Ok(Linear {
+            weight,
+            bias,
+            reduce,
+        })
     }
 
     pub fn forward(&self, x: &Array) -> mlx::Result<Array> {
-        match self {
-            Linear::Dense { w, b: None } => x.matmul(&w.t()?),
-            Linear::Dense { w, b: Some(b) } => x.addmm(&w.t()?, b),
-            Linear::Quantized {
-                w,
-                scales,
-                biases,
-                q,
-                b,
-            } => {
-                let y = fast::quantized_matmul(x, w, scales, biases, true, q.group_size, q.bits)?;
-                match b {
-                    Some(b) => y.add(b),
-                    None => Ok(y),
-                }
-            }
+        let y = match (&self.weight, &self.bias, &self.reduce) {
+            (Weight::Dense(w), Some(b), None) => return x.addmm(&w.t()?, b),
+            (Weight::Dense(w), _, _) => x.matmul(&w.t()?)?,
+            (
+                Weight::Quantized {
+                    w,
+                    scales,
+                    biases,
+                    q,
+                },
+                _,
+                _,
+            ) => fast::quantized_matmul(x, w, scales, biases, true, q.group_size, q.bits)?,
+        };
+        let y = match &self.reduce {
+            Some(g) => g.all_sum(&y)?,
+            None => y,
+        };
+        match &self.bias {
+            Some(b) => y.add(b),
+            None => Ok(y),
         }
     }
 
     /// Arrays held (for memory accounting).
     pub fn arrays(&self) -> Vec<&Array> {
-        match self {
-            Linear::Dense { w, b } => std::iter::once(w).chain(b.iter()).collect(),
-            Linear::Quantized {
-                w,
-                scales,
-                biases,
-                b,
-                ..
-            } => [w, scales, biases].into_iter().chain(b.iter()).collect(),
-        }
+        let mut v: Vec<&Array> = match &self.weight {
+            Weight::Dense(w) => vec![w],
+            Weight::Quantized {
+                w, scales, biases, ..
+            } => vec![w, scales, biases],
+        };
+        v.extend(self.bias.iter());
+        v
     }
 }
 
@@ -122,20 +169,19 @@ impl Embedding {
         quant: Option<QuantConfig>,
     ) -> Result<Self> {
         Ok(Embedding {
-            table: Linear::load(src, prefix, hidden, vocab, false, quant)?,
+            table: Linear::load(src, prefix, hidden, vocab, false, quant, Shard::Full)?,
         })
     }
 
     /// Rows for `ids` (any shape) → `[..., hidden]`.
     pub fn forward(&self, ids: &Array) -> mlx::Result<Array> {
-        match &self.table {
-            Linear::Dense { w, .. } => w.take(ids, 0),
-            Linear::Quantized {
+        match &self.table.weight {
+            Weight::Dense(w) => w.take(ids, 0),
+            Weight::Quantized {
                 w,
                 scales,
                 biases,
                 q,
-                ..
             } => {
                 let rows = w.take(ids, 0)?;
                 let s = scales.take(ids, 0)?;
@@ -156,9 +202,9 @@ impl Embedding {
 
     /// Element type of the embedding output.
     pub fn out_dtype(&self) -> Dtype {
-        match &self.table {
-            Linear::Dense { w, .. } => w.dtype(),
-            Linear::Quantized { scales, .. } => scales.dtype(),
+        match &self.table.weight {
+            Weight::Dense(w) => w.dtype(),
+            Weight::Quantized { scales, .. } => scales.dtype(),
         }
     }
 }

@@ -8,8 +8,11 @@ use crate::engine::kv_cache::{KvCache, KvError};
 use crate::mlx::{self, fast, Array, Dtype};
 
 use super::config::ModelConfig;
-use super::layers::{Embedding, Linear, Result, RmsNorm, Rope};
+use super::layers::{Embedding, Linear, Result, RmsNorm, Rope, Shard};
 use super::weights::WeightSource;
+use crate::mlx::distributed::Group;
+use crate::parallel::shard::ShardPlan;
+use std::rc::Rc;
 
 struct Attention {
     q_proj: Linear,
@@ -67,6 +70,8 @@ pub enum ForwardError {
 
 pub struct Transformer {
     pub cfg: ModelConfig,
+    /// KV heads held by this process (all, or this rank's shard).
+    kv_heads: usize,
     embed_tokens: Embedding,
     layers: Vec<Block>,
     norm: RmsNorm,
@@ -79,8 +84,20 @@ impl Transformer {
     pub fn load(
         cfg: &ModelConfig,
         src: &WeightSource,
+        progress: impl FnMut(usize, usize),
+    ) -> Result<Transformer> {
+        Self::load_shard(cfg, src, &ShardPlan::full(cfg), None, progress)
+    }
+
+    /// Load this rank's shard under `plan`; row-parallel layers reduce over `tp`.
+    pub fn load_shard(
+        cfg: &ModelConfig,
+        src: &WeightSource,
+        plan: &ShardPlan,
+        tp: Option<Rc<Group>>,
         mut progress: impl FnMut(usize, usize),
     ) -> Result<Transformer> {
+        let tp = tp.filter(|_| plan.is_sharded());
         let h = cfg.hidden_size;
         let q = cfg.quantization;
         let (nh, nkv, hd) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
@@ -101,44 +118,86 @@ impl Transformer {
                     Ok(None)
                 }
             };
+            let heads = |r: &std::ops::Range<usize>| r.start * hd..r.end * hd;
+            let row = |cols: std::ops::Range<usize>| match &tp {
+                Some(g) => Shard::Row(cols, g.clone()),
+                None => Shard::Full,
+            };
+            let col = |rows: std::ops::Range<usize>| {
+                if tp.is_some() {
+                    Shard::Column(rows)
+                } else {
+                    Shard::Full
+                }
+            };
+            let (qh, kvh, inter) = (&plan.q_heads, &plan.kv_heads, plan.intermediate.clone());
+            let attn = |name: &str| format!("{p}.self_attn.{name}");
             let self_attn = Attention {
                 q_proj: Linear::load(
                     src,
-                    &format!("{p}.self_attn.q_proj"),
+                    &attn("q_proj"),
                     h,
                     nh * hd,
                     cfg.qkv_bias,
                     q,
+                    col(heads(qh)),
                 )?,
                 k_proj: Linear::load(
                     src,
-                    &format!("{p}.self_attn.k_proj"),
+                    &attn("k_proj"),
                     h,
                     nkv * hd,
                     cfg.qkv_bias,
                     q,
+                    col(heads(kvh)),
                 )?,
                 v_proj: Linear::load(
                     src,
-                    &format!("{p}.self_attn.v_proj"),
+                    &attn("v_proj"),
                     h,
                     nkv * hd,
                     cfg.qkv_bias,
                     q,
+                    col(heads(kvh)),
                 )?,
-                o_proj: Linear::load(src, &format!("{p}.self_attn.o_proj"), nh * hd, h, false, q)?,
+                o_proj: Linear::load(src, &attn("o_proj"), nh * hd, h, false, q, row(heads(qh)))?,
                 q_norm: qk_norm("q_norm")?,
                 k_norm: qk_norm("k_norm")?,
-                n_heads: nh as i32,
-                n_kv_heads: nkv as i32,
+                n_heads: qh.len() as i32,
+                n_kv_heads: kvh.len() as i32,
                 head_dim: hd as i32,
                 scale: (hd as f32).powf(-0.5),
             };
             let i_sz = cfg.intermediate_size;
+            let mlp_name = |name: &str| format!("{p}.mlp.{name}");
             let mlp = Mlp {
-                gate_proj: Linear::load(src, &format!("{p}.mlp.gate_proj"), h, i_sz, false, q)?,
-                up_proj: Linear::load(src, &format!("{p}.mlp.up_proj"), h, i_sz, false, q)?,
-                down_proj: Linear::load(src, &format!("{p}.mlp.down_proj"), i_sz, h, false, q)?,
+                gate_proj: Linear::load(
+                    src,
+                    &mlp_name("gate_proj"),
+                    h,
+                    i_sz,
+                    false,
+                    q,
+                    col(inter.clone()),
+                )?,
+                up_proj: Linear::load(
+                    src,
+                    &mlp_name("up_proj"),
+                    h,
+                    i_sz,
+                    false,
+                    q,
+                    col(inter.clone()),
+                )?,
+                down_proj: Linear::load(
+                    src,
+                    &mlp_name("down_proj"),
+                    i_sz,
+                    h,
+                    false,
+                    q,
+                    row(inter),
+                )?,
             };
             layers.push(Block {
                 input_layernorm: RmsNorm::load(
@@ -165,9 +224,19 @@ impl Transformer {
         let lm_head = if cfg.tie_word_embeddings {
             None
         } else {
-            Some(Linear::load(src, "lm_head", h, cfg.vocab_size, false, q)?)
+            Some(Linear::load(
+                src,
+                "lm_head",
+                h,
+                cfg.vocab_size,
+                false,
+                q,
+                Shard::Full,
+            )?)
         };
+        let kv_heads = plan.kv_heads.len();
         let model = Transformer {
+            kv_heads,
             cfg: cfg.clone(),
             embed_tokens,
             layers,
@@ -196,7 +265,7 @@ impl Transformer {
         KvCache::new(
             self.cfg.num_layers,
             slots,
-            self.cfg.num_kv_heads,
+            self.kv_heads,
             self.cfg.head_dim,
             self.activation_dtype(),
             max_len,

@@ -6,6 +6,7 @@
 //! with `config.json` is an error naming the tensor and file, never a panic.
 use std::collections::HashMap;
 use std::fs::File;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use memmap2::Mmap;
@@ -62,7 +63,6 @@ struct TensorEntry {
     dtype: Dtype,
     shape: Vec<usize>,
     start: usize,
-    end: usize,
 }
 
 /// Tensors of one checkpoint (one or several safetensors files).
@@ -116,7 +116,6 @@ impl SafetensorsSource {
                         dtype,
                         shape: info.shape.clone(),
                         start: base + s,
-                        end: base + e,
                     },
                 );
             }
@@ -175,6 +174,31 @@ impl WeightSource {
 
     /// Load `name`, which must have `shape`. Float tensors keep their stored dtype.
     pub fn load(&self, name: &str, shape: &[usize], kind: TensorKind) -> Result<Array, LoadError> {
+        self.load_block(name, shape, None, None, kind)
+    }
+
+    /// Load the block `[rows, cols]` of `name` (full shape `shape`, 1-D or 2-D): only those
+    /// bytes are read. A row range is one contiguous byte range; a column range is one
+    /// segment per row.
+    pub fn load_block(
+        &self,
+        name: &str,
+        shape: &[usize],
+        rows: Option<Range<usize>>,
+        cols: Option<Range<usize>>,
+        kind: TensorKind,
+    ) -> Result<Array, LoadError> {
+        let rows = rows.unwrap_or(0..shape.first().copied().unwrap_or(1));
+        let cols = match shape.len() {
+            2 => cols.unwrap_or(0..shape[1]),
+            _ => 0..1,
+        };
+        let out_shape: Vec<usize> = if shape.len() == 2 {
+            vec![rows.len(), cols.len()]
+        } else {
+            vec![rows.len()]
+        };
+        let dims: Vec<i32> = out_shape.iter().map(|&d| d as i32).collect();
         match self {
             WeightSource::Files(src) => {
                 let e = src.tensors.get(name).ok_or_else(|| LoadError::Missing {
@@ -198,14 +222,31 @@ impl WeightSource {
                         dtype: e.dtype.name().into(),
                     });
                 }
-                let dims: Vec<i32> = e.shape.iter().map(|&d| d as i32).collect();
-                let arr = Array::from_bytes(&map[e.start..e.end], &dims, e.dtype)?;
-                src.bytes_read
-                    .set(src.bytes_read.get() + (e.end - e.start) as u64);
+                let elt = e.dtype.size();
+                let row_bytes = if shape.len() == 2 {
+                    shape[1] * elt
+                } else {
+                    elt
+                };
+                let arr = if cols.len() * elt == row_bytes {
+                    // whole rows: one contiguous range
+                    let a = e.start + rows.start * row_bytes;
+                    let b = e.start + rows.end * row_bytes;
+                    src.bytes_read.set(src.bytes_read.get() + (b - a) as u64);
+                    Array::from_bytes(&map[a..b], &dims, e.dtype)?
+                } else {
+                    let seg = cols.len() * elt;
+                    let mut buf = Vec::with_capacity(rows.len() * seg);
+                    for r in rows.clone() {
+                        let a = e.start + r * row_bytes + cols.start * elt;
+                        buf.extend_from_slice(&map[a..a + seg]);
+                    }
+                    src.bytes_read.set(src.bytes_read.get() + buf.len() as u64);
+                    Array::from_bytes(&buf, &dims, e.dtype)?
+                };
                 Ok(arr)
             }
             WeightSource::Dummy { dtype, key } => {
-                let dims: Vec<i32> = shape.iter().map(|&d| d as i32).collect();
                 let mut k = key.borrow_mut();
                 let mut keys = mlx::random::split(&k, 2)?;
                 let sub = keys.pop().unwrap();

@@ -1,0 +1,251 @@
+//! Step plans and the worker that executes them.
+//!
+//! A step plan says, for each sequence in the step, its id, KV-cache slot,
+//! position and new tokens, and whether to sample after it. The same plan is
+//! executed by the single-process engine and by every tensor-parallel rank,
+//! so every rank issues the same collectives in the same order; ranks never
+//! decide anything on their own. Only the sampling rank (0) returns tokens.
+use std::collections::HashMap;
+
+use serde::{Deserialize, Serialize};
+
+use super::kv_cache::KvCache;
+use super::sampler::{sample_batch, Sampled, SamplingParams, SequenceSampler};
+use crate::mlx::{self, Array};
+use crate::models::{ForwardError, Logits, SeqInput, Transformer};
+
+/// First step of a sequence: reset its slot and set up its sampler.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SeqStart {
+    pub params: SamplingParams,
+    /// The whole prompt (repetition penalty looks at it).
+    pub prompt: Vec<u32>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SeqStep {
+    pub seq_id: u64,
+    pub slot: usize,
+    /// Position of the first new token (must equal the slot's cached length).
+    pub pos: usize,
+    pub tokens: Vec<u32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start: Option<SeqStart>,
+    /// Sample a token after this step (last prefill chunk, or decode).
+    pub sample: bool,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct StepPlan {
+    pub seqs: Vec<SeqStep>,
+    /// Sequences that ended: drop their samplers.
+    #[serde(default)]
+    pub release: Vec<u64>,
+    /// Return every position's logits (reference tests; large).
+    #[serde(default)]
+    pub return_logits: bool,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SampledToken {
+    pub seq_id: u64,
+    pub token: u32,
+    pub logprob: Option<f32>,
+    pub top_logprobs: Vec<(u32, f32)>,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct StepResult {
+    pub sampled: Vec<SampledToken>,
+    /// Per sequence, `[T * vocab]` row-major, when `return_logits`.
+    pub logits: Vec<Vec<f32>>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StepError {
+    #[error(
+        "step plan: sequence {seq_id} at position {pos}, but slot {slot} holds {cached} tokens"
+    )]
+    Position {
+        seq_id: u64,
+        slot: usize,
+        pos: usize,
+        cached: usize,
+    },
+    #[error("step plan: sequence {0} samples without a sampler (no `start`)")]
+    NoSampler(u64),
+    #[error("sampling parameters: {0}")]
+    Params(String),
+    #[error(transparent)]
+    Forward(#[from] ForwardError),
+    #[error(transparent)]
+    Mlx(#[from] mlx::MlxError),
+    /// A tensor-parallel rank failed (message names the rank).
+    #[error("{0}")]
+    Rank(String),
+}
+
+/// Executes step plans: the single-process engine, or the driver of N ranks.
+pub trait Executor {
+    fn execute(&mut self, plan: &StepPlan) -> Result<StepResult, StepError>;
+    /// Maximum tokens per sequence.
+    fn ctx_size(&self) -> usize;
+    /// Number of KV-cache slots.
+    fn slots(&self) -> usize;
+}
+
+/// The model, its KV cache and per-sequence samplers, on the MLX thread.
+pub struct Worker {
+    pub model: Transformer,
+    pub cache: KvCache,
+    samplers: HashMap<u64, SequenceSampler>,
+    /// Whether this worker samples (rank 0, or the only process).
+    sampling: bool,
+}
+
+impl Worker {
+    pub fn new(model: Transformer, slots: usize, ctx_size: usize, sampling: bool) -> Worker {
+        let cache = model.new_cache(slots, ctx_size);
+        Worker {
+            model,
+            cache,
+            samplers: HashMap::new(),
+            sampling,
+        }
+    }
+
+    pub fn execute(&mut self, plan: &StepPlan) -> Result<StepResult, StepError> {
+        for id in &plan.release {
+            self.samplers.remove(id);
+        }
+        for s in &plan.seqs {
+            self.cache.check_slot(s.slot).map_err(ForwardError::from)?;
+            if let Some(start) = &s.start {
+                self.cache.reset(s.slot);
+                if self.sampling {
+                    let sampler = SequenceSampler::new(start.params.clone(), &start.prompt)
+                        .map_err(|e| StepError::Params(e.to_string()))?;
+                    self.samplers.insert(s.seq_id, sampler);
+                }
+            }
+            let cached = self.cache.len(s.slot);
+            if cached != s.pos {
+                return Err(StepError::Position {
+                    seq_id: s.seq_id,
+                    slot: s.slot,
+                    pos: s.pos,
+                    cached,
+                });
+            }
+        }
+        let inputs: Vec<SeqInput> = plan
+            .seqs
+            .iter()
+            .map(|s| SeqInput {
+                slot: s.slot,
+                tokens: &s.tokens,
+            })
+            .collect();
+        let mode = if plan.return_logits {
+            Logits::All
+        } else {
+            Logits::Last
+        };
+        let logits = self.model.forward(&mut self.cache, &inputs, mode)?;
+        let mut result = StepResult::default();
+        if plan.return_logits {
+            for l in &logits {
+                result.logits.push(l.to_vec::<f32>()?);
+            }
+        }
+        if !self.sampling {
+            mlx::eval(&logits.iter().collect::<Vec<_>>())?;
+            return Ok(result);
+        }
+        let rows: Vec<usize> = (0..plan.seqs.len())
+            .filter(|&i| plan.seqs[i].sample)
+            .collect();
+        if rows.is_empty() {
+            mlx::eval(&logits.iter().collect::<Vec<_>>())?;
+            return Ok(result);
+        }
+        let last: Vec<Array> = rows
+            .iter()
+            .map(|&i| {
+                let l = &logits[i];
+                let t = l.dim(0);
+                l.slice_axis(0, t - 1, t)
+            })
+            .collect::<mlx::Result<_>>()?;
+        let batch = if last.len() == 1 {
+            last[0].clone()
+        } else {
+            mlx::concatenate(&last.iter().collect::<Vec<_>>(), 0)?
+        };
+        // take the samplers out so we can borrow them mutably together
+        let mut taken: Vec<(u64, SequenceSampler)> = Vec::with_capacity(rows.len());
+        for &i in &rows {
+            let id = plan.seqs[i].seq_id;
+            match self.samplers.remove(&id) {
+                Some(s) => taken.push((id, s)),
+                None => {
+                    for (id, s) in taken {
+                        self.samplers.insert(id, s);
+                    }
+                    return Err(StepError::NoSampler(id));
+                }
+            }
+        }
+        let sampled: mlx::Result<Vec<Sampled>> = {
+            let mut refs: Vec<&mut SequenceSampler> = taken.iter_mut().map(|(_, s)| s).collect();
+            sample_batch(&batch, &mut refs)
+        };
+        let sampled = match sampled {
+            Ok(s) => s,
+            Err(e) => {
+                for (id, s) in taken {
+                    self.samplers.insert(id, s);
+                }
+                return Err(e.into());
+            }
+        };
+        for ((id, mut s), x) in taken.into_iter().zip(sampled) {
+            s.observe(x.token);
+            result.sampled.push(SampledToken {
+                seq_id: id,
+                token: x.token,
+                logprob: x.logprob,
+                top_logprobs: x.top_logprobs,
+            });
+            self.samplers.insert(id, s);
+        }
+        Ok(result)
+    }
+}
+
+/// Executor that runs the worker in this process.
+pub struct LocalExecutor {
+    pub worker: Worker,
+    ctx_size: usize,
+}
+
+impl LocalExecutor {
+    pub fn new(model: Transformer, slots: usize, ctx_size: usize) -> LocalExecutor {
+        LocalExecutor {
+            worker: Worker::new(model, slots, ctx_size, true),
+            ctx_size,
+        }
+    }
+}
+
+impl Executor for LocalExecutor {
+    fn execute(&mut self, plan: &StepPlan) -> Result<StepResult, StepError> {
+        self.worker.execute(plan)
+    }
+    fn ctx_size(&self) -> usize {
+        self.ctx_size
+    }
+    fn slots(&self) -> usize {
+        self.worker.cache.slots()
+    }
+}

@@ -1,0 +1,273 @@
+//! The shard plan: which slice of each weight a tensor-parallel rank holds,
+//! validated before any process is spawned.
+//!
+//! | tensor | split |
+//! |---|---|
+//! | q/k/v, gate/up | column (output rows), whole heads per rank |
+//! | o_proj, down_proj | row (input columns), then `all_sum`, then bias once |
+//! | embeddings, lm_head, norms | replicated |
+//! | KV heads when N > n_kv | replicated: rank r holds kv head ⌊r·n_kv/N⌋ |
+//!
+//! Quantized weights split weight/scales/biases together; a row split needs
+//! `(in / N) % group_size == 0`.
+use std::ops::Range;
+
+use crate::models::ModelConfig;
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ShardError {
+    #[error(
+        "--tp-size {tp}: num_attention_heads {heads} is not divisible by it (valid sizes: {valid})"
+    )]
+    Heads {
+        tp: usize,
+        heads: usize,
+        valid: String,
+    },
+    #[error(
+        "--tp-size {tp}: num_key_value_heads {kv} neither divides by it nor divides it (valid sizes: {valid})"
+    )]
+    KvHeads { tp: usize, kv: usize, valid: String },
+    #[error(
+        "--tp-size {tp}: intermediate_size {inter} is not divisible by it (valid sizes: {valid})"
+    )]
+    Intermediate {
+        tp: usize,
+        inter: usize,
+        valid: String,
+    },
+    #[error(
+        "--tp-size {tp}: the row-parallel {what} would get {per_rank} input columns per rank, not a multiple of the quantization group_size {group} (valid sizes: {valid})"
+    )]
+    QuantGroup {
+        tp: usize,
+        what: &'static str,
+        per_rank: usize,
+        group: usize,
+        valid: String,
+    },
+    #[error("--tp-size must be at least 1")]
+    Zero,
+}
+
+/// What rank `rank` of `size` holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShardPlan {
+    pub rank: usize,
+    pub size: usize,
+    /// Query heads of this rank.
+    pub q_heads: Range<usize>,
+    /// KV heads of this rank (one replicated head when size > n_kv).
+    pub kv_heads: Range<usize>,
+    /// Columns of gate/up (rows of down's input) of this rank.
+    pub intermediate: Range<usize>,
+}
+
+impl ShardPlan {
+    /// The plan of a single device: everything.
+    pub fn full(cfg: &ModelConfig) -> ShardPlan {
+        ShardPlan {
+            rank: 0,
+            size: 1,
+            q_heads: 0..cfg.num_heads,
+            kv_heads: 0..cfg.num_kv_heads,
+            intermediate: 0..cfg.intermediate_size,
+        }
+    }
+
+    pub fn is_sharded(&self) -> bool {
+        self.size > 1
+    }
+}
+
+fn check(cfg: &ModelConfig, tp: usize) -> Result<(), ShardError> {
+    let valid = || {
+        valid_sizes(cfg, 64)
+            .iter()
+            .map(|n| n.to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    if tp == 0 {
+        return Err(ShardError::Zero);
+    }
+    if cfg.num_heads % tp != 0 {
+        return Err(ShardError::Heads {
+            tp,
+            heads: cfg.num_heads,
+            valid: valid(),
+        });
+    }
+    let kv = cfg.num_kv_heads;
+    if kv % tp != 0 && tp % kv != 0 {
+        return Err(ShardError::KvHeads {
+            tp,
+            kv,
+            valid: valid(),
+        });
+    }
+    if cfg.intermediate_size % tp != 0 {
+        return Err(ShardError::Intermediate {
+            tp,
+            inter: cfg.intermediate_size,
+            valid: valid(),
+        });
+    }
+    if let Some(q) = cfg.quantization {
+        let g = q.group_size as usize;
+        for (what, cols) in [
+            ("o_proj", cfg.num_heads * cfg.head_dim / tp),
+            ("down_proj", cfg.intermediate_size / tp),
+        ] {
+            if cols % g != 0 {
+                return Err(ShardError::QuantGroup {
+                    tp,
+                    what,
+                    per_rank: cols,
+                    group: g,
+                    valid: valid(),
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Tensor-parallel sizes up to `max` that this model can be split into.
+pub fn valid_sizes(cfg: &ModelConfig, max: usize) -> Vec<usize> {
+    (1..=max)
+        .filter(|&n| {
+            cfg.num_heads % n == 0
+                && (cfg.num_kv_heads % n == 0 || n % cfg.num_kv_heads == 0)
+                && cfg.intermediate_size % n == 0
+                && cfg.quantization.is_none_or(|q| {
+                    let g = q.group_size as usize;
+                    (cfg.num_heads * cfg.head_dim / n) % g == 0
+                        && (cfg.intermediate_size / n) % g == 0
+                })
+        })
+        .collect()
+}
+
+/// Check that the model splits `tp` ways (before spawning anything).
+pub fn validate(cfg: &ModelConfig, tp: usize) -> Result<(), ShardError> {
+    check(cfg, tp)
+}
+
+/// The slice rank `rank` of `tp` holds.
+pub fn plan(cfg: &ModelConfig, tp: usize, rank: usize) -> Result<ShardPlan, ShardError> {
+    check(cfg, tp)?;
+    let per = |n: usize| n / tp;
+    let qh = per(cfg.num_heads);
+    let kv_heads = if cfg.num_kv_heads % tp == 0 {
+        let k = per(cfg.num_kv_heads);
+        rank * k..(rank + 1) * k
+    } else {
+        let h = rank * cfg.num_kv_heads / tp;
+        h..h + 1
+    };
+    let inter = per(cfg.intermediate_size);
+    Ok(ShardPlan {
+        rank,
+        size: tp,
+        q_heads: rank * qh..(rank + 1) * qh,
+        kv_heads,
+        intermediate: rank * inter..(rank + 1) * inter,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::models::config::{QuantConfig, RopeConfig};
+
+    fn cfg(heads: usize, kv: usize, inter: usize, quant: Option<i32>) -> ModelConfig {
+        ModelConfig {
+            model_type: "llama".into(),
+            hidden_size: 256,
+            num_layers: 2,
+            num_heads: heads,
+            num_kv_heads: kv,
+            head_dim: 32,
+            intermediate_size: inter,
+            vocab_size: 100,
+            rms_norm_eps: 1e-5,
+            rope: RopeConfig {
+                theta: 1e4,
+                llama3: None,
+            },
+            tie_word_embeddings: false,
+            qkv_bias: false,
+            qk_norm: false,
+            max_position_embeddings: 128,
+            quantization: quant.map(|g| QuantConfig {
+                group_size: g,
+                bits: 4,
+            }),
+            dtype: crate::mlx::Dtype::F32,
+            eos_token_ids: vec![],
+            bos_token_id: None,
+        }
+    }
+
+    #[test]
+    fn kv_heads_shard_or_replicate() {
+        let c = cfg(8, 2, 256, None);
+        let p = plan(&c, 2, 1).unwrap();
+        assert_eq!(
+            (p.q_heads, p.kv_heads, p.intermediate),
+            (4..8, 1..2, 128..256)
+        );
+        // N > n_kv: rank r holds kv head floor(r * n_kv / N)
+        let heads: Vec<_> = (0..4).map(|r| plan(&c, 4, r).unwrap().kv_heads).collect();
+        assert_eq!(heads, vec![0..1, 0..1, 1..2, 1..2]);
+        for r in 0..8 {
+            assert_eq!(plan(&c, 8, r).unwrap().kv_heads.start, r * 2 / 8);
+        }
+    }
+
+    #[test]
+    fn invalid_sizes_name_the_flag_and_valid_sizes() {
+        let c = cfg(8, 2, 256, None);
+        let e = validate(&c, 3).unwrap_err();
+        assert!(matches!(
+            e,
+            ShardError::Heads {
+                tp: 3,
+                heads: 8,
+                ..
+            }
+        ));
+        assert!(
+            e.to_string().contains("--tp-size 3") && e.to_string().contains("1, 2, 4, 8"),
+            "{e}"
+        );
+        let c = cfg(12, 4, 384, None);
+        assert!(matches!(
+            validate(&c, 6),
+            Err(ShardError::KvHeads { tp: 6, kv: 4, .. })
+        ));
+        assert!(matches!(validate(&c, 0), Err(ShardError::Zero)));
+    }
+
+    #[test]
+    fn quantized_row_split_must_align_with_groups() {
+        // o_proj input 8*32 = 256 columns: 4 ranks → 64 (ok for group 64), 8 → 32 (not ok)
+        let c = cfg(8, 8, 512, Some(64));
+        assert!(validate(&c, 4).is_ok());
+        let e = validate(&c, 8).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                ShardError::QuantGroup {
+                    what: "o_proj",
+                    per_rank: 32,
+                    group: 64,
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        assert_eq!(valid_sizes(&c, 8), vec![1, 2, 4]);
+    }
+}
