@@ -181,7 +181,7 @@ pub fn generate(
             break;
         }
         let pos = prompt.len() + generated.len() - 1;
-        if generated.len() >= opts.max_tokens || pos + 1 > ctx {
+        if generated.len() >= opts.max_tokens || prompt.len() + generated.len() >= ctx {
             break;
         }
         let step = SeqStep {
