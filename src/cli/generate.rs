@@ -6,9 +6,10 @@ use clap::Args;
 
 use crate::engine::generate::{generate, GenerateOptions, Generation};
 use crate::engine::sampler::SamplingParams;
-use crate::engine::step::LocalExecutor;
+use crate::engine::step::{Executor, LocalExecutor};
 use crate::model_dir::ModelDir;
 use crate::models::{self, demo, LoadFormat, Transformer};
+use crate::parallel::driver::{TpBackend, TpExecutor, TpOptions};
 use crate::tokenizer::{chat::ChatMessage, Tokenizer};
 
 /// Where the model comes from; shared by generate, bench and serve.
@@ -72,6 +73,41 @@ pub struct GenerateArgs {
     /// Print exactly one JSON line (ids, text, finish_reason, stats) instead of streaming text.
     #[arg(long)]
     pub json: bool,
+    #[command(flatten)]
+    pub tp: TpArgs,
+}
+
+/// Tensor-parallel flags, shared by generate and serve.
+#[derive(Debug, Args, Clone)]
+pub struct TpArgs {
+    /// Split the model across N rank processes, one per GPU (rank r on GPU --devices[r]).
+    #[arg(long, default_value_t = 1)]
+    pub tp_size: usize,
+    /// Run the N ranks on the one device there is (CPU, one GPU, Metal) over the ring backend.
+    #[arg(long)]
+    pub tp_emulate: bool,
+    /// Collective backend: auto = NCCL when the CUDA backend sees >= N GPUs, else ring.
+    #[arg(long, value_enum, default_value_t = TpBackend::Auto)]
+    pub tp_backend: TpBackend,
+    /// GPUs for ranks 0..N-1, e.g. `2,0` (indices into this process's visible GPUs).
+    #[arg(long, value_delimiter = ',')]
+    pub devices: Option<Vec<usize>>,
+}
+
+impl TpArgs {
+    /// Whether to run rank processes (also for --tp-size 1 with an explicit backend).
+    pub fn uses_ranks(&self) -> bool {
+        self.tp_size > 1 || self.tp_backend != TpBackend::Auto || self.tp_emulate
+    }
+
+    pub fn options(&self, load_format: LoadFormat, ctx_size: usize, slots: usize) -> TpOptions {
+        let mut o = TpOptions::new(self.tp_size, ctx_size, slots);
+        o.backend = self.tp_backend;
+        o.emulate = self.tp_emulate;
+        o.devices = self.devices.clone();
+        o.load_format = load_format;
+        o
+    }
 }
 
 /// A model folder and its parsed parts, loaded on this (the MLX) thread.
@@ -82,8 +118,16 @@ pub struct LoadedModel {
     pub ctx_size: usize,
 }
 
-/// Resolve `-m` (or the demo model), load weights and tokenizer, with progress for big models.
-pub fn load_model(args: &ModelArgs) -> Result<LoadedModel> {
+/// A model folder opened for use: config, tokenizer and context size, no weights.
+pub struct OpenedModel {
+    pub dir: ModelDir,
+    pub cfg: models::ModelConfig,
+    pub tokenizer: Tokenizer,
+    pub ctx_size: usize,
+}
+
+/// Resolve `-m` (or the demo model) and read its config and tokenizer.
+pub fn open_model(args: &ModelArgs) -> Result<OpenedModel> {
     let dir = match (&args.model, args.load_format) {
         (Some(m), LoadFormat::Dummy) => ModelDir::resolve_config_only(m)?,
         (Some(m), LoadFormat::Safetensors) => ModelDir::resolve(m)?,
@@ -109,6 +153,35 @@ pub fn load_model(args: &ModelArgs) -> Result<LoadedModel> {
             dir.config.display()
         );
     }
+    Ok(OpenedModel {
+        dir,
+        cfg,
+        tokenizer,
+        ctx_size,
+    })
+}
+
+/// Resolve `-m` (or the demo model), load weights and tokenizer.
+pub fn load_model(args: &ModelArgs) -> Result<LoadedModel> {
+    let m = open_model(args)?;
+    let model = load_weights(args, &m)?;
+    let OpenedModel {
+        dir,
+        tokenizer,
+        ctx_size,
+        ..
+    } = m;
+    Ok(LoadedModel {
+        dir,
+        model,
+        tokenizer,
+        ctx_size,
+    })
+}
+
+/// Load an opened model's weights on this thread, with a progress bar for big models.
+pub fn load_weights(args: &ModelArgs, m: &OpenedModel) -> Result<Transformer> {
+    let (dir, cfg) = (&m.dir, &m.cfg);
     let big = cfg.num_parameters() > 500_000_000 && std::io::stderr().is_terminal();
     let bar = big.then(|| {
         let b = indicatif::ProgressBar::new(cfg.num_layers as u64);
@@ -120,7 +193,7 @@ pub fn load_model(args: &ModelArgs) -> Result<LoadedModel> {
         );
         b
     });
-    let loaded = models::load(&dir, args.load_format, |done, _| {
+    let loaded = models::load(dir, args.load_format, |done, _| {
         if let Some(b) = &bar {
             b.set_position(done as u64);
         }
@@ -138,12 +211,7 @@ pub fn load_model(args: &ModelArgs) -> Result<LoadedModel> {
         loaded.seconds,
         loaded.bytes_read as f64 / 1e9
     );
-    Ok(LoadedModel {
-        dir,
-        model: loaded.model,
-        tokenizer,
-        ctx_size,
-    })
+    Ok(loaded.model)
 }
 
 pub fn run(args: &GenerateArgs) -> Result<()> {
@@ -159,7 +227,7 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
     params
         .validate()
         .map_err(|e| anyhow::anyhow!("invalid sampling option: {e}"))?;
-    let m = load_model(&args.model)?;
+    let m = open_model(&args.model)?;
     let prompt_ids = if args.chat {
         let mut messages = Vec::new();
         if let Some(s) = &args.system {
@@ -177,11 +245,19 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
         prefill_chunk: args.prefill_chunk,
         skip_special_tokens: true,
     };
-    let mut exec = LocalExecutor::new(m.model, 1, m.ctx_size);
+    let mut tp_exec = None;
+    let mut local_exec = None;
+    let exec: &mut dyn Executor = if args.tp.uses_ranks() {
+        let opts = args.tp.options(args.model.load_format, m.ctx_size, 1);
+        tp_exec.insert(TpExecutor::launch(&m.dir, opts)?)
+    } else {
+        let loaded = load_weights(&args.model, &m)?;
+        local_exec.insert(LocalExecutor::new(loaded, 1, m.ctx_size))
+    };
     let mut stdout = std::io::stdout().lock();
     let json = args.json;
     let g = generate(
-        &mut exec,
+        exec,
         &m.tokenizer,
         0,
         0,

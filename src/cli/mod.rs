@@ -42,6 +42,10 @@ pub enum Command {
     /// List the GPUs MLX sees (and, with --check, test each one in a child process).
     Devices(devices::DevicesArgs),
 
+    /// (internal) A tensor-parallel rank process, started by the driver.
+    #[command(name = "_rank", hide = true)]
+    Rank(crate::parallel::rank::RankArgs),
+
     /// (internal) Test the one GPU this process sees; prints one JSON line.
     #[command(name = "_probe-device", hide = true)]
     ProbeDevice(probe::ProbeDeviceArgs),
@@ -66,6 +70,7 @@ pub fn main() -> Result<()> {
         Command::Generate(args) => generate::run(&args),
         Command::Bench(args) => bench::run(&args),
         Command::Devices(args) => devices::run(&args),
+        Command::Rank(args) => crate::parallel::rank::run(&args),
         Command::ProbeDevice(args) => probe::probe_device(&args),
         Command::AllsumProbe(args) => probe::allsum_probe(&args),
     }

@@ -56,7 +56,9 @@ pub enum ChannelError {
     Codec(#[from] serde_json::Error),
     #[error("bad f32 frame: {len} bytes is not a multiple of 4")]
     BadF32Frame { len: usize },
-    #[error("{var} is not set: this process is meant to be started by the mlxcel driver as a TP rank")]
+    #[error(
+        "{var} is not set: this process is meant to be started by the mlxcel driver as a TP rank"
+    )]
     MissingEnv { var: &'static str },
     #[error("{var}={value:?} is invalid: {reason}")]
     BadEnv {
@@ -237,8 +239,9 @@ impl Channel {
             // A whole frame buffered?
             let mut want = 4;
             if self.rbuf.len() >= 4 {
-                let len = u32::from_le_bytes([self.rbuf[0], self.rbuf[1], self.rbuf[2], self.rbuf[3]])
-                    as usize;
+                let len =
+                    u32::from_le_bytes([self.rbuf[0], self.rbuf[1], self.rbuf[2], self.rbuf[3]])
+                        as usize;
                 if len > self.max_frame {
                     return Err(ChannelError::TooLarge {
                         len,
@@ -306,7 +309,10 @@ impl Channel {
     }
 
     /// Receives a typed message, or [`ChannelError::Timeout`] after `timeout`.
-    pub fn recv_timeout<T: DeserializeOwned>(&mut self, timeout: Duration) -> Result<T, ChannelError> {
+    pub fn recv_timeout<T: DeserializeOwned>(
+        &mut self,
+        timeout: Duration,
+    ) -> Result<T, ChannelError> {
         decode(&self.recv_frame_timeout(timeout)?)
     }
 
@@ -511,7 +517,10 @@ impl RankChannel {
         self.channel.recv()
     }
 
-    pub fn recv_timeout<T: DeserializeOwned>(&mut self, timeout: Duration) -> Result<T, ChannelError> {
+    pub fn recv_timeout<T: DeserializeOwned>(
+        &mut self,
+        timeout: Duration,
+    ) -> Result<T, ChannelError> {
         self.channel.recv_timeout(timeout)
     }
 }
@@ -539,11 +548,21 @@ mod tests {
     fn typed_and_f32_frames_round_trip() {
         let (mut a, s) = pair();
         let mut b = Channel::new(s).unwrap();
-        a.send(&Msg { a: 7, b: "x".into() }).unwrap();
+        a.send(&Msg {
+            a: 7,
+            b: "x".into(),
+        })
+        .unwrap();
         let big: Vec<f32> = (0..300_000).map(|i| i as f32 * 0.5 - 3.0).collect();
         a.send_f32s(&big).unwrap();
         a.send_frame(&[]).unwrap();
-        assert_eq!(b.recv::<Msg>().unwrap(), Msg { a: 7, b: "x".into() });
+        assert_eq!(
+            b.recv::<Msg>().unwrap(),
+            Msg {
+                a: 7,
+                b: "x".into()
+            }
+        );
         assert_eq!(b.recv_f32s().unwrap(), big);
         assert_eq!(b.recv_frame().unwrap(), Vec::<u8>::new());
         drop(a);
@@ -553,12 +572,18 @@ mod tests {
     #[test]
     fn timeout_mid_frame_keeps_the_stream_in_sync() {
         let (mut a, mut raw) = pair();
-        let body = encode(&Msg { a: 1, b: "hello".into() }).unwrap();
+        let body = encode(&Msg {
+            a: 1,
+            b: "hello".into(),
+        })
+        .unwrap();
         let mut frame = (body.len() as u32).to_le_bytes().to_vec();
         frame.extend_from_slice(&body);
         raw.write_all(&frame[..6]).unwrap();
         let t = Instant::now();
-        let err = a.recv_timeout::<Msg>(Duration::from_millis(100)).unwrap_err();
+        let err = a
+            .recv_timeout::<Msg>(Duration::from_millis(100))
+            .unwrap_err();
         assert!(matches!(err, ChannelError::Timeout(d) if d == Duration::from_millis(100)));
         assert!(t.elapsed() < Duration::from_secs(2));
         raw.write_all(&frame[6..]).unwrap();
@@ -586,14 +611,29 @@ mod tests {
         raw.write_all(b"abc").unwrap();
         drop(raw);
         let err = a.recv_frame().unwrap_err();
-        assert!(matches!(err, ChannelError::Truncated { got: 7, expected: 14 }), "{err}");
+        assert!(
+            matches!(
+                err,
+                ChannelError::Truncated {
+                    got: 7,
+                    expected: 14
+                }
+            ),
+            "{err}"
+        );
         assert!(err.is_closed());
     }
 
     #[test]
     fn bad_f32_frame_is_an_error() {
-        assert!(matches!(decode_f32s(&[0; 5]), Err(ChannelError::BadF32Frame { len: 5 })));
-        assert_eq!(decode_f32s(&encode_f32s(&[1.5, -2.0])).unwrap(), vec![1.5, -2.0]);
+        assert!(matches!(
+            decode_f32s(&[0; 5]),
+            Err(ChannelError::BadF32Frame { len: 5 })
+        ));
+        assert_eq!(
+            decode_f32s(&encode_f32s(&[1.5, -2.0])).unwrap(),
+            vec![1.5, -2.0]
+        );
     }
 
     #[test]
@@ -618,7 +658,13 @@ mod tests {
         assert_eq!(err.what, "/files/m.safetensors: 10 (rank 0) vs 11");
         let c = json!({"config_hash": "ab", "tp": 2, "files": {}, "extra": 1});
         let what = first_difference(&a, &c).unwrap();
-        assert!(what.starts_with("/files/m.safetensors: 10 (rank 0) vs missing"), "{what}");
-        assert_eq!(first_difference(&json!(1), &json!(2)).unwrap(), "/: 1 (rank 0) vs 2");
+        assert!(
+            what.starts_with("/files/m.safetensors: 10 (rank 0) vs missing"),
+            "{what}"
+        );
+        assert_eq!(
+            first_difference(&json!(1), &json!(2)).unwrap(),
+            "/: 1 (rank 0) vs 2"
+        );
     }
 }

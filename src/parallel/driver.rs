@@ -1,0 +1,451 @@
+//! The driver side of tensor parallelism: validates the split, starts the N
+//! rank processes with their placement and rendezvous, and executes step plans
+//! by sending each plan to every rank and taking rank 0's result. The driver
+//! itself never loads weights or touches a GPU.
+//!
+//! Any rank failure (exit, crash, stall past the step deadline, error reply)
+//! stops every rank within seconds and fails the step with an error that names
+//! the rank and shows its last stderr lines.
+use std::path::PathBuf;
+use std::time::Duration;
+
+use super::launcher::{pick_free_ports, LaunchOptions, RankError, RankGroup};
+use super::placement::{parse_visible_devices, visible_devices_for, VISIBLE_DEVICES_VAR};
+use super::protocol::{FromRank, Identity, RankReport, ToRank};
+use super::rank::MEMORY_LIMIT_VAR;
+use super::shard::{self, ShardError};
+use crate::engine::step::{Executor, StepError, StepPlan, StepResult};
+use crate::mlx::{self, distributed::GroupBackend};
+use crate::model_dir::ModelDir;
+use crate::models::{self, LoadFormat, ModelError};
+
+/// `--tp-backend`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum TpBackend {
+    /// NCCL when the CUDA backend sees at least N GPUs, else ring.
+    #[default]
+    Auto,
+    Nccl,
+    Ring,
+}
+
+#[derive(Debug, Clone)]
+pub struct TpOptions {
+    pub tp_size: usize,
+    pub backend: TpBackend,
+    /// Run all ranks on the one device there is, over ring.
+    pub emulate: bool,
+    /// Rank r → this process's GPU entry `devices[r]` (default 0..N).
+    pub devices: Option<Vec<usize>>,
+    pub load_format: LoadFormat,
+    pub ctx_size: usize,
+    pub slots: usize,
+    /// The binary to run as ranks (default: this executable).
+    pub program: Option<PathBuf>,
+    /// Deadline for loading (per launch).
+    pub load_timeout: Duration,
+    /// Deadline for the first step (kernel compilation) and for later steps.
+    pub first_step_timeout: Duration,
+    pub step_timeout: Duration,
+}
+
+impl TpOptions {
+    pub fn new(tp_size: usize, ctx_size: usize, slots: usize) -> TpOptions {
+        let secs = |var: &str, default: u64| {
+            Duration::from_secs(
+                std::env::var(var)
+                    .ok()
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(default),
+            )
+        };
+        TpOptions {
+            tp_size,
+            backend: TpBackend::Auto,
+            emulate: false,
+            devices: None,
+            load_format: LoadFormat::Safetensors,
+            ctx_size,
+            slots,
+            program: None,
+            load_timeout: secs("MLXCEL_TP_LOAD_TIMEOUT", 1800),
+            first_step_timeout: secs("MLXCEL_TP_FIRST_STEP_TIMEOUT", 600),
+            step_timeout: secs("MLXCEL_TP_STEP_TIMEOUT", 60),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum LaunchError {
+    #[error(transparent)]
+    Shard(#[from] ShardError),
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error(
+        "--tp-size {tp} needs {tp} GPUs but {found} {what} visible; add --tp-emulate to run the {tp} ranks on one device over the ring backend"
+    )]
+    NotEnoughGpus {
+        tp: usize,
+        found: usize,
+        what: &'static str,
+    },
+    #[error(
+        "--tp-backend nccl needs the CUDA backend of MLX (this process runs MLX's {0} backend)"
+    )]
+    NcclNeedsCuda(String),
+    #[error("--devices lists {given} GPU(s) but --tp-size is {tp}")]
+    DevicesCount { given: usize, tp: usize },
+    #[error("--devices: {0}")]
+    Devices(String),
+    #[error(transparent)]
+    Rank(#[from] RankError),
+    #[error("rank {rank} failed while loading: {msg}")]
+    RankFailed { rank: usize, msg: String },
+    #[error("{0}")]
+    Io(String),
+}
+
+/// Executes step plans on N rank processes.
+pub struct TpExecutor {
+    group: RankGroup,
+    reports: Vec<RankReport>,
+    backend: GroupBackend,
+    opts: TpOptions,
+    steps: u64,
+    failed: Option<String>,
+    _hostfile: Option<tempfile_path::TempPath>,
+}
+
+mod tempfile_path {
+    /// A file removed on drop.
+    pub struct TempPath(pub std::path::PathBuf);
+    impl Drop for TempPath {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.0);
+        }
+    }
+}
+
+/// GPUs this process can use, counted without creating a context on them.
+fn visible_gpus() -> usize {
+    mlx::gpu_device_count()
+}
+
+impl TpExecutor {
+    /// Validate, spawn, handshake, load: returns once every rank is ready.
+    pub fn launch(dir: &ModelDir, opts: TpOptions) -> Result<TpExecutor, LaunchError> {
+        let n = opts.tp_size;
+        let cfg = models::read_config(dir)?;
+        shard::validate(&cfg, n)?;
+        let backend_name = mlx::backend().to_string();
+        let gpus = visible_gpus();
+        let backend = match (opts.backend, opts.emulate) {
+            (TpBackend::Ring, _) | (TpBackend::Auto, true) => GroupBackend::Ring,
+            (TpBackend::Nccl, _) => {
+                if mlx::backend() != mlx::Backend::Cuda {
+                    return Err(LaunchError::NcclNeedsCuda(backend_name));
+                }
+                GroupBackend::Nccl
+            }
+            (TpBackend::Auto, false) => {
+                if mlx::backend() == mlx::Backend::Cuda && gpus >= n {
+                    GroupBackend::Nccl
+                } else {
+                    GroupBackend::Ring
+                }
+            }
+        };
+        // placement: rank r -> GPU entry devices[r]
+        let entries: Vec<usize> = match &opts.devices {
+            Some(d) => {
+                if d.len() != n {
+                    return Err(LaunchError::DevicesCount {
+                        given: d.len(),
+                        tp: n,
+                    });
+                }
+                d.clone()
+            }
+            None if opts.emulate => vec![0; n],
+            None => (0..n).collect(),
+        };
+        if !opts.emulate && gpus < n {
+            let what = if gpus == 1 { "is" } else { "are" };
+            return Err(LaunchError::NotEnoughGpus {
+                tp: n,
+                found: gpus,
+                what,
+            });
+        }
+        if let Some(&bad) = entries.iter().find(|&&e| gpus > 0 && e >= gpus) {
+            return Err(LaunchError::Devices(format!(
+                "GPU {bad} does not exist ({gpus} visible)"
+            )));
+        }
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            match Self::try_launch(dir, &opts, &cfg, backend, &entries, gpus) {
+                Err(LaunchError::Rank(e)) if attempt < 3 && looks_like_port_clash(&e) => {
+                    tracing::warn!("TP start-up failed on a port clash, retrying: {e}");
+                }
+                other => return other,
+            }
+        }
+    }
+
+    fn try_launch(
+        dir: &ModelDir,
+        opts: &TpOptions,
+        cfg: &models::ModelConfig,
+        backend: GroupBackend,
+        entries: &[usize],
+        gpus: usize,
+    ) -> Result<TpExecutor, LaunchError> {
+        let n = opts.tp_size;
+        let mut hostfile = None;
+        let mut rank_envs: Vec<Vec<(String, String)>> = (0..n)
+            .map(|r| {
+                vec![
+                    ("MLX_RANK".to_string(), r.to_string()),
+                    ("MLX_WORLD_SIZE".to_string(), n.to_string()),
+                ]
+            })
+            .collect();
+        match backend {
+            GroupBackend::Nccl => {
+                let port = pick_free_ports(1)
+                    .map_err(|e| LaunchError::Io(format!("picking a free port: {e}")))?[0];
+                for env in rank_envs.iter_mut() {
+                    env.push(("NCCL_HOST_IP".into(), "127.0.0.1".into()));
+                    env.push(("NCCL_PORT".into(), port.to_string()));
+                    if std::env::var_os("NCCL_SOCKET_IFNAME").is_none() {
+                        env.push(("NCCL_SOCKET_IFNAME".into(), "lo".into()));
+                    }
+                }
+            }
+            _ => {
+                let ports = pick_free_ports(n)
+                    .map_err(|e| LaunchError::Io(format!("picking free ports: {e}")))?;
+                let hosts: Vec<Vec<String>> = ports
+                    .iter()
+                    .map(|p| vec![format!("127.0.0.1:{p}")])
+                    .collect();
+                let path = std::env::temp_dir().join(format!(
+                    "mlxcel-ring-{}-{}.json",
+                    std::process::id(),
+                    ports[0]
+                ));
+                std::fs::write(&path, serde_json::to_string(&hosts).unwrap_or_default())
+                    .map_err(|e| LaunchError::Io(format!("writing {}: {e}", path.display())))?;
+                for env in rank_envs.iter_mut() {
+                    env.push(("MLX_HOSTFILE".into(), path.display().to_string()));
+                }
+                hostfile = Some(tempfile_path::TempPath(path));
+            }
+        }
+        if gpus > 0 {
+            for (r, env) in rank_envs.iter_mut().enumerate() {
+                env.extend(
+                    visible_devices_for(entries[r])
+                        .map_err(|e| LaunchError::Devices(e.to_string()))?,
+                );
+            }
+            if opts.emulate {
+                if let Ok(info) = mlx::device_info(0) {
+                    let share = (info.total_memory as f64 * 0.9 / n as f64) as u64;
+                    for env in rank_envs.iter_mut() {
+                        env.push((MEMORY_LIMIT_VAR.into(), share.to_string()));
+                    }
+                }
+            }
+        } else if std::env::var_os(VISIBLE_DEVICES_VAR)
+            .is_some_and(|v| parse_visible_devices(&v.to_string_lossy()).is_empty())
+        {
+            // nothing to do: no GPUs in this process's view
+        }
+        let args: Vec<String> = vec![
+            "_rank".into(),
+            "--model".into(),
+            dir.root.display().to_string(),
+            "--load-format".into(),
+            match opts.load_format {
+                LoadFormat::Dummy => "dummy".into(),
+                LoadFormat::Safetensors => "safetensors".into(),
+            },
+            "--ctx-size".into(),
+            opts.ctx_size.to_string(),
+            "--slots".into(),
+            opts.slots.to_string(),
+            "--tp-size".into(),
+            n.to_string(),
+            "--backend".into(),
+            backend.name().into(),
+        ];
+        let config_bytes = std::fs::read(&dir.config)
+            .map_err(|e| LaunchError::Io(format!("{}: {e}", dir.config.display())))?;
+        let weight_files = if opts.load_format == LoadFormat::Dummy {
+            vec![]
+        } else {
+            dir.weights.clone()
+        };
+        let expected =
+            serde_json::to_value(Identity::of(&config_bytes, n, &weight_files)).unwrap_or_default();
+        let check = |ids: &[serde_json::Value]| -> Result<(), super::channel::IdentityMismatch> {
+            for (rank, id) in ids.iter().enumerate() {
+                if let Some(what) = super::channel::first_difference(&expected, id) {
+                    return Err(super::channel::IdentityMismatch {
+                        rank,
+                        what: format!("{what} (driver vs rank; config.json, --tp-size or weight files differ)"),
+                    });
+                }
+            }
+            Ok(())
+        };
+        let launch = LaunchOptions {
+            startup_timeout: Duration::from_secs(120),
+            ..LaunchOptions::default()
+        };
+        tracing::info!(
+            "starting {n} TP ranks ({} backend{}) for {} ({} layers)",
+            backend,
+            if opts.emulate {
+                ", emulated on one device"
+            } else {
+                ""
+            },
+            dir.root.display(),
+            cfg.num_layers
+        );
+        let mut group = match &opts.program {
+            Some(p) => RankGroup::spawn_with(p.as_os_str(), &args, rank_envs, &launch, check)?,
+            None => RankGroup::spawn(&args, rank_envs, &launch, check)?,
+        };
+        let replies: Vec<FromRank> = group.recv_all(opts.load_timeout)?;
+        let mut reports = Vec::with_capacity(n);
+        for (rank, r) in replies.into_iter().enumerate() {
+            match r {
+                FromRank::Ready(rep) => reports.push(rep),
+                FromRank::Error(msg) => {
+                    group.shutdown(Duration::from_secs(2));
+                    return Err(LaunchError::RankFailed { rank, msg });
+                }
+                FromRank::Step(_) => {
+                    group.shutdown(Duration::from_secs(2));
+                    return Err(LaunchError::RankFailed {
+                        rank,
+                        msg: "sent a step result before loading".into(),
+                    });
+                }
+            }
+        }
+        for r in &reports {
+            tracing::info!(
+                "rank {} (pid {}, {}): {:.3} GB weights, {:.3} GB active, read {:.3} GB in {:.2}s",
+                r.rank,
+                r.pid,
+                r.device,
+                r.weight_bytes as f64 / 1e9,
+                r.active_memory as f64 / 1e9,
+                r.bytes_read as f64 / 1e9,
+                r.load_seconds
+            );
+        }
+        Ok(TpExecutor {
+            group,
+            reports,
+            backend,
+            opts: opts.clone(),
+            steps: 0,
+            failed: None,
+            _hostfile: hostfile,
+        })
+    }
+
+    /// What each rank reported after loading.
+    pub fn reports(&self) -> &[RankReport] {
+        &self.reports
+    }
+
+    pub fn backend(&self) -> GroupBackend {
+        self.backend
+    }
+
+    pub fn pids(&self) -> Vec<u32> {
+        self.group.pids()
+    }
+
+    /// Stop all ranks (clean exit requested first).
+    pub fn shutdown(&mut self) {
+        let _ = self.group.broadcast(&ToRank::Shutdown);
+        self.group.shutdown(Duration::from_secs(2));
+    }
+
+    fn fail(&mut self, msg: String) -> StepError {
+        self.group.shutdown(Duration::from_secs(2));
+        self.failed = Some(msg.clone());
+        StepError::Rank(msg)
+    }
+}
+
+fn looks_like_port_clash(e: &RankError) -> bool {
+    let text = e.to_string().to_lowercase();
+    text.contains("address already in use")
+        || text.contains("couldn't bind")
+        || text.contains("bind")
+}
+
+impl Executor for TpExecutor {
+    fn execute(&mut self, plan: &StepPlan) -> Result<StepResult, StepError> {
+        if let Some(msg) = &self.failed {
+            return Err(StepError::Rank(format!(
+                "the TP group has failed earlier: {msg}"
+            )));
+        }
+        if let Err(e) = self.group.broadcast(&ToRank::Step(plan.clone())) {
+            return Err(self.fail(e.to_string()));
+        }
+        let timeout = if self.steps == 0 {
+            self.opts.first_step_timeout
+        } else {
+            self.opts.step_timeout
+        };
+        let replies: Vec<FromRank> = match self.group.recv_all(timeout) {
+            Ok(r) => r,
+            Err(e) => return Err(self.fail(e.to_string())),
+        };
+        self.steps += 1;
+        let mut out = None;
+        for (rank, r) in replies.into_iter().enumerate() {
+            match r {
+                FromRank::Step(res) if rank == 0 => out = Some(res),
+                FromRank::Step(_) => {}
+                FromRank::Error(msg) => {
+                    let tail = self.group.stderr_tail(rank).join("\n    ");
+                    return Err(self.fail(format!("TP rank {rank} failed: {msg}\n    {tail}")));
+                }
+                FromRank::Ready(_) => {
+                    return Err(self.fail(format!("TP rank {rank} sent an unexpected message")))
+                }
+            }
+        }
+        Ok(out.unwrap_or_default())
+    }
+
+    fn ctx_size(&self) -> usize {
+        self.opts.ctx_size
+    }
+
+    fn slots(&self) -> usize {
+        self.opts.slots
+    }
+}
+
+impl Drop for TpExecutor {
+    fn drop(&mut self) {
+        if self.failed.is_none() {
+            let _ = self.group.broadcast(&ToRank::Shutdown);
+        }
+        self.group.shutdown(Duration::from_secs(2));
+    }
+}

@@ -1,0 +1,79 @@
+//! Messages between the driver and its rank processes over the control channel.
+use serde::{Deserialize, Serialize};
+
+use crate::engine::step::{StepPlan, StepResult};
+
+/// Driver → rank.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum ToRank {
+    /// Execute this step (every rank gets the same plan).
+    Step(StepPlan),
+    /// Exit cleanly.
+    Shutdown,
+}
+
+/// Rank → driver.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum FromRank {
+    /// Weights loaded; the rank waits for steps.
+    Ready(RankReport),
+    /// A step's result (only rank 0's carries sampled tokens).
+    Step(StepResult),
+    /// The rank failed and is exiting.
+    Error(String),
+}
+
+/// What a rank reports after loading.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct RankReport {
+    pub rank: usize,
+    pub pid: u32,
+    /// `cpu`, or the GPU's name.
+    pub device: String,
+    pub weight_bytes: u64,
+    /// MLX active memory after loading (weights and anything else alive).
+    pub active_memory: u64,
+    pub peak_memory: u64,
+    /// Bytes copied out of checkpoint files.
+    pub bytes_read: u64,
+    pub load_seconds: f64,
+}
+
+/// What every rank must agree on with the driver: same model, same split.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Identity {
+    /// FNV-1a of config.json's bytes.
+    pub config_hash: String,
+    pub tp_size: usize,
+    /// Weight files and their sizes in bytes (empty for dummy weights).
+    pub weight_files: Vec<(String, u64)>,
+}
+
+impl Identity {
+    pub fn of(
+        config_bytes: &[u8],
+        tp_size: usize,
+        weight_files: &[std::path::PathBuf],
+    ) -> Identity {
+        let mut h: u64 = 0xcbf29ce484222325;
+        for b in config_bytes {
+            h ^= *b as u64;
+            h = h.wrapping_mul(0x100000001b3);
+        }
+        let weight_files = weight_files
+            .iter()
+            .map(|p| {
+                let name = p
+                    .file_name()
+                    .map(|n| n.to_string_lossy().into_owned())
+                    .unwrap_or_default();
+                (name, std::fs::metadata(p).map(|m| m.len()).unwrap_or(0))
+            })
+            .collect();
+        Identity {
+            config_hash: format!("{h:016x}"),
+            tp_size,
+            weight_files,
+        }
+    }
+}

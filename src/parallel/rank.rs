@@ -1,0 +1,140 @@
+//! The rank process (`mlxcel _rank`): joins the control channel and the MLX
+//! group, loads its shard, then executes step plans until told to stop. It
+//! decides nothing on its own; on any error it reports and exits, and on
+//! control-channel EOF (the driver is gone) it exits at once.
+use std::rc::Rc;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+
+use super::channel::RankChannel;
+use super::protocol::{FromRank, Identity, RankReport, ToRank};
+use super::shard;
+use crate::engine::step::{StepResult, Worker};
+use crate::mlx::{self, distributed::GroupBackend};
+use crate::model_dir::ModelDir;
+use crate::models::{self, LoadFormat, Transformer, WeightSource};
+
+/// Environment variable with a rank's MLX memory limit in bytes (emulation).
+pub const MEMORY_LIMIT_VAR: &str = "MLXCEL_RANK_MEMORY_LIMIT";
+
+#[derive(Debug, Args, Clone)]
+pub struct RankArgs {
+    /// Resolved model folder.
+    #[arg(long)]
+    pub model: std::path::PathBuf,
+    #[arg(long, value_enum)]
+    pub load_format: LoadFormat,
+    #[arg(long)]
+    pub ctx_size: usize,
+    #[arg(long)]
+    pub slots: usize,
+    #[arg(long)]
+    pub tp_size: usize,
+    /// nccl or ring.
+    #[arg(long)]
+    pub backend: GroupBackend,
+}
+
+fn env_usize(name: &str) -> Result<usize> {
+    let v = std::env::var(name)
+        .with_context(|| format!("{name} is not set (rank processes are started by the driver)"))?;
+    v.trim()
+        .parse()
+        .with_context(|| format!("{name}={v} is not a number"))
+}
+
+pub fn run(args: &RankArgs) -> Result<()> {
+    let rank = env_usize("MLX_RANK")?;
+    let dir = match args.load_format {
+        LoadFormat::Dummy => ModelDir::open_config_only(&args.model)?,
+        LoadFormat::Safetensors => ModelDir::open(&args.model)?,
+    };
+    let config_bytes =
+        std::fs::read(&dir.config).with_context(|| format!("reading {}", dir.config.display()))?;
+    let weight_files = if args.load_format == LoadFormat::Dummy {
+        vec![]
+    } else {
+        dir.weights.clone()
+    };
+    let identity = Identity::of(&config_bytes, args.tp_size, &weight_files);
+    let mut chan = RankChannel::connect_from_env(serde_json::to_value(&identity)?)
+        .context("connecting to the driver's control channel")?;
+    if chan.rank() != rank {
+        bail!(
+            "MLX_RANK={rank} but the control channel says rank {}",
+            chan.rank()
+        );
+    }
+    let result = serve(args, rank, &dir, &mut chan);
+    if let Err(e) = &result {
+        let _ = chan.send(&FromRank::Error(format!("rank {rank}: {e:#}")));
+    }
+    result
+}
+
+fn serve(args: &RankArgs, rank: usize, dir: &ModelDir, chan: &mut RankChannel) -> Result<()> {
+    if let Ok(v) = std::env::var(MEMORY_LIMIT_VAR) {
+        if let Ok(limit) = v.parse::<u64>() {
+            mlx::memory::set_limit(limit);
+        }
+    }
+    let group = mlx::distributed::init(args.backend, true)
+        .with_context(|| format!("joining the {} group as rank {rank}", args.backend))?;
+    group.expect_size(args.tp_size as i32)?;
+    if group.rank() as usize != rank {
+        bail!(
+            "the {} group gave rank {} to MLX_RANK={rank}",
+            args.backend,
+            group.rank()
+        );
+    }
+    let cfg = models::read_config(dir)?;
+    let plan = shard::plan(&cfg, args.tp_size, rank)?;
+    let t0 = Instant::now();
+    let src = match args.load_format {
+        LoadFormat::Safetensors => WeightSource::files(&dir.weights)?,
+        LoadFormat::Dummy => WeightSource::dummy(cfg.dtype, rank as u64)?,
+    };
+    let model = Transformer::load_shard(&cfg, &src, &plan, Some(Rc::new(group)), |_, _| {})?;
+    let report = RankReport {
+        rank,
+        pid: std::process::id(),
+        device: if mlx::gpu_device_count() > 0 {
+            mlx::device_info(0)
+                .map(|d| d.name)
+                .unwrap_or_else(|_| "gpu".into())
+        } else {
+            "cpu".into()
+        },
+        weight_bytes: model.weight_bytes() as u64,
+        active_memory: mlx::memory::active(),
+        peak_memory: mlx::memory::peak(),
+        bytes_read: src.bytes_read(),
+        load_seconds: t0.elapsed().as_secs_f64(),
+    };
+    drop(src);
+    let mut worker = Worker::new(model, args.slots, args.ctx_size, rank == 0);
+    chan.send(&FromRank::Ready(report))?;
+    loop {
+        let msg = match chan.recv::<ToRank>() {
+            Ok(m) => m,
+            // the driver is gone or sent garbage: exit now
+            Err(e) => {
+                tracing::debug!("rank {rank}: control channel closed ({e}); exiting");
+                std::process::exit(0);
+            }
+        };
+        match msg {
+            ToRank::Step(plan) => {
+                let r = worker
+                    .execute(&plan)
+                    .with_context(|| format!("rank {rank}: step failed"))?;
+                let reply = if rank == 0 { r } else { StepResult::default() };
+                chan.send(&FromRank::Step(reply))?;
+            }
+            ToRank::Shutdown => return Ok(()),
+        }
+    }
+}
