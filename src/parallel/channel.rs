@@ -112,7 +112,7 @@ pub fn encode_f32s(values: &[f32]) -> Vec<u8> {
 
 /// Decodes a frame body produced by [`encode_f32s`].
 pub fn decode_f32s(body: &[u8]) -> Result<Vec<f32>, ChannelError> {
-    if body.len() % 4 != 0 {
+    if !body.len().is_multiple_of(4) {
         return Err(ChannelError::BadF32Frame { len: body.len() });
     }
     Ok(body

@@ -393,7 +393,20 @@ impl Shared {
 fn watch(shared: Arc<Shared>, events: Sender<Event>, grace: Duration) {
     let mut killed = false;
     loop {
-        for (rank, status) in shared.poll() {
+        let mut deaths = shared.poll();
+        if !deaths.is_empty()
+            && !shared.stopping.load(Ordering::SeqCst)
+            && lock(&shared.failure).is_none()
+        {
+            // A peer that loses its partner exits soon after it: gather the deaths of the
+            // next moment too and blame a rank killed by a signal (the likely root cause)
+            // before one that exited on its own.
+            std::thread::sleep(Duration::from_millis(100));
+            deaths.extend(shared.poll());
+            use std::os::unix::process::ExitStatusExt;
+            deaths.sort_by_key(|(rank, st)| (st.signal().is_none(), *rank));
+        }
+        for (rank, status) in deaths {
             let expected =
                 shared.stopping.load(Ordering::SeqCst) || lock(&shared.failure).is_some();
             if expected {
@@ -443,9 +456,10 @@ fn read_frames(rank: usize, mut ch: Channel, events: Sender<Event>) {
 /// Forks the children from a thread that lives as long as the group, so the
 /// Linux parent-death signal (tied to the forking thread) fires only when the
 /// driver process dies.
-fn spawn_on_keeper(
-    cmds: Vec<Command>,
-) -> std::io::Result<(Vec<std::io::Result<Child>>, Sender<()>, JoinHandle<()>)> {
+/// The spawn results, the keeper's release handle and the keeper thread.
+type Spawned = (Vec<std::io::Result<Child>>, Sender<()>, JoinHandle<()>);
+
+fn spawn_on_keeper(cmds: Vec<Command>) -> std::io::Result<Spawned> {
     let (result_tx, result_rx) = mpsc::channel();
     let (release_tx, release_rx) = mpsc::channel::<()>();
     let handle = std::thread::Builder::new()
@@ -827,15 +841,20 @@ impl RankGroup {
 
     /// The channel of `rank` broke: report its exit if it is exiting.
     fn closed(&mut self, rank: usize, reason: String) -> RankError {
-        let until = Instant::now() + EXIT_SETTLE;
-        while Instant::now() < until {
+        let start = Instant::now();
+        loop {
             if let Some(f) = self.shared.failure() {
                 return f;
             }
-            if self.shared.exited(rank).is_some() {
-                // The watcher turns the exit into the failure on its next tick.
-                std::thread::sleep(Duration::from_millis(5));
-                continue;
+            // Once the exit shows, the watcher turns it into the failure
+            // (after reading the last stderr lines): wait for that.
+            let limit = if self.shared.exited(rank).is_some() {
+                EXIT_SETTLE * 6
+            } else {
+                EXIT_SETTLE
+            };
+            if start.elapsed() >= limit {
+                break;
             }
             std::thread::sleep(Duration::from_millis(10));
         }
