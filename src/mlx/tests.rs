@@ -366,9 +366,15 @@ fn devices_and_streams() {
 
 #[test]
 fn memory_counters_move() {
-    let before = memory::active();
+    // counters are per process and other tests run in parallel: check absolute lower bounds
     let x = Array::zeros(&[1024, 1024], Dtype::F32).unwrap();
     x.eval().unwrap();
-    assert!(memory::active() >= before + 4 * 1024 * 1024 - 1);
-    assert!(memory::peak() >= memory::active());
+    assert!(
+        memory::active() >= 4 * 1024 * 1024,
+        "active {}",
+        memory::active()
+    );
+    assert!(memory::peak() >= 4 * 1024 * 1024, "peak {}", memory::peak());
+    assert!(memory::limit() > 0);
+    drop(x);
 }
