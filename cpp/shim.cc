@@ -365,6 +365,20 @@ ArrayPtr sdpa_masked(const array& q, const array& k, const array& v, float scale
   return wrap(mx::fast::scaled_dot_product_attention(q, k, v, scale, "array", mask));
 }
 
+// ---- fused (compiled) element-wise ops ----
+namespace {
+std::vector<array> swiglu_impl(const std::vector<array>& in) {
+  const array& g = in[0];
+  return {mx::multiply(mx::multiply(g, mx::sigmoid(g)), in[1])};
+}
+}  // namespace
+
+ArrayPtr swiglu(const array& gate, const array& up) {
+  // A plain function pointer gives MLX a stable identity for its compile cache.
+  static auto fn = mx::compile(&swiglu_impl, /*shapeless=*/true);
+  return wrap(fn({gate, up})[0]);
+}
+
 // ---- quantization ----
 ArrayPtr quantized_matmul(const array& x, const array& w, const array& scales, const array& biases,
                           bool transpose, int32_t group_size, int32_t bits) {

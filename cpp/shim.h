@@ -136,6 +136,10 @@ ArrayPtr rope_freqs(const array& x, int32_t dims, bool traditional, float scale,
 ArrayPtr sdpa(const array& q, const array& k, const array& v, float scale, rust::Str mask_mode);
 ArrayPtr sdpa_masked(const array& q, const array& k, const array& v, float scale, const array& mask);
 
+// ---- fused (compiled) element-wise ops ----
+// silu(gate) * up in one kernel (MLX `compile`, shapeless: no re-trace when shapes change)
+ArrayPtr swiglu(const array& gate, const array& up);
+
 // ---- quantization ----
 ArrayPtr quantized_matmul(const array& x, const array& w, const array& scales, const array& biases,
                           bool transpose, int32_t group_size, int32_t bits);

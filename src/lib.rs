@@ -5,6 +5,7 @@ pub mod mlx;
 pub mod model_dir;
 pub mod models;
 pub mod parallel;
+pub mod server;
 pub mod tokenizer;
 
 // Links the MLX library that mlx-sys found.

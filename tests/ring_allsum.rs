@@ -131,6 +131,8 @@ fn check_ring(n: usize, count: u32, seed: u64) {
             Err(e) => {
                 eprintln!("ring of {n}, attempt {}: {e}", attempt + 1);
                 last_err = e;
+                // let whatever got in the way (a port taken, a busy machine) pass
+                std::thread::sleep(Duration::from_secs(2));
             }
         }
     }

@@ -41,6 +41,8 @@ pub enum Command {
     Bench(bench::BenchArgs),
     /// List the GPUs MLX sees (and, with --check, test each one in a child process).
     Devices(devices::DevicesArgs),
+    /// OpenAI-compatible HTTP server (the same as the `mlxcel-server` binary).
+    Serve(crate::server::ServeArgs),
 
     /// (internal) A tensor-parallel rank process, started by the driver.
     #[command(name = "_rank", hide = true)]
@@ -58,7 +60,21 @@ pub enum Command {
 /// Entry point of the `mlxcel` binary.
 pub fn main() -> Result<()> {
     let cli = Cli::parse();
-    init_logging(cli.verbose);
+    startup(cli.verbose);
+    match cli.command {
+        Command::Generate(args) => generate::run(&args),
+        Command::Bench(args) => bench::run(&args),
+        Command::Devices(args) => devices::run(&args),
+        Command::Serve(args) => crate::server::run(&args),
+        Command::Rank(args) => crate::parallel::rank::run(&args),
+        Command::ProbeDevice(args) => probe::probe_device(&args),
+        Command::AllsumProbe(args) => probe::allsum_probe(&args),
+    }
+}
+
+/// Logging, the CUDA device order and the `detected N GPUs` line; every binary calls it first.
+pub fn startup(verbose: u8) {
+    init_logging(verbose);
     prepare_cuda_env();
     tracing::info!(
         "detected {} GPUs (backend {}, MLX {})",
@@ -66,14 +82,6 @@ pub fn main() -> Result<()> {
         mlx::backend(),
         mlx::version()
     );
-    match cli.command {
-        Command::Generate(args) => generate::run(&args),
-        Command::Bench(args) => bench::run(&args),
-        Command::Devices(args) => devices::run(&args),
-        Command::Rank(args) => crate::parallel::rank::run(&args),
-        Command::ProbeDevice(args) => probe::probe_device(&args),
-        Command::AllsumProbe(args) => probe::allsum_probe(&args),
-    }
 }
 
 /// Logs go to stderr: `RUST_LOG` if set, else info (debug with -v, trace with -vv).

@@ -2,4 +2,5 @@
 pub mod generate;
 pub mod kv_cache;
 pub mod sampler;
+pub mod scheduler;
 pub mod step;

@@ -86,6 +86,11 @@ pub fn sdpa(q: &Array, k: &Array, v: &Array, scale: f32, mask: Mask<'_>) -> Resu
     }))
 }
 
+/// `silu(gate) * up` as one compiled kernel (MLX `compile`, shapeless).
+pub fn swiglu(gate: &Array, up: &Array) -> Result<Array> {
+    Ok(Array::from_ptr(ffi::swiglu(gate.raw(), up.raw())?))
+}
+
 /// `x @ dequantize(w)ᵀ` (transpose = true) for MLX affine-quantized `w`.
 pub fn quantized_matmul(
     x: &Array,

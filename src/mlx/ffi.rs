@@ -256,6 +256,8 @@ pub(crate) mod ffi {
             mask: &Array,
         ) -> Result<UniquePtr<Array>>;
 
+        fn swiglu(gate: &Array, up: &Array) -> Result<UniquePtr<Array>>;
+
         fn quantized_matmul(
             x: &Array,
             w: &Array,

@@ -464,8 +464,8 @@ impl Attention {
 
 impl Mlp {
     fn forward(&self, x: &Array) -> mlx::Result<Array> {
-        let g = self.gate_proj.forward(x)?.silu()?;
-        self.down_proj.forward(&g.mul(&self.up_proj.forward(x)?)?)
+        let h = fast::swiglu(&self.gate_proj.forward(x)?, &self.up_proj.forward(x)?)?;
+        self.down_proj.forward(&h)
     }
 }
 

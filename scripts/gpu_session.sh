@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Runs on a GPU box after `source /root/.mlxcel-gpu/env.sh` (see ../shared/gpu/stage):
+# the checks and benchmarks whose output goes into docs/benchmarks.md and issue notes.
+#   bash scripts/gpu_session.sh checks   # devices, fixtures vs references, TP parity (ring/NCCL)
+#   bash scripts/gpu_session.sh bench8b  # 8B-shape bf16 + 4-bit: mlxcel vs mlx-lm, TP=2 if 2 GPUs
+# MLXCEL=path/to/mlxcel (default .gpu/bin/mlxcel); OUT=results folder (default ./gpu-out).
+set -uo pipefail
+B=${MLXCEL:-.gpu/bin/mlxcel}
+OUT=${OUT:-./gpu-out}
+CK=${CKPT_DIR:-/root/ckpt}
+mkdir -p "$OUT"
+export MLXCEL_CACHE=${MLXCEL_CACHE:-/root/.mlxcel-cache}
+ngpu=$(nvidia-smi -L | wc -l)
+step() { echo; echo "=== $*"; }
+case "${1:-checks}" in
+checks)
+  step "nvidia-smi"; nvidia-smi --query-gpu=index,name,memory.used,memory.total,pci.bus_id --format=csv
+  step "mlxcel devices"; $B devices
+  step "mlxcel devices --check"; $B devices --check
+  step "fixtures, one GPU"; python3 scripts/check_fixtures.py $B -n 12
+  step "fixtures, --tp-size 2 --tp-emulate (ring, one GPU)"; python3 scripts/check_fixtures.py $B -n 12 --prompts 1 --tp-size 2 --tp-emulate
+  step "fixtures, --tp-size 1 --tp-backend nccl"; python3 scripts/check_fixtures.py $B -n 12 --prompts 1 --tp-size 1 --tp-backend nccl
+  if [ "$ngpu" -ge 2 ]; then
+    step "fixtures, --tp-size 2 (NCCL)"; python3 scripts/check_fixtures.py $B -n 12 --prompts 1 --tp-size 2
+    step "NCCL transport with per-rank CUDA_VISIBLE_DEVICES (NCCL_DEBUG=INFO)"
+    NCCL_DEBUG=INFO $B generate --tp-size 2 -n 8 --ignore-eos 2>&1 | grep -E "NCCL INFO (Channel|Connected|.*via (P2P|SHM|NET))|P2P|SHM" | head -20
+    step "--devices 1,0"; $B generate --tp-size 2 --devices 1,0 -n 4 --ignore-eos 2>&1 | grep -E "rank [01] \(pid" 
+  fi
+  step "demo generate, one GPU"; $B generate -n 24
+  ;;
+bench8b)
+  [ -f "$CK/8b-bf16/config.json" ] || { $B generate -n 1 >/dev/null 2>&1;
+    python3 scripts/make_random_checkpoint.py --shape llama3-8b --out "$CK/8b-bf16" --tokenizer-from "$MLXCEL_CACHE/demo-llama-v1"; }
+  step "mlxcel bench bf16"; $B bench -m "$CK/8b-bf16" | tee "$OUT/mlxcel-bf16.json"
+  step "mlx-lm bench bf16"; python3 scripts/bench_mlx_lm.py "$CK/8b-bf16" | tee "$OUT/mlxlm-bf16.json"
+  if [ "$ngpu" -ge 2 ]; then
+    step "mlxcel generate --tp-size 2 (NCCL) bf16"; $B generate -m "$CK/8b-bf16" --tp-size 2 -n 128 --ignore-eos -p hello 2>&1 | tail -4
+  fi
+  step "mlxcel generate --tp-size 2 --tp-emulate bf16"; $B generate -m "$CK/8b-bf16" --tp-size 2 --tp-emulate -n 64 --ignore-eos -p hello 2>&1 | tail -4
+  [ -f "$CK/8b-q4/config.json" ] || python3 -m mlx_lm convert --hf-path "$CK/8b-bf16" --mlx-path "$CK/8b-q4" -q --q-group-size 64 --q-bits 4 2>&1 | tail -2
+  step "mlxcel bench 4-bit"; $B bench -m "$CK/8b-q4" | tee "$OUT/mlxcel-q4.json"
+  step "mlx-lm bench 4-bit"; python3 scripts/bench_mlx_lm.py "$CK/8b-q4" | tee "$OUT/mlxlm-q4.json"
+  ;;
+esac

@@ -1,0 +1,889 @@
+//! Continuous batching on the engine (MLX) thread.
+//!
+//! Requests join and leave between steps. Each step is one
+//! [`Executor::execute`] with every running sequence that is decoding (one
+//! token each, sampled) plus at most one prefill chunk of `prefill_chunk`
+//! prompt tokens (the last chunk of a prompt samples its first token), so a
+//! long prompt never stalls the streams that are already running.
+//!
+//! Per sequence the scheduler keeps the prompt, the generated ids, a
+//! [`StreamDecoder`] and a [`StopMatcher`] (text that may still start a stop
+//! string is held back), and ends it on EOS (unless `ignore_eos`), a stop
+//! string, `max_tokens`, or the context (prompt + generated = ctx → `length`).
+//! Finished sequences are released in the next plan. A request whose event
+//! receiver is gone (the client disconnected) is dropped before the next step.
+//!
+//! Everything here is synchronous and owns no MLX state itself: the executor
+//! does. Events go back to the HTTP side over unbounded tokio channels (sending
+//! never blocks the engine).
+use std::collections::{HashMap, VecDeque};
+use std::sync::mpsc::{Receiver, TryRecvError};
+use std::time::Instant;
+
+use serde::Serialize;
+use tokio::sync::mpsc::UnboundedSender;
+
+use super::generate::FinishReason;
+use super::sampler::SamplingParams;
+use super::step::{Executor, SampledToken, SeqStart, SeqStep, StepError, StepPlan};
+use crate::tokenizer::stream::{StopMatcher, StreamDecoder};
+use crate::tokenizer::Tokenizer;
+
+/// One generation request, as the HTTP side submits it (already tokenized and validated).
+#[derive(Debug)]
+pub struct Request {
+    pub prompt: Vec<u32>,
+    pub params: SamplingParams,
+    /// Most new tokens (the context may end the sequence earlier).
+    pub max_tokens: usize,
+    pub stop: Vec<String>,
+    pub ignore_eos: bool,
+    pub skip_special_tokens: bool,
+    /// When the server received the request (queue time and TTFT count from here).
+    pub arrived: Instant,
+    pub events: UnboundedSender<Event>,
+}
+
+/// A generated token with its log-probabilities (when asked for).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenInfo {
+    pub id: u32,
+    pub logprob: Option<f32>,
+    pub top_logprobs: Vec<(u32, f32)>,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct Usage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+}
+
+/// Why a request failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FailKind {
+    /// The request itself is unusable (e.g. the prompt does not fit).
+    BadRequest,
+    /// The engine is down or shutting down.
+    Unavailable,
+    /// A step failed.
+    Internal,
+}
+
+/// What a request's receiver gets: one `Delta` per generated token, then `Done`
+/// (or `Error` at any point).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// `text` may be empty (held back: incomplete UTF-8 or a possible stop string).
+    Delta {
+        text: String,
+        token: TokenInfo,
+    },
+    Done {
+        finish_reason: FinishReason,
+        usage: Usage,
+    },
+    Error {
+        kind: FailKind,
+        message: String,
+    },
+}
+
+/// Messages to the engine thread.
+#[derive(Debug)]
+pub enum Command {
+    Submit(Box<Request>),
+    /// Fail every queued and running request with this message (e.g. shutdown timeout).
+    CancelAll(String),
+    /// Cancel everything and return from [`Scheduler::run`].
+    Shutdown,
+}
+
+/// How a request left the scheduler (for metrics).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    Finished(FinishReason),
+    /// The client went away.
+    Aborted,
+    Failed,
+}
+
+/// Hooks for metrics; all are called on the engine thread. `finished` is called
+/// exactly once for every request the scheduler received.
+pub trait Observer {
+    /// A request got a slot after `queue_seconds` in the queue.
+    fn admitted(&self, _queue_seconds: f64) {}
+    /// The first token of a request with `prompt_tokens`, `ttft_seconds` after arrival.
+    fn first_token(&self, _ttft_seconds: f64, _prompt_tokens: usize) {}
+    /// A later token, `seconds` after the previous one of the same request.
+    fn next_token(&self, _seconds: f64) {}
+    fn finished(&self, _outcome: Outcome, _usage: Usage, _e2e_seconds: f64) {}
+    /// After every step (and when the engine goes idle).
+    fn step_done(&self, _running: usize, _waiting: usize) {}
+    /// A step failed; `fatal` when the executor is unusable from now on. Called
+    /// before the requests of that step are failed.
+    fn engine_error(&self, _error: &StepError, _fatal: bool) {}
+}
+
+/// An observer that records nothing.
+pub struct NoObserver;
+impl Observer for NoObserver {}
+
+#[derive(Debug, Clone)]
+pub struct SchedulerConfig {
+    /// Sequences decoding at once (KV-cache slots used).
+    pub slots: usize,
+    /// Tokens per sequence (prompt + generated).
+    pub ctx_size: usize,
+    /// Prompt tokens per prefill chunk.
+    pub prefill_chunk: usize,
+}
+
+struct Seq {
+    id: u64,
+    slot: usize,
+    req: Request,
+    /// Prompt tokens already in the cache.
+    prefilled: usize,
+    generated: Vec<u32>,
+    decoder: StreamDecoder,
+    stops: StopMatcher,
+    last_token: Option<Instant>,
+}
+
+impl Seq {
+    fn decoding(&self) -> bool {
+        self.prefilled == self.req.prompt.len() && !self.generated.is_empty()
+    }
+    fn usage(&self) -> Usage {
+        Usage {
+            prompt_tokens: self.req.prompt.len(),
+            completion_tokens: self.generated.len(),
+        }
+    }
+}
+
+/// What one call of [`Scheduler::step`] did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StepSummary {
+    /// Decode sequences in the plan.
+    pub decode: usize,
+    /// Prompt tokens of the prefill chunk in the plan (0: none).
+    pub prefill_tokens: usize,
+}
+
+pub struct Scheduler {
+    cfg: SchedulerConfig,
+    tokenizer: Tokenizer,
+    eos: Vec<u32>,
+    queue: VecDeque<Request>,
+    /// Running sequences in admission order.
+    running: Vec<Seq>,
+    free_slots: Vec<usize>,
+    next_id: u64,
+    to_release: Vec<u64>,
+    /// Set after a fatal engine error: new requests fail at once with this message.
+    broken: Option<String>,
+}
+
+impl Scheduler {
+    pub fn new(cfg: SchedulerConfig, tokenizer: Tokenizer) -> Scheduler {
+        let slots = cfg.slots.max(1);
+        let cfg = SchedulerConfig {
+            slots,
+            prefill_chunk: cfg.prefill_chunk.max(1),
+            ..cfg
+        };
+        let eos = tokenizer.eos_token_ids().to_vec();
+        Scheduler {
+            cfg,
+            tokenizer,
+            eos,
+            queue: VecDeque::new(),
+            running: Vec::new(),
+            free_slots: (0..slots).rev().collect(),
+            next_id: 1,
+            to_release: Vec::new(),
+            broken: None,
+        }
+    }
+
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.cfg
+    }
+
+    pub fn running(&self) -> usize {
+        self.running.len()
+    }
+
+    pub fn waiting(&self) -> usize {
+        self.queue.len()
+    }
+
+    /// Whether a step has anything to do (sequences, queued requests or releases).
+    pub fn has_work(&self) -> bool {
+        !self.running.is_empty() || !self.queue.is_empty() || !self.to_release.is_empty()
+    }
+
+    /// The message of the fatal error that stopped the engine, if any.
+    pub fn broken(&self) -> Option<&str> {
+        self.broken.as_deref()
+    }
+
+    pub fn submit(&mut self, req: Request, obs: &dyn Observer) {
+        if let Some(msg) = &self.broken {
+            let msg = format!("the engine has failed: {msg}");
+            fail(req, FailKind::Unavailable, msg, obs);
+            return;
+        }
+        self.queue.push_back(req);
+    }
+
+    /// Fail every queued and running request.
+    pub fn fail_all(&mut self, kind: FailKind, message: &str, obs: &dyn Observer) {
+        for req in self.queue.drain(..) {
+            fail(req, kind, message.to_string(), obs);
+        }
+        for seq in std::mem::take(&mut self.running) {
+            self.to_release.push(seq.id);
+            self.free_slots.push(seq.slot);
+            let usage = seq.usage();
+            let _ = seq.req.events.send(Event::Error {
+                kind,
+                message: message.to_string(),
+            });
+            obs.finished(
+                Outcome::Failed,
+                usage,
+                seq.req.arrived.elapsed().as_secs_f64(),
+            );
+        }
+    }
+
+    /// Mark the executor unusable: fail everything now and every later request.
+    /// (Restarting a failed TP group would replace the executor here; not done yet.)
+    pub fn mark_broken(&mut self, message: String, obs: &dyn Observer) {
+        self.fail_all(
+            FailKind::Unavailable,
+            &format!("the engine has failed: {message}"),
+            obs,
+        );
+        self.to_release.clear();
+        self.broken = Some(message);
+    }
+
+    /// Drop requests whose client is gone.
+    fn drop_disconnected(&mut self, obs: &dyn Observer) {
+        let queue = std::mem::take(&mut self.queue);
+        for req in queue {
+            if req.events.is_closed() {
+                obs.finished(
+                    Outcome::Aborted,
+                    Usage {
+                        prompt_tokens: req.prompt.len(),
+                        completion_tokens: 0,
+                    },
+                    req.arrived.elapsed().as_secs_f64(),
+                );
+            } else {
+                self.queue.push_back(req);
+            }
+        }
+        let mut i = 0;
+        while i < self.running.len() {
+            if self.running[i].req.events.is_closed() {
+                let seq = self.running.remove(i);
+                tracing::debug!("request {} cancelled (client gone)", seq.id);
+                self.retire(seq, Outcome::Aborted, obs);
+            } else {
+                i += 1;
+            }
+        }
+    }
+
+    /// Give a finished sequence's slot back and release it in the next plan.
+    fn retire(&mut self, seq: Seq, outcome: Outcome, obs: &dyn Observer) {
+        self.to_release.push(seq.id);
+        self.free_slots.push(seq.slot);
+        obs.finished(
+            outcome,
+            seq.usage(),
+            seq.req.arrived.elapsed().as_secs_f64(),
+        );
+    }
+
+    fn admit(&mut self, obs: &dyn Observer) {
+        while !self.free_slots.is_empty() {
+            let Some(req) = self.queue.pop_front() else {
+                break;
+            };
+            let ctx = self.cfg.ctx_size;
+            if req.prompt.is_empty() {
+                fail(req, FailKind::BadRequest, "the prompt is empty".into(), obs);
+                continue;
+            }
+            if req.prompt.len() >= ctx {
+                let msg = format!(
+                    "the prompt has {} tokens, which leaves no room in the context of {ctx} tokens",
+                    req.prompt.len()
+                );
+                fail(req, FailKind::BadRequest, msg, obs);
+                continue;
+            }
+            if let Err(e) = req.params.validate() {
+                fail(req, FailKind::BadRequest, e, obs);
+                continue;
+            }
+            let slot = self.free_slots.pop().expect("a free slot");
+            let id = self.next_id;
+            self.next_id += 1;
+            obs.admitted(req.arrived.elapsed().as_secs_f64());
+            let decoder = StreamDecoder::new(&self.tokenizer, req.skip_special_tokens);
+            let stops = StopMatcher::new(req.stop.clone());
+            self.running.push(Seq {
+                id,
+                slot,
+                req,
+                prefilled: 0,
+                generated: Vec::new(),
+                decoder,
+                stops,
+                last_token: None,
+            });
+        }
+    }
+
+    /// One step: drop disconnected clients, admit queued requests into free
+    /// slots, execute one plan, and deliver its tokens. Does nothing (and
+    /// executes nothing) without work. On a step error every sequence in that
+    /// plan has been failed, and the error is returned.
+    pub fn step(
+        &mut self,
+        exec: &mut dyn Executor,
+        obs: &dyn Observer,
+    ) -> Result<StepSummary, StepError> {
+        self.drop_disconnected(obs);
+        self.admit(obs);
+        let mut plan = StepPlan::default();
+        let mut summary = StepSummary::default();
+        // which running sequences are in the plan, and whether each samples
+        let mut in_plan: Vec<(u64, bool)> = Vec::new();
+        for s in &self.running {
+            if s.decoding() {
+                let last = *s.generated.last().expect("decoding has a token");
+                plan.seqs.push(SeqStep {
+                    seq_id: s.id,
+                    slot: s.slot,
+                    pos: s.req.prompt.len() + s.generated.len() - 1,
+                    tokens: vec![last],
+                    start: None,
+                    sample: true,
+                });
+                in_plan.push((s.id, true));
+                summary.decode += 1;
+            }
+        }
+        if let Some(s) = self
+            .running
+            .iter()
+            .find(|s| s.prefilled < s.req.prompt.len())
+        {
+            let n = s.req.prompt.len();
+            let end = (s.prefilled + self.cfg.prefill_chunk).min(n);
+            plan.seqs.push(SeqStep {
+                seq_id: s.id,
+                slot: s.slot,
+                pos: s.prefilled,
+                tokens: s.req.prompt[s.prefilled..end].to_vec(),
+                start: (s.prefilled == 0).then(|| SeqStart {
+                    params: s.req.params.clone(),
+                    prompt: s.req.prompt.clone(),
+                }),
+                sample: end == n,
+            });
+            in_plan.push((s.id, end == n));
+            summary.prefill_tokens = end - s.prefilled;
+        }
+        if plan.seqs.is_empty() && self.to_release.is_empty() {
+            obs.step_done(self.running.len(), self.queue.len());
+            return Ok(summary);
+        }
+        plan.release = std::mem::take(&mut self.to_release);
+        let result = match exec.execute(&plan) {
+            Ok(r) => r,
+            Err(e) => {
+                // releasing twice is harmless; keep them for the next plan
+                self.to_release.extend(plan.release.iter().copied());
+                let message = format!("engine step failed: {e}");
+                let fatal = matches!(e, StepError::Rank(_));
+                // before any request hears of it, so health is already down then
+                obs.engine_error(&e, fatal);
+                let kind = if fatal {
+                    FailKind::Unavailable
+                } else {
+                    FailKind::Internal
+                };
+                let ids: Vec<u64> = in_plan.iter().map(|&(id, _)| id).collect();
+                let mut i = 0;
+                while i < self.running.len() {
+                    if ids.contains(&self.running[i].id) {
+                        let seq = self.running.remove(i);
+                        let _ = seq.req.events.send(Event::Error {
+                            kind,
+                            message: message.clone(),
+                        });
+                        self.retire(seq, Outcome::Failed, obs);
+                    } else {
+                        i += 1;
+                    }
+                }
+                obs.step_done(self.running.len(), self.queue.len());
+                return Err(e);
+            }
+        };
+        let now = Instant::now();
+        let mut sampled: HashMap<u64, SampledToken> =
+            result.sampled.into_iter().map(|s| (s.seq_id, s)).collect();
+        for (id, samples) in in_plan {
+            let Some(idx) = self.running.iter().position(|s| s.id == id) else {
+                continue;
+            };
+            let seq = &mut self.running[idx];
+            if !seq.decoding() {
+                let n = seq.req.prompt.len();
+                seq.prefilled = (seq.prefilled + self.cfg.prefill_chunk).min(n);
+            }
+            if !samples {
+                continue;
+            }
+            let outcome = match sampled.remove(&id) {
+                Some(tok) => self.deliver(idx, tok, now, obs),
+                None => {
+                    let seq = &self.running[idx];
+                    let _ = seq.req.events.send(Event::Error {
+                        kind: FailKind::Internal,
+                        message: format!("the engine returned no token for sequence {id}"),
+                    });
+                    Some(Outcome::Failed)
+                }
+            };
+            if let Some(outcome) = outcome {
+                let seq = self.running.remove(idx);
+                self.retire(seq, outcome, obs);
+            }
+        }
+        obs.step_done(self.running.len(), self.queue.len());
+        Ok(summary)
+    }
+
+    /// Hand a sampled token to its request; `Some` when the sequence ends.
+    fn deliver(
+        &mut self,
+        idx: usize,
+        tok: SampledToken,
+        now: Instant,
+        obs: &dyn Observer,
+    ) -> Option<Outcome> {
+        let ctx = self.cfg.ctx_size;
+        let seq = &mut self.running[idx];
+        match seq.last_token {
+            None => obs.first_token(
+                now.duration_since(seq.req.arrived).as_secs_f64(),
+                seq.req.prompt.len(),
+            ),
+            Some(t) => obs.next_token(now.duration_since(t).as_secs_f64()),
+        }
+        seq.last_token = Some(now);
+        let token = tok.token;
+        seq.generated.push(token);
+        let mut text = String::new();
+        let mut finish = None;
+        let decoded: Result<(), String> = (|| {
+            if !seq.req.ignore_eos && self.eos.contains(&token) {
+                finish = Some(FinishReason::Stop);
+            } else {
+                let delta = seq.decoder.push(token).map_err(|e| e.to_string())?;
+                let out = seq.stops.push(&delta);
+                text.push_str(&out.emit);
+                if out.stopped {
+                    finish = Some(FinishReason::Stop);
+                }
+            }
+            if finish.is_none()
+                && (seq.generated.len() >= seq.req.max_tokens
+                    || seq.req.prompt.len() + seq.generated.len() >= ctx)
+            {
+                finish = Some(FinishReason::Length);
+            }
+            if finish.is_some() && !seq.stops.is_stopped() {
+                // the decoder's held-back text, then whatever the stop matcher held
+                let tail = seq.decoder.finish().map_err(|e| e.to_string())?;
+                let out = seq.stops.push(&tail);
+                text.push_str(&out.emit);
+                if out.stopped {
+                    finish = Some(FinishReason::Stop);
+                } else {
+                    text.push_str(&seq.stops.flush());
+                }
+            }
+            Ok(())
+        })();
+        if let Err(e) = decoded {
+            let _ = seq.req.events.send(Event::Error {
+                kind: FailKind::Internal,
+                message: format!("detokenizing: {e}"),
+            });
+            return Some(Outcome::Failed);
+        }
+        let info = TokenInfo {
+            id: token,
+            logprob: tok.logprob,
+            top_logprobs: tok.top_logprobs,
+        };
+        if seq
+            .req
+            .events
+            .send(Event::Delta { text, token: info })
+            .is_err()
+        {
+            return Some(Outcome::Aborted);
+        }
+        let reason = finish?;
+        let _ = seq.req.events.send(Event::Done {
+            finish_reason: reason,
+            usage: seq.usage(),
+        });
+        Some(Outcome::Finished(reason))
+    }
+
+    /// The engine loop: take commands, step while there is work, block when idle.
+    /// Returns on [`Command::Shutdown`] or when every sender is gone (after
+    /// failing what is left). A fatal step error ([`StepError::Rank`]) fails
+    /// everything and every later request; other step errors fail the requests
+    /// in that step only.
+    pub fn run(&mut self, exec: &mut dyn Executor, rx: &Receiver<Command>, obs: &dyn Observer) {
+        loop {
+            // take every pending command without blocking; block only when idle
+            loop {
+                let cmd = if self.has_work() {
+                    match rx.try_recv() {
+                        Ok(c) => c,
+                        Err(TryRecvError::Empty) => break,
+                        Err(TryRecvError::Disconnected) => {
+                            self.fail_all(
+                                FailKind::Unavailable,
+                                "the server is shutting down",
+                                obs,
+                            );
+                            return;
+                        }
+                    }
+                } else {
+                    match rx.recv() {
+                        Ok(c) => c,
+                        Err(_) => return,
+                    }
+                };
+                match cmd {
+                    Command::Submit(req) => self.submit(*req, obs),
+                    Command::CancelAll(msg) => self.fail_all(FailKind::Unavailable, &msg, obs),
+                    Command::Shutdown => {
+                        self.fail_all(FailKind::Unavailable, "the server is shutting down", obs);
+                        if !self.to_release.is_empty() && self.broken.is_none() {
+                            let _ = exec.execute(&StepPlan {
+                                release: std::mem::take(&mut self.to_release),
+                                ..Default::default()
+                            });
+                        }
+                        return;
+                    }
+                }
+            }
+            if self.broken.is_some() {
+                self.to_release.clear();
+                continue;
+            }
+            if let Err(e) = self.step(exec, obs) {
+                let fatal = matches!(e, StepError::Rank(_));
+                tracing::error!(
+                    "engine step failed{}: {e}",
+                    if fatal { " (fatal)" } else { "" }
+                );
+                if fatal {
+                    self.mark_broken(e.to_string(), obs);
+                }
+            }
+        }
+    }
+}
+
+fn fail(req: Request, kind: FailKind, message: String, obs: &dyn Observer) {
+    let usage = Usage {
+        prompt_tokens: req.prompt.len(),
+        completion_tokens: 0,
+    };
+    let _ = req.events.send(Event::Error { kind, message });
+    obs.finished(Outcome::Failed, usage, req.arrived.elapsed().as_secs_f64());
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::step::StepResult;
+    use std::path::Path;
+    use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+
+    /// Checks each plan against its own model of the cache, and samples a
+    /// deterministic token: (sum of the sequence's cached tokens + pos) % 300 + 10.
+    struct FakeExec {
+        slots: usize,
+        ctx: usize,
+        lens: Vec<usize>,
+        sums: Vec<u64>,
+        live: HashMap<u64, usize>,
+        plans: Vec<StepPlan>,
+        fail_at: Option<usize>,
+    }
+
+    impl FakeExec {
+        fn new(slots: usize, ctx: usize) -> FakeExec {
+            FakeExec {
+                slots,
+                ctx,
+                lens: vec![0; slots],
+                sums: vec![0; slots],
+                live: HashMap::new(),
+                plans: Vec::new(),
+                fail_at: None,
+            }
+        }
+    }
+
+    impl Executor for FakeExec {
+        fn execute(&mut self, plan: &StepPlan) -> Result<StepResult, StepError> {
+            self.plans.push(plan.clone());
+            if self.fail_at == Some(self.plans.len()) {
+                return Err(StepError::Rank("rank 1 exited".into()));
+            }
+            for id in &plan.release {
+                self.live.remove(id);
+            }
+            let mut out = StepResult::default();
+            for s in &plan.seqs {
+                if s.start.is_some() {
+                    self.lens[s.slot] = 0;
+                    self.sums[s.slot] = 0;
+                    self.live.insert(s.seq_id, s.slot);
+                }
+                assert_eq!(self.live.get(&s.seq_id), Some(&s.slot), "seq without start");
+                assert_eq!(self.lens[s.slot], s.pos, "position mismatch");
+                self.lens[s.slot] += s.tokens.len();
+                assert!(self.lens[s.slot] <= self.ctx, "context overflow");
+                self.sums[s.slot] += s.tokens.iter().map(|&t| t as u64).sum::<u64>();
+                if s.sample {
+                    let token = ((self.sums[s.slot] + self.lens[s.slot] as u64) % 300 + 10) as u32;
+                    out.sampled.push(SampledToken {
+                        seq_id: s.seq_id,
+                        token,
+                        logprob: Some(-0.5),
+                        top_logprobs: vec![],
+                    });
+                }
+            }
+            Ok(out)
+        }
+        fn ctx_size(&self) -> usize {
+            self.ctx
+        }
+        fn slots(&self) -> usize {
+            self.slots
+        }
+    }
+
+    fn tokenizer() -> Tokenizer {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama3");
+        let cfg: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap())
+                .unwrap();
+        Tokenizer::from_dir(&dir, &cfg).unwrap()
+    }
+
+    fn request(prompt: Vec<u32>, max_tokens: usize) -> (Request, UnboundedReceiver<Event>) {
+        let (tx, rx) = unbounded_channel();
+        (
+            Request {
+                prompt,
+                params: SamplingParams::default(),
+                max_tokens,
+                stop: vec![],
+                ignore_eos: true,
+                skip_special_tokens: true,
+                arrived: Instant::now(),
+                events: tx,
+            },
+            rx,
+        )
+    }
+
+    fn drain(rx: &mut UnboundedReceiver<Event>) -> (Vec<u32>, Option<Event>) {
+        let mut toks = vec![];
+        let mut last = None;
+        while let Ok(ev) = rx.try_recv() {
+            match ev {
+                Event::Delta { token, .. } => toks.push(token.id),
+                other => last = Some(other),
+            }
+        }
+        (toks, last)
+    }
+
+    fn run_alone(prompt: Vec<u32>, max_tokens: usize, chunk: usize) -> Vec<u32> {
+        let mut exec = FakeExec::new(1, 64);
+        let mut s = Scheduler::new(
+            SchedulerConfig {
+                slots: 1,
+                ctx_size: 64,
+                prefill_chunk: chunk,
+            },
+            tokenizer(),
+        );
+        let (req, mut rx) = request(prompt, max_tokens);
+        s.submit(req, &NoObserver);
+        while s.has_work() {
+            s.step(&mut exec, &NoObserver).unwrap();
+        }
+        drain(&mut rx).0
+    }
+
+    #[test]
+    fn batched_equals_alone_with_one_prefill_chunk_per_step() {
+        let prompts: Vec<Vec<u32>> = (0..6)
+            .map(|i| {
+                (0..(3 + 7 * i))
+                    .map(|t| (t * 13 + i) as u32 % 300 + 1)
+                    .collect()
+            })
+            .collect();
+        let alone: Vec<Vec<u32>> = prompts.iter().map(|p| run_alone(p.clone(), 9, 4)).collect();
+        let mut exec = FakeExec::new(3, 64);
+        let mut s = Scheduler::new(
+            SchedulerConfig {
+                slots: 3,
+                ctx_size: 64,
+                prefill_chunk: 4,
+            },
+            tokenizer(),
+        );
+        let mut rxs = vec![];
+        for p in &prompts {
+            let (req, rx) = request(p.clone(), 9);
+            s.submit(req, &NoObserver);
+            rxs.push(rx);
+        }
+        while s.has_work() {
+            s.step(&mut exec, &NoObserver).unwrap();
+            assert!(s.running() <= 3);
+        }
+        for plan in &exec.plans {
+            let prefill = plan
+                .seqs
+                .iter()
+                .filter(|x| x.tokens.len() > 1 || x.start.is_some());
+            assert!(
+                prefill.count() <= 1,
+                "more than one prefill chunk: {plan:?}"
+            );
+            assert!(plan.seqs.iter().all(|x| x.tokens.len() <= 4));
+        }
+        for (i, rx) in rxs.iter_mut().enumerate() {
+            let (toks, last) = drain(rx);
+            assert_eq!(toks, alone[i], "request {i}");
+            assert_eq!(toks.len(), 9);
+            assert!(matches!(
+                last,
+                Some(Event::Done {
+                    finish_reason: FinishReason::Length,
+                    usage: Usage {
+                        completion_tokens: 9,
+                        ..
+                    }
+                })
+            ));
+        }
+        // every sequence was released
+        assert!(exec.live.is_empty(), "{:?}", exec.live);
+    }
+
+    #[test]
+    fn context_limit_disconnect_and_fatal_error() {
+        let mut exec = FakeExec::new(2, 16);
+        let mut s = Scheduler::new(
+            SchedulerConfig {
+                slots: 2,
+                ctx_size: 16,
+                prefill_chunk: 8,
+            },
+            tokenizer(),
+        );
+        // prompt 10 + generated 6 = ctx 16
+        let (req, mut rx) = request((1..=10).collect(), 100);
+        s.submit(req, &NoObserver);
+        let (req2, rx2) = request((1..=5).collect(), 100);
+        s.submit(req2, &NoObserver);
+        s.step(&mut exec, &NoObserver).unwrap();
+        drop(rx2); // the second client goes away while queued for prefill
+        while s.has_work() {
+            s.step(&mut exec, &NoObserver).unwrap();
+        }
+        let (toks, last) = drain(&mut rx);
+        assert_eq!(toks.len(), 6);
+        assert!(matches!(
+            last,
+            Some(Event::Done {
+                finish_reason: FinishReason::Length,
+                ..
+            })
+        ));
+        // the disconnected sequence never prefilled
+        assert!(exec
+            .plans
+            .iter()
+            .all(|p| p.seqs.iter().all(|x| x.tokens.len() != 5)));
+        assert!(exec.live.is_empty());
+
+        // a rank failure fails the request in flight and every later one
+        exec.fail_at = Some(exec.plans.len() + 2);
+        let (tx, cmd_rx) = std::sync::mpsc::channel();
+        let (req, mut rx) = request(vec![1, 2, 3], 100);
+        tx.send(Command::Submit(Box::new(req))).unwrap();
+        let h = std::thread::spawn(move || {
+            s.run(&mut exec, &cmd_rx, &NoObserver);
+            s
+        });
+        let mut got = None;
+        for _ in 0..200 {
+            if let Ok(ev) = rx.try_recv() {
+                if !matches!(ev, Event::Delta { .. }) {
+                    got = Some(ev);
+                    break;
+                }
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert!(
+            matches!(&got, Some(Event::Error { kind: FailKind::Unavailable, message }) if message.contains("rank 1")),
+            "{got:?}"
+        );
+        let (req, mut rx) = request(vec![1, 2, 3], 100);
+        tx.send(Command::Submit(Box::new(req))).unwrap();
+        tx.send(Command::Shutdown).unwrap();
+        let s = h.join().unwrap();
+        assert!(s.broken().is_some());
+        assert!(matches!(
+            rx.try_recv(),
+            Ok(Event::Error {
+                kind: FailKind::Unavailable,
+                ..
+            })
+        ));
+    }
+}

@@ -1,0 +1,293 @@
+//! Prometheus metrics (text format 0.0.4) with vLLM-like names under `mlxcel:`.
+//!
+//! Everything is atomics: the engine thread records (through
+//! [`Observer`](crate::engine::scheduler::Observer), implemented in the server
+//! module), the HTTP side records request statuses and renders `/metrics`.
+use std::collections::BTreeMap;
+use std::fmt::Write;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+
+use crate::engine::generate::FinishReason;
+use crate::engine::scheduler::Outcome;
+
+const LATENCY_BUCKETS: &[f64] = &[
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+];
+const ITL_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+];
+
+/// A histogram with fixed upper bounds (plus +Inf).
+pub struct Histogram {
+    bounds: &'static [f64],
+    /// Per bucket, not cumulative; the last is +Inf.
+    counts: Vec<AtomicU64>,
+    sum_bits: AtomicU64,
+    count: AtomicU64,
+}
+
+impl Histogram {
+    pub fn new(bounds: &'static [f64]) -> Histogram {
+        Histogram {
+            bounds,
+            counts: (0..=bounds.len()).map(|_| AtomicU64::new(0)).collect(),
+            sum_bits: AtomicU64::new(0f64.to_bits()),
+            count: AtomicU64::new(0),
+        }
+    }
+
+    pub fn observe(&self, v: f64) {
+        let i = self
+            .bounds
+            .iter()
+            .position(|&b| v <= b)
+            .unwrap_or(self.bounds.len());
+        self.counts[i].fetch_add(1, Ordering::Relaxed);
+        let _ = self
+            .sum_bits
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |b| {
+                Some((f64::from_bits(b) + v).to_bits())
+            });
+        self.count.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub fn count(&self) -> u64 {
+        self.count.load(Ordering::Relaxed)
+    }
+
+    fn render(&self, out: &mut String, name: &str, help: &str) {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        let mut cum = 0;
+        for (i, c) in self.counts.iter().enumerate() {
+            cum += c.load(Ordering::Relaxed);
+            let le = match self.bounds.get(i) {
+                Some(b) => format!("{b}"),
+                None => "+Inf".into(),
+            };
+            let _ = writeln!(out, "{name}_bucket{{le=\"{le}\"}} {cum}");
+        }
+        let sum = f64::from_bits(self.sum_bits.load(Ordering::Relaxed));
+        let _ = writeln!(out, "{name}_sum {sum}");
+        let _ = writeln!(out, "{name}_count {cum}");
+    }
+}
+
+/// All server metrics.
+pub struct Metrics {
+    pub running: AtomicU64,
+    pub waiting: AtomicU64,
+    pub prompt_tokens: AtomicU64,
+    pub generation_tokens: AtomicU64,
+    pub success_stop: AtomicU64,
+    pub success_length: AtomicU64,
+    pub aborted: AtomicU64,
+    pub failed: AtomicU64,
+    pub engine_errors: AtomicU64,
+    pub memory_active: AtomicU64,
+    pub memory_peak: AtomicU64,
+    pub memory_cache: AtomicU64,
+    pub ttft: Histogram,
+    pub itl: Histogram,
+    pub queue_time: Histogram,
+    pub e2e: Histogram,
+    /// (path, status) → count.
+    http: Mutex<BTreeMap<(&'static str, u16), u64>>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Metrics {
+        Metrics {
+            running: AtomicU64::new(0),
+            waiting: AtomicU64::new(0),
+            prompt_tokens: AtomicU64::new(0),
+            generation_tokens: AtomicU64::new(0),
+            success_stop: AtomicU64::new(0),
+            success_length: AtomicU64::new(0),
+            aborted: AtomicU64::new(0),
+            failed: AtomicU64::new(0),
+            engine_errors: AtomicU64::new(0),
+            memory_active: AtomicU64::new(0),
+            memory_peak: AtomicU64::new(0),
+            memory_cache: AtomicU64::new(0),
+            ttft: Histogram::new(LATENCY_BUCKETS),
+            itl: Histogram::new(ITL_BUCKETS),
+            queue_time: Histogram::new(LATENCY_BUCKETS),
+            e2e: Histogram::new(LATENCY_BUCKETS),
+            http: Mutex::new(BTreeMap::new()),
+        }
+    }
+
+    /// An HTTP response on a known route (`path` is the route, not the raw URI).
+    pub fn http_response(&self, path: &'static str, status: u16) {
+        if let Ok(mut m) = self.http.lock() {
+            *m.entry((path, status)).or_insert(0) += 1;
+        }
+    }
+
+    /// A request left the engine.
+    pub fn finished(&self, outcome: Outcome, e2e_seconds: f64) {
+        match outcome {
+            Outcome::Finished(FinishReason::Stop) => &self.success_stop,
+            Outcome::Finished(FinishReason::Length) => &self.success_length,
+            Outcome::Aborted => &self.aborted,
+            Outcome::Failed => &self.failed,
+        }
+        .fetch_add(1, Ordering::Relaxed);
+        if matches!(outcome, Outcome::Finished(_)) {
+            self.e2e.observe(e2e_seconds);
+        }
+    }
+
+    /// The `/metrics` page.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        let g = |out: &mut String, name: &str, kind: &str, help: &str, v: u64| {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}"
+            );
+        };
+        let ld = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        g(
+            &mut out,
+            "mlxcel:num_requests_running",
+            "gauge",
+            "Requests in the running batch.",
+            ld(&self.running),
+        );
+        g(
+            &mut out,
+            "mlxcel:num_requests_waiting",
+            "gauge",
+            "Requests waiting for a slot.",
+            ld(&self.waiting),
+        );
+        g(
+            &mut out,
+            "mlxcel:prompt_tokens_total",
+            "counter",
+            "Prompt tokens prefilled.",
+            ld(&self.prompt_tokens),
+        );
+        g(
+            &mut out,
+            "mlxcel:generation_tokens_total",
+            "counter",
+            "Tokens generated.",
+            ld(&self.generation_tokens),
+        );
+        let _ = writeln!(
+            out,
+            "# HELP mlxcel:request_success_total Requests that finished, by reason (abort: the client went away).\n# TYPE mlxcel:request_success_total counter"
+        );
+        for (reason, v) in [
+            ("stop", &self.success_stop),
+            ("length", &self.success_length),
+            ("abort", &self.aborted),
+        ] {
+            let _ = writeln!(
+                out,
+                "mlxcel:request_success_total{{finished_reason=\"{reason}\"}} {}",
+                ld(v)
+            );
+        }
+        g(
+            &mut out,
+            "mlxcel:request_failure_total",
+            "counter",
+            "Requests that the engine failed (step errors, shutdown, bad prompts).",
+            ld(&self.failed),
+        );
+        g(
+            &mut out,
+            "mlxcel:engine_step_errors_total",
+            "counter",
+            "Engine steps that failed.",
+            ld(&self.engine_errors),
+        );
+        self.ttft.render(
+            &mut out,
+            "mlxcel:time_to_first_token_seconds",
+            "Time from receiving a request to its first token.",
+        );
+        self.itl.render(
+            &mut out,
+            "mlxcel:inter_token_latency_seconds",
+            "Time between two tokens of one request.",
+        );
+        self.queue_time.render(
+            &mut out,
+            "mlxcel:request_queue_time_seconds",
+            "Time a request waited for a slot.",
+        );
+        self.e2e.render(
+            &mut out,
+            "mlxcel:e2e_request_latency_seconds",
+            "Time from receiving a request to its last token.",
+        );
+        g(
+            &mut out,
+            "mlxcel:device_memory_active_bytes",
+            "gauge",
+            "MLX active memory of the engine process.",
+            ld(&self.memory_active),
+        );
+        g(
+            &mut out,
+            "mlxcel:device_memory_peak_bytes",
+            "gauge",
+            "MLX peak memory of the engine process since start.",
+            ld(&self.memory_peak),
+        );
+        g(
+            &mut out,
+            "mlxcel:device_memory_cache_bytes",
+            "gauge",
+            "MLX allocator cache of the engine process.",
+            ld(&self.memory_cache),
+        );
+        let _ = writeln!(
+            out,
+            "# HELP mlxcel:http_requests_total HTTP responses by route and status.\n# TYPE mlxcel:http_requests_total counter"
+        );
+        if let Ok(m) = self.http.lock() {
+            for ((path, status), v) in m.iter() {
+                let _ = writeln!(
+                    out,
+                    "mlxcel:http_requests_total{{path=\"{path}\",status=\"{status}\"}} {v}"
+                );
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histogram_is_cumulative() {
+        let m = Metrics::new();
+        m.ttft.observe(0.003);
+        m.ttft.observe(0.003);
+        m.ttft.observe(1e6);
+        m.http_response("/v1/completions", 200);
+        let text = m.render();
+        assert!(text.contains("mlxcel:time_to_first_token_seconds_bucket{le=\"0.001\"} 0\n"));
+        assert!(text.contains("mlxcel:time_to_first_token_seconds_bucket{le=\"0.005\"} 2\n"));
+        assert!(text.contains("mlxcel:time_to_first_token_seconds_bucket{le=\"+Inf\"} 3\n"));
+        assert!(text.contains("mlxcel:time_to_first_token_seconds_count 3\n"));
+        assert!(text
+            .contains("mlxcel:http_requests_total{path=\"/v1/completions\",status=\"200\"} 1\n"));
+    }
+}

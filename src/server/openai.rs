@@ -1,0 +1,801 @@
+//! OpenAI request parsing and response bodies.
+//!
+//! Requests are read field by field from a JSON object, so every error names
+//! the field (`param`) and says what was wrong. Unknown fields are ignored;
+//! known fields that ask for something this server does not do (`n > 1`,
+//! `tools`, `logit_bias`, ...) are refused with 400.
+use serde_json::{json, Map, Value};
+
+use super::error::ApiError;
+use crate::engine::generate::FinishReason;
+use crate::engine::sampler::{SamplingParams, MAX_TOP_LOGPROBS};
+use crate::engine::scheduler::{TokenInfo, Usage};
+use crate::tokenizer::chat::ChatMessage;
+use crate::tokenizer::Tokenizer;
+
+/// Which endpoint a request came to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Api {
+    Chat,
+    Completions,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum PromptInput {
+    Chat(Vec<ChatMessage>),
+    Text(String),
+    Ids(Vec<u32>),
+}
+
+/// A parsed request of either endpoint.
+#[derive(Debug, Clone)]
+pub struct GenRequest {
+    pub api: Api,
+    pub model: Option<String>,
+    pub prompt: PromptInput,
+    /// `max_completion_tokens` or `max_tokens`, when given.
+    pub max_tokens: Option<usize>,
+    pub params: SamplingParams,
+    pub stop: Vec<String>,
+    pub ignore_eos: bool,
+    pub skip_special_tokens: bool,
+    pub stream: bool,
+    pub include_usage: bool,
+}
+
+impl GenRequest {
+    /// The name of the prompt field (for errors).
+    pub fn prompt_param(&self) -> &'static str {
+        match self.api {
+            Api::Chat => "messages",
+            Api::Completions => "prompt",
+        }
+    }
+}
+
+fn type_name(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "an array",
+        Value::Object(_) => "an object",
+    }
+}
+
+/// Typed access to the fields of a request object; `null` counts as absent.
+struct Fields<'a>(&'a Map<String, Value>);
+
+impl<'a> Fields<'a> {
+    fn get(&self, name: &str) -> Option<&'a Value> {
+        self.0.get(name).filter(|v| !v.is_null())
+    }
+
+    fn wrong(name: &str, expected: &str, v: &Value) -> ApiError {
+        ApiError::invalid(
+            name,
+            format!("'{name}' must be {expected}, got {}", type_name(v)),
+        )
+    }
+
+    fn number(&self, name: &str) -> Result<Option<f64>, ApiError> {
+        match self.get(name) {
+            None => Ok(None),
+            Some(v) => v
+                .as_f64()
+                .map(Some)
+                .ok_or_else(|| Self::wrong(name, "a number", v)),
+        }
+    }
+
+    fn f32(&self, name: &str) -> Result<Option<f32>, ApiError> {
+        Ok(self.number(name)?.map(|x| x as f32))
+    }
+
+    fn int(&self, name: &str) -> Result<Option<i64>, ApiError> {
+        match self.get(name) {
+            None => Ok(None),
+            Some(v) => {
+                if let Some(i) = v.as_i64() {
+                    return Ok(Some(i));
+                }
+                if let Some(u) = v.as_u64() {
+                    return Ok(Some(u.min(i64::MAX as u64) as i64));
+                }
+                match v.as_f64() {
+                    Some(f) if f.fract() == 0.0 && f.abs() < 9.0e15 => Ok(Some(f as i64)),
+                    _ => Err(Self::wrong(name, "an integer", v)),
+                }
+            }
+        }
+    }
+
+    fn bool(&self, name: &str) -> Result<Option<bool>, ApiError> {
+        match self.get(name) {
+            None => Ok(None),
+            Some(v) => v
+                .as_bool()
+                .map(Some)
+                .ok_or_else(|| Self::wrong(name, "a boolean", v)),
+        }
+    }
+
+    fn string(&self, name: &str) -> Result<Option<&'a str>, ApiError> {
+        match self.get(name) {
+            None => Ok(None),
+            Some(v) => v
+                .as_str()
+                .map(Some)
+                .ok_or_else(|| Self::wrong(name, "a string", v)),
+        }
+    }
+}
+
+/// Parse a request body (already known to be JSON) for `api`.
+pub fn parse(api: Api, body: &Value) -> Result<GenRequest, ApiError> {
+    let Some(obj) = body.as_object() else {
+        return Err(ApiError::bad_request(format!(
+            "the request body must be a JSON object, got {}",
+            type_name(body)
+        )));
+    };
+    let f = Fields(obj);
+    refuse_unsupported(api, &f)?;
+    let model = f.string("model")?.map(str::to_string);
+    let prompt = match api {
+        Api::Chat => PromptInput::Chat(parse_messages(obj.get("messages"))?),
+        Api::Completions => parse_prompt(obj.get("prompt"))?,
+    };
+    let max_tokens = match f.int("max_completion_tokens")? {
+        Some(n) => Some(("max_completion_tokens", n)),
+        None => f.int("max_tokens")?.map(|n| ("max_tokens", n)),
+    };
+    let max_tokens = match max_tokens {
+        None => None,
+        Some((name, n)) if n < 1 => {
+            return Err(ApiError::invalid(
+                name,
+                format!("'{name}' must be at least 1, got {n}"),
+            ))
+        }
+        Some((_, n)) => Some(n as usize),
+    };
+    let mut params = SamplingParams::default();
+    if let Some(t) = f.f32("temperature")? {
+        params.temperature = t;
+    }
+    if let Some(p) = f.f32("top_p")? {
+        params.top_p = p;
+    }
+    if let Some(k) = f.int("top_k")? {
+        if k < -1 {
+            return Err(ApiError::invalid(
+                "top_k",
+                format!("'top_k' must be -1 (off), 0 (off) or positive, got {k}"),
+            ));
+        }
+        params.top_k = k.clamp(0, u32::MAX as i64) as u32;
+    }
+    if let Some(m) = f.f32("min_p")? {
+        params.min_p = m;
+    }
+    if let Some(r) = f.f32("repetition_penalty")? {
+        params.repetition_penalty = r;
+    }
+    if let Some(p) = f.f32("presence_penalty")? {
+        params.presence_penalty = p;
+    }
+    if let Some(p) = f.f32("frequency_penalty")? {
+        params.frequency_penalty = p;
+    }
+    if let Some(s) = f.int("seed")? {
+        params.seed = Some(s as u64);
+    }
+    match api {
+        Api::Chat => {
+            params.logprobs = f.bool("logprobs")?.unwrap_or(false);
+            if let Some(n) = f.int("top_logprobs")? {
+                if !(0..=MAX_TOP_LOGPROBS as i64).contains(&n) {
+                    return Err(ApiError::invalid(
+                        "top_logprobs",
+                        format!("'top_logprobs' must be between 0 and {MAX_TOP_LOGPROBS}, got {n}"),
+                    ));
+                }
+                if n > 0 && !params.logprobs {
+                    return Err(ApiError::invalid(
+                        "top_logprobs",
+                        "'top_logprobs' requires 'logprobs' to be true",
+                    ));
+                }
+                params.top_logprobs = n as u32;
+            }
+        }
+        Api::Completions => {
+            let n = match f.get("logprobs") {
+                Some(Value::Bool(b)) => b.then_some(0),
+                _ => f.int("logprobs")?,
+            };
+            if let Some(n) = n {
+                if !(0..=MAX_TOP_LOGPROBS as i64).contains(&n) {
+                    return Err(ApiError::invalid(
+                        "logprobs",
+                        format!("'logprobs' must be between 0 and {MAX_TOP_LOGPROBS}, got {n}"),
+                    ));
+                }
+                params.logprobs = true;
+                params.top_logprobs = n as u32;
+            }
+        }
+    }
+    if let Err(msg) = params.validate() {
+        let param = msg.split_whitespace().next().unwrap_or("").to_string();
+        return Err(ApiError::invalid(param, msg));
+    }
+    let stop = match f.get("stop") {
+        None => vec![],
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(items)) => {
+            let mut out = Vec::with_capacity(items.len());
+            for (i, v) in items.iter().enumerate() {
+                match v {
+                    Value::String(s) => out.push(s.clone()),
+                    other => {
+                        return Err(ApiError::invalid(
+                            "stop",
+                            format!(
+                                "'stop' must be a string or a list of strings; item {i} is {}",
+                                type_name(other)
+                            ),
+                        ))
+                    }
+                }
+            }
+            out
+        }
+        Some(v) => return Err(Fields::wrong("stop", "a string or a list of strings", v)),
+    };
+    let stream = f.bool("stream")?.unwrap_or(false);
+    let include_usage = match f.get("stream_options") {
+        None => false,
+        Some(Value::Object(o)) => Fields(o)
+            .bool("include_usage")
+            .map_err(|_| {
+                ApiError::invalid(
+                    "stream_options.include_usage",
+                    "'stream_options.include_usage' must be a boolean",
+                )
+            })?
+            .unwrap_or(false),
+        Some(v) => return Err(Fields::wrong("stream_options", "an object", v)),
+    };
+    Ok(GenRequest {
+        api,
+        model,
+        prompt,
+        max_tokens,
+        params,
+        stop,
+        ignore_eos: f.bool("ignore_eos")?.unwrap_or(false),
+        skip_special_tokens: f.bool("skip_special_tokens")?.unwrap_or(true),
+        stream,
+        include_usage,
+    })
+}
+
+/// 400 for fields that ask for what this server does not do.
+fn refuse_unsupported(api: Api, f: &Fields) -> Result<(), ApiError> {
+    if let Some(n) = f.int("n")? {
+        if n != 1 {
+            return Err(ApiError::unsupported("n", "n other than 1"));
+        }
+    }
+    if api == Api::Completions {
+        if let Some(n) = f.int("best_of")? {
+            if n != 1 {
+                return Err(ApiError::unsupported("best_of", "best_of other than 1"));
+            }
+        }
+        if f.bool("echo")?.unwrap_or(false) {
+            return Err(ApiError::unsupported("echo", "echo"));
+        }
+        if f.string("suffix")?.is_some_and(|s| !s.is_empty()) {
+            return Err(ApiError::unsupported("suffix", "suffix"));
+        }
+    }
+    match f.get("logit_bias") {
+        None => {}
+        Some(Value::Object(m)) if m.is_empty() => {}
+        Some(_) => return Err(ApiError::unsupported("logit_bias", "logit_bias")),
+    }
+    for name in ["tools", "functions"] {
+        match f.get(name) {
+            None => {}
+            Some(Value::Array(a)) if a.is_empty() => {}
+            Some(_) => return Err(ApiError::unsupported(name, "tool calling")),
+        }
+    }
+    for name in ["tool_choice", "function_call"] {
+        match f.get(name) {
+            None => {}
+            Some(Value::String(s)) if s == "none" => {}
+            Some(_) => return Err(ApiError::unsupported(name, "tool calling")),
+        }
+    }
+    match f.get("response_format") {
+        None => {}
+        Some(Value::Object(o)) if o.get("type").and_then(Value::as_str) == Some("text") => {}
+        Some(_) => {
+            return Err(ApiError::unsupported(
+                "response_format",
+                "a response_format other than {\"type\": \"text\"}",
+            ))
+        }
+    }
+    match f.get("modalities") {
+        None => {}
+        Some(Value::Array(a)) if a.iter().all(|m| m.as_str() == Some("text")) => {}
+        Some(_) => {
+            return Err(ApiError::unsupported(
+                "modalities",
+                "output other than text",
+            ))
+        }
+    }
+    for name in ["audio", "prediction", "web_search_options"] {
+        if f.get(name).is_some() {
+            return Err(ApiError::unsupported(name, name));
+        }
+    }
+    Ok(())
+}
+
+fn parse_messages(v: Option<&Value>) -> Result<Vec<ChatMessage>, ApiError> {
+    let items = match v {
+        None | Some(Value::Null) => {
+            return Err(ApiError::invalid("messages", "'messages' is required"))
+        }
+        Some(Value::Array(a)) => a,
+        Some(v) => return Err(Fields::wrong("messages", "an array of messages", v)),
+    };
+    if items.is_empty() {
+        return Err(ApiError::invalid(
+            "messages",
+            "'messages' must not be empty",
+        ));
+    }
+    let mut out = Vec::with_capacity(items.len());
+    for (i, m) in items.iter().enumerate() {
+        let at = format!("messages[{i}]");
+        let Some(o) = m.as_object() else {
+            return Err(Fields::wrong(&at, "an object", m));
+        };
+        let role = match o.get("role") {
+            Some(Value::String(r)) => r.as_str(),
+            None | Some(Value::Null) => {
+                return Err(ApiError::invalid(
+                    format!("{at}.role"),
+                    format!("'{at}.role' is required"),
+                ))
+            }
+            Some(v) => return Err(Fields::wrong(&format!("{at}.role"), "a string", v)),
+        };
+        let role = match role {
+            "system" | "user" | "assistant" => role,
+            "developer" => "system",
+            other => {
+                return Err(ApiError::invalid(
+                    format!("{at}.role"),
+                    format!(
+                        "'{at}.role' must be one of system, user, assistant (got '{other}'; tool messages are not supported)"
+                    ),
+                ))
+            }
+        };
+        if o.get("tool_calls").is_some_and(|t| !t.is_null()) {
+            return Err(ApiError::unsupported(
+                &format!("{at}.tool_calls"),
+                "tool calling",
+            ));
+        }
+        let content = match o.get("content") {
+            None | Some(Value::Null) if role == "assistant" => String::new(),
+            None | Some(Value::Null) => {
+                return Err(ApiError::invalid(
+                    format!("{at}.content"),
+                    format!("'{at}.content' is required"),
+                ))
+            }
+            Some(Value::String(s)) => s.clone(),
+            Some(Value::Array(parts)) => {
+                let mut texts = Vec::with_capacity(parts.len());
+                for (j, p) in parts.iter().enumerate() {
+                    let pat = format!("{at}.content[{j}]");
+                    let Some(po) = p.as_object() else {
+                        return Err(Fields::wrong(&pat, "a content part object", p));
+                    };
+                    match po.get("type").and_then(Value::as_str) {
+                        Some("text") => match po.get("text") {
+                            Some(Value::String(t)) => texts.push(t.clone()),
+                            Some(v) => {
+                                return Err(Fields::wrong(&format!("{pat}.text"), "a string", v))
+                            }
+                            None => {
+                                return Err(ApiError::invalid(
+                                    format!("{pat}.text"),
+                                    format!("'{pat}.text' is required"),
+                                ))
+                            }
+                        },
+                        Some(other) => {
+                            return Err(ApiError::unsupported(
+                                &format!("{pat}.type"),
+                                &format!("content of type '{other}' (only text)"),
+                            ))
+                        }
+                        None => {
+                            return Err(ApiError::invalid(
+                                format!("{pat}.type"),
+                                format!("'{pat}.type' is required"),
+                            ))
+                        }
+                    }
+                }
+                texts.join("\n")
+            }
+            Some(v) => {
+                return Err(Fields::wrong(
+                    &format!("{at}.content"),
+                    "a string or an array of content parts",
+                    v,
+                ))
+            }
+        };
+        out.push(ChatMessage::new(role, content));
+    }
+    Ok(out)
+}
+
+fn parse_prompt(v: Option<&Value>) -> Result<PromptInput, ApiError> {
+    let ids_of = |a: &[Value]| -> Option<Vec<u32>> {
+        a.iter()
+            .map(|x| {
+                x.as_u64()
+                    .filter(|&i| i <= u32::MAX as u64)
+                    .map(|i| i as u32)
+            })
+            .collect()
+    };
+    match v {
+        None | Some(Value::Null) => Err(ApiError::invalid("prompt", "'prompt' is required")),
+        Some(Value::String(s)) => Ok(PromptInput::Text(s.clone())),
+        Some(Value::Array(a)) if a.is_empty() => {
+            Err(ApiError::invalid("prompt", "'prompt' must not be empty"))
+        }
+        Some(Value::Array(a)) if a.iter().all(Value::is_string) => {
+            if a.len() > 1 {
+                return Err(ApiError::unsupported(
+                    "prompt",
+                    "a batch of several prompts (send one request per prompt)",
+                ));
+            }
+            Ok(PromptInput::Text(
+                a[0].as_str().unwrap_or_default().to_string(),
+            ))
+        }
+        Some(Value::Array(a)) if a.iter().all(Value::is_number) => match ids_of(a) {
+            Some(ids) => Ok(PromptInput::Ids(ids)),
+            None => Err(ApiError::invalid(
+                "prompt",
+                "token ids in 'prompt' must be non-negative integers",
+            )),
+        },
+        Some(Value::Array(a)) if a.iter().all(Value::is_array) => {
+            if a.len() > 1 {
+                return Err(ApiError::unsupported(
+                    "prompt",
+                    "a batch of several prompts (send one request per prompt)",
+                ));
+            }
+            match a[0].as_array().and_then(|x| ids_of(x)) {
+                Some(ids) => Ok(PromptInput::Ids(ids)),
+                None => Err(ApiError::invalid(
+                    "prompt",
+                    "token ids in 'prompt' must be non-negative integers",
+                )),
+            }
+        }
+        Some(v) => Err(Fields::wrong(
+            "prompt",
+            "a string, a list of one string, or a list of token ids",
+            v,
+        )),
+    }
+}
+
+// ---- responses ----
+
+pub fn finish_str(r: FinishReason) -> &'static str {
+    match r {
+        FinishReason::Stop => "stop",
+        FinishReason::Length => "length",
+    }
+}
+
+pub fn usage_json(u: Usage) -> Value {
+    json!({
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+    })
+}
+
+/// Log-probabilities are finite in practice; JSON has no -inf.
+fn lp(x: f32) -> f64 {
+    if x.is_finite() {
+        x as f64
+    } else {
+        -9999.0
+    }
+}
+
+fn token_text(tok: &Tokenizer, id: u32) -> String {
+    tok.decode(&[id], false).unwrap_or_default()
+}
+
+/// One entry of chat `logprobs.content`.
+pub fn chat_logprob(tok: &Tokenizer, t: &TokenInfo) -> Value {
+    let text = token_text(tok, t.id);
+    let top: Vec<Value> = t
+        .top_logprobs
+        .iter()
+        .map(|&(id, l)| {
+            let s = token_text(tok, id);
+            json!({"token": s, "logprob": lp(l), "bytes": s.as_bytes()})
+        })
+        .collect();
+    json!({
+        "token": text,
+        "logprob": lp(t.logprob.unwrap_or(0.0)),
+        "bytes": text.as_bytes(),
+        "top_logprobs": top,
+    })
+}
+
+/// Completions `logprobs` for tokens that start at the given text offsets.
+pub fn completion_logprobs(tok: &Tokenizer, tokens: &[(TokenInfo, usize)], top: bool) -> Value {
+    let mut texts = Vec::with_capacity(tokens.len());
+    let mut lps = Vec::with_capacity(tokens.len());
+    let mut tops = Vec::with_capacity(tokens.len());
+    let mut offsets = Vec::with_capacity(tokens.len());
+    for (t, off) in tokens {
+        texts.push(token_text(tok, t.id));
+        lps.push(lp(t.logprob.unwrap_or(0.0)));
+        offsets.push(*off);
+        if top {
+            let mut m = Map::new();
+            for &(id, l) in &t.top_logprobs {
+                m.insert(token_text(tok, id), json!(lp(l)));
+            }
+            tops.push(Value::Object(m));
+        }
+    }
+    json!({
+        "tokens": texts,
+        "token_logprobs": lps,
+        "top_logprobs": if top { Value::Array(tops) } else { Value::Null },
+        "text_offset": offsets,
+    })
+}
+
+/// The fixed parts of every response / chunk of one request.
+#[derive(Debug, Clone)]
+pub struct Envelope {
+    pub id: String,
+    pub created: u64,
+    pub model: String,
+}
+
+impl Envelope {
+    pub fn chat_response(
+        &self,
+        text: &str,
+        finish: FinishReason,
+        usage: Usage,
+        logprobs: Option<Vec<Value>>,
+    ) -> Value {
+        json!({
+            "id": self.id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [{
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": logprobs.map(|c| json!({"content": c})),
+                "finish_reason": finish_str(finish),
+            }],
+            "usage": usage_json(usage),
+        })
+    }
+
+    pub fn completion_response(
+        &self,
+        text: &str,
+        finish: FinishReason,
+        usage: Usage,
+        logprobs: Option<Value>,
+    ) -> Value {
+        json!({
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [{
+                "index": 0,
+                "text": text,
+                "logprobs": logprobs,
+                "finish_reason": finish_str(finish),
+            }],
+            "usage": usage_json(usage),
+        })
+    }
+
+    /// A streaming chat chunk; `usage` is `Some(null)` in chunks of a stream with
+    /// `include_usage`, absent otherwise.
+    pub fn chat_chunk(
+        &self,
+        delta: Value,
+        logprobs: Option<Value>,
+        finish: Option<FinishReason>,
+        include_usage: bool,
+    ) -> Value {
+        let mut v = json!({
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": [{
+                "index": 0,
+                "delta": delta,
+                "logprobs": logprobs,
+                "finish_reason": finish.map(finish_str),
+            }],
+        });
+        if include_usage {
+            v["usage"] = Value::Null;
+        }
+        v
+    }
+
+    pub fn completion_chunk(
+        &self,
+        text: &str,
+        logprobs: Option<Value>,
+        finish: Option<FinishReason>,
+        include_usage: bool,
+    ) -> Value {
+        let mut v = json!({
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [{
+                "index": 0,
+                "text": text,
+                "logprobs": logprobs,
+                "finish_reason": finish.map(finish_str),
+            }],
+        });
+        if include_usage {
+            v["usage"] = Value::Null;
+        }
+        v
+    }
+
+    /// The last chunk of a stream with `include_usage`: no choices, the usage.
+    pub fn usage_chunk(&self, api: Api, usage: Usage) -> Value {
+        json!({
+            "id": self.id,
+            "object": match api {
+                Api::Chat => "chat.completion.chunk",
+                Api::Completions => "text_completion",
+            },
+            "created": self.created,
+            "model": self.model,
+            "choices": [],
+            "usage": usage_json(usage),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn p(api: Api, v: Value) -> Result<GenRequest, ApiError> {
+        parse(api, &v)
+    }
+
+    #[test]
+    fn parses_chat_and_names_bad_fields() {
+        let r = p(
+            Api::Chat,
+            json!({"model": "m", "messages": [
+                {"role": "system", "content": "s"},
+                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
+            ], "max_completion_tokens": 5, "temperature": 0.5, "seed": 3, "stop": "x",
+               "logprobs": true, "top_logprobs": 2, "stream": true,
+               "stream_options": {"include_usage": true}, "top_k": -1}),
+        )
+        .unwrap();
+        assert_eq!(
+            r.prompt,
+            PromptInput::Chat(vec![
+                ChatMessage::new("system", "s"),
+                ChatMessage::new("user", "a\nb")
+            ])
+        );
+        assert_eq!(r.max_tokens, Some(5));
+        assert_eq!(r.params.seed, Some(3));
+        assert_eq!(r.params.top_logprobs, 2);
+        assert_eq!(r.stop, vec!["x".to_string()]);
+        assert!(r.stream && r.include_usage);
+        let bad = |v: Value| p(Api::Chat, v).unwrap_err().param.unwrap_or_default();
+        let m = json!([{"role": "user", "content": "hi"}]);
+        assert_eq!(bad(json!({"messages": m, "max_tokens": -3})), "max_tokens");
+        assert_eq!(
+            bad(json!({"messages": m, "temperature": "hot"})),
+            "temperature"
+        );
+        assert_eq!(
+            bad(json!({"messages": m, "temperature": -1})),
+            "temperature"
+        );
+        assert_eq!(bad(json!({"messages": m, "n": 2})), "n");
+        assert_eq!(
+            bad(json!({"messages": m, "tools": [{"type": "function"}]})),
+            "tools"
+        );
+        assert_eq!(
+            bad(json!({"messages": m, "response_format": {"type": "json_object"}})),
+            "response_format"
+        );
+        assert_eq!(
+            bad(json!({"messages": m, "top_logprobs": 2})),
+            "top_logprobs"
+        );
+        assert_eq!(bad(json!({"messages": "hi"})), "messages");
+        assert_eq!(bad(json!({})), "messages");
+        assert_eq!(
+            bad(json!({"messages": [{"role": "tool", "content": "x"}]})),
+            "messages[0].role"
+        );
+        assert_eq!(
+            bad(json!({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]})),
+            "messages[0].content[0].type"
+        );
+    }
+
+    #[test]
+    fn parses_completion_prompts() {
+        let r = p(
+            Api::Completions,
+            json!({"prompt": ["hello"], "logprobs": 3}),
+        )
+        .unwrap();
+        assert_eq!(r.prompt, PromptInput::Text("hello".into()));
+        assert!(r.params.logprobs);
+        assert_eq!(r.params.top_logprobs, 3);
+        let r = p(Api::Completions, json!({"prompt": [1, 2, 3]})).unwrap();
+        assert_eq!(r.prompt, PromptInput::Ids(vec![1, 2, 3]));
+        let e = p(Api::Completions, json!({"prompt": ["a", "b"]})).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("prompt"));
+        let e = p(Api::Completions, json!({"prompt": "a", "echo": true})).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("echo"));
+        let e = p(Api::Completions, json!({"prompt": "a", "best_of": 2})).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("best_of"));
+        let e = p(Api::Completions, json!({"prompt": 5})).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("prompt"));
+    }
+}

@@ -1,0 +1,917 @@
+//! `mlxcel-server` end to end on CPU with the fixture models: each test starts
+//! the server as a child process on a free port (`--port 0`, the port is read
+//! from its log) and talks plain HTTP/1.1 to it over std sockets.
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name)
+}
+
+fn reference(name: &str) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(fixture(name).join("reference.json")).unwrap())
+        .unwrap()
+}
+
+fn tokenizer(name: &str) -> mlxcel::tokenizer::Tokenizer {
+    let dir = fixture(name);
+    let cfg: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    mlxcel::tokenizer::Tokenizer::from_dir(&dir, &cfg).unwrap()
+}
+
+struct Server {
+    child: Child,
+    addr: String,
+    log: Arc<Mutex<String>>,
+}
+
+impl Server {
+    fn start(model: &str, args: &[&str], env: &[(&str, &str)]) -> Server {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_mlxcel-server"));
+        cmd.arg("-m")
+            .arg(fixture(model))
+            .args(["--port", "0"])
+            .args(args)
+            .env("RUST_LOG", "info")
+            .env_remove("MLXCEL_API_KEY")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let mut child = cmd.spawn().expect("start mlxcel-server");
+        let stderr = child.stderr.take().unwrap();
+        let log = Arc::new(Mutex::new(String::new()));
+        let (tx, rx) = std::sync::mpsc::channel();
+        {
+            let log = log.clone();
+            std::thread::spawn(move || {
+                for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                    if let Some(rest) = line.split("listening on http://").nth(1) {
+                        let addr = rest.split_whitespace().next().unwrap_or("").to_string();
+                        let _ = tx.send(addr);
+                    }
+                    let mut l = log.lock().unwrap();
+                    l.push_str(&line);
+                    l.push('\n');
+                }
+            });
+        }
+        let addr = match rx.recv_timeout(Duration::from_secs(60)) {
+            Ok(a) => a,
+            Err(_) => {
+                let _ = child.kill();
+                panic!("server did not start: {}", log.lock().unwrap());
+            }
+        };
+        let s = Server { child, addr, log };
+        let t0 = Instant::now();
+        loop {
+            if let Ok(r) = s.try_req("GET", "/health", &[], None) {
+                if r.status == 200 {
+                    break;
+                }
+                assert_eq!(r.status, 503, "health while loading");
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(120),
+                "not healthy: {}",
+                s.log()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        s
+    }
+
+    fn log(&self) -> String {
+        self.log.lock().unwrap().clone()
+    }
+
+    fn try_req(
+        &self,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: Option<Vec<u8>>,
+    ) -> std::io::Result<Resp> {
+        http(&self.addr, method, path, headers, body)
+    }
+
+    fn req(
+        &self,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: Option<Vec<u8>>,
+    ) -> Resp {
+        self.try_req(method, path, headers, body)
+            .unwrap_or_else(|e| panic!("{method} {path}: {e}\nlog:\n{}", self.log()))
+    }
+
+    fn post(&self, path: &str, body: &Value) -> Resp {
+        self.req(
+            "POST",
+            path,
+            &[("Content-Type", "application/json")],
+            Some(body.to_string().into_bytes()),
+        )
+    }
+
+    /// POST and expect 200 with a JSON body.
+    fn ok(&self, path: &str, body: &Value) -> Value {
+        let r = self.post(path, body);
+        assert_eq!(
+            r.status,
+            200,
+            "{path} {body}: {}\nlog:\n{}",
+            r.text(),
+            self.log()
+        );
+        r.json()
+    }
+
+    fn metrics(&self) -> String {
+        self.req("GET", "/metrics", &[], None).text()
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+struct Resp {
+    status: u16,
+    headers: Vec<(String, String)>,
+    body: Vec<u8>,
+}
+
+impl Resp {
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+    fn json(&self) -> Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {}", self.text()))
+    }
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(k, _)| k.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+    /// The `data:` payloads of an SSE body.
+    fn sse(&self) -> Vec<String> {
+        self.text()
+            .split("\n\n")
+            .filter(|e| !e.trim().is_empty())
+            .map(|e| {
+                e.strip_prefix("data: ")
+                    .unwrap_or_else(|| panic!("not an SSE data line: {e:?}"))
+                    .to_string()
+            })
+            .collect()
+    }
+}
+
+/// One HTTP/1.1 request on a fresh connection (`Connection: close`); the body is
+/// written from another thread so a server that answers early (413) is read.
+fn http(
+    addr: &str,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Option<Vec<u8>>,
+) -> std::io::Result<Resp> {
+    let mut s = TcpStream::connect(addr)?;
+    s.set_read_timeout(Some(Duration::from_secs(120)))?;
+    let mut head = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
+    for (k, v) in headers {
+        head.push_str(&format!("{k}: {v}\r\n"));
+    }
+    if let Some(b) = &body {
+        head.push_str(&format!("Content-Length: {}\r\n", b.len()));
+    }
+    head.push_str("\r\n");
+    s.write_all(head.as_bytes())?;
+    let writer = body.map(|b| {
+        let mut w = s.try_clone().unwrap();
+        std::thread::spawn(move || {
+            let _ = w.write_all(&b);
+        })
+    });
+    let mut raw = Vec::new();
+    let mut buf = [0u8; 65536];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => raw.extend_from_slice(&buf[..n]),
+            // a server that answered before reading the whole body may reset the connection
+            Err(e) if !raw.is_empty() && e.kind() == std::io::ErrorKind::ConnectionReset => break,
+            Err(e) => return Err(e),
+        }
+    }
+    drop(s);
+    if let Some(w) = writer {
+        let _ = w.join();
+    }
+    parse_response(&raw)
+}
+
+fn parse_response(raw: &[u8]) -> std::io::Result<Resp> {
+    let bad = |m: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, m.to_string());
+    let end = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .ok_or_else(|| bad("no end of headers"))?;
+    let head = String::from_utf8_lossy(&raw[..end]);
+    let mut lines = head.split("\r\n");
+    let status: u16 = lines
+        .next()
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| bad("bad status line"))?;
+    let headers: Vec<(String, String)> = lines
+        .filter_map(|l| l.split_once(':'))
+        .map(|(k, v)| (k.trim().to_string(), v.trim().to_string()))
+        .collect();
+    let mut body = raw[end + 4..].to_vec();
+    let chunked = headers.iter().any(|(k, v)| {
+        k.eq_ignore_ascii_case("transfer-encoding") && v.eq_ignore_ascii_case("chunked")
+    });
+    if chunked {
+        let mut out = Vec::new();
+        let mut rest = &body[..];
+        while let Some(nl) = rest.windows(2).position(|w| w == b"\r\n") {
+            let size = usize::from_str_radix(
+                String::from_utf8_lossy(&rest[..nl])
+                    .split(';')
+                    .next()
+                    .unwrap()
+                    .trim(),
+                16,
+            )
+            .map_err(|_| bad("bad chunk size"))?;
+            if size == 0 {
+                break;
+            }
+            let start = nl + 2;
+            out.extend_from_slice(&rest[start..(start + size).min(rest.len())]);
+            rest = &rest[(start + size + 2).min(rest.len())..];
+        }
+        body = out;
+    }
+    Ok(Resp {
+        status,
+        headers,
+        body,
+    })
+}
+
+/// The OpenAI error shape, with `status`; returns the error object.
+fn assert_error(r: &Resp, status: u16) -> Value {
+    assert_eq!(r.status, status, "{}", r.text());
+    assert!(
+        r.header("content-type")
+            .is_some_and(|c| c.starts_with("application/json")),
+        "{:?}",
+        r.headers
+    );
+    let v = r.json();
+    let e = &v["error"];
+    assert!(e["message"].as_str().is_some_and(|m| !m.is_empty()), "{v}");
+    for k in ["type", "param", "code"] {
+        assert!(e.get(k).is_some(), "error without {k}: {v}");
+    }
+    e.clone()
+}
+
+fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no metric {name} in:\n{text}"))
+}
+
+/// Concatenated content of SSE chunks; checks the stream's framing and returns
+/// (text, finish_reason, usage chunk if any).
+fn stream_text(r: &Resp, chat: bool) -> (String, String, Option<Value>) {
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert!(r
+        .header("content-type")
+        .is_some_and(|c| c.starts_with("text/event-stream")));
+    let events = r.sse();
+    assert_eq!(
+        events.last().map(String::as_str),
+        Some("[DONE]"),
+        "{events:?}"
+    );
+    let mut text = String::new();
+    let mut finish = None;
+    let mut usage = None;
+    for e in &events[..events.len() - 1] {
+        let v: Value = serde_json::from_str(e).unwrap();
+        assert!(v.get("error").is_none(), "{v}");
+        let choices = v["choices"].as_array().unwrap();
+        if choices.is_empty() {
+            usage = Some(v["usage"].clone());
+            continue;
+        }
+        let c = &choices[0];
+        let piece = if chat {
+            c["delta"]["content"].as_str()
+        } else {
+            c["text"].as_str()
+        };
+        text.push_str(piece.unwrap_or(""));
+        if let Some(f) = c["finish_reason"].as_str() {
+            assert!(finish.is_none(), "two finish reasons");
+            finish = Some(f.to_string());
+        }
+    }
+    (text, finish.expect("a finish_reason chunk"), usage)
+}
+
+#[test]
+fn chat_and_completions_streaming_and_not() {
+    let s = Server::start("llama3", &[], &[]);
+    let refs = reference("llama3");
+    let tok = tokenizer("llama3");
+    let p0 = &refs["prompts"][0];
+    let greedy: Vec<u32> = p0["greedy"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect();
+
+    // completions, greedy: the reference tokens
+    let v = s.ok(
+        "/v1/completions",
+        &json!({"model": "llama3", "prompt": p0["text"], "max_tokens": 12, "temperature": 0,
+                "ignore_eos": true, "skip_special_tokens": false, "logprobs": 2}),
+    );
+    assert_eq!(v["object"], "text_completion");
+    let c = &v["choices"][0];
+    assert_eq!(c["text"], tok.decode(&greedy[..12], false).unwrap());
+    assert_eq!(c["finish_reason"], "length");
+    assert_eq!(c["logprobs"]["tokens"].as_array().unwrap().len(), 12);
+    assert_eq!(
+        c["logprobs"]["top_logprobs"][0].as_object().unwrap().len(),
+        2
+    );
+    let ids_len = p0["ids"].as_array().unwrap().len() as u64;
+    assert_eq!(v["usage"]["prompt_tokens"], ids_len);
+    assert_eq!(v["usage"]["completion_tokens"], 12);
+    assert_eq!(v["usage"]["total_tokens"], ids_len + 12);
+    // the same as token ids and as a list of one string
+    let v2 = s.ok(
+        "/v1/completions",
+        &json!({"prompt": p0["ids"], "max_tokens": 12, "ignore_eos": true, "skip_special_tokens": false}),
+    );
+    assert_eq!(v2["choices"][0]["text"], c["text"]);
+    let v3 = s.ok(
+        "/v1/completions",
+        &json!({"prompt": [p0["text"]], "max_tokens": 12, "ignore_eos": true, "skip_special_tokens": false}),
+    );
+    assert_eq!(v3["choices"][0]["text"], c["text"]);
+
+    // sampled (temperature > 0, seeded): the SSE chunks add up to the non-streaming text
+    for (path, chat) in [("/v1/completions", false), ("/v1/chat/completions", true)] {
+        let mut body = if chat {
+            json!({"messages": refs["chat"][2]["messages"]})
+        } else {
+            json!({"prompt": refs["prompts"][2]["text"]})
+        };
+        for (k, v) in [
+            ("max_tokens", json!(40)),
+            ("temperature", json!(0.9)),
+            ("top_p", json!(0.95)),
+            ("seed", json!(1234)),
+            ("ignore_eos", json!(true)),
+        ] {
+            body[k] = v;
+        }
+        let full = s.ok(path, &body);
+        let text = if chat {
+            assert_eq!(full["object"], "chat.completion");
+            assert_eq!(full["choices"][0]["message"]["role"], "assistant");
+            full["choices"][0]["message"]["content"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        } else {
+            full["choices"][0]["text"].as_str().unwrap().to_string()
+        };
+        assert!(!text.is_empty());
+        if chat {
+            let n = refs["chat"][2]["ids"].as_array().unwrap().len() as u64;
+            assert_eq!(full["usage"]["prompt_tokens"], n, "chat template tokens");
+        }
+        body["stream"] = json!(true);
+        body["stream_options"] = json!({"include_usage": true});
+        let r = s.post(path, &body);
+        let (streamed, finish, usage) = stream_text(&r, chat);
+        assert_eq!(streamed, text, "{path}: stream vs non-stream");
+        assert_eq!(finish, "length");
+        assert_eq!(usage.unwrap(), full["usage"]);
+        if chat {
+            let first: Value = serde_json::from_str(&r.sse()[0]).unwrap();
+            assert_eq!(first["object"], "chat.completion.chunk");
+            assert_eq!(first["choices"][0]["delta"]["role"], "assistant");
+        }
+        // a different seed gives a different text
+        body["seed"] = json!(99);
+        body["stream"] = json!(false);
+        let other = s.ok(path, &body);
+        assert_ne!(
+            other["choices"][0], full["choices"][0],
+            "{path}: seed has no effect"
+        );
+    }
+
+    // stop strings: the text ends before the stop string, streamed or not, finish "stop"
+    let long = tok.decode(&greedy[..24], true).unwrap();
+    let stop: String = long
+        .chars()
+        .skip(long.chars().count() / 2)
+        .take(3)
+        .collect();
+    let expected = &long[..long.find(&stop).unwrap()];
+    let body = json!({"prompt": p0["text"], "max_tokens": 24, "ignore_eos": true, "stop": [stop, "zzzzzz"]});
+    let v = s.ok("/v1/completions", &body);
+    assert_eq!(v["choices"][0]["text"], expected, "stop {stop:?}");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    let mut sb = body.clone();
+    sb["stream"] = json!(true);
+    let (streamed, finish, usage) = stream_text(&s.post("/v1/completions", &sb), false);
+    assert_eq!(streamed, expected);
+    assert_eq!(finish, "stop");
+    assert!(usage.is_none());
+
+    // chat logprobs, and EOS ends a chat with "stop" or the budget with "length"
+    let v = s.ok(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 5,
+                "logprobs": true, "top_logprobs": 3}),
+    );
+    let content = v["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(
+        content.len() as u64,
+        v["usage"]["completion_tokens"].as_u64().unwrap()
+    );
+    assert_eq!(content[0]["top_logprobs"].as_array().unwrap().len(), 3);
+    assert!(content[0]["logprob"].as_f64().unwrap() <= 0.0);
+    let f = v["choices"][0]["finish_reason"].as_str().unwrap();
+    assert!(f == "stop" || f == "length");
+}
+
+#[test]
+fn models_health_metrics_and_auth() {
+    let s = Server::start(
+        "qwen2",
+        &["--served-model-name", "tiny-qwen"],
+        &[("MLXCEL_API_KEY", "sekret-key")],
+    );
+    let auth = [("Authorization", "Bearer sekret-key")];
+    // /health and /metrics need no key
+    let h = s.req("GET", "/health", &[], None);
+    assert_eq!(h.status, 200);
+    assert_eq!(h.json()["status"], "ok");
+    let m0 = s.metrics();
+    // /v1 needs it
+    let e = assert_error(&s.req("GET", "/v1/models", &[], None), 401);
+    assert_eq!(e["code"], "invalid_api_key");
+    assert_error(
+        &s.req(
+            "GET",
+            "/v1/models",
+            &[("Authorization", "Bearer wrong")],
+            None,
+        ),
+        401,
+    );
+    assert_error(
+        &s.req(
+            "POST",
+            "/v1/completions",
+            &[("Content-Type", "application/json")],
+            Some(br#"{"prompt": "x"}"#.to_vec()),
+        ),
+        401,
+    );
+    let models = s.req("GET", "/v1/models", &auth, None);
+    assert_eq!(models.status, 200);
+    let v = models.json();
+    assert_eq!(v["object"], "list");
+    assert_eq!(v["data"][0]["id"], "tiny-qwen");
+    assert_eq!(v["data"][0]["object"], "model");
+    assert_eq!(
+        s.req("GET", "/v1/models/tiny-qwen", &auth, None).status,
+        200
+    );
+    assert_error(&s.req("GET", "/v1/models/other", &auth, None), 404);
+
+    let post = |body: &Value| {
+        s.req(
+            "POST",
+            "/v1/completions",
+            &[auth[0], ("Content-Type", "application/json")],
+            Some(body.to_string().into_bytes()),
+        )
+    };
+    let r = post(
+        &json!({"model": "tiny-qwen", "prompt": "The quick brown fox", "max_tokens": 7, "ignore_eos": true}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["model"], "tiny-qwen");
+    let e = assert_error(&post(&json!({"model": "gpt-4", "prompt": "x"})), 404);
+    assert_eq!(e["code"], "model_not_found");
+
+    let m1 = s.metrics();
+    let d = |name: &str| metric(&m1, name) - metric(&m0, name);
+    assert_eq!(d("mlxcel:generation_tokens_total"), 7.0);
+    assert!(d("mlxcel:prompt_tokens_total") >= 4.0);
+    assert_eq!(
+        d("mlxcel:request_success_total{finished_reason=\"length\"}"),
+        1.0
+    );
+    assert_eq!(d("mlxcel:time_to_first_token_seconds_count"), 1.0);
+    assert_eq!(d("mlxcel:inter_token_latency_seconds_count"), 6.0);
+    assert_eq!(metric(&m1, "mlxcel:num_requests_running"), 0.0);
+    assert_eq!(metric(&m1, "mlxcel:num_requests_waiting"), 0.0);
+    assert!(metric(&m1, "mlxcel:device_memory_active_bytes") > 0.0);
+    assert_eq!(
+        metric(
+            &m1,
+            "mlxcel:http_requests_total{path=\"/v1/completions\",status=\"200\"}"
+        ),
+        1.0
+    );
+    assert_eq!(
+        metric(
+            &m1,
+            "mlxcel:http_requests_total{path=\"/v1/models\",status=\"401\"}"
+        ),
+        2.0
+    );
+    assert!(m1.contains("# TYPE mlxcel:time_to_first_token_seconds histogram"));
+}
+
+#[test]
+fn concurrent_greedy_requests_match_sequential_ones() {
+    // 4 slots for 16 requests (the rest queue), and 4-token prefill chunks so
+    // prompts are prefilled piecewise between decode steps of the others
+    let s = Server::start("llama3", &["--parallel", "4", "--prefill-chunk", "4"], &[]);
+    let refs = reference("llama3");
+    let tok = tokenizer("llama3");
+    let prompts = refs["prompts"].as_array().unwrap();
+    let body = |i: usize| {
+        json!({"prompt": prompts[i % prompts.len()]["text"], "max_tokens": 16, "temperature": 0,
+               "ignore_eos": true, "skip_special_tokens": false})
+    };
+    let alone: Vec<String> = (0..prompts.len())
+        .map(|i| {
+            s.ok("/v1/completions", &body(i))["choices"][0]["text"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
+        .collect();
+    for (i, p) in prompts.iter().enumerate() {
+        let ids: Vec<u32> = p["greedy"].as_array().unwrap()[..16]
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect();
+        assert_eq!(
+            alone[i],
+            tok.decode(&ids, false).unwrap(),
+            "prompt {i} vs reference"
+        );
+    }
+    let addr = s.addr.clone();
+    let handles: Vec<_> = (0..16)
+        .map(|i| {
+            let addr = addr.clone();
+            let b = body(i);
+            std::thread::spawn(move || {
+                let mut b = b;
+                // half of them streamed
+                if i % 2 == 1 {
+                    b["stream"] = json!(true);
+                }
+                let r = http(
+                    &addr,
+                    "POST",
+                    "/v1/completions",
+                    &[("Content-Type", "application/json")],
+                    Some(b.to_string().into_bytes()),
+                )
+                .unwrap();
+                if i % 2 == 1 {
+                    stream_text(&r, false).0
+                } else {
+                    assert_eq!(r.status, 200, "{}", r.text());
+                    r.json()["choices"][0]["text"].as_str().unwrap().to_string()
+                }
+            })
+        })
+        .collect();
+    for (i, h) in handles.into_iter().enumerate() {
+        let text = h.join().unwrap();
+        assert_eq!(text, alone[i % prompts.len()], "request {i}");
+    }
+    let m = s.metrics();
+    assert!(metric(&m, "mlxcel:request_queue_time_seconds_count") >= 19.0);
+}
+
+#[test]
+fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
+    let s = Server::start("llama3", &["--ctx-size", "128"], &[]);
+    let json_ct = [("Content-Type", "application/json")];
+    let raw = |path: &str, headers: &[(&str, &str)], body: &[u8]| {
+        s.req("POST", path, headers, Some(body.to_vec()))
+    };
+    // malformed JSON
+    let e = assert_error(
+        &raw("/v1/chat/completions", &json_ct, b"{\"messages\": [}"),
+        400,
+    );
+    assert!(e["message"].as_str().unwrap().contains("JSON"), "{e}");
+    assert_error(&raw("/v1/completions", &json_ct, b""), 400);
+    assert_error(&raw("/v1/completions", &json_ct, b"[1, 2]"), 400);
+    // wrong types, missing fields, bad values: 400 naming the field
+    let m = json!([{"role": "user", "content": "hi"}]);
+    for (body, param) in [
+        (json!({"messages": m, "temperature": "hot"}), "temperature"),
+        (json!({"messages": m, "max_tokens": -5}), "max_tokens"),
+        (json!({"messages": m, "max_tokens": 0}), "max_tokens"),
+        (json!({"messages": m, "max_tokens": "ten"}), "max_tokens"),
+        (json!({"messages": m, "top_p": 0}), "top_p"),
+        (json!({"messages": m, "stream": "yes"}), "stream"),
+        (json!({"messages": m, "stop": [1]}), "stop"),
+        (json!({"messages": m, "n": 2}), "n"),
+        (
+            json!({"messages": m, "tools": [{"type": "function", "function": {"name": "f"}}]}),
+            "tools",
+        ),
+        (json!({"messages": m, "tool_choice": "auto"}), "tool_choice"),
+        (json!({"messages": m, "logit_bias": {"1": 5}}), "logit_bias"),
+        (
+            json!({"messages": m, "response_format": {"type": "json_object"}}),
+            "response_format",
+        ),
+        (
+            json!({"messages": m, "top_logprobs": 50, "logprobs": true}),
+            "top_logprobs",
+        ),
+        (json!({"messages": "hi"}), "messages"),
+        (json!({"model": "llama3"}), "messages"),
+        (
+            json!({"messages": [{"role": "user"}]}),
+            "messages[0].content",
+        ),
+        (
+            json!({"messages": [{"role": "wizard", "content": "x"}]}),
+            "messages[0].role",
+        ),
+    ] {
+        let e = assert_error(&s.post("/v1/chat/completions", &body), 400);
+        assert_eq!(e["param"], param, "{body}: {e}");
+    }
+    for (body, param) in [
+        (json!({"prompt": "x", "echo": true}), "echo"),
+        (json!({"prompt": "x", "best_of": 3}), "best_of"),
+        (json!({"prompt": "x", "suffix": "y"}), "suffix"),
+        (json!({"prompt": ["a", "b"]}), "prompt"),
+        (json!({"prompt": [100000]}), "prompt"),
+        (json!({"prompt": {"text": "x"}}), "prompt"),
+        (json!({"prompt": "x", "logprobs": 99}), "logprobs"),
+    ] {
+        let e = assert_error(&s.post("/v1/completions", &body), 400);
+        assert_eq!(e["param"], param, "{body}: {e}");
+    }
+    // prompt longer than the context (128)
+    let long = "the quick brown fox jumps over the lazy dog ".repeat(20);
+    let e = assert_error(&s.post("/v1/completions", &json!({"prompt": long})), 400);
+    let msg = e["message"].as_str().unwrap();
+    assert!(msg.contains("128") && msg.contains("tokens"), "{msg}");
+    assert_eq!(e["code"], "context_length_exceeded");
+    // 10 MB body
+    let big = format!("{{\"prompt\": \"{}\"}}", "a".repeat(10 << 20));
+    let e = assert_error(&raw("/v1/completions", &json_ct, big.as_bytes()), 413);
+    assert_eq!(e["code"], "request_too_large");
+    // wrong content type
+    let e = assert_error(
+        &raw(
+            "/v1/completions",
+            &[("Content-Type", "application/x-www-form-urlencoded")],
+            br#"{"prompt": "x"}"#,
+        ),
+        400,
+    );
+    assert!(e["message"].as_str().unwrap().contains("Content-Type"));
+    // unknown route, wrong method
+    assert_error(&s.req("GET", "/v1/nothing", &[], None), 404);
+    assert_error(
+        &s.req("POST", "/nothing", &json_ct, Some(b"{}".to_vec())),
+        404,
+    );
+    assert_error(&s.req("GET", "/v1/completions", &[], None), 405);
+    assert_error(&s.req("DELETE", "/health", &[], None), 405);
+    // the server still works, and a generation can run up to the context
+    let v = s.ok(
+        "/v1/completions",
+        &json!({"prompt": "Once upon a time", "max_tokens": 1000, "ignore_eos": true}),
+    );
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    let u = &v["usage"];
+    assert_eq!(u["total_tokens"], 128, "prompt + generated = ctx: {u}");
+    let v = s.ok(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}),
+    );
+    assert!(v["usage"]["completion_tokens"].as_u64().unwrap() <= 3);
+}
+
+#[test]
+fn disconnects_free_the_slot_and_sigterm_stops_gracefully() {
+    let s = Server::start(
+        "llama3",
+        &[
+            "--parallel",
+            "1",
+            "--max-queue",
+            "1",
+            "--shutdown-timeout",
+            "1",
+        ],
+        &[],
+    );
+    // a client that reads the first chunk of an endless stream and goes away
+    let body = json!({"prompt": "Once upon a time", "max_tokens": 4000, "ignore_eos": true, "stream": true})
+        .to_string();
+    let mut c = TcpStream::connect(&s.addr).unwrap();
+    write!(
+        c,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut buf = [0u8; 4096];
+    let n = c.read(&mut buf).unwrap();
+    assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"));
+    // while it holds the only slot, one request may wait (--max-queue 1) ...
+    let addr = s.addr.clone();
+    let queued = std::thread::spawn(move || {
+        let b = json!({"prompt": "hello", "max_tokens": 3, "ignore_eos": true});
+        http(
+            &addr,
+            "POST",
+            "/v1/completions",
+            &[("Content-Type", "application/json")],
+            Some(b.to_string().into_bytes()),
+        )
+        .unwrap()
+    });
+    let t0 = Instant::now();
+    while metric(&s.metrics(), "mlxcel:num_requests_waiting") < 1.0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "the request never queued"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // ... and the next one is turned away
+    let e = assert_error(
+        &s.post("/v1/completions", &json!({"prompt": "x", "max_tokens": 1})),
+        429,
+    );
+    assert!(e["message"].as_str().unwrap().contains("busy"), "{e}");
+    // the streaming client goes away: its slot goes to the queued request
+    drop(c);
+    let r = queued.join().unwrap();
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["usage"]["completion_tokens"], 3);
+    let m = s.metrics();
+    assert_eq!(
+        metric(
+            &m,
+            "mlxcel:request_success_total{finished_reason=\"abort\"}"
+        ),
+        1.0
+    );
+
+    // SIGTERM with a stream running: it ends (cancelled after --shutdown-timeout 1),
+    // new connections are refused, the process exits 0
+    let addr = s.addr.clone();
+    let streaming = std::thread::spawn(move || {
+        http(
+            &addr,
+            "POST",
+            "/v1/completions",
+            &[("Content-Type", "application/json")],
+            Some(body.into_bytes()),
+        )
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    let mut s = s;
+    let pid = s.child.id() as i32;
+    unsafe {
+        libc::kill(pid, libc::SIGTERM);
+    }
+    let t0 = Instant::now();
+    let status = loop {
+        if let Some(st) = s.child.try_wait().unwrap() {
+            break st;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "no exit after SIGTERM:\n{}",
+            s.log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(status.success(), "exit {status:?}:\n{}", s.log());
+    let r = streaming.join().unwrap().expect("the stream got an answer");
+    assert_eq!(r.status, 200);
+    let events = r.sse();
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let last: Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
+    assert!(
+        last.get("error").is_some() || last["choices"][0]["finish_reason"] == "length",
+        "{last}"
+    );
+}
+
+/// Pids of the direct children of `pid` (Linux /proc).
+fn children(pid: u32) -> Vec<u32> {
+    let mut out = vec![];
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(child) = e.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(e.path().join("stat")) else {
+            continue;
+        };
+        // pid (comm) state ppid ...
+        let after = &stat[stat.rfind(')').map_or(0, |i| i + 1)..];
+        if after.split_whitespace().nth(1) == Some(&pid.to_string()) {
+            out.push(child);
+        }
+    }
+    out
+}
+
+#[test]
+fn tensor_parallel_serving_and_a_rank_failure() {
+    let s = Server::start("llama3", &["--tp-size", "2", "--tp-emulate"], &[]);
+    let refs = reference("llama3");
+    let tok = tokenizer("llama3");
+    let p = &refs["prompts"][1];
+    let v = s.ok(
+        "/v1/completions",
+        &json!({"prompt": p["text"], "max_tokens": 16, "ignore_eos": true, "skip_special_tokens": false}),
+    );
+    let ids: Vec<u32> = p["greedy"].as_array().unwrap()[..16]
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect();
+    assert_eq!(v["choices"][0]["text"], tok.decode(&ids, false).unwrap());
+    // a rank dies: requests fail with 503 and /health says so (no restart yet)
+    let ranks = children(s.child.id());
+    assert_eq!(ranks.len(), 2, "rank processes: {ranks:?}");
+    unsafe {
+        libc::kill(ranks[1] as i32, libc::SIGKILL);
+    }
+    let e = assert_error(
+        &s.post(
+            "/v1/completions",
+            &json!({"prompt": "hello", "max_tokens": 4, "ignore_eos": true}),
+        ),
+        503,
+    );
+    assert!(e["message"].as_str().unwrap().contains("rank"), "{e}");
+    let h = s.req("GET", "/health", &[], None);
+    assert_error(&h, 503);
+    assert_error(
+        &s.post(
+            "/v1/completions",
+            &json!({"prompt": "hello", "max_tokens": 4}),
+        ),
+        503,
+    );
+}
