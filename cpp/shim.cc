@@ -190,8 +190,14 @@ size_t size(const array& a) { return a.size(); }
 size_t nbytes(const array& a) { return a.nbytes(); }
 
 rust::Vec<uint8_t> to_bytes(const array& a) {
-  array c = mx::contiguous(a);
+  // Wait for `a` alone (not for work queued after it, e.g. the next decode step
+  // started with async_eval); only a non-contiguous array needs a copy op.
+  array c = a;
   c.eval();
+  if (!c.flags().row_contiguous) {
+    c = mx::contiguous(c);
+    c.eval();
+  }
   rust::Vec<uint8_t> out;
   size_t n = c.nbytes();
   out.reserve(n);
@@ -335,6 +341,9 @@ ArrayPtr take_along_axis(const array& a, const array& indices, int32_t axis) {
 }
 ArrayPtr put_along_axis(const array& a, const array& indices, const array& values, int32_t axis) {
   return wrap(mx::put_along_axis(a, indices, values, axis));
+}
+ArrayPtr scatter(const array& a, const ArrayVec& indices, const array& updates, rust::Slice<const int32_t> axes) {
+  return wrap(mx::scatter(a, indices.items, updates, to_ints(axes)));
 }
 ArrayPtr repeat(const array& a, int32_t repeats, int32_t axis) { return wrap(mx::repeat(a, repeats, axis)); }
 ArrayPtr contiguous(const array& a) { return wrap(mx::contiguous(a)); }

@@ -121,6 +121,7 @@ std::unique_ptr<ArrayVec> split_sections(const array& a, rust::Slice<const int32
 ArrayPtr take(const array& a, const array& indices, int32_t axis);
 ArrayPtr take_along_axis(const array& a, const array& indices, int32_t axis);
 ArrayPtr put_along_axis(const array& a, const array& indices, const array& values, int32_t axis);
+ArrayPtr scatter(const array& a, const ArrayVec& indices, const array& updates, rust::Slice<const int32_t> axes);
 ArrayPtr repeat(const array& a, int32_t repeats, int32_t axis);
 ArrayPtr contiguous(const array& a);
 ArrayPtr copy_to_stream(const array& a, const StreamRef& s);

@@ -41,4 +41,22 @@ bench8b)
   step "mlxcel bench 4-bit"; $B bench -m "$CK/8b-q4" | tee "$OUT/mlxcel-q4.json"
   step "mlx-lm bench 4-bit"; python3 scripts/bench_mlx_lm.py "$CK/8b-q4" | tee "$OUT/mlxlm-q4.json"
   ;;
+ckpt)
+  [ -f "$CK/8b-bf16/config.json" ] || { $B generate -n 1 >/dev/null 2>&1;
+    python3 scripts/make_random_checkpoint.py --shape llama3-8b --out "$CK/8b-bf16" --tokenizer-from "$MLXCEL_CACHE/demo-llama-v1"; }
+  [ -f "$CK/8b-q4/config.json" ] || python3 -m mlx_lm convert --hf-path "$CK/8b-bf16" --mlx-path "$CK/8b-q4" -q --q-group-size 64 --q-bits 4 2>&1 | tail -1
+  ;;
+server)
+  S=${MLXCEL_SERVER:-$(dirname $B)/mlxcel-server}
+  $S -m "$CK/8b-bf16" --port 8123 --parallel 32 --ctx-size 2048 > "$OUT/server.log" 2>&1 &
+  spid=$!
+  for i in $(seq 120); do curl -sf localhost:8123/health >/dev/null && break; sleep 1; done
+  step "server: one streaming chat request"
+  curl -sN localhost:8123/v1/chat/completions -H 'Content-Type: application/json' \
+    -d '{"messages":[{"role":"user","content":"hi"}],"max_tokens":8,"stream":true,"stream_options":{"include_usage":true}}' | head -12
+  step "server: bench 1/8/32 streams"; python3 scripts/bench_server.py --port 8123 --concurrency 1,8,32 --max-tokens 128 | tee "$OUT/server-bench.json"
+  step "memory"; nvidia-smi --query-gpu=index,memory.used --format=csv
+  curl -s localhost:8123/metrics | grep -E "^mlxcel:(num_requests|generation_tokens_total|prompt_tokens_total|device)" | head
+  kill -TERM $spid; wait $spid; echo "server exit: $?"
+  ;;
 esac

@@ -1,6 +1,10 @@
 //! `mlxcel-server` end to end on CPU with the fixture models: each test starts
 //! the server as a child process on a free port (`--port 0`, the port is read
 //! from its log) and talks plain HTTP/1.1 to it over std sockets.
+//!
+//! The main tests run twice: on one device, and with `--tp-size 2 --tp-emulate`
+//! (two rank processes over the ring backend), with the same expected outputs.
+//! The `tp_*` tests at the end kill, stall and restart rank processes.
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
@@ -26,6 +30,13 @@ fn tokenizer(name: &str) -> mlxcel::tokenizer::Tokenizer {
     let cfg: Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
     mlxcel::tokenizer::Tokenizer::from_dir(&dir, &cfg).unwrap()
+}
+
+/// The extra flags of the tensor-parallel runs.
+const TP2: &[&str] = &["--tp-size", "2", "--tp-emulate"];
+
+fn with<'a>(tp: &[&'a str], args: &[&'a str]) -> Vec<&'a str> {
+    tp.iter().chain(args).copied().collect()
 }
 
 struct Server {
@@ -347,7 +358,16 @@ fn stream_text(r: &Resp, chat: bool) -> (String, String, Option<Value>) {
 
 #[test]
 fn chat_and_completions_streaming_and_not() {
-    let s = Server::start("llama3", &[], &[]);
+    chat_and_completions(&[]);
+}
+
+#[test]
+fn tp2_chat_and_completions_streaming_and_not() {
+    chat_and_completions(TP2);
+}
+
+fn chat_and_completions(tp: &[&str]) {
+    let s = Server::start("llama3", tp, &[]);
     let refs = reference("llama3");
     let tok = tokenizer("llama3");
     let p0 = &refs["prompts"][0];
@@ -481,9 +501,18 @@ fn chat_and_completions_streaming_and_not() {
 
 #[test]
 fn models_health_metrics_and_auth() {
+    models_health_metrics(&[]);
+}
+
+#[test]
+fn tp2_models_health_metrics_and_auth() {
+    models_health_metrics(TP2);
+}
+
+fn models_health_metrics(tp: &[&str]) {
     let s = Server::start(
         "qwen2",
-        &["--served-model-name", "tiny-qwen"],
+        &with(tp, &["--served-model-name", "tiny-qwen"]),
         &[("MLXCEL_API_KEY", "sekret-key")],
     );
     let auth = [("Authorization", "Bearer sekret-key")];
@@ -553,7 +582,27 @@ fn models_health_metrics_and_auth() {
     assert_eq!(d("mlxcel:inter_token_latency_seconds_count"), 6.0);
     assert_eq!(metric(&m1, "mlxcel:num_requests_running"), 0.0);
     assert_eq!(metric(&m1, "mlxcel:num_requests_waiting"), 0.0);
-    assert!(metric(&m1, "mlxcel:device_memory_active_bytes") > 0.0);
+    if tp.is_empty() {
+        assert!(metric(&m1, "mlxcel:device_memory_active_bytes") > 0.0);
+        assert!(!m1.contains("tp_rank"));
+    } else {
+        for r in 0..2 {
+            let label = format!("{{tp_rank=\"{r}\"}}");
+            for name in [
+                "mlxcel:device_memory_active_bytes",
+                "mlxcel:device_memory_peak_bytes",
+                "mlxcel:tp_rank_weight_bytes",
+                "mlxcel:tp_rank_pid",
+            ] {
+                assert!(
+                    metric(&m1, &format!("{name}{label}")) > 0.0,
+                    "{name}{label}"
+                );
+            }
+        }
+        assert_eq!(metric(&m1, "mlxcel:tp_restarts_total"), 0.0);
+        assert!(!m1.contains("\nmlxcel:device_memory_active_bytes "));
+    }
     assert_eq!(
         metric(
             &m1,
@@ -573,9 +622,22 @@ fn models_health_metrics_and_auth() {
 
 #[test]
 fn concurrent_greedy_requests_match_sequential_ones() {
+    concurrent_greedy(&[]);
+}
+
+#[test]
+fn tp2_concurrent_greedy_requests_match_sequential_ones() {
+    concurrent_greedy(TP2);
+}
+
+fn concurrent_greedy(tp: &[&str]) {
     // 4 slots for 16 requests (the rest queue), and 4-token prefill chunks so
     // prompts are prefilled piecewise between decode steps of the others
-    let s = Server::start("llama3", &["--parallel", "4", "--prefill-chunk", "4"], &[]);
+    let s = Server::start(
+        "llama3",
+        &with(tp, &["--parallel", "4", "--prefill-chunk", "4"]),
+        &[],
+    );
     let refs = reference("llama3");
     let tok = tokenizer("llama3");
     let prompts = refs["prompts"].as_array().unwrap();
@@ -640,7 +702,16 @@ fn concurrent_greedy_requests_match_sequential_ones() {
 
 #[test]
 fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
-    let s = Server::start("llama3", &["--ctx-size", "128"], &[]);
+    bad_requests(&[]);
+}
+
+#[test]
+fn tp2_bad_requests_get_openai_errors_and_the_server_keeps_serving() {
+    bad_requests(TP2);
+}
+
+fn bad_requests(tp: &[&str]) {
+    let s = Server::start("llama3", &with(tp, &["--ctx-size", "128"]), &[]);
     let json_ct = [("Content-Type", "application/json")];
     let raw = |path: &str, headers: &[(&str, &str)], body: &[u8]| {
         s.req("POST", path, headers, Some(body.to_vec()))
@@ -749,18 +820,32 @@ fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
 
 #[test]
 fn disconnects_free_the_slot_and_sigterm_stops_gracefully() {
+    disconnects_and_sigterm(&[]);
+}
+
+#[test]
+fn tp2_disconnects_free_the_slot_and_sigterm_stops_gracefully() {
+    disconnects_and_sigterm(TP2);
+}
+
+fn disconnects_and_sigterm(tp: &[&str]) {
     let s = Server::start(
         "llama3",
-        &[
-            "--parallel",
-            "1",
-            "--max-queue",
-            "1",
-            "--shutdown-timeout",
-            "1",
-        ],
+        &with(
+            tp,
+            &[
+                "--parallel",
+                "1",
+                "--max-queue",
+                "1",
+                "--shutdown-timeout",
+                "1",
+            ],
+        ),
         &[],
     );
+    let ranks = rank_pids(&s);
+    assert_eq!(ranks.len(), if tp.is_empty() { 0 } else { 2 });
     // a client that reads the first chunk of an endless stream and goes away
     let body = json!({"prompt": "Once upon a time", "max_tokens": 4000, "ignore_eos": true, "stream": true})
         .to_string();
@@ -846,6 +931,10 @@ fn disconnects_free_the_slot_and_sigterm_stops_gracefully() {
         std::thread::sleep(Duration::from_millis(50));
     };
     assert!(status.success(), "exit {status:?}:\n{}", s.log());
+    assert!(
+        ranks.iter().all(|&p| !alive(p)),
+        "a rank outlived the server"
+    );
     let r = streaming.join().unwrap().expect("the stream got an answer");
     assert_eq!(r.status, 200);
     let events = r.sse();
@@ -857,28 +946,159 @@ fn disconnects_free_the_slot_and_sigterm_stops_gracefully() {
     );
 }
 
-/// Pids of the direct children of `pid` (Linux /proc).
-fn children(pid: u32) -> Vec<u32> {
-    let mut out = vec![];
-    for e in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(child) = e.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
-        let Ok(stat) = std::fs::read_to_string(e.path().join("stat")) else {
-            continue;
-        };
-        // pid (comm) state ppid ...
-        let after = &stat[stat.rfind(')').map_or(0, |i| i + 1)..];
-        if after.split_whitespace().nth(1) == Some(&pid.to_string()) {
-            out.push(child);
-        }
-    }
-    out
+// ------------------------------------------------- tensor parallel: failures
+
+/// The rank pids from `/metrics` (`mlxcel:tp_rank_pid{tp_rank="r"}`), by rank.
+fn rank_pids(s: &Server) -> Vec<u32> {
+    let m = s.metrics();
+    (0..)
+        .map_while(|r| {
+            let name = format!("mlxcel:tp_rank_pid{{tp_rank=\"{r}\"}} ");
+            m.lines()
+                .find_map(|l| l.strip_prefix(&name))
+                .and_then(|v| v.trim().parse().ok())
+        })
+        .collect()
 }
 
-#[test]
-fn tensor_parallel_serving_and_a_rank_failure() {
-    let s = Server::start("llama3", &["--tp-size", "2", "--tp-emulate"], &[]);
+/// Whether `pid` runs (a zombie does not).
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .map(|s| {
+            let after = &s[s.rfind(')').map_or(0, |i| i + 1)..];
+            after.split_whitespace().next() != Some("Z")
+        })
+        .unwrap_or(false)
+}
+
+fn signal(pid: u32, sig: i32) {
+    unsafe {
+        libc::kill(pid as i32, sig);
+    }
+}
+
+fn wait_until(what: &str, limit: Duration, mut ok: impl FnMut() -> bool, log: impl Fn() -> String) {
+    let t0 = Instant::now();
+    while !ok() {
+        assert!(
+            t0.elapsed() < limit,
+            "{what}: not within {limit:?}\nlog:\n{}",
+            log()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Polls `/health` every 20 ms in the background and records the changes.
+struct HealthWatch {
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    /// (status, body) each time the status changed.
+    seen: Arc<Mutex<Vec<(u16, String)>>>,
+    handle: Option<std::thread::JoinHandle<()>>,
+}
+
+impl HealthWatch {
+    fn start(addr: &str) -> HealthWatch {
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let seen: Arc<Mutex<Vec<(u16, String)>>> = Arc::default();
+        let handle = {
+            let (stop, seen, addr) = (stop.clone(), seen.clone(), addr.to_string());
+            std::thread::spawn(move || {
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    if let Ok(r) = http(&addr, "GET", "/health", &[], None) {
+                        let mut v = seen.lock().unwrap();
+                        if v.last().map(|x| x.0) != Some(r.status) {
+                            v.push((r.status, r.text()));
+                        }
+                    }
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+            })
+        };
+        HealthWatch {
+            stop,
+            seen,
+            handle: Some(handle),
+        }
+    }
+
+    /// Waits until health went 503 and then back to 200; returns the 503 body.
+    fn wait_down_and_up(&self, s: &Server, limit: Duration) -> String {
+        let mut down = String::new();
+        wait_until(
+            "/health 503 then 200",
+            limit,
+            || {
+                let v = self.seen.lock().unwrap();
+                match v.iter().position(|x| x.0 == 503) {
+                    Some(i) => {
+                        down = v[i].1.clone();
+                        v[i..].iter().any(|x| x.0 == 200)
+                    }
+                    None => false,
+                }
+            },
+            || format!("{:?}\n{}", self.seen.lock().unwrap(), s.log()),
+        );
+        self.seen.lock().unwrap().clear();
+        down
+    }
+}
+
+impl Drop for HealthWatch {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+/// A long streaming completion, once its first token has arrived.
+fn start_stream(s: &Server) -> TcpStream {
+    let body = json!({"prompt": "Once upon a time", "max_tokens": 4000, "ignore_eos": true,
+                      "stream": true})
+    .to_string();
+    let mut c = TcpStream::connect(&s.addr).unwrap();
+    write!(
+        c,
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(60))).unwrap();
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !String::from_utf8_lossy(&got).contains("\"text\"") {
+        let n = c.read(&mut buf).unwrap();
+        assert!(n > 0, "stream closed: {}", String::from_utf8_lossy(&got));
+        got.extend_from_slice(&buf[..n]);
+    }
+    assert!(got.starts_with(b"HTTP/1.1 200"));
+    c
+}
+
+/// The rest of a stream until the server closes it.
+fn finish_stream(mut c: TcpStream, limit: Duration) -> String {
+    c.set_read_timeout(Some(limit)).unwrap();
+    let mut rest = Vec::new();
+    let _ = c.read_to_end(&mut rest);
+    String::from_utf8_lossy(&rest).into_owned()
+}
+
+/// The stream ended with an OpenAI-style error event naming a rank, then `[DONE]`.
+fn assert_stream_error(rest: &str, s: &Server) {
+    let err = rest
+        .split("data: ")
+        .find(|e| e.starts_with("{\"error\""))
+        .unwrap_or_else(|| panic!("no error event in {rest:?}\nlog:\n{}", s.log()));
+    let v: Value = serde_json::from_str(err.split("\n\n").next().unwrap()).unwrap();
+    let msg = v["error"]["message"].as_str().unwrap();
+    assert!(msg.contains("rank"), "{msg}");
+    assert!(rest.contains("data: [DONE]"), "{rest:?}");
+}
+
+fn greedy_check(s: &Server) {
     let refs = reference("llama3");
     let tok = tokenizer("llama3");
     let p = &refs["prompts"][1];
@@ -891,27 +1111,139 @@ fn tensor_parallel_serving_and_a_rank_failure() {
         .map(|x| x.as_u64().unwrap() as u32)
         .collect();
     assert_eq!(v["choices"][0]["text"], tok.decode(&ids, false).unwrap());
-    // a rank dies: requests fail with 503 and /health says so (no restart yet)
-    let ranks = children(s.child.id());
-    assert_eq!(ranks.len(), 2, "rank processes: {ranks:?}");
-    unsafe {
-        libc::kill(ranks[1] as i32, libc::SIGKILL);
+}
+
+#[test]
+fn tp2_greedy_outputs_equal_the_single_device_server() {
+    let one = Server::start("llama3", &[], &[]);
+    let tp = Server::start("llama3", TP2, &[]);
+    let refs = reference("llama3");
+    let mut bodies = vec![];
+    for p in refs["prompts"].as_array().unwrap() {
+        bodies.push((
+            "/v1/completions",
+            json!({"prompt": p["text"], "max_tokens": 24, "temperature": 0}),
+        ));
     }
-    let e = assert_error(
-        &s.post(
-            "/v1/completions",
-            &json!({"prompt": "hello", "max_tokens": 4, "ignore_eos": true}),
-        ),
-        503,
+    for c in refs["chat"].as_array().unwrap() {
+        bodies.push((
+            "/v1/chat/completions",
+            json!({"messages": c["messages"], "max_tokens": 24, "temperature": 0}),
+        ));
+    }
+    for (path, body) in bodies {
+        let a = one.ok(path, &body);
+        let b = tp.ok(path, &body);
+        assert_eq!(a["choices"], b["choices"], "{path} {body}");
+        assert_eq!(a["usage"], b["usage"], "{path} {body}");
+    }
+}
+
+#[test]
+fn tp_rank_failures_end_requests_and_the_group_restarts() {
+    let s = Server::start(
+        "llama3",
+        TP2,
+        &[("MLXCEL_TP_STEP_TIMEOUT", "3"), ("RUST_LOG", "info")],
     );
-    assert!(e["message"].as_str().unwrap().contains("rank"), "{e}");
-    let h = s.req("GET", "/health", &[], None);
-    assert_error(&h, 503);
-    assert_error(
-        &s.post(
-            "/v1/completions",
-            &json!({"prompt": "hello", "max_tokens": 4}),
-        ),
-        503,
+    let log = || s.log();
+    let pids0 = rank_pids(&s);
+    assert_eq!(pids0.len(), 2, "{}", s.metrics());
+    let watch = HealthWatch::start(&s.addr);
+
+    // SIGKILL of rank 1 during a stream: an error event within 5 s, then a restart
+    let c = start_stream(&s);
+    signal(pids0[1], libc::SIGKILL);
+    let t0 = Instant::now();
+    let rest = finish_stream(c, Duration::from_secs(30));
+    assert!(
+        t0.elapsed() < Duration::from_secs(5),
+        "the stream ended {:?} after the kill",
+        t0.elapsed()
     );
+    assert_stream_error(&rest, &s);
+    let down = watch.wait_down_and_up(&s, Duration::from_secs(60));
+    assert!(
+        down.contains("rank 1") && down.contains("restarting"),
+        "{down}"
+    );
+    greedy_check(&s);
+    let pids1 = rank_pids(&s);
+    assert_eq!(pids1.len(), 2);
+    assert!(
+        pids1.iter().all(|p| !pids0.contains(p)),
+        "{pids0:?} {pids1:?}"
+    );
+    assert!(pids0.iter().all(|&p| !alive(p)), "an old rank is left");
+    let m = s.metrics();
+    assert_eq!(metric(&m, "mlxcel:tp_restarts_total"), 1.0);
+    assert!(metric(&m, "mlxcel:request_failure_total") >= 1.0);
+
+    // a stalled rank: the step deadline (3 s) ends the stream, then a restart
+    let c = start_stream(&s);
+    signal(pids1[1], libc::SIGSTOP);
+    let t0 = Instant::now();
+    let rest = finish_stream(c, Duration::from_secs(30));
+    assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
+    assert_stream_error(&rest, &s);
+    watch.wait_down_and_up(&s, Duration::from_secs(60));
+    wait_until(
+        "stalled ranks stopped",
+        Duration::from_secs(5),
+        || pids1.iter().all(|&p| !alive(p)),
+        log,
+    );
+    greedy_check(&s);
+
+    // a rank dies while the server is idle: found without any request
+    let pids2 = rank_pids(&s);
+    signal(pids2[0], libc::SIGKILL);
+    let down = watch.wait_down_and_up(&s, Duration::from_secs(60));
+    assert!(down.contains("rank 0"), "{down}");
+    assert_eq!(metric(&s.metrics(), "mlxcel:tp_restarts_total"), 3.0);
+    greedy_check(&s);
+    drop(watch);
+
+    // SIGKILL of the server takes its ranks along
+    let pids3 = rank_pids(&s);
+    assert_eq!(pids3.len(), 2);
+    let mut s = s;
+    s.child.kill().unwrap();
+    let _ = s.child.wait();
+    let t0 = Instant::now();
+    while pids3.iter().any(|&p| alive(p)) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "ranks outlived the server by 5 s"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn tp_max_restarts_0_exits_non_zero_with_the_reason() {
+    let mut s = Server::start("llama3", &with(TP2, &["--max-restarts", "0"]), &[]);
+    let pids = rank_pids(&s);
+    assert_eq!(pids.len(), 2);
+    signal(pids[1], libc::SIGKILL);
+    let t0 = Instant::now();
+    let status = loop {
+        if let Some(st) = s.child.try_wait().unwrap() {
+            break st;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "the server did not exit:\n{}",
+            s.log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(!status.success(), "{status:?}");
+    std::thread::sleep(Duration::from_millis(300)); // the log reader catches up
+    let log = s.log();
+    assert!(
+        log.contains("error: ") && log.contains("rank 1") && log.contains("--max-restarts 0"),
+        "{log}"
+    );
+    assert!(pids.iter().all(|&p| !alive(p)), "a rank was left behind");
 }

@@ -11,7 +11,7 @@ use clap::Args;
 use rand::{Rng, SeedableRng};
 use serde_json::json;
 
-use super::generate::{load_model, ModelArgs};
+use super::generate::{check_single_device_memory, load_weights, open_model, ModelArgs};
 use crate::engine::generate::prefill;
 use crate::mlx::{self, Dtype};
 use crate::models::Logits;
@@ -47,7 +47,14 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         .max(args.decode_context + args.decode_tokens + 1);
     let mut margs = args.model.clone();
     margs.ctx_size = Some(margs.ctx_size.unwrap_or(longest).max(longest));
-    let m = load_model(&margs)?;
+    let opened = open_model(&margs)?;
+    check_single_device_memory(&margs, &opened, 1, args.prefill_chunk)?;
+    let m = super::generate::LoadedModel {
+        model: load_weights(&margs, &opened)?,
+        dir: opened.dir,
+        tokenizer: opened.tokenizer,
+        ctx_size: opened.ctx_size,
+    };
     let vocab = m.model.cfg.vocab_size as u32;
     let mut rng = rand::rngs::StdRng::seed_from_u64(1234);
     let mut prompt =

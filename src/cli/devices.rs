@@ -41,6 +41,8 @@ pub struct GpuRow {
     pub total_memory_gib: f64,
     /// `None` where the backend does not report free memory.
     pub free_memory_gib: Option<f64>,
+    /// The same in bytes (the memory plan reads this).
+    pub free_memory_bytes: Option<u64>,
     pub pci_bus_id: String,
     pub uuid: String,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -76,6 +78,7 @@ fn gpu_rows() -> Vec<GpuRow> {
                 total_memory_bytes: d.total_memory,
                 total_memory_gib: round2(d.total_memory as f64 / GIB),
                 free_memory_gib: (d.free_memory > 0).then(|| round2(d.free_memory as f64 / GIB)),
+                free_memory_bytes: (d.free_memory > 0).then_some(d.free_memory),
                 pci_bus_id: d.pci_bus_id,
                 uuid: d.uuid,
                 error: None,
@@ -87,6 +90,7 @@ fn gpu_rows() -> Vec<GpuRow> {
                 total_memory_bytes: 0,
                 total_memory_gib: 0.0,
                 free_memory_gib: None,
+                free_memory_bytes: None,
                 pci_bus_id: String::new(),
                 uuid: String::new(),
                 error: Some(e.to_string()),

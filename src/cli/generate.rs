@@ -126,9 +126,9 @@ pub struct OpenedModel {
     pub ctx_size: usize,
 }
 
-/// Resolve `-m` (or the demo model) and read its config and tokenizer.
-pub fn open_model(args: &ModelArgs) -> Result<OpenedModel> {
-    let dir = match (&args.model, args.load_format) {
+/// Resolve `-m` (or the demo model) to a folder: config.json, and weights unless dummy.
+pub fn resolve_dir(args: &ModelArgs) -> Result<ModelDir> {
+    Ok(match (&args.model, args.load_format) {
         (Some(m), LoadFormat::Dummy) => ModelDir::resolve_config_only(m)?,
         (Some(m), LoadFormat::Safetensors) => ModelDir::resolve(m)?,
         (None, _) => {
@@ -136,16 +136,27 @@ pub fn open_model(args: &ModelArgs) -> Result<OpenedModel> {
                 .context("writing the built-in demo model into the cache")?;
             ModelDir::open(&d)?
         }
-    };
-    let config = dir.read_config()?;
-    let cfg = models::read_config(&dir)?;
-    let tokenizer = Tokenizer::from_dir(&dir.root, &config)?;
+    })
+}
+
+/// `--ctx-size`, or the model's max_position_embeddings capped at 8192.
+pub fn ctx_size_of(args: &ModelArgs, cfg: &models::ModelConfig) -> Result<usize> {
     let ctx_size = args
         .ctx_size
         .unwrap_or(cfg.max_position_embeddings.min(8192));
     if ctx_size == 0 {
         bail!("--ctx-size must be at least 1");
     }
+    Ok(ctx_size)
+}
+
+/// Resolve `-m` (or the demo model) and read its config and tokenizer.
+pub fn open_model(args: &ModelArgs) -> Result<OpenedModel> {
+    let dir = resolve_dir(args)?;
+    let config = dir.read_config()?;
+    let cfg = models::read_config(&dir)?;
+    let tokenizer = Tokenizer::from_dir(&dir.root, &config)?;
+    let ctx_size = ctx_size_of(args, &cfg)?;
     if ctx_size > cfg.max_position_embeddings {
         tracing::warn!(
             "--ctx-size {ctx_size} exceeds max_position_embeddings {} of {}",
@@ -177,6 +188,46 @@ pub fn load_model(args: &ModelArgs) -> Result<LoadedModel> {
         tokenizer,
         ctx_size,
     })
+}
+
+/// The memory plan of a single-device load (this process, its one device), checked
+/// before any weight is read: refuses with the numbers and the smallest `--tp-size`
+/// that would fit. Skipped (with a warning) where free memory is unknown.
+pub fn check_single_device_memory(
+    args: &ModelArgs,
+    m: &OpenedModel,
+    slots: usize,
+    prefill_chunk: usize,
+) -> Result<()> {
+    use crate::parallel::plan::{self, Placement, PlanInput};
+    let catalog = match args.load_format {
+        LoadFormat::Safetensors => {
+            Some(models::weights::catalog(&m.dir).with_context(|| {
+                format!("reading the weight headers of {}", m.dir.root.display())
+            })?)
+        }
+        LoadFormat::Dummy => None,
+    };
+    let input = PlanInput {
+        cfg: &m.cfg,
+        catalog: catalog.as_ref(),
+        tp_size: 1,
+        ctx_size: m.ctx_size,
+        slots,
+        prefill_chunk,
+        backend: crate::mlx::backend(),
+    };
+    let mem = plan::plan_memory(&input)?;
+    let place = Placement {
+        entries: &[0],
+        shared: false,
+        child: None,
+    };
+    match plan::budget(input.backend, &place).0 {
+        Ok(b) => plan::check_fit(&input, &mem, &b)?,
+        Err(note) => tracing::warn!("memory plan not checked against free memory: {note}"),
+    }
+    Ok(())
 }
 
 /// Load an opened model's weights on this thread, with a progress bar for big models.
@@ -248,9 +299,11 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
     let mut tp_exec = None;
     let mut local_exec = None;
     let exec: &mut dyn Executor = if args.tp.uses_ranks() {
-        let opts = args.tp.options(args.model.load_format, m.ctx_size, 1);
+        let mut opts = args.tp.options(args.model.load_format, m.ctx_size, 1);
+        opts.prefill_chunk = args.prefill_chunk;
         tp_exec.insert(TpExecutor::launch(&m.dir, opts)?)
     } else {
+        check_single_device_memory(&args.model, &m, 1, args.prefill_chunk)?;
         let loaded = load_weights(&args.model, &m)?;
         local_exec.insert(LocalExecutor::new(loaded, 1, m.ctx_size))
     };
@@ -271,10 +324,18 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
             }
         },
     )?;
+    let ranks = tp_exec.as_ref().map(|t| t.reports().to_vec());
     if json {
-        writeln!(stdout, "{}", serde_json::to_string(&g)?)?;
+        let mut v = serde_json::to_value(&g)?;
+        if let Some(ranks) = &ranks {
+            v["stats"]["ranks"] = serde_json::to_value(ranks)?;
+        }
+        writeln!(stdout, "{}", serde_json::to_string(&v)?)?;
     } else {
         writeln!(stdout)?;
+        for r in ranks.iter().flatten() {
+            writeln!(stdout, "{}", r.summary())?;
+        }
         writeln!(stdout, "{}", stats_line(&g))?;
     }
     Ok(())

@@ -14,6 +14,7 @@ use crate::mlx;
 pub mod bench;
 pub mod devices;
 pub mod generate;
+pub mod plan;
 pub mod probe;
 
 /// LLM inference over MLX, with tensor parallelism across the GPUs of one node.
@@ -41,12 +42,18 @@ pub enum Command {
     Bench(bench::BenchArgs),
     /// List the GPUs MLX sees (and, with --check, test each one in a child process).
     Devices(devices::DevicesArgs),
+    /// Show each rank's memory (weights, KV cache, margin) against its device's free memory, without loading.
+    Plan(plan::PlanArgs),
     /// OpenAI-compatible HTTP server (the same as the `mlxcel-server` binary).
     Serve(crate::server::ServeArgs),
 
     /// (internal) A tensor-parallel rank process, started by the driver.
     #[command(name = "_rank", hide = true)]
     Rank(crate::parallel::rank::RankArgs),
+
+    /// (internal) `devices --json` for the memory plan (works from every binary).
+    #[command(name = "_devices", hide = true)]
+    DevicesJson,
 
     /// (internal) Test the one GPU this process sees; prints one JSON line.
     #[command(name = "_probe-device", hide = true)]
@@ -65,6 +72,12 @@ pub fn main() -> Result<()> {
         Command::Generate(args) => generate::run(&args),
         Command::Bench(args) => bench::run(&args),
         Command::Devices(args) => devices::run(&args),
+        Command::Plan(args) => plan::run(&args),
+        Command::DevicesJson => devices::run(&devices::DevicesArgs {
+            json: true,
+            check: false,
+            timeout_s: 120,
+        }),
         Command::Serve(args) => crate::server::run(&args),
         Command::Rank(args) => crate::parallel::rank::run(&args),
         Command::ProbeDevice(args) => probe::probe_device(&args),

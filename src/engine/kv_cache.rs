@@ -4,6 +4,16 @@
 //! at the slot's current length and reads the prefix back as a view.
 use crate::mlx::{self, Array, Dtype};
 
+/// Where a batched decode step writes and reads (see [`KvCache::batch_index`]).
+pub struct BatchIndex {
+    first_slot: usize,
+    rows: usize,
+    contiguous: bool,
+    slot_idx: Array,
+    pos_idx: Array,
+    max_len: usize,
+}
+
 pub struct KvCache {
     k: Vec<Array>,
     v: Vec<Array>,
@@ -159,48 +169,62 @@ impl KvCache {
         ))
     }
 
+    /// Index arrays for a batched decode step over `slots` at `positions`, built once per step
+    /// and shared by every layer.
+    pub fn batch_index(&self, slots: &[usize], positions: &[usize]) -> mlx::Result<BatchIndex> {
+        let to_arr = |v: &[usize]| {
+            let v: Vec<i32> = v.iter().map(|&x| x as i32).collect();
+            Array::from_slice(&v, &[v.len() as i32])
+        };
+        let contiguous = slots.windows(2).all(|w| w[1] == w[0] + 1);
+        Ok(BatchIndex {
+            first_slot: slots[0],
+            rows: slots.len(),
+            contiguous,
+            slot_idx: to_arr(slots)?,
+            pos_idx: to_arr(positions)?,
+            max_len: positions.iter().max().map_or(0, |&p| p + 1),
+        })
+    }
+
     /// Batched decode: write one token per sequence (`k`, `v`: `[B, kv_heads, 1, head_dim]`) at
-    /// `positions[b]` of `slots[b]`; return keys/values `[B, kv_heads, max_len, head_dim]` where
-    /// `max_len = max(positions) + 1` (callers mask each row past its own length).
+    /// its position in its slot with one scatter per pool; return keys/values
+    /// `[B, kv_heads, max_len, head_dim]` (callers mask each row past its own length). When the
+    /// slots are consecutive this is a view of the pool, otherwise a gather.
     pub fn write_and_read_batch(
         &mut self,
         layer: usize,
-        slots: &[usize],
-        positions: &[usize],
+        idx: &BatchIndex,
         k: &Array,
         v: &Array,
     ) -> mlx::Result<(Array, Array)> {
         let (h, d) = (self.kv_heads as i32, self.head_dim as i32);
-        let ones = [1, 1, 1, 1];
-        let k = k.astype(self.dtype)?;
-        let v = v.astype(self.dtype)?;
-        for (b, (&slot, &pos)) in slots.iter().zip(positions).enumerate() {
-            let (s, p, bi) = (slot as i32, pos as i32, b as i32);
-            let lo = [s, 0, p, 0];
-            let hi = [s + 1, h, p + 1, d];
-            let kb = k.slice(&[bi, 0, 0, 0], &[bi + 1, h, 1, d], &ones)?;
-            let vb = v.slice(&[bi, 0, 0, 0], &[bi + 1, h, 1, d], &ones)?;
-            self.k[layer] = self.k[layer].slice_update(&kb, &lo, &hi, &ones)?;
-            self.v[layer] = self.v[layer].slice_update(&vb, &lo, &hi, &ones)?;
-        }
-        let max_len = positions.iter().max().map_or(0, |&p| p + 1) as i32;
-        let contiguous = slots.windows(2).all(|w| w[1] == w[0] + 1);
-        let (kk, vv) = if contiguous {
-            let s0 = slots[0] as i32;
+        let b = idx.rows as i32;
+        let upd_shape = [b, 1, h, 1, d];
+        let k = k.astype(self.dtype)?.reshape(&upd_shape)?;
+        let v = v.astype(self.dtype)?.reshape(&upd_shape)?;
+        let at = [&idx.slot_idx, &idx.pos_idx];
+        self.k[layer] = self.k[layer].scatter(&at, &k, &[0, 2])?;
+        self.v[layer] = self.v[layer].scatter(&at, &v, &[0, 2])?;
+        let max_len = idx.max_len as i32;
+        if idx.contiguous {
+            let s0 = idx.first_slot as i32;
             let lo = [s0, 0, 0, 0];
-            let hi = [s0 + slots.len() as i32, h, max_len, d];
-            (
+            let hi = [s0 + b, h, max_len, d];
+            let ones = [1, 1, 1, 1];
+            Ok((
                 self.k[layer].slice(&lo, &hi, &ones)?,
                 self.v[layer].slice(&lo, &hi, &ones)?,
-            )
+            ))
         } else {
-            let idx: Vec<i32> = slots.iter().map(|&s| s as i32).collect();
-            let idx = Array::from_slice(&idx, &[idx.len() as i32])?;
-            let kk = self.k[layer].take(&idx, 0)?.slice_axis(2, 0, max_len)?;
-            let vv = self.v[layer].take(&idx, 0)?.slice_axis(2, 0, max_len)?;
-            (kk, vv)
-        };
-        Ok((kk, vv))
+            let kk = self.k[layer]
+                .take(&idx.slot_idx, 0)?
+                .slice_axis(2, 0, max_len)?;
+            let vv = self.v[layer]
+                .take(&idx.slot_idx, 0)?
+                .slice_axis(2, 0, max_len)?;
+            Ok((kk, vv))
+        }
     }
 
     /// Bytes held by the pools.

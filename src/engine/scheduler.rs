@@ -17,8 +17,8 @@
 //! does. Events go back to the HTTP side over unbounded tokio channels (sending
 //! never blocks the engine).
 use std::collections::{HashMap, VecDeque};
-use std::sync::mpsc::{Receiver, TryRecvError};
-use std::time::Instant;
+use std::sync::mpsc::{Receiver, RecvTimeoutError, TryRecvError};
+use std::time::{Duration, Instant};
 
 use serde::Serialize;
 use tokio::sync::mpsc::UnboundedSender;
@@ -122,6 +122,23 @@ pub trait Observer {
     /// A step failed; `fatal` when the executor is unusable from now on. Called
     /// before the requests of that step are failed.
     fn engine_error(&self, _error: &StepError, _fatal: bool) {}
+    /// The executor is unusable (a fatal step error, or a failed idle health
+    /// check). Called before any request hears of it, so health is down by then.
+    fn executor_down(&self, _message: &str) {}
+}
+
+/// How often an idle [`Scheduler::run`] checks the executor's health.
+pub const HEALTH_CHECK_PERIOD: Duration = Duration::from_millis(200);
+
+/// Why [`Scheduler::run`] returned.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RunEnd {
+    /// [`Command::Shutdown`], or every sender is gone.
+    Shutdown,
+    /// The executor is unusable (a TP rank died, stalled or failed). Every
+    /// queued and running request has been failed; the scheduler is ready for
+    /// a new executor (call `run` again with it) or for [`Scheduler::mark_broken`].
+    ExecutorFailed(String),
 }
 
 /// An observer that records nothing.
@@ -259,8 +276,7 @@ impl Scheduler {
         }
     }
 
-    /// Mark the executor unusable: fail everything now and every later request.
-    /// (Restarting a failed TP group would replace the executor here; not done yet.)
+    /// Mark the engine as down for good: fail everything now and every later request.
     pub fn mark_broken(&mut self, message: String, obs: &dyn Observer) {
         self.fail_all(
             FailKind::Unavailable,
@@ -417,6 +433,9 @@ impl Scheduler {
                 let fatal = matches!(e, StepError::Rank(_));
                 // before any request hears of it, so health is already down then
                 obs.engine_error(&e, fatal);
+                if fatal {
+                    obs.executor_down(&e.to_string());
+                }
                 let kind = if fatal {
                     FailKind::Unavailable
                 } else {
@@ -555,16 +574,24 @@ impl Scheduler {
         Some(Outcome::Finished(reason))
     }
 
-    /// The engine loop: take commands, step while there is work, block when idle.
-    /// Returns on [`Command::Shutdown`] or when every sender is gone (after
-    /// failing what is left). A fatal step error ([`StepError::Rank`]) fails
-    /// everything and every later request; other step errors fail the requests
-    /// in that step only.
-    pub fn run(&mut self, exec: &mut dyn Executor, rx: &Receiver<Command>, obs: &dyn Observer) {
+    /// The engine loop: take commands, step while there is work, wait for
+    /// commands when idle (checking the executor's health every
+    /// [`HEALTH_CHECK_PERIOD`]). Returns [`RunEnd::Shutdown`] on
+    /// [`Command::Shutdown`] or when every sender is gone (after failing what is
+    /// left). A fatal step error ([`StepError::Rank`]) or a failed health check
+    /// fails every queued and running request and returns
+    /// [`RunEnd::ExecutorFailed`]; other step errors fail the requests in that
+    /// step only.
+    pub fn run(
+        &mut self,
+        exec: &mut dyn Executor,
+        rx: &Receiver<Command>,
+        obs: &dyn Observer,
+    ) -> RunEnd {
         loop {
-            // take every pending command without blocking; block only when idle
+            // take every pending command without blocking; wait only when idle
             loop {
-                let cmd = if self.has_work() {
+                let cmd = if self.has_work() && self.broken.is_none() {
                     match rx.try_recv() {
                         Ok(c) => c,
                         Err(TryRecvError::Empty) => break,
@@ -574,13 +601,25 @@ impl Scheduler {
                                 "the server is shutting down",
                                 obs,
                             );
-                            return;
+                            return RunEnd::Shutdown;
                         }
                     }
                 } else {
-                    match rx.recv() {
+                    match rx.recv_timeout(HEALTH_CHECK_PERIOD) {
                         Ok(c) => c,
-                        Err(_) => return,
+                        Err(RecvTimeoutError::Timeout) => {
+                            if self.broken.is_some() {
+                                continue;
+                            }
+                            if let Err(e) = exec.check_health() {
+                                let message = e.to_string();
+                                tracing::error!("the engine failed while idle: {message}");
+                                obs.executor_down(&message);
+                                return self.executor_failed(message, obs);
+                            }
+                            continue;
+                        }
+                        Err(RecvTimeoutError::Disconnected) => return RunEnd::Shutdown,
                     }
                 };
                 match cmd {
@@ -594,7 +633,7 @@ impl Scheduler {
                                 ..Default::default()
                             });
                         }
-                        return;
+                        return RunEnd::Shutdown;
                     }
                 }
             }
@@ -609,8 +648,45 @@ impl Scheduler {
                     if fatal { " (fatal)" } else { "" }
                 );
                 if fatal {
-                    self.mark_broken(e.to_string(), obs);
+                    return self.executor_failed(e.to_string(), obs);
                 }
+            }
+        }
+    }
+
+    /// The executor is gone (the observer knows): fail everything, forget what it held.
+    fn executor_failed(&mut self, message: String, obs: &dyn Observer) -> RunEnd {
+        self.fail_all(
+            FailKind::Unavailable,
+            &format!("the engine has failed: {message}"),
+            obs,
+        );
+        // a new executor has no sequences to release
+        self.to_release.clear();
+        RunEnd::ExecutorFailed(message)
+    }
+
+    /// While there is no executor (it is being replaced): answer the commands
+    /// that arrived without waiting. Requests fail with `message` (503).
+    /// Returns `true` on [`Command::Shutdown`] or when every sender is gone.
+    pub fn reject_pending(
+        &mut self,
+        rx: &Receiver<Command>,
+        message: &str,
+        obs: &dyn Observer,
+    ) -> bool {
+        loop {
+            match rx.try_recv() {
+                Ok(Command::Submit(req)) => {
+                    fail(*req, FailKind::Unavailable, message.to_string(), obs)
+                }
+                Ok(Command::CancelAll(msg)) => self.fail_all(FailKind::Unavailable, &msg, obs),
+                Ok(Command::Shutdown) | Err(TryRecvError::Disconnected) => {
+                    self.fail_all(FailKind::Unavailable, "the server is shutting down", obs);
+                    self.to_release.clear();
+                    return true;
+                }
+                Err(TryRecvError::Empty) => return false,
             }
         }
     }
@@ -642,6 +718,7 @@ mod tests {
         live: HashMap<u64, usize>,
         plans: Vec<StepPlan>,
         fail_at: Option<usize>,
+        healthy: bool,
     }
 
     impl FakeExec {
@@ -654,6 +731,7 @@ mod tests {
                 live: HashMap::new(),
                 plans: Vec::new(),
                 fail_at: None,
+                healthy: true,
             }
         }
     }
@@ -696,6 +774,13 @@ mod tests {
         }
         fn slots(&self) -> usize {
             self.slots
+        }
+        fn check_health(&mut self) -> Result<(), StepError> {
+            if self.healthy {
+                Ok(())
+            } else {
+                Err(StepError::Rank("rank 1 is dead".into()))
+            }
         }
     }
 
@@ -850,33 +935,66 @@ mod tests {
             .all(|p| p.seqs.iter().all(|x| x.tokens.len() != 5)));
         assert!(exec.live.is_empty());
 
-        // a rank failure fails the request in flight and every later one
+        // a rank failure fails the request in flight; `run` returns for a new executor
         exec.fail_at = Some(exec.plans.len() + 2);
         let (tx, cmd_rx) = std::sync::mpsc::channel();
         let (req, mut rx) = request(vec![1, 2, 3], 100);
         tx.send(Command::Submit(Box::new(req))).unwrap();
-        let h = std::thread::spawn(move || {
-            s.run(&mut exec, &cmd_rx, &NoObserver);
-            s
-        });
-        let mut got = None;
-        for _ in 0..200 {
-            if let Ok(ev) = rx.try_recv() {
-                if !matches!(ev, Event::Delta { .. }) {
-                    got = Some(ev);
-                    break;
-                }
-            }
-            std::thread::sleep(std::time::Duration::from_millis(5));
-        }
+        let end = s.run(&mut exec, &cmd_rx, &NoObserver);
         assert!(
-            matches!(&got, Some(Event::Error { kind: FailKind::Unavailable, message }) if message.contains("rank 1")),
-            "{got:?}"
+            matches!(&end, RunEnd::ExecutorFailed(m) if m.contains("rank 1")),
+            "{end:?}"
         );
+        let (toks, last) = drain(&mut rx);
+        assert!(!toks.is_empty());
+        assert!(
+            matches!(&last, Some(Event::Error { kind: FailKind::Unavailable, message }) if message.contains("rank 1")),
+            "{last:?}"
+        );
+        // while there is no executor, requests are turned away
+        let (req, mut rx) = request(vec![1, 2, 3], 4);
+        tx.send(Command::Submit(Box::new(req))).unwrap();
+        assert!(!s.reject_pending(&cmd_rx, "restarting", &NoObserver));
+        assert!(
+            matches!(rx.try_recv(), Ok(Event::Error { message, .. }) if message == "restarting")
+        );
+        // a new executor serves the next request (no stale releases reach it)
+        let mut exec = FakeExec::new(2, 16);
+        let (req, mut rx) = request(vec![1, 2, 3], 4);
+        tx.send(Command::Submit(Box::new(req))).unwrap();
+        let h = std::thread::spawn(move || {
+            let end = s.run(&mut exec, &cmd_rx, &NoObserver);
+            (s, exec, end, cmd_rx)
+        });
+        let t0 = Instant::now();
+        let mut n = 0;
+        loop {
+            match rx.try_recv() {
+                Ok(Event::Delta { .. }) => n += 1,
+                Ok(Event::Done { .. }) => break,
+                Ok(e) => panic!("{e:?}"),
+                Err(_) => std::thread::sleep(std::time::Duration::from_millis(5)),
+            }
+            assert!(t0.elapsed().as_secs() < 5);
+        }
+        assert_eq!(n, 4);
+        // an idle executor that is found dead ends `run` too
+        std::thread::sleep(HEALTH_CHECK_PERIOD / 2);
+        tx.send(Command::Shutdown).unwrap();
+        let (mut s, mut exec, end, cmd_rx) = h.join().unwrap();
+        assert_eq!(end, RunEnd::Shutdown);
+        assert!(exec.plans[0].release.is_empty(), "{:?}", exec.plans[0]);
+        exec.healthy = false;
+        let t0 = Instant::now();
+        let end = s.run(&mut exec, &cmd_rx, &NoObserver);
+        assert!(matches!(&end, RunEnd::ExecutorFailed(m) if m.contains("dead")));
+        assert!(t0.elapsed() < HEALTH_CHECK_PERIOD * 3);
+        // giving up: every later request fails at once
+        s.mark_broken("gave up".into(), &NoObserver);
         let (req, mut rx) = request(vec![1, 2, 3], 100);
         tx.send(Command::Submit(Box::new(req))).unwrap();
         tx.send(Command::Shutdown).unwrap();
-        let s = h.join().unwrap();
+        assert_eq!(s.run(&mut exec, &cmd_rx, &NoObserver), RunEnd::Shutdown);
         assert!(s.broken().is_some());
         assert!(matches!(
             rx.try_recv(),

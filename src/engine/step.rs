@@ -59,6 +59,28 @@ pub struct StepResult {
     pub sampled: Vec<SampledToken>,
     /// Per sequence, `[T * vocab]` row-major, when `return_logits`.
     pub logits: Vec<Vec<f32>>,
+    /// MLX memory of the process after the step (TP ranks fill it in).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub memory: Option<MemoryStats>,
+}
+
+/// MLX memory counters of one process, in bytes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemoryStats {
+    pub active: u64,
+    pub peak: u64,
+    pub cache: u64,
+}
+
+impl MemoryStats {
+    /// This process's counters now.
+    pub fn now() -> MemoryStats {
+        MemoryStats {
+            active: mlx::memory::active(),
+            peak: mlx::memory::peak(),
+            cache: mlx::memory::cache(),
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -92,6 +114,11 @@ pub trait Executor {
     fn ctx_size(&self) -> usize;
     /// Number of KV-cache slots.
     fn slots(&self) -> usize;
+    /// Whether the executor is still usable, checked without waiting (the
+    /// scheduler calls it while idle). `Err` ([`StepError::Rank`]) means it is not.
+    fn check_health(&mut self) -> Result<(), StepError> {
+        Ok(())
+    }
 }
 
 /// The model, its KV cache and per-sequence samplers, on the MLX thread.

@@ -211,6 +211,12 @@ pub(crate) mod ffi {
             values: &Array,
             axis: i32,
         ) -> Result<UniquePtr<Array>>;
+        fn scatter(
+            a: &Array,
+            indices: &ArrayVec,
+            updates: &Array,
+            axes: &[i32],
+        ) -> Result<UniquePtr<Array>>;
         fn repeat(a: &Array, repeats: i32, axis: i32) -> Result<UniquePtr<Array>>;
         fn contiguous(a: &Array) -> Result<UniquePtr<Array>>;
         fn copy_to_stream(a: &Array, s: &StreamRef) -> Result<UniquePtr<Array>>;

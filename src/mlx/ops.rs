@@ -242,6 +242,19 @@ impl Array {
         )?))
     }
 
+    /// A copy of `self` with `updates` written at the positions `indices` (one index array per
+    /// axis in `axes`, all of the same shape `I`); `updates` has shape `I ++ slice` where `slice`
+    /// is `self`'s shape with 1 on the indexed axes.
+    pub fn scatter(&self, indices: &[&Array], updates: &Array, axes: &[i32]) -> Result<Array> {
+        let list = ArrayList::new(indices.iter().copied());
+        Ok(Array::from_ptr(ffi::scatter(
+            self.raw(),
+            list.raw(),
+            updates.raw(),
+            axes,
+        )?))
+    }
+
     pub fn repeat(&self, repeats: i32, axis: i32) -> Result<Array> {
         Ok(Array::from_ptr(ffi::repeat(self.raw(), repeats, axis)?))
     }

@@ -60,7 +60,7 @@ pub fn load(
     let cfg = read_config(dir)?;
     let t0 = std::time::Instant::now();
     let src = match format {
-        LoadFormat::Safetensors => WeightSource::files(&dir.weights)?,
+        LoadFormat::Safetensors => WeightSource::from_dir(dir)?,
         LoadFormat::Dummy => WeightSource::dummy(cfg.dtype, 0)?,
     };
     let model = Transformer::load(&cfg, &src, progress)?;

@@ -399,12 +399,13 @@ impl Transformer {
         let mask = Array::arange(0.0, max_len as f64, 1.0, Dtype::I32)?
             .reshape(&[1, 1, 1, max_len as i32])?
             .lt(&lens)?;
+        let index = cache.batch_index(&slots, &positions)?;
         let mut h = self.embed_tokens.forward(&ids)?;
         for (li, block) in self.layers.iter().enumerate() {
             let a = &block.self_attn;
             let x = block.input_layernorm.forward(&h)?;
             let (q, k, v) = a.qkv(&x, b, 1, &self.rope, &offset)?;
-            let (kk, vv) = cache.write_and_read_batch(li, &slots, &positions, &k, &v)?;
+            let (kk, vv) = cache.write_and_read_batch(li, &index, &k, &v)?;
             let o = fast::sdpa(&q, &kk, &vv, a.scale, fast::Mask::Array(&mask))?;
             h = h.add(&a.out(&o, b, 1)?)?;
             h = h.add(

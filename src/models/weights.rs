@@ -1,17 +1,28 @@
-//! Where weights come from: safetensors files (memory-mapped with `memmap2`,
-//! headers parsed by the `safetensors` crate, each tensor copied once into an
-//! MLX buffer) or `--load-format dummy` (random values made on the device).
+//! Where weights come from: safetensors files or `--load-format dummy` (random
+//! values made on the device).
+//!
+//! Checkpoint files are read with positioned reads (`pread`), never mapped: a
+//! tensor-parallel rank reads exactly its byte ranges — one range for a block of
+//! whole rows, one segment per row for a block of columns, adjacent segments
+//! coalesced — into a short-lived buffer that MLX copies once. Nothing of the
+//! file stays resident in the process (a mapping would keep every touched page
+//! in its RSS), so a rank's memory is its shard plus one block in flight.
+//!
+//! With a `model.safetensors.index.json`, a file is opened (its header read) the
+//! first time a tensor in it is asked for, so a rank never opens files that hold
+//! only tensors it does not need. Without an index every file's header is read
+//! up front (to know where tensors are); headers are small.
 //!
 //! Every request names the expected shape, so a checkpoint that disagrees
 //! with `config.json` is an error naming the tensor and file, never a panic.
+use std::cell::{Cell, OnceCell};
 use std::collections::HashMap;
 use std::fs::File;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
-use memmap2::Mmap;
-
 use crate::mlx::{self, Array, Dtype, MlxError};
+use crate::model_dir::ModelDir;
 
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
@@ -58,80 +69,238 @@ pub enum TensorKind {
     QuantBiases,
 }
 
-struct TensorEntry {
-    file: usize,
-    dtype: Dtype,
-    shape: Vec<usize>,
-    start: usize,
+/// Dtype, shape and absolute byte offset of one tensor in its file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorEntry {
+    pub dtype: Dtype,
+    pub shape: Vec<usize>,
+    /// Offset of the tensor's first byte from the start of the file.
+    pub start: u64,
 }
 
-/// Tensors of one checkpoint (one or several safetensors files).
-pub struct SafetensorsSource {
-    files: Vec<(PathBuf, Mmap)>,
+/// The header of one safetensors file: its tensors (no data is read).
+pub fn read_header(path: &Path) -> Result<HashMap<String, TensorEntry>, LoadError> {
+    let file = File::open(path).map_err(|source| LoadError::Io {
+        path: path.into(),
+        source,
+    })?;
+    read_header_of(&file, path)
+}
+
+fn read_header_of(file: &File, path: &Path) -> Result<HashMap<String, TensorEntry>, LoadError> {
+    let corrupt = |msg: String| LoadError::Corrupt {
+        path: path.into(),
+        msg,
+    };
+    let len = file
+        .metadata()
+        .map_err(|source| LoadError::Io {
+            path: path.into(),
+            source,
+        })?
+        .len();
+    let mut n = [0u8; 8];
+    read_at(file, path, &mut n, 0).map_err(|_| corrupt("shorter than 8 bytes".into()))?;
+    let n = u64::from_le_bytes(n);
+    if n > 100_000_000 || 8 + n > len {
+        return Err(corrupt(format!(
+            "header length {n} does not fit in the file ({len} bytes)"
+        )));
+    }
+    let mut header = vec![0u8; n as usize];
+    read_at(file, path, &mut header, 8)?;
+    let text = std::str::from_utf8(&header).map_err(|e| corrupt(format!("header: {e}")))?;
+    let meta: safetensors::tensor::Metadata =
+        serde_json::from_str(text).map_err(|e| corrupt(format!("header: {e}")))?;
+    let base = 8 + n;
+    let mut out = HashMap::new();
+    for (name, info) in meta.tensors() {
+        let dtype_name = format!("{:?}", info.dtype);
+        let dtype = Dtype::from_name(&dtype_name).ok_or_else(|| LoadError::Dtype {
+            name: name.clone(),
+            path: path.into(),
+            dtype: dtype_name,
+        })?;
+        let (s, e) = info.data_offsets;
+        let numel: usize = info.shape.iter().product();
+        if e < s || (e - s) != numel * dtype.size() {
+            return Err(corrupt(format!(
+                "tensor `{name}`: data_offsets {s}..{e} do not match shape {:?} of {}",
+                info.shape,
+                dtype.name()
+            )));
+        }
+        if base + e as u64 > len {
+            return Err(corrupt(format!(
+                "tensor `{name}` ends past the end of the file (truncated?)"
+            )));
+        }
+        out.insert(
+            name.clone(),
+            TensorEntry {
+                dtype,
+                shape: info.shape.clone(),
+                start: base + s as u64,
+            },
+        );
+    }
+    Ok(out)
+}
+
+/// Read exactly `buf.len()` bytes at `offset`.
+fn read_at(file: &File, path: &Path, buf: &mut [u8], offset: u64) -> Result<(), LoadError> {
+    #[cfg(unix)]
+    let r = std::os::unix::fs::FileExt::read_exact_at(file, buf, offset);
+    #[cfg(windows)]
+    let r = {
+        use std::os::windows::fs::FileExt;
+        let (mut done, mut res) = (0usize, Ok(()));
+        while done < buf.len() {
+            match file.seek_read(&mut buf[done..], offset + done as u64) {
+                Ok(0) => {
+                    res = Err(std::io::ErrorKind::UnexpectedEof.into());
+                    break;
+                }
+                Ok(k) => done += k,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    res = Err(e);
+                    break;
+                }
+            }
+        }
+        res
+    };
+    r.map_err(|source| LoadError::Io {
+        path: path.into(),
+        source,
+    })
+}
+
+/// The byte ranges (absolute offset, length) of the block `rows × cols` of a row-major
+/// 2-D tensor starting at `start` with rows of `row_bytes` bytes and elements of `elt`
+/// bytes; adjacent segments are merged, so a block of whole rows is one range.
+pub fn block_ranges(
+    start: u64,
+    row_bytes: usize,
+    elt: usize,
+    rows: Range<usize>,
+    cols: Range<usize>,
+) -> Vec<(u64, usize)> {
+    let seg = cols.len() * elt;
+    let mut out: Vec<(u64, usize)> = Vec::new();
+    if seg == 0 {
+        return out;
+    }
+    for r in rows {
+        let a = start + (r * row_bytes + cols.start * elt) as u64;
+        match out.last_mut() {
+            Some((s, l)) if *s + *l as u64 == a => *l += seg,
+            _ => out.push((a, seg)),
+        }
+    }
+    out
+}
+
+struct OpenFile {
+    file: File,
     tensors: HashMap<String, TensorEntry>,
-    bytes_read: std::cell::Cell<u64>,
+}
+
+/// Tensors of one checkpoint (one or several safetensors files), opened lazily when
+/// an index says where each tensor is.
+pub struct SafetensorsSource {
+    paths: Vec<PathBuf>,
+    /// Tensor → file (index's `weight_map`); `None`: every file was opened up front.
+    map: Option<HashMap<String, usize>>,
+    files: Vec<OnceCell<OpenFile>>,
+    bytes_read: Cell<u64>,
 }
 
 impl SafetensorsSource {
-    /// Open and index the given files (their headers only).
+    /// Open the given files and read all their headers (no tensor data).
     pub fn open(paths: &[PathBuf]) -> Result<SafetensorsSource, LoadError> {
-        let mut files = Vec::new();
-        let mut tensors = HashMap::new();
-        for (fi, path) in paths.iter().enumerate() {
-            let file = File::open(path).map_err(|source| LoadError::Io {
-                path: path.clone(),
-                source,
+        let src = SafetensorsSource {
+            paths: paths.to_vec(),
+            map: None,
+            files: paths.iter().map(|_| OnceCell::new()).collect(),
+            bytes_read: Cell::new(0),
+        };
+        for i in 0..paths.len() {
+            src.file(i)?;
+        }
+        Ok(src)
+    }
+
+    /// The files of an index's `weight_map` (`files` are the distinct files it names, as in
+    /// [`ModelDir::weights`]); each is opened the first time one of its tensors is loaded.
+    pub fn open_indexed(index: &Path, files: &[PathBuf]) -> Result<SafetensorsSource, LoadError> {
+        let by_name: HashMap<String, usize> = files
+            .iter()
+            .enumerate()
+            .filter_map(|(i, p)| p.file_name().map(|n| (n.to_string_lossy().into_owned(), i)))
+            .collect();
+        let mut map = HashMap::new();
+        for (tensor, file) in index_map(index)? {
+            let i = *by_name.get(&file).ok_or_else(|| LoadError::IndexFile {
+                path: index.into(),
+                file: file.clone(),
             })?;
-            // SAFETY: the file is opened read-only; mlxcel does not write checkpoint files while running.
-            let map = unsafe { Mmap::map(&file) }.map_err(|source| LoadError::Io {
-                path: path.clone(),
-                source,
-            })?;
-            let (header_len, meta) =
-                safetensors::SafeTensors::read_metadata(&map[..]).map_err(|e| {
-                    LoadError::Corrupt {
-                        path: path.clone(),
-                        msg: e.to_string(),
-                    }
-                })?;
-            let base = 8 + header_len;
-            for (name, info) in meta.tensors() {
-                let dtype_name = format!("{:?}", info.dtype);
-                let dtype = Dtype::from_name(&dtype_name).ok_or_else(|| LoadError::Dtype {
-                    name: name.clone(),
-                    path: path.clone(),
-                    dtype: dtype_name,
-                })?;
-                let (s, e) = info.data_offsets;
-                if base + e > map.len() {
-                    return Err(LoadError::Corrupt {
-                        path: path.clone(),
-                        msg: format!("tensor `{name}` ends past the end of the file (truncated?)"),
-                    });
-                }
-                tensors.insert(
-                    name.clone(),
-                    TensorEntry {
-                        file: fi,
-                        dtype,
-                        shape: info.shape.clone(),
-                        start: base + s,
-                    },
-                );
-            }
-            files.push((path.clone(), map));
+            map.insert(tensor, i);
         }
         Ok(SafetensorsSource {
-            files,
-            tensors,
-            bytes_read: std::cell::Cell::new(0),
+            paths: files.to_vec(),
+            map: Some(map),
+            files: files.iter().map(|_| OnceCell::new()).collect(),
+            bytes_read: Cell::new(0),
         })
     }
 
+    fn file(&self, i: usize) -> Result<&OpenFile, LoadError> {
+        if let Some(f) = self.files[i].get() {
+            return Ok(f);
+        }
+        let path = &self.paths[i];
+        let file = File::open(path).map_err(|source| LoadError::Io {
+            path: path.clone(),
+            source,
+        })?;
+        let tensors = read_header_of(&file, path)?;
+        tracing::debug!("opened {} ({} tensors)", path.display(), tensors.len());
+        let _ = self.files[i].set(OpenFile { file, tensors });
+        Ok(self.files[i].get().expect("just set"))
+    }
+
+    /// Where `name` is: its file index and entry.
+    fn find(&self, name: &str) -> Result<Option<(usize, &TensorEntry)>, LoadError> {
+        match &self.map {
+            Some(map) => match map.get(name) {
+                None => Ok(None),
+                Some(&i) => Ok(self.file(i)?.tensors.get(name).map(|e| (i, e))),
+            },
+            None => Ok((0..self.files.len()).find_map(|i| {
+                self.files[i]
+                    .get()
+                    .and_then(|f| f.tensors.get(name))
+                    .map(|e| (i, e))
+            })),
+        }
+    }
+
+    fn contains(&self, name: &str) -> bool {
+        match &self.map {
+            Some(map) => map.contains_key(name),
+            None => self
+                .files
+                .iter()
+                .any(|f| f.get().is_some_and(|f| f.tensors.contains_key(name))),
+        }
+    }
+
     fn file_list(&self) -> String {
-        self.files
+        self.paths
             .iter()
-            .map(|(p, _)| p.display().to_string())
+            .map(|p| p.display().to_string())
             .collect::<Vec<_>>()
             .join(", ")
     }
@@ -140,6 +309,43 @@ impl SafetensorsSource {
     pub fn bytes_read(&self) -> u64 {
         self.bytes_read.get()
     }
+
+    /// Files whose header has been read so far.
+    pub fn files_opened(&self) -> usize {
+        self.files.iter().filter(|f| f.get().is_some()).count()
+    }
+}
+
+/// Tensor name → file name, from an index's `weight_map`.
+pub fn index_map(index: &Path) -> Result<HashMap<String, String>, LoadError> {
+    let text = std::fs::read_to_string(index).map_err(|source| LoadError::Io {
+        path: index.into(),
+        source,
+    })?;
+    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| LoadError::Corrupt {
+        path: index.into(),
+        msg: e.to_string(),
+    })?;
+    let map = v
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| LoadError::Corrupt {
+            path: index.into(),
+            msg: "no `weight_map` object".into(),
+        })?;
+    Ok(map
+        .iter()
+        .filter_map(|(k, f)| f.as_str().map(|f| (k.clone(), f.to_string())))
+        .collect())
+}
+
+/// Every tensor's dtype and shape in a model folder's checkpoint (headers only).
+pub fn catalog(dir: &ModelDir) -> Result<HashMap<String, TensorEntry>, LoadError> {
+    let mut all = HashMap::new();
+    for p in &dir.weights {
+        all.extend(read_header(p)?);
+    }
+    Ok(all)
 }
 
 /// A source of named tensors.
@@ -153,8 +359,17 @@ pub enum WeightSource {
 }
 
 impl WeightSource {
+    /// Read every header of `paths` now (no index).
     pub fn files(paths: &[PathBuf]) -> Result<WeightSource, LoadError> {
         Ok(WeightSource::Files(SafetensorsSource::open(paths)?))
+    }
+
+    /// A model folder's checkpoint: with an index, files are opened on first use.
+    pub fn from_dir(dir: &ModelDir) -> Result<WeightSource, LoadError> {
+        Ok(WeightSource::Files(match &dir.index {
+            Some(index) => SafetensorsSource::open_indexed(index, &dir.weights)?,
+            None => SafetensorsSource::open(&dir.weights)?,
+        }))
     }
 
     pub fn dummy(dtype: Dtype, seed: u64) -> Result<WeightSource, LoadError> {
@@ -167,7 +382,7 @@ impl WeightSource {
     /// Whether the checkpoint has this tensor (dummy: whether it would make one).
     pub fn contains(&self, name: &str) -> bool {
         match self {
-            WeightSource::Files(s) => s.tensors.contains_key(name),
+            WeightSource::Files(s) => s.contains(name),
             WeightSource::Dummy { .. } => true,
         }
     }
@@ -201,11 +416,11 @@ impl WeightSource {
         let dims: Vec<i32> = out_shape.iter().map(|&d| d as i32).collect();
         match self {
             WeightSource::Files(src) => {
-                let e = src.tensors.get(name).ok_or_else(|| LoadError::Missing {
+                let (fi, e) = src.find(name)?.ok_or_else(|| LoadError::Missing {
                     name: name.into(),
                     files: src.file_list(),
                 })?;
-                let (path, map) = &src.files[e.file];
+                let path = &src.paths[fi];
                 if e.shape != shape {
                     return Err(LoadError::Shape {
                         name: name.into(),
@@ -228,23 +443,17 @@ impl WeightSource {
                 } else {
                     elt
                 };
-                let arr = if cols.len() * elt == row_bytes {
-                    // whole rows: one contiguous range
-                    let a = e.start + rows.start * row_bytes;
-                    let b = e.start + rows.end * row_bytes;
-                    src.bytes_read.set(src.bytes_read.get() + (b - a) as u64);
-                    Array::from_bytes(&map[a..b], &dims, e.dtype)?
-                } else {
-                    let seg = cols.len() * elt;
-                    let mut buf = Vec::with_capacity(rows.len() * seg);
-                    for r in rows.clone() {
-                        let a = e.start + r * row_bytes + cols.start * elt;
-                        buf.extend_from_slice(&map[a..a + seg]);
-                    }
-                    src.bytes_read.set(src.bytes_read.get() + buf.len() as u64);
-                    Array::from_bytes(&buf, &dims, e.dtype)?
-                };
-                Ok(arr)
+                let ranges = block_ranges(e.start, row_bytes, elt, rows, cols);
+                let total: usize = ranges.iter().map(|r| r.1).sum();
+                let mut buf = vec![0u8; total];
+                let file = &src.file(fi)?.file;
+                let mut at = 0;
+                for (off, len) in ranges {
+                    read_at(file, path, &mut buf[at..at + len], off)?;
+                    at += len;
+                }
+                src.bytes_read.set(src.bytes_read.get() + total as u64);
+                Ok(Array::from_bytes(&buf, &dims, e.dtype)?)
             }
             WeightSource::Dummy { dtype, key } => {
                 let mut k = key.borrow_mut();
@@ -315,4 +524,85 @@ pub fn index_files(index: &Path) -> Result<Vec<PathBuf>, LoadError> {
             }
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use safetensors::tensor::TensorView;
+
+    #[test]
+    fn block_ranges_are_exact_and_coalesced() {
+        // [4, 8] f32 at offset 100: columns 2..6 of rows 1..3 → one segment per row
+        assert_eq!(
+            block_ranges(100, 32, 4, 1..3, 2..6),
+            vec![(100 + 32 + 8, 16), (100 + 64 + 8, 16)]
+        );
+        // whole rows merge into one range
+        assert_eq!(block_ranges(100, 32, 4, 1..4, 0..8), vec![(132, 96)]);
+        // one row, one range
+        assert_eq!(block_ranges(0, 32, 4, 2..3, 4..8), vec![(80, 16)]);
+        assert!(block_ranges(0, 32, 4, 0..4, 3..3).is_empty());
+    }
+
+    fn write(path: &Path, tensors: &[(&str, Vec<usize>, Vec<f32>)]) {
+        let bytes: Vec<Vec<u8>> = tensors
+            .iter()
+            .map(|(_, _, v)| v.iter().flat_map(|x| x.to_le_bytes()).collect())
+            .collect();
+        let views: Vec<(String, TensorView<'_>)> = tensors
+            .iter()
+            .zip(&bytes)
+            .map(|((n, s, _), b)| {
+                (
+                    n.to_string(),
+                    TensorView::new(safetensors::Dtype::F32, s.clone(), b).unwrap(),
+                )
+            })
+            .collect();
+        safetensors::serialize_to_file(views, None, path).unwrap();
+    }
+
+    #[test]
+    fn indexed_files_open_lazily_and_blocks_read_only_their_bytes() {
+        let dir = std::env::temp_dir().join(format!("mlxcel-weights-test-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let w: Vec<f32> = (0..6 * 8).map(|i| i as f32).collect();
+        write(&dir.join("a.safetensors"), &[("w", vec![6, 8], w.clone())]);
+        write(
+            &dir.join("b.safetensors"),
+            &[("unused", vec![4], vec![1.0; 4])],
+        );
+        let index = dir.join("model.safetensors.index.json");
+        std::fs::write(
+            &index,
+            r#"{"weight_map": {"w": "a.safetensors", "unused": "b.safetensors"}}"#,
+        )
+        .unwrap();
+        let files = vec![dir.join("a.safetensors"), dir.join("b.safetensors")];
+        let src = SafetensorsSource::open_indexed(&index, &files).unwrap();
+        assert_eq!(src.files_opened(), 0);
+        let src = WeightSource::Files(src);
+        assert!(src.contains("unused") && !src.contains("nope"));
+        // columns 2..5 of rows 1..4
+        let a = src
+            .load_block("w", &[6, 8], Some(1..4), Some(2..5), TensorKind::Float)
+            .unwrap();
+        let got: Vec<f32> = a.to_vec().unwrap();
+        let want: Vec<f32> = (1..4)
+            .flat_map(|r| (2..5).map(move |c| (r * 8 + c) as f32))
+            .collect();
+        assert_eq!(got, want);
+        assert_eq!(src.bytes_read(), 3 * 3 * 4);
+        let WeightSource::Files(s) = &src else {
+            unreachable!()
+        };
+        assert_eq!(s.files_opened(), 1, "b.safetensors holds nothing needed");
+        let e = src.load("missing", &[1], TensorKind::Float).unwrap_err();
+        assert!(e.to_string().contains("missing"), "{e}");
+        let e = src.load("w", &[6, 9], TensorKind::Float).unwrap_err();
+        assert!(e.to_string().contains("a.safetensors"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

@@ -11,10 +11,11 @@ use std::time::Duration;
 
 use super::launcher::{pick_free_ports, LaunchOptions, RankError, RankGroup};
 use super::placement::{parse_visible_devices, visible_devices_for, VISIBLE_DEVICES_VAR};
+use super::plan::{self, DoesNotFit, GpuMemory, Placement, PlanInput};
 use super::protocol::{FromRank, Identity, RankReport, ToRank};
 use super::rank::MEMORY_LIMIT_VAR;
 use super::shard::{self, ShardError};
-use crate::engine::step::{Executor, StepError, StepPlan, StepResult};
+use crate::engine::step::{Executor, MemoryStats, StepError, StepPlan, StepResult};
 use crate::mlx::{self, distributed::GroupBackend};
 use crate::model_dir::ModelDir;
 use crate::models::{self, LoadFormat, ModelError};
@@ -40,6 +41,8 @@ pub struct TpOptions {
     pub load_format: LoadFormat,
     pub ctx_size: usize,
     pub slots: usize,
+    /// Prompt tokens per prefill step (sizes the memory plan's working margin).
+    pub prefill_chunk: usize,
     /// The binary to run as ranks (default: this executable).
     pub program: Option<PathBuf>,
     /// Deadline for loading (per launch).
@@ -67,6 +70,7 @@ impl TpOptions {
             load_format: LoadFormat::Safetensors,
             ctx_size,
             slots,
+            prefill_chunk: 512,
             program: None,
             load_timeout: secs("MLXCEL_TP_LOAD_TIMEOUT", 1800),
             first_step_timeout: secs("MLXCEL_TP_FIRST_STEP_TIMEOUT", 600),
@@ -81,6 +85,8 @@ pub enum LaunchError {
     Shard(#[from] ShardError),
     #[error(transparent)]
     Model(#[from] ModelError),
+    #[error(transparent)]
+    Memory(#[from] DoesNotFit),
     #[error(
         "--tp-size {tp} needs {tp} GPUs but {found} {what} visible; add --tp-emulate to run the {tp} ranks on one device over the ring backend"
     )]
@@ -109,6 +115,8 @@ pub enum LaunchError {
 pub struct TpExecutor {
     group: RankGroup,
     reports: Vec<RankReport>,
+    /// Each rank's MLX memory, from its load report, then from its latest step.
+    memory: Vec<MemoryStats>,
     backend: GroupBackend,
     opts: TpOptions,
     steps: u64,
@@ -182,10 +190,11 @@ impl TpExecutor {
                 "GPU {bad} does not exist ({gpus} visible)"
             )));
         }
+        let gpu_memory = check_memory(dir, &opts, &cfg, &entries, gpus)?;
         let mut attempt = 0;
         loop {
             attempt += 1;
-            match Self::try_launch(dir, &opts, &cfg, backend, &entries, gpus) {
+            match Self::try_launch(dir, &opts, &cfg, backend, &entries, gpus, &gpu_memory) {
                 Err(LaunchError::Rank(e)) if attempt < 3 && looks_like_port_clash(&e) => {
                     tracing::warn!("TP start-up failed on a port clash, retrying: {e}");
                 }
@@ -201,6 +210,7 @@ impl TpExecutor {
         backend: GroupBackend,
         entries: &[usize],
         gpus: usize,
+        gpu_memory: &[GpuMemory],
     ) -> Result<TpExecutor, LaunchError> {
         let n = opts.tp_size;
         let mut hostfile = None;
@@ -252,8 +262,12 @@ impl TpExecutor {
                 );
             }
             if opts.emulate {
-                if let Ok(info) = mlx::device_info(0) {
-                    let share = (info.total_memory as f64 * 0.9 / n as f64) as u64;
+                // the GPU's total memory as the child query saw it: the driver opens no context
+                if let Some(g) = gpu_memory
+                    .iter()
+                    .find(|g| g.index == entries[0] && g.total_bytes > 0)
+                {
+                    let share = (g.total_bytes as f64 * 0.9 / n as f64) as u64;
                     for env in rank_envs.iter_mut() {
                         env.push((MEMORY_LIMIT_VAR.into(), share.to_string()));
                     }
@@ -340,20 +354,20 @@ impl TpExecutor {
             }
         }
         for r in &reports {
-            tracing::info!(
-                "rank {} (pid {}, {}): {:.3} GB weights, {:.3} GB active, read {:.3} GB in {:.2}s",
-                r.rank,
-                r.pid,
-                r.device,
-                r.weight_bytes as f64 / 1e9,
-                r.active_memory as f64 / 1e9,
-                r.bytes_read as f64 / 1e9,
-                r.load_seconds
-            );
+            tracing::info!("{}", r.summary());
         }
+        let memory = reports
+            .iter()
+            .map(|r| MemoryStats {
+                active: r.active_memory,
+                peak: r.peak_memory,
+                cache: 0,
+            })
+            .collect();
         Ok(TpExecutor {
             group,
             reports,
+            memory,
             backend,
             opts: opts.clone(),
             steps: 0,
@@ -371,6 +385,11 @@ impl TpExecutor {
         self.backend
     }
 
+    /// Each rank's MLX memory as of its latest step (its load report before the first).
+    pub fn memory(&self) -> &[MemoryStats] {
+        &self.memory
+    }
+
     pub fn pids(&self) -> Vec<u32> {
         self.group.pids()
     }
@@ -386,6 +405,56 @@ impl TpExecutor {
         self.failed = Some(msg.clone());
         StepError::Rank(msg)
     }
+}
+
+/// The memory plan, checked before anything is spawned: refuses with the numbers and
+/// what would fit. Free GPU memory is asked of a short-lived child process, so the
+/// driver creates no CUDA context. Returns the GPUs' memory when it was looked up.
+fn check_memory(
+    dir: &ModelDir,
+    opts: &TpOptions,
+    cfg: &models::ModelConfig,
+    entries: &[usize],
+    gpus: usize,
+) -> Result<Vec<GpuMemory>, LaunchError> {
+    let catalog = match opts.load_format {
+        LoadFormat::Safetensors => Some(models::weights::catalog(dir).map_err(ModelError::from)?),
+        LoadFormat::Dummy => None,
+    };
+    let input = PlanInput {
+        cfg,
+        catalog: catalog.as_ref(),
+        tp_size: opts.tp_size,
+        ctx_size: opts.ctx_size,
+        slots: opts.slots,
+        prefill_chunk: opts.prefill_chunk,
+        backend: mlx::backend(),
+    };
+    let mem = plan::plan_memory(&input)?;
+    let place = Placement {
+        entries,
+        shared: opts.emulate || gpus == 0,
+        child: Some(opts.program.as_deref()),
+    };
+    let (budget, mut gpu_memory) = plan::budget(mlx::backend(), &place);
+    let r = mem.ranks.iter().max_by_key(|r| r.total_bytes);
+    if let Some(r) = r {
+        tracing::info!(
+            "memory plan: up to {:.3} GB per rank (weights {:.3} GB, KV cache {:.3} GB, margin {:.3} GB)",
+            r.total_bytes as f64 / 1e9,
+            r.weight_bytes as f64 / 1e9,
+            r.kv_bytes as f64 / 1e9,
+            r.margin_bytes as f64 / 1e9
+        );
+    }
+    match budget {
+        Ok(b) => plan::check_fit(&input, &mem, &b)?,
+        Err(note) => tracing::warn!("memory plan not checked against free memory: {note}"),
+    }
+    if gpu_memory.is_empty() && gpus > 0 && opts.emulate {
+        gpu_memory = plan::gpu_memory_via_child(opts.program.as_deref()).unwrap_or_default();
+    }
+    Ok(gpu_memory)
 }
 
 fn looks_like_port_clash(e: &RankError) -> bool {
@@ -417,6 +486,14 @@ impl Executor for TpExecutor {
         self.steps += 1;
         let mut out = None;
         for (rank, r) in replies.into_iter().enumerate() {
+            if let FromRank::Step(StepResult {
+                memory: Some(m), ..
+            }) = &r
+            {
+                if let Some(slot) = self.memory.get_mut(rank) {
+                    *slot = *m;
+                }
+            }
             match r {
                 FromRank::Step(res) if rank == 0 => out = Some(res),
                 FromRank::Step(_) => {}
@@ -438,6 +515,20 @@ impl Executor for TpExecutor {
 
     fn slots(&self) -> usize {
         self.opts.slots
+    }
+
+    /// Takes in what the ranks sent meanwhile without waiting: a rank that has
+    /// died (or closed its channel) fails the group here, and every rank is stopped.
+    fn check_health(&mut self) -> Result<(), StepError> {
+        if let Some(msg) = &self.failed {
+            return Err(StepError::Rank(format!(
+                "the TP group has failed earlier: {msg}"
+            )));
+        }
+        match self.group.check_health() {
+            Ok(()) => Ok(()),
+            Err(e) => Err(self.fail(e.to_string())),
+        }
     }
 }
 

@@ -3,6 +3,8 @@ pub mod channel;
 pub mod driver;
 pub mod launcher;
 pub mod placement;
+pub mod plan;
 pub mod protocol;
 pub mod rank;
 pub mod shard;
+pub mod supervisor;

@@ -25,6 +25,7 @@ pub enum FromRank {
 
 /// What a rank reports after loading.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct RankReport {
     pub rank: usize,
     pub pid: u32,
@@ -37,6 +38,32 @@ pub struct RankReport {
     /// Bytes copied out of checkpoint files.
     pub bytes_read: u64,
     pub load_seconds: f64,
+    /// `bytes_read / load_seconds` in GB/s (0 for dummy weights).
+    pub load_gbps: f64,
+    /// The process's peak resident set size at the end of loading (`VmHWM` of
+    /// `/proc/self/status`; `None` where the OS does not say).
+    pub peak_rss_bytes: Option<u64>,
+}
+
+impl RankReport {
+    /// `rank 0 (pid 123, cpu): weights 1.234 GB, active 1.300 GB, read 1.234 GB in 0.52 s (2.37 GB/s), peak RSS 1.5 GB`
+    pub fn summary(&self) -> String {
+        let gb = |b: u64| b as f64 / 1e9;
+        format!(
+            "rank {} (pid {}, {}): weights {:.3} GB, active {:.3} GB, read {:.3} GB in {:.2} s ({:.2} GB/s), peak RSS {}",
+            self.rank,
+            self.pid,
+            self.device,
+            gb(self.weight_bytes),
+            gb(self.active_memory),
+            gb(self.bytes_read),
+            self.load_seconds,
+            self.load_gbps,
+            self.peak_rss_bytes
+                .map(|b| format!("{:.3} GB", gb(b)))
+                .unwrap_or_else(|| "n/a".into())
+        )
+    }
 }
 
 /// What every rank must agree on with the driver: same model, same split.

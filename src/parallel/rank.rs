@@ -11,7 +11,7 @@ use clap::Args;
 use super::channel::RankChannel;
 use super::protocol::{FromRank, Identity, RankReport, ToRank};
 use super::shard;
-use crate::engine::step::{StepResult, Worker};
+use crate::engine::step::{MemoryStats, StepResult, Worker};
 use crate::mlx::{self, distributed::GroupBackend};
 use crate::model_dir::ModelDir;
 use crate::models::{self, LoadFormat, Transformer, WeightSource};
@@ -94,10 +94,12 @@ fn serve(args: &RankArgs, rank: usize, dir: &ModelDir, chan: &mut RankChannel) -
     let plan = shard::plan(&cfg, args.tp_size, rank)?;
     let t0 = Instant::now();
     let src = match args.load_format {
-        LoadFormat::Safetensors => WeightSource::files(&dir.weights)?,
+        LoadFormat::Safetensors => WeightSource::from_dir(dir)?,
         LoadFormat::Dummy => WeightSource::dummy(cfg.dtype, rank as u64)?,
     };
     let model = Transformer::load_shard(&cfg, &src, &plan, Some(Rc::new(group)), |_, _| {})?;
+    let load_seconds = t0.elapsed().as_secs_f64();
+    let bytes_read = src.bytes_read();
     let report = RankReport {
         rank,
         pid: std::process::id(),
@@ -111,8 +113,14 @@ fn serve(args: &RankArgs, rank: usize, dir: &ModelDir, chan: &mut RankChannel) -
         weight_bytes: model.weight_bytes() as u64,
         active_memory: mlx::memory::active(),
         peak_memory: mlx::memory::peak(),
-        bytes_read: src.bytes_read(),
-        load_seconds: t0.elapsed().as_secs_f64(),
+        bytes_read,
+        load_seconds,
+        load_gbps: if load_seconds > 0.0 {
+            bytes_read as f64 / load_seconds / 1e9
+        } else {
+            0.0
+        },
+        peak_rss_bytes: super::plan::peak_rss_bytes(),
     };
     drop(src);
     let mut worker = Worker::new(model, args.slots, args.ctx_size, rank == 0);
@@ -131,7 +139,8 @@ fn serve(args: &RankArgs, rank: usize, dir: &ModelDir, chan: &mut RankChannel) -
                 let r = worker
                     .execute(&plan)
                     .with_context(|| format!("rank {rank}: step failed"))?;
-                let reply = if rank == 0 { r } else { StepResult::default() };
+                let mut reply = if rank == 0 { r } else { StepResult::default() };
+                reply.memory = Some(MemoryStats::now());
                 chan.send(&FromRank::Step(reply))?;
             }
             ToRank::Shutdown => return Ok(()),

@@ -10,6 +10,8 @@ use std::sync::Mutex;
 
 use crate::engine::generate::FinishReason;
 use crate::engine::scheduler::Outcome;
+use crate::engine::step::MemoryStats;
+use crate::parallel::protocol::RankReport;
 
 const LATENCY_BUCKETS: &[f64] = &[
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -75,6 +77,17 @@ impl Histogram {
     }
 }
 
+/// Picks one counter out of [`MemoryStats`].
+type MemoryField = fn(&MemoryStats) -> u64;
+
+/// One TP rank, for `/metrics`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RankMetrics {
+    pub pid: u32,
+    pub weight_bytes: u64,
+    pub memory: MemoryStats,
+}
+
 /// All server metrics.
 pub struct Metrics {
     pub running: AtomicU64,
@@ -93,6 +106,10 @@ pub struct Metrics {
     pub itl: Histogram,
     pub queue_time: Histogram,
     pub e2e: Histogram,
+    /// Restarts of the TP rank group.
+    pub tp_restarts: AtomicU64,
+    /// `Some` when the model runs on TP ranks (empty while they are restarting).
+    tp_ranks: Mutex<Option<Vec<RankMetrics>>>,
     /// (path, status) → count.
     http: Mutex<BTreeMap<(&'static str, u16), u64>>,
 }
@@ -122,7 +139,48 @@ impl Metrics {
             itl: Histogram::new(ITL_BUCKETS),
             queue_time: Histogram::new(LATENCY_BUCKETS),
             e2e: Histogram::new(LATENCY_BUCKETS),
+            tp_restarts: AtomicU64::new(0),
+            tp_ranks: Mutex::new(None),
             http: Mutex::new(BTreeMap::new()),
+        }
+    }
+
+    /// A new TP group is up: its ranks as they reported after loading.
+    pub fn set_tp_ranks(&self, reports: &[RankReport]) {
+        let ranks = reports
+            .iter()
+            .map(|r| RankMetrics {
+                pid: r.pid,
+                weight_bytes: r.weight_bytes,
+                memory: MemoryStats {
+                    active: r.active_memory,
+                    peak: r.peak_memory,
+                    cache: 0,
+                },
+            })
+            .collect();
+        if let Ok(mut t) = self.tp_ranks.lock() {
+            *t = Some(ranks);
+        }
+    }
+
+    /// The ranks' memory after a step, by rank.
+    pub fn set_tp_memory(&self, memory: &[MemoryStats]) {
+        if let Ok(mut t) = self.tp_ranks.lock() {
+            if let Some(ranks) = t.as_mut() {
+                for (r, m) in ranks.iter_mut().zip(memory) {
+                    r.memory = *m;
+                }
+            }
+        }
+    }
+
+    /// The TP group is gone (it is being restarted).
+    pub fn clear_tp_ranks(&self) {
+        if let Ok(mut t) = self.tp_ranks.lock() {
+            if let Some(ranks) = t.as_mut() {
+                ranks.clear();
+            }
         }
     }
 
@@ -234,27 +292,67 @@ impl Metrics {
             "mlxcel:e2e_request_latency_seconds",
             "Time from receiving a request to its last token.",
         );
-        g(
-            &mut out,
-            "mlxcel:device_memory_active_bytes",
-            "gauge",
-            "MLX active memory of the engine process.",
-            ld(&self.memory_active),
-        );
-        g(
-            &mut out,
-            "mlxcel:device_memory_peak_bytes",
-            "gauge",
-            "MLX peak memory of the engine process since start.",
-            ld(&self.memory_peak),
-        );
-        g(
-            &mut out,
-            "mlxcel:device_memory_cache_bytes",
-            "gauge",
-            "MLX allocator cache of the engine process.",
-            ld(&self.memory_cache),
-        );
+        let tp = self.tp_ranks.lock().ok().and_then(|t| t.clone());
+        let memory: [(&str, &str, MemoryField); 3] = [
+            (
+                "mlxcel:device_memory_active_bytes",
+                "MLX active memory of the process that runs the model (per TP rank with --tp-size).",
+                |m| m.active,
+            ),
+            (
+                "mlxcel:device_memory_peak_bytes",
+                "MLX peak memory of the process that runs the model since it started (per TP rank with --tp-size).",
+                |m| m.peak,
+            ),
+            (
+                "mlxcel:device_memory_cache_bytes",
+                "MLX allocator cache of the process that runs the model (per TP rank with --tp-size).",
+                |m| m.cache,
+            ),
+        ];
+        match &tp {
+            None => {
+                let local = MemoryStats {
+                    active: ld(&self.memory_active),
+                    peak: ld(&self.memory_peak),
+                    cache: ld(&self.memory_cache),
+                };
+                for (name, help, f) in memory {
+                    g(&mut out, name, "gauge", help, f(&local));
+                }
+            }
+            Some(ranks) => {
+                let family =
+                    |out: &mut String, name: &str, help: &str, f: &dyn Fn(&RankMetrics) -> u64| {
+                        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
+                        for (rank, r) in ranks.iter().enumerate() {
+                            let _ = writeln!(out, "{name}{{tp_rank=\"{rank}\"}} {}", f(r));
+                        }
+                    };
+                for (name, help, f) in memory {
+                    family(&mut out, name, help, &|r| f(&r.memory));
+                }
+                family(
+                    &mut out,
+                    "mlxcel:tp_rank_weight_bytes",
+                    "Bytes of weights each TP rank holds.",
+                    &|r| r.weight_bytes,
+                );
+                family(
+                    &mut out,
+                    "mlxcel:tp_rank_pid",
+                    "Process id of each TP rank (no series while the group restarts).",
+                    &|r| r.pid as u64,
+                );
+                g(
+                    &mut out,
+                    "mlxcel:tp_restarts_total",
+                    "counter",
+                    "Restarts of the TP rank group after a rank failed.",
+                    ld(&self.tp_restarts),
+                );
+            }
+        }
         let _ = writeln!(
             out,
             "# HELP mlxcel:http_requests_total HTTP responses by route and status.\n# TYPE mlxcel:http_requests_total counter"
@@ -289,5 +387,47 @@ mod tests {
         assert!(text.contains("mlxcel:time_to_first_token_seconds_count 3\n"));
         assert!(text
             .contains("mlxcel:http_requests_total{path=\"/v1/completions\",status=\"200\"} 1\n"));
+        assert!(text.contains("\nmlxcel:device_memory_active_bytes 0\n"));
+        assert!(!text.contains("tp_rank"));
+    }
+
+    #[test]
+    fn tp_ranks_are_labelled() {
+        let m = Metrics::new();
+        let reports: Vec<RankReport> = (0..2)
+            .map(|rank| RankReport {
+                rank,
+                pid: 100 + rank as u32,
+                active_memory: 7,
+                weight_bytes: 5,
+                ..Default::default()
+            })
+            .collect();
+        m.set_tp_ranks(&reports);
+        m.set_tp_memory(&[
+            MemoryStats {
+                active: 11,
+                peak: 12,
+                cache: 13,
+            },
+            MemoryStats::default(),
+        ]);
+        m.tp_restarts.fetch_add(1, Ordering::Relaxed);
+        let text = m.render();
+        for line in [
+            "mlxcel:device_memory_active_bytes{tp_rank=\"0\"} 11\n",
+            "mlxcel:device_memory_cache_bytes{tp_rank=\"0\"} 13\n",
+            "mlxcel:device_memory_peak_bytes{tp_rank=\"1\"} 0\n",
+            "mlxcel:tp_rank_pid{tp_rank=\"1\"} 101\n",
+            "mlxcel:tp_rank_weight_bytes{tp_rank=\"0\"} 5\n",
+            "mlxcel:tp_restarts_total 1\n",
+        ] {
+            assert!(text.contains(line), "{line} in:\n{text}");
+        }
+        assert!(!text.contains("\nmlxcel:device_memory_active_bytes "));
+        m.clear_tp_ranks();
+        let text = m.render();
+        assert!(!text.contains("tp_rank_pid{"));
+        assert!(text.contains("mlxcel:tp_restarts_total 1\n"));
     }
 }

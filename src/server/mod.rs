@@ -7,12 +7,19 @@
 //! Handlers tokenize, validate and submit [`Request`]s over a std channel and
 //! read the request's [`Event`]s from a tokio channel.
 //!
+//! With `--tp-size N` the engine thread drives N rank processes and supervises
+//! them: when a rank dies or stalls (or an idle health check finds it dead),
+//! the requests in flight fail, `/health` turns 503, the group is stopped and a
+//! new one is started and warmed up (at most `--max-restarts` times within 10
+//! minutes; past that the server exits non-zero with the reason). The server
+//! process itself does no GPU work then.
+//!
 //! See `docs/server.md` for the endpoints, parameters, flags and metrics.
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Sender};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
@@ -20,11 +27,14 @@ use clap::Args;
 use crate::cli::generate::{load_weights, open_model, ModelArgs, TpArgs};
 use crate::engine::sampler::SamplingParams;
 use crate::engine::scheduler::{
-    Command, Event, Observer, Outcome, Request, Scheduler, SchedulerConfig, Usage,
+    Command, Event, Observer, Outcome, Request, RunEnd, Scheduler, SchedulerConfig, Usage,
 };
-use crate::engine::step::{Executor, LocalExecutor, SeqStart, SeqStep, StepError, StepPlan};
+use crate::engine::step::{
+    Executor, LocalExecutor, SeqStart, SeqStep, StepError, StepPlan, StepResult,
+};
 use crate::mlx;
 use crate::parallel::driver::TpExecutor;
+use crate::parallel::supervisor::{window_text, RestartBudget, RestartPolicy};
 use crate::tokenizer::Tokenizer;
 
 pub mod error;
@@ -66,6 +76,9 @@ pub struct ServeArgs {
     /// Seconds to let running requests finish after SIGINT/SIGTERM before cancelling them.
     #[arg(long, default_value_t = 30)]
     pub shutdown_timeout: u64,
+    /// With --tp-size: restarts of a failed rank group allowed within 10 minutes; one more failure makes the server exit non-zero.
+    #[arg(long, default_value_t = 3)]
+    pub max_restarts: usize,
     #[command(flatten)]
     pub tp: TpArgs,
 }
@@ -74,6 +87,8 @@ const LOADING: u8 = 0;
 const READY: u8 = 1;
 const FAILED: u8 = 2;
 const STOPPING: u8 = 3;
+/// The TP group failed; a new one is being started.
+const RESTARTING: u8 = 4;
 
 /// What the HTTP side shares with the engine thread.
 pub struct Engine {
@@ -82,7 +97,8 @@ pub struct Engine {
     failure: Mutex<Option<String>>,
     /// Requests submitted and not yet finished (queued + running).
     in_system: AtomicUsize,
-    /// Set by the engine thread once the executor is loaded and warmed up.
+    /// Set by the engine thread while it runs the scheduler loop (it answers
+    /// `Shutdown` promptly then); clear while it loads or restarts.
     loaded: AtomicBool,
     parallel: usize,
     max_queue: usize,
@@ -111,34 +127,57 @@ impl Engine {
             READY => None,
             LOADING => Some(ApiError::unavailable("the model is loading")),
             STOPPING => Some(ApiError::unavailable("the server is shutting down")),
-            _ => {
-                let why = self
-                    .failure
-                    .lock()
-                    .ok()
-                    .and_then(|f| f.clone())
-                    .unwrap_or_default();
-                Some(ApiError::unavailable(format!(
-                    "the engine has failed: {why}"
-                )))
-            }
+            RESTARTING => Some(ApiError::unavailable(format!(
+                "the engine failed and is restarting: {}",
+                self.failure()
+            ))),
+            _ => Some(ApiError::unavailable(format!(
+                "the engine has failed: {}",
+                self.failure()
+            ))),
+        }
+    }
+
+    fn failure(&self) -> String {
+        self.failure
+            .lock()
+            .ok()
+            .and_then(|f| f.clone())
+            .unwrap_or_default()
+    }
+
+    fn set_failure(&self, why: String) {
+        if let Ok(mut f) = self.failure.lock() {
+            *f = Some(why);
         }
     }
 
     fn set_failed(&self, why: String) {
-        if let Ok(mut f) = self.failure.lock() {
-            *f = Some(why);
-        }
+        self.set_failure(why);
         self.state.store(FAILED, Ordering::Release);
     }
 
+    /// The executor failed: 503 until it is replaced (unless shutting down).
+    fn set_restarting(&self, why: String) {
+        if self.state.load(Ordering::Acquire) == STOPPING {
+            return;
+        }
+        self.set_failure(why);
+        let _ = self
+            .state
+            .compare_exchange(READY, RESTARTING, Ordering::AcqRel, Ordering::Acquire);
+    }
+
+    fn is_stopping(&self) -> bool {
+        self.state.load(Ordering::Acquire) == STOPPING
+    }
+
     fn set_stopping(&self) {
-        let _ = self
-            .state
-            .compare_exchange(READY, STOPPING, Ordering::AcqRel, Ordering::Acquire);
-        let _ = self
-            .state
-            .compare_exchange(LOADING, STOPPING, Ordering::AcqRel, Ordering::Acquire);
+        for from in [READY, LOADING, RESTARTING] {
+            let _ =
+                self.state
+                    .compare_exchange(from, STOPPING, Ordering::AcqRel, Ordering::Acquire);
+        }
     }
 
     fn send(&self, cmd: Command) -> bool {
@@ -225,14 +264,49 @@ impl Observer for EngineObserver {
             publish_memory(m);
         }
     }
-    fn engine_error(&self, error: &StepError, fatal: bool) {
+    fn engine_error(&self, _error: &StepError, _fatal: bool) {
         self.metrics.engine_errors.fetch_add(1, Ordering::Relaxed);
-        if fatal {
-            // Restarting the TP group would go here (a later issue); for now the
-            // engine stays down and /health says so.
-            self.engine.set_failed(error.to_string());
-        }
     }
+    fn executor_down(&self, message: &str) {
+        // the engine thread restarts the TP group (or gives up) once `run` returns
+        self.engine.set_restarting(message.to_string());
+    }
+}
+
+/// A TP executor that publishes its ranks' memory to the metrics after each step.
+struct ServedTp {
+    exec: TpExecutor,
+    metrics: Arc<Metrics>,
+}
+
+impl Executor for ServedTp {
+    fn execute(&mut self, plan: &StepPlan) -> Result<StepResult, StepError> {
+        let r = self.exec.execute(plan)?;
+        self.metrics.set_tp_memory(self.exec.memory());
+        Ok(r)
+    }
+    fn ctx_size(&self) -> usize {
+        self.exec.ctx_size()
+    }
+    fn slots(&self) -> usize {
+        self.exec.slots()
+    }
+    fn check_health(&mut self) -> Result<(), StepError> {
+        self.exec.check_health()
+    }
+}
+
+/// What the engine thread tells the HTTP side about its life.
+#[derive(Debug)]
+enum EngineNote {
+    /// Loaded and warmed up: serving.
+    Ready,
+    /// A new TP group is serving after a failure.
+    Restarted,
+    /// The first load failed.
+    LoadFailed(String),
+    /// The engine is down for good (restart budget spent, or a restart failed for good).
+    Down(String),
 }
 
 fn publish_memory(m: &Metrics) {
@@ -273,11 +347,36 @@ fn warm_up(exec: &mut dyn Executor, tokenizer: &Tokenizer) -> Result<(), StepErr
     Ok(())
 }
 
-/// The engine thread: open, load, warm up, then schedule until told to stop.
+/// Load the model (or launch and warm up the TP ranks) on the engine thread.
+fn start_executor(
+    args: &ServeArgs,
+    m: &crate::cli::generate::OpenedModel,
+    metrics: &Arc<Metrics>,
+) -> Result<Box<dyn Executor>> {
+    let mut exec: Box<dyn Executor> = if !args.tp.uses_ranks() {
+        let model = load_weights(&args.model, m)?;
+        Box::new(LocalExecutor::new(model, args.parallel, m.ctx_size))
+    } else {
+        let opts = args
+            .tp
+            .options(args.model.load_format, m.ctx_size, args.parallel);
+        let exec = TpExecutor::launch(&m.dir, opts)?;
+        metrics.set_tp_ranks(exec.reports());
+        Box::new(ServedTp {
+            exec,
+            metrics: metrics.clone(),
+        })
+    };
+    warm_up(exec.as_mut(), &m.tokenizer).context("warm-up step")?;
+    Ok(exec)
+}
+
+/// The engine thread: open, load, warm up, then schedule until told to stop;
+/// with TP ranks, restart the group when it fails (within `--max-restarts`).
 fn engine_main(
     args: ServeArgs,
     info_tx: Sender<Result<ModelInfo>>,
-    loaded_tx: tokio::sync::oneshot::Sender<Result<(), String>>,
+    notes: tokio::sync::mpsc::UnboundedSender<EngineNote>,
     rx: mpsc::Receiver<Command>,
     engine: Arc<Engine>,
     metrics: Arc<Metrics>,
@@ -303,25 +402,12 @@ fn engine_main(
         vocab_size: m.cfg.vocab_size,
     }));
     let local = !args.tp.uses_ranks();
-    let loaded: Result<Box<dyn Executor>> = (|| {
-        let mut exec: Box<dyn Executor> = if local {
-            let model = load_weights(&args.model, &m)?;
-            Box::new(LocalExecutor::new(model, args.parallel, m.ctx_size))
-        } else {
-            let opts = args
-                .tp
-                .options(args.model.load_format, m.ctx_size, args.parallel);
-            Box::new(TpExecutor::launch(&m.dir, opts)?)
-        };
-        warm_up(exec.as_mut(), &m.tokenizer).context("warm-up step")?;
-        Ok(exec)
-    })();
-    let mut exec = match loaded {
+    let mut exec = match start_executor(&args, &m, &metrics) {
         Ok(e) => e,
         Err(e) => {
             let msg = format!("{e:#}");
             engine.set_failed(msg.clone());
-            let _ = loaded_tx.send(Err(msg));
+            let _ = notes.send(EngineNote::LoadFailed(msg));
             return;
         }
     };
@@ -338,7 +424,7 @@ fn engine_main(
         m.tokenizer.clone(),
     );
     let obs = EngineObserver {
-        metrics,
+        metrics: metrics.clone(),
         engine: engine.clone(),
         local,
     };
@@ -347,13 +433,103 @@ fn engine_main(
         .state
         .compare_exchange(LOADING, READY, Ordering::AcqRel, Ordering::Acquire)
         .ok();
-    let _ = loaded_tx.send(Ok(()));
-    sched.run(exec.as_mut(), &rx, &obs);
+    let _ = notes.send(EngineNote::Ready);
+    let mut sup = Supervision {
+        budget: RestartBudget::new(RestartPolicy::new(args.max_restarts)),
+        notes,
+    };
+    loop {
+        let why = match sched.run(exec.as_mut(), &rx, &obs) {
+            RunEnd::Shutdown => break,
+            RunEnd::ExecutorFailed(why) => why,
+        };
+        engine.loaded.store(false, Ordering::Release);
+        engine.set_restarting(why.clone());
+        // stops every rank that is still running and reaps them
+        drop(exec);
+        metrics.clear_tp_ranks();
+        match restart(&args, &m, &mut sched, &rx, &obs, &mut sup, why) {
+            Some(e) => exec = e,
+            None => {
+                tracing::debug!("engine thread done");
+                return;
+            }
+        }
+        engine.loaded.store(true, Ordering::Release);
+        if engine
+            .state
+            .compare_exchange(RESTARTING, READY, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+        {
+            let _ = sup.notes.send(EngineNote::Restarted);
+        }
+    }
     drop(exec);
     tracing::debug!("engine thread done");
 }
 
-/// Run the server until SIGINT/SIGTERM (exit 0) or a failed model load (error).
+/// The engine thread's restart budget and its line to the HTTP side.
+struct Supervision {
+    budget: RestartBudget,
+    notes: tokio::sync::mpsc::UnboundedSender<EngineNote>,
+}
+
+/// Start a new TP group after `why`; `None` on shutdown or when giving up
+/// (the HTTP side has been told then).
+fn restart(
+    args: &ServeArgs,
+    m: &crate::cli::generate::OpenedModel,
+    sched: &mut Scheduler,
+    rx: &mpsc::Receiver<Command>,
+    obs: &EngineObserver,
+    sup: &mut Supervision,
+    mut why: String,
+) -> Option<Box<dyn Executor>> {
+    let (engine, budget) = (&obs.engine, &mut sup.budget);
+    loop {
+        let busy = format!("the engine failed and is restarting: {why}");
+        if sched.reject_pending(rx, &busy, obs) || engine.is_stopping() {
+            return None;
+        }
+        let n = match budget.try_restart(Instant::now()) {
+            Ok(n) => n,
+            Err(give_up) => {
+                let msg = format!("{why}\n{give_up}");
+                tracing::error!("the TP group failed: {msg}");
+                engine.set_failed(msg.clone());
+                sched.reject_pending(rx, &msg, obs);
+                let _ = sup.notes.send(EngineNote::Down(msg));
+                return None;
+            }
+        };
+        obs.metrics.tp_restarts.fetch_add(1, Ordering::Relaxed);
+        let policy = budget.policy();
+        tracing::warn!(
+            "restarting the TP group (restart {n} of at most {} within {})",
+            policy.max_restarts,
+            window_text(policy.window)
+        );
+        let t0 = Instant::now();
+        match start_executor(args, m, &obs.metrics) {
+            Ok(e) => {
+                tracing::info!(
+                    "the TP group is serving again ({:.1}s to restart)",
+                    t0.elapsed().as_secs_f64()
+                );
+                return Some(e);
+            }
+            Err(e) => {
+                why = format!("restarting the TP group failed: {e:#}");
+                tracing::error!("{why}");
+                engine.set_failure(why.clone());
+                obs.metrics.clear_tp_ranks();
+            }
+        }
+    }
+}
+
+/// Run the server until SIGINT/SIGTERM (exit 0), a failed model load, or a
+/// TP group that failed past `--max-restarts` (errors).
 pub fn run(args: &ServeArgs) -> Result<()> {
     if args.parallel == 0 {
         bail!("--parallel must be at least 1");
@@ -366,12 +542,12 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     let engine = Arc::new(Engine::new(cmd_tx, args.parallel, args.max_queue));
     let metrics = Arc::new(Metrics::new());
     let (info_tx, info_rx) = mpsc::channel();
-    let (loaded_tx, loaded_rx) = tokio::sync::oneshot::channel();
+    let (notes_tx, notes_rx) = tokio::sync::mpsc::unbounded_channel();
     let thread = {
         let (args, engine, metrics) = (args.clone(), engine.clone(), metrics.clone());
         std::thread::Builder::new()
             .name("mlxcel-engine".into())
-            .spawn(move || engine_main(args, info_tx, loaded_tx, cmd_rx, engine, metrics))
+            .spawn(move || engine_main(args, info_tx, notes_tx, cmd_rx, engine, metrics))
             .context("starting the engine thread")?
     };
     let info = info_rx
@@ -397,11 +573,13 @@ pub fn run(args: &ServeArgs) -> Result<()> {
             .map(|d| d.as_secs())
             .unwrap_or(0),
     });
-    let result = rt.block_on(serve(args, state, loaded_rx));
+    let result = rt.block_on(serve(args, state, notes_rx));
     engine.set_stopping();
     engine.send(Command::Shutdown);
-    if engine.loaded.load(Ordering::Acquire) {
-        // the engine finishes its current step, cancels the rest and stops its ranks
+    if engine.loaded.load(Ordering::Acquire) || thread.is_finished() {
+        // the engine finishes its current step, cancels the rest and stops its
+        // ranks. (While it loads or restarts, it is not waited for: the ranks
+        // die with this process.)
         let _ = thread.join();
     }
     rt.shutdown_timeout(Duration::from_secs(1));
@@ -411,7 +589,7 @@ pub fn run(args: &ServeArgs) -> Result<()> {
 async fn serve(
     args: &ServeArgs,
     state: Arc<routes::AppState>,
-    loaded_rx: tokio::sync::oneshot::Receiver<Result<(), String>>,
+    mut notes: tokio::sync::mpsc::UnboundedReceiver<EngineNote>,
 ) -> Result<()> {
     let addr = format!("{}:{}", args.host, args.port);
     let listener = tokio::net::TcpListener::bind(&addr)
@@ -431,34 +609,41 @@ async fn serve(
         args.max_queue
     );
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-    let load_failure: Arc<Mutex<Option<String>>> = Arc::default();
+    let failure: Arc<Mutex<Option<String>>> = Arc::default();
     {
         let engine = state.engine.clone();
-        let load_failure = load_failure.clone();
+        let failure = failure.clone();
         let name = state.model.name.clone();
         tokio::spawn(async move {
-            let loaded = async {
-                match loaded_rx.await {
-                    Ok(Ok(())) => {
-                        tracing::info!("model {name} is ready");
-                        std::future::pending::<()>().await
-                    }
-                    Ok(Err(msg)) => {
-                        tracing::error!("loading the model failed: {msg}");
-                        if let Ok(mut f) = load_failure.lock() {
-                            *f = Some(msg);
+            let watch = async {
+                let mut ready = false;
+                let why = loop {
+                    match notes.recv().await {
+                        Some(EngineNote::Ready) => {
+                            ready = true;
+                            tracing::info!("model {name} is ready");
                         }
-                    }
-                    Err(_) => {
-                        if let Ok(mut f) = load_failure.lock() {
-                            *f = Some("the engine thread stopped while loading".into());
+                        Some(EngineNote::Restarted) => {
+                            tracing::info!("model {name} is ready again")
                         }
+                        Some(EngineNote::LoadFailed(msg)) => {
+                            tracing::error!("loading the model failed: {msg}");
+                            break format!("loading the model failed: {msg}");
+                        }
+                        Some(EngineNote::Down(msg)) => {
+                            break format!("the engine failed: {msg}");
+                        }
+                        None if ready => break "the engine thread stopped".to_string(),
+                        None => break "the engine thread stopped while loading".to_string(),
                     }
+                };
+                if let Ok(mut f) = failure.lock() {
+                    *f = Some(why);
                 }
             };
             tokio::select! {
                 _ = shutdown_signal() => tracing::info!("shutting down: no new requests; waiting for running ones"),
-                _ = loaded => {}
+                _ = watch => {}
             }
             engine.set_stopping();
             let _ = stop_tx.send(true);
@@ -488,8 +673,8 @@ async fn serve(
         r = async { server.await } => r.context("serving HTTP")?,
         _ = deadline => tracing::warn!("connections still open after the shutdown timeout; closing them"),
     }
-    if let Some(msg) = load_failure.lock().ok().and_then(|f| f.clone()) {
-        bail!("loading the model failed: {msg}");
+    if let Some(msg) = failure.lock().ok().and_then(|f| f.clone()) {
+        bail!("{msg}");
     }
     tracing::info!("server stopped");
     Ok(())

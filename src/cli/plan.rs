@@ -1,0 +1,243 @@
+//! `mlxcel plan`: each rank's memory (weights, KV cache, working margin) against
+//! the free memory of the device it would run on, without loading any weight or
+//! touching a GPU in this process (free GPU memory comes from a child process).
+//! Exits non-zero when the plan does not fit. See `docs/multi-gpu.md`.
+use anyhow::{bail, Result};
+use clap::Args;
+use serde_json::json;
+
+use super::generate::{ctx_size_of, resolve_dir, ModelArgs, TpArgs};
+use crate::mlx::{self, Backend};
+use crate::models::{self, LoadFormat};
+use crate::parallel::placement;
+use crate::parallel::plan::{self, Budget, Placement, PlanInput};
+use crate::parallel::shard;
+
+#[derive(Debug, Args)]
+pub struct PlanArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Sequences at once (KV-cache slots), as `serve --parallel`.
+    #[arg(long, default_value_t = 1)]
+    pub parallel: usize,
+    /// Prompt tokens per prefill step (sizes the working margin).
+    #[arg(long, default_value_t = 512)]
+    pub prefill_chunk: usize,
+    #[command(flatten)]
+    pub tp: TpArgs,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn gb(b: u64) -> String {
+    if b >= 100_000_000 {
+        format!("{:.2} GB", b as f64 / 1e9)
+    } else {
+        format!("{:.1} MB", b as f64 / 1e6)
+    }
+}
+
+pub fn run(args: &PlanArgs) -> Result<()> {
+    let dir = resolve_dir(&args.model)?;
+    let cfg = models::read_config(&dir)?;
+    let ctx_size = ctx_size_of(&args.model, &cfg)?;
+    if args.parallel == 0 {
+        bail!("--parallel must be at least 1");
+    }
+    let n = args.tp.tp_size;
+    shard::validate(&cfg, n)?;
+    let catalog = match args.model.load_format {
+        LoadFormat::Safetensors => Some(models::weights::catalog(&dir)?),
+        LoadFormat::Dummy => None,
+    };
+    let backend = mlx::backend();
+    let input = PlanInput {
+        cfg: &cfg,
+        catalog: catalog.as_ref(),
+        tp_size: n,
+        ctx_size,
+        slots: args.parallel,
+        prefill_chunk: args.prefill_chunk,
+        backend,
+    };
+    let mem = plan::plan_memory(&input)?;
+    let gpus = mlx::gpu_device_count();
+    let entries: Vec<usize> = match &args.tp.devices {
+        Some(d) if d.len() != n => {
+            bail!("--devices lists {} GPU(s) but --tp-size is {n}", d.len())
+        }
+        Some(d) => d.clone(),
+        None if args.tp.tp_emulate => vec![0; n],
+        None => (0..n).collect(),
+    };
+    let shared = args.tp.tp_emulate || backend != Backend::Cuda;
+    let mut notes = Vec::new();
+    if backend == Backend::Cuda && !args.tp.tp_emulate && n > gpus {
+        notes.push(format!(
+            "--tp-size {n} needs {n} GPUs but {gpus} are visible (add --tp-emulate to share one)"
+        ));
+    }
+    let (budget, _) = plan::budget(
+        backend,
+        &Placement {
+            entries: &entries,
+            shared,
+            child: Some(None),
+        },
+    );
+    let budget = match budget {
+        Ok(b) => Some(b),
+        Err(note) => {
+            notes.push(format!("free memory unknown, not checked: {note}"));
+            None
+        }
+    };
+    let verdict = budget.as_ref().map(|b| plan::check_fit(&input, &mem, b));
+    let device_of = |r: usize| -> (String, Option<String>) {
+        if backend != Backend::Cuda {
+            return (
+                if backend == Backend::Metal {
+                    "Metal GPU".into()
+                } else {
+                    "CPU".into()
+                },
+                None,
+            );
+        }
+        let e = entries[r];
+        let physical = placement::visible_devices_for(e).ok().and_then(|env| {
+            env.into_iter()
+                .find(|(k, _)| k == placement::VISIBLE_DEVICES_VAR)
+                .map(|(_, v)| v)
+        });
+        (format!("GPU {e}"), physical)
+    };
+    let free_of = |r: usize| -> Option<u64> {
+        match &budget {
+            Some(Budget::PerRank(d)) => d.get(r).map(|d| d.free_bytes),
+            _ => None,
+        }
+    };
+    let shared_free = match &budget {
+        Some(Budget::Shared(d)) => Some(d),
+        _ => None,
+    };
+    if args.json {
+        let ranks: Vec<_> = mem
+            .ranks
+            .iter()
+            .map(|r| {
+                let (device, physical) = device_of(r.rank);
+                json!({
+                    "rank": r.rank,
+                    "device": device,
+                    "cuda_visible_devices": physical,
+                    "weight_bytes": r.weight_bytes,
+                    "sharded_bytes": r.sharded_bytes,
+                    "replicated_bytes": r.replicated_bytes,
+                    "kv_bytes": r.kv_bytes,
+                    "margin_bytes": r.margin_bytes,
+                    "total_bytes": r.total_bytes,
+                    "device_free_bytes": free_of(r.rank),
+                })
+            })
+            .collect();
+        let (fits, message, smallest, max_ctx) = match &verdict {
+            None => (None, None, None, None),
+            Some(Ok(())) => (Some(true), None, None, None),
+            Some(Err(e)) => (
+                Some(false),
+                Some(e.message.clone()),
+                e.smallest_tp_size,
+                e.max_ctx_size,
+            ),
+        };
+        let out = json!({
+            "model": dir.root.display().to_string(),
+            "model_type": cfg.model_type,
+            "load_format": format!("{:?}", args.model.load_format).to_lowercase(),
+            "backend": backend.to_string(),
+            "tp_size": n,
+            "tp_emulate": args.tp.tp_emulate,
+            "ctx_size": ctx_size,
+            "parallel": args.parallel,
+            "prefill_chunk": args.prefill_chunk,
+            "kv_dtype": mem.kv_dtype,
+            "sharded_total_bytes": mem.sharded_total_bytes,
+            "replicated_total_bytes": mem.replicated_total_bytes,
+            "total_bytes": mem.sum_total(),
+            "ranks": ranks,
+            "shared_device": shared_free.map(|d| json!({"device": d.label, "free_bytes": d.free_bytes, "source": d.source})),
+            "per_rank_free_source": match &budget { Some(Budget::PerRank(d)) => d.first().map(|d| d.source.clone()), _ => None },
+            "fits": fits,
+            "message": message,
+            "smallest_fitting_tp_size": smallest,
+            "max_ctx_size": max_ctx,
+            "notes": notes,
+        });
+        println!("{out}");
+    } else {
+        println!(
+            "{} ({}, {} layers), {} weights, KV cache {}",
+            dir.root.display(),
+            cfg.model_type,
+            cfg.num_layers,
+            format!("{:?}", args.model.load_format).to_lowercase(),
+            mem.kv_dtype
+        );
+        println!(
+            "--tp-size {n}{}, --ctx-size {ctx_size}, --parallel {}, prefill chunk {}, backend {backend}",
+            if args.tp.tp_emulate { " (emulated on one device)" } else { "" },
+            args.parallel,
+            args.prefill_chunk
+        );
+        println!(
+            "split tensors {} in all, replicated {} per rank",
+            gb(mem.sharded_total_bytes),
+            gb(mem.replicated_total_bytes)
+        );
+        println!(
+            "{:<5} {:<12} {:>10} {:>10} {:>10} {:>10} {:>10}",
+            "RANK", "DEVICE", "WEIGHTS", "KV CACHE", "MARGIN", "TOTAL", "FREE"
+        );
+        for r in &mem.ranks {
+            let (device, physical) = device_of(r.rank);
+            let device = match physical {
+                Some(p) if p != device.trim_start_matches("GPU ") => format!("{device} (={p})"),
+                _ => device,
+            };
+            println!(
+                "{:<5} {:<12} {:>10} {:>10} {:>10} {:>10} {:>10}",
+                r.rank,
+                device,
+                gb(r.weight_bytes),
+                gb(r.kv_bytes),
+                gb(r.margin_bytes),
+                gb(r.total_bytes),
+                free_of(r.rank).map(gb).unwrap_or_else(|| "-".into())
+            );
+        }
+        if let Some(d) = shared_free {
+            println!(
+                "all ranks share {}: {} needed, {} free ({})",
+                d.label,
+                gb(mem.sum_total()),
+                gb(d.free_bytes),
+                d.source
+            );
+        }
+        for note in &notes {
+            println!("note: {note}");
+        }
+        match &verdict {
+            Some(Ok(())) => println!("fits"),
+            Some(Err(_)) => println!("does not fit"),
+            None => println!("fit not checked"),
+        }
+    }
+    if let Some(Err(e)) = verdict {
+        return Err(e.into());
+    }
+    Ok(())
+}
