@@ -196,6 +196,14 @@ impl Worker {
             mlx::eval(&logits.iter().collect::<Vec<_>>())?;
             return Ok(result);
         }
+        if rows.len() > 1 || plan.seqs.len() > 1 {
+            // Evaluate the whole step the way the non-sampling TP ranks do
+            // (above) before sampling: the sampled rows alone would leave a
+            // prefill chunk that does not sample unevaluated, or order the
+            // graph differently, and ranks that run their collectives
+            // (all_sum) in different orders deadlock.
+            mlx::eval(&logits.iter().collect::<Vec<_>>())?;
+        }
         let last: Vec<Array> = rows
             .iter()
             .map(|&i| {

@@ -22,7 +22,11 @@
 //!   - KV growth: one layer's K and V pools (`kv / layers`), alive twice while a pool
 //!     grows;
 //!   - runtime: 1 GiB per process on CUDA (context, cuBLAS workspace, NCCL
-//!     buffers), 256 MiB elsewhere.
+//!     buffers), 256 MiB elsewhere;
+//!   - dummy weights only: `8 · vocab · hidden` while the embedding and lm_head are
+//!     drawn (float32 draws before the cast; measured on an H200: exactly this much
+//!     above the weights at the end of a dummy load). Checkpoint loads copy each
+//!     block once into its array: no device-side transient.
 //!
 //! The plan fits when every rank's total is at most its device's free memory; ranks
 //! that share one device (`--tp-emulate`, the CPU, Metal's unified memory) must fit
@@ -351,7 +355,17 @@ pub fn plan_memory(input: &PlanInput<'_>) -> Result<MemoryPlan, ShardError> {
         };
         let logits = slots * cfg.vocab_size as u64 * (8 + a);
         let kv_growth = kv / layers.max(1);
-        let margin = activations + scores + logits + kv_growth + runtime_overhead(input.backend);
+        let dummy_draw = if input.catalog.is_none() {
+            8 * cfg.vocab_size as u64 * cfg.hidden_size as u64
+        } else {
+            0
+        };
+        let margin = activations
+            + scores
+            + logits
+            + kv_growth
+            + runtime_overhead(input.backend)
+            + dummy_draw;
         let weights = sharded + replicated;
         ranks.push(RankMemory {
             rank: r,
@@ -932,13 +946,24 @@ mod tests {
         let act = 2 * t * (4 * 4096 + 16 * 128 + 2 * 4 * 128 + 3 * 7168) * 2;
         let logits = 128256 * 10;
         let growth = (GIB / 2) / 32;
-        assert_eq!(p.ranks[0].margin_bytes, act + logits + growth + GIB);
+        let draw = 8 * 128256 * 4096; // dummy weights: the embedding/lm_head draw
+        assert_eq!(p.ranks[0].margin_bytes, act + logits + growth + GIB + draw);
         let mut cpu = input(&cfg, 2);
         cpu.backend = Backend::Cpu;
         let pc = plan_memory(&cpu).unwrap();
         assert_eq!(
             pc.ranks[0].margin_bytes,
-            act + logits + growth + 256 * MIB + 2 * 16 * t * 8192 * 2
+            act + logits + growth + 256 * MIB + 2 * 16 * t * 8192 * 2 + draw
+        );
+        // a checkpoint (catalog) has no draw
+        let cat = HashMap::new();
+        let real = PlanInput {
+            catalog: Some(&cat),
+            ..input(&cfg, 2)
+        };
+        assert_eq!(
+            plan_memory(&real).unwrap().ranks[0].margin_bytes,
+            act + logits + growth + GIB
         );
     }
 
@@ -947,8 +972,9 @@ mod tests {
         let cfg = llama8b(None);
         let inp = input(&cfg, 1);
         let p = plan_memory(&inp).unwrap();
-        // 8 GB per GPU: the whole model (16 GB) does not fit; 4 ranks do (4 GB + 2 GB replicated + ...)
-        let b = per_rank(8_000_000_000, 1);
+        // 12 GB per GPU: the whole model (16 GB) does not fit, nor 2 ranks (15 GB with the
+        // dummy draw); 4 ranks do (3.5 GB split + 2.1 GB replicated + 4.2 GB draw + ...)
+        let b = per_rank(12_000_000_000, 1);
         let e = check_fit(&inp, &p, &b).unwrap_err();
         assert_eq!(e.smallest_tp_size, Some(4), "{e}");
         assert_eq!(e.max_ctx_size, None, "{e}");
@@ -957,11 +983,11 @@ mod tests {
             m.contains("--tp-size 1") && m.contains("rank 0 needs"),
             "{m}"
         );
-        assert!(m.contains("GPU 0 has 8.00 GB free"), "{m}");
+        assert!(m.contains("GPU 0 has 12.00 GB free"), "{m}");
         assert!(m.contains("smallest --tp-size that fits is 4"), "{m}");
         assert!(m.contains("and 4 GPUs"), "{m}");
         // enough for the weights: a shorter context fits
-        let b = per_rank(17_900_000_000, 1);
+        let b = per_rank(22_100_000_000, 1);
         let e = check_fit(&inp, &p, &b).unwrap_err();
         let c = e.max_ctx_size.unwrap();
         assert!(c > 0 && c < 8192, "{e}");

@@ -357,9 +357,15 @@ fn start_executor(
         let model = load_weights(&args.model, m)?;
         Box::new(LocalExecutor::new(model, args.parallel, m.ctx_size))
     } else {
-        let opts = args
+        let mut opts = args
             .tp
             .options(args.model.load_format, m.ctx_size, args.parallel);
+        // Ranks (and the ranks of every restart) run this very binary, even
+        // if its file has been replaced or deleted since the server started.
+        let this_exe = std::path::Path::new("/proc/self/exe");
+        if cfg!(target_os = "linux") && this_exe.exists() {
+            opts.program = Some(this_exe.to_path_buf());
+        }
         let exec = TpExecutor::launch(&m.dir, opts)?;
         metrics.set_tp_ranks(exec.reports());
         Box::new(ServedTp {
@@ -494,8 +500,8 @@ fn restart(
         let n = match budget.try_restart(Instant::now()) {
             Ok(n) => n,
             Err(give_up) => {
-                let msg = format!("{why}\n{give_up}");
-                tracing::error!("the TP group failed: {msg}");
+                let msg = format!("{give_up}; the last failure: {why}");
+                tracing::error!("the TP group is down for good: {msg}");
                 engine.set_failed(msg.clone());
                 sched.reject_pending(rx, &msg, obs);
                 let _ = sup.notes.send(EngineNote::Down(msg));
