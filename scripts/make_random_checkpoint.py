@@ -91,8 +91,18 @@ def main():
     with open(os.path.join(a.out, "config.json"), "w") as f:
         json.dump(cfg, f, indent=1)
     if a.tokenizer_from:
-        for fn in ["tokenizer.json", "tokenizer_config.json"]:
-            shutil.copy(os.path.join(a.tokenizer_from, fn), os.path.join(a.out, fn))
+        shutil.copy(os.path.join(a.tokenizer_from, "tokenizer_config.json"), os.path.join(a.out, "tokenizer_config.json"))
+        # extend the (byte-level BPE) vocabulary to the model's size, so that every id the
+        # random model emits decodes to some text (" t1234"); merges stay as they are
+        with open(os.path.join(a.tokenizer_from, "tokenizer.json")) as f:
+            tok = json.load(f)
+        vocab = tok["model"]["vocab"]
+        used = set(vocab.values()) | {t["id"] for t in tok.get("added_tokens", [])}
+        for i in range(V):
+            if i not in used:
+                vocab[f"\u0120t{i}"] = i
+        with open(os.path.join(a.out, "tokenizer.json"), "w") as f:
+            json.dump(tok, f)
     print(f"wrote {a.out}: {total / 1e9:.2f} GB in {len(shards)} files")
 
 

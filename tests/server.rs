@@ -570,7 +570,16 @@ fn models_health_metrics(tp: &[&str]) {
     let e = assert_error(&post(&json!({"model": "gpt-4", "prompt": "x"})), 404);
     assert_eq!(e["code"], "model_not_found");
 
-    let m1 = s.metrics();
+    // counters are updated just after the response is sent: poll briefly
+    let success = "mlxcel:request_success_total{finished_reason=\"length\"}";
+    let mut m1 = s.metrics();
+    for _ in 0..40 {
+        if metric(&m1, success) - metric(&m0, success) >= 1.0 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+        m1 = s.metrics();
+    }
     let d = |name: &str| metric(&m1, name) - metric(&m0, name);
     assert_eq!(d("mlxcel:generation_tokens_total"), 7.0);
     assert!(d("mlxcel:prompt_tokens_total") >= 4.0);

@@ -127,7 +127,7 @@ pub fn generate(
             ctx,
         });
     }
-    mlx::memory::reset_peak();
+    exec.reset_peak_memory();
     let eos: Vec<u32> = tokenizer.eos_token_ids().to_vec();
     let mut decoder = StreamDecoder::new(tokenizer, opts.skip_special_tokens);
     let mut stops = StopMatcher::new(opts.stop.clone());
@@ -232,7 +232,7 @@ pub fn generate(
             } else {
                 0.0
             },
-            peak_memory_bytes: mlx::memory::peak(),
+            peak_memory_bytes: exec.peak_memory(),
         },
         generated_token_ids: generated,
         text,

@@ -737,6 +737,9 @@ mod tests {
     }
 
     impl Executor for FakeExec {
+        fn peak_memory(&self) -> u64 {
+            0
+        }
         fn execute(&mut self, plan: &StepPlan) -> Result<StepResult, StepError> {
             self.plans.push(plan.clone());
             if self.fail_at == Some(self.plans.len()) {

@@ -119,6 +119,11 @@ pub trait Executor {
     fn check_health(&mut self) -> Result<(), StepError> {
         Ok(())
     }
+    /// Restart peak-memory accounting (no-op where the memory lives in other processes).
+    fn reset_peak_memory(&mut self) {}
+    /// Peak device memory in bytes since the last reset: this process's MLX peak, or the
+    /// largest rank's. Never touches a GPU in a tensor-parallel driver.
+    fn peak_memory(&self) -> u64;
 }
 
 /// The model, its KV cache and per-sequence samplers, on the MLX thread.
@@ -282,5 +287,11 @@ impl Executor for LocalExecutor {
     }
     fn slots(&self) -> usize {
         self.worker.cache.slots()
+    }
+    fn reset_peak_memory(&mut self) {
+        mlx::memory::reset_peak();
+    }
+    fn peak_memory(&self) -> u64 {
+        mlx::memory::peak()
     }
 }

@@ -519,6 +519,10 @@ impl Executor for TpExecutor {
 
     /// Takes in what the ranks sent meanwhile without waiting: a rank that has
     /// died (or closed its channel) fails the group here, and every rank is stopped.
+    fn peak_memory(&self) -> u64 {
+        self.memory.iter().map(|m| m.peak).max().unwrap_or(0)
+    }
+
     fn check_health(&mut self) -> Result<(), StepError> {
         if let Some(msg) = &self.failed {
             return Err(StepError::Rank(format!(

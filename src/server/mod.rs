@@ -294,6 +294,9 @@ impl Executor for ServedTp {
     fn check_health(&mut self) -> Result<(), StepError> {
         self.exec.check_health()
     }
+    fn peak_memory(&self) -> u64 {
+        self.exec.peak_memory()
+    }
 }
 
 /// What the engine thread tells the HTTP side about its life.
@@ -354,12 +357,19 @@ fn start_executor(
     metrics: &Arc<Metrics>,
 ) -> Result<Box<dyn Executor>> {
     let mut exec: Box<dyn Executor> = if !args.tp.uses_ranks() {
+        crate::cli::generate::check_single_device_memory(
+            &args.model,
+            m,
+            args.parallel,
+            args.prefill_chunk,
+        )?;
         let model = load_weights(&args.model, m)?;
         Box::new(LocalExecutor::new(model, args.parallel, m.ctx_size))
     } else {
         let mut opts = args
             .tp
             .options(args.model.load_format, m.ctx_size, args.parallel);
+        opts.prefill_chunk = args.prefill_chunk;
         // Ranks (and the ranks of every restart) run this very binary, even
         // if its file has been replaced or deleted since the server started.
         let this_exe = std::path::Path::new("/proc/self/exe");
