@@ -46,6 +46,23 @@ ckpt)
     python3 scripts/make_random_checkpoint.py --shape llama3-8b --out "$CK/8b-bf16" --tokenizer-from "$MLXCEL_CACHE/demo-llama-v1"; }
   [ -f "$CK/8b-q4/config.json" ] || python3 -m mlx_lm convert --hf-path "$CK/8b-bf16" --mlx-path "$CK/8b-q4" -q --q-group-size 64 --q-bits 4 2>&1 | tail -1
   ;;
+bench)
+  for m in 8b-bf16 8b-q4; do
+    step "mlxcel bench $m"; $B bench -m "$CK/$m" --repeats 3 2>/dev/null | tee "$OUT/mlxcel-$m.json"
+    step "mlx-lm bench $m"; python3 scripts/bench_mlx_lm.py "$CK/$m" --repeats 3 | tee "$OUT/mlxlm-$m.json"
+  done
+  ;;
+tpserver)
+  # needs the openai wheels (carry .whl, pip install --target /tmp/site, PYTHONPATH)
+  S=${MLXCEL_SERVER:-$(dirname $B)/mlxcel-server}
+  $S -m "$CK/8b-bf16" --port 8124 --parallel 4 --ctx-size 4096 --tp-size 2 --tp-emulate > "$OUT/tpserver.log" 2>&1 &
+  spid=$!
+  for i in $(seq 180); do curl -sf localhost:8124/health >/dev/null && break; sleep 1; done
+  step "GPU processes while the TP server runs (server pid $spid)"; nvidia-smi --query-compute-apps=pid,used_memory --format=csv
+  step "openai client + kill -9 of rank 1"; python3 scripts/tp_server_check.py --port 8124 --rank 1 | tee "$OUT/tpserver-check.json"
+  kill -TERM $spid; wait $spid; echo "server exit: $?"
+  sleep 1; step "processes left"; pgrep -fa "_rank" || echo "no rank process left"
+  ;;
 server)
   S=${MLXCEL_SERVER:-$(dirname $B)/mlxcel-server}
   $S -m "$CK/8b-bf16" --port 8123 --parallel 32 --ctx-size 2048 > "$OUT/server.log" 2>&1 &
@@ -54,6 +71,7 @@ server)
   step "server: one streaming chat request"
   curl -sN localhost:8123/v1/chat/completions -H 'Content-Type: application/json' \
     -d '{"messages":[{"role":"user","content":"hi"}],"max_tokens":8,"stream":true,"stream_options":{"include_usage":true}}' | head -12
+  python3 scripts/bench_server.py --port 8123 --concurrency 8,32 --rounds 1 --max-tokens 32 >/dev/null  # warm-up (kernel compilation for each batch size)
   step "server: bench 1/8/32 streams"; python3 scripts/bench_server.py --port 8123 --concurrency 1,8,32 --max-tokens 128 | tee "$OUT/server-bench.json"
   step "memory"; nvidia-smi --query-gpu=index,memory.used --format=csv
   curl -s localhost:8123/metrics | grep -E "^mlxcel:(num_requests|generation_tokens_total|prompt_tokens_total|device)" | head
