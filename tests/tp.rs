@@ -171,7 +171,7 @@ fn mlxcel() -> Command {
 fn alive(pid: u32) -> bool {
     // a zombie is dead for our purposes
     std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .map(|s| !s.split_whitespace().nth(2).is_some_and(|st| st == "Z"))
+        .map(|s| s.split_whitespace().nth(2).is_none_or(|st| st != "Z"))
         .unwrap_or(false)
 }
 
@@ -216,9 +216,9 @@ fn start_long_generation(
         let line = rx
             .recv_timeout(deadline.saturating_duration_since(Instant::now()))
             .expect("ranks did not report");
-        for r in 0..2 {
+        for (r, pid) in pids.iter_mut().enumerate() {
             if let Some(rest) = line.split(&format!("rank {r} (pid ")).nth(1) {
-                pids[r] = rest
+                *pid = rest
                     .split([',', ')'])
                     .next()
                     .unwrap()

@@ -200,7 +200,7 @@ pub fn generate(
             .sampled
             .first()
             .map(|s| s.token)
-            .ok_or_else(|| GenerateError::Step(StepError::NoSampler(seq_id)))?;
+            .ok_or(GenerateError::Step(StepError::NoSampler(seq_id)))?;
     }
     exec.execute(&StepPlan {
         release: vec![seq_id],

@@ -1,6 +1,6 @@
 //! The raw `cxx` bridge to `cpp/shim.h`. Nothing outside `src/mlx` uses this
 //! module directly: `super::Array` and friends wrap it with safe, typed calls.
-#![allow(clippy::too_many_arguments)]
+#![allow(clippy::too_many_arguments, clippy::module_inception)]
 
 #[cxx::bridge(namespace = "mlxcel")]
 pub(crate) mod ffi {

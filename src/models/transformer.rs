@@ -350,7 +350,7 @@ impl Transformer {
         let s = SeqInput { slot, tokens: &[] };
         let pos = cache.len(s.slot);
         let offset = Array::scalar_i32(pos as i32)?;
-        let mut h = self.embed_tokens.forward(&ids)?;
+        let mut h = self.embed_tokens.forward(ids)?;
         for (li, block) in self.layers.iter().enumerate() {
             let a = &block.self_attn;
             let x = block.input_layernorm.forward(&h)?;

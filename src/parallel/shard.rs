@@ -91,7 +91,7 @@ fn check(cfg: &ModelConfig, tp: usize) -> Result<(), ShardError> {
     if tp == 0 {
         return Err(ShardError::Zero);
     }
-    if cfg.num_heads % tp != 0 {
+    if !cfg.num_heads.is_multiple_of(tp) {
         return Err(ShardError::Heads {
             tp,
             heads: cfg.num_heads,
@@ -99,14 +99,14 @@ fn check(cfg: &ModelConfig, tp: usize) -> Result<(), ShardError> {
         });
     }
     let kv = cfg.num_kv_heads;
-    if kv % tp != 0 && tp % kv != 0 {
+    if !kv.is_multiple_of(tp) && !tp.is_multiple_of(kv) {
         return Err(ShardError::KvHeads {
             tp,
             kv,
             valid: valid(),
         });
     }
-    if cfg.intermediate_size % tp != 0 {
+    if !cfg.intermediate_size.is_multiple_of(tp) {
         return Err(ShardError::Intermediate {
             tp,
             inter: cfg.intermediate_size,
@@ -137,13 +137,13 @@ fn check(cfg: &ModelConfig, tp: usize) -> Result<(), ShardError> {
 pub fn valid_sizes(cfg: &ModelConfig, max: usize) -> Vec<usize> {
     (1..=max)
         .filter(|&n| {
-            cfg.num_heads % n == 0
-                && (cfg.num_kv_heads % n == 0 || n % cfg.num_kv_heads == 0)
-                && cfg.intermediate_size % n == 0
+            cfg.num_heads.is_multiple_of(n)
+                && (cfg.num_kv_heads.is_multiple_of(n) || n % cfg.num_kv_heads == 0)
+                && cfg.intermediate_size.is_multiple_of(n)
                 && cfg.quantization.is_none_or(|q| {
                     let g = q.group_size as usize;
-                    (cfg.num_heads * cfg.head_dim / n) % g == 0
-                        && (cfg.intermediate_size / n) % g == 0
+                    (cfg.num_heads * cfg.head_dim / n).is_multiple_of(g)
+                        && (cfg.intermediate_size / n).is_multiple_of(g)
                 })
         })
         .collect()
@@ -159,7 +159,7 @@ pub fn plan(cfg: &ModelConfig, tp: usize, rank: usize) -> Result<ShardPlan, Shar
     check(cfg, tp)?;
     let per = |n: usize| n / tp;
     let qh = per(cfg.num_heads);
-    let kv_heads = if cfg.num_kv_heads % tp == 0 {
+    let kv_heads = if cfg.num_kv_heads.is_multiple_of(tp) {
         let k = per(cfg.num_kv_heads);
         rank * k..(rank + 1) * k
     } else {
