@@ -178,6 +178,18 @@ impl Worker {
                 tokens: &s.tokens,
             })
             .collect();
+        let pure_decode = !plan.return_logits
+            && plan.seqs.len() > 1
+            && plan.seqs.iter().all(|s| s.tokens.len() == 1 && s.sample);
+        if pure_decode {
+            // one graph, one `[B, vocab]` logits array straight into the sampler
+            let logits = self.model.forward_decode_rows(&mut self.cache, &inputs)?;
+            if !self.sampling {
+                logits.eval()?;
+                return Ok(StepResult::default());
+            }
+            return self.sample_rows(plan, &(0..plan.seqs.len()).collect::<Vec<_>>(), logits);
+        }
         let mode = if plan.return_logits {
             Logits::All
         } else {
@@ -222,9 +234,22 @@ impl Worker {
         } else {
             mlx::concatenate(&last.iter().collect::<Vec<_>>(), 0)?
         };
+        let mut out = self.sample_rows(plan, &rows, batch)?;
+        out.logits = result.logits;
+        Ok(out)
+    }
+
+    /// Sample one token for each sequence `rows[k]` of `plan` from row k of `batch` (`[n, vocab]`).
+    fn sample_rows(
+        &mut self,
+        plan: &StepPlan,
+        rows: &[usize],
+        batch: Array,
+    ) -> Result<StepResult, StepError> {
+        let mut result = StepResult::default();
         // take the samplers out so we can borrow them mutably together
         let mut taken: Vec<(u64, SequenceSampler)> = Vec::with_capacity(rows.len());
-        for &i in &rows {
+        for &i in rows {
             let id = plan.seqs[i].seq_id;
             match self.samplers.remove(&id) {
                 Some(s) => taken.push((id, s)),

@@ -324,6 +324,36 @@ impl Transformer {
         Ok(out.into_iter().map(|a| a.unwrap()).collect())
     }
 
+    /// A step of only single-token sequences (a decode step) as one `[n_seqs, vocab]` float32
+    /// array, row i for sequence i: no per-row slicing.
+    pub fn forward_decode_rows(
+        &self,
+        cache: &mut KvCache,
+        seqs: &[SeqInput<'_>],
+    ) -> std::result::Result<Array, ForwardError> {
+        let vocab = self.cfg.vocab_size;
+        let mut needed = 0;
+        for s in seqs {
+            cache.check_slot(s.slot)?;
+            if s.tokens.len() != 1 {
+                return Err(ForwardError::Empty);
+            }
+            if s.tokens[0] as usize >= vocab {
+                return Err(ForwardError::BadToken {
+                    id: s.tokens[0],
+                    vocab,
+                });
+            }
+            needed = needed.max(cache.len(s.slot) + 1);
+        }
+        cache.reserve(self.layers.len(), needed)?;
+        if seqs.len() == 1 {
+            return self.forward_one(cache, &seqs[0], Logits::Last);
+        }
+        let rows: Vec<usize> = (0..seqs.len()).collect();
+        self.forward_decode_batch(cache, seqs, &rows)
+    }
+
     fn forward_one(
         &self,
         cache: &mut KvCache,
