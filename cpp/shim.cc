@@ -266,6 +266,10 @@ ArrayPtr binary(const array& a, const array& b, BinaryOp op) {
     case BinaryOp::LessEqual: return wrap(mx::less_equal(a, b));
     case BinaryOp::LogicalAnd: return wrap(mx::logical_and(a, b));
     case BinaryOp::LogicalOr: return wrap(mx::logical_or(a, b));
+    case BinaryOp::BitwiseXor: return wrap(mx::bitwise_xor(a, b));
+    case BinaryOp::BitwiseAnd: return wrap(mx::bitwise_and(a, b));
+    case BinaryOp::LeftShift: return wrap(mx::left_shift(a, b));
+    case BinaryOp::RightShift: return wrap(mx::right_shift(a, b));
   }
   throw std::invalid_argument("unknown binary op");
 }

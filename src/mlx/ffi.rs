@@ -62,6 +62,10 @@ pub(crate) mod ffi {
         LessEqual,
         LogicalAnd,
         LogicalOr,
+        BitwiseXor,
+        BitwiseAnd,
+        LeftShift,
+        RightShift,
     }
 
     #[repr(u8)]

@@ -45,6 +45,7 @@ impl Array {
         minimum => Minimum, pow => Power, rem => Remainder, eq => Equal, ne => NotEqual,
         gt => Greater, ge => GreaterEqual, lt => Less, le => LessEqual,
         logical_and => LogicalAnd, logical_or => LogicalOr,
+        bitwise_xor => BitwiseXor, bitwise_and => BitwiseAnd, shl => LeftShift, shr => RightShift,
     }
     reduce_ops! {
         sum => Sum, mean => Mean, max => Max, min => Min, prod => Prod,
