@@ -349,7 +349,12 @@ impl Scheduler {
                 fail(req, FailKind::BadRequest, e, obs);
                 continue;
             }
-            let slot = self.free_slots.pop().expect("a free slot");
+            // the lowest free slot: running sequences stay packed at the start of the KV
+            // pool, so a decode step reads their caches as one view instead of a gather
+            let lowest = (0..self.free_slots.len())
+                .min_by_key(|&i| self.free_slots[i])
+                .expect("a free slot");
+            let slot = self.free_slots.swap_remove(lowest);
             let id = self.next_id;
             self.next_id += 1;
             obs.admitted(req.arrived.elapsed().as_secs_f64());
@@ -383,8 +388,11 @@ impl Scheduler {
         let mut summary = StepSummary::default();
         // which running sequences are in the plan, and whether each samples
         let mut in_plan: Vec<(u64, bool)> = Vec::new();
-        for s in &self.running {
-            if s.decoding() {
+        // decode rows in slot order (consecutive slots are read as one view)
+        let mut decoding: Vec<&Seq> = self.running.iter().filter(|s| s.decoding()).collect();
+        decoding.sort_by_key(|s| s.slot);
+        for s in decoding {
+            {
                 let last = *s.generated.last().expect("decoding has a token");
                 plan.seqs.push(SeqStep {
                     seq_id: s.id,
