@@ -85,6 +85,7 @@ fn check_fixture(name: &str) {
             .zip(&want)
             .map(|(a, b)| (a - b).abs())
             .fold(0.0f32, f32::max);
+        eprintln!("{name} prompt {i}: logits max-abs diff {max_diff:.2e}");
         assert!(
             max_diff <= 1e-4,
             "{name} prompt {i}: logits max-abs diff {max_diff}"
