@@ -205,8 +205,9 @@ fn batched_decode_equals_single() {
                 .remove(0),
         );
     }
-    // consecutive slots (read as a view of the pool) and scattered ones (read with a gather)
-    for slots in [[1usize, 2, 3], [3, 0, 2]] {
+    // one run of consecutive slots, three single-slot runs, and two runs: each run reads the
+    // KV pool as a view
+    for slots in [[1usize, 2, 3], [3, 0, 2], [0, 1, 3]] {
         let mut c = model.new_cache(4, 64);
         for (p, &s) in prompts.iter().zip(&slots) {
             model

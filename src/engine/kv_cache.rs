@@ -6,12 +6,20 @@ use crate::mlx::{self, Array, Dtype};
 
 /// Where a batched decode step writes and reads (see [`KvCache::batch_index`]).
 pub struct BatchIndex {
-    first_slot: usize,
     rows: usize,
-    contiguous: bool,
     slot_idx: Array,
     pos_idx: Array,
+    /// Maximal runs of batch rows with consecutive slots.
+    pub runs: Vec<Run>,
+}
+
+/// Batch rows `rows` hold consecutive slots from `first_slot`; `mask` (`[n, 1, 1, max_len]`)
+/// hides each row's positions past its own length.
+pub struct Run {
+    pub rows: std::ops::Range<usize>,
+    first_slot: usize,
     max_len: usize,
+    pub mask: Array,
 }
 
 pub struct KvCache {
@@ -169,62 +177,72 @@ impl KvCache {
         ))
     }
 
-    /// Index arrays for a batched decode step over `slots` at `positions`, built once per step
-    /// and shared by every layer.
+    /// Index arrays and attention masks for a batched decode step over `slots` at
+    /// `positions`, built once per step and shared by every layer. Rows whose slots are
+    /// consecutive form a run; each run reads the pool as one view (no copy of the cache).
     pub fn batch_index(&self, slots: &[usize], positions: &[usize]) -> mlx::Result<BatchIndex> {
         let to_arr = |v: &[usize]| {
             let v: Vec<i32> = v.iter().map(|&x| x as i32).collect();
             Array::from_slice(&v, &[v.len() as i32])
         };
-        let contiguous = slots.windows(2).all(|w| w[1] == w[0] + 1);
+        let mut runs = Vec::new();
+        let mut start = 0;
+        for i in 1..=slots.len() {
+            if i == slots.len() || slots[i] != slots[i - 1] + 1 {
+                let max_len = positions[start..i].iter().max().map_or(0, |&p| p + 1);
+                // row r attends to positions 0..=positions[r]
+                let lens: Vec<i32> = positions[start..i].iter().map(|&p| p as i32 + 1).collect();
+                let lens = Array::from_slice(&lens, &[lens.len() as i32, 1, 1, 1])?;
+                let mask = Array::arange(0.0, max_len as f64, 1.0, Dtype::I32)?
+                    .reshape(&[1, 1, 1, max_len as i32])?
+                    .lt(&lens)?;
+                runs.push(Run {
+                    rows: start..i,
+                    first_slot: slots[start],
+                    max_len,
+                    mask,
+                });
+                start = i;
+            }
+        }
         Ok(BatchIndex {
-            first_slot: slots[0],
             rows: slots.len(),
-            contiguous,
             slot_idx: to_arr(slots)?,
             pos_idx: to_arr(positions)?,
-            max_len: positions.iter().max().map_or(0, |&p| p + 1),
+            runs,
         })
     }
 
     /// Batched decode: write one token per sequence (`k`, `v`: `[B, kv_heads, 1, head_dim]`) at
-    /// its position in its slot with one scatter per pool; return keys/values
-    /// `[B, kv_heads, max_len, head_dim]` (callers mask each row past its own length). When the
-    /// slots are consecutive this is a view of the pool, otherwise a gather.
-    pub fn write_and_read_batch(
+    /// its position in its slot, with one scatter per pool.
+    pub fn write_batch(
         &mut self,
         layer: usize,
         idx: &BatchIndex,
         k: &Array,
         v: &Array,
-    ) -> mlx::Result<(Array, Array)> {
+    ) -> mlx::Result<()> {
         let (h, d) = (self.kv_heads as i32, self.head_dim as i32);
-        let b = idx.rows as i32;
-        let upd_shape = [b, 1, h, 1, d];
+        let upd_shape = [idx.rows as i32, 1, h, 1, d];
         let k = k.astype(self.dtype)?.reshape(&upd_shape)?;
         let v = v.astype(self.dtype)?.reshape(&upd_shape)?;
         let at = [&idx.slot_idx, &idx.pos_idx];
         self.k[layer] = self.k[layer].scatter(&at, &k, &[0, 2])?;
         self.v[layer] = self.v[layer].scatter(&at, &v, &[0, 2])?;
-        let max_len = idx.max_len as i32;
-        if idx.contiguous {
-            let s0 = idx.first_slot as i32;
-            let lo = [s0, 0, 0, 0];
-            let hi = [s0 + b, h, max_len, d];
-            let ones = [1, 1, 1, 1];
-            Ok((
-                self.k[layer].slice(&lo, &hi, &ones)?,
-                self.v[layer].slice(&lo, &hi, &ones)?,
-            ))
-        } else {
-            let kk = self.k[layer]
-                .take(&idx.slot_idx, 0)?
-                .slice_axis(2, 0, max_len)?;
-            let vv = self.v[layer]
-                .take(&idx.slot_idx, 0)?
-                .slice_axis(2, 0, max_len)?;
-            Ok((kk, vv))
-        }
+        Ok(())
+    }
+
+    /// Keys and values of one run's slots, `[rows, kv_heads, max_len, head_dim]`: a view of the pool.
+    pub fn read_run(&self, layer: usize, run: &Run) -> mlx::Result<(Array, Array)> {
+        let (h, d) = (self.kv_heads as i32, self.head_dim as i32);
+        let s0 = run.first_slot as i32;
+        let lo = [s0, 0, 0, 0];
+        let hi = [s0 + run.rows.len() as i32, h, run.max_len as i32, d];
+        let ones = [1, 1, 1, 1];
+        Ok((
+            self.k[layer].slice(&lo, &hi, &ones)?,
+            self.v[layer].slice(&lo, &hi, &ones)?,
+        ))
     }
 
     /// Bytes held by the pools.

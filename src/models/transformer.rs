@@ -422,21 +422,35 @@ impl Transformer {
         let ids = Array::from_slice(&ids, &[b, 1])?;
         let pos_i32: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
         let offset = Array::from_slice(&pos_i32, &[b])?;
-        let max_len = positions.iter().max().unwrap() + 1;
-        // attend to positions 0..=p of each row
-        let lens: Vec<i32> = positions.iter().map(|&p| p as i32 + 1).collect();
-        let lens = Array::from_slice(&lens, &[b, 1, 1, 1])?;
-        let mask = Array::arange(0.0, max_len as f64, 1.0, Dtype::I32)?
-            .reshape(&[1, 1, 1, max_len as i32])?
-            .lt(&lens)?;
         let index = cache.batch_index(&slots, &positions)?;
         let mut h = self.embed_tokens.forward(&ids)?;
         for (li, block) in self.layers.iter().enumerate() {
             let a = &block.self_attn;
             let x = block.input_layernorm.forward(&h)?;
             let (q, k, v) = a.qkv(&x, b, 1, &self.rope, &offset)?;
-            let (kk, vv) = cache.write_and_read_batch(li, &index, &k, &v)?;
-            let o = fast::sdpa(&q, &kk, &vv, a.scale, fast::Mask::Array(&mask))?;
+            cache.write_batch(li, &index, &k, &v)?;
+            // attention per run of consecutive slots, each reading the KV pool as a view
+            let mut outs = Vec::with_capacity(index.runs.len());
+            for run in &index.runs {
+                let (kk, vv) = cache.read_run(li, run)?;
+                let qr = if index.runs.len() == 1 {
+                    q.clone()
+                } else {
+                    q.slice_axis(0, run.rows.start as i32, run.rows.end as i32)?
+                };
+                outs.push(fast::sdpa(
+                    &qr,
+                    &kk,
+                    &vv,
+                    a.scale,
+                    fast::Mask::Array(&run.mask),
+                )?);
+            }
+            let o = if outs.len() == 1 {
+                outs.pop().unwrap()
+            } else {
+                mlx::concatenate(&outs.iter().collect::<Vec<_>>(), 0)?
+            };
             h = h.add(&a.out(&o, b, 1)?)?;
             h = h.add(
                 &block
