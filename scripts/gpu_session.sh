@@ -63,6 +63,11 @@ tpserver)
   kill -TERM $spid; wait $spid; echo "server exit: $?"
   sleep 1; step "processes left"; pgrep -fa "_rank" || echo "no rank process left"
   ;;
+parity)
+  # issue: multi-GPU validation, run 2 (needs >= 2 GPUs for NCCL; --tp-emulate otherwise)
+  step "tp-parity 8B bf16, 256 teacher-forced positions"
+  $B tp-parity -m "$CK/8b-bf16" --tp-size ${TP:-2} --steps 256 2>/dev/null | tee "$OUT/tp-parity.json"
+  ;;
 server)
   S=${MLXCEL_SERVER:-$(dirname $B)/mlxcel-server}
   $S -m "$CK/8b-bf16" --port 8123 --parallel 32 --ctx-size 2048 > "$OUT/server.log" 2>&1 &

@@ -360,3 +360,35 @@ fn bad_splits_are_refused_before_spawning() {
     let e = generate_err(&["-m", m, "--tp-size", "2", "--tp-emulate", "--devices", "0"]);
     assert!(e.contains("--devices"), "{e}");
 }
+
+#[test]
+fn tp_parity_command_reports_agreement_and_cosine() {
+    let _g = serial();
+    let m = fixture("qwen2");
+    let out = mlxcel()
+        .args([
+            "tp-parity",
+            "-m",
+            m.to_str().unwrap(),
+            "--tp-size",
+            "2",
+            "--tp-emulate",
+            "--steps",
+            "40",
+            "--chunk",
+            "8",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value =
+        serde_json::from_str(String::from_utf8_lossy(&out.stdout).lines().last().unwrap()).unwrap();
+    assert_eq!(v["positions"], 40);
+    assert_eq!(v["top1_agreement"], 1.0);
+    assert!(v["cosine_min"].as_f64().unwrap() > 0.99999, "{v}");
+    assert!(v["logits_max_abs_diff"].as_f64().unwrap() < 1e-4, "{v}");
+}

@@ -16,6 +16,7 @@ pub mod devices;
 pub mod generate;
 pub mod plan;
 pub mod probe;
+pub mod tp_parity;
 
 /// LLM inference over MLX, with tensor parallelism across the GPUs of one node.
 #[derive(Debug, Parser)]
@@ -44,6 +45,8 @@ pub enum Command {
     Devices(devices::DevicesArgs),
     /// Show each rank's memory (weights, KV cache, margin) against its device's free memory, without loading.
     Plan(plan::PlanArgs),
+    /// Compare a --tp-size N run with one process, teacher-forced: top-1 agreement and logits cosine.
+    TpParity(tp_parity::TpParityArgs),
     /// OpenAI-compatible HTTP server (the same as the `mlxcel-server` binary).
     Serve(crate::server::ServeArgs),
 
@@ -73,6 +76,7 @@ pub fn main() -> Result<()> {
         Command::Bench(args) => bench::run(&args),
         Command::Devices(args) => devices::run(&args),
         Command::Plan(args) => plan::run(&args),
+        Command::TpParity(args) => tp_parity::run(&args),
         Command::DevicesJson => devices::run(&devices::DevicesArgs {
             json: true,
             check: false,

@@ -1,0 +1,131 @@
+//! `mlxcel tp-parity`: teacher-forced comparison of a tensor-parallel run with a
+//! single-process run of the same model: the same random token sequence is fed to
+//! both (prefill in chunks, every position's logits returned), and the command reports
+//! top-1 agreement and the cosine similarity of the logits per position. One JSON line.
+//!
+//! The single-process side runs in this process on the default device (it needs the
+//! whole model's memory there); the TP side runs the usual rank processes.
+use anyhow::{bail, Result};
+use clap::Args;
+use rand::{Rng, SeedableRng};
+use serde_json::json;
+
+use super::generate::{load_weights, open_model, ModelArgs, TpArgs};
+use crate::engine::step::{Executor, LocalExecutor, SeqStart, SeqStep, StepPlan};
+use crate::parallel::driver::TpExecutor;
+
+#[derive(Debug, Args)]
+pub struct TpParityArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub tp: TpArgs,
+    /// Teacher-forced positions to compare.
+    #[arg(long, default_value_t = 256)]
+    pub steps: usize,
+    /// Positions per step (logits of a chunk travel back in one message).
+    #[arg(long, default_value_t = 16)]
+    pub chunk: usize,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}
+
+/// Every position's logits for `tokens`, `chunk` positions per step.
+fn all_logits(exec: &mut dyn Executor, tokens: &[u32], chunk: usize) -> Result<Vec<Vec<f32>>> {
+    let mut out = Vec::new();
+    for (k, part) in tokens.chunks(chunk.max(1)).enumerate() {
+        let step = SeqStep {
+            seq_id: 1,
+            slot: 0,
+            pos: k * chunk.max(1),
+            tokens: part.to_vec(),
+            start: (k == 0).then(|| SeqStart {
+                params: Default::default(),
+                prompt: vec![],
+            }),
+            sample: false,
+        };
+        let r = exec.execute(&StepPlan {
+            seqs: vec![step],
+            return_logits: true,
+            ..Default::default()
+        })?;
+        let flat = r.logits.into_iter().next().unwrap_or_default();
+        let v = flat.len() / part.len().max(1);
+        out.extend(flat.chunks(v).map(|c| c.to_vec()));
+    }
+    Ok(out)
+}
+
+fn argmax(v: &[f32]) -> usize {
+    (0..v.len()).fold(0, |b, i| if v[i] > v[b] { i } else { b })
+}
+
+fn cosine(a: &[f32], b: &[f32]) -> f64 {
+    let (mut ab, mut aa, mut bb) = (0f64, 0f64, 0f64);
+    for (x, y) in a.iter().zip(b) {
+        let (x, y) = (*x as f64, *y as f64);
+        ab += x * y;
+        aa += x * x;
+        bb += y * y;
+    }
+    ab / (aa.sqrt() * bb.sqrt()).max(1e-30)
+}
+
+pub fn run(args: &TpParityArgs) -> Result<()> {
+    if !args.tp.uses_ranks() {
+        bail!("tp-parity compares a --tp-size N run (N > 1, or --tp-backend) with one process: give --tp-size");
+    }
+    let m = open_model(&args.model)?;
+    if args.steps + 1 > m.ctx_size {
+        bail!(
+            "--steps {} does not fit in --ctx-size {}",
+            args.steps,
+            m.ctx_size
+        );
+    }
+    let vocab = m.cfg.vocab_size as u32;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(args.seed);
+    let tokens: Vec<u32> = (0..args.steps)
+        .map(|_| rng.random_range(0..vocab))
+        .collect();
+
+    let tp_logits = {
+        let opts = args.tp.options(args.model.load_format, m.ctx_size, 1);
+        let mut tp = TpExecutor::launch(&m.dir, opts)?;
+        let l = all_logits(&mut tp, &tokens, args.chunk)?;
+        tp.shutdown();
+        l
+    };
+    let one_logits = {
+        let model = load_weights(&args.model, &m)?;
+        let mut local = LocalExecutor::new(model, 1, m.ctx_size);
+        all_logits(&mut local, &tokens, args.chunk)?
+    };
+    let n = one_logits.len().min(tp_logits.len());
+    let agree = (0..n)
+        .filter(|&i| argmax(&one_logits[i]) == argmax(&tp_logits[i]))
+        .count();
+    let cos: Vec<f64> = (0..n)
+        .map(|i| cosine(&one_logits[i], &tp_logits[i]))
+        .collect();
+    let max_abs = (0..n)
+        .flat_map(|i| {
+            one_logits[i]
+                .iter()
+                .zip(&tp_logits[i])
+                .map(|(a, b)| (a - b).abs())
+        })
+        .fold(0f32, f32::max);
+    let out = json!({
+        "model": m.dir.root.display().to_string(),
+        "tp_size": args.tp.tp_size,
+        "positions": n,
+        "top1_agreement": agree as f64 / n.max(1) as f64,
+        "cosine_min": cos.iter().cloned().fold(f64::MAX, f64::min),
+        "cosine_mean": cos.iter().sum::<f64>() / n.max(1) as f64,
+        "logits_max_abs_diff": max_abs,
+    });
+    println!("{}", serde_json::to_string(&out)?);
+    Ok(())
+}
