@@ -30,7 +30,7 @@ checks)
   ;;
 bench8b)
   [ -f "$CK/8b-bf16/config.json" ] || { $B generate -n 1 >/dev/null 2>&1;
-    python3 scripts/make_random_checkpoint.py --shape llama3-8b --out "$CK/8b-bf16" --tokenizer-from "$MLXCEL_CACHE/demo-llama-v1"; }
+    python3 scripts/make_random_checkpoint.py --shape llama3-8b --out "$CK/8b-bf16" --tokenizer-from "$MLXCEL_CACHE/demo-llama-v2"; }
   step "mlxcel bench bf16"; $B bench -m "$CK/8b-bf16" | tee "$OUT/mlxcel-bf16.json"
   step "mlx-lm bench bf16"; python3 scripts/bench_mlx_lm.py "$CK/8b-bf16" | tee "$OUT/mlxlm-bf16.json"
   if [ "$ngpu" -ge 2 ]; then
@@ -43,7 +43,7 @@ bench8b)
   ;;
 ckpt)
   [ -f "$CK/8b-bf16/config.json" ] || { $B generate -n 1 >/dev/null 2>&1;
-    python3 scripts/make_random_checkpoint.py --shape llama3-8b --out "$CK/8b-bf16" --tokenizer-from "$MLXCEL_CACHE/demo-llama-v1"; }
+    python3 scripts/make_random_checkpoint.py --shape llama3-8b --out "$CK/8b-bf16" --tokenizer-from "$MLXCEL_CACHE/demo-llama-v2"; }
   [ -f "$CK/8b-q4/config.json" ] || python3 -m mlx_lm convert --hf-path "$CK/8b-bf16" --mlx-path "$CK/8b-q4" -q --q-group-size 64 --q-bits 4 2>&1 | tail -1
   ;;
 bench)

@@ -49,12 +49,12 @@ fn no_arguments_uses_the_demo_model_and_prints_stats() {
         last.starts_with("prompt: ") && last.contains("generated: 12 tokens"),
         "{stdout}"
     );
-    assert!(cache.join("demo-llama-v1/model.safetensors").is_file());
+    assert!(cache.join("demo-llama-v2/model.safetensors").is_file());
     // the demo model is written deterministically: a second fresh cache gives the same bytes
     let cache2 = tmp("demo2");
     assert!(mlxcel(&["generate", "-n", "1"], &cache2).status.success());
-    let a = std::fs::read(cache.join("demo-llama-v1/model.safetensors")).unwrap();
-    let b = std::fs::read(cache2.join("demo-llama-v1/model.safetensors")).unwrap();
+    let a = std::fs::read(cache.join("demo-llama-v2/model.safetensors")).unwrap();
+    let b = std::fs::read(cache2.join("demo-llama-v2/model.safetensors")).unwrap();
     assert!(a == b, "demo weights differ between two fresh writes");
 }
 

@@ -10,7 +10,7 @@ use rand::{Rng, SeedableRng};
 use serde_json::json;
 
 /// Bump when anything written here changes, so old caches are not reused.
-const DEMO_VERSION: &str = "demo-llama-v1";
+const DEMO_VERSION: &str = "demo-llama-v2";
 const SPECIALS: &[&str] = &[
     "<|begin_of_text|>",
     "<|end_of_text|>",
@@ -28,7 +28,7 @@ const CONTEXT: usize = 8192;
 
 const CHAT_TEMPLATE: &str = "{{ bos_token }}{% for message in messages %}<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n{{ message['content'] | trim }}<|eot_id|>{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}";
 
-/// Where the demo model lives: `$MLXCEL_CACHE` or `~/.cache/mlxcel`, then `demo-llama-v1/`.
+/// Where the demo model lives: `$MLXCEL_CACHE` or `~/.cache/mlxcel`, then `demo-llama-v2/`.
 pub fn demo_dir() -> PathBuf {
     let root = std::env::var_os("MLXCEL_CACHE")
         .map(PathBuf::from)
@@ -166,82 +166,99 @@ fn tokenizer_json() -> serde_json::Value {
 
 fn write_weights(path: &Path) -> std::io::Result<()> {
     let mut rng = rand::rngs::StdRng::seed_from_u64(0x6d6c7863656c);
-    let mut normal = |n: usize, std: f32| -> Vec<u8> {
-        let mut out = Vec::with_capacity(n * 4);
-        for _ in 0..n {
-            // Box-Muller
-            let u1: f32 = rng.random_range(f32::EPSILON..1.0);
-            let u2: f32 = rng.random();
-            let z = (-2.0 * u1.ln()).sqrt() * (2.0 * std::f32::consts::PI * u2).cos();
-            out.extend_from_slice(&(z * std).to_le_bytes());
-        }
-        out
+    let mut normal = |n: usize, std: f32| -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                // Box-Muller
+                let u1: f32 = rng.random_range(f32::EPSILON..1.0);
+                let u2: f32 = rng.random();
+                (-2.0 * u1.ln()).sqrt() * (2.0 * std::f32::consts::PI * u2).cos() * std
+            })
+            .collect()
     };
-    let ones = |n: usize| -> Vec<u8> { (0..n).flat_map(|_| 1.0f32.to_le_bytes()).collect() };
     let hd = HIDDEN / HEADS;
-    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
-    let mut add =
-        |name: String, shape: Vec<usize>, data: Vec<u8>| tensors.push((name, shape, data));
-    add(
+    let s = (HIDDEN as f32).powf(-0.5);
+    // Hidden dimension 0 is a constant "bias channel": every embedding holds 4.0 there and
+    // no layer writes to it (row 0 of o_proj and down_proj is zero), so after the final norm
+    // it is a positive constant, and lm_head's column 0 then favours printable ASCII. The
+    // text stays meaningless, but it is readable rather than a stream of invalid bytes.
+    let mut embed = normal(VOCAB * HIDDEN, 1.0);
+    for t in 0..VOCAB {
+        embed[t * HIDDEN] = 4.0;
+    }
+    let zero_row0 = |mut w: Vec<f32>| {
+        let cols = w.len() / HIDDEN;
+        w[..cols].iter_mut().for_each(|x| *x = 0.0);
+        w
+    };
+    let mut lm_head = normal(VOCAB * HIDDEN, 2.0 * s);
+    for t in 0..VOCAB {
+        let printable = t < 256 && ((0x20..0x7f).contains(&t) || t == b'\n' as usize);
+        lm_head[t * HIDDEN] = if printable { 1.5 } else { -3.0 };
+    }
+    let mut tensors: Vec<(String, Vec<usize>, Vec<f32>)> = Vec::new();
+    tensors.push((
         "model.embed_tokens.weight".into(),
         vec![VOCAB, HIDDEN],
-        normal(VOCAB * HIDDEN, 1.0),
-    );
-    let s = (HIDDEN as f32).powf(-0.5);
+        embed,
+    ));
     for i in 0..LAYERS {
         let p = format!("model.layers.{i}");
-        add(
+        tensors.push((
             format!("{p}.self_attn.q_proj.weight"),
             vec![HEADS * hd, HIDDEN],
             normal(HEADS * hd * HIDDEN, s),
-        );
-        add(
+        ));
+        tensors.push((
             format!("{p}.self_attn.k_proj.weight"),
             vec![KV_HEADS * hd, HIDDEN],
             normal(KV_HEADS * hd * HIDDEN, s),
-        );
-        add(
+        ));
+        tensors.push((
             format!("{p}.self_attn.v_proj.weight"),
             vec![KV_HEADS * hd, HIDDEN],
             normal(KV_HEADS * hd * HIDDEN, s),
-        );
-        add(
+        ));
+        tensors.push((
             format!("{p}.self_attn.o_proj.weight"),
             vec![HIDDEN, HEADS * hd],
-            normal(HIDDEN * HEADS * hd, s),
-        );
-        add(
+            zero_row0(normal(HIDDEN * HEADS * hd, s)),
+        ));
+        tensors.push((
             format!("{p}.mlp.gate_proj.weight"),
             vec![INTERMEDIATE, HIDDEN],
             normal(INTERMEDIATE * HIDDEN, s),
-        );
-        add(
+        ));
+        tensors.push((
             format!("{p}.mlp.up_proj.weight"),
             vec![INTERMEDIATE, HIDDEN],
             normal(INTERMEDIATE * HIDDEN, s),
-        );
-        add(
+        ));
+        tensors.push((
             format!("{p}.mlp.down_proj.weight"),
             vec![HIDDEN, INTERMEDIATE],
-            normal(HIDDEN * INTERMEDIATE, (INTERMEDIATE as f32).powf(-0.5)),
-        );
-        add(
+            zero_row0(normal(
+                HIDDEN * INTERMEDIATE,
+                (INTERMEDIATE as f32).powf(-0.5),
+            )),
+        ));
+        tensors.push((
             format!("{p}.input_layernorm.weight"),
             vec![HIDDEN],
-            ones(HIDDEN),
-        );
-        add(
+            vec![1.0; HIDDEN],
+        ));
+        tensors.push((
             format!("{p}.post_attention_layernorm.weight"),
             vec![HIDDEN],
-            ones(HIDDEN),
-        );
+            vec![1.0; HIDDEN],
+        ));
     }
-    add("model.norm.weight".into(), vec![HIDDEN], ones(HIDDEN));
-    add(
-        "lm_head.weight".into(),
-        vec![VOCAB, HIDDEN],
-        normal(VOCAB * HIDDEN, 2.0 * s),
-    );
+    tensors.push(("model.norm.weight".into(), vec![HIDDEN], vec![1.0; HIDDEN]));
+    tensors.push(("lm_head.weight".into(), vec![VOCAB, HIDDEN], lm_head));
+    let tensors: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
+        .into_iter()
+        .map(|(n, shape, v)| (n, shape, v.iter().flat_map(|x| x.to_le_bytes()).collect()))
+        .collect();
     let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
         .iter()
         .map(|(n, shape, data)| {
