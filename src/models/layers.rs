@@ -117,6 +117,78 @@ impl Linear {
         })
     }
 
+    /// One linear computing the given column-parallel (or full) linears side by side: their
+    /// weights (and scales/biases when quantized, and output biases) concatenated along the
+    /// output axis, so one matmul replaces several; callers split the output. All parts must
+    /// share the input, the kind (dense or the same quantization) and have no reduction.
+    pub fn merge(parts: Vec<Linear>) -> mlx::Result<Linear> {
+        let cat = |xs: Vec<&Array>| mlx::concatenate(&xs, 0);
+        if parts.iter().any(|p| p.reduce.is_some()) {
+            return Err(mlx::MlxError::Invalid(
+                "Linear::merge: row-parallel parts cannot be merged".into(),
+            ));
+        }
+        let bias = if parts.iter().all(|p| p.bias.is_some()) {
+            Some(cat(parts.iter().filter_map(|p| p.bias.as_ref()).collect())?)
+        } else if parts.iter().all(|p| p.bias.is_none()) {
+            None
+        } else {
+            return Err(mlx::MlxError::Invalid(
+                "Linear::merge: some parts have a bias and some do not".into(),
+            ));
+        };
+        let weight = match &parts[0].weight {
+            Weight::Dense(_) => {
+                let ws: mlx::Result<Vec<&Array>> = parts
+                    .iter()
+                    .map(|p| match &p.weight {
+                        Weight::Dense(w) => Ok(w),
+                        _ => Err(mlx::MlxError::Invalid(
+                            "Linear::merge: mixed dense and quantized parts".into(),
+                        )),
+                    })
+                    .collect();
+                Weight::Dense(cat(ws?)?)
+            }
+            Weight::Quantized { q, .. } => {
+                let q = *q;
+                let mut w = Vec::new();
+                let mut sc = Vec::new();
+                let mut bi = Vec::new();
+                for p in &parts {
+                    match &p.weight {
+                        Weight::Quantized {
+                            w: pw,
+                            scales,
+                            biases,
+                            q: pq,
+                        } if *pq == q => {
+                            w.push(pw);
+                            sc.push(scales);
+                            bi.push(biases);
+                        }
+                        _ => {
+                            return Err(mlx::MlxError::Invalid(
+                                "Linear::merge: parts quantized differently".into(),
+                            ))
+                        }
+                    }
+                }
+                Weight::Quantized {
+                    w: cat(w)?,
+                    scales: cat(sc)?,
+                    biases: cat(bi)?,
+                    q,
+                }
+            }
+        };
+        Ok(Linear {
+            weight,
+            bias,
+            reduce: None,
+        })
+    }
+
     pub fn forward(&self, x: &Array) -> mlx::Result<Array> {
         let y = match (&self.weight, &self.bias, &self.reduce) {
             (Weight::Dense(w), Some(b), None) => return x.addmm(&w.t()?, b),

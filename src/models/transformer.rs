@@ -15,9 +15,8 @@ use crate::parallel::shard::ShardPlan;
 use std::rc::Rc;
 
 struct Attention {
-    q_proj: Linear,
-    k_proj: Linear,
-    v_proj: Linear,
+    /// q, k and v projections merged (this rank's whole heads of each): one matmul.
+    qkv_proj: Linear,
     o_proj: Linear,
     q_norm: Option<RmsNorm>,
     k_norm: Option<RmsNorm>,
@@ -28,8 +27,8 @@ struct Attention {
 }
 
 struct Mlp {
-    gate_proj: Linear,
-    up_proj: Linear,
+    /// gate and up projections merged (this rank's columns of each): one matmul.
+    gate_up_proj: Linear,
     down_proj: Linear,
 }
 
@@ -133,33 +132,35 @@ impl Transformer {
             let (qh, kvh, inter) = (&plan.q_heads, &plan.kv_heads, plan.intermediate.clone());
             let attn = |name: &str| format!("{p}.self_attn.{name}");
             let self_attn = Attention {
-                q_proj: Linear::load(
-                    src,
-                    &attn("q_proj"),
-                    h,
-                    nh * hd,
-                    cfg.qkv_bias,
-                    q,
-                    col(heads(qh)),
-                )?,
-                k_proj: Linear::load(
-                    src,
-                    &attn("k_proj"),
-                    h,
-                    nkv * hd,
-                    cfg.qkv_bias,
-                    q,
-                    col(heads(kvh)),
-                )?,
-                v_proj: Linear::load(
-                    src,
-                    &attn("v_proj"),
-                    h,
-                    nkv * hd,
-                    cfg.qkv_bias,
-                    q,
-                    col(heads(kvh)),
-                )?,
+                qkv_proj: Linear::merge(vec![
+                    Linear::load(
+                        src,
+                        &attn("q_proj"),
+                        h,
+                        nh * hd,
+                        cfg.qkv_bias,
+                        q,
+                        col(heads(qh)),
+                    )?,
+                    Linear::load(
+                        src,
+                        &attn("k_proj"),
+                        h,
+                        nkv * hd,
+                        cfg.qkv_bias,
+                        q,
+                        col(heads(kvh)),
+                    )?,
+                    Linear::load(
+                        src,
+                        &attn("v_proj"),
+                        h,
+                        nkv * hd,
+                        cfg.qkv_bias,
+                        q,
+                        col(heads(kvh)),
+                    )?,
+                ])?,
                 o_proj: Linear::load(src, &attn("o_proj"), nh * hd, h, false, q, row(heads(qh)))?,
                 q_norm: qk_norm("q_norm")?,
                 k_norm: qk_norm("k_norm")?,
@@ -171,24 +172,26 @@ impl Transformer {
             let i_sz = cfg.intermediate_size;
             let mlp_name = |name: &str| format!("{p}.mlp.{name}");
             let mlp = Mlp {
-                gate_proj: Linear::load(
-                    src,
-                    &mlp_name("gate_proj"),
-                    h,
-                    i_sz,
-                    false,
-                    q,
-                    col(inter.clone()),
-                )?,
-                up_proj: Linear::load(
-                    src,
-                    &mlp_name("up_proj"),
-                    h,
-                    i_sz,
-                    false,
-                    q,
-                    col(inter.clone()),
-                )?,
+                gate_up_proj: Linear::merge(vec![
+                    Linear::load(
+                        src,
+                        &mlp_name("gate_proj"),
+                        h,
+                        i_sz,
+                        false,
+                        q,
+                        col(inter.clone()),
+                    )?,
+                    Linear::load(
+                        src,
+                        &mlp_name("up_proj"),
+                        h,
+                        i_sz,
+                        false,
+                        q,
+                        col(inter.clone()),
+                    )?,
+                ])?,
                 down_proj: Linear::load(
                     src,
                     &mlp_name("down_proj"),
@@ -492,9 +495,17 @@ impl Attention {
             };
             y.transpose(&[0, 2, 1, 3])
         };
-        let q = heads(self.q_proj.forward(x)?, self.n_heads, &self.q_norm)?;
-        let k = heads(self.k_proj.forward(x)?, self.n_kv_heads, &self.k_norm)?;
-        let v = heads(self.v_proj.forward(x)?, self.n_kv_heads, &None)?;
+        let q_dim = self.n_heads * self.head_dim;
+        let kv_dim = self.n_kv_heads * self.head_dim;
+        let mut parts =
+            mlx::split_sections(&self.qkv_proj.forward(x)?, &[q_dim, q_dim + kv_dim], -1)?
+                .into_iter();
+        let (Some(q), Some(k), Some(v)) = (parts.next(), parts.next(), parts.next()) else {
+            return Err(mlx::MlxError::Invalid("qkv split".into()));
+        };
+        let q = heads(q, self.n_heads, &self.q_norm)?;
+        let k = heads(k, self.n_kv_heads, &self.k_norm)?;
+        let v = heads(v, self.n_kv_heads, &None)?;
         Ok((rope.forward(&q, offset)?, rope.forward(&k, offset)?, v))
     }
 
@@ -509,8 +520,13 @@ impl Attention {
 
 impl Mlp {
     fn forward(&self, x: &Array) -> mlx::Result<Array> {
-        let h = fast::swiglu(&self.gate_proj.forward(x)?, &self.up_proj.forward(x)?)?;
-        self.down_proj.forward(&h)
+        let gu = self.gate_up_proj.forward(x)?;
+        let half = gu.dim(-1) / 2;
+        let mut parts = mlx::split_sections(&gu, &[half], -1)?.into_iter();
+        let (Some(g), Some(u)) = (parts.next(), parts.next()) else {
+            return Err(mlx::MlxError::Invalid("gate/up split".into()));
+        };
+        self.down_proj.forward(&fast::swiglu(&g, &u)?)
     }
 }
 
@@ -522,12 +538,9 @@ impl Block {
             &self.post_attention_layernorm.weight,
         ];
         for l in [
-            &a.q_proj,
-            &a.k_proj,
-            &a.v_proj,
+            &a.qkv_proj,
             &a.o_proj,
-            &self.mlp.gate_proj,
-            &self.mlp.up_proj,
+            &self.mlp.gate_up_proj,
             &self.mlp.down_proj,
         ] {
             v.extend(l.arrays());
