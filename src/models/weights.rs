@@ -486,46 +486,6 @@ impl WeightSource {
     }
 }
 
-/// The distinct files of a `model.safetensors.index.json`, checked to exist.
-pub fn index_files(index: &Path) -> Result<Vec<PathBuf>, LoadError> {
-    let text = std::fs::read_to_string(index).map_err(|source| LoadError::Io {
-        path: index.into(),
-        source,
-    })?;
-    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| LoadError::Corrupt {
-        path: index.into(),
-        msg: e.to_string(),
-    })?;
-    let map = v
-        .get("weight_map")
-        .and_then(|m| m.as_object())
-        .ok_or_else(|| LoadError::Corrupt {
-            path: index.into(),
-            msg: "no `weight_map` object".into(),
-        })?;
-    let dir = index.parent().unwrap_or(Path::new("."));
-    let mut files: Vec<String> = map
-        .values()
-        .filter_map(|f| f.as_str().map(String::from))
-        .collect();
-    files.sort();
-    files.dedup();
-    files
-        .into_iter()
-        .map(|f| {
-            let p = dir.join(&f);
-            if p.is_file() {
-                Ok(p)
-            } else {
-                Err(LoadError::IndexFile {
-                    path: index.into(),
-                    file: f,
-                })
-            }
-        })
-        .collect()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
