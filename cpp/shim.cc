@@ -4,6 +4,7 @@
 #include <cstring>
 #include <sstream>
 #include <stdexcept>
+#include <unordered_map>
 
 #include "mlxcel/src/mlx/ffi.rs.h"
 
@@ -390,6 +391,36 @@ ArrayPtr swiglu(const array& gate, const array& up) {
   // A plain function pointer gives MLX a stable identity for its compile cache.
   static auto fn = mx::compile(&swiglu_impl, /*shapeless=*/true);
   return wrap(fn({gate, up})[0]);
+}
+
+// ---- custom kernels ----
+ArrayPtr cuda_kernel(rust::Str name, rust::Slice<const rust::String> input_names, rust::Str output_name,
+                     rust::Str source, rust::Str header, const ArrayVec& inputs,
+                     rust::Slice<const int32_t> out_shape, Dtype out_dtype,
+                     rust::Slice<const rust::String> tnames, rust::Slice<const int32_t> tvals, Dtype tdtype,
+                     rust::Slice<const int32_t> grid, rust::Slice<const int32_t> threadgroup) {
+  if (tnames.size() != tvals.size() || grid.size() != 3 || threadgroup.size() != 3) {
+    throw std::invalid_argument("cuda_kernel: template names/values or grid/threadgroup sizes differ");
+  }
+  // Keyed by name and source: building the kernel function scans the source.
+  static std::unordered_map<std::string, mx::fast::CustomKernelFunction> kernels;
+  std::string key = std::string(name) + '\0' + std::string(source);
+  auto it = kernels.find(key);
+  if (it == kernels.end()) {
+    std::vector<std::string> in_names;
+    for (const auto& n : input_names) in_names.emplace_back(std::string(n));
+    auto fn = mx::fast::cuda_kernel(std::string(name), in_names, {std::string(output_name)},
+                                    std::string(source), std::string(header),
+                                    /*ensure_row_contiguous=*/true);
+    it = kernels.emplace(std::move(key), std::move(fn)).first;
+  }
+  std::vector<std::pair<std::string, mx::fast::TemplateArg>> targs;
+  targs.emplace_back("T", to_mx(tdtype));
+  for (size_t i = 0; i < tnames.size(); ++i) targs.emplace_back(std::string(tnames[i]), int(tvals[i]));
+  auto out = it->second(inputs.items, {to_shape(out_shape)}, {to_mx(out_dtype)},
+                        {grid[0], grid[1], grid[2]}, {threadgroup[0], threadgroup[1], threadgroup[2]},
+                        targs, std::nullopt, false, {});
+  return wrap(std::move(out.at(0)));
 }
 
 // ---- quantization ----

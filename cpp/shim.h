@@ -141,6 +141,17 @@ ArrayPtr sdpa_masked(const array& q, const array& k, const array& v, float scale
 // silu(gate) * up in one kernel (MLX `compile`, shapeless: no re-trace when shapes change)
 ArrayPtr swiglu(const array& gate, const array& up);
 
+// ---- custom kernels ----
+// One output of a run-time compiled CUDA kernel (`fast::cuda_kernel`): `source` is
+// the kernel body, `header` device code before it; template ints (`tnames[i] =
+// tvals[i]`) become constexpr ints in the body and `T` names `tdtype`. Built
+// kernels are cached by name (MLX caches the compiled module per template set).
+ArrayPtr cuda_kernel(rust::Str name, rust::Slice<const rust::String> input_names, rust::Str output_name,
+                     rust::Str source, rust::Str header, const ArrayVec& inputs,
+                     rust::Slice<const int32_t> out_shape, Dtype out_dtype,
+                     rust::Slice<const rust::String> tnames, rust::Slice<const int32_t> tvals, Dtype tdtype,
+                     rust::Slice<const int32_t> grid, rust::Slice<const int32_t> threadgroup);
+
 // ---- quantization ----
 ArrayPtr quantized_matmul(const array& x, const array& w, const array& scales, const array& biases,
                           bool transpose, int32_t group_size, int32_t bits);

@@ -143,3 +143,47 @@ pub fn quantize(w: &Array, group_size: i32, bits: i32) -> Result<(Array, Array, 
     let q = v.pop().unwrap();
     Ok((q, s, b))
 }
+
+/// A CUDA kernel compiled at run time by MLX (`fast::cuda_kernel`, nvrtc): `body` is
+/// the kernel body (inputs named `input_names`, one output), `header` device code
+/// before it. `template` ints become constexpr ints in the body and `T` names
+/// `tdtype`. `grid` counts threads, as in MLX. Only MLX's CUDA backend runs it.
+pub struct CudaKernel<'a> {
+    pub name: &'a str,
+    pub input_names: &'a [String],
+    pub output_name: &'a str,
+    pub header: &'a str,
+    pub body: &'a str,
+}
+
+impl CudaKernel<'_> {
+    #[allow(clippy::too_many_arguments)]
+    pub fn call(
+        &self,
+        inputs: &[&Array],
+        out_shape: &[i32],
+        out_dtype: super::Dtype,
+        template: &[(String, i32)],
+        tdtype: super::Dtype,
+        grid: [i32; 3],
+        threadgroup: [i32; 3],
+    ) -> Result<Array> {
+        let list = ArrayList::new(inputs.iter().copied());
+        let (names, vals): (Vec<String>, Vec<i32>) = template.iter().cloned().unzip();
+        Ok(Array::from_ptr(ffi::cuda_kernel(
+            self.name,
+            self.input_names,
+            self.output_name,
+            self.body,
+            self.header,
+            list.raw(),
+            out_shape,
+            out_dtype,
+            &names,
+            &vals,
+            tdtype,
+            &grid,
+            &threadgroup,
+        )?))
+    }
+}

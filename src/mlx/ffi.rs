@@ -267,6 +267,22 @@ pub(crate) mod ffi {
         ) -> Result<UniquePtr<Array>>;
 
         fn swiglu(gate: &Array, up: &Array) -> Result<UniquePtr<Array>>;
+        #[allow(clippy::too_many_arguments)]
+        fn cuda_kernel(
+            name: &str,
+            input_names: &[String],
+            output_name: &str,
+            source: &str,
+            header: &str,
+            inputs: &ArrayVec,
+            out_shape: &[i32],
+            out_dtype: Dtype,
+            tnames: &[String],
+            tvals: &[i32],
+            tdtype: Dtype,
+            grid: &[i32],
+            threadgroup: &[i32],
+        ) -> Result<UniquePtr<Array>>;
 
         fn quantized_matmul(
             x: &Array,

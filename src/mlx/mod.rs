@@ -15,6 +15,7 @@ pub mod distributed;
 pub mod fast;
 mod ffi;
 pub mod memory;
+pub mod qgemv;
 mod ops;
 pub mod random;
 

@@ -1,0 +1,176 @@
+// mlxcel: quantized GEMV for decode, y[M, N] = x[M, K] · dequant(w)[N, K]ᵀ, M ≤ 8.
+//
+// MLX's affine layout (what `mx.quantize` / mlx-lm checkpoints hold):
+//   w      uint32 [N, K·BITS/32]  value j of word i is bits [BITS·j, BITS·(j+1)) of it, k = i·32/BITS + j
+//   scales T      [N, K/G]
+//   biases T      [N, K/G]        w[n, k] = q · scale + bias
+// x and y are T (bfloat16). Compiled at run time by MLX (`fast::cuda_kernel`,
+// nvrtc); template constants: M, N, K, G, BITS, ROWS, WPB.
+//
+// This file is loaded as two parts split at the marker lines: the header (device
+// helpers) and the body of the `__global__` function MLX generates around it:
+//   (const T* x, const uint32_t* w, const T* scales, const T* biases, T* y)
+// mlxcel embeds it and `MLXCEL_QGEMV_SOURCE=path` replaces it at run time;
+// `scripts/check_qgemv.py` loads the same file from Python to check and time it.
+//
+// Work split: one block of WPB warps per ROWS output rows (grid N/ROWS blocks);
+// thread t reads 16-byte chunks t, t+32·WPB, … of each of its rows (coalesced,
+// and enough blocks and loads in flight to cover DRAM latency: one warp per row
+// reached only 12% of the SMs' warp slots on the 8B down projection). The
+// partial dot products are reduced with shuffles, then across warps in shared memory.
+//
+// Dequantisation without int→float conversions (slow on the SFU path): the
+// q bits are moved to the top of a float's mantissa under exponent 0, which makes
+// the float exactly 1 + q/2^BITS. So Σ_k (1 + q/2^BITS)·x = X + (Σ q·x)/2^BITS
+// with X = Σ x, and per group
+//   Σ w·x = scale·Σ q·x + bias·X = scale·2^BITS·(D − X) + bias·X.
+// One shift+mask and one FMA per weight; X is shared by the ROWS rows of a warp.
+// @@header
+template <int BITS, int J>
+__device__ __forceinline__ float mlxcel_qval(uint32_t u) {
+  constexpr int from = BITS * J;
+  constexpr int to = 23 - BITS;
+  uint32_t m = (from >= to) ? (u >> (from - to)) : (u << (to - from));
+  return __uint_as_float((m & (((1u << BITS) - 1u) << to)) | 0x3F800000u);
+}
+
+// 8 bfloat16 (one 16-byte load) to floats: a bf16 is the top half of an f32.
+__device__ __forceinline__ void mlxcel_bf16x8(const uint4 v, float* f) {
+  f[0] = __uint_as_float(v.x << 16);
+  f[1] = __uint_as_float(v.x & 0xFFFF0000u);
+  f[2] = __uint_as_float(v.y << 16);
+  f[3] = __uint_as_float(v.y & 0xFFFF0000u);
+  f[4] = __uint_as_float(v.z << 16);
+  f[5] = __uint_as_float(v.z & 0xFFFF0000u);
+  f[6] = __uint_as_float(v.w << 16);
+  f[7] = __uint_as_float(v.w & 0xFFFF0000u);
+}
+
+// D = Σ_j (1 + q_j/2^BITS)·x_j over the 32/BITS values of one word.
+template <int BITS>
+__device__ __forceinline__ float mlxcel_word_dot(uint32_t u, const float* xs) {
+  float a = 0.f, b = 0.f;
+  if constexpr (BITS == 4) {
+    a = fmaf(mlxcel_qval<4, 0>(u), xs[0], a);
+    b = fmaf(mlxcel_qval<4, 1>(u), xs[1], b);
+    a = fmaf(mlxcel_qval<4, 2>(u), xs[2], a);
+    b = fmaf(mlxcel_qval<4, 3>(u), xs[3], b);
+    a = fmaf(mlxcel_qval<4, 4>(u), xs[4], a);
+    b = fmaf(mlxcel_qval<4, 5>(u), xs[5], b);
+    a = fmaf(mlxcel_qval<4, 6>(u), xs[6], a);
+    b = fmaf(mlxcel_qval<4, 7>(u), xs[7], b);
+  } else {
+    a = fmaf(mlxcel_qval<8, 0>(u), xs[0], a);
+    b = fmaf(mlxcel_qval<8, 1>(u), xs[1], b);
+    a = fmaf(mlxcel_qval<8, 2>(u), xs[2], a);
+    b = fmaf(mlxcel_qval<8, 3>(u), xs[3], b);
+  }
+  return a + b;
+}
+// @@body
+  static_assert(BITS == 4 || BITS == 8, "qgemv: 4 or 8 bits");
+  constexpr int VPC = 128 / BITS;           // values per 16-byte chunk
+  constexpr int VPW = 32 / BITS;            // values per 32-bit word
+  constexpr int CPR = K / VPC;              // chunks per row
+  constexpr int TPB = 32 * WPB;             // threads per block (all on the same ROWS rows)
+  constexpr int ITERS = (CPR + TPB - 1) / TPB;  // chunks per thread
+  constexpr int GPR = K / G;                // groups per row
+  static_assert(K % VPC == 0 && G % VPC == 0, "qgemv: K and G must be multiples of 128/BITS");
+  constexpr float SCALE = float(1 << BITS);
+  __shared__ float red[WPB][ROWS * M];
+
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int row0 = blockIdx.x * ROWS;
+  const uint4* wv = reinterpret_cast<const uint4*>(w);
+  const uint4* xv = reinterpret_cast<const uint4*>(x);
+
+  float acc[ROWS][M];
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      acc[r][m] = 0.f;
+    }
+  }
+
+  // Issue every weight, scale and bias load of this thread before any math, so
+  // each thread has ITERS·ROWS 16-byte loads in flight (chunks past the row end,
+  // when CPR is not a multiple of TPB, read as zero weight and zero scale).
+  uint4 q[ITERS][ROWS];
+  float s[ITERS][ROWS];
+  float b[ITERS][ROWS];
+#pragma unroll
+  for (int it = 0; it < ITERS; ++it) {
+    const int c = it * TPB + tid;
+    const bool in = (CPR % TPB) == 0 || c < CPR;
+    const int g = (in ? c : 0) * VPC / G;
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      const size_t row = size_t(row0 + r);
+      q[it][r] = in ? wv[row * CPR + c] : make_uint4(0u, 0u, 0u, 0u);
+      s[it][r] = in ? static_cast<float>(scales[row * GPR + g]) * SCALE : 0.f;
+      b[it][r] = in ? static_cast<float>(biases[row * GPR + g]) : 0.f;
+    }
+  }
+
+#pragma unroll
+  for (int it = 0; it < ITERS; ++it) {
+    const int c = it * TPB + tid;
+    if ((CPR % TPB) != 0 && c >= CPR) {
+      break;
+    }
+    const int k0 = c * VPC;
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      float xs[VPC];
+#pragma unroll
+      for (int v = 0; v < VPC / 8; ++v) {
+        mlxcel_bf16x8(xv[(size_t(m) * K + k0) / 8 + v], xs + 8 * v);
+      }
+      float X0 = 0.f, X1 = 0.f;
+#pragma unroll
+      for (int j = 0; j < VPC; j += 2) {
+        X0 += xs[j];
+        X1 += xs[j + 1];
+      }
+      const float X = X0 + X1;
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) {
+        const uint4 qq = q[it][r];
+        const float D = mlxcel_word_dot<BITS>(qq.x, xs) +
+            mlxcel_word_dot<BITS>(qq.y, xs + VPW) +
+            mlxcel_word_dot<BITS>(qq.z, xs + 2 * VPW) +
+            mlxcel_word_dot<BITS>(qq.w, xs + 3 * VPW);
+        acc[r][m] = fmaf(s[it][r], D - X, fmaf(b[it][r], X, acc[r][m]));
+      }
+    }
+  }
+
+  // reduce: lanes of a warp by shuffles, then the warps of the block in shared memory
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      float v = acc[r][m];
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+        v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
+      }
+      if (lane == 0) {
+        red[warp][r * M + m] = v;
+      }
+    }
+  }
+  __syncthreads();
+  if (tid < ROWS * M) {
+    float v = 0.f;
+#pragma unroll
+    for (int i = 0; i < WPB; ++i) {
+      v += red[i][tid];
+    }
+    const int r = tid / M;
+    const int m = tid % M;
+    y[size_t(m) * N + row0 + r] = static_cast<T>(v);
+  }

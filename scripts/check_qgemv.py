@@ -1,0 +1,186 @@
+#!/usr/bin/env python3
+"""Check mlxcel's quantized GEMV kernel (kernels/qgemv.cu) against MLX.
+
+Runs on a CUDA box with the `mlx` Python package (MLX's CUDA backend):
+
+    python3 scripts/check_qgemv.py            # all 8B and 70B shapes, 4 and 8 bits
+    python3 scripts/check_qgemv.py --quick    # two shapes, for iterating on the kernel
+    python3 scripts/check_qgemv.py --time     # also wall-clock timing (see below)
+
+For every shape (N, K) a Llama-3.1 8B / 70B decode step multiplies by, for 4 and 8
+bits, group sizes 32/64/128 (64 only past the first shape of each model) and batch
+M = 1 and 4 (mlxcel uses the kernel up to M = 4), it quantizes a random bf16 weight
+with `mx.quantize` and compares the kernel with `mx.quantized_matmul` and with
+dequantize + matmul in float32 (the reference). Exit status 1 if any result is off.
+
+Kernel times: use scripts/prof_qgemv.py under Nsight Compute. `--time` measures
+wall-clock time of many independent calls from Python, which includes MLX's
+per-op host overhead (~10-20 µs, comparable to the kernels themselves), so it
+understates the kernel's bandwidth on all but the largest shapes.
+"""
+import argparse
+import math
+import pathlib
+import sys
+import time
+
+import mlx.core as mx
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SOURCE = ROOT / "kernels" / "qgemv.cu"
+
+SHAPES_8B = [(6144, 4096, "qkv"), (4096, 4096, "o"), (28672, 4096, "gate_up"),
+             (4096, 14336, "down"), (128256, 4096, "lm_head")]
+SHAPES_70B = [(10240, 8192, "qkv"), (8192, 8192, "o"), (57344, 8192, "gate_up"),
+              (8192, 28672, "down"), (128256, 8192, "lm_head")]
+
+
+def load_source(path):
+    text = path.read_text()
+    head, body = text.split("// @@header\n", 1)[1].split("// @@body\n", 1)
+    return head, body
+
+
+def make_kernel(path):
+    header, body = load_source(path)
+    return mx.fast.cuda_kernel(
+        name="mlxcel_qgemv",
+        input_names=["x", "w", "scales", "biases"],
+        output_names=["y"],
+        source=body,
+        header=header,
+    )
+
+
+def launch_config(m, n, bits):
+    """ROWS and WPB as mlxcel picks them (src/mlx/qgemv.rs `launch_config`)."""
+    def fit(r):
+        return r if n % r == 0 else (2 if n % 2 == 0 else 1)
+    if bits == 4 and m == 1:
+        return fit(4 if n >= 16384 else 2), 2
+    return fit(4), 4
+
+
+def qgemv(kernel, x, w, s, b, group, bits, rows=None, wpb=None):
+    m, k = x.shape
+    n = w.shape[0]
+    r0, w0 = launch_config(m, n, bits)
+    rows, wpb = rows or r0, wpb or w0
+    return kernel(
+        inputs=[x, w, s, b],
+        template=[("T", mx.bfloat16), ("M", m), ("N", n), ("K", k), ("G", group),
+                  ("BITS", bits), ("ROWS", rows), ("WPB", wpb)],
+        grid=(n // rows * 32 * wpb, 1, 1),
+        threadgroup=(32 * wpb, 1, 1),
+        output_shapes=[(m, n)],
+        output_dtypes=[mx.bfloat16],
+    )[0]
+
+
+def rel_err(a, ref):
+    a = a.astype(mx.float32)
+    return (mx.abs(a - ref).max() / mx.maximum(mx.abs(ref).max(), 1e-6)).item()
+
+
+def quantized(n, k, group, bits, seed):
+    mx.random.seed(seed)
+    w = (mx.random.normal((n, k)) * 0.02).astype(mx.bfloat16)
+    wq, s, b = mx.quantize(w, group_size=group, bits=bits)
+    mx.eval(wq, s, b)
+    return wq, s, b
+
+
+def check(kernel, n, k, group, bits, ms, seed=0):
+    wq, s, b = quantized(n, k, group, bits, seed)
+    wd = mx.dequantize(wq, s, b, group_size=group, bits=bits).astype(mx.float32)
+    rows = []
+    for m in ms:
+        x = mx.random.normal((m, k)).astype(mx.bfloat16)
+        ref = x.astype(mx.float32) @ wd.T
+        ours = qgemv(kernel, x, wq, s, b, group, bits)
+        qmm = mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=group, bits=bits)
+        mx.eval(ref, ours, qmm)
+        e_ours, e_qmm = rel_err(ours, ref), rel_err(qmm, ref)
+        ok = e_ours <= 1e-2 and e_ours <= 2 * e_qmm + 4e-3
+        rows.append((m, e_ours, e_qmm, ok))
+    return rows
+
+
+def bench(fn, reps=5):
+    best = math.inf
+    for _ in range(reps):
+        mx.synchronize()
+        t = time.perf_counter()
+        mx.eval(fn())
+        mx.synchronize()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def timing(kernel, n, k, group, bits, m, rows=None, wpb=None, budget=512e6):
+    wq, s, b = quantized(n, k, group, bits, 1)
+    nbytes = wq.nbytes + s.nbytes + b.nbytes
+    copies = max(2, math.ceil(budget / nbytes))
+    ws = [(wq + i, s, b) for i in range(copies)]  # distinct weight buffers (uint32 + i)
+    mx.eval(ws)
+    x = mx.random.normal((m, k)).astype(mx.bfloat16)
+    ours = bench(lambda: [qgemv(kernel, x, w, s_, b_, group, bits, rows, wpb) for w, s_, b_ in ws])
+    qmm = bench(lambda: [mx.quantized_matmul(x, w, s_, b_, transpose=True, group_size=group,
+                                             bits=bits) for w, s_, b_ in ws])
+    return nbytes * copies / ours / 1e12, nbytes * copies / qmm / 1e12, ours / copies * 1e6
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--source", type=pathlib.Path, default=SOURCE)
+    ap.add_argument("--quick", action="store_true", help="two 8B shapes, 4-bit g64 only")
+    ap.add_argument("--time", action="store_true", help="also wall-clock timing (host-bound)")
+    ap.add_argument("--sweep", action="store_true",
+                    help="only time launch shapes (ROWS × WPB) on the 8B shapes, to pick defaults")
+    args = ap.parse_args()
+    if not mx.cuda.is_available():
+        sys.exit("check_qgemv: needs MLX's CUDA backend")
+    kernel = make_kernel(args.source)
+    shapes = [(6144, 4096, "8B qkv"), (4096, 14336, "8B down")] if args.quick else \
+        [(n, k, "8B " + t) for n, k, t in SHAPES_8B] + [(n, k, "70B " + t) for n, k, t in SHAPES_70B]
+    configs = [(4, 64)] if args.quick else [(4, 64), (8, 64), (4, 32), (4, 128), (8, 32), (8, 128)]
+    bad = 0
+    if args.sweep:
+        shapes = [(n, k, "8B " + t) for n, k, t in SHAPES_8B]
+    print("## correctness: max |y - ref| / max |ref|, ref = x·dequantize(w)ᵀ in float32")
+    print("| shape (N×K) | bits | group | M | qgemv | quantized_matmul | ok |")
+    print("|---|---|---|---|---|---|---|")
+    for n, k, name in ([] if args.sweep else shapes):
+        for bits, group in configs:
+            # all group sizes on the first shape of each model, group 64 on the rest
+            if group != 64 and not name.endswith("qkv"):
+                continue
+            for m, e1, e2, ok in check(kernel, n, k, group, bits, (1, 4)):
+                bad += not ok
+                print(f"| {name} {n}×{k} | {bits} | {group} | {m} | {e1:.2e} | {e2:.2e} | "
+                      f"{'yes' if ok else 'NO'} |")
+    if args.time:
+        print()
+        print("## wall-clock bandwidth incl. MLX per-op overhead (TB/s; weights+scales+biases once per call)")
+        print("| shape (N×K) | bits | M | qgemv TB/s | µs/call | quantized_matmul TB/s | speed-up |")
+        print("|---|---|---|---|---|---|---|")
+    for n, k, name in (shapes if args.time and not args.sweep else []):
+        for bits in ((4,) if args.quick else (4, 8)):
+            for m in (1, 4):
+                ours, qmm, us = timing(kernel, n, k, 64, bits, m)
+                print(f"| {name} {n}×{k} | {bits} | {m} | {ours:.2f} | {us:.1f} | {qmm:.2f} | "
+                      f"{ours / qmm:.1f}× |")
+    if args.sweep:
+        print()
+        print("## sweep (4-bit g64): rows per block (ROWS) × warps per block (WPB) → TB/s")
+        for n, k, name in shapes[:4]:
+            for m in (1, 8):
+                for rows in (1, 2, 4):
+                    line = [f"WPB={wpb} {timing(kernel, n, k, 64, 4, m, rows, wpb)[0]:.2f}"
+                            for wpb in (1, 2, 4, 8)]
+                    print(f"{name} M={m} ROWS={rows}: " + ", ".join(line), flush=True)
+    sys.exit(1 if bad else 0)
+
+
+if __name__ == "__main__":
+    main()

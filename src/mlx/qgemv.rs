@@ -1,0 +1,217 @@
+//! mlxcel's quantized GEMV (`kernels/qgemv.cu`): `x · dequantize(w)ᵀ` for decode
+//! (batch ≤ [`MAX_M`]) on MLX's CUDA backend, where it is 1.7–2.5× faster than
+//! MLX's own `quantized_matmul` (see docs/benchmarks.md). Elsewhere, and for
+//! shapes it does not cover, callers keep `quantized_matmul`.
+//!
+//! The kernel source is embedded; `MLXCEL_QGEMV_SOURCE=path` loads another file
+//! at run time (to iterate on the kernel without rebuilding), `MLXCEL_QGEMV=0`
+//! turns the kernel off. `scripts/check_qgemv.py` checks and times the same file
+//! from Python.
+use std::sync::OnceLock;
+
+use super::fast::CudaKernel;
+use super::{Array, Backend, Dtype, MlxError, Result};
+
+/// Largest batch (rows of x) the kernel is used for: at M ≤ 4 it beats MLX's
+/// kernel on every 8B shape measured; at M = 8 it is slower per byte (its FMAs
+/// per weight grow with M).
+pub const MAX_M: usize = 4;
+
+const EMBEDDED: &str = include_str!("../../kernels/qgemv.cu");
+const HEADER_MARK: &str = "// @@header\n";
+const BODY_MARK: &str = "// @@body\n";
+
+/// The kernel file split into the device-code header and the kernel body.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Source {
+    pub header: String,
+    pub body: String,
+}
+
+/// Split a kernel file at its `// @@header` and `// @@body` marker lines.
+pub fn split_source(text: &str) -> std::result::Result<Source, String> {
+    let (_, rest) = text
+        .split_once(HEADER_MARK)
+        .ok_or("no `// @@header` marker line")?;
+    let (header, body) = rest
+        .split_once(BODY_MARK)
+        .ok_or("no `// @@body` marker line after `// @@header`")?;
+    if body.trim().is_empty() {
+        return Err("the kernel body after `// @@body` is empty".into());
+    }
+    Ok(Source {
+        header: header.to_string(),
+        body: body.to_string(),
+    })
+}
+
+fn load_source() -> std::result::Result<Source, String> {
+    match std::env::var_os("MLXCEL_QGEMV_SOURCE") {
+        Some(path) => {
+            let text = std::fs::read_to_string(&path).map_err(|e| {
+                format!(
+                    "MLXCEL_QGEMV_SOURCE={}: cannot read it: {e}",
+                    path.to_string_lossy()
+                )
+            })?;
+            split_source(&text)
+                .map_err(|e| format!("MLXCEL_QGEMV_SOURCE={}: {e}", path.to_string_lossy()))
+        }
+        None => split_source(EMBEDDED).map_err(|e| format!("embedded kernels/qgemv.cu: {e}")),
+    }
+}
+
+fn source() -> Result<&'static Source> {
+    static SOURCE: OnceLock<std::result::Result<Source, String>> = OnceLock::new();
+    SOURCE
+        .get_or_init(load_source)
+        .as_ref()
+        .map_err(|e| MlxError::Invalid(e.clone()))
+}
+
+/// Whether the kernel is used at all: MLX's CUDA backend and not `MLXCEL_QGEMV=0`.
+pub fn enabled() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| {
+        super::backend() == Backend::Cuda
+            && std::env::var("MLXCEL_QGEMV").map_or(true, |v| v != "0")
+    })
+}
+
+/// Whether the kernel covers `x [m, k] · w [n, k]ᵀ` with these bits, group and dtypes.
+pub fn supports(m: usize, n: usize, k: usize, group: usize, bits: usize, dtypes: [Dtype; 2]) -> bool {
+    let vpc = match bits {
+        4 => 32,
+        8 => 16,
+        _ => return false,
+    };
+    (1..=MAX_M).contains(&m)
+        && n > 0
+        && k > 0
+        && k % vpc == 0
+        && k % 8 == 0
+        && group % vpc == 0
+        && k % group == 0
+        && dtypes == [Dtype::BF16, Dtype::BF16]
+}
+
+/// Rows per block and warps per block, from Nsight Compute timings on H200
+/// (docs/benchmarks.md): 4-bit M = 1 is fastest with 2 rows (4 for the wide
+/// gate/up and lm_head) and 2 warps; 8-bit and M > 1 with 4 rows and 4 warps.
+pub fn launch_config(m: usize, n: usize, bits: usize) -> (usize, usize) {
+    let fit = |r: usize| if n % r == 0 { r } else if n % 2 == 0 { 2 } else { 1 };
+    if bits == 4 && m == 1 {
+        (fit(if n >= 16384 { 4 } else { 2 }), 2)
+    } else {
+        (fit(4), 4)
+    }
+}
+
+/// `x [m, k] · dequantize(w, scales, biases)ᵀ` → `[m, n]` with the kernel; the
+/// caller checks [`enabled`] and [`supports`].
+pub fn qgemv(
+    x: &Array,
+    w: &Array,
+    scales: &Array,
+    biases: &Array,
+    group: usize,
+    bits: usize,
+) -> Result<Array> {
+    let (m, k) = (x.dim(0) as usize, x.dim(1) as usize);
+    let n = w.dim(0) as usize;
+    let src = source()?;
+    let (rows, wpb) = launch_config(m, n, bits);
+    let names = ["x", "w", "scales", "biases"].map(String::from);
+    let kernel = CudaKernel {
+        name: "mlxcel_qgemv",
+        input_names: &names,
+        output_name: "y",
+        header: &src.header,
+        body: &src.body,
+    };
+    let t = |name: &str, v: usize| (name.to_string(), v as i32);
+    kernel.call(
+        &[x, w, scales, biases],
+        &[m as i32, n as i32],
+        x.dtype(),
+        &[
+            t("M", m),
+            t("N", n),
+            t("K", k),
+            t("G", group),
+            t("BITS", bits),
+            t("ROWS", rows),
+            t("WPB", wpb),
+        ],
+        x.dtype(),
+        [(n / rows * 32 * wpb) as i32, 1, 1],
+        [(32 * wpb) as i32, 1, 1],
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn embedded_source_splits_into_header_and_body() {
+        let s = split_source(EMBEDDED).unwrap();
+        assert!(s.header.contains("mlxcel_qval"));
+        assert!(s.body.contains("WPB") && s.body.contains("y[size_t(m) * N"));
+        assert!(!s.body.contains("@@"));
+    }
+
+    #[test]
+    fn bad_sources_are_refused_with_the_reason() {
+        assert!(split_source("no markers").unwrap_err().contains("@@header"));
+        let e = split_source("// @@header\nint x;\n").unwrap_err();
+        assert!(e.contains("@@body"), "{e}");
+        let e = split_source("// @@header\n// @@body\n  \n").unwrap_err();
+        assert!(e.contains("empty"), "{e}");
+    }
+
+    #[test]
+    fn shapes_and_dtypes_the_kernel_covers() {
+        let bf = [Dtype::BF16, Dtype::BF16];
+        assert!(supports(1, 6144, 4096, 64, 4, bf));
+        assert!(supports(4, 4096, 14336, 32, 8, bf));
+        assert!(supports(1, 4096, 3584, 128, 4, bf)); // Qwen2-7B hidden size
+        assert!(!supports(5, 4096, 4096, 64, 4, bf)); // batch above MAX_M
+        assert!(!supports(0, 4096, 4096, 64, 4, bf));
+        assert!(!supports(1, 4096, 4096, 64, 3, bf)); // 3-bit: MLX's kernel
+        assert!(!supports(1, 4096, 4096, 16, 4, bf)); // group < 32 values per load
+        assert!(supports(1, 4096, 4080, 16, 8, bf)); // 8-bit: 16 values per load
+        assert!(!supports(1, 4096, 4104, 8, 8, bf)); // K not a multiple of 16
+        assert!(!supports(1, 4096, 4096, 64, 4, [Dtype::F16, Dtype::F16]));
+        assert!(!supports(1, 4096, 4096, 64, 4, [Dtype::BF16, Dtype::F32]));
+    }
+
+    #[test]
+    fn launch_config_divides_the_rows() {
+        for &(m, n, bits) in &[
+            (1, 6144, 4),
+            (1, 28672, 4),
+            (1, 128256, 4),
+            (1, 4096, 8),
+            (3, 4098, 4),
+            (1, 151_936, 4),
+            (2, 4097, 8),
+            (1, 16386, 4),
+        ] {
+            let (rows, wpb) = launch_config(m, n, bits);
+            assert_eq!(n % rows, 0, "m={m} n={n} bits={bits} rows={rows}");
+            assert!([1, 2, 4].contains(&rows) && [2, 4].contains(&wpb));
+        }
+        assert_eq!(launch_config(1, 6144, 4), (2, 2));
+        assert_eq!(launch_config(1, 28672, 4), (4, 2));
+        assert_eq!(launch_config(1, 4096, 8), (4, 4));
+        assert_eq!(launch_config(2, 4097, 4), (1, 4));
+    }
+
+    #[test]
+    fn not_used_off_cuda() {
+        if super::super::backend() != Backend::Cuda {
+            assert!(!enabled());
+        }
+    }
+}
