@@ -297,6 +297,7 @@ ArrayPtr softmax(const array& a, int32_t axis, bool precise) { return wrap(mx::s
 ArrayPtr cumsum(const array& a, int32_t axis, bool reverse, bool inclusive) {
   return wrap(mx::cumsum(a, axis, reverse, inclusive));
 }
+ArrayPtr depends_on(const array& a, const array& dep) { return wrap(mx::depends({a}, {dep}).at(0)); }
 ArrayPtr argmax(const array& a, int32_t axis, bool keepdims) { return wrap(mx::argmax(a, axis, keepdims)); }
 ArrayPtr topk(const array& a, int32_t k, int32_t axis) { return wrap(mx::topk(a, k, axis)); }
 ArrayPtr sort(const array& a, int32_t axis) { return wrap(mx::sort(a, axis)); }

@@ -91,6 +91,8 @@ ArrayPtr reduce(const array& a, ReduceOp op, rust::Slice<const int32_t> axes, bo
 ArrayPtr astype(const array& a, Dtype dtype);
 ArrayPtr view_as(const array& a, Dtype dtype);
 ArrayPtr where_(const array& cond, const array& x, const array& y);
+// `a`, ordered after `dep` is computed (MLX `depends`): bounds what a lazy graph keeps alive.
+ArrayPtr depends_on(const array& a, const array& dep);
 ArrayPtr softmax(const array& a, int32_t axis, bool precise);
 ArrayPtr cumsum(const array& a, int32_t axis, bool reverse, bool inclusive);
 ArrayPtr argmax(const array& a, int32_t axis, bool keepdims);

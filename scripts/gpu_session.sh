@@ -3,6 +3,7 @@
 # the checks and benchmarks whose output goes into docs/benchmarks.md and issue notes.
 #   bash scripts/gpu_session.sh checks   # devices, fixtures vs references, TP parity (ring/NCCL)
 #   bash scripts/gpu_session.sh bench8b  # 8B-shape bf16 + 4-bit: mlxcel vs mlx-lm, TP=2 if 2 GPUs
+#   bash scripts/gpu_session.sh side     # fixtures on GPU, mlxcel vs mlx-lm side by side (4-bit, bf16), qgemv off, pipelined generate
 # MLXCEL=path/to/mlxcel (default .gpu/bin/mlxcel); OUT=results folder (default ./gpu-out).
 set -uo pipefail
 B=${MLXCEL:-.gpu/bin/mlxcel}
@@ -45,6 +46,17 @@ ckpt)
   [ -f "$CK/8b-bf16/config.json" ] || { $B generate -n 1 >/dev/null 2>&1;
     python3 scripts/make_random_checkpoint.py --shape llama3-8b --out "$CK/8b-bf16" --tokenizer-from "$MLXCEL_CACHE/demo-llama-v2"; }
   [ -f "$CK/8b-q4/config.json" ] || python3 -m mlx_lm convert --hf-path "$CK/8b-bf16" --mlx-path "$CK/8b-q4" -q --q-group-size 64 --q-bits 4 2>&1 | tail -1
+  ;;
+side)
+  [ -f "$CK/8b-bf16/config.json" ] || { $B generate -n 1 >/dev/null 2>&1;
+    python3 scripts/make_random_checkpoint.py --shape llama3-8b --out "$CK/8b-bf16" --tokenizer-from "$MLXCEL_CACHE/demo-llama-v2"; }
+  [ -f "$CK/8b-q4/config.json" ] || python3 -m mlx_lm convert --hf-path "$CK/8b-bf16" --mlx-path "$CK/8b-q4" -q --q-group-size 64 --q-bits 4 2>&1 | tail -1
+  step "fixtures, one GPU"; python3 scripts/check_fixtures.py $B -n 12 2>&1 | tail -8
+  step "mlxcel vs mlx-lm, same weights"; python3 scripts/bench_side_by_side.py --mlxcel $B "$CK/8b-q4" "$CK/8b-bf16" 2>/dev/null | tee "$OUT/side.txt"
+  step "mlxcel 4-bit without its GEMV kernel"; python3 scripts/bench_side_by_side.py --mlxcel $B --skip-mlx-lm --env MLXCEL_QGEMV=0 "$CK/8b-q4" 2>/dev/null | tee -a "$OUT/side.txt"
+  step "mlxcel generate: pipelined decode vs --no-pipeline"
+  for m in 8b-q4 8b-bf16; do for f in "" --no-pipeline; do
+    echo "$m $f: $($B generate -m "$CK/$m" -n 256 --ignore-eos -p hello $f 2>&1 | grep -o 'generated: .*tok/s')"; done; done
   ;;
 bench)
   for m in 8b-bf16 8b-q4; do

@@ -244,3 +244,166 @@ fn all_fixture_names_exist() {
         assert!(fixture(f).join("config.json").is_file(), "{f}");
     }
 }
+
+/// Pipelined decode (step t+1 queued on the device, fed with token t still on the
+/// device, before token t is read) gives the same tokens, logprobs and finish as
+/// reading every token first: greedy, seeded sampling with logprobs, a stop
+/// string, a max_tokens boundary; and a sampler with penalties (not pipelined).
+#[test]
+fn pipelined_generate_equals_step_by_step() {
+    use mlxcel::engine::generate::{generate, GenerateOptions};
+    use mlxcel::engine::sampler::SamplingParams;
+    use mlxcel::engine::step::{Executor, LocalExecutor, SeqStart, SeqStep, StepPlan};
+
+    for name in ["llama3", "qwen3", "llama_q4"] {
+        let dir = fixture(name);
+        let md = ModelDir::open(&dir).unwrap();
+        let config: Value = md.read_config().unwrap();
+        let tok = Tokenizer::from_dir(&dir, &config).unwrap();
+        let model = models::load(&md, LoadFormat::Safetensors, |_, _| {})
+            .unwrap()
+            .model;
+        let mut exec = LocalExecutor::new(model, 2, 256);
+        let prompt = tok.encode("The quick brown fox", true).unwrap();
+        let sampled = SamplingParams {
+            temperature: 0.9,
+            top_p: 0.95,
+            seed: Some(7),
+            logprobs: true,
+            top_logprobs: 3,
+            ..SamplingParams::default()
+        };
+        let penalised = SamplingParams {
+            temperature: 0.7,
+            seed: Some(3),
+            repetition_penalty: 1.3,
+            ..SamplingParams::default()
+        };
+        let cases = [
+            (SamplingParams::default(), 24, vec![]),
+            (sampled.clone(), 20, vec![]),
+            (sampled, 1, vec![]),
+            (SamplingParams::default(), 2, vec![]),
+            (penalised, 12, vec![]),
+        ];
+        let mut seq = 0;
+        for (params, max_tokens, stop) in cases {
+            let mut runs = Vec::new();
+            for pipeline in [false, true] {
+                seq += 1;
+                let opts = GenerateOptions {
+                    max_tokens,
+                    stop: stop.clone(),
+                    ignore_eos: true,
+                    pipeline,
+                    ..GenerateOptions::default()
+                };
+                let mut pieces = String::new();
+                let g = generate(
+                    &mut exec,
+                    &tok,
+                    seq,
+                    (seq % 2) as usize,
+                    &prompt,
+                    params.clone(),
+                    &opts,
+                    |p| pieces.push_str(p),
+                )
+                .unwrap();
+                assert_eq!(g.text, pieces);
+                runs.push(g);
+            }
+            let (a, b) = (&runs[0], &runs[1]);
+            assert_eq!(a.generated_token_ids.len(), max_tokens, "{name}");
+            assert_eq!(
+                a.generated_token_ids, b.generated_token_ids,
+                "{name} {params:?}"
+            );
+            assert_eq!(a.text, b.text, "{name}");
+            assert_eq!(a.finish_reason, b.finish_reason, "{name}");
+        }
+        // a stop string that occurs in the greedy text ends both runs at the same place
+        let free = generate(
+            &mut exec,
+            &tok,
+            100,
+            0,
+            &prompt,
+            SamplingParams::default(),
+            &GenerateOptions {
+                max_tokens: 16,
+                ignore_eos: true,
+                ..GenerateOptions::default()
+            },
+            |_| {},
+        )
+        .unwrap();
+        let text = free.text.clone();
+        if text.chars().count() >= 6 {
+            let stop: String = text.chars().skip(3).take(3).collect();
+            let mut outs = Vec::new();
+            for (i, pipeline) in [false, true].into_iter().enumerate() {
+                let opts = GenerateOptions {
+                    max_tokens: 16,
+                    ignore_eos: true,
+                    stop: vec![stop.clone()],
+                    pipeline,
+                    ..GenerateOptions::default()
+                };
+                outs.push(
+                    generate(
+                        &mut exec,
+                        &tok,
+                        200 + i as u64,
+                        1,
+                        &prompt,
+                        SamplingParams::default(),
+                        &opts,
+                        |_| {},
+                    )
+                    .unwrap(),
+                );
+            }
+            assert_eq!(outs[0].text, outs[1].text, "{name} stop {stop:?}");
+            assert_eq!(
+                outs[0].generated_token_ids, outs[1].generated_token_ids,
+                "{name}"
+            );
+            assert!(!outs[0].text.contains(&stop));
+        }
+        // the local executor pipelines plain and seeded samplers, not penalised ones
+        for (id, params, want) in [
+            (300, SamplingParams::default(), true),
+            (
+                301,
+                SamplingParams {
+                    presence_penalty: 0.5,
+                    ..SamplingParams::default()
+                },
+                false,
+            ),
+        ] {
+            exec.execute(&StepPlan {
+                seqs: vec![SeqStep {
+                    seq_id: id,
+                    slot: 0,
+                    pos: 0,
+                    tokens: prompt.clone(),
+                    start: Some(SeqStart {
+                        params,
+                        prompt: prompt.clone(),
+                    }),
+                    sample: true,
+                }],
+                ..Default::default()
+            })
+            .unwrap();
+            assert_eq!(exec.can_pipeline(id), want, "{name} seq {id}");
+            exec.execute(&StepPlan {
+                release: vec![id],
+                ..Default::default()
+            })
+            .unwrap();
+        }
+    }
+}

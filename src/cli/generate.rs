@@ -67,6 +67,10 @@ pub struct GenerateArgs {
     /// Keep generating after an EOS token.
     #[arg(long)]
     pub ignore_eos: bool,
+    /// Read each token before queuing the next decode step (by default step t+1
+    /// runs on the device while token t is read and printed; same tokens).
+    #[arg(long)]
+    pub no_pipeline: bool,
     /// Prompt tokens per prefill step.
     #[arg(long, default_value_t = 512)]
     pub prefill_chunk: usize,
@@ -295,6 +299,7 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
         ignore_eos: args.ignore_eos,
         prefill_chunk: args.prefill_chunk,
         skip_special_tokens: true,
+        pipeline: !args.no_pipeline,
     };
     let mut tp_exec = None;
     let mut local_exec = None;
@@ -305,7 +310,9 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
     } else {
         check_single_device_memory(&args.model, &m, 1, args.prefill_chunk)?;
         let loaded = load_weights(&args.model, &m)?;
-        local_exec.insert(LocalExecutor::new(loaded, 1, m.ctx_size))
+        let mut local = LocalExecutor::new(loaded, 1, m.ctx_size);
+        local.worker.warm_up()?;
+        local_exec.insert(local)
     };
     let mut stdout = std::io::stdout().lock();
     let json = args.json;

@@ -48,6 +48,9 @@ pub struct GenerateOptions {
     /// Prompt tokens per prefill forward pass.
     pub prefill_chunk: usize,
     pub skip_special_tokens: bool,
+    /// Queue decode step t+1 on the device before reading token t, where the
+    /// executor can ([`Executor::can_pipeline`]); same tokens either way.
+    pub pipeline: bool,
 }
 
 impl Default for GenerateOptions {
@@ -58,6 +61,7 @@ impl Default for GenerateOptions {
             ignore_eos: false,
             prefill_chunk: 512,
             skip_special_tokens: true,
+            pipeline: true,
         }
     }
 }
@@ -167,6 +171,8 @@ pub fn generate(
             on_text(piece);
         }
     };
+    let pipelined = opts.pipeline && exec.can_pipeline(seq_id);
+    let mut queued = 0usize;
     loop {
         generated.push(token);
         if !opts.ignore_eos && eos.contains(&token) {
@@ -183,6 +189,20 @@ pub fn generate(
         let pos = prompt.len() + generated.len() - 1;
         if generated.len() >= opts.max_tokens || prompt.len() + generated.len() >= ctx {
             break;
+        }
+        if pipelined {
+            if queued == 0 {
+                exec.queue_decode(seq_id, slot, pos, Some(token))?;
+                queued += 1;
+            }
+            // the step after it, fed with its token on the device, if that may be wanted
+            if generated.len() + 1 < opts.max_tokens && prompt.len() + generated.len() + 1 < ctx {
+                exec.queue_decode(seq_id, slot, pos + 1, None)?;
+                queued += 1;
+            }
+            token = exec.take_sampled()?.token;
+            queued -= 1;
+            continue;
         }
         let step = SeqStep {
             seq_id,
@@ -201,6 +221,9 @@ pub fn generate(
             .first()
             .map(|s| s.token)
             .ok_or(GenerateError::Step(StepError::NoSampler(seq_id)))?;
+    }
+    if queued > 0 {
+        exec.discard_queued();
     }
     exec.execute(&StepPlan {
         release: vec![seq_id],

@@ -134,7 +134,9 @@ impl SamplingParams {
         self.temperature == 0.0 || self.top_k == 1
     }
 
-    fn has_penalties(&self) -> bool {
+    /// Whether any penalty (repetition, presence, frequency) is on: the sampler then
+    /// needs every generated token on the host before the next step.
+    pub fn has_penalties(&self) -> bool {
         self.repetition_penalty != 1.0
             || self.presence_penalty != 0.0
             || self.frequency_penalty != 0.0
@@ -387,6 +389,80 @@ fn gumbel_noise(keys: &[(u32, u32)], vocab: i32) -> Result<Array> {
 /// All math stays on the device; results come back in one evaluation (for an
 /// all-greedy batch without logprobs or penalties: one `argmax` and one read).
 pub fn sample_batch(logits: &Array, seqs: &mut [&mut SequenceSampler]) -> Result<Vec<Sampled>> {
+    sample_batch_lazy(logits, seqs)?.read()
+}
+
+/// The tokens (and logprobs) of [`sample_batch_lazy`], still on the device.
+pub struct LazySample {
+    /// `[tokens u32 [B]]`, then with logprob rows: chosen logprobs, and with
+    /// `top_logprobs`: top values and top ids.
+    outs: Vec<Array>,
+    lrows: Vec<usize>,
+    n_top: i32,
+    /// `top_logprobs` asked for by each row.
+    wants: Vec<usize>,
+}
+
+impl LazySample {
+    /// The sampled token ids, `u32 [B]`, unevaluated: the next step can take them as input.
+    pub fn tokens(&self) -> &Array {
+        &self.outs[0]
+    }
+
+    /// Every array to evaluate (for `async_eval`).
+    pub fn arrays(&self) -> Vec<&Array> {
+        self.outs.iter().collect()
+    }
+
+    /// Evaluate (if not yet) and read the results back.
+    pub fn read(self) -> Result<Vec<Sampled>> {
+        let LazySample {
+            outs,
+            lrows,
+            n_top,
+            wants,
+        } = self;
+        let to_eval: Vec<&Array> = outs.iter().collect();
+        mlx::eval(&to_eval)?;
+        let tokens = outs[0].to_vec::<u32>()?;
+        let mut result: Vec<Sampled> = tokens
+            .into_iter()
+            .map(|token| Sampled {
+                token,
+                logprob: None,
+                top_logprobs: Vec::new(),
+            })
+            .collect();
+        if !lrows.is_empty() {
+            let chosen = outs[1].to_vec::<f32>()?;
+            let (top_val, top_idx) = if n_top > 0 {
+                (outs[2].to_vec::<f32>()?, outs[3].to_vec::<u32>()?)
+            } else {
+                (Vec::new(), Vec::new())
+            };
+            let n = n_top as usize;
+            for (r, &i) in lrows.iter().enumerate() {
+                result[i].logprob = Some(chosen[r]);
+                let want = wants[i];
+                if want > 0 {
+                    let mut top: Vec<(u32, f32)> = top_idx[r * n..(r + 1) * n]
+                        .iter()
+                        .copied()
+                        .zip(top_val[r * n..(r + 1) * n].iter().copied())
+                        .collect();
+                    top.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+                    top.truncate(want);
+                    result[i].top_logprobs = top;
+                }
+            }
+        }
+        Ok(result)
+    }
+}
+
+/// [`sample_batch`] without reading back: builds the sampling graph (advancing the
+/// random streams of sampling rows) and returns its outputs unevaluated.
+pub fn sample_batch_lazy(logits: &Array, seqs: &mut [&mut SequenceSampler]) -> Result<LazySample> {
     let shape = logits.shape();
     if shape.len() != 2 {
         return Err(MlxError::Invalid(format!(
@@ -400,8 +476,17 @@ pub fn sample_batch(logits: &Array, seqs: &mut [&mut SequenceSampler]) -> Result
             seqs.len()
         )));
     }
+    let wants: Vec<usize> = seqs
+        .iter()
+        .map(|s| s.params.top_logprobs as usize)
+        .collect();
     if b == 0 {
-        return Ok(Vec::new());
+        return Ok(LazySample {
+            outs: vec![Array::from_slice::<u32>(&[], &[0])?],
+            lrows: Vec::new(),
+            n_top: 0,
+            wants,
+        });
     }
     if !logits.dtype().is_float() {
         return Err(MlxError::Invalid(format!(
@@ -415,15 +500,12 @@ pub fn sample_batch(logits: &Array, seqs: &mut [&mut SequenceSampler]) -> Result
         p.is_greedy() && !p.logprobs && !p.has_penalties()
     };
     if seqs.iter().all(|s| plain(s)) {
-        let tokens = logits.argmax(-1, false)?.to_vec::<u32>()?;
-        return Ok(tokens
-            .into_iter()
-            .map(|token| Sampled {
-                token,
-                logprob: None,
-                top_logprobs: Vec::new(),
-            })
-            .collect());
+        return Ok(LazySample {
+            outs: vec![logits.argmax(-1, false)?.astype(Dtype::U32)?],
+            lrows: Vec::new(),
+            n_top: 0,
+            wants,
+        });
     }
 
     let x = logits.astype(Dtype::F32)?;
@@ -473,41 +555,12 @@ pub fn sample_batch(logits: &Array, seqs: &mut [&mut SequenceSampler]) -> Result
             outs.push(top_idx.astype(Dtype::U32)?);
         }
     }
-    let to_eval: Vec<&Array> = outs.iter().collect();
-    mlx::eval(&to_eval)?;
-    let tokens = outs[0].to_vec::<u32>()?;
-    let mut result: Vec<Sampled> = tokens
-        .into_iter()
-        .map(|token| Sampled {
-            token,
-            logprob: None,
-            top_logprobs: Vec::new(),
-        })
-        .collect();
-    if !lrows.is_empty() {
-        let chosen = outs[1].to_vec::<f32>()?;
-        let (top_val, top_idx) = if n_top > 0 {
-            (outs[2].to_vec::<f32>()?, outs[3].to_vec::<u32>()?)
-        } else {
-            (Vec::new(), Vec::new())
-        };
-        let n = n_top as usize;
-        for (r, &i) in lrows.iter().enumerate() {
-            result[i].logprob = Some(chosen[r]);
-            let want = seqs[i].params.top_logprobs as usize;
-            if want > 0 {
-                let mut top: Vec<(u32, f32)> = top_idx[r * n..(r + 1) * n]
-                    .iter()
-                    .copied()
-                    .zip(top_val[r * n..(r + 1) * n].iter().copied())
-                    .collect();
-                top.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-                top.truncate(want);
-                result[i].top_logprobs = top;
-            }
-        }
-    }
-    Ok(result)
+    Ok(LazySample {
+        outs,
+        lrows,
+        n_top,
+        wants,
+    })
 }
 
 #[cfg(test)]

@@ -10,7 +10,9 @@ use std::collections::HashMap;
 use serde::{Deserialize, Serialize};
 
 use super::kv_cache::KvCache;
-use super::sampler::{sample_batch, Sampled, SamplingParams, SequenceSampler};
+use super::sampler::{
+    sample_batch, sample_batch_lazy, LazySample, Sampled, SamplingParams, SequenceSampler,
+};
 use crate::mlx::{self, Array};
 use crate::models::{ForwardError, Logits, SeqInput, Transformer};
 
@@ -124,6 +126,39 @@ pub trait Executor {
     /// Peak device memory in bytes since the last reset: this process's MLX peak, or the
     /// largest rank's. Never touches a GPU in a tensor-parallel driver.
     fn peak_memory(&self) -> u64;
+
+    /// Whether single-sequence decode of `seq_id` can be pipelined here (see
+    /// [`Executor::queue_decode`]): the local engine, for samplers that need no
+    /// host state between tokens (no penalties).
+    fn can_pipeline(&self, _seq_id: u64) -> bool {
+        false
+    }
+    /// Queue one decode step of `seq_id` at `pos` without waiting for it: its input
+    /// is `token`, or (`None`) the token the previously queued step samples, still
+    /// on the device. The step is evaluated asynchronously; [`Executor::take_sampled`]
+    /// reads the oldest queued step's token. So step t+1 runs on the device while
+    /// the host reads, detokenizes and streams token t.
+    fn queue_decode(
+        &mut self,
+        seq_id: u64,
+        _slot: usize,
+        _pos: usize,
+        _token: Option<u32>,
+    ) -> Result<(), StepError> {
+        Err(StepError::NoSampler(seq_id))
+    }
+    /// The token of the oldest queued decode step (waits for it).
+    fn take_sampled(&mut self) -> Result<SampledToken, StepError> {
+        Err(StepError::Rank("no decode step queued".into()))
+    }
+    /// Drop queued steps whose tokens are no longer wanted (the sequence ended).
+    fn discard_queued(&mut self) {}
+}
+
+/// A decode step queued by [`Worker::queue_decode`].
+struct Queued {
+    seq_id: u64,
+    sample: LazySample,
 }
 
 /// The model, its KV cache and per-sequence samplers, on the MLX thread.
@@ -133,6 +168,8 @@ pub struct Worker {
     samplers: HashMap<u64, SequenceSampler>,
     /// Whether this worker samples (rank 0, or the only process).
     sampling: bool,
+    /// Pipelined decode steps queued and not yet read, oldest first.
+    queued: std::collections::VecDeque<Queued>,
 }
 
 impl Worker {
@@ -143,7 +180,116 @@ impl Worker {
             cache,
             samplers: HashMap::new(),
             sampling,
+            queued: std::collections::VecDeque::new(),
         }
+    }
+
+    /// Run one batch-1 decode step (then forget it) on a GPU backend, so MLX compiles
+    /// the run-time kernels of the decode path (mlxcel's quantized GEMV is one per
+    /// weight shape) at start-up rather than during the first request's first
+    /// tokens. A no-op on the CPU.
+    pub fn warm_up(&mut self) -> Result<(), StepError> {
+        if mlx::backend() == mlx::Backend::Cpu || self.cache.slots() == 0 {
+            return Ok(());
+        }
+        let t = std::time::Instant::now();
+        self.cache.reset(0);
+        let ids = Array::from_slice(&[0i32], &[1, 1])?;
+        let logits = self
+            .model
+            .forward_slot_ids(&mut self.cache, 0, &ids, Logits::Last)?;
+        logits.argmax(-1, false)?.eval()?;
+        self.cache.reset(0);
+        tracing::info!(
+            "decode kernels warmed up in {:.2} s",
+            t.elapsed().as_secs_f64()
+        );
+        Ok(())
+    }
+
+    /// See [`Executor::can_pipeline`].
+    pub fn can_pipeline(&self, seq_id: u64) -> bool {
+        self.sampling
+            && self
+                .samplers
+                .get(&seq_id)
+                .is_some_and(|s| !s.params().has_penalties())
+    }
+
+    /// See [`Executor::queue_decode`].
+    pub fn queue_decode(
+        &mut self,
+        seq_id: u64,
+        slot: usize,
+        pos: usize,
+        token: Option<u32>,
+    ) -> Result<(), StepError> {
+        if !self.can_pipeline(seq_id) {
+            return Err(StepError::NoSampler(seq_id));
+        }
+        let cached = self.cache.len(slot);
+        if cached != pos {
+            return Err(StepError::Position {
+                seq_id,
+                slot,
+                pos,
+                cached,
+            });
+        }
+        let ids = match token {
+            Some(t) => Array::from_slice(&[t as i32], &[1, 1])?,
+            None => {
+                let prev = self.queued.back().filter(|q| q.seq_id == seq_id).ok_or_else(|| {
+                    StepError::Rank(format!(
+                        "pipelined decode of sequence {seq_id}: no queued step to take the input token from"
+                    ))
+                })?;
+                prev.sample
+                    .tokens()
+                    .astype(mlx::Dtype::I32)?
+                    .reshape(&[1, 1])?
+            }
+        };
+        let logits = self
+            .model
+            .forward_slot_ids(&mut self.cache, slot, &ids, Logits::Last)?;
+        let logits = logits.reshape(&[1, -1])?;
+        let sampler = self
+            .samplers
+            .get_mut(&seq_id)
+            .ok_or(StepError::NoSampler(seq_id))?;
+        let sample = sample_batch_lazy(&logits, &mut [sampler])?;
+        mlx::async_eval(&sample.arrays())?;
+        self.queued.push_back(Queued { seq_id, sample });
+        Ok(())
+    }
+
+    /// See [`Executor::take_sampled`].
+    pub fn take_sampled(&mut self) -> Result<SampledToken, StepError> {
+        let q = self
+            .queued
+            .pop_front()
+            .ok_or_else(|| StepError::Rank("no decode step queued".into()))?;
+        let x = q
+            .sample
+            .read()?
+            .pop()
+            .ok_or(StepError::NoSampler(q.seq_id))?;
+        if let Some(s) = self.samplers.get_mut(&q.seq_id) {
+            s.observe(x.token);
+        }
+        Ok(SampledToken {
+            seq_id: q.seq_id,
+            token: x.token,
+            logprob: x.logprob,
+            top_logprobs: x.top_logprobs,
+        })
+    }
+
+    /// See [`Executor::discard_queued`]. The cache keeps the discarded steps'
+    /// positions; the sequence is over, and its slot is reset when reused.
+    pub fn discard_queued(&mut self) {
+        self.queued.clear();
     }
 
     pub fn execute(&mut self, plan: &StepPlan) -> Result<StepResult, StepError> {
@@ -318,5 +464,23 @@ impl Executor for LocalExecutor {
     }
     fn peak_memory(&self) -> u64 {
         mlx::memory::peak()
+    }
+    fn can_pipeline(&self, seq_id: u64) -> bool {
+        self.worker.can_pipeline(seq_id)
+    }
+    fn queue_decode(
+        &mut self,
+        seq_id: u64,
+        slot: usize,
+        pos: usize,
+        token: Option<u32>,
+    ) -> Result<(), StepError> {
+        self.worker.queue_decode(seq_id, slot, pos, token)
+    }
+    fn take_sampled(&mut self) -> Result<SampledToken, StepError> {
+        self.worker.take_sampled()
+    }
+    fn discard_queued(&mut self) {
+        self.worker.discard_queued()
     }
 }

@@ -163,6 +163,7 @@ pub(crate) mod ffi {
         fn astype(a: &Array, dtype: Dtype) -> Result<UniquePtr<Array>>;
         fn view_as(a: &Array, dtype: Dtype) -> Result<UniquePtr<Array>>;
         fn where_(cond: &Array, x: &Array, y: &Array) -> Result<UniquePtr<Array>>;
+        fn depends_on(a: &Array, dep: &Array) -> Result<UniquePtr<Array>>;
         fn softmax(a: &Array, axis: i32, precise: bool) -> Result<UniquePtr<Array>>;
         fn cumsum(a: &Array, axis: i32, reverse: bool, inclusive: bool)
             -> Result<UniquePtr<Array>>;

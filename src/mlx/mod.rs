@@ -15,8 +15,8 @@ pub mod distributed;
 pub mod fast;
 mod ffi;
 pub mod memory;
-pub mod qgemv;
 mod ops;
+pub mod qgemv;
 pub mod random;
 
 pub use array::{Array, Element};

@@ -274,6 +274,15 @@ impl Array {
     }
 }
 
+impl Array {
+    /// This array, computed only after `dep` (MLX `depends`). A lazy graph may
+    /// otherwise evaluate inputs that do not depend on activations (e.g. every
+    /// layer's dequantized weight) long before they are needed, all at once.
+    pub fn depends_on(&self, dep: &Array) -> Result<Array> {
+        Ok(Array::from_ptr(ffi::depends_on(self.raw(), dep.raw())?))
+    }
+}
+
 /// `cond ? x : y`, element-wise with broadcasting.
 pub fn where_(cond: &Array, x: &Array, y: &Array) -> Result<Array> {
     Ok(Array::from_ptr(ffi::where_(cond.raw(), x.raw(), y.raw())?))

@@ -79,7 +79,14 @@ pub fn enabled() -> bool {
 }
 
 /// Whether the kernel covers `x [m, k] · w [n, k]ᵀ` with these bits, group and dtypes.
-pub fn supports(m: usize, n: usize, k: usize, group: usize, bits: usize, dtypes: [Dtype; 2]) -> bool {
+pub fn supports(
+    m: usize,
+    n: usize,
+    k: usize,
+    group: usize,
+    bits: usize,
+    dtypes: [Dtype; 2],
+) -> bool {
     let vpc = match bits {
         4 => 32,
         8 => 16,
@@ -88,10 +95,10 @@ pub fn supports(m: usize, n: usize, k: usize, group: usize, bits: usize, dtypes:
     (1..=MAX_M).contains(&m)
         && n > 0
         && k > 0
-        && k % vpc == 0
-        && k % 8 == 0
-        && group % vpc == 0
-        && k % group == 0
+        && k.is_multiple_of(vpc)
+        && k.is_multiple_of(8)
+        && group.is_multiple_of(vpc)
+        && k.is_multiple_of(group)
         && dtypes == [Dtype::BF16, Dtype::BF16]
 }
 
@@ -99,7 +106,15 @@ pub fn supports(m: usize, n: usize, k: usize, group: usize, bits: usize, dtypes:
 /// (docs/benchmarks.md): 4-bit M = 1 is fastest with 2 rows (4 for the wide
 /// gate/up and lm_head) and 2 warps; 8-bit and M > 1 with 4 rows and 4 warps.
 pub fn launch_config(m: usize, n: usize, bits: usize) -> (usize, usize) {
-    let fit = |r: usize| if n % r == 0 { r } else if n % 2 == 0 { 2 } else { 1 };
+    let fit = |r: usize| {
+        if n.is_multiple_of(r) {
+            r
+        } else if n.is_multiple_of(2) {
+            2
+        } else {
+            1
+        }
+    };
     if bits == 4 && m == 1 {
         (fit(if n >= 16384 { 4 } else { 2 }), 2)
     } else {

@@ -364,7 +364,9 @@ fn start_executor(
             args.prefill_chunk,
         )?;
         let model = load_weights(&args.model, m)?;
-        Box::new(LocalExecutor::new(model, args.parallel, m.ctx_size))
+        let mut local = LocalExecutor::new(model, args.parallel, m.ctx_size);
+        local.worker.warm_up()?;
+        Box::new(local)
     } else {
         let mut opts = args
             .tp
