@@ -53,7 +53,8 @@ def parse(path):
                 qmv.append(us)
             else:
                 best[name] = min(best.get(name, 1e9), us)
-    print("quantized_matmul (qmv), launch order (per shape, bits 4 then 8, M=1,2,4,8; 2 each):")
+    print("quantized_matmul (qmv), launch order (per shape: bits 4 then 8, M=1,2,4, 2 launches each; "
+          "MLX runs another kernel at M=8):")
     print(" ".join(f"{u:.1f}" for u in qmv))
     for name, us in best.items():
         m = re.search(r"qgemv_\w+?_t_(\d+)_(\d+)_(\d+)_(\d+)_(\d+)_(\d+)_(\d+)", name)
