@@ -192,15 +192,19 @@ pub fn generate(
         }
         if pipelined {
             if queued == 0 {
-                exec.queue_decode(seq_id, slot, pos, Some(token))?;
+                exec.queue_decode(&[(seq_id, slot, pos)], Some(&[token]))?;
                 queued += 1;
             }
             // the step after it, fed with its token on the device, if that may be wanted
             if generated.len() + 1 < opts.max_tokens && prompt.len() + generated.len() + 1 < ctx {
-                exec.queue_decode(seq_id, slot, pos + 1, None)?;
+                exec.queue_decode(&[(seq_id, slot, pos + 1)], None)?;
                 queued += 1;
             }
-            token = exec.take_sampled()?.token;
+            token = exec
+                .take_sampled()?
+                .pop()
+                .map(|s| s.token)
+                .ok_or(GenerateError::Step(StepError::NoSampler(seq_id)))?;
             queued -= 1;
             continue;
         }

@@ -127,37 +127,36 @@ pub trait Executor {
     /// largest rank's. Never touches a GPU in a tensor-parallel driver.
     fn peak_memory(&self) -> u64;
 
-    /// Whether single-sequence decode of `seq_id` can be pipelined here (see
+    /// Whether decode of `seq_id` can be pipelined here (see
     /// [`Executor::queue_decode`]): the local engine, for samplers that need no
     /// host state between tokens (no penalties).
     fn can_pipeline(&self, _seq_id: u64) -> bool {
         false
     }
-    /// Queue one decode step of `seq_id` at `pos` without waiting for it: its input
-    /// is `token`, or (`None`) the token the previously queued step samples, still
-    /// on the device. The step is evaluated asynchronously; [`Executor::take_sampled`]
-    /// reads the oldest queued step's token. So step t+1 runs on the device while
-    /// the host reads, detokenizes and streams token t.
+    /// Queue one decode step of the sequences `rows` (`(seq_id, slot, pos)`, in this
+    /// order) without waiting for it. Their inputs are `tokens` (one per row), or
+    /// (`None`) the tokens the previously queued step samples for the same rows,
+    /// still on the device. The step is evaluated asynchronously;
+    /// [`Executor::take_sampled`] reads the oldest queued step's tokens. So step
+    /// t+1 runs on the device while the host reads, detokenizes and streams step t.
     fn queue_decode(
         &mut self,
-        seq_id: u64,
-        _slot: usize,
-        _pos: usize,
-        _token: Option<u32>,
+        rows: &[(u64, usize, usize)],
+        _tokens: Option<&[u32]>,
     ) -> Result<(), StepError> {
-        Err(StepError::NoSampler(seq_id))
+        Err(StepError::NoSampler(rows.first().map_or(0, |r| r.0)))
     }
-    /// The token of the oldest queued decode step (waits for it).
-    fn take_sampled(&mut self) -> Result<SampledToken, StepError> {
+    /// The tokens of the oldest queued decode step, in its row order (waits for it).
+    fn take_sampled(&mut self) -> Result<Vec<SampledToken>, StepError> {
         Err(StepError::Rank("no decode step queued".into()))
     }
-    /// Drop queued steps whose tokens are no longer wanted (the sequence ended).
+    /// Drop queued steps whose tokens are no longer wanted.
     fn discard_queued(&mut self) {}
 }
 
 /// A decode step queued by [`Worker::queue_decode`].
 struct Queued {
-    seq_id: u64,
+    seq_ids: Vec<u64>,
     sample: LazySample,
 }
 
@@ -219,71 +218,102 @@ impl Worker {
     /// See [`Executor::queue_decode`].
     pub fn queue_decode(
         &mut self,
-        seq_id: u64,
-        slot: usize,
-        pos: usize,
-        token: Option<u32>,
+        rows: &[(u64, usize, usize)],
+        tokens: Option<&[u32]>,
     ) -> Result<(), StepError> {
-        if !self.can_pipeline(seq_id) {
-            return Err(StepError::NoSampler(seq_id));
+        if rows.is_empty() {
+            return Err(StepError::Rank("pipelined decode: an empty step".into()));
         }
-        let cached = self.cache.len(slot);
-        if cached != pos {
-            return Err(StepError::Position {
-                seq_id,
-                slot,
-                pos,
-                cached,
-            });
+        for &(seq_id, slot, pos) in rows {
+            if !self.can_pipeline(seq_id) {
+                return Err(StepError::NoSampler(seq_id));
+            }
+            self.cache.check_slot(slot).map_err(ForwardError::from)?;
+            let cached = self.cache.len(slot);
+            if cached != pos {
+                return Err(StepError::Position {
+                    seq_id,
+                    slot,
+                    pos,
+                    cached,
+                });
+            }
         }
-        let ids = match token {
-            Some(t) => Array::from_slice(&[t as i32], &[1, 1])?,
+        let b = rows.len() as i32;
+        let seq_ids: Vec<u64> = rows.iter().map(|r| r.0).collect();
+        let ids = match tokens {
+            Some(t) if t.len() == rows.len() => {
+                let t: Vec<i32> = t.iter().map(|&x| x as i32).collect();
+                Array::from_slice(&t, &[b, 1])?
+            }
+            Some(t) => {
+                return Err(StepError::Rank(format!(
+                    "pipelined decode: {} tokens for {} rows",
+                    t.len(),
+                    rows.len()
+                )))
+            }
             None => {
-                let prev = self.queued.back().filter(|q| q.seq_id == seq_id).ok_or_else(|| {
-                    StepError::Rank(format!(
-                        "pipelined decode of sequence {seq_id}: no queued step to take the input token from"
-                    ))
-                })?;
-                prev.sample
-                    .tokens()
-                    .astype(mlx::Dtype::I32)?
-                    .reshape(&[1, 1])?
+                let prev = self
+                    .queued
+                    .back()
+                    .filter(|q| q.seq_ids == seq_ids)
+                    .ok_or_else(|| {
+                        StepError::Rank(format!(
+                            "pipelined decode of {seq_ids:?}: the last queued step has other rows"
+                        ))
+                    })?;
+                prev.sample.tokens().astype(mlx::Dtype::I32)?.reshape(&[b, 1])?
             }
         };
-        let logits = self
-            .model
-            .forward_slot_ids(&mut self.cache, slot, &ids, Logits::Last)?;
-        let logits = logits.reshape(&[1, -1])?;
-        let sampler = self
-            .samplers
-            .get_mut(&seq_id)
-            .ok_or(StepError::NoSampler(seq_id))?;
-        let sample = sample_batch_lazy(&logits, &mut [sampler])?;
+        let slots: Vec<usize> = rows.iter().map(|r| r.1).collect();
+        let logits = self.model.forward_decode_ids(&mut self.cache, &slots, &ids)?;
+        // take the samplers out so they can be borrowed mutably together
+        let mut taken: Vec<(u64, SequenceSampler)> = Vec::with_capacity(rows.len());
+        for &id in &seq_ids {
+            match self.samplers.remove(&id) {
+                Some(s) => taken.push((id, s)),
+                None => {
+                    for (id, s) in taken {
+                        self.samplers.insert(id, s);
+                    }
+                    return Err(StepError::NoSampler(id));
+                }
+            }
+        }
+        let sample = {
+            let mut refs: Vec<&mut SequenceSampler> = taken.iter_mut().map(|(_, s)| s).collect();
+            sample_batch_lazy(&logits, &mut refs)
+        };
+        for (id, s) in taken {
+            self.samplers.insert(id, s);
+        }
+        let sample = sample?;
         mlx::async_eval(&sample.arrays())?;
-        self.queued.push_back(Queued { seq_id, sample });
+        self.queued.push_back(Queued { seq_ids, sample });
         Ok(())
     }
 
     /// See [`Executor::take_sampled`].
-    pub fn take_sampled(&mut self) -> Result<SampledToken, StepError> {
+    pub fn take_sampled(&mut self) -> Result<Vec<SampledToken>, StepError> {
         let q = self
             .queued
             .pop_front()
             .ok_or_else(|| StepError::Rank("no decode step queued".into()))?;
-        let x = q
-            .sample
-            .read()?
-            .pop()
-            .ok_or(StepError::NoSampler(q.seq_id))?;
-        if let Some(s) = self.samplers.get_mut(&q.seq_id) {
-            s.observe(x.token);
+        let sampled = q.sample.read()?;
+        let mut out = Vec::with_capacity(sampled.len());
+        for (id, x) in q.seq_ids.into_iter().zip(sampled) {
+            if let Some(s) = self.samplers.get_mut(&id) {
+                s.observe(x.token);
+            }
+            out.push(SampledToken {
+                seq_id: id,
+                token: x.token,
+                logprob: x.logprob,
+                top_logprobs: x.top_logprobs,
+            });
         }
-        Ok(SampledToken {
-            seq_id: q.seq_id,
-            token: x.token,
-            logprob: x.logprob,
-            top_logprobs: x.top_logprobs,
-        })
+        Ok(out)
     }
 
     /// See [`Executor::discard_queued`]. The cache keeps the discarded steps'
@@ -470,14 +500,12 @@ impl Executor for LocalExecutor {
     }
     fn queue_decode(
         &mut self,
-        seq_id: u64,
-        slot: usize,
-        pos: usize,
-        token: Option<u32>,
+        rows: &[(u64, usize, usize)],
+        tokens: Option<&[u32]>,
     ) -> Result<(), StepError> {
-        self.worker.queue_decode(seq_id, slot, pos, token)
+        self.worker.queue_decode(rows, tokens)
     }
-    fn take_sampled(&mut self) -> Result<SampledToken, StepError> {
+    fn take_sampled(&mut self) -> Result<Vec<SampledToken>, StepError> {
         self.worker.take_sampled()
     }
     fn discard_queued(&mut self) {

@@ -420,9 +420,46 @@ impl Transformer {
     ) -> std::result::Result<Array, ForwardError> {
         let b = rows.len() as i32;
         let slots: Vec<usize> = rows.iter().map(|&i| seqs[i].slot).collect();
-        let positions: Vec<usize> = slots.iter().map(|&s| cache.len(s)).collect();
         let ids: Vec<i32> = rows.iter().map(|&i| seqs[i].tokens[0] as i32).collect();
         let ids = Array::from_slice(&ids, &[b, 1])?;
+        self.forward_decode_batch_ids(cache, &slots, &ids)
+    }
+
+    /// A decode step of the sequences in `slots` (one token each) with the token ids
+    /// already on the device (`[B, 1]` int32, e.g. the previous step's samples), so a
+    /// decode loop can queue step t+1 before reading step t's tokens. Returns
+    /// `[B, vocab]`. Ids are not range-checked here.
+    pub fn forward_decode_ids(
+        &self,
+        cache: &mut KvCache,
+        slots: &[usize],
+        ids: &Array,
+    ) -> std::result::Result<Array, ForwardError> {
+        if slots.is_empty() {
+            return Err(ForwardError::Empty);
+        }
+        let mut needed = 0;
+        for &s in slots {
+            cache.check_slot(s)?;
+            needed = needed.max(cache.len(s) + 1);
+        }
+        cache.reserve(self.layers.len(), needed)?;
+        if slots.len() == 1 {
+            let logits = self.forward_slot_ids(cache, slots[0], ids, Logits::Last)?;
+            return Ok(logits.reshape(&[1, self.cfg.vocab_size as i32])?);
+        }
+        self.forward_decode_batch_ids(cache, slots, ids)
+    }
+
+    fn forward_decode_batch_ids(
+        &self,
+        cache: &mut KvCache,
+        slots: &[usize],
+        ids: &Array,
+    ) -> std::result::Result<Array, ForwardError> {
+        let b = slots.len() as i32;
+        let slots = slots.to_vec();
+        let positions: Vec<usize> = slots.iter().map(|&s| cache.len(s)).collect();
         let pos_i32: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
         let offset = Array::from_slice(&pos_i32, &[b])?;
         let index = cache.batch_index(&slots, &positions)?;
