@@ -200,6 +200,13 @@ pub struct Scheduler {
     to_release: Vec<u64>,
     /// Set after a fatal engine error: new requests fail at once with this message.
     broken: Option<String>,
+    /// Pipelined decode: the rows (sequence ids) of the step queued on the executor
+    /// whose tokens are not read yet.
+    inflight: Option<Vec<u64>>,
+    /// Whether to pipeline pure-decode steps where the executor can.
+    pipeline: bool,
+    /// Decode steps run pipelined so far.
+    pipelined_steps: u64,
 }
 
 impl Scheduler {
@@ -221,7 +228,22 @@ impl Scheduler {
             next_id: 1,
             to_release: Vec::new(),
             broken: None,
+            inflight: None,
+            pipeline: true,
+            pipelined_steps: 0,
         }
+    }
+
+    /// Decode steps run pipelined so far (each read while the next was queued or
+    /// the pipeline ended).
+    pub fn pipelined_steps(&self) -> u64 {
+        self.pipelined_steps
+    }
+
+    /// Turn decode pipelining off (on by default): every step is read back before
+    /// the next is built. Same tokens either way.
+    pub fn set_pipeline(&mut self, on: bool) {
+        self.pipeline = on;
     }
 
     pub fn config(&self) -> &SchedulerConfig {
@@ -238,7 +260,10 @@ impl Scheduler {
 
     /// Whether a step has anything to do (sequences, queued requests or releases).
     pub fn has_work(&self) -> bool {
-        !self.running.is_empty() || !self.queue.is_empty() || !self.to_release.is_empty()
+        !self.running.is_empty()
+            || !self.queue.is_empty()
+            || !self.to_release.is_empty()
+            || self.inflight.is_some()
     }
 
     /// The message of the fatal error that stopped the engine, if any.
@@ -284,6 +309,7 @@ impl Scheduler {
             obs,
         );
         self.to_release.clear();
+        self.inflight = None;
         self.broken = Some(message);
     }
 
@@ -384,6 +410,9 @@ impl Scheduler {
     ) -> Result<StepSummary, StepError> {
         self.drop_disconnected(obs);
         self.admit(obs);
+        if self.inflight.is_some() || self.can_start_pipeline(exec) {
+            return self.step_pipelined(exec, obs);
+        }
         let mut plan = StepPlan::default();
         let mut summary = StepSummary::default();
         // which running sequences are in the plan, and whether each samples
@@ -494,6 +523,155 @@ impl Scheduler {
                 }
             };
             if let Some(outcome) = outcome {
+                let seq = self.running.remove(idx);
+                self.retire(seq, outcome, obs);
+            }
+        }
+        obs.step_done(self.running.len(), self.queue.len());
+        Ok(summary)
+    }
+
+    /// The decode rows `(seq_id, slot, input position)` of every running sequence, in
+    /// slot order, when all of them are decoding.
+    fn decode_rows(&self) -> Option<Vec<(u64, usize, usize)>> {
+        if self.running.is_empty() || !self.running.iter().all(|s| s.decoding()) {
+            return None;
+        }
+        let mut rows: Vec<(u64, usize, usize)> = self
+            .running
+            .iter()
+            .map(|s| (s.id, s.slot, s.req.prompt.len() + s.generated.len() - 1))
+            .collect();
+        rows.sort_by_key(|r| r.1);
+        Some(rows)
+    }
+
+    /// Whether every running sequence may still want the token after the one being
+    /// computed for it (that one is not its last by length or context), so a
+    /// speculative step for it is not wasted for sure and stays inside its context.
+    fn all_may_continue(&self) -> bool {
+        self.running.iter().all(|s| {
+            let g = s.generated.len() + 1;
+            g < s.req.max_tokens && s.req.prompt.len() + g < self.cfg.ctx_size
+        })
+    }
+
+    /// A pipeline can start: only decoding sequences, all pipelinable, each with room
+    /// for one speculative step.
+    fn can_start_pipeline(&self, exec: &dyn Executor) -> bool {
+        self.pipeline
+            && self.decode_rows().is_some()
+            && self.running.iter().all(|s| exec.can_pipeline(s.id))
+            && self.all_may_continue()
+    }
+
+    /// A pure-decode step, pipelined: the next step is queued on the device (fed with
+    /// this step's tokens still there) before this step's tokens are read back and
+    /// delivered. Starting: queue step A from the host tokens and step B from A's,
+    /// read A. Continuing (B in flight): if the rows are unchanged and may all go on,
+    /// queue C from B's tokens; read B. Otherwise B is read and the pipeline ends
+    /// (tokens of sequences that ended meanwhile are dropped; their slots' extra KV
+    /// entries are overwritten when the slot is reused).
+    fn step_pipelined(
+        &mut self,
+        exec: &mut dyn Executor,
+        obs: &dyn Observer,
+    ) -> Result<StepSummary, StepError> {
+        let rows = self.decode_rows();
+        let ids: Option<Vec<u64>> = rows.as_ref().map(|r| r.iter().map(|x| x.0).collect());
+        let mut summary = StepSummary {
+            decode: rows.as_ref().map_or(0, |r| r.len()),
+            prefill_tokens: 0,
+        };
+        let ahead = |rows: &[(u64, usize, usize)]| -> Vec<(u64, usize, usize)> {
+            rows.iter()
+                .map(|&(id, slot, pos)| (id, slot, pos + 1))
+                .collect()
+        };
+        let step_ids: Vec<u64> = self.inflight.clone().or(ids.clone()).unwrap_or_default();
+        let result: Result<Vec<SampledToken>, StepError> = match self.inflight.take() {
+            None => {
+                let rows = rows.expect("checked by can_start_pipeline");
+                let tokens: Vec<u32> = rows
+                    .iter()
+                    .map(|r| {
+                        let s = self.running.iter().find(|s| s.id == r.0).expect("running");
+                        *s.generated.last().expect("decoding has a token")
+                    })
+                    .collect();
+                exec.discard_queued();
+                let release = std::mem::take(&mut self.to_release);
+                (|| {
+                    if !release.is_empty() {
+                        exec.execute(&StepPlan {
+                            release: release.clone(),
+                            ..Default::default()
+                        })?;
+                    }
+                    exec.queue_decode(&rows, Some(&tokens))?;
+                    exec.queue_decode(&ahead(&rows), None)?;
+                    self.inflight = ids.clone();
+                    exec.take_sampled()
+                })()
+                .inspect_err(|_| self.to_release.extend(release))
+            }
+            Some(queued) => {
+                let go_on = self.pipeline
+                    && ids.as_ref() == Some(&queued)
+                    && self.running.iter().all(|s| exec.can_pipeline(s.id))
+                    && self.all_may_continue();
+                summary.decode = queued.len();
+                (|| {
+                    if go_on {
+                        let rows = rows.as_ref().expect("same rows as queued");
+                        exec.queue_decode(&ahead(rows), None)?;
+                        self.inflight = Some(queued.clone());
+                    }
+                    exec.take_sampled()
+                })()
+            }
+        };
+        let sampled = match result {
+            Ok(s) => s,
+            Err(e) => {
+                exec.discard_queued();
+                self.inflight = None;
+                let fatal = matches!(e, StepError::Rank(_));
+                obs.engine_error(&e, fatal);
+                if fatal {
+                    obs.executor_down(&e.to_string());
+                }
+                let kind = if fatal {
+                    FailKind::Unavailable
+                } else {
+                    FailKind::Internal
+                };
+                let message = format!("engine step failed: {e}");
+                let mut i = 0;
+                while i < self.running.len() {
+                    if step_ids.contains(&self.running[i].id) {
+                        let seq = self.running.remove(i);
+                        let _ = seq.req.events.send(Event::Error {
+                            kind,
+                            message: message.clone(),
+                        });
+                        self.retire(seq, Outcome::Failed, obs);
+                    } else {
+                        i += 1;
+                    }
+                }
+                obs.step_done(self.running.len(), self.queue.len());
+                return Err(e);
+            }
+        };
+        self.pipelined_steps += 1;
+        let now = Instant::now();
+        for tok in sampled {
+            // sequences that ended (or whose client left) since the step was queued
+            let Some(idx) = self.running.iter().position(|s| s.id == tok.seq_id) else {
+                continue;
+            };
+            if let Some(outcome) = self.deliver(idx, tok, now, obs) {
                 let seq = self.running.remove(idx);
                 self.retire(seq, outcome, obs);
             }
@@ -669,8 +847,9 @@ impl Scheduler {
             &format!("the engine has failed: {message}"),
             obs,
         );
-        // a new executor has no sequences to release
+        // a new executor has no sequences to release, nor queued steps
         self.to_release.clear();
+        self.inflight = None;
         RunEnd::ExecutorFailed(message)
     }
 
@@ -1014,5 +1193,103 @@ mod tests {
                 ..
             })
         ));
+    }
+
+    /// Run `reqs` (prompt, max_tokens, params, step at which it arrives) through a
+    /// scheduler on the llama3 fixture model; every request's tokens and finish.
+    fn run_model(
+        reqs: &[(Vec<u32>, usize, SamplingParams, usize)],
+        pipeline: bool,
+        slots: usize,
+    ) -> (Vec<(Vec<u32>, String)>, u64) {
+        use crate::engine::step::LocalExecutor;
+        use crate::model_dir::ModelDir;
+        use crate::models::{self, LoadFormat};
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama3");
+        let md = ModelDir::open(&dir).unwrap();
+        let model = models::load(&md, LoadFormat::Safetensors, |_, _| {})
+            .unwrap()
+            .model;
+        let mut exec = LocalExecutor::new(model, slots, 96);
+        let mut s = Scheduler::new(
+            SchedulerConfig {
+                slots,
+                ctx_size: 96,
+                prefill_chunk: 4,
+            },
+            tokenizer(),
+        );
+        s.set_pipeline(pipeline);
+        let mut rxs = Vec::new();
+        let mut step = 0;
+        loop {
+            for (prompt, max_tokens, params, at) in reqs {
+                if *at == step {
+                    let (mut req, rx) = request(prompt.clone(), *max_tokens);
+                    req.params = params.clone();
+                    s.submit(req, &NoObserver);
+                    rxs.push(rx);
+                }
+            }
+            if !s.has_work() && rxs.len() == reqs.len() {
+                break;
+            }
+            s.step(&mut exec, &NoObserver).unwrap();
+            step += 1;
+            assert!(step < 2000, "the scheduler does not finish");
+        }
+        let out = rxs
+            .iter_mut()
+            .map(|rx| {
+                let (toks, last) = drain(rx);
+                (toks, format!("{last:?}"))
+            })
+            .collect();
+        (out, s.pipelined_steps())
+    }
+
+    #[test]
+    fn pipelined_decode_steps_give_the_same_tokens() {
+        let sampled = SamplingParams {
+            temperature: 0.8,
+            top_k: 20,
+            seed: Some(11),
+            ..SamplingParams::default()
+        };
+        let penalised = SamplingParams {
+            repetition_penalty: 1.2,
+            ..SamplingParams::default()
+        };
+        let reqs = vec![
+            (vec![1, 2, 3, 4, 5], 12, SamplingParams::default(), 0),
+            (vec![7, 8, 9], 30, sampled.clone(), 0),
+            (
+                vec![10, 11, 12, 13, 14, 15, 16],
+                5,
+                SamplingParams::default(),
+                3,
+            ),
+            // arrives while the first two are decoding in a pipeline
+            (vec![20, 21], 9, sampled, 14),
+            (vec![30, 31, 32], 7, penalised, 15),
+            // near the context end: 90 + 6 = 96
+            (
+                (0..90).map(|i| 40 + i as u32).collect(),
+                10,
+                SamplingParams::default(),
+                16,
+            ),
+        ];
+        let (step_by_step, none) = run_model(&reqs, false, 3);
+        let (pipelined, n) = run_model(&reqs, true, 3);
+        assert_eq!(none, 0);
+        assert!(n >= 10, "only {n} steps were pipelined");
+        for (i, (a, b)) in step_by_step.iter().zip(&pipelined).enumerate() {
+            assert!(!a.0.is_empty(), "request {i} produced nothing");
+            assert_eq!(a, b, "request {i}");
+        }
+        assert_eq!(step_by_step[0].0.len(), 12);
+        assert_eq!(step_by_step[1].0.len(), 30);
+        assert_eq!(step_by_step[5].0.len(), 6, "stops at the context size");
     }
 }

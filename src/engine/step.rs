@@ -263,11 +263,16 @@ impl Worker {
                             "pipelined decode of {seq_ids:?}: the last queued step has other rows"
                         ))
                     })?;
-                prev.sample.tokens().astype(mlx::Dtype::I32)?.reshape(&[b, 1])?
+                prev.sample
+                    .tokens()
+                    .astype(mlx::Dtype::I32)?
+                    .reshape(&[b, 1])?
             }
         };
         let slots: Vec<usize> = rows.iter().map(|r| r.1).collect();
-        let logits = self.model.forward_decode_ids(&mut self.cache, &slots, &ids)?;
+        let logits = self
+            .model
+            .forward_decode_ids(&mut self.cache, &slots, &ids)?;
         // take the samplers out so they can be borrowed mutably together
         let mut taken: Vec<(u64, SequenceSampler)> = Vec::with_capacity(rows.len());
         for &id in &seq_ids {

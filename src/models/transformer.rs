@@ -463,7 +463,7 @@ impl Transformer {
         let pos_i32: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
         let offset = Array::from_slice(&pos_i32, &[b])?;
         let index = cache.batch_index(&slots, &positions)?;
-        let mut h = self.embed_tokens.forward(&ids)?;
+        let mut h = self.embed_tokens.forward(ids)?;
         for (li, block) in self.layers.iter().enumerate() {
             let a = &block.self_attn;
             let x = block.input_layernorm.forward(&h)?;

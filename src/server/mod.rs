@@ -79,6 +79,11 @@ pub struct ServeArgs {
     /// With --tp-size: restarts of a failed rank group allowed within 10 minutes; one more failure makes the server exit non-zero.
     #[arg(long, default_value_t = 3)]
     pub max_restarts: usize,
+    /// Read every decode step back before building the next (by default, while only
+    /// sequences that decode are running, step t+1 is queued on the device before
+    /// step t's tokens are read and streamed; same tokens).
+    #[arg(long)]
+    pub no_pipeline: bool,
     #[command(flatten)]
     pub tp: TpArgs,
 }
@@ -441,6 +446,7 @@ fn engine_main(
         },
         m.tokenizer.clone(),
     );
+    sched.set_pipeline(!args.no_pipeline);
     let obs = EngineObserver {
         metrics: metrics.clone(),
         engine: engine.clone(),
