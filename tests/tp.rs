@@ -392,3 +392,96 @@ fn tp_parity_command_reports_agreement_and_cosine() {
     assert!(v["cosine_min"].as_f64().unwrap() > 0.99999, "{v}");
     assert!(v["logits_max_abs_diff"].as_f64().unwrap() < 1e-4, "{v}");
 }
+
+/// Pipelined decode over ranks (every rank samples, feeding its own tokens to the
+/// next queued step; the driver checks all ranks sampled the same): the same
+/// tokens as step-by-step TP decode with seeded sampling, and as one process
+/// with greedy decode; penalised samplers are not pipelined.
+#[test]
+fn tp2_pipelined_decode_matches_step_by_step_and_one_process() {
+    use mlxcel::engine::generate::{generate, GenerateOptions};
+    use mlxcel::engine::sampler::SamplingParams;
+    use mlxcel::tokenizer::Tokenizer;
+
+    let _g = serial();
+    let dir = fixture("llama3");
+    let md = ModelDir::open(&dir).unwrap();
+    let config: Value = md.read_config().unwrap();
+    let tok = Tokenizer::from_dir(&dir, &config).unwrap();
+    let prompt = tok.encode("Tensor parallel decoding", true).unwrap();
+    let mut tp = TpExecutor::launch(&md, tp_options(2)).unwrap();
+    let model = models::load(&md, LoadFormat::Safetensors, |_, _| {})
+        .unwrap()
+        .model;
+    let mut one = LocalExecutor::new(model, 2, 256);
+    let opts = |pipeline| GenerateOptions {
+        max_tokens: 20,
+        ignore_eos: true,
+        pipeline,
+        ..GenerateOptions::default()
+    };
+    let sampled = SamplingParams {
+        temperature: 0.9,
+        top_p: 0.9,
+        seed: Some(21),
+        ..SamplingParams::default()
+    };
+    let run = |exec: &mut dyn Executor, id: u64, params: &SamplingParams, pipeline| {
+        generate(
+            exec,
+            &tok,
+            id,
+            1,
+            &prompt,
+            params.clone(),
+            &opts(pipeline),
+            |_| {},
+        )
+        .unwrap()
+        .generated_token_ids
+    };
+    let a = run(&mut tp, 1, &sampled, false);
+    let b = run(&mut tp, 2, &sampled, true);
+    assert_eq!(a.len(), 20);
+    assert_eq!(a, b, "seeded sampling, TP=2: step by step vs pipelined");
+    let greedy = SamplingParams::default();
+    let c = run(&mut tp, 3, &greedy, true);
+    let d = run(&mut one, 4, &greedy, true);
+    assert_eq!(c, d, "greedy: TP=2 pipelined vs one process");
+
+    // the executor pipelines a plain sampler, not a penalised one
+    for (id, params, want) in [
+        (10, SamplingParams::default(), true),
+        (
+            11,
+            SamplingParams {
+                frequency_penalty: 0.3,
+                ..SamplingParams::default()
+            },
+            false,
+        ),
+    ] {
+        tp.execute(&StepPlan {
+            seqs: vec![SeqStep {
+                seq_id: id,
+                slot: 0,
+                pos: 0,
+                tokens: prompt.clone(),
+                start: Some(SeqStart {
+                    params,
+                    prompt: prompt.clone(),
+                }),
+                sample: true,
+            }],
+            ..Default::default()
+        })
+        .unwrap();
+        assert_eq!(tp.can_pipeline(id), want, "seq {id}");
+        tp.execute(&StepPlan {
+            release: vec![id],
+            ..Default::default()
+        })
+        .unwrap();
+        assert!(!tp.can_pipeline(id), "released seq {id}");
+    }
+}

@@ -15,7 +15,7 @@ use super::plan::{self, DoesNotFit, GpuMemory, Placement, PlanInput};
 use super::protocol::{FromRank, Identity, RankReport, ToRank};
 use super::rank::MEMORY_LIMIT_VAR;
 use super::shard::{self, ShardError};
-use crate::engine::step::{Executor, MemoryStats, StepError, StepPlan, StepResult};
+use crate::engine::step::{Executor, MemoryStats, SampledToken, StepError, StepPlan, StepResult};
 use crate::mlx::{self, distributed::GroupBackend};
 use crate::model_dir::ModelDir;
 use crate::models::{self, LoadFormat, ModelError};
@@ -121,6 +121,11 @@ pub struct TpExecutor {
     opts: TpOptions,
     steps: u64,
     failed: Option<String>,
+    /// Sequences started and not released, and whether their sampler has
+    /// penalties (then their decode is not pipelined).
+    penalised: std::collections::HashMap<u64, bool>,
+    /// Pipelined decode steps queued on the ranks and not taken yet.
+    queued: usize,
     _hostfile: Option<tempfile_path::TempPath>,
 }
 
@@ -344,7 +349,7 @@ impl TpExecutor {
                     group.shutdown(Duration::from_secs(2));
                     return Err(LaunchError::RankFailed { rank, msg });
                 }
-                FromRank::Step(_) => {
+                FromRank::Step(_) | FromRank::Sampled(_) => {
                     group.shutdown(Duration::from_secs(2));
                     return Err(LaunchError::RankFailed {
                         rank,
@@ -372,6 +377,8 @@ impl TpExecutor {
             opts: opts.clone(),
             steps: 0,
             failed: None,
+            penalised: std::collections::HashMap::new(),
+            queued: 0,
             _hostfile: hostfile,
         })
     }
@@ -471,7 +478,22 @@ impl Executor for TpExecutor {
                 "the TP group has failed earlier: {msg}"
             )));
         }
-        if let Err(e) = self.group.broadcast(&ToRank::Step(plan.clone())) {
+        let mut plan = plan.clone();
+        for id in &plan.release {
+            self.penalised.remove(id);
+        }
+        for s in &mut plan.seqs {
+            if let Some(start) = &mut s.start {
+                // every rank samples, and pipelined decode feeds each rank its own
+                // samples: they must draw from one random stream
+                if start.params.seed.is_none() {
+                    start.params.seed = Some(rand::random::<u64>());
+                }
+                self.penalised
+                    .insert(s.seq_id, start.params.has_penalties());
+            }
+        }
+        if let Err(e) = self.group.broadcast(&ToRank::Step(plan)) {
             return Err(self.fail(e.to_string()));
         }
         let timeout = if self.steps == 0 {
@@ -501,12 +523,93 @@ impl Executor for TpExecutor {
                     let tail = self.group.stderr_tail(rank).join("\n    ");
                     return Err(self.fail(format!("TP rank {rank} failed: {msg}\n    {tail}")));
                 }
-                FromRank::Ready(_) => {
+                FromRank::Ready(_) | FromRank::Sampled(_) => {
                     return Err(self.fail(format!("TP rank {rank} sent an unexpected message")))
                 }
             }
         }
         Ok(out.unwrap_or_default())
+    }
+
+    fn can_pipeline(&self, seq_id: u64) -> bool {
+        self.failed.is_none() && self.penalised.get(&seq_id) == Some(&false)
+    }
+
+    fn queue_decode(
+        &mut self,
+        rows: &[(u64, usize, usize)],
+        tokens: Option<&[u32]>,
+    ) -> Result<(), StepError> {
+        if let Some(msg) = &self.failed {
+            return Err(StepError::Rank(format!(
+                "the TP group has failed earlier: {msg}"
+            )));
+        }
+        if let Some(&(id, _, _)) = rows.iter().find(|r| !self.can_pipeline(r.0)) {
+            return Err(StepError::NoSampler(id));
+        }
+        let msg = ToRank::QueueDecode {
+            rows: rows.to_vec(),
+            tokens: tokens.map(<[u32]>::to_vec),
+        };
+        if let Err(e) = self.group.broadcast(&msg) {
+            return Err(self.fail(e.to_string()));
+        }
+        self.queued += 1;
+        Ok(())
+    }
+
+    fn take_sampled(&mut self) -> Result<Vec<SampledToken>, StepError> {
+        if let Some(msg) = &self.failed {
+            return Err(StepError::Rank(format!(
+                "the TP group has failed earlier: {msg}"
+            )));
+        }
+        if self.queued == 0 {
+            return Err(StepError::Rank("no decode step queued".into()));
+        }
+        if let Err(e) = self.group.broadcast(&ToRank::TakeSampled) {
+            return Err(self.fail(e.to_string()));
+        }
+        self.queued -= 1;
+        let replies: Vec<FromRank> = match self.group.recv_all(self.opts.step_timeout) {
+            Ok(r) => r,
+            Err(e) => return Err(self.fail(e.to_string())),
+        };
+        self.steps += 1;
+        let mut out: Option<Vec<SampledToken>> = None;
+        for (rank, r) in replies.into_iter().enumerate() {
+            match r {
+                FromRank::Sampled(toks) => match &out {
+                    None => out = Some(toks),
+                    Some(first) => {
+                        let a: Vec<u32> = first.iter().map(|t| t.token).collect();
+                        let b: Vec<u32> = toks.iter().map(|t| t.token).collect();
+                        if a != b {
+                            return Err(self.fail(format!(
+                                "TP ranks sampled different tokens (rank 0 {a:?}, rank {rank} {b:?}): \
+                                 their logits are not bitwise replicated"
+                            )));
+                        }
+                    }
+                },
+                FromRank::Error(msg) => {
+                    let tail = self.group.stderr_tail(rank).join("\n    ");
+                    return Err(self.fail(format!("TP rank {rank} failed: {msg}\n    {tail}")));
+                }
+                _ => return Err(self.fail(format!("TP rank {rank} sent an unexpected message"))),
+            }
+        }
+        Ok(out.unwrap_or_default())
+    }
+
+    fn discard_queued(&mut self) {
+        if self.queued > 0 && self.failed.is_none() {
+            if let Err(e) = self.group.broadcast(&ToRank::DiscardQueued) {
+                self.fail(e.to_string());
+            }
+        }
+        self.queued = 0;
     }
 
     fn ctx_size(&self) -> usize {

@@ -1,13 +1,25 @@
 //! Messages between the driver and its rank processes over the control channel.
 use serde::{Deserialize, Serialize};
 
-use crate::engine::step::{StepPlan, StepResult};
+use crate::engine::step::{SampledToken, StepPlan, StepResult};
 
 /// Driver → rank.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub enum ToRank {
     /// Execute this step (every rank gets the same plan).
     Step(StepPlan),
+    /// Queue a pipelined decode step (`Executor::queue_decode`) without replying:
+    /// rows `(seq_id, slot, pos)`, and their input tokens, or `None` for the
+    /// tokens this rank sampled in its previous queued step (every rank samples
+    /// the same tokens: replicated logits, shared seeds).
+    QueueDecode {
+        rows: Vec<(u64, usize, usize)>,
+        tokens: Option<Vec<u32>>,
+    },
+    /// Read the oldest queued decode step's tokens and reply with them.
+    TakeSampled,
+    /// Drop queued decode steps (no reply).
+    DiscardQueued,
     /// Exit cleanly.
     Shutdown,
 }
@@ -19,6 +31,8 @@ pub enum FromRank {
     Ready(RankReport),
     /// A step's result (only rank 0's carries sampled tokens).
     Step(StepResult),
+    /// The tokens of a queued decode step (every rank's: the driver checks they agree).
+    Sampled(Vec<SampledToken>),
     /// The rank failed and is exiting.
     Error(String),
 }

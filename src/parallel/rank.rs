@@ -123,7 +123,9 @@ fn serve(args: &RankArgs, rank: usize, dir: &ModelDir, chan: &mut RankChannel) -
         peak_rss_bytes: super::plan::peak_rss_bytes(),
     };
     drop(src);
-    let mut worker = Worker::new(model, args.slots, args.ctx_size, rank == 0);
+    // every rank samples (identically: replicated logits, seeds set by the driver), so
+    // pipelined decode steps can take their input tokens from the rank's own device
+    let mut worker = Worker::new(model, args.slots, args.ctx_size, true);
     chan.send(&FromRank::Ready(report))?;
     loop {
         let msg = match chan.recv::<ToRank>() {
@@ -143,6 +145,18 @@ fn serve(args: &RankArgs, rank: usize, dir: &ModelDir, chan: &mut RankChannel) -
                 reply.memory = Some(MemoryStats::now());
                 chan.send(&FromRank::Step(reply))?;
             }
+            ToRank::QueueDecode { rows, tokens } => {
+                worker
+                    .queue_decode(&rows, tokens.as_deref())
+                    .with_context(|| format!("rank {rank}: queuing a decode step failed"))?
+            }
+            ToRank::TakeSampled => {
+                let toks = worker
+                    .take_sampled()
+                    .with_context(|| format!("rank {rank}: a queued decode step failed"))?;
+                chan.send(&FromRank::Sampled(toks))?;
+            }
+            ToRank::DiscardQueued => worker.discard_queued(),
             ToRank::Shutdown => return Ok(()),
         }
     }
