@@ -382,11 +382,17 @@ ArrayPtr sdpa_masked(const array& q, const array& k, const array& v, float scale
 
 // ---- fused (compiled) element-wise ops ----
 namespace {
+// Times this thread traced a compiled op (the impl bodies run only while MLX traces).
+thread_local uint64_t g_compile_traces = 0;
+
 std::vector<array> swiglu_impl(const std::vector<array>& in) {
+  ++g_compile_traces;
   const array& g = in[0];
   return {mx::multiply(mx::multiply(g, mx::sigmoid(g)), in[1])};
 }
 }  // namespace
+
+uint64_t compile_traces() { return g_compile_traces; }
 
 ArrayPtr swiglu(const array& gate, const array& up) {
   // A plain function pointer gives MLX a stable identity for its compile cache.

@@ -142,6 +142,8 @@ ArrayPtr sdpa_masked(const array& q, const array& k, const array& v, float scale
 // ---- fused (compiled) element-wise ops ----
 // silu(gate) * up in one kernel (MLX `compile`, shapeless: no re-trace when shapes change)
 ArrayPtr swiglu(const array& gate, const array& up);
+// How many times this thread traced one of the compiled ops above (shapeless: once each).
+uint64_t compile_traces();
 
 // ---- custom kernels ----
 // One output of a run-time compiled CUDA kernel (`fast::cuda_kernel`): `source` is

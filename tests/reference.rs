@@ -407,3 +407,68 @@ fn pipelined_generate_equals_step_by_step() {
         }
     }
 }
+
+/// Decode steps at new positions, batch sizes and prompt lengths re-trace none of
+/// the compiled ops after the first step (they are shapeless; positions and
+/// offsets are arrays).
+#[test]
+fn compiled_ops_trace_once() {
+    use mlxcel::mlx::fast;
+    let dir = fixture("qwen3");
+    let md = ModelDir::open(&dir).unwrap();
+    let model = models::load(&md, LoadFormat::Safetensors, |_, _| {})
+        .unwrap()
+        .model;
+    let mut cache = model.new_cache(3, 128);
+    let warm = model
+        .forward(
+            &mut cache,
+            &[SeqInput {
+                slot: 0,
+                tokens: &[1, 2, 3],
+            }],
+            Logits::Last,
+        )
+        .unwrap();
+    warm[0].eval().unwrap();
+    let traced = fast::compile_traces();
+    assert!(traced >= 1, "the MLP's compiled SwiGLU was not traced");
+    // single-sequence decode at growing positions
+    for t in 0..8u32 {
+        let out = model
+            .forward(
+                &mut cache,
+                &[SeqInput {
+                    slot: 0,
+                    tokens: &[10 + t],
+                }],
+                Logits::Last,
+            )
+            .unwrap();
+        out[0].eval().unwrap();
+    }
+    // another prompt length, then batched decode rows of 2 and 3 sequences
+    for (slot, n) in [(1usize, 7usize), (2, 2)] {
+        let p: Vec<u32> = (0..n as u32).map(|i| 20 + i).collect();
+        let out = model
+            .forward(&mut cache, &[SeqInput { slot, tokens: &p }], Logits::Last)
+            .unwrap();
+        out[0].eval().unwrap();
+    }
+    for rows in [&[0usize, 1][..], &[0, 1, 2][..]] {
+        let inputs: Vec<SeqInput> = rows
+            .iter()
+            .map(|&slot| SeqInput { slot, tokens: &[5] })
+            .collect();
+        model
+            .forward_decode_rows(&mut cache, &inputs)
+            .unwrap()
+            .eval()
+            .unwrap();
+    }
+    assert_eq!(
+        fast::compile_traces(),
+        traced,
+        "a compiled op was traced again after warm-up"
+    );
+}

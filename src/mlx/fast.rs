@@ -86,6 +86,13 @@ pub fn sdpa(q: &Array, k: &Array, v: &Array, scale: f32, mask: Mask<'_>) -> Resu
     }))
 }
 
+/// How many times this thread has traced mlxcel's compiled ops (e.g. [`swiglu`]).
+/// They are compiled shapeless, so after the first call nothing re-traces: not a
+/// new batch size, sequence length or position.
+pub fn compile_traces() -> u64 {
+    ffi::compile_traces()
+}
+
 /// `silu(gate) * up` as one compiled kernel (MLX `compile`, shapeless).
 pub fn swiglu(gate: &Array, up: &Array) -> Result<Array> {
     Ok(Array::from_ptr(ffi::swiglu(gate.raw(), up.raw())?))

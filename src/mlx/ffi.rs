@@ -268,6 +268,7 @@ pub(crate) mod ffi {
         ) -> Result<UniquePtr<Array>>;
 
         fn swiglu(gate: &Array, up: &Array) -> Result<UniquePtr<Array>>;
+        fn compile_traces() -> u64;
         #[allow(clippy::too_many_arguments)]
         fn cuda_kernel(
             name: &str,
