@@ -3,6 +3,7 @@
 # the checks and benchmarks whose output goes into docs/benchmarks.md and issue notes.
 #   bash scripts/gpu_session.sh checks   # devices, fixtures vs references, TP parity (ring/NCCL)
 #   bash scripts/gpu_session.sh bench8b  # 8B-shape bf16 + 4-bit: mlxcel vs mlx-lm, TP=2 if 2 GPUs
+#   bash scripts/gpu_session.sh verify   # kernel check (final kernel, 70B shapes), q4 peak memory, warm-up, server/TP pipelining
 #   bash scripts/gpu_session.sh side     # fixtures on GPU, mlxcel vs mlx-lm side by side (4-bit, bf16), qgemv off, pipelined generate
 # MLXCEL=path/to/mlxcel (default .gpu/bin/mlxcel); OUT=results folder (default ./gpu-out).
 set -uo pipefail
@@ -57,6 +58,28 @@ side)
   step "mlxcel generate: pipelined decode vs --no-pipeline"
   for m in 8b-q4 8b-bf16; do for f in "" --no-pipeline; do
     echo "$m $f: $($B generate -m "$CK/$m" -n 256 --ignore-eos -p hello $f 2>&1 | grep -o 'generated: .*tok/s')"; done; done
+  ;;
+verify)
+  # what the second session of 2026-11-29 changed without a GPU to measure it on
+  [ -f "$CK/8b-q4/config.json" ] || bash "$0" ckpt
+  step "qgemv: final kernel vs quantized_matmul, 8B + 70B shapes"; timeout 240 python3 scripts/check_qgemv.py 2>&1 | tee "$OUT/check-qgemv.txt" | tail -30
+  step "4-bit prefill peak memory (dequantize ordered after its input)"; $B bench -m "$CK/8b-q4" --prompt-lens 2048 --repeats 1 2>/dev/null | tee "$OUT/q4-bench.json"
+  step "generate 4-bit after the load-time warm-up (was 29 tok/s without)"
+  for f in "" --no-pipeline; do echo "q4 $f: $($B generate -m "$CK/8b-q4" -n 256 --ignore-eos -p hello $f 2>&1 | grep -E -o 'warmed up in [0-9.]+ s|generated: .*tok/s' | tr '\n' ' ')"; done
+  step "server: pipelined vs --no-pipeline, 1/8 streams"
+  S=${MLXCEL_SERVER:-$(dirname $B)/mlxcel-server}
+  for f in "" --no-pipeline; do
+    $S -m "$CK/8b-bf16" --port 8125 --parallel 8 --ctx-size 2048 $f > "$OUT/server$f.log" 2>&1 &
+    spid=$!
+    for i in $(seq 120); do curl -sf localhost:8125/health >/dev/null && break; sleep 1; done
+    python3 scripts/bench_server.py --port 8125 --concurrency 1,8 --rounds 1 --max-tokens 32 >/dev/null
+    echo "server $f:"; python3 scripts/bench_server.py --port 8125 --concurrency 1,8 --max-tokens 128 | tee "$OUT/server-bench$f.json"
+    kill -TERM $spid; wait $spid
+  done
+  if [ "$ngpu" -ge 2 ]; then
+    step "TP=2 over NCCL: pipelined vs --no-pipeline"
+    for f in "" --no-pipeline; do echo "tp2 $f: $($B generate -m "$CK/8b-bf16" --tp-size 2 -n 128 --ignore-eos -p hello $f 2>&1 | grep -o 'generated: .*tok/s')"; done
+  fi
   ;;
 bench)
   for m in 8b-bf16 8b-q4; do
