@@ -98,6 +98,8 @@ pub enum StepError {
     },
     #[error("step plan: sequence {0} samples without a sampler (no `start`)")]
     NoSampler(u64),
+    #[error("sequence {0} cannot be decoded pipelined here (not started, a sampler with penalties, or an executor without pipelining)")]
+    NotPipelined(u64),
     #[error("sampling parameters: {0}")]
     Params(String),
     #[error(transparent)]
@@ -144,7 +146,7 @@ pub trait Executor {
         rows: &[(u64, usize, usize)],
         _tokens: Option<&[u32]>,
     ) -> Result<(), StepError> {
-        Err(StepError::NoSampler(rows.first().map_or(0, |r| r.0)))
+        Err(StepError::NotPipelined(rows.first().map_or(0, |r| r.0)))
     }
     /// The tokens of the oldest queued decode step, in its row order (waits for it).
     fn take_sampled(&mut self) -> Result<Vec<SampledToken>, StepError> {
@@ -226,7 +228,7 @@ impl Worker {
         }
         for &(seq_id, slot, pos) in rows {
             if !self.can_pipeline(seq_id) {
-                return Err(StepError::NoSampler(seq_id));
+                return Err(StepError::NotPipelined(seq_id));
             }
             self.cache.check_slot(slot).map_err(ForwardError::from)?;
             let cached = self.cache.len(slot);

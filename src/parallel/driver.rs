@@ -546,7 +546,7 @@ impl Executor for TpExecutor {
             )));
         }
         if let Some(&(id, _, _)) = rows.iter().find(|r| !self.can_pipeline(r.0)) {
-            return Err(StepError::NoSampler(id));
+            return Err(StepError::NotPipelined(id));
         }
         let msg = ToRank::QueueDecode {
             rows: rows.to_vec(),
