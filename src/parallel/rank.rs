@@ -126,6 +126,11 @@ fn serve(args: &RankArgs, rank: usize, dir: &ModelDir, chan: &mut RankChannel) -
     // every rank samples (identically: replicated logits, seeds set by the driver), so
     // pipelined decode steps can take their input tokens from the rank's own device
     let mut worker = Worker::new(model, args.slots, args.ctx_size, true);
+    // every rank reaches this point after loading and runs the same step (with its
+    // all-reduces) on a GPU, so the run-time kernels compile before the first request
+    worker
+        .warm_up()
+        .with_context(|| format!("rank {rank}: warm-up step failed"))?;
     chan.send(&FromRank::Ready(report))?;
     loop {
         let msg = match chan.recv::<ToRank>() {
