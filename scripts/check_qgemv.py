@@ -41,10 +41,19 @@ def load_source(path):
     return head, body
 
 
+def kernel_name(header, body):
+    """`mlxcel_qgemv_<FNV-1a of the source>`, as mlxcel names it: MLX caches compiled
+    kernels by name (also on disk), so another source must get another name."""
+    h = 0xcbf29ce484222325
+    for b in (header + body).encode():
+        h = ((h ^ b) * 0x100000001b3) & 0xFFFFFFFFFFFFFFFF
+    return f"mlxcel_qgemv_{h & 0xFFFFFFFF:08x}"
+
+
 def make_kernel(path):
     header, body = load_source(path)
     return mx.fast.cuda_kernel(
-        name="mlxcel_qgemv",
+        name=kernel_name(header, body),
         input_names=["x", "w", "scales", "biases"],
         output_names=["y"],
         source=body,

@@ -7,8 +7,11 @@ timing from Python measures MLX's per-op host overhead as much as the kernel):
         -k regex:'qgemv|qmv' python3 scripts/prof_qgemv.py > ncu.txt
     python3 scripts/prof_qgemv.py --parse ncu.txt
 
-Kernel names carry the template values: ..._M_N_K_G_BITS_ROWS_WPB.
+`MLXCEL_QGEMV_SOURCE=path` times another version of the kernel file (the same
+variable mlxcel reads). Kernel names carry the template values: ..._M_N_K_G_BITS_ROWS_WPB.
 """
+import os
+import pathlib
 import re
 import sys
 
@@ -19,7 +22,7 @@ def launch():
     import mlx.core as mx
     sys.path.insert(0, "scripts")
     import check_qgemv as c
-    k = c.make_kernel(c.SOURCE)
+    k = c.make_kernel(pathlib.Path(os.environ.get("MLXCEL_QGEMV_SOURCE", c.SOURCE)))
     for n, kk in SHAPES:
         for bits in (4, 8):
             wq, s, b = c.quantized(n, kk, 64, bits, 0)

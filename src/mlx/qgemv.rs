@@ -28,6 +28,20 @@ pub struct Source {
     pub body: String,
 }
 
+impl Source {
+    /// `mlxcel_qgemv_<FNV-1a of the source, 32 bits>`: MLX caches compiled kernels by
+    /// name, in memory and on disk (`MLX_PTX_CACHE_DIR`), so an edited source must not
+    /// reuse the old name. `scripts/check_qgemv.py` names it the same way.
+    pub fn kernel_name(&self) -> String {
+        let mut h: u64 = 0xcbf29ce484222325;
+        for b in self.header.bytes().chain(self.body.bytes()) {
+            h ^= b as u64;
+            h = h.wrapping_mul(0x100000001b3);
+        }
+        format!("mlxcel_qgemv_{:08x}", h & 0xFFFF_FFFF)
+    }
+}
+
 /// Split a kernel file at its `// @@header` and `// @@body` marker lines.
 pub fn split_source(text: &str) -> std::result::Result<Source, String> {
     let (_, rest) = text
@@ -59,6 +73,11 @@ fn load_source() -> std::result::Result<Source, String> {
         }
         None => split_source(EMBEDDED).map_err(|e| format!("embedded kernels/qgemv.cu: {e}")),
     }
+}
+
+fn kernel_name() -> &'static str {
+    static NAME: OnceLock<String> = OnceLock::new();
+    NAME.get_or_init(|| source().map(|s| s.kernel_name()).unwrap_or_default())
 }
 
 fn source() -> Result<&'static Source> {
@@ -137,8 +156,9 @@ pub fn qgemv(
     let src = source()?;
     let (rows, wpb) = launch_config(m, n, bits);
     let names = ["x", "w", "scales", "biases"].map(String::from);
+    let name = kernel_name();
     let kernel = CudaKernel {
-        name: "mlxcel_qgemv",
+        name: &name,
         input_names: &names,
         output_name: "y",
         header: &src.header,
@@ -174,6 +194,17 @@ mod tests {
         assert!(s.header.contains("mlxcel_qval"));
         assert!(s.body.contains("WPB") && s.body.contains("y[size_t(m) * N"));
         assert!(!s.body.contains("@@"));
+    }
+
+    #[test]
+    fn kernel_name_follows_the_source() {
+        let a = split_source(EMBEDDED).unwrap();
+        let mut b = a.clone();
+        b.body.push_str("\n// edited\n");
+        assert!(a.kernel_name().starts_with("mlxcel_qgemv_"));
+        assert_eq!(a.kernel_name().len(), "mlxcel_qgemv_".len() + 8);
+        assert_eq!(a.kernel_name(), a.clone().kernel_name());
+        assert_ne!(a.kernel_name(), b.kernel_name());
     }
 
     #[test]
