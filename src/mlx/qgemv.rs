@@ -158,7 +158,7 @@ pub fn qgemv(
     let names = ["x", "w", "scales", "biases"].map(String::from);
     let name = kernel_name();
     let kernel = CudaKernel {
-        name: &name,
+        name,
         input_names: &names,
         output_name: "y",
         header: &src.header,
