@@ -191,21 +191,30 @@ pub fn generate(
             break;
         }
         if pipelined {
-            if queued == 0 {
-                exec.queue_decode(&[(seq_id, slot, pos)], Some(&[token]))?;
-                queued += 1;
+            let more =
+                generated.len() + 1 < opts.max_tokens && prompt.len() + generated.len() + 1 < ctx;
+            let next = (|| -> Result<u32, GenerateError> {
+                if queued == 0 {
+                    exec.queue_decode(&[(seq_id, slot, pos)], Some(&[token]))?;
+                    queued += 1;
+                }
+                // the step after it, fed with its token on the device, if that may be wanted
+                if more {
+                    exec.queue_decode(&[(seq_id, slot, pos + 1)], None)?;
+                    queued += 1;
+                }
+                let t = exec.take_sampled()?.pop().map(|s| s.token);
+                queued -= 1;
+                t.ok_or(GenerateError::Step(StepError::NoSampler(seq_id)))
+            })();
+            match next {
+                Ok(t) => token = t,
+                Err(e) => {
+                    // leave the executor without stale queued steps
+                    exec.discard_queued();
+                    return Err(e);
+                }
             }
-            // the step after it, fed with its token on the device, if that may be wanted
-            if generated.len() + 1 < opts.max_tokens && prompt.len() + generated.len() + 1 < ctx {
-                exec.queue_decode(&[(seq_id, slot, pos + 1)], None)?;
-                queued += 1;
-            }
-            token = exec
-                .take_sampled()?
-                .pop()
-                .map(|s| s.token)
-                .ok_or(GenerateError::Step(StepError::NoSampler(seq_id)))?;
-            queued -= 1;
             continue;
         }
         let step = SeqStep {
