@@ -63,7 +63,9 @@ verify)
   # what the second session of 2026-11-29 changed without a GPU to measure it on
   [ -f "$CK/8b-q4/config.json" ] || bash "$0" ckpt
   step "qgemv: final kernel vs quantized_matmul, 8B + 70B shapes"; timeout 240 python3 scripts/check_qgemv.py 2>&1 | tee "$OUT/check-qgemv.txt" | tail -30
-  step "4-bit prefill peak memory (dequantize ordered after its input)"; $B bench -m "$CK/8b-q4" --prompt-lens 2048 --repeats 1 2>/dev/null | tee "$OUT/q4-bench.json"
+  step "4-bit prefill peak memory (dequantize ordered after its input); batched decode 2/4/8 (qgemv at M ≤ 4, MLX's kernel at 8)"
+  $B bench -m "$CK/8b-q4" --prompt-lens 2048 --decode-batch 2,4,8 --repeats 1 2>/dev/null | tee "$OUT/q4-bench.json"
+  $B bench -m "$CK/8b-bf16" --prompt-lens 2048 --decode-batch 2,4,8 --repeats 1 2>/dev/null | tee "$OUT/bf16-bench.json"
   step "generate 4-bit after the load-time warm-up (was 29 tok/s without)"
   for f in "" --no-pipeline; do echo "q4 $f: $($B generate -m "$CK/8b-q4" -n 256 --ignore-eos -p hello $f 2>&1 | grep -E -o 'warmed up in [0-9.]+ s|generated: .*tok/s' | tr '\n' ' ')"; done
   step "server: pipelined vs --no-pipeline, 1/8 streams"

@@ -294,3 +294,53 @@ fn bad_model_folders_give_one_line_errors() {
         edit_config(d, |v| v["num_attention_heads"] = 4.into())
     });
 }
+
+#[test]
+fn bench_reports_prefill_decode_and_batched_decode() {
+    let cache = tmp("bench");
+    let model = fixture("llama3");
+    let m = model.to_str().unwrap();
+    let args = [
+        "bench",
+        "-m",
+        m,
+        "--prompt-lens",
+        "8,16",
+        "--decode-tokens",
+        "4",
+        "--decode-context",
+        "5",
+        "--decode-batch",
+        "2,3",
+        "--repeats",
+        "1",
+    ];
+    let out = mlxcel(&args, &cache);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let j = last_json(&out);
+    let prefill = j["prefill"].as_array().unwrap();
+    assert_eq!(prefill.len(), 2);
+    assert_eq!(prefill[1]["tokens"], 16);
+    assert!(j["decode"]["tokens_per_second"].as_f64().unwrap() > 0.0);
+    let batched = j["decode_batched"].as_array().unwrap();
+    assert_eq!(batched.len(), 2);
+    for (row, b) in batched.iter().zip([2u64, 3]) {
+        assert_eq!(row["batch"].as_u64(), Some(b));
+        assert_eq!(row["steps"].as_u64(), Some(4));
+        let tps = row["tokens_per_second"].as_f64().unwrap();
+        let ms = row["ms_per_step"].as_f64().unwrap();
+        // tokens per second = batch × steps / seconds = batch × 1000 / ms per step
+        assert!((tps - b as f64 * 1e3 / ms).abs() / tps < 1e-6, "{row}");
+    }
+
+    let mut bad = args.to_vec();
+    bad[10] = "2,0";
+    let out = mlxcel(&bad, &cache);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--decode-batch"), "{err}");
+}

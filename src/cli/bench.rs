@@ -32,10 +32,17 @@ pub struct BenchArgs {
     /// Prompt tokens per prefill step (mlx-lm uses 2048).
     #[arg(long, default_value_t = 2048)]
     pub prefill_chunk: usize,
+    /// Also time batched decode at these batch sizes (comma-separated): B sequences
+    /// after the same prompt, one token each per step, pipelined like batch 1.
+    #[arg(long, value_delimiter = ',')]
+    pub decode_batch: Vec<usize>,
     /// Repeat each measurement and keep the best.
     #[arg(long, default_value_t = 2)]
     pub repeats: usize,
 }
+
+/// Prompt tokens of the warm-up prefill (before any timing), plus a few decode steps.
+const WARM_UP_PROMPT: usize = 64;
 
 pub fn run(args: &BenchArgs) -> Result<()> {
     let longest = args
@@ -44,11 +51,16 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         .copied()
         .max()
         .unwrap_or(0)
-        .max(args.decode_context + args.decode_tokens + 1);
+        .max(args.decode_context + args.decode_tokens + 1)
+        .max(WARM_UP_PROMPT + 8);
     let mut margs = args.model.clone();
     margs.ctx_size = Some(margs.ctx_size.unwrap_or(longest).max(longest));
     let opened = open_model(&margs)?;
-    check_single_device_memory(&margs, &opened, 1, args.prefill_chunk)?;
+    if let Some(&0) = args.decode_batch.iter().find(|&&b| b == 0) {
+        anyhow::bail!("--decode-batch: batch sizes must be at least 1");
+    }
+    let max_batch = args.decode_batch.iter().copied().max().unwrap_or(1).max(1);
+    check_single_device_memory(&margs, &opened, max_batch, args.prefill_chunk)?;
     let m = super::generate::LoadedModel {
         model: load_weights(&margs, &opened)?,
         dir: opened.dir,
@@ -62,7 +74,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     let mut cache = m.model.new_cache(1, m.ctx_size);
 
     // warm-up: compile kernels for both paths
-    let warm = prompt(64);
+    let warm = prompt(WARM_UP_PROMPT);
     cache.reset(0);
     prefill(&m.model, &mut cache, 0, &warm, args.prefill_chunk)?;
     decode_loop(&m.model, &mut cache, 4)?;
@@ -90,6 +102,30 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         decode_loop(&m.model, &mut cache, args.decode_tokens)?;
         best = best.min(t.elapsed().as_secs_f64());
     }
+    let mut batched = Vec::new();
+    for &b in &args.decode_batch {
+        let mut bcache = m.model.new_cache(b, m.ctx_size);
+        decode_batch_loop(&m.model, &mut bcache, b, 2)?; // warm-up: kernels for this batch size
+        let mut best = f64::MAX;
+        for _ in 0..args.repeats.max(1) {
+            for slot in 0..b {
+                bcache.reset(slot);
+                prefill(&m.model, &mut bcache, slot, &ctx, args.prefill_chunk)?;
+            }
+            mlx::synchronize()?;
+            let t = Instant::now();
+            decode_batch_loop(&m.model, &mut bcache, b, args.decode_tokens)?;
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+        let steps = args.decode_tokens as f64;
+        batched.push(json!({
+            "batch": b,
+            "steps": args.decode_tokens,
+            "seconds": best,
+            "tokens_per_second": b as f64 * steps / best,
+            "ms_per_step": best * 1e3 / steps,
+        }));
+    }
     let device = if mlx::gpu_device_count() > 0 {
         mlx::device_info(0).map(|d| d.name).unwrap_or_default()
     } else {
@@ -110,6 +146,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             "tokens_per_second": args.decode_tokens as f64 / best,
             "ms_per_token": best * 1e3 / args.decode_tokens as f64,
         },
+        "decode_batched": batched,
         "peak_memory_bytes": mlx::memory::peak(),
     });
     println!("{}", serde_json::to_string(&out)?);
@@ -143,6 +180,36 @@ fn decode_loop(
     }
     if let Some(prev) = pending {
         let _token: i32 = prev.item()?;
+    }
+    Ok(())
+}
+
+/// Greedy decode of `n` steps of `b` sequences (slots `0..b`, one token each per
+/// step) as one graph per step, pipelined like [`decode_loop`].
+fn decode_batch_loop(
+    model: &crate::models::Transformer,
+    cache: &mut crate::engine::kv_cache::KvCache,
+    b: usize,
+    n: usize,
+) -> Result<()> {
+    let slots: Vec<usize> = (0..b).collect();
+    let mut y = mlx::Array::from_slice(&vec![1i32; b], &[b as i32, 1])?;
+    let mut pending: Option<mlx::Array> = None;
+    for _ in 0..n {
+        let logits = model.forward_decode_ids(cache, &slots, &y)?;
+        let next = logits
+            .argmax(-1, false)?
+            .astype(Dtype::I32)?
+            .reshape(&[b as i32, 1])?;
+        mlx::async_eval(&[&next])?;
+        if let Some(prev) = pending.take() {
+            let _tokens: Vec<i32> = prev.to_vec()?;
+        }
+        pending = Some(next.clone());
+        y = next;
+    }
+    if let Some(prev) = pending {
+        let _tokens: Vec<i32> = prev.to_vec()?;
     }
     Ok(())
 }
