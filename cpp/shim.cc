@@ -409,9 +409,10 @@ ArrayPtr cuda_kernel(rust::Str name, rust::Slice<const rust::String> input_names
   if (tnames.size() != tvals.size() || grid.size() != 3 || threadgroup.size() != 3) {
     throw std::invalid_argument("cuda_kernel: template names/values or grid/threadgroup sizes differ");
   }
-  // Keyed by name and source: building the kernel function scans the source.
+  // Keyed by name alone (the caller names each source differently): this runs once
+  // per quantized linear per decode step, so no copy or hash of the source here.
   static std::unordered_map<std::string, mx::fast::CustomKernelFunction> kernels;
-  std::string key = std::string(name) + '\0' + std::string(source);
+  std::string key(name);
   auto it = kernels.find(key);
   if (it == kernels.end()) {
     std::vector<std::string> in_names;

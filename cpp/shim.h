@@ -149,7 +149,8 @@ uint64_t compile_traces();
 // One output of a run-time compiled CUDA kernel (`fast::cuda_kernel`): `source` is
 // the kernel body, `header` device code before it; template ints (`tnames[i] =
 // tvals[i]`) become constexpr ints in the body and `T` names `tdtype`. Built
-// kernels are cached by name (MLX caches the compiled module per template set).
+// kernels are cached by name alone, so a name must identify its source (MLX then
+// caches the compiled module per template set).
 ArrayPtr cuda_kernel(rust::Str name, rust::Slice<const rust::String> input_names, rust::Str output_name,
                      rust::Str source, rust::Str header, const ArrayVec& inputs,
                      rust::Slice<const int32_t> out_shape, Dtype out_dtype,

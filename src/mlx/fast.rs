@@ -153,8 +153,10 @@ pub fn quantize(w: &Array, group_size: i32, bits: i32) -> Result<(Array, Array, 
 
 /// A CUDA kernel compiled at run time by MLX (`fast::cuda_kernel`, nvrtc): `body` is
 /// the kernel body (inputs named `input_names`, one output), `header` device code
-/// before it. `template` ints become constexpr ints in the body and `T` names
-/// `tdtype`. `grid` counts threads, as in MLX. Only MLX's CUDA backend runs it.
+/// before it. Template ints (`template_names[i] = template_values[i]`) become
+/// constexpr ints in the body and `T` names `tdtype`. `grid` counts threads, as in
+/// MLX. Only MLX's CUDA backend runs it. The shim caches the kernel function by
+/// `name`, so `name` must change whenever `header` or `body` does.
 pub struct CudaKernel<'a> {
     pub name: &'a str,
     pub input_names: &'a [String],
@@ -170,13 +172,13 @@ impl CudaKernel<'_> {
         inputs: &[&Array],
         out_shape: &[i32],
         out_dtype: super::Dtype,
-        template: &[(String, i32)],
+        template_names: &[String],
+        template_values: &[i32],
         tdtype: super::Dtype,
         grid: [i32; 3],
         threadgroup: [i32; 3],
     ) -> Result<Array> {
         let list = ArrayList::new(inputs.iter().copied());
-        let (names, vals): (Vec<String>, Vec<i32>) = template.iter().cloned().unzip();
         Ok(Array::from_ptr(ffi::cuda_kernel(
             self.name,
             self.input_names,
@@ -186,8 +188,8 @@ impl CudaKernel<'_> {
             list.raw(),
             out_shape,
             out_dtype,
-            &names,
-            &vals,
+            template_names,
+            template_values,
             tdtype,
             &grid,
             &threadgroup,

@@ -155,29 +155,28 @@ pub fn qgemv(
     let n = w.dim(0) as usize;
     let src = source()?;
     let (rows, wpb) = launch_config(m, n, bits);
-    let names = ["x", "w", "scales", "biases"].map(String::from);
-    let name = kernel_name();
+    // built once: this runs for every quantized linear of every decode step
+    static NAMES: OnceLock<([String; 4], [String; 7])> = OnceLock::new();
+    let (inputs, tnames) = NAMES.get_or_init(|| {
+        (
+            ["x", "w", "scales", "biases"].map(String::from),
+            ["M", "N", "K", "G", "BITS", "ROWS", "WPB"].map(String::from),
+        )
+    });
     let kernel = CudaKernel {
-        name,
-        input_names: &names,
+        name: kernel_name(),
+        input_names: inputs,
         output_name: "y",
         header: &src.header,
         body: &src.body,
     };
-    let t = |name: &str, v: usize| (name.to_string(), v as i32);
+    let tvals = [m, n, k, group, bits, rows, wpb].map(|v| v as i32);
     kernel.call(
         &[x, w, scales, biases],
         &[m as i32, n as i32],
         x.dtype(),
-        &[
-            t("M", m),
-            t("N", n),
-            t("K", k),
-            t("G", group),
-            t("BITS", bits),
-            t("ROWS", rows),
-            t("WPB", wpb),
-        ],
+        tnames,
+        &tvals,
         x.dtype(),
         [(n / rows * 32 * wpb) as i32, 1, 1],
         [(32 * wpb) as i32, 1, 1],
