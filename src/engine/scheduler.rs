@@ -466,33 +466,8 @@ impl Scheduler {
             Err(e) => {
                 // releasing twice is harmless; keep them for the next plan
                 self.to_release.extend(plan.release.iter().copied());
-                let message = format!("engine step failed: {e}");
-                let fatal = matches!(e, StepError::Rank(_));
-                // before any request hears of it, so health is already down then
-                obs.engine_error(&e, fatal);
-                if fatal {
-                    obs.executor_down(&e.to_string());
-                }
-                let kind = if fatal {
-                    FailKind::Unavailable
-                } else {
-                    FailKind::Internal
-                };
                 let ids: Vec<u64> = in_plan.iter().map(|&(id, _)| id).collect();
-                let mut i = 0;
-                while i < self.running.len() {
-                    if ids.contains(&self.running[i].id) {
-                        let seq = self.running.remove(i);
-                        let _ = seq.req.events.send(Event::Error {
-                            kind,
-                            message: message.clone(),
-                        });
-                        self.retire(seq, Outcome::Failed, obs);
-                    } else {
-                        i += 1;
-                    }
-                }
-                obs.step_done(self.running.len(), self.queue.len());
+                self.fail_step(&ids, &e, obs);
                 return Err(e);
             }
         };
@@ -529,6 +504,36 @@ impl Scheduler {
         }
         obs.step_done(self.running.len(), self.queue.len());
         Ok(summary)
+    }
+
+    /// A step failed with `e`: tell the observer (before any request hears of it, so
+    /// health is already down then), and fail the running sequences `ids` of the step.
+    fn fail_step(&mut self, ids: &[u64], e: &StepError, obs: &dyn Observer) {
+        let message = format!("engine step failed: {e}");
+        let fatal = matches!(e, StepError::Rank(_));
+        obs.engine_error(e, fatal);
+        if fatal {
+            obs.executor_down(&e.to_string());
+        }
+        let kind = if fatal {
+            FailKind::Unavailable
+        } else {
+            FailKind::Internal
+        };
+        let mut i = 0;
+        while i < self.running.len() {
+            if ids.contains(&self.running[i].id) {
+                let seq = self.running.remove(i);
+                let _ = seq.req.events.send(Event::Error {
+                    kind,
+                    message: message.clone(),
+                });
+                self.retire(seq, Outcome::Failed, obs);
+            } else {
+                i += 1;
+            }
+        }
+        obs.step_done(self.running.len(), self.queue.len());
     }
 
     /// The decode rows `(seq_id, slot, input position)` of every running sequence, in
@@ -636,31 +641,7 @@ impl Scheduler {
             Err(e) => {
                 exec.discard_queued();
                 self.inflight = None;
-                let fatal = matches!(e, StepError::Rank(_));
-                obs.engine_error(&e, fatal);
-                if fatal {
-                    obs.executor_down(&e.to_string());
-                }
-                let kind = if fatal {
-                    FailKind::Unavailable
-                } else {
-                    FailKind::Internal
-                };
-                let message = format!("engine step failed: {e}");
-                let mut i = 0;
-                while i < self.running.len() {
-                    if step_ids.contains(&self.running[i].id) {
-                        let seq = self.running.remove(i);
-                        let _ = seq.req.events.send(Event::Error {
-                            kind,
-                            message: message.clone(),
-                        });
-                        self.retire(seq, Outcome::Failed, obs);
-                    } else {
-                        i += 1;
-                    }
-                }
-                obs.step_done(self.running.len(), self.queue.len());
+                self.fail_step(&step_ids, &e, obs);
                 return Err(e);
             }
         };

@@ -10,9 +10,7 @@ use std::collections::HashMap;
 use serde::{Deserialize, Serialize};
 
 use super::kv_cache::KvCache;
-use super::sampler::{
-    sample_batch, sample_batch_lazy, LazySample, Sampled, SamplingParams, SequenceSampler,
-};
+use super::sampler::{sample_batch_lazy, LazySample, SamplingParams, SequenceSampler};
 use crate::mlx::{self, Array};
 use crate::models::{ForwardError, Logits, SeqInput, Transformer};
 
@@ -275,27 +273,7 @@ impl Worker {
         let logits = self
             .model
             .forward_decode_ids(&mut self.cache, &slots, &ids)?;
-        // take the samplers out so they can be borrowed mutably together
-        let mut taken: Vec<(u64, SequenceSampler)> = Vec::with_capacity(rows.len());
-        for &id in &seq_ids {
-            match self.samplers.remove(&id) {
-                Some(s) => taken.push((id, s)),
-                None => {
-                    for (id, s) in taken {
-                        self.samplers.insert(id, s);
-                    }
-                    return Err(StepError::NoSampler(id));
-                }
-            }
-        }
-        let sample = {
-            let mut refs: Vec<&mut SequenceSampler> = taken.iter_mut().map(|(_, s)| s).collect();
-            sample_batch_lazy(&logits, &mut refs)
-        };
-        for (id, s) in taken {
-            self.samplers.insert(id, s);
-        }
-        let sample = sample?;
+        let sample = self.sample_lazy(&seq_ids, &logits)?;
         mlx::async_eval(&sample.arrays())?;
         self.queued.push_back(Queued { seq_ids, sample });
         Ok(())
@@ -307,20 +285,7 @@ impl Worker {
             .queued
             .pop_front()
             .ok_or_else(|| StepError::Rank("no decode step queued".into()))?;
-        let sampled = q.sample.read()?;
-        let mut out = Vec::with_capacity(sampled.len());
-        for (id, x) in q.seq_ids.into_iter().zip(sampled) {
-            if let Some(s) = self.samplers.get_mut(&id) {
-                s.observe(x.token);
-            }
-            out.push(SampledToken {
-                seq_id: id,
-                token: x.token,
-                logprob: x.logprob,
-                top_logprobs: x.top_logprobs,
-            });
-        }
-        Ok(out)
+        self.read_sampled(&q.seq_ids, q.sample)
     }
 
     /// See [`Executor::discard_queued`]. The cache keeps the discarded steps'
@@ -429,11 +394,20 @@ impl Worker {
         rows: &[usize],
         batch: Array,
     ) -> Result<StepResult, StepError> {
-        let mut result = StepResult::default();
-        // take the samplers out so we can borrow them mutably together
-        let mut taken: Vec<(u64, SequenceSampler)> = Vec::with_capacity(rows.len());
-        for &i in rows {
-            let id = plan.seqs[i].seq_id;
+        let ids: Vec<u64> = rows.iter().map(|&i| plan.seqs[i].seq_id).collect();
+        let sample = self.sample_lazy(&ids, &batch)?;
+        Ok(StepResult {
+            sampled: self.read_sampled(&ids, sample)?,
+            ..StepResult::default()
+        })
+    }
+
+    /// The sampling graph for sequences `ids`, row k of `logits` for `ids[k]`,
+    /// unevaluated (advances their random streams).
+    fn sample_lazy(&mut self, ids: &[u64], logits: &Array) -> Result<LazySample, StepError> {
+        // take the samplers out so they can be borrowed mutably together
+        let mut taken: Vec<(u64, SequenceSampler)> = Vec::with_capacity(ids.len());
+        for &id in ids {
             match self.samplers.remove(&id) {
                 Some(s) => taken.push((id, s)),
                 None => {
@@ -444,30 +418,37 @@ impl Worker {
                 }
             }
         }
-        let sampled: mlx::Result<Vec<Sampled>> = {
+        let sample = {
             let mut refs: Vec<&mut SequenceSampler> = taken.iter_mut().map(|(_, s)| s).collect();
-            sample_batch(&batch, &mut refs)
+            sample_batch_lazy(logits, &mut refs)
         };
-        let sampled = match sampled {
-            Ok(s) => s,
-            Err(e) => {
-                for (id, s) in taken {
-                    self.samplers.insert(id, s);
-                }
-                return Err(e.into());
+        for (id, s) in taken {
+            self.samplers.insert(id, s);
+        }
+        Ok(sample?)
+    }
+
+    /// Read `sample` back and record each token with its sequence's sampler (a
+    /// sequence released meanwhile has none).
+    fn read_sampled(
+        &mut self,
+        ids: &[u64],
+        sample: LazySample,
+    ) -> Result<Vec<SampledToken>, StepError> {
+        let sampled = sample.read()?;
+        let mut out = Vec::with_capacity(sampled.len());
+        for (&id, x) in ids.iter().zip(sampled) {
+            if let Some(s) = self.samplers.get_mut(&id) {
+                s.observe(x.token);
             }
-        };
-        for ((id, mut s), x) in taken.into_iter().zip(sampled) {
-            s.observe(x.token);
-            result.sampled.push(SampledToken {
+            out.push(SampledToken {
                 seq_id: id,
                 token: x.token,
                 logprob: x.logprob,
                 top_logprobs: x.top_logprobs,
             });
-            self.samplers.insert(id, s);
         }
-        Ok(result)
+        Ok(out)
     }
 }
 
