@@ -5,11 +5,19 @@
 //   scales T      [N, K/G]
 //   biases T      [N, K/G]        w[n, k] = q · scale + bias
 // x and y are T (bfloat16). Compiled at run time by MLX (`fast::cuda_kernel`,
-// nvrtc); template constants: M, N, K, G, BITS, ROWS, WPB.
+// nvrtc); template constants: M, N, K, G, BITS, ROWS, WPB, EPI.
+//
+// EPI picks what is written (each saves the decode step a separate MLX op):
+//   0: y[M, N]   = x·Wᵀ
+//   1: y[M, N]   = res + x·Wᵀ            (res T [M, N]: the residual stream)
+//   2: y[M, N/2] = silu(g)·u, g = (x·Wᵀ)[:, :N/2], u = (x·Wᵀ)[:, N/2:]
+//      (the merged gate/up projection; a block takes ROWS/2 rows of each half)
+// x is read as M rows of K whatever its shape, y is written row-major.
 //
 // This file is loaded as two parts split at the marker lines: the header (device
 // helpers) and the body of the `__global__` function MLX generates around it:
-//   (const T* x, const uint32_t* w, const T* scales, const T* biases, T* y)
+//   (const T* x, const uint32_t* w, const T* scales, const T* biases, const T* res, T* y)
+// (res is unused unless EPI = 1; callers pass any array there)
 // mlxcel embeds it and `MLXCEL_QGEMV_SOURCE=path` replaces it at run time;
 // `scripts/check_qgemv.py` loads the same file from Python to check and time it.
 //
@@ -69,6 +77,7 @@ __device__ __forceinline__ float mlxcel_word_dot(uint32_t u, const float* xs) {
 }
 // @@body
   static_assert(BITS == 4 || BITS == 8, "qgemv: 4 or 8 bits");
+  static_assert(EPI != 2 || (ROWS % 2 == 0 && N % 2 == 0), "qgemv: SwiGLU needs pairs of rows");
   constexpr int VPC = 128 / BITS;           // values per 16-byte chunk
   constexpr int VPW = 32 / BITS;            // values per 32-bit word
   constexpr int CPR = K / VPC;              // chunks per row
@@ -82,7 +91,16 @@ __device__ __forceinline__ float mlxcel_word_dot(uint32_t u, const float* xs) {
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int warp = tid >> 5;
-  const int row0 = blockIdx.x * ROWS;
+  // output row of this block's row r: ROWS consecutive rows, or (EPI 2) ROWS/2 rows of
+  // the gate half followed by the same rows of the up half
+  constexpr int HALF = ROWS / 2;
+  auto row_of = [&](int r) -> int {
+    if constexpr (EPI == 2) {
+      return r < HALF ? int(blockIdx.x) * HALF + r : N / 2 + int(blockIdx.x) * HALF + (r - HALF);
+    } else {
+      return int(blockIdx.x) * ROWS + r;
+    }
+  };
   const uint4* wv = reinterpret_cast<const uint4*>(w);
   const uint4* xv = reinterpret_cast<const uint4*>(x);
 
@@ -108,7 +126,7 @@ __device__ __forceinline__ float mlxcel_word_dot(uint32_t u, const float* xs) {
     const int g = (in ? c : 0) * VPC / G;
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
-      const size_t row = size_t(row0 + r);
+      const size_t row = size_t(row_of(r));
       q[it][r] = in ? wv[row * CPR + c] : make_uint4(0u, 0u, 0u, 0u);
       s[it][r] = in ? static_cast<float>(scales[row * GPR + g]) * SCALE : 0.f;
       b[it][r] = in ? static_cast<float>(biases[row * GPR + g]) : 0.f;
@@ -164,13 +182,31 @@ __device__ __forceinline__ float mlxcel_word_dot(uint32_t u, const float* xs) {
     }
   }
   __syncthreads();
-  if (tid < ROWS * M) {
-    float v = 0.f;
+  if constexpr (EPI == 2) {
+    if (tid < HALF * M) {
+      const int r = tid / M;
+      const int m = tid % M;
+      float g = 0.f, u = 0.f;
 #pragma unroll
-    for (int i = 0; i < WPB; ++i) {
-      v += red[i][tid];
+      for (int i = 0; i < WPB; ++i) {
+        g += red[i][r * M + m];
+        u += red[i][(r + HALF) * M + m];
+      }
+      y[size_t(m) * (N / 2) + blockIdx.x * HALF + r] = static_cast<T>(g / (1.f + expf(-g)) * u);
     }
-    const int r = tid / M;
-    const int m = tid % M;
-    y[size_t(m) * N + row0 + r] = static_cast<T>(v);
+  } else {
+    if (tid < ROWS * M) {
+      float v = 0.f;
+#pragma unroll
+      for (int i = 0; i < WPB; ++i) {
+        v += red[i][tid];
+      }
+      const int r = tid / M;
+      const int m = tid % M;
+      const size_t at = size_t(m) * N + row_of(r);
+      if constexpr (EPI == 1) {
+        v += static_cast<float>(res[at]);
+      }
+      y[at] = static_cast<T>(v);
+    }
   }

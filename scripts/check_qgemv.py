@@ -54,7 +54,7 @@ def make_kernel(path):
     header, body = load_source(path)
     return mx.fast.cuda_kernel(
         name=kernel_name(header, body),
-        input_names=["x", "w", "scales", "biases"],
+        input_names=["x", "w", "scales", "biases", "res"],
         output_names=["y"],
         source=body,
         header=header,
@@ -70,18 +70,20 @@ def launch_config(m, n, bits):
     return fit(4), 4
 
 
-def qgemv(kernel, x, w, s, b, group, bits, rows=None, wpb=None):
+def qgemv(kernel, x, w, s, b, group, bits, rows=None, wpb=None, res=None, swiglu=False):
+    """EPI 0: x·Wᵀ; 1 (res given): res + x·Wᵀ; 2 (swiglu): silu(g)·u of the halves."""
     m, k = x.shape
     n = w.shape[0]
     r0, w0 = launch_config(m, n, bits)
     rows, wpb = rows or r0, wpb or w0
+    epi = 2 if swiglu else (1 if res is not None else 0)
     return kernel(
-        inputs=[x, w, s, b],
+        inputs=[x, w, s, b, x if res is None else res],
         template=[("T", mx.bfloat16), ("M", m), ("N", n), ("K", k), ("G", group),
-                  ("BITS", bits), ("ROWS", rows), ("WPB", wpb)],
+                  ("BITS", bits), ("ROWS", rows), ("WPB", wpb), ("EPI", epi)],
         grid=(n // rows * 32 * wpb, 1, 1),
         threadgroup=(32 * wpb, 1, 1),
-        output_shapes=[(m, n)],
+        output_shapes=[(m, n // 2 if swiglu else n)],
         output_dtypes=[mx.bfloat16],
     )[0]
 
@@ -111,8 +113,25 @@ def check(kernel, n, k, group, bits, ms, seed=0):
         mx.eval(ref, ours, qmm)
         e_ours, e_qmm = rel_err(ours, ref), rel_err(qmm, ref)
         ok = e_ours <= 1e-2 and e_ours <= 2 * e_qmm + 4e-3
-        rows.append((m, e_ours, e_qmm, ok))
+        rows.append((m, "", e_ours, e_qmm, ok))
+        # fused epilogues against the same ops done by MLX after quantized_matmul
+        res = mx.random.normal((m, n)).astype(mx.bfloat16)
+        ref_res = res.astype(mx.float32) + ref
+        e1 = rel_err(qgemv(kernel, x, wq, s, b, group, bits, res=res), ref_res)
+        e1q = rel_err(res + qmm, ref_res)
+        rows.append((m, " +res", e1, e1q, e1 <= 1e-2 and e1 <= 2 * e1q + 4e-3))
+        if n % 4 == 0:
+            g, u = ref[:, : n // 2], ref[:, n // 2:]
+            ref_glu = g * mx.sigmoid(g) * u
+            e2 = rel_err(qgemv(kernel, x, wq, s, b, group, bits, swiglu=True), ref_glu)
+            gq, uq = qmm[:, : n // 2], qmm[:, n // 2:]
+            e2q = rel_err(nn_silu(gq) * uq, ref_glu)
+            rows.append((m, " swiglu", e2, e2q, e2 <= 1e-2 and e2 <= 2 * e2q + 4e-3))
     return rows
+
+
+def nn_silu(x):
+    return x * mx.sigmoid(x)
 
 
 def bench(fn, reps=5):
@@ -164,9 +183,9 @@ def main():
             # all group sizes on the first shape of each model, group 64 on the rest
             if group != 64 and not name.endswith("qkv"):
                 continue
-            for m, e1, e2, ok in check(kernel, n, k, group, bits, (1, 4)):
+            for m, epi, e1, e2, ok in check(kernel, n, k, group, bits, (1, 4)):
                 bad += not ok
-                print(f"| {name} {n}×{k} | {bits} | {group} | {m} | {e1:.2e} | {e2:.2e} | "
+                print(f"| {name} {n}×{k}{epi} | {bits} | {group} | {m} | {e1:.2e} | {e2:.2e} | "
                       f"{'yes' if ok else 'NO'} |")
     if args.time:
         print()

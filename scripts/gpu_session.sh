@@ -62,7 +62,7 @@ side)
 verify)
   # what the second session of 2026-11-29 changed without a GPU to measure it on
   [ -f "$CK/8b-q4/config.json" ] || bash "$0" ckpt
-  step "qgemv: final kernel vs quantized_matmul, 8B + 70B shapes"; timeout 240 python3 scripts/check_qgemv.py 2>&1 | tee "$OUT/check-qgemv.txt" | tail -30
+  [ -n "${SKIP_CHECK:-}" ] || { step "qgemv: final kernel vs quantized_matmul, 8B + 70B shapes"; timeout 240 python3 scripts/check_qgemv.py 2>&1 | tee "$OUT/check-qgemv.txt" | tail -30; }
   step "4-bit prefill peak memory (dequantize ordered after its input); batched decode 2/4/8 (qgemv at M ≤ 4, MLX's kernel at 8)"
   $B bench -m "$CK/8b-q4" --prompt-lens 2048 --decode-batch 2,4,8 --repeats 1 2>/dev/null | tee "$OUT/q4-bench.json"
   $B bench -m "$CK/8b-bf16" --prompt-lens 2048 --decode-batch 2,4,8 --repeats 1 2>/dev/null | tee "$OUT/bf16-bench.json"
@@ -82,6 +82,24 @@ verify)
     step "TP=2 over NCCL: pipelined vs --no-pipeline"
     for f in "" --no-pipeline; do echo "tp2 $f: $($B generate -m "$CK/8b-bf16" --tp-size 2 -n 128 --ignore-eos -p hello $f 2>&1 | grep -o 'generated: .*tok/s')"; done
   fi
+  ;;
+envsweep)
+  # MLX's CUDA graph batching (MLX_MAX_OPS_PER_BUFFER / MLX_MAX_MB_PER_BUFFER; H100/H200
+  # default 30 ops / 400 MB per graph) and graphs off; decode only, host time split per token
+  [ -f "$CK/8b-q4/config.json" ] || bash "$0" ckpt
+  which nsys ncu 2>&1 | head -3
+  for m in ${MODELS:-8b-q4 8b-bf16}; do
+    # first: MLX's own H200 values; mlxcel's default is 100 / 4000 (src/cli/mod.rs)
+    for e in "MLX_MAX_OPS_PER_BUFFER=30 MLX_MAX_MB_PER_BUFFER=400" "MLX_USE_CUDA_GRAPHS=0" \
+             "MLX_MAX_OPS_PER_BUFFER=50 MLX_MAX_MB_PER_BUFFER=4000" "MLX_MAX_OPS_PER_BUFFER=100 MLX_MAX_MB_PER_BUFFER=4000" \
+             "MLX_MAX_OPS_PER_BUFFER=200 MLX_MAX_MB_PER_BUFFER=4000" "MLX_MAX_OPS_PER_BUFFER=100 MLX_MAX_MB_PER_BUFFER=1000"; do
+      r=$(env $e $B bench -m "$CK/$m" --prompt-lens 128 --decode-tokens 256 --repeats 2 2>/dev/null | tail -1)
+      echo "$m [$e] $(echo "$r" | python3 -c 'import json,sys; d=json.load(sys.stdin)["decode"]; print(round(d["tokens_per_second"],1), "tok/s", {k: round(v,3) for k,v in d["host_per_token"].items()})')"
+    done
+    [ -n "${SKIP_MLXLM:-}" ] || for e in "X=1" "MLX_MAX_OPS_PER_BUFFER=100 MLX_MAX_MB_PER_BUFFER=4000"; do
+      echo "mlx-lm $m [$e] $(env $e python3 scripts/bench_mlx_lm.py "$CK/$m" --prompt-lens 128 --decode-tokens 256 --repeats 2 | tail -1 | python3 -c 'import json,sys; print(round(json.load(sys.stdin)["decode"]["tokens_per_second"],1))') tok/s"
+    done
+  done 2>&1 | tee "$OUT/envsweep.txt"
   ;;
 bench)
   for m in 8b-bf16 8b-q4; do

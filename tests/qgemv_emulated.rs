@@ -56,12 +56,14 @@ int main() {
   constexpr int VPW = 32 / BITS;
   std::mt19937 rng(1234);
   std::uniform_real_distribution<float> ux(-1.f, 1.f), us(0.001f, 0.02f), ub(-0.05f, 0.05f);
-  std::vector<bf> x(M * K), sc(N * (K / G)), bi(N * (K / G)), y(M * N);
+  constexpr int OUT_N = EPI == 2 ? N / 2 : N;
+  std::vector<bf> x(M * K), sc(N * (K / G)), bi(N * (K / G)), res(M * N), y(M * OUT_N);
   std::vector<uint32_t> w(size_t(N) * K / VPW);
   std::vector<int> q(size_t(N) * K);
   for (auto& v : x) v = bf(ux(rng));
   for (auto& v : sc) v = bf(us(rng));
   for (auto& v : bi) v = bf(ub(rng));
+  for (auto& v : res) v = bf(ux(rng));
   for (int n = 0; n < N; ++n)
     for (int k = 0; k < K; ++k) {
       int v = int(rng() % (1u << BITS));
@@ -79,21 +81,27 @@ int main() {
       ts.emplace_back([&, t] {
         threadIdx.x = t;
         blockIdx.x = blk;
-        kernel(x.data(), w.data(), sc.data(), bi.data(), y.data());
+        kernel(x.data(), w.data(), sc.data(), bi.data(), res.data(), y.data());
       });
     for (auto& t : ts) t.join();
   }
+  auto dot = [&](int m, int n) {
+    double r = 0;
+    for (int k = 0; k < K; ++k) {
+      int g = k / G;
+      double wv = q[size_t(n) * K + k] * double(float(sc[n * (K / G) + g])) + double(float(bi[n * (K / G) + g]));
+      r += double(float(x[m * K + k])) * wv;
+    }
+    return r;
+  };
   double max_ref = 0, max_err = 0;
   for (int m = 0; m < M; ++m)
-    for (int n = 0; n < N; ++n) {
-      double r = 0;
-      for (int k = 0; k < K; ++k) {
-        int g = k / G;
-        double wv = q[size_t(n) * K + k] * double(float(sc[n * (K / G) + g])) + double(float(bi[n * (K / G) + g]));
-        r += double(float(x[m * K + k])) * wv;
-      }
+    for (int n = 0; n < OUT_N; ++n) {
+      double r = dot(m, n);
+      if (EPI == 1) r += double(float(res[m * N + n]));
+      if (EPI == 2) r = r / (1.0 + std::exp(-r)) * dot(m, n + N / 2);
       max_ref = std::fmax(max_ref, std::fabs(r));
-      max_err = std::fmax(max_err, std::fabs(r - double(float(y[m * N + n]))));
+      max_err = std::fmax(max_err, std::fabs(r - double(float(y[m * OUT_N + n]))));
     }
   std::printf("max_err %.3e max_ref %.3e rel %.3e\n", max_err, max_ref, max_err / max_ref);
   return max_err / max_ref < 1e-2 ? 0 : 1;
@@ -116,9 +124,12 @@ fn run(tag: &str, consts: &[(&str, usize)]) {
     for (n, v) in consts {
         src += &format!("constexpr int {n} = {v};\n");
     }
-    // the signature MLX generates for inputs x, w, scales, biases and output y
+    if !consts.iter().any(|(n, _)| *n == "EPI") {
+        src += "constexpr int EPI = 0;\n";
+    }
+    // the signature MLX generates for inputs x, w, scales, biases, res and output y
     src += "void kernel(const __nv_bfloat16* x, const uint32_t* w, const __nv_bfloat16* scales,\n\
-            const __nv_bfloat16* biases, __nv_bfloat16* y) {\n";
+            const __nv_bfloat16* biases, const __nv_bfloat16* res, __nv_bfloat16* y) {\n";
     src += &body;
     src += "\n}\n";
     src += MAIN;
@@ -214,6 +225,51 @@ fn qgemv_8bit_matches_dequantize_matmul() {
             ("BITS", 8),
             ("ROWS", 2),
             ("WPB", 2),
+        ],
+    );
+}
+
+#[test]
+fn qgemv_fused_epilogues_match() {
+    // residual add: y = res + x·Wᵀ
+    run(
+        "4bit_residual",
+        &[
+            ("M", 2),
+            ("N", 8),
+            ("K", 512),
+            ("G", 64),
+            ("BITS", 4),
+            ("ROWS", 4),
+            ("WPB", 2),
+            ("EPI", 1),
+        ],
+    );
+    // SwiGLU of the two halves of a merged gate/up weight: a block takes rows of both
+    run(
+        "4bit_swiglu",
+        &[
+            ("M", 1),
+            ("N", 16),
+            ("K", 512),
+            ("G", 64),
+            ("BITS", 4),
+            ("ROWS", 4),
+            ("WPB", 2),
+            ("EPI", 2),
+        ],
+    );
+    run(
+        "8bit_swiglu_m3",
+        &[
+            ("M", 3),
+            ("N", 12),
+            ("K", 256),
+            ("G", 32),
+            ("BITS", 8),
+            ("ROWS", 2),
+            ("WPB", 1),
+            ("EPI", 2),
         ],
     );
 }

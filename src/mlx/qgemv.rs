@@ -141,8 +141,32 @@ pub fn launch_config(m: usize, n: usize, bits: usize) -> (usize, usize) {
     }
 }
 
-/// `x [m, k] · dequantize(w, scales, biases)ᵀ` → `[m, n]` with the kernel; the
-/// caller checks [`enabled`] and [`supports`].
+/// What the kernel writes besides `x · Wᵀ` (its template constant `EPI`): each fused
+/// epilogue saves a decode step one MLX op per layer.
+#[derive(Clone, Copy)]
+pub enum Epilogue<'a> {
+    /// `x · Wᵀ`
+    None,
+    /// `res + x · Wᵀ`; `res` has the output's size (the residual stream).
+    Residual(&'a Array),
+    /// `silu(g) · u` where `[g | u] = x · Wᵀ` (a merged gate/up projection): `n / 2` columns.
+    SwiGlu,
+}
+
+impl Epilogue<'_> {
+    fn code(&self) -> usize {
+        match self {
+            Epilogue::None => 0,
+            Epilogue::Residual(_) => 1,
+            Epilogue::SwiGlu => 2,
+        }
+    }
+}
+
+/// `x · dequantize(w, scales, biases)ᵀ` with the kernel, x read as `m` rows of `k`
+/// (any shape of `m · k` elements), the result shaped `out_shape` (`m · n` elements,
+/// `m · n / 2` for [`Epilogue::SwiGlu`]). The caller checks [`enabled`] and [`supports`].
+#[allow(clippy::too_many_arguments)]
 pub fn qgemv(
     x: &Array,
     w: &Array,
@@ -150,17 +174,51 @@ pub fn qgemv(
     biases: &Array,
     group: usize,
     bits: usize,
+    out_shape: &[i32],
+    epi: Epilogue<'_>,
 ) -> Result<Array> {
-    let (m, k) = (x.dim(0) as usize, x.dim(1) as usize);
     let n = w.dim(0) as usize;
+    let k = w.dim(1) as usize * 32 / bits;
+    let m = x.size() / k.max(1);
+    let out_n = if matches!(epi, Epilogue::SwiGlu) {
+        n / 2
+    } else {
+        n
+    };
+    let out_size: i64 = out_shape.iter().map(|&d| d as i64).product();
+    if x.size() != m * k || out_size != (m * out_n) as i64 {
+        return Err(MlxError::Invalid(format!(
+            "qgemv: x of {} elements and output {out_shape:?} do not fit a [{n}, {k}] weight",
+            x.size()
+        )));
+    }
     let src = source()?;
     let (rows, wpb) = launch_config(m, n, bits);
+    if matches!(epi, Epilogue::SwiGlu) && rows % 2 != 0 {
+        return Err(MlxError::Invalid(format!(
+            "qgemv: SwiGLU needs an even number of rows, got {n}"
+        )));
+    }
+    let res = match epi {
+        Epilogue::Residual(r) => {
+            if r.size() != m * n || r.dtype() != x.dtype() {
+                return Err(MlxError::Invalid(format!(
+                    "qgemv: residual {:?} {:?} does not match the output [{m}, {n}] {:?}",
+                    r.shape(),
+                    r.dtype(),
+                    x.dtype()
+                )));
+            }
+            r
+        }
+        _ => x, // not read
+    };
     // built once: this runs for every quantized linear of every decode step
-    static NAMES: OnceLock<([String; 4], [String; 7])> = OnceLock::new();
+    static NAMES: OnceLock<([String; 5], [String; 8])> = OnceLock::new();
     let (inputs, tnames) = NAMES.get_or_init(|| {
         (
-            ["x", "w", "scales", "biases"].map(String::from),
-            ["M", "N", "K", "G", "BITS", "ROWS", "WPB"].map(String::from),
+            ["x", "w", "scales", "biases", "res"].map(String::from),
+            ["M", "N", "K", "G", "BITS", "ROWS", "WPB", "EPI"].map(String::from),
         )
     });
     let kernel = CudaKernel {
@@ -170,10 +228,10 @@ pub fn qgemv(
         header: &src.header,
         body: &src.body,
     };
-    let tvals = [m, n, k, group, bits, rows, wpb].map(|v| v as i32);
+    let tvals = [m, n, k, group, bits, rows, wpb, epi.code()].map(|v| v as i32);
     kernel.call(
-        &[x, w, scales, biases],
-        &[m as i32, n as i32],
+        &[x, w, scales, biases, res],
+        out_shape,
         x.dtype(),
         tnames,
         &tvals,
@@ -191,7 +249,7 @@ mod tests {
     fn embedded_source_splits_into_header_and_body() {
         let s = split_source(EMBEDDED).unwrap();
         assert!(s.header.contains("mlxcel_qval"));
-        assert!(s.body.contains("WPB") && s.body.contains("y[size_t(m) * N"));
+        assert!(s.body.contains("WPB") && s.body.contains("EPI") && s.body.contains("res[at]"));
         assert!(!s.body.contains("@@"));
     }
 

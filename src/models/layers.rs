@@ -214,6 +214,114 @@ impl Linear {
         }
     }
 
+    /// `self(x)` shaped `shape` (same number of elements), written in that shape by the
+    /// quantized GEMV kernel (no reshape op) when it runs.
+    pub fn forward_shaped(&self, x: &Array, shape: &[i32]) -> mlx::Result<Array> {
+        if let Some((w, scales, biases, q)) = self.kernel_weight(x, 1) {
+            return mlx::qgemv::qgemv(
+                x,
+                w,
+                scales,
+                biases,
+                q.group_size as usize,
+                q.bits as usize,
+                shape,
+                mlx::qgemv::Epilogue::None,
+            );
+        }
+        self.forward(x)?.reshape(shape)
+    }
+
+    /// `res + self(x)`, shaped like `res`. `x` may be any shape holding `res`'s rows of
+    /// this layer's input size (e.g. attention output `[B, heads, 1, head_dim]` of a
+    /// decode step). On the quantized GEMV kernel the add is fused into the kernel.
+    pub fn forward_residual(&self, x: &Array, res: &Array) -> mlx::Result<Array> {
+        if let Some((w, scales, biases, q)) = self.kernel_weight(x, 1) {
+            return mlx::qgemv::qgemv(
+                x,
+                w,
+                scales,
+                biases,
+                q.group_size as usize,
+                q.bits as usize,
+                &res.shape(),
+                mlx::qgemv::Epilogue::Residual(res),
+            );
+        }
+        let x = if x.dim(-1) as usize == self.in_dim() {
+            x.clone()
+        } else {
+            let mut shape = res.shape();
+            *shape.last_mut().expect("res has a last axis") = self.in_dim() as i32;
+            x.reshape(&shape)?
+        };
+        res.add(&self.forward(&x)?)
+    }
+
+    /// `silu(g) · u` for a merged `[gate; up]` projection (`[.., 2 · inter]` → `[.., inter]`).
+    /// On the quantized GEMV kernel both halves and the activation are one kernel.
+    pub fn forward_swiglu(&self, x: &Array) -> mlx::Result<Array> {
+        if let Some((w, scales, biases, q)) = self.kernel_weight(x, 2) {
+            let mut shape = x.shape();
+            *shape.last_mut().expect("x has a last axis") = w.dim(0) / 2;
+            return mlx::qgemv::qgemv(
+                x,
+                w,
+                scales,
+                biases,
+                q.group_size as usize,
+                q.bits as usize,
+                &shape,
+                mlx::qgemv::Epilogue::SwiGlu,
+            );
+        }
+        let gu = self.forward(x)?;
+        let half = gu.dim(-1) / 2;
+        let mut parts = mlx::split_sections(&gu, &[half], -1)?.into_iter();
+        let (Some(g), Some(u)) = (parts.next(), parts.next()) else {
+            return Err(mlx::MlxError::Invalid("gate/up split".into()));
+        };
+        fast::swiglu(&g, &u)
+    }
+
+    /// Input features (columns of the unquantized weight).
+    pub fn in_dim(&self) -> usize {
+        match &self.weight {
+            Weight::Dense(w) => w.dim(1) as usize,
+            Weight::Quantized { w, q, .. } => w.dim(1) as usize * 32 / q.bits as usize,
+        }
+    }
+
+    /// The quantized weight when `x` goes through mlxcel's GEMV kernel with a fused
+    /// epilogue: no bias or reduction to apply after it, and a shape the kernel covers
+    /// (`rows_per_out` = 2 for SwiGLU, which needs an even number of outputs).
+    fn kernel_weight(
+        &self,
+        x: &Array,
+        rows_per_out: usize,
+    ) -> Option<(&Array, &Array, &Array, &QuantConfig)> {
+        let Weight::Quantized {
+            w,
+            scales,
+            biases,
+            q,
+        } = &self.weight
+        else {
+            return None;
+        };
+        if self.bias.is_some() || self.reduce.is_some() || !mlx::qgemv::enabled() {
+            return None;
+        }
+        let (n, k) = (w.dim(0) as usize, self.in_dim());
+        let m = x.size().checked_div(k).unwrap_or(0);
+        let (group, bits) = (q.group_size as usize, q.bits as usize);
+        let fits = m * k == x.size()
+            && n.is_multiple_of(rows_per_out)
+            && mlx::qgemv::launch_config(m, n, bits).0 % rows_per_out == 0
+            && mlx::qgemv::supports(m, n, k, group, bits, [x.dtype(), scales.dtype()]);
+        fits.then_some((w, scales, biases, q))
+    }
+
     /// Arrays held (for memory accounting).
     pub fn arrays(&self) -> Vec<&Array> {
         let mut v: Vec<&Array> = match &self.weight {
@@ -249,16 +357,17 @@ fn quantized_forward(
         && mlx::qgemv::supports(m, n, k, group, bits, [x.dtype(), scales.dtype()])
     {
         let mut shape = x.shape();
-        let y = mlx::qgemv::qgemv(
-            &x.reshape(&[m as i32, k as i32])?,
+        *shape.last_mut().expect("x has a last axis") = n as i32;
+        return mlx::qgemv::qgemv(
+            x,
             w,
             scales,
             biases,
             group,
             bits,
-        )?;
-        *shape.last_mut().expect("x has a last axis") = n as i32;
-        return y.reshape(&shape);
+            &shape,
+            mlx::qgemv::Epilogue::None,
+        );
     }
     if m >= DEQUANT_GEMM_MIN_ROWS && mlx::backend() != mlx::Backend::Cpu {
         return dequant_gemm(x, w, scales, biases, q);

@@ -395,12 +395,10 @@ impl Transformer {
                 fast::Mask::None
             };
             let o = fast::sdpa(&q, &kk, &vv, a.scale, mask)?;
-            h = h.add(&a.out(&o, 1, t)?)?;
-            h = h.add(
-                &block
-                    .mlp
-                    .forward(&block.post_attention_layernorm.forward(&h)?)?,
-            )?;
+            h = a.out_residual(&o, &h, 1, t)?;
+            h = block
+                .mlp
+                .forward_residual(&block.post_attention_layernorm.forward(&h)?, &h)?;
         }
         cache.advance(s.slot, t as usize);
         let h = if mode == Logits::Last {
@@ -491,12 +489,10 @@ impl Transformer {
             } else {
                 mlx::concatenate(&outs.iter().collect::<Vec<_>>(), 0)?
             };
-            h = h.add(&a.out(&o, b, 1)?)?;
-            h = h.add(
-                &block
-                    .mlp
-                    .forward(&block.post_attention_layernorm.forward(&h)?)?,
-            )?;
+            h = a.out_residual(&o, &h, b, 1)?;
+            h = block
+                .mlp
+                .forward_residual(&block.post_attention_layernorm.forward(&h)?, &h)?;
         }
         for &s in &slots {
             cache.advance(s, 1);
@@ -524,6 +520,35 @@ impl Attention {
         rope: &Rope,
         offset: &Array,
     ) -> mlx::Result<(Array, Array, Array)> {
+        let (nq, nkv) = (self.n_heads, self.n_kv_heads);
+        if t == 1 {
+            // one position: [B, 1, heads·head_dim] is [B, heads, 1, head_dim] in memory, so
+            // the projection is produced in that shape and heads are sliced from it
+            let y = self
+                .qkv_proj
+                .forward_shaped(x, &[b, nq + 2 * nkv, 1, self.head_dim])?;
+            if self.q_norm.is_none() && self.k_norm.is_none() {
+                // q and k are adjacent: one RoPE kernel for both, then split the heads
+                let qk = rope.forward(&y.slice_axis(1, 0, nq + nkv)?, offset)?;
+                let v = y.slice_axis(1, nq + nkv, nq + 2 * nkv)?;
+                let mut parts = mlx::split_sections(&qk, &[nq], 1)?.into_iter();
+                let (Some(q), Some(k)) = (parts.next(), parts.next()) else {
+                    return Err(mlx::MlxError::Invalid("qk split".into()));
+                };
+                return Ok((q, k, v));
+            }
+            let mut parts = mlx::split_sections(&y, &[nq, nq + nkv], 1)?.into_iter();
+            let (Some(q), Some(k), Some(v)) = (parts.next(), parts.next(), parts.next()) else {
+                return Err(mlx::MlxError::Invalid("qkv split".into()));
+            };
+            let norm = |y: Array, n: &Option<RmsNorm>| match n {
+                Some(nm) => nm.forward(&y),
+                None => Ok(y),
+            };
+            let q = rope.forward(&norm(q, &self.q_norm)?, offset)?;
+            let k = rope.forward(&norm(k, &self.k_norm)?, offset)?;
+            return Ok((q, k, v));
+        }
         let heads = |y: Array, n: i32, norm: &Option<RmsNorm>| -> mlx::Result<Array> {
             let y = y.reshape(&[b, t, n, self.head_dim])?;
             let y = match norm {
@@ -532,38 +557,38 @@ impl Attention {
             };
             y.transpose(&[0, 2, 1, 3])
         };
-        let q_dim = self.n_heads * self.head_dim;
-        let kv_dim = self.n_kv_heads * self.head_dim;
-        let mut parts =
-            mlx::split_sections(&self.qkv_proj.forward(x)?, &[q_dim, q_dim + kv_dim], -1)?
-                .into_iter();
+        let q_dim = nq * self.head_dim;
+        let kv_dim = nkv * self.head_dim;
+        let y = self.qkv_proj.forward(x)?;
+        let mut parts = mlx::split_sections(&y, &[q_dim, q_dim + kv_dim], -1)?.into_iter();
         let (Some(q), Some(k), Some(v)) = (parts.next(), parts.next(), parts.next()) else {
             return Err(mlx::MlxError::Invalid("qkv split".into()));
         };
-        let q = heads(q, self.n_heads, &self.q_norm)?;
-        let k = heads(k, self.n_kv_heads, &self.k_norm)?;
-        let v = heads(v, self.n_kv_heads, &None)?;
+        let q = heads(q, nq, &self.q_norm)?;
+        let k = heads(k, nkv, &self.k_norm)?;
+        let v = heads(v, nkv, &None)?;
         Ok((rope.forward(&q, offset)?, rope.forward(&k, offset)?, v))
     }
 
-    /// Merge heads and project back to the hidden size.
-    fn out(&self, o: &Array, b: i32, t: i32) -> mlx::Result<Array> {
+    /// `res + o_proj(o)`: merge the heads of `o` (`[B, heads, T, head_dim]`) and project
+    /// back to the hidden size, added to the residual stream `res` (`[B, T, hidden]`).
+    fn out_residual(&self, o: &Array, res: &Array, b: i32, t: i32) -> mlx::Result<Array> {
+        if t == 1 {
+            // [B, heads, 1, head_dim] is already [B, 1, heads·head_dim] in memory
+            return self.o_proj.forward_residual(o, res);
+        }
         let o = o
             .transpose(&[0, 2, 1, 3])?
             .reshape(&[b, t, self.n_heads * self.head_dim])?;
-        self.o_proj.forward(&o)
+        self.o_proj.forward_residual(&o, res)
     }
 }
 
 impl Mlp {
-    fn forward(&self, x: &Array) -> mlx::Result<Array> {
-        let gu = self.gate_up_proj.forward(x)?;
-        let half = gu.dim(-1) / 2;
-        let mut parts = mlx::split_sections(&gu, &[half], -1)?.into_iter();
-        let (Some(g), Some(u)) = (parts.next(), parts.next()) else {
-            return Err(mlx::MlxError::Invalid("gate/up split".into()));
-        };
-        self.down_proj.forward(&fast::swiglu(&g, &u)?)
+    /// `res + down(silu(gate(x)) · up(x))`
+    fn forward_residual(&self, x: &Array, res: &Array) -> mlx::Result<Array> {
+        self.down_proj
+            .forward_residual(&self.gate_up_proj.forward_swiglu(x)?, res)
     }
 }
 
