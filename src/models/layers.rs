@@ -317,7 +317,9 @@ impl Linear {
         let (group, bits) = (q.group_size as usize, q.bits as usize);
         let fits = m * k == x.size()
             && n.is_multiple_of(rows_per_out)
-            && mlx::qgemv::launch_config(m, n, bits).0 % rows_per_out == 0
+            && mlx::qgemv::launch_config(m, n, bits)
+                .0
+                .is_multiple_of(rows_per_out)
             && mlx::qgemv::supports(m, n, k, group, bits, [x.dtype(), scales.dtype()]);
         fits.then_some((w, scales, biases, q))
     }
