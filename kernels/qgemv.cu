@@ -5,19 +5,23 @@
 //   scales T      [N, K/G]
 //   biases T      [N, K/G]        w[n, k] = q · scale + bias
 // x and y are T (bfloat16). Compiled at run time by MLX (`fast::cuda_kernel`,
-// nvrtc); template constants: M, N, K, G, BITS, ROWS, WPB, EPI.
+// nvrtc); template constants: M, N, K, G, BITS, ROWS, WPB, EPI, NORM, EPS_BITS.
 //
 // EPI picks what is written (each saves the decode step a separate MLX op):
 //   0: y[M, N]   = x·Wᵀ
 //   1: y[M, N]   = res + x·Wᵀ            (res T [M, N]: the residual stream)
 //   2: y[M, N/2] = silu(g)·u, g = (x·Wᵀ)[:, :N/2], u = (x·Wᵀ)[:, N/2:]
 //      (the merged gate/up projection; a block takes ROWS/2 rows of each half)
+// NORM = 1 applies RMSNorm to x first (x·w_norm·rsqrt(mean(x²) + eps), nw T [K] the
+// norm weight, eps the float whose bits are EPS_BITS): the block's threads read all of
+// each row of x anyway, so the sum of squares comes with the dot products.
 // x is read as M rows of K whatever its shape, y is written row-major.
 //
 // This file is loaded as two parts split at the marker lines: the header (device
 // helpers) and the body of the `__global__` function MLX generates around it:
-//   (const T* x, const uint32_t* w, const T* scales, const T* biases, const T* res, T* y)
-// (res is unused unless EPI = 1; callers pass any array there)
+//   (const T* x, const uint32_t* w, const T* scales, const T* biases, const T* res,
+//    const T* nw, T* y)
+// (res is read only when EPI = 1, nw only when NORM = 1; callers pass any array there)
 // mlxcel embeds it and `MLXCEL_QGEMV_SOURCE=path` replaces it at run time;
 // `scripts/check_qgemv.py` loads the same file from Python to check and time it.
 //
@@ -87,6 +91,7 @@ __device__ __forceinline__ float mlxcel_word_dot(uint32_t u, const float* xs) {
   static_assert(K % VPC == 0 && G % VPC == 0, "qgemv: K and G must be multiples of 128/BITS");
   constexpr float SCALE = float(1 << BITS);
   __shared__ float red[WPB][ROWS * M];
+  __shared__ float red_ss[WPB][M];
 
   const int tid = threadIdx.x;
   const int lane = tid & 31;
@@ -103,6 +108,12 @@ __device__ __forceinline__ float mlxcel_word_dot(uint32_t u, const float* xs) {
   };
   const uint4* wv = reinterpret_cast<const uint4*>(w);
   const uint4* xv = reinterpret_cast<const uint4*>(x);
+  const uint4* nv = reinterpret_cast<const uint4*>(nw);
+  float ss[M];  // NORM: this thread's part of Σ x² of each row
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+    ss[m] = 0.f;
+  }
 
   float acc[ROWS][M];
 #pragma unroll
@@ -140,12 +151,26 @@ __device__ __forceinline__ float mlxcel_word_dot(uint32_t u, const float* xs) {
       break;
     }
     const int k0 = c * VPC;
+    float gs[NORM ? VPC : 1];
+    if constexpr (NORM) {
+#pragma unroll
+      for (int v = 0; v < VPC / 8; ++v) {
+        mlxcel_bf16x8(nv[k0 / 8 + v], gs + 8 * v);
+      }
+    }
 #pragma unroll
     for (int m = 0; m < M; ++m) {
       float xs[VPC];
 #pragma unroll
       for (int v = 0; v < VPC / 8; ++v) {
         mlxcel_bf16x8(xv[(size_t(m) * K + k0) / 8 + v], xs + 8 * v);
+      }
+      if constexpr (NORM) {
+#pragma unroll
+        for (int j = 0; j < VPC; ++j) {
+          ss[m] = fmaf(xs[j], xs[j], ss[m]);
+          xs[j] *= gs[j];
+        }
       }
       float X0 = 0.f, X1 = 0.f;
 #pragma unroll
@@ -181,7 +206,33 @@ __device__ __forceinline__ float mlxcel_word_dot(uint32_t u, const float* xs) {
       }
     }
   }
+  if constexpr (NORM) {
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      float v = ss[m];
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+        v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
+      }
+      if (lane == 0) {
+        red_ss[warp][m] = v;
+      }
+    }
+  }
   __syncthreads();
+  // NORM: rsqrt(mean(x²) + eps) of row m, which scales its dot products
+  auto norm_of = [&](int m) -> float {
+    if constexpr (NORM) {
+      float t = 0.f;
+#pragma unroll
+      for (int i = 0; i < WPB; ++i) {
+        t += red_ss[i][m];
+      }
+      return rsqrtf(t / float(K) + __int_as_float(EPS_BITS));
+    } else {
+      return 1.f;
+    }
+  };
   if constexpr (EPI == 2) {
     if (tid < HALF * M) {
       const int r = tid / M;
@@ -192,6 +243,9 @@ __device__ __forceinline__ float mlxcel_word_dot(uint32_t u, const float* xs) {
         g += red[i][r * M + m];
         u += red[i][(r + HALF) * M + m];
       }
+      const float f = norm_of(m);
+      g *= f;
+      u *= f;
       y[size_t(m) * (N / 2) + blockIdx.x * HALF + r] = static_cast<T>(g / (1.f + expf(-g)) * u);
     }
   } else {
@@ -203,6 +257,7 @@ __device__ __forceinline__ float mlxcel_word_dot(uint32_t u, const float* xs) {
       }
       const int r = tid / M;
       const int m = tid % M;
+      v *= norm_of(m);
       const size_t at = size_t(m) * N + row_of(r);
       if constexpr (EPI == 1) {
         v += static_cast<float>(res[at]);

@@ -19,6 +19,7 @@ per-op host overhead (~10-20 µs, comparable to the kernels themselves), so it
 understates the kernel's bandwidth on all but the largest shapes.
 """
 import argparse
+import struct
 import math
 import pathlib
 import sys
@@ -54,7 +55,7 @@ def make_kernel(path):
     header, body = load_source(path)
     return mx.fast.cuda_kernel(
         name=kernel_name(header, body),
-        input_names=["x", "w", "scales", "biases", "res"],
+        input_names=["x", "w", "scales", "biases", "res", "nw"],
         output_names=["y"],
         source=body,
         header=header,
@@ -70,17 +71,22 @@ def launch_config(m, n, bits):
     return fit(4), 4
 
 
-def qgemv(kernel, x, w, s, b, group, bits, rows=None, wpb=None, res=None, swiglu=False):
-    """EPI 0: x·Wᵀ; 1 (res given): res + x·Wᵀ; 2 (swiglu): silu(g)·u of the halves."""
+def qgemv(kernel, x, w, s, b, group, bits, rows=None, wpb=None, res=None, swiglu=False,
+          norm=None):
+    """EPI 0: x·Wᵀ; 1 (res given): res + x·Wᵀ; 2 (swiglu): silu(g)·u of the halves.
+    norm = (weight, eps): RMSNorm of x first, in the kernel."""
     m, k = x.shape
     n = w.shape[0]
     r0, w0 = launch_config(m, n, bits)
     rows, wpb = rows or r0, wpb or w0
     epi = 2 if swiglu else (1 if res is not None else 0)
     return kernel(
-        inputs=[x, w, s, b, x if res is None else res],
+        inputs=[x, w, s, b, x if res is None else res, x if norm is None else norm[0]],
         template=[("T", mx.bfloat16), ("M", m), ("N", n), ("K", k), ("G", group),
-                  ("BITS", bits), ("ROWS", rows), ("WPB", wpb), ("EPI", epi)],
+                  ("BITS", bits), ("ROWS", rows), ("WPB", wpb), ("EPI", epi),
+                  ("NORM", int(norm is not None)),
+                  ("EPS_BITS", 0 if norm is None else
+                   struct.unpack("<i", struct.pack("<f", norm[1]))[0])],
         grid=(n // rows * 32 * wpb, 1, 1),
         threadgroup=(32 * wpb, 1, 1),
         output_shapes=[(m, n // 2 if swiglu else n)],
@@ -127,6 +133,15 @@ def check(kernel, n, k, group, bits, ms, seed=0):
             gq, uq = qmm[:, : n // 2], qmm[:, n // 2:]
             e2q = rel_err(nn_silu(gq) * uq, ref_glu)
             rows.append((m, " swiglu", e2, e2q, e2 <= 1e-2 and e2 <= 2 * e2q + 4e-3))
+        # RMSNorm of x in the kernel, against MLX's rms_norm then quantized_matmul
+        nw = (1 + 0.1 * mx.random.normal((k,))).astype(mx.bfloat16)
+        xf = x.astype(mx.float32)
+        xn = xf * mx.rsqrt(mx.mean(xf * xf, axis=-1, keepdims=True) + 1e-5) * nw.astype(mx.float32)
+        ref_n = xn @ wd.T
+        e3 = rel_err(qgemv(kernel, x, wq, s, b, group, bits, norm=(nw, 1e-5)), ref_n)
+        e3q = rel_err(mx.quantized_matmul(mx.fast.rms_norm(x, nw, 1e-5), wq, s, b, transpose=True,
+                                          group_size=group, bits=bits), ref_n)
+        rows.append((m, " norm", e3, e3q, e3 <= 1e-2 and e3 <= 2 * e3q + 4e-3))
     return rows
 
 
@@ -162,6 +177,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--source", type=pathlib.Path, default=SOURCE)
     ap.add_argument("--quick", action="store_true", help="two 8B shapes, 4-bit g64 only")
+    ap.add_argument("--only", choices=["8B", "70B"], help="only this model's shapes")
     ap.add_argument("--time", action="store_true", help="also wall-clock timing (host-bound)")
     ap.add_argument("--sweep", action="store_true",
                     help="only time launch shapes (ROWS × WPB) on the 8B shapes, to pick defaults")
@@ -171,6 +187,8 @@ def main():
     kernel = make_kernel(args.source)
     shapes = [(6144, 4096, "8B qkv"), (4096, 14336, "8B down")] if args.quick else \
         [(n, k, "8B " + t) for n, k, t in SHAPES_8B] + [(n, k, "70B " + t) for n, k, t in SHAPES_70B]
+    if args.only:
+        shapes = [sh for sh in shapes if sh[2].startswith(args.only + " ")]
     configs = [(4, 64)] if args.quick else [(4, 64), (8, 64), (4, 32), (4, 128), (8, 32), (8, 128)]
     bad = 0
     if args.sweep:

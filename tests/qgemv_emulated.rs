@@ -24,6 +24,8 @@ const PRELUDE: &str = r#"
 struct uint4 { uint32_t x, y, z, w; };
 static uint4 make_uint4(uint32_t a, uint32_t b, uint32_t c, uint32_t d) { return {a, b, c, d}; }
 static float __uint_as_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+static float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
+static float rsqrtf(float v) { return 1.f / std::sqrt(v); }
 struct __nv_bfloat16 {
   uint16_t bits;
   __nv_bfloat16() : bits(0) {}
@@ -57,13 +59,14 @@ int main() {
   std::mt19937 rng(1234);
   std::uniform_real_distribution<float> ux(-1.f, 1.f), us(0.001f, 0.02f), ub(-0.05f, 0.05f);
   constexpr int OUT_N = EPI == 2 ? N / 2 : N;
-  std::vector<bf> x(M * K), sc(N * (K / G)), bi(N * (K / G)), res(M * N), y(M * OUT_N);
+  std::vector<bf> x(M * K), sc(N * (K / G)), bi(N * (K / G)), res(M * N), nw(K), y(M * OUT_N);
   std::vector<uint32_t> w(size_t(N) * K / VPW);
   std::vector<int> q(size_t(N) * K);
   for (auto& v : x) v = bf(ux(rng));
   for (auto& v : sc) v = bf(us(rng));
   for (auto& v : bi) v = bf(ub(rng));
   for (auto& v : res) v = bf(ux(rng));
+  for (auto& v : nw) v = bf(0.5f + ux(rng));
   for (int n = 0; n < N; ++n)
     for (int k = 0; k < K; ++k) {
       int v = int(rng() % (1u << BITS));
@@ -81,16 +84,26 @@ int main() {
       ts.emplace_back([&, t] {
         threadIdx.x = t;
         blockIdx.x = blk;
-        kernel(x.data(), w.data(), sc.data(), bi.data(), res.data(), y.data());
+        kernel(x.data(), w.data(), sc.data(), bi.data(), res.data(), nw.data(), y.data());
       });
     for (auto& t : ts) t.join();
+  }
+  // the kernel's input row: x, or RMSNorm(x) with weight nw when NORM
+  std::vector<double> xin(M * K);
+  for (int m = 0; m < M; ++m) {
+    double ss = 0;
+    for (int k = 0; k < K; ++k) ss += double(float(x[m * K + k])) * double(float(x[m * K + k]));
+    float eps; int eb = EPS_BITS; std::memcpy(&eps, &eb, 4);
+    double f = NORM ? 1.0 / std::sqrt(ss / K + double(eps)) : 1.0;
+    for (int k = 0; k < K; ++k)
+      xin[m * K + k] = double(float(x[m * K + k])) * f * (NORM ? double(float(nw[k])) : 1.0);
   }
   auto dot = [&](int m, int n) {
     double r = 0;
     for (int k = 0; k < K; ++k) {
       int g = k / G;
       double wv = q[size_t(n) * K + k] * double(float(sc[n * (K / G) + g])) + double(float(bi[n * (K / G) + g]));
-      r += double(float(x[m * K + k])) * wv;
+      r += xin[m * K + k] * wv;
     }
     return r;
   };
@@ -124,12 +137,19 @@ fn run(tag: &str, consts: &[(&str, usize)]) {
     for (n, v) in consts {
         src += &format!("constexpr int {n} = {v};\n");
     }
-    if !consts.iter().any(|(n, _)| *n == "EPI") {
-        src += "constexpr int EPI = 0;\n";
+    for (name, default) in [
+        ("EPI", 0),
+        ("NORM", 0),
+        ("EPS_BITS", 1e-5f32.to_bits() as usize),
+    ] {
+        if !consts.iter().any(|(n, _)| *n == name) {
+            src += &format!("constexpr int {name} = {default};\n");
+        }
     }
-    // the signature MLX generates for inputs x, w, scales, biases, res and output y
+    // the signature MLX generates for inputs x, w, scales, biases, res, nw and output y
     src += "void kernel(const __nv_bfloat16* x, const uint32_t* w, const __nv_bfloat16* scales,\n\
-            const __nv_bfloat16* biases, const __nv_bfloat16* res, __nv_bfloat16* y) {\n";
+            const __nv_bfloat16* biases, const __nv_bfloat16* res, const __nv_bfloat16* nw,\n\
+            __nv_bfloat16* y) {\n";
     src += &body;
     src += "\n}\n";
     src += MAIN;
@@ -270,6 +290,39 @@ fn qgemv_fused_epilogues_match() {
             ("ROWS", 2),
             ("WPB", 1),
             ("EPI", 2),
+        ],
+    );
+}
+
+#[test]
+fn qgemv_fused_rms_norm_matches() {
+    // RMSNorm of x (weight nw, eps 1e-5) before the product, with SwiGLU as for gate/up
+    run(
+        "4bit_norm_swiglu",
+        &[
+            ("M", 2),
+            ("N", 16),
+            ("K", 1024),
+            ("G", 64),
+            ("BITS", 4),
+            ("ROWS", 4),
+            ("WPB", 2),
+            ("EPI", 2),
+            ("NORM", 1),
+        ],
+    );
+    // and alone, as for q/k/v, with the guarded tail (9 chunks per row, 32 threads)
+    run(
+        "8bit_norm_tail",
+        &[
+            ("M", 1),
+            ("N", 6),
+            ("K", 144),
+            ("G", 16),
+            ("BITS", 8),
+            ("ROWS", 2),
+            ("WPB", 1),
+            ("NORM", 1),
         ],
     );
 }

@@ -165,7 +165,9 @@ impl Epilogue<'_> {
 
 /// `x · dequantize(w, scales, biases)ᵀ` with the kernel, x read as `m` rows of `k`
 /// (any shape of `m · k` elements), the result shaped `out_shape` (`m · n` elements,
-/// `m · n / 2` for [`Epilogue::SwiGlu`]). The caller checks [`enabled`] and [`supports`].
+/// `m · n / 2` for [`Epilogue::SwiGlu`]). With `norm = Some((weight, eps))` each row of
+/// x is RMS-normalised first (`weight` `[k]`), in the same kernel. The caller checks
+/// [`enabled`] and [`supports`].
 #[allow(clippy::too_many_arguments)]
 pub fn qgemv(
     x: &Array,
@@ -176,6 +178,7 @@ pub fn qgemv(
     bits: usize,
     out_shape: &[i32],
     epi: Epilogue<'_>,
+    norm: Option<(&Array, f32)>,
 ) -> Result<Array> {
     let n = w.dim(0) as usize;
     let k = w.dim(1) as usize * 32 / bits;
@@ -213,12 +216,29 @@ pub fn qgemv(
         }
         _ => x, // not read
     };
+    let (nw, eps) = match norm {
+        Some((nw, eps)) => {
+            if nw.size() != k || nw.dtype() != x.dtype() {
+                return Err(MlxError::Invalid(format!(
+                    "qgemv: norm weight {:?} {:?} does not match k = {k} {:?}",
+                    nw.shape(),
+                    nw.dtype(),
+                    x.dtype()
+                )));
+            }
+            (nw, eps)
+        }
+        None => (x, 0.0), // not read
+    };
     // built once: this runs for every quantized linear of every decode step
-    static NAMES: OnceLock<([String; 5], [String; 8])> = OnceLock::new();
+    static NAMES: OnceLock<([String; 6], [String; 10])> = OnceLock::new();
     let (inputs, tnames) = NAMES.get_or_init(|| {
         (
-            ["x", "w", "scales", "biases", "res"].map(String::from),
-            ["M", "N", "K", "G", "BITS", "ROWS", "WPB", "EPI"].map(String::from),
+            ["x", "w", "scales", "biases", "res", "nw"].map(String::from),
+            [
+                "M", "N", "K", "G", "BITS", "ROWS", "WPB", "EPI", "NORM", "EPS_BITS",
+            ]
+            .map(String::from),
         )
     });
     let kernel = CudaKernel {
@@ -228,9 +248,13 @@ pub fn qgemv(
         header: &src.header,
         body: &src.body,
     };
-    let tvals = [m, n, k, group, bits, rows, wpb, epi.code()].map(|v| v as i32);
+    let mut tvals = [m, n, k, group, bits, rows, wpb, epi.code(), 0, 0].map(|v| v as i32);
+    if norm.is_some() {
+        tvals[8] = 1;
+        tvals[9] = eps.to_bits() as i32;
+    }
     kernel.call(
-        &[x, w, scales, biases, res],
+        &[x, w, scales, biases, res, nw],
         out_shape,
         x.dtype(),
         tnames,

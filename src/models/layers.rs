@@ -214,10 +214,16 @@ impl Linear {
         }
     }
 
-    /// `self(x)` shaped `shape` (same number of elements), written in that shape by the
-    /// quantized GEMV kernel (no reshape op) when it runs.
-    pub fn forward_shaped(&self, x: &Array, shape: &[i32]) -> mlx::Result<Array> {
-        if let Some((w, scales, biases, q)) = self.kernel_weight(x, 1) {
+    /// `self(norm(x))` shaped `shape` (same number of elements), written in that shape by
+    /// the quantized GEMV kernel (no reshape op) when it runs, which then also applies
+    /// the norm (no separate RMSNorm op).
+    pub fn forward_shaped(
+        &self,
+        x: &Array,
+        shape: &[i32],
+        norm: Option<&RmsNorm>,
+    ) -> mlx::Result<Array> {
+        if let Some((w, scales, biases, q)) = self.kernel_weight(x, 1, norm) {
             return mlx::qgemv::qgemv(
                 x,
                 w,
@@ -227,16 +233,17 @@ impl Linear {
                 q.bits as usize,
                 shape,
                 mlx::qgemv::Epilogue::None,
+                norm.map(|n| (&n.weight, n.eps)),
             );
         }
-        self.forward(x)?.reshape(shape)
+        self.forward(&apply_norm(x, norm)?)?.reshape(shape)
     }
 
     /// `res + self(x)`, shaped like `res`. `x` may be any shape holding `res`'s rows of
     /// this layer's input size (e.g. attention output `[B, heads, 1, head_dim]` of a
     /// decode step). On the quantized GEMV kernel the add is fused into the kernel.
     pub fn forward_residual(&self, x: &Array, res: &Array) -> mlx::Result<Array> {
-        if let Some((w, scales, biases, q)) = self.kernel_weight(x, 1) {
+        if let Some((w, scales, biases, q)) = self.kernel_weight(x, 1, None) {
             return mlx::qgemv::qgemv(
                 x,
                 w,
@@ -246,6 +253,7 @@ impl Linear {
                 q.bits as usize,
                 &res.shape(),
                 mlx::qgemv::Epilogue::Residual(res),
+                None,
             );
         }
         let x = if x.dim(-1) as usize == self.in_dim() {
@@ -258,10 +266,11 @@ impl Linear {
         res.add(&self.forward(&x)?)
     }
 
-    /// `silu(g) · u` for a merged `[gate; up]` projection (`[.., 2 · inter]` → `[.., inter]`).
-    /// On the quantized GEMV kernel both halves and the activation are one kernel.
-    pub fn forward_swiglu(&self, x: &Array) -> mlx::Result<Array> {
-        if let Some((w, scales, biases, q)) = self.kernel_weight(x, 2) {
+    /// `silu(g) · u` for a merged `[gate; up]` projection of `norm(x)` (`[.., 2 · inter]` →
+    /// `[.., inter]`). On the quantized GEMV kernel the norm, both halves and the
+    /// activation are one kernel.
+    pub fn forward_swiglu(&self, x: &Array, norm: Option<&RmsNorm>) -> mlx::Result<Array> {
+        if let Some((w, scales, biases, q)) = self.kernel_weight(x, 2, norm) {
             let mut shape = x.shape();
             *shape.last_mut().expect("x has a last axis") = w.dim(0) / 2;
             return mlx::qgemv::qgemv(
@@ -273,9 +282,10 @@ impl Linear {
                 q.bits as usize,
                 &shape,
                 mlx::qgemv::Epilogue::SwiGlu,
+                norm.map(|n| (&n.weight, n.eps)),
             );
         }
-        let gu = self.forward(x)?;
+        let gu = self.forward(&apply_norm(x, norm)?)?;
         let half = gu.dim(-1) / 2;
         let mut parts = mlx::split_sections(&gu, &[half], -1)?.into_iter();
         let (Some(g), Some(u)) = (parts.next(), parts.next()) else {
@@ -294,11 +304,13 @@ impl Linear {
 
     /// The quantized weight when `x` goes through mlxcel's GEMV kernel with a fused
     /// epilogue: no bias or reduction to apply after it, and a shape the kernel covers
-    /// (`rows_per_out` = 2 for SwiGLU, which needs an even number of outputs).
+    /// (`rows_per_out` = 2 for SwiGLU, which needs an even number of outputs), and a norm
+    /// weight it can apply (x's dtype, one value per input feature).
     fn kernel_weight(
         &self,
         x: &Array,
         rows_per_out: usize,
+        norm: Option<&RmsNorm>,
     ) -> Option<(&Array, &Array, &Array, &QuantConfig)> {
         let Weight::Quantized {
             w,
@@ -315,7 +327,9 @@ impl Linear {
         let (n, k) = (w.dim(0) as usize, self.in_dim());
         let m = x.size().checked_div(k).unwrap_or(0);
         let (group, bits) = (q.group_size as usize, q.bits as usize);
-        let fits = m * k == x.size()
+        let norm_fits = norm.is_none_or(|n| n.weight.size() == k && n.weight.dtype() == x.dtype());
+        let fits = norm_fits
+            && m * k == x.size()
             && n.is_multiple_of(rows_per_out)
             && mlx::qgemv::launch_config(m, n, bits)
                 .0
@@ -334,6 +348,13 @@ impl Linear {
         };
         v.extend(self.bias.iter());
         v
+    }
+}
+
+fn apply_norm(x: &Array, norm: Option<&RmsNorm>) -> mlx::Result<Array> {
+    match norm {
+        Some(n) => n.forward(x),
+        None => Ok(x.clone()),
     }
 }
 
@@ -369,6 +390,7 @@ fn quantized_forward(
             bits,
             &shape,
             mlx::qgemv::Epilogue::None,
+            None,
         );
     }
     if m >= DEQUANT_GEMM_MIN_ROWS && mlx::backend() != mlx::Backend::Cpu {

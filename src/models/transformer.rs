@@ -386,8 +386,7 @@ impl Transformer {
         let mut h = self.embed_tokens.forward(ids)?;
         for (li, block) in self.layers.iter().enumerate() {
             let a = &block.self_attn;
-            let x = block.input_layernorm.forward(&h)?;
-            let (q, k, v) = a.qkv(&x, 1, t, &self.rope, &offset)?;
+            let (q, k, v) = a.qkv(&h, &block.input_layernorm, 1, t, &self.rope, &offset)?;
             let (kk, vv) = cache.write_and_read(li, s.slot, pos, &k, &v)?;
             let mask = if t > 1 {
                 fast::Mask::Causal
@@ -398,7 +397,7 @@ impl Transformer {
             h = a.out_residual(&o, &h, 1, t)?;
             h = block
                 .mlp
-                .forward_residual(&block.post_attention_layernorm.forward(&h)?, &h)?;
+                .forward_residual(&h, &block.post_attention_layernorm)?;
         }
         cache.advance(s.slot, t as usize);
         let h = if mode == Logits::Last {
@@ -464,8 +463,7 @@ impl Transformer {
         let mut h = self.embed_tokens.forward(ids)?;
         for (li, block) in self.layers.iter().enumerate() {
             let a = &block.self_attn;
-            let x = block.input_layernorm.forward(&h)?;
-            let (q, k, v) = a.qkv(&x, b, 1, &self.rope, &offset)?;
+            let (q, k, v) = a.qkv(&h, &block.input_layernorm, b, 1, &self.rope, &offset)?;
             cache.write_batch(li, &index, &k, &v)?;
             // attention per run of consecutive slots, each reading the KV pool as a view
             let mut outs = Vec::with_capacity(index.runs.len());
@@ -492,7 +490,7 @@ impl Transformer {
             h = a.out_residual(&o, &h, b, 1)?;
             h = block
                 .mlp
-                .forward_residual(&block.post_attention_layernorm.forward(&h)?, &h)?;
+                .forward_residual(&h, &block.post_attention_layernorm)?;
         }
         for &s in &slots {
             cache.advance(s, 1);
@@ -511,10 +509,11 @@ impl Transformer {
 }
 
 impl Attention {
-    /// Project to q/k/v `[B, heads, T, head_dim]`, with q/k norm and RoPE applied.
+    /// Project `norm(x)` to q/k/v `[B, heads, T, head_dim]`, with q/k norm and RoPE applied.
     fn qkv(
         &self,
         x: &Array,
+        norm: &RmsNorm,
         b: i32,
         t: i32,
         rope: &Rope,
@@ -524,9 +523,11 @@ impl Attention {
         if t == 1 {
             // one position: [B, 1, heads·head_dim] is [B, heads, 1, head_dim] in memory, so
             // the projection is produced in that shape and heads are sliced from it
-            let y = self
-                .qkv_proj
-                .forward_shaped(x, &[b, nq + 2 * nkv, 1, self.head_dim])?;
+            let y = self.qkv_proj.forward_shaped(
+                x,
+                &[b, nq + 2 * nkv, 1, self.head_dim],
+                Some(norm),
+            )?;
             if self.q_norm.is_none() && self.k_norm.is_none() {
                 // q and k are adjacent: one RoPE kernel for both, then split the heads
                 let qk = rope.forward(&y.slice_axis(1, 0, nq + nkv)?, offset)?;
@@ -559,7 +560,7 @@ impl Attention {
         };
         let q_dim = nq * self.head_dim;
         let kv_dim = nkv * self.head_dim;
-        let y = self.qkv_proj.forward(x)?;
+        let y = self.qkv_proj.forward(&norm.forward(x)?)?;
         let mut parts = mlx::split_sections(&y, &[q_dim, q_dim + kv_dim], -1)?.into_iter();
         let (Some(q), Some(k), Some(v)) = (parts.next(), parts.next(), parts.next()) else {
             return Err(mlx::MlxError::Invalid("qkv split".into()));
@@ -585,10 +586,10 @@ impl Attention {
 }
 
 impl Mlp {
-    /// `res + down(silu(gate(x)) · up(x))`
-    fn forward_residual(&self, x: &Array, res: &Array) -> mlx::Result<Array> {
+    /// `h + down(silu(gate(x)) · up(x))` with `x = norm(h)`
+    fn forward_residual(&self, h: &Array, norm: &RmsNorm) -> mlx::Result<Array> {
         self.down_proj
-            .forward_residual(&self.gate_up_proj.forward_swiglu(x)?, res)
+            .forward_residual(&self.gate_up_proj.forward_swiglu(h, Some(norm))?, h)
     }
 }
 
