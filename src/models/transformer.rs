@@ -384,6 +384,15 @@ impl Transformer {
         let pos = cache.len(s.slot);
         let offset = Array::scalar_i32(pos as i32)?;
         let mut h = self.embed_tokens.forward(ids)?;
+        // A long input to a quantized model on a GPU dequantizes each weight for a dense
+        // GEMM (layers::dequant_gemm). The host encodes layers far ahead of the GPU and a
+        // temporary is only freed once the GPU is done with it, so without a bound every
+        // layer's dequantized weight was alive at once (4-bit 8B prefill(2048) peaked at
+        // 22.7 GB on H200). Keep at most two layers in flight.
+        let bound = self.cfg.quantization.is_some()
+            && t as usize >= super::layers::DEQUANT_GEMM_MIN_ROWS
+            && mlx::backend() != mlx::Backend::Cpu;
+        let mut in_flight: Option<Array> = None;
         for (li, block) in self.layers.iter().enumerate() {
             let a = &block.self_attn;
             let (q, k, v) = a.qkv(&h, &block.input_layernorm, 1, t, &self.rope, &offset)?;
@@ -398,6 +407,12 @@ impl Transformer {
             h = block
                 .mlp
                 .forward_residual(&h, &block.post_attention_layernorm)?;
+            if bound {
+                mlx::async_eval(&[&h])?;
+                if let Some(prev) = in_flight.replace(h.clone()) {
+                    prev.eval()?;
+                }
+            }
         }
         cache.advance(s.slot, t as usize);
         let h = if mode == Logits::Last {
