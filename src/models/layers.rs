@@ -361,7 +361,7 @@ fn apply_norm(x: &Array, norm: Option<&RmsNorm>) -> mlx::Result<Array> {
 /// Rows of x from which a GPU multiplies by the dequantized weight (one bf16 GEMM,
 /// the weight dequantized into a temporary) rather than with `quantized_matmul`:
 /// prefill runs at the dense GEMM's speed (4.7× MLX's quantized GEMM on H200).
-pub const DEQUANT_GEMM_MIN_ROWS: usize = 32;
+const DEQUANT_GEMM_MIN_ROWS: usize = 32;
 
 /// `x · dequantize(w)ᵀ`: mlxcel's GEMV kernel for decode on CUDA, dequantize + GEMM
 /// for long inputs on a GPU, MLX's `quantized_matmul` otherwise.

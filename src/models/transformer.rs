@@ -14,6 +14,10 @@ use crate::mlx::distributed::Group;
 use crate::parallel::shard::ShardPlan;
 use std::rc::Rc;
 
+/// Inputs of at least this many tokens keep at most two layers in flight on a GPU
+/// (see `Transformer::forward_slot_ids`): a decode step must not wait inside itself.
+const PREFILL_BOUND_MIN_ROWS: usize = 32;
+
 struct Attention {
     /// q, k and v projections merged (this rank's whole heads of each): one matmul.
     qkv_proj: Linear,
@@ -41,6 +45,7 @@ struct Block {
 
 /// One sequence's part of a forward step.
 #[derive(Debug, Clone, Copy)]
+
 pub struct SeqInput<'a> {
     pub slot: usize,
     pub tokens: &'a [u32],
@@ -384,14 +389,12 @@ impl Transformer {
         let pos = cache.len(s.slot);
         let offset = Array::scalar_i32(pos as i32)?;
         let mut h = self.embed_tokens.forward(ids)?;
-        // A long input to a quantized model on a GPU dequantizes each weight for a dense
-        // GEMM (layers::dequant_gemm). The host encodes layers far ahead of the GPU and a
-        // temporary is only freed once the GPU is done with it, so without a bound every
-        // layer's dequantized weight was alive at once (4-bit 8B prefill(2048) peaked at
-        // 22.7 GB on H200). Keep at most two layers in flight.
-        let bound = self.cfg.quantization.is_some()
-            && t as usize >= super::layers::DEQUANT_GEMM_MIN_ROWS
-            && mlx::backend() != mlx::Backend::Cpu;
+        // On a GPU the host encodes a long input's layers far ahead of the device, and a
+        // temporary is only freed once the device is done with it, so without a bound every
+        // layer's temporaries are alive at once: activations, and for a quantized model each
+        // layer's dequantized weight (layers::dequant_gemm; 4-bit 8B prefill(2048) peaked
+        // at 22.7 GB on H200, 8.3 GB with the bound). Keep at most two layers in flight.
+        let bound = t as usize >= PREFILL_BOUND_MIN_ROWS && mlx::backend() != mlx::Backend::Cpu;
         let mut in_flight: Option<Array> = None;
         for (li, block) in self.layers.iter().enumerate() {
             let a = &block.self_attn;
