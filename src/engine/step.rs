@@ -184,7 +184,8 @@ impl Worker {
     }
 
     /// Run a decode step (then forget it) at each batch size up to one past the quantized
-    /// GEMV's [`mlx::qgemv::MAX_M`] (as far as the slots allow) on a GPU backend, so MLX
+    /// GEMV's [`mlx::qgemv::MAX_M`] (as far as the slots allow), and prompts of 2..=MAX_M
+    /// tokens, on a GPU backend, so MLX
     /// compiles the run-time kernels of the decode path (mlxcel's GEMV is one per weight
     /// shape, batch size and fused epilogue) at start-up rather than while requests
     /// stream: a server on H200 stalled 34 s when 8 streams first met batch sizes 2–8.
@@ -204,6 +205,17 @@ impl Worker {
             let logits = self
                 .model
                 .forward_decode_ids(&mut self.cache, &slots, &ids)?;
+            logits.argmax(-1, false)?.eval()?;
+        }
+        // prompts (or last prefill chunks) of 2..=MAX_M tokens take the kernel at M = T with
+        // the norm as its own op
+        let prompt_max = mlx::qgemv::MAX_M.min(self.cache.max_capacity());
+        for t in 2..=prompt_max {
+            self.cache.reset(0);
+            let ids = Array::from_slice(&vec![0i32; t], &[1, t as i32])?;
+            let logits = self
+                .model
+                .forward_slot_ids(&mut self.cache, 0, &ids, Logits::Last)?;
             logits.argmax(-1, false)?.eval()?;
         }
         for s in 0..max_batch {

@@ -199,7 +199,7 @@ pub fn qgemv(
     let (rows, wpb) = launch_config(m, n, bits);
     if matches!(epi, Epilogue::SwiGlu) && rows % 2 != 0 {
         return Err(MlxError::Invalid(format!(
-            "qgemv: SwiGLU needs an even number of rows, got {n}"
+            "qgemv: SwiGLU needs an even number of rows per block, got {rows} for n = {n}"
         )));
     }
     let res = match epi {

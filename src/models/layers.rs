@@ -243,7 +243,12 @@ impl Linear {
     /// this layer's input size (e.g. attention output `[B, heads, 1, head_dim]` of a
     /// decode step). On the quantized GEMV kernel the add is fused into the kernel.
     pub fn forward_residual(&self, x: &Array, res: &Array) -> mlx::Result<Array> {
-        if let Some((w, scales, biases, q)) = self.kernel_weight(x, 1, None) {
+        let res_fits = |w: &Array| {
+            res.dtype() == x.dtype() && res.size() * self.in_dim() == x.size() * w.dim(0) as usize
+        };
+        if let Some((w, scales, biases, q)) =
+            self.kernel_weight(x, 1, None).filter(|(w, ..)| res_fits(w))
+        {
             return mlx::qgemv::qgemv(
                 x,
                 w,
@@ -256,7 +261,9 @@ impl Linear {
                 None,
             );
         }
-        let x = if x.dim(-1) as usize == self.in_dim() {
+        // same rank as res too: a [B, heads, 1, D] input with D equal to the input size
+        // (one head per rank) would otherwise broadcast against res
+        let x = if x.dim(-1) as usize == self.in_dim() && x.ndim() == res.ndim() {
             x.clone()
         } else {
             let mut shape = res.shape();
@@ -575,6 +582,44 @@ mod tests {
         }
         x.eval().unwrap();
         mlx::memory::peak() - base
+    }
+
+    #[test]
+    fn forward_residual_takes_one_head_per_rank_attention_output() {
+        // [B, heads = 1, 1, D] with D equal to the input size: the result must keep res's
+        // shape [B, 1, hidden] (not broadcast to [B, B, 1, hidden])
+        let (b, d, hidden) = (2, 8, 4);
+        let w = Array::from_slice(
+            &(0..hidden * d).map(|i| i as f32 * 0.01).collect::<Vec<_>>(),
+            &[hidden, d],
+        )
+        .unwrap();
+        let lin = Linear {
+            weight: Weight::Dense(w.clone()),
+            bias: None,
+            reduce: None,
+        };
+        let x = Array::from_slice(
+            &(0..b * d).map(|i| i as f32 * 0.1).collect::<Vec<_>>(),
+            &[b, 1, 1, d],
+        )
+        .unwrap();
+        let res = Array::full(&[b, 1, hidden], 1.0, Dtype::F32).unwrap();
+        let y = lin.forward_residual(&x, &res).unwrap();
+        assert_eq!(y.shape(), vec![b, 1, hidden]);
+        let want = res
+            .add(
+                &x.reshape(&[b, 1, d])
+                    .unwrap()
+                    .matmul(&w.t().unwrap())
+                    .unwrap(),
+            )
+            .unwrap();
+        let (y, want) = (y.to_vec::<f32>().unwrap(), want.to_vec::<f32>().unwrap());
+        assert!(
+            y.iter().zip(&want).all(|(a, b)| (a - b).abs() < 1e-5),
+            "{y:?} vs {want:?}"
+        );
     }
 
     #[test]
