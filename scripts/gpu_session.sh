@@ -5,6 +5,8 @@
 #   bash scripts/gpu_session.sh bench8b  # 8B-shape bf16 + 4-bit: mlxcel vs mlx-lm, TP=2 if 2 GPUs
 #   bash scripts/gpu_session.sh verify   # kernel check (final kernel, 70B shapes), q4 peak memory, warm-up, server/TP pipelining
 #   bash scripts/gpu_session.sh side     # fixtures on GPU, mlxcel vs mlx-lm side by side (4-bit, bf16), qgemv off, pipelined generate
+#   bash scripts/gpu_session.sh envsweep # decode under MLX CUDA-graph settings, host time split per token
+#   bash scripts/gpu_session.sh verify3  # 70B kernel check, bf16 prefill peak, server warm-up with a cold kernel cache
 # MLXCEL=path/to/mlxcel (default .gpu/bin/mlxcel); OUT=results folder (default ./gpu-out).
 set -uo pipefail
 B=${MLXCEL:-.gpu/bin/mlxcel}
@@ -100,6 +102,24 @@ envsweep)
       echo "mlx-lm $m [$e] $(env $e python3 scripts/bench_mlx_lm.py "$CK/$m" --prompt-lens 128 --decode-tokens 256 --repeats 2 | tail -1 | python3 -c 'import json,sys; print(round(json.load(sys.stdin)["decode"]["tokens_per_second"],1))') tok/s"
     done
   done 2>&1 | tee "$OUT/envsweep.txt"
+  ;;
+verify3)
+  # what the third session of 2026-11-29 could not measure (device time ran out)
+  [ -f "$CK/8b-q4/config.json" ] || bash "$0" ckpt
+  step "qgemv: final kernel, 70B shapes (the 8B ones and 70B q/k/v passed)"
+  timeout 400 python3 scripts/check_qgemv.py --only 70B 2>&1 | tee "$OUT/check-qgemv-70b.txt" | tail -45
+  step "bf16 prefill(2048) peak with two layers in flight (was 26.8 GB; mlx-lm 22.5)"
+  $B bench -m "$CK/8b-bf16" --prompt-lens 2048 --repeats 2 2>/dev/null | tee "$OUT/bf16-bench.json"
+  step "server 4-bit, 8 streams, cold kernel cache: warm-up at load should take the compiles (was a 33.7 s stall)"
+  S=${MLXCEL_SERVER:-$(dirname $B)/mlxcel-server}
+  for f in "" --no-pipeline; do
+    MLX_PTX_CACHE_DIR=$(mktemp -d) $S -m "$CK/8b-q4" --port 8126 --parallel 8 --ctx-size 2048 $f > "$OUT/server3$f.log" 2>&1 &
+    spid=$!
+    for i in $(seq 180); do curl -sf localhost:8126/health >/dev/null && break; sleep 1; done
+    grep -o "warmed up.*" "$OUT/server3$f.log"
+    echo "server q4 $f:"; python3 scripts/bench_server.py --port 8126 --concurrency 1,8 --max-tokens 128 --rounds 1 | tee "$OUT/server3-bench$f.json" | python3 -c 'import json,sys; [print(r["concurrency"], round(r["tokens_per_s"],1), "tok/s, inter-token p50", round(r["inter_token_s"]["p50"]*1e3,2), "ms, max", round(r["inter_token_s"]["max"],2), "s") for r in json.load(sys.stdin)["results"]]'
+    kill -TERM $spid; wait $spid
+  done
   ;;
 bench)
   for m in 8b-bf16 8b-q4; do
