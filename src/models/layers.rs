@@ -5,6 +5,7 @@ use std::ops::Range;
 use std::rc::Rc;
 
 use crate::mlx::distributed::Group;
+use crate::mlx::qgemv::Epilogue;
 use crate::mlx::{self, fast, Array, Dtype};
 
 use super::config::{ModelConfig, QuantConfig};
@@ -223,18 +224,8 @@ impl Linear {
         shape: &[i32],
         norm: Option<&RmsNorm>,
     ) -> mlx::Result<Array> {
-        if let Some((w, scales, biases, q)) = self.kernel_weight(x, 1, norm) {
-            return mlx::qgemv::qgemv(
-                x,
-                w,
-                scales,
-                biases,
-                q.group_size as usize,
-                q.bits as usize,
-                shape,
-                mlx::qgemv::Epilogue::None,
-                norm.map(|n| (&n.weight, n.eps)),
-            );
+        if let Some(y) = self.fused(x, shape, Epilogue::None, norm) {
+            return y;
         }
         self.forward(&apply_norm(x, norm)?)?.reshape(shape)
     }
@@ -243,23 +234,8 @@ impl Linear {
     /// this layer's input size (e.g. attention output `[B, heads, 1, head_dim]` of a
     /// decode step). On the quantized GEMV kernel the add is fused into the kernel.
     pub fn forward_residual(&self, x: &Array, res: &Array) -> mlx::Result<Array> {
-        let res_fits = |w: &Array| {
-            res.dtype() == x.dtype() && res.size() * self.in_dim() == x.size() * w.dim(0) as usize
-        };
-        if let Some((w, scales, biases, q)) =
-            self.kernel_weight(x, 1, None).filter(|(w, ..)| res_fits(w))
-        {
-            return mlx::qgemv::qgemv(
-                x,
-                w,
-                scales,
-                biases,
-                q.group_size as usize,
-                q.bits as usize,
-                &res.shape(),
-                mlx::qgemv::Epilogue::Residual(res),
-                None,
-            );
+        if let Some(y) = self.fused(x, &res.shape(), Epilogue::Residual(res), None) {
+            return y;
         }
         // same rank as res too: a [B, heads, 1, D] input with D equal to the input size
         // (one head per rank) would otherwise broadcast against res
@@ -277,20 +253,10 @@ impl Linear {
     /// `[.., inter]`). On the quantized GEMV kernel the norm, both halves and the
     /// activation are one kernel.
     pub fn forward_swiglu(&self, x: &Array, norm: Option<&RmsNorm>) -> mlx::Result<Array> {
-        if let Some((w, scales, biases, q)) = self.kernel_weight(x, 2, norm) {
-            let mut shape = x.shape();
-            *shape.last_mut().expect("x has a last axis") = w.dim(0) / 2;
-            return mlx::qgemv::qgemv(
-                x,
-                w,
-                scales,
-                biases,
-                q.group_size as usize,
-                q.bits as usize,
-                &shape,
-                mlx::qgemv::Epilogue::SwiGlu,
-                norm.map(|n| (&n.weight, n.eps)),
-            );
+        let mut shape = x.shape();
+        *shape.last_mut().expect("x has a last axis") = (self.out_dim() / 2) as i32;
+        if let Some(y) = self.fused(x, &shape, Epilogue::SwiGlu, norm) {
+            return y;
         }
         let gu = self.forward(&apply_norm(x, norm)?)?;
         let half = gu.dim(-1) / 2;
@@ -309,16 +275,25 @@ impl Linear {
         }
     }
 
-    /// The quantized weight when `x` goes through mlxcel's GEMV kernel with a fused
-    /// epilogue: no bias or reduction to apply after it, and a shape the kernel covers
-    /// (`rows_per_out` = 2 for SwiGLU, which needs an even number of outputs), and a norm
-    /// weight it can apply (x's dtype, one value per input feature).
-    fn kernel_weight(
+    /// Output features (rows of the weight).
+    fn out_dim(&self) -> usize {
+        match &self.weight {
+            Weight::Dense(w) | Weight::Quantized { w, .. } => w.dim(0) as usize,
+        }
+    }
+
+    /// `norm(x) · Wᵀ` and `epi` in one run of mlxcel's GEMV kernel, shaped `shape`, when
+    /// the kernel can do it all: a quantized weight with no bias or reduction to apply
+    /// after the epilogue, a shape the kernel covers (SwiGLU needs an even number of rows
+    /// per block), a residual of the output's size and a norm weight of x's dtype with
+    /// one value per input feature. `None`: the caller runs the plain ops.
+    fn fused(
         &self,
         x: &Array,
-        rows_per_out: usize,
+        shape: &[i32],
+        epi: Epilogue<'_>,
         norm: Option<&RmsNorm>,
-    ) -> Option<(&Array, &Array, &Array, &QuantConfig)> {
+    ) -> Option<mlx::Result<Array>> {
         let Weight::Quantized {
             w,
             scales,
@@ -331,18 +306,40 @@ impl Linear {
         if self.bias.is_some() || self.reduce.is_some() || !mlx::qgemv::enabled() {
             return None;
         }
-        let (n, k) = (w.dim(0) as usize, self.in_dim());
+        let (n, k) = (self.out_dim(), self.in_dim());
         let m = x.size().checked_div(k).unwrap_or(0);
         let (group, bits) = (q.group_size as usize, q.bits as usize);
+        let rows_per_out = if matches!(epi, Epilogue::SwiGlu) {
+            2
+        } else {
+            1
+        };
+        let epi_fits = match epi {
+            Epilogue::Residual(r) => r.dtype() == x.dtype() && r.size() == m * n,
+            _ => true,
+        };
         let norm_fits = norm.is_none_or(|n| n.weight.size() == k && n.weight.dtype() == x.dtype());
-        let fits = norm_fits
+        let fits = epi_fits
+            && norm_fits
             && m * k == x.size()
             && n.is_multiple_of(rows_per_out)
             && mlx::qgemv::launch_config(m, n, bits)
                 .0
                 .is_multiple_of(rows_per_out)
             && mlx::qgemv::supports(m, n, k, group, bits, [x.dtype(), scales.dtype()]);
-        fits.then_some((w, scales, biases, q))
+        fits.then(|| {
+            mlx::qgemv::qgemv(
+                x,
+                w,
+                scales,
+                biases,
+                group,
+                bits,
+                shape,
+                epi,
+                norm.map(|n| (&n.weight, n.eps)),
+            )
+        })
     }
 
     /// Arrays held (for memory accounting).
@@ -396,7 +393,7 @@ fn quantized_forward(
             group,
             bits,
             &shape,
-            mlx::qgemv::Epilogue::None,
+            Epilogue::None,
             None,
         );
     }
@@ -407,9 +404,9 @@ fn quantized_forward(
 }
 
 /// `x · dequantize(w)ᵀ` as a dense GEMM. The dequantization is ordered after `x`
-/// exists, so a forward pass holds one layer's dequantized weight at a time: MLX
-/// would otherwise be free to dequantize every layer's weight before the first
-/// GEMM (on H200, 4-bit 8B prefill peaked at 22.2 GB instead of ~12).
+/// exists, so MLX does not dequantize weights before their input is there; across
+/// layers the bound that matters on a GPU is the forward pass's layers in flight
+/// (`Transformer::forward_slot_ids`).
 fn dequant_gemm(
     x: &Array,
     w: &Array,
