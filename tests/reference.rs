@@ -253,7 +253,7 @@ fn all_fixture_names_exist() {
 fn pipelined_generate_equals_step_by_step() {
     use mlxcel::engine::generate::{generate, GenerateOptions};
     use mlxcel::engine::sampler::SamplingParams;
-    use mlxcel::engine::step::{Executor, LocalExecutor, SeqStart, SeqStep, StepPlan};
+    use mlxcel::engine::step::{Executor, LocalExecutor, SeqStep, StepPlan};
 
     for name in ["llama3", "qwen3", "llama_q4"] {
         let dir = fixture(name);
@@ -384,17 +384,7 @@ fn pipelined_generate_equals_step_by_step() {
             ),
         ] {
             exec.execute(&StepPlan {
-                seqs: vec![SeqStep {
-                    seq_id: id,
-                    slot: 0,
-                    pos: 0,
-                    tokens: prompt.clone(),
-                    start: Some(SeqStart {
-                        params,
-                        prompt: prompt.clone(),
-                    }),
-                    sample: true,
-                }],
+                seqs: vec![SeqStep::whole_prompt(id, 0, &prompt, params)],
                 ..Default::default()
             })
             .unwrap();

@@ -11,7 +11,7 @@ use std::process::{Command, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use mlxcel::engine::step::{Executor, LocalExecutor, SeqStart, SeqStep, StepPlan};
+use mlxcel::engine::step::{Executor, LocalExecutor, SeqStep, StepPlan};
 use mlxcel::model_dir::ModelDir;
 use mlxcel::models::{self, LoadFormat};
 use mlxcel::parallel::driver::{TpExecutor, TpOptions};
@@ -38,17 +38,7 @@ fn tp_options(n: usize) -> TpOptions {
 
 /// Prompt logits of every position, then greedy tokens, through an executor.
 fn run_plan(exec: &mut dyn Executor, prompt: &[u32], steps: usize) -> (Vec<f32>, Vec<u32>) {
-    let start = SeqStep {
-        seq_id: 1,
-        slot: 1,
-        pos: 0,
-        tokens: prompt.to_vec(),
-        start: Some(SeqStart {
-            params: Default::default(),
-            prompt: prompt.to_vec(),
-        }),
-        sample: true,
-    };
+    let start = SeqStep::whole_prompt(1, 1, prompt, Default::default());
     let r = exec
         .execute(&StepPlan {
             seqs: vec![start],
@@ -462,17 +452,7 @@ fn tp2_pipelined_decode_matches_step_by_step_and_one_process() {
         ),
     ] {
         tp.execute(&StepPlan {
-            seqs: vec![SeqStep {
-                seq_id: id,
-                slot: 0,
-                pos: 0,
-                tokens: prompt.clone(),
-                start: Some(SeqStart {
-                    params,
-                    prompt: prompt.clone(),
-                }),
-                sample: true,
-            }],
+            seqs: vec![SeqStep::whole_prompt(id, 0, &prompt, params)],
             ..Default::default()
         })
         .unwrap();

@@ -35,6 +35,24 @@ pub struct SeqStep {
     pub sample: bool,
 }
 
+impl SeqStep {
+    /// A sequence's first step: its whole `prompt` into `slot` from position 0, sampled
+    /// after with `params`.
+    pub fn whole_prompt(seq_id: u64, slot: usize, prompt: &[u32], params: SamplingParams) -> Self {
+        SeqStep {
+            seq_id,
+            slot,
+            pos: 0,
+            tokens: prompt.to_vec(),
+            start: Some(SeqStart {
+                params,
+                prompt: prompt.to_vec(),
+            }),
+            sample: true,
+        }
+    }
+}
+
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct StepPlan {
     pub seqs: Vec<SeqStep>,

@@ -29,9 +29,7 @@ use crate::engine::sampler::SamplingParams;
 use crate::engine::scheduler::{
     Command, Event, Observer, Outcome, Request, RunEnd, Scheduler, SchedulerConfig, Usage,
 };
-use crate::engine::step::{
-    Executor, LocalExecutor, SeqStart, SeqStep, StepError, StepPlan, StepResult,
-};
+use crate::engine::step::{Executor, LocalExecutor, SeqStep, StepError, StepPlan, StepResult};
 use crate::mlx;
 use crate::parallel::driver::TpExecutor;
 use crate::parallel::supervisor::{window_text, RestartBudget, RestartPolicy};
@@ -332,20 +330,15 @@ fn warm_up(exec: &mut dyn Executor, tokenizer: &Tokenizer) -> Result<(), StepErr
         .or_else(|| tokenizer.eos_token_ids().first().copied())
         .unwrap_or(0);
     exec.execute(&StepPlan {
-        seqs: vec![SeqStep {
-            seq_id: 0,
-            slot: 0,
-            pos: 0,
-            tokens: vec![token],
-            start: Some(SeqStart {
-                params: SamplingParams {
-                    seed: Some(0),
-                    ..SamplingParams::default()
-                },
-                prompt: vec![token],
-            }),
-            sample: true,
-        }],
+        seqs: vec![SeqStep::whole_prompt(
+            0,
+            0,
+            &[token],
+            SamplingParams {
+                seed: Some(0),
+                ..SamplingParams::default()
+            },
+        )],
         ..Default::default()
     })?;
     exec.execute(&StepPlan {
