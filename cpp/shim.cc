@@ -401,13 +401,31 @@ ArrayPtr swiglu(const array& gate, const array& up) {
 }
 
 // ---- custom kernels ----
-ArrayPtr cuda_kernel(rust::Str name, rust::Slice<const rust::String> input_names, rust::Str output_name,
-                     rust::Str source, rust::Str header, const ArrayVec& inputs,
-                     rust::Slice<const int32_t> out_shape, Dtype out_dtype,
-                     rust::Slice<const rust::String> tnames, rust::Slice<const int32_t> tvals, Dtype tdtype,
-                     rust::Slice<const int32_t> grid, rust::Slice<const int32_t> threadgroup) {
+std::unique_ptr<ArrayVec> cuda_kernel(rust::Str name, rust::Slice<const rust::String> input_names,
+                                      rust::Slice<const rust::String> output_names, rust::Str source,
+                                      rust::Str header, const ArrayVec& inputs,
+                                      rust::Slice<const int32_t> out_shapes,
+                                      rust::Slice<const int32_t> out_ndims, Dtype out_dtype,
+                                      rust::Slice<const rust::String> tnames, rust::Slice<const int32_t> tvals,
+                                      Dtype tdtype, rust::Slice<const int32_t> grid,
+                                      rust::Slice<const int32_t> threadgroup) {
   if (tnames.size() != tvals.size() || grid.size() != 3 || threadgroup.size() != 3) {
     throw std::invalid_argument("cuda_kernel: template names/values or grid/threadgroup sizes differ");
+  }
+  if (out_ndims.size() != output_names.size() || out_ndims.empty()) {
+    throw std::invalid_argument("cuda_kernel: one shape per output name needed");
+  }
+  std::vector<mx::Shape> shapes;
+  size_t off = 0;
+  for (int32_t nd : out_ndims) {
+    if (nd < 0 || off + size_t(nd) > out_shapes.size()) {
+      throw std::invalid_argument("cuda_kernel: output shapes shorter than their ranks");
+    }
+    shapes.emplace_back(out_shapes.begin() + off, out_shapes.begin() + off + nd);
+    off += size_t(nd);
+  }
+  if (off != out_shapes.size()) {
+    throw std::invalid_argument("cuda_kernel: output shapes longer than their ranks");
   }
   // Keyed by name alone (the caller names each source differently): this runs once
   // per quantized linear per decode step, so no copy or hash of the source here.
@@ -415,20 +433,21 @@ ArrayPtr cuda_kernel(rust::Str name, rust::Slice<const rust::String> input_names
   std::string key(name);
   auto it = kernels.find(key);
   if (it == kernels.end()) {
-    std::vector<std::string> in_names;
+    std::vector<std::string> in_names, out_names;
     for (const auto& n : input_names) in_names.emplace_back(std::string(n));
-    auto fn = mx::fast::cuda_kernel(std::string(name), in_names, {std::string(output_name)},
-                                    std::string(source), std::string(header),
-                                    /*ensure_row_contiguous=*/true);
+    for (const auto& n : output_names) out_names.emplace_back(std::string(n));
+    auto fn = mx::fast::cuda_kernel(std::string(name), in_names, out_names, std::string(source),
+                                    std::string(header), /*ensure_row_contiguous=*/true);
     it = kernels.emplace(std::move(key), std::move(fn)).first;
   }
   std::vector<std::pair<std::string, mx::fast::TemplateArg>> targs;
   targs.emplace_back("T", to_mx(tdtype));
   for (size_t i = 0; i < tnames.size(); ++i) targs.emplace_back(std::string(tnames[i]), int(tvals[i]));
-  auto out = it->second(inputs.items, {to_shape(out_shape)}, {to_mx(out_dtype)},
-                        {grid[0], grid[1], grid[2]}, {threadgroup[0], threadgroup[1], threadgroup[2]},
-                        targs, std::nullopt, false, {});
-  return wrap(std::move(out.at(0)));
+  std::vector<mx::Dtype> dtypes(shapes.size(), to_mx(out_dtype));
+  auto out = std::make_unique<ArrayVec>();
+  out->items = it->second(inputs.items, shapes, dtypes, {grid[0], grid[1], grid[2]},
+                          {threadgroup[0], threadgroup[1], threadgroup[2]}, targs, std::nullopt, false, {});
+  return out;
 }
 
 // ---- quantization ----

@@ -146,16 +146,20 @@ ArrayPtr swiglu(const array& gate, const array& up);
 uint64_t compile_traces();
 
 // ---- custom kernels ----
-// One output of a run-time compiled CUDA kernel (`fast::cuda_kernel`): `source` is
-// the kernel body, `header` device code before it; template ints (`tnames[i] =
-// tvals[i]`) become constexpr ints in the body and `T` names `tdtype`. Built
-// kernels are cached by name alone, so a name must identify its source (MLX then
-// caches the compiled module per template set).
-ArrayPtr cuda_kernel(rust::Str name, rust::Slice<const rust::String> input_names, rust::Str output_name,
-                     rust::Str source, rust::Str header, const ArrayVec& inputs,
-                     rust::Slice<const int32_t> out_shape, Dtype out_dtype,
-                     rust::Slice<const rust::String> tnames, rust::Slice<const int32_t> tvals, Dtype tdtype,
-                     rust::Slice<const int32_t> grid, rust::Slice<const int32_t> threadgroup);
+// A run-time compiled CUDA kernel (`fast::cuda_kernel`): `source` is the kernel body,
+// `header` device code before it; template ints (`tnames[i] = tvals[i]`) become
+// constexpr ints in the body and `T` names `tdtype`. Outputs `output_names[i]` have
+// dtype `out_dtype` and shape `out_shapes[off_i .. off_i + out_ndims[i]]` (the shapes
+// concatenated). Built kernels are cached by name alone, so a name must identify its
+// source and output names (MLX then caches the compiled module per template set).
+std::unique_ptr<ArrayVec> cuda_kernel(rust::Str name, rust::Slice<const rust::String> input_names,
+                                      rust::Slice<const rust::String> output_names, rust::Str source,
+                                      rust::Str header, const ArrayVec& inputs,
+                                      rust::Slice<const int32_t> out_shapes,
+                                      rust::Slice<const int32_t> out_ndims, Dtype out_dtype,
+                                      rust::Slice<const rust::String> tnames, rust::Slice<const int32_t> tvals,
+                                      Dtype tdtype, rust::Slice<const int32_t> grid,
+                                      rust::Slice<const int32_t> threadgroup);
 
 // ---- quantization ----
 ArrayPtr quantized_matmul(const array& x, const array& w, const array& scales, const array& biases,

@@ -5,23 +5,37 @@
 //   scales T      [N, K/G]
 //   biases T      [N, K/G]        w[n, k] = q · scale + bias
 // x and y are T (bfloat16). Compiled at run time by MLX (`fast::cuda_kernel`,
-// nvrtc); template constants: M, N, K, G, BITS, ROWS, WPB, EPI, NORM, EPS_BITS.
+// nvrtc); template constants: M, N, K, G, BITS, ROWS, WPB, EPI, NORM, EPS_BITS
+// (and HD, NQ for the RoPE entry point).
 //
 // EPI picks what is written (each saves the decode step a separate MLX op):
 //   0: y[M, N]   = x·Wᵀ
 //   1: y[M, N]   = res + x·Wᵀ            (res T [M, N]: the residual stream)
 //   2: y[M, N/2] = silu(g)·u, g = (x·Wᵀ)[:, :N/2], u = (x·Wᵀ)[:, N/2:]
 //      (the merged gate/up projection; a block takes ROWS/2 rows of each half)
+//   3: the merged q/k/v projection of a decode step with RoPE applied to q and k:
+//      x·Wᵀ is NQ query heads, NKV key heads, NKV value heads of HD values each
+//      (N = (NQ + 2·NKV)·HD); a block takes ROWS/2 pairs of rows (d, d + HD/2) of a
+//      head, rotates q and k heads by pos[m]·inv_freq[d] (half-split RoPE, as MLX's
+//      `fast::rope` with traditional = false), and writes q heads to y
+//      ([M, NQ, 1, HD]) and key then value heads to y2 ([M, 2·NKV, 1, HD]: what the
+//      KV cache stores for one position, so one update writes both).
 // NORM = 1 applies RMSNorm to x first (x·w_norm·rsqrt(mean(x²) + eps), nw T [K] the
 // norm weight, eps the float whose bits are EPS_BITS): the block's threads read all of
 // each row of x anyway, so the sum of squares comes with the dot products.
 // x is read as M rows of K whatever its shape, y is written row-major.
 //
-// This file is loaded as two parts split at the marker lines: the header (device
-// helpers) and the body of the `__global__` function MLX generates around it:
-//   (const T* x, const uint32_t* w, const T* scales, const T* biases, const T* res,
-//    const T* nw, T* y)
-// (res is read only when EPI = 1, nw only when NORM = 1; callers pass any array there)
+// This file is loaded in parts split at the marker lines: the header (device code,
+// here all of the kernel as the template `mlxcel_qgemv`) and two kernel bodies, each
+// the body of a `__global__` function MLX generates around it:
+//   @@body       (const T* x, const uint32_t* w, const T* scales, const T* biases,
+//                 const T* res, const T* nw, T* y)                        EPI 0, 1, 2
+//   @@body_rope  (const T* x, const uint32_t* w, const T* scales, const T* biases,
+//                 const T* nw, const int32_t* pos, const float* inv_freq, T* q, T* kv)
+// (res is read only when EPI = 1, nw only when NORM = 1; callers pass any array
+// there). MLX declares the template constants as constexpr locals of that function,
+// so the bodies pass them on as template arguments: a discarded `if constexpr` branch
+// of a template is not compiled, which lets one kernel have two signatures.
 // mlxcel embeds it and `MLXCEL_QGEMV_SOURCE=path` replaces it at run time;
 // `scripts/check_qgemv.py` loads the same file from Python to check and time it.
 //
@@ -79,9 +93,18 @@ __device__ __forceinline__ float mlxcel_word_dot(uint32_t u, const float* xs) {
   }
   return a + b;
 }
-// @@body
+
+template <typename T, int M, int N, int K, int G, int BITS, int ROWS, int WPB, int EPI,
+          int NORM, int EPS_BITS, int HD, int NQ>
+__device__ __forceinline__ void mlxcel_qgemv(const T* x, const uint32_t* w, const T* scales,
+                                             const T* biases, const T* res, const T* nw,
+                                             const int32_t* pos, const float* inv_freq, T* y,
+                                             T* y2) {
   static_assert(BITS == 4 || BITS == 8, "qgemv: 4 or 8 bits");
   static_assert(EPI != 2 || (ROWS % 2 == 0 && N % 2 == 0), "qgemv: SwiGLU needs pairs of rows");
+  static_assert(EPI != 3 || (ROWS % 2 == 0 && HD % 2 == 0 && N % HD == 0 && (N / 2) % (ROWS / 2) == 0 &&
+                             N / HD >= NQ && (N / HD - NQ) % 2 == 0),
+                "qgemv: RoPE needs pairs of rows and N = (NQ + 2 NKV) HD");
   constexpr int VPC = 128 / BITS;           // values per 16-byte chunk
   constexpr int VPW = 32 / BITS;            // values per 32-bit word
   constexpr int CPR = K / VPC;              // chunks per row
@@ -97,11 +120,16 @@ __device__ __forceinline__ float mlxcel_word_dot(uint32_t u, const float* xs) {
   const int lane = tid & 31;
   const int warp = tid >> 5;
   // output row of this block's row r: ROWS consecutive rows, or (EPI 2) ROWS/2 rows of
-  // the gate half followed by the same rows of the up half
+  // the gate half followed by the same rows of the up half, or (EPI 3) the first
+  // rows d of ROWS/2 pairs (d, d + HD/2) of a head followed by their second rows
   constexpr int HALF = ROWS / 2;
+  constexpr int HD2 = HD > 0 ? HD / 2 : 1;
   auto row_of = [&](int r) -> int {
     if constexpr (EPI == 2) {
       return r < HALF ? int(blockIdx.x) * HALF + r : N / 2 + int(blockIdx.x) * HALF + (r - HALF);
+    } else if constexpr (EPI == 3) {
+      const int p = int(blockIdx.x) * HALF + (r < HALF ? r : r - HALF);  // pair index
+      return (p / HD2) * HD + p % HD2 + (r < HALF ? 0 : HD2);
     } else {
       return int(blockIdx.x) * ROWS + r;
     }
@@ -233,7 +261,37 @@ __device__ __forceinline__ float mlxcel_word_dot(uint32_t u, const float* xs) {
       return 1.f;
     }
   };
-  if constexpr (EPI == 2) {
+  if constexpr (EPI == 3) {
+    if (tid < HALF * M) {
+      const int r = tid / M;
+      const int m = tid % M;
+      float a = 0.f, c = 0.f;
+#pragma unroll
+      for (int i = 0; i < WPB; ++i) {
+        a += red[i][r * M + m];
+        c += red[i][(r + HALF) * M + m];
+      }
+      const float f = norm_of(m);
+      a *= f;
+      c *= f;
+      const int p = int(blockIdx.x) * HALF + r;
+      const int head = p / HD2;
+      const int d = p % HD2;
+      constexpr int NKV = (N / HD - NQ) / 2;
+      if (head < NQ + NKV) {
+        const float theta = static_cast<float>(pos[m]) * inv_freq[d];
+        const float cs = cosf(theta);
+        const float sn = sinf(theta);
+        const float ra = a * cs - c * sn;
+        c = a * sn + c * cs;
+        a = ra;
+      }
+      T* out = head < NQ ? y + size_t(m) * (NQ * HD) + size_t(head) * HD
+                         : y2 + size_t(m) * (N - NQ * HD) + size_t(head - NQ) * HD;
+      out[d] = static_cast<T>(a);
+      out[d + HD2] = static_cast<T>(c);
+    }
+  } else if constexpr (EPI == 2) {
     if (tid < HALF * M) {
       const int r = tid / M;
       const int m = tid % M;
@@ -265,3 +323,10 @@ __device__ __forceinline__ float mlxcel_word_dot(uint32_t u, const float* xs) {
       y[at] = static_cast<T>(v);
     }
   }
+}
+// @@body
+  mlxcel_qgemv<T, M, N, K, G, BITS, ROWS, WPB, EPI, NORM, EPS_BITS, 0, 0>(
+      x, w, scales, biases, res, nw, nullptr, nullptr, y, nullptr);
+// @@body_rope
+  mlxcel_qgemv<T, M, N, K, G, BITS, ROWS, WPB, 3, NORM, EPS_BITS, HD, NQ>(
+      x, w, scales, biases, x, nw, pos, inv_freq, q, kv);

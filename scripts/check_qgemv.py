@@ -36,30 +36,44 @@ SHAPES_70B = [(10240, 8192, "qkv"), (8192, 8192, "o"), (57344, 8192, "gate_up"),
               (8192, 28672, "down"), (128256, 8192, "lm_head")]
 
 
+ROPE_MARK = "// @@body_rope\n"
+
+
 def load_source(path):
     text = path.read_text()
     head, body = text.split("// @@header\n", 1)[1].split("// @@body\n", 1)
-    return head, body
+    body, body_rope = body.split(ROPE_MARK, 1)
+    return head, body, body_rope
 
 
-def kernel_name(header, body):
+def kernel_name(header, body, body_rope):
     """`mlxcel_qgemv_<FNV-1a of the source>`, as mlxcel names it: MLX caches compiled
     kernels by name (also on disk), so another source must get another name."""
     h = 0xcbf29ce484222325
-    for b in (header + body).encode():
+    for b in (header + body + ROPE_MARK + body_rope).encode():
         h = ((h ^ b) * 0x100000001b3) & 0xFFFFFFFFFFFFFFFF
     return f"mlxcel_qgemv_{h & 0xFFFFFFFF:08x}"
 
 
 def make_kernel(path):
-    header, body = load_source(path)
-    return mx.fast.cuda_kernel(
-        name=kernel_name(header, body),
+    """The plain kernel (epilogues 0-2) and the q/k/v + RoPE entry point."""
+    header, body, body_rope = load_source(path)
+    name = kernel_name(header, body, body_rope)
+    plain = mx.fast.cuda_kernel(
+        name=name,
         input_names=["x", "w", "scales", "biases", "res", "nw"],
         output_names=["y"],
         source=body,
         header=header,
     )
+    rope = mx.fast.cuda_kernel(
+        name=name + "_rope",
+        input_names=["x", "w", "scales", "biases", "nw", "pos", "inv_freq"],
+        output_names=["q", "kv"],
+        source=body_rope,
+        header=header,
+    )
+    return plain, rope
 
 
 def launch_config(m, n, bits):
@@ -92,6 +106,58 @@ def qgemv(kernel, x, w, s, b, group, bits, rows=None, wpb=None, res=None, swiglu
         output_shapes=[(m, n // 2 if swiglu else n)],
         output_dtypes=[mx.bfloat16],
     )[0]
+
+
+def qgemv_rope(kernel, x, w, s, b, group, bits, norm, pos, inv_freq, nq, hd):
+    """q [M, nq, 1, hd] and kv [M, 2·nkv, 1, hd] of norm(x)·Wᵀ with RoPE on q and k."""
+    m, k = x.shape
+    n = w.shape[0]
+    rows, wpb = launch_config(m, n, bits)
+    return kernel(
+        inputs=[x, w, s, b, norm[0], pos, inv_freq],
+        template=[("T", mx.bfloat16), ("M", m), ("N", n), ("K", k), ("G", group),
+                  ("BITS", bits), ("ROWS", rows), ("WPB", wpb), ("NORM", 1),
+                  ("EPS_BITS", struct.unpack("<i", struct.pack("<f", norm[1]))[0]),
+                  ("HD", hd), ("NQ", nq)],
+        grid=(n // rows * 32 * wpb, 1, 1),
+        threadgroup=(32 * wpb, 1, 1),
+        output_shapes=[(m, nq, 1, hd), (m, n // hd - nq, 1, hd)],
+        output_dtypes=[mx.bfloat16, mx.bfloat16],
+    )
+
+
+def check_rope(kernel, n, k, group, bits, ms, nq, hd=128, seed=0):
+    """The q/k/v + RoPE entry point against rms_norm, quantized_matmul and MLX's
+    fast.rope (base 500000, positions up to 30000), all in float32 for the reference."""
+    wq, s, b = quantized(n, k, group, bits, seed)
+    wd = mx.dequantize(wq, s, b, group_size=group, bits=bits).astype(mx.float32)
+    nkv = (n // hd - nq) // 2
+    base = 500000.0
+    inv_freq = mx.array([base ** (-2.0 * i / hd) for i in range(hd // 2)], dtype=mx.float32)
+    rows = []
+    for m in ms:
+        x = mx.random.normal((m, k)).astype(mx.bfloat16)
+        nw = (1 + 0.1 * mx.random.normal((k,))).astype(mx.bfloat16)
+        pos = mx.array([7, 30000, 4095, 1][:m], dtype=mx.int32)
+        xf = x.astype(mx.float32)
+        xn = xf * mx.rsqrt(mx.mean(xf * xf, axis=-1, keepdims=True) + 1e-5) * nw.astype(mx.float32)
+
+        def heads_rope(y):  # y [m, n] -> q, kv as the kernel lays them out, RoPE per row
+            y = y.reshape(m, n // hd, 1, hd)
+            qk = mx.concatenate([mx.fast.rope(y[i:i + 1, : nq + nkv], hd, traditional=False,
+                                              base=base, scale=1.0, offset=int(pos[i].item()))
+                                 for i in range(m)], axis=0)
+            return qk[:, :nq], mx.concatenate([qk[:, nq:], y[:, nq + nkv:]], axis=1)
+
+        ref_q, ref_kv = heads_rope(xn @ wd.T)
+        q, kv = qgemv_rope(kernel, x, wq, s, b, group, bits, (nw, 1e-5), pos, inv_freq, nq, hd)
+        qmm = mx.quantized_matmul(mx.fast.rms_norm(x, nw, 1e-5), wq, s, b, transpose=True,
+                                  group_size=group, bits=bits)
+        mq, mkv = heads_rope(qmm)
+        e = max(rel_err(q, ref_q), rel_err(kv, ref_kv))
+        eq = max(rel_err(mq, ref_q), rel_err(mkv, ref_kv))
+        rows.append((m, " norm+rope", e, eq, e <= 1e-2 and e <= 2 * eq + 4e-3))
+    return rows
 
 
 def rel_err(a, ref):
@@ -178,17 +244,20 @@ def main():
     ap.add_argument("--source", type=pathlib.Path, default=SOURCE)
     ap.add_argument("--quick", action="store_true", help="two 8B shapes, 4-bit g64 only")
     ap.add_argument("--only", choices=["8B", "70B"], help="only this model's shapes")
+    ap.add_argument("--skip", default="", help="comma-separated shape names to leave out (e.g. qkv,o)")
     ap.add_argument("--time", action="store_true", help="also wall-clock timing (host-bound)")
     ap.add_argument("--sweep", action="store_true",
                     help="only time launch shapes (ROWS × WPB) on the 8B shapes, to pick defaults")
     args = ap.parse_args()
     if not mx.cuda.is_available():
         sys.exit("check_qgemv: needs MLX's CUDA backend")
-    kernel = make_kernel(args.source)
+    kernel, rope_kernel = make_kernel(args.source)
     shapes = [(6144, 4096, "8B qkv"), (4096, 14336, "8B down")] if args.quick else \
         [(n, k, "8B " + t) for n, k, t in SHAPES_8B] + [(n, k, "70B " + t) for n, k, t in SHAPES_70B]
     if args.only:
         shapes = [sh for sh in shapes if sh[2].startswith(args.only + " ")]
+    skip = {t for t in args.skip.split(",") if t}
+    shapes = [sh for sh in shapes if sh[2].split(" ", 1)[1] not in skip]
     configs = [(4, 64)] if args.quick else [(4, 64), (8, 64), (4, 32), (4, 128), (8, 32), (8, 128)]
     bad = 0
     if args.sweep:
@@ -201,7 +270,10 @@ def main():
             # all group sizes on the first shape of each model, group 64 on the rest
             if group != 64 and not name.endswith("qkv"):
                 continue
-            for m, epi, e1, e2, ok in check(kernel, n, k, group, bits, (1, 4)):
+            found = check(kernel, n, k, group, bits, (1, 4))
+            if name.endswith("qkv"):  # 32 (8B) or 64 (70B) query heads, 8 KV heads of 128
+                found += check_rope(rope_kernel, n, k, group, bits, (1, 4), nq=n // 128 - 16)
+            for m, epi, e1, e2, ok in found:
                 bad += not ok
                 print(f"| {name} {n}×{k}{epi} | {bits} | {group} | {m} | {e1:.2e} | {e2:.2e} | "
                       f"{'yes' if ok else 'NO'} |")

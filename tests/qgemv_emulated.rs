@@ -60,6 +60,15 @@ int main() {
   std::uniform_real_distribution<float> ux(-1.f, 1.f), us(0.001f, 0.02f), ub(-0.05f, 0.05f);
   constexpr int OUT_N = EPI == 2 ? N / 2 : N;
   std::vector<bf> x(M * K), sc(N * (K / G)), bi(N * (K / G)), res(M * N), nw(K), y(M * OUT_N);
+#if ROPE
+  // positions per row (one far out, where float angles lose digits) and MLX's inverse
+  // frequencies base^(-2d/HD), base 10000
+  std::vector<int32_t> pos(M);
+  for (int m = 0; m < M; ++m) pos[m] = m == 1 ? 70000 : 3 + 41 * m;
+  std::vector<float> inv(HD / 2);
+  for (int d = 0; d < HD / 2; ++d) inv[d] = float(std::pow(10000.0, -2.0 * d / HD));
+  std::vector<bf> yq(M * NQ * HD), ykv(M * (N - NQ * HD));
+#endif
   std::vector<uint32_t> w(size_t(N) * K / VPW);
   std::vector<int> q(size_t(N) * K);
   for (auto& v : x) v = bf(ux(rng));
@@ -84,7 +93,12 @@ int main() {
       ts.emplace_back([&, t] {
         threadIdx.x = t;
         blockIdx.x = blk;
+#if ROPE
+        kernel(x.data(), w.data(), sc.data(), bi.data(), nw.data(), pos.data(), inv.data(),
+               yq.data(), ykv.data());
+#else
         kernel(x.data(), w.data(), sc.data(), bi.data(), res.data(), nw.data(), y.data());
+#endif
       });
     for (auto& t : ts) t.join();
   }
@@ -108,6 +122,26 @@ int main() {
     return r;
   };
   double max_ref = 0, max_err = 0;
+#if ROPE
+  // q heads to yq, key then value heads to ykv; q and k rotated by pos·inv_freq
+  constexpr int NKV = (N / HD - NQ) / 2;
+  for (int m = 0; m < M; ++m)
+    for (int h = 0; h < NQ + 2 * NKV; ++h)
+      for (int d = 0; d < HD / 2; ++d) {
+        double a = dot(m, h * HD + d), c = dot(m, h * HD + d + HD / 2);
+        if (h < NQ + NKV) {
+          double th = double(pos[m]) * double(inv[d]);
+          double ra = a * std::cos(th) - c * std::sin(th);
+          c = a * std::sin(th) + c * std::cos(th);
+          a = ra;
+        }
+        const bf* out = h < NQ ? &yq[m * NQ * HD + h * HD] : &ykv[m * (N - NQ * HD) + (h - NQ) * HD];
+        for (auto [r, got] : {std::pair{a, out[d]}, std::pair{c, out[d + HD / 2]}}) {
+          max_ref = std::fmax(max_ref, std::fabs(r));
+          max_err = std::fmax(max_err, std::fabs(r - double(float(got))));
+        }
+      }
+#else
   for (int m = 0; m < M; ++m)
     for (int n = 0; n < OUT_N; ++n) {
       double r = dot(m, n);
@@ -116,21 +150,27 @@ int main() {
       max_ref = std::fmax(max_ref, std::fabs(r));
       max_err = std::fmax(max_err, std::fabs(r - double(float(y[m * OUT_N + n]))));
     }
+#endif
   std::printf("max_err %.3e max_ref %.3e rel %.3e\n", max_err, max_ref, max_err / max_ref);
   return max_err / max_ref < 1e-2 ? 0 : 1;
 }
 "#;
 
-fn kernel_parts() -> (String, String) {
+/// The kernel file's header, plain body and RoPE body.
+fn kernel_parts() -> (String, String, String) {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels/qgemv.cu");
     let text = std::fs::read_to_string(&path).unwrap();
     let (_, rest) = text.split_once("// @@header\n").unwrap();
-    let (header, body) = rest.split_once("// @@body\n").unwrap();
-    (header.to_string(), body.to_string())
+    let (header, rest) = rest.split_once("// @@body\n").unwrap();
+    let (body, body_rope) = rest.split_once("// @@body_rope\n").unwrap();
+    (header.to_string(), body.to_string(), body_rope.to_string())
 }
 
+/// Compile and run the emulated kernel with template constants `consts`; the RoPE
+/// entry point (`@@body_rope`) when they include `HD` and `NQ`.
 fn run(tag: &str, consts: &[(&str, usize)]) {
-    let (header, body) = kernel_parts();
+    let (header, body, body_rope) = kernel_parts();
+    let rope = consts.iter().any(|(n, _)| *n == "HD");
     let mut src = String::from(PRELUDE);
     src += &header;
     src += "using T = __nv_bfloat16;\n";
@@ -138,7 +178,7 @@ fn run(tag: &str, consts: &[(&str, usize)]) {
         src += &format!("constexpr int {n} = {v};\n");
     }
     for (name, default) in [
-        ("EPI", 0),
+        ("EPI", if rope { 3 } else { 0 }),
         ("NORM", 0),
         ("EPS_BITS", 1e-5f32.to_bits() as usize),
     ] {
@@ -146,12 +186,24 @@ fn run(tag: &str, consts: &[(&str, usize)]) {
             src += &format!("constexpr int {name} = {default};\n");
         }
     }
-    // the signature MLX generates for inputs x, w, scales, biases, res, nw and output y
-    src += "void kernel(const __nv_bfloat16* x, const uint32_t* w, const __nv_bfloat16* scales,\n\
-            const __nv_bfloat16* biases, const __nv_bfloat16* res, const __nv_bfloat16* nw,\n\
-            __nv_bfloat16* y) {\n";
-    src += &body;
+    if rope {
+        // the signature MLX generates for inputs x, w, scales, biases, nw, pos, inv_freq
+        // and outputs q, kv
+        src +=
+            "void kernel(const __nv_bfloat16* x, const uint32_t* w, const __nv_bfloat16* scales,\n\
+                const __nv_bfloat16* biases, const __nv_bfloat16* nw, const int32_t* pos,\n\
+                const float* inv_freq, __nv_bfloat16* q, __nv_bfloat16* kv) {\n";
+        src += &body_rope;
+    } else {
+        // the signature MLX generates for inputs x, w, scales, biases, res, nw and output y
+        src +=
+            "void kernel(const __nv_bfloat16* x, const uint32_t* w, const __nv_bfloat16* scales,\n\
+                const __nv_bfloat16* biases, const __nv_bfloat16* res, const __nv_bfloat16* nw,\n\
+                __nv_bfloat16* y) {\n";
+        src += &body;
+    }
     src += "\n}\n";
+    src += &format!("#define ROPE {}\n", rope as i32);
     src += MAIN;
     let dir: PathBuf =
         std::env::temp_dir().join(format!("mlxcel-qgemv-emu-{}-{tag}", std::process::id()));
@@ -323,6 +375,42 @@ fn qgemv_fused_rms_norm_matches() {
             ("ROWS", 2),
             ("WPB", 1),
             ("NORM", 1),
+        ],
+    );
+}
+
+#[test]
+fn qgemv_fused_rope_matches() {
+    // merged q/k/v with RoPE: 4 query heads, 2 key and 2 value heads of 16, with the norm;
+    // row 1 at position 70000
+    run(
+        "4bit_rope_norm",
+        &[
+            ("M", 2),
+            ("N", 8 * 16),
+            ("K", 512),
+            ("G", 64),
+            ("BITS", 4),
+            ("ROWS", 4),
+            ("WPB", 2),
+            ("NORM", 1),
+            ("HD", 16),
+            ("NQ", 4),
+        ],
+    );
+    // one row per pair half (ROWS 2), 8-bit, the guarded tail, GQA 3:1 (3 q, 1 k, 1 v)
+    run(
+        "8bit_rope_tail",
+        &[
+            ("M", 1),
+            ("N", 5 * 8),
+            ("K", 144),
+            ("G", 16),
+            ("BITS", 8),
+            ("ROWS", 2),
+            ("WPB", 1),
+            ("HD", 8),
+            ("NQ", 3),
         ],
     );
 }

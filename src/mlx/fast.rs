@@ -152,47 +152,56 @@ pub fn quantize(w: &Array, group_size: i32, bits: i32) -> Result<(Array, Array, 
 }
 
 /// A CUDA kernel compiled at run time by MLX (`fast::cuda_kernel`, nvrtc): `body` is
-/// the kernel body (inputs named `input_names`, one output), `header` device code
-/// before it. Template ints (`template_names[i] = template_values[i]`) become
-/// constexpr ints in the body and `T` names `tdtype`. `grid` counts threads, as in
-/// MLX. Only MLX's CUDA backend runs it. The shim caches the kernel function by
-/// `name`, so `name` must change whenever `header` or `body` does.
+/// the kernel body (inputs named `input_names`, outputs `output_names`), `header`
+/// device code before it. Template ints (`template_names[i] = template_values[i]`)
+/// become constexpr ints in the body and `T` names `tdtype`. `grid` counts threads,
+/// as in MLX. Only MLX's CUDA backend runs it. The shim caches the kernel function by
+/// `name`, so `name` must change whenever `header`, `body` or the names do.
 pub struct CudaKernel<'a> {
     pub name: &'a str,
     pub input_names: &'a [String],
-    pub output_name: &'a str,
+    pub output_names: &'a [String],
     pub header: &'a str,
     pub body: &'a str,
 }
 
 impl CudaKernel<'_> {
+    /// Run it on `inputs`; output i has shape `out_shapes[i]`, all of dtype `out_dtype`.
     #[allow(clippy::too_many_arguments)]
     pub fn call(
         &self,
         inputs: &[&Array],
-        out_shape: &[i32],
+        out_shapes: &[&[i32]],
         out_dtype: super::Dtype,
         template_names: &[String],
         template_values: &[i32],
         tdtype: super::Dtype,
         grid: [i32; 3],
         threadgroup: [i32; 3],
-    ) -> Result<Array> {
+    ) -> Result<Vec<Array>> {
         let list = ArrayList::new(inputs.iter().copied());
-        Ok(Array::from_ptr(ffi::cuda_kernel(
+        let mut shapes = Vec::with_capacity(8);
+        let mut ndims = Vec::with_capacity(out_shapes.len());
+        for s in out_shapes {
+            shapes.extend_from_slice(s);
+            ndims.push(s.len() as i32);
+        }
+        ArrayList(ffi::cuda_kernel(
             self.name,
             self.input_names,
-            self.output_name,
+            self.output_names,
             self.body,
             self.header,
             list.raw(),
-            out_shape,
+            &shapes,
+            &ndims,
             out_dtype,
             template_names,
             template_values,
             tdtype,
             &grid,
             &threadgroup,
-        )?))
+        )?)
+        .into_vec()
     }
 }

@@ -273,18 +273,19 @@ pub(crate) mod ffi {
         fn cuda_kernel(
             name: &str,
             input_names: &[String],
-            output_name: &str,
+            output_names: &[String],
             source: &str,
             header: &str,
             inputs: &ArrayVec,
-            out_shape: &[i32],
+            out_shapes: &[i32],
+            out_ndims: &[i32],
             out_dtype: Dtype,
             tnames: &[String],
             tvals: &[i32],
             tdtype: Dtype,
             grid: &[i32],
             threadgroup: &[i32],
-        ) -> Result<UniquePtr<Array>>;
+        ) -> Result<UniquePtr<ArrayVec>>;
 
         fn quantized_matmul(
             x: &Array,

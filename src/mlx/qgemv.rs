@@ -20,12 +20,16 @@ pub const MAX_M: usize = 4;
 const EMBEDDED: &str = include_str!("../../kernels/qgemv.cu");
 const HEADER_MARK: &str = "// @@header\n";
 const BODY_MARK: &str = "// @@body\n";
+const ROPE_MARK: &str = "// @@body_rope\n";
 
-/// The kernel file split into the device-code header and the kernel body.
+/// The kernel file split into the device-code header and the two kernel bodies.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Source {
     pub header: String,
+    /// `x · Wᵀ` with epilogues 0–2, one output.
     pub body: String,
+    /// The q/k/v projection with RoPE (epilogue 3), outputs q and kv.
+    pub body_rope: String,
 }
 
 impl Source {
@@ -34,7 +38,13 @@ impl Source {
     /// reuse the old name. `scripts/check_qgemv.py` names it the same way.
     pub fn kernel_name(&self) -> String {
         let mut h: u64 = 0xcbf29ce484222325;
-        for b in self.header.bytes().chain(self.body.bytes()) {
+        for b in self
+            .header
+            .bytes()
+            .chain(self.body.bytes())
+            .chain(ROPE_MARK.bytes())
+            .chain(self.body_rope.bytes())
+        {
             h ^= b as u64;
             h = h.wrapping_mul(0x100000001b3);
         }
@@ -42,20 +52,27 @@ impl Source {
     }
 }
 
-/// Split a kernel file at its `// @@header` and `// @@body` marker lines.
+/// Split a kernel file at its `// @@header`, `// @@body` and `// @@body_rope` marker lines.
 pub fn split_source(text: &str) -> std::result::Result<Source, String> {
     let (_, rest) = text
         .split_once(HEADER_MARK)
         .ok_or("no `// @@header` marker line")?;
-    let (header, body) = rest
+    let (header, rest) = rest
         .split_once(BODY_MARK)
         .ok_or("no `// @@body` marker line after `// @@header`")?;
+    let (body, body_rope) = rest
+        .split_once(ROPE_MARK)
+        .ok_or("no `// @@body_rope` marker line after `// @@body`")?;
     if body.trim().is_empty() {
         return Err("the kernel body after `// @@body` is empty".into());
+    }
+    if body_rope.trim().is_empty() {
+        return Err("the kernel body after `// @@body_rope` is empty".into());
     }
     Ok(Source {
         header: header.to_string(),
         body: body.to_string(),
+        body_rope: body_rope.to_string(),
     })
 }
 
@@ -75,9 +92,13 @@ fn load_source() -> std::result::Result<Source, String> {
     }
 }
 
-fn kernel_name() -> &'static str {
-    static NAME: OnceLock<String> = OnceLock::new();
-    NAME.get_or_init(|| source().map(|s| s.kernel_name()).unwrap_or_default())
+/// The plain kernel's name and the RoPE entry point's (`<name>_rope`).
+fn kernel_names() -> &'static (String, String) {
+    static NAMES: OnceLock<(String, String)> = OnceLock::new();
+    NAMES.get_or_init(|| {
+        let n = source().map(|s| s.kernel_name()).unwrap_or_default();
+        (n.clone(), n + "_rope")
+    })
 }
 
 fn source() -> Result<&'static Source> {
@@ -231,10 +252,11 @@ pub fn qgemv(
         None => (x, 0.0), // not read
     };
     // built once: this runs for every quantized linear of every decode step
-    static NAMES: OnceLock<([String; 6], [String; 10])> = OnceLock::new();
-    let (inputs, tnames) = NAMES.get_or_init(|| {
+    static NAMES: OnceLock<([String; 6], [String; 1], [String; 10])> = OnceLock::new();
+    let (inputs, outputs, tnames) = NAMES.get_or_init(|| {
         (
             ["x", "w", "scales", "biases", "res", "nw"].map(String::from),
+            ["y".to_string()],
             [
                 "M", "N", "K", "G", "BITS", "ROWS", "WPB", "EPI", "NORM", "EPS_BITS",
             ]
@@ -242,9 +264,9 @@ pub fn qgemv(
         )
     });
     let kernel = CudaKernel {
-        name: kernel_name(),
+        name: &kernel_names().0,
         input_names: inputs,
-        output_name: "y",
+        output_names: outputs,
         header: &src.header,
         body: &src.body,
     };
@@ -253,16 +275,147 @@ pub fn qgemv(
         tvals[8] = 1;
         tvals[9] = eps.to_bits() as i32;
     }
-    kernel.call(
+    let mut out = kernel.call(
         &[x, w, scales, biases, res, nw],
-        out_shape,
+        &[out_shape],
         x.dtype(),
         tnames,
         &tvals,
         x.dtype(),
         [(n / rows * 32 * wpb) as i32, 1, 1],
         [(32 * wpb) as i32, 1, 1],
-    )
+    )?;
+    out.pop()
+        .ok_or_else(|| MlxError::Invalid("qgemv: the kernel returned no output".into()))
+}
+
+/// Whether [`qgemv_rope`] covers a merged q/k/v weight of `n` rows for `nq` query heads
+/// of `head_dim` values at batch `m` (besides [`supports`]): whole heads, as many key
+/// as value heads, and pairs of rows (d, d + head_dim/2) dividing evenly into blocks.
+pub fn supports_rope(m: usize, n: usize, bits: usize, nq: usize, head_dim: usize) -> bool {
+    if head_dim == 0 || !head_dim.is_multiple_of(2) || !n.is_multiple_of(head_dim) {
+        return false;
+    }
+    let heads = n / head_dim;
+    let rows = launch_config(m, n, bits).0;
+    heads > nq
+        && (heads - nq).is_multiple_of(2)
+        && rows.is_multiple_of(2)
+        && (n / 2).is_multiple_of(rows / 2)
+}
+
+/// The q/k/v projection of a decode step in one kernel: `y = norm(x) · Wᵀ` for a merged
+/// `[q; k; v]` weight (`nq` query heads, then equally many key and value heads of
+/// `head_dim`), with RoPE (half-split, angle `pos[m] · inv_freq[d]`) applied to the
+/// q and k heads of row m. Returns q `[m, nq, 1, head_dim]` and kv `[m, 2·nkv, 1,
+/// head_dim]` (key heads, then value heads). `pos`: int32, one position per row of x;
+/// `inv_freq`: float32 `[head_dim / 2]`. The caller checks [`enabled`], [`supports`]
+/// and [`supports_rope`].
+#[allow(clippy::too_many_arguments)]
+pub fn qgemv_rope(
+    x: &Array,
+    w: &Array,
+    scales: &Array,
+    biases: &Array,
+    group: usize,
+    bits: usize,
+    norm: Option<(&Array, f32)>,
+    pos: &Array,
+    inv_freq: &Array,
+    nq: usize,
+    head_dim: usize,
+) -> Result<(Array, Array)> {
+    let n = w.dim(0) as usize;
+    let k = w.dim(1) as usize * 32 / bits;
+    let m = x.size() / k.max(1);
+    if x.size() != m * k || !supports_rope(m, n, bits, nq, head_dim) {
+        return Err(MlxError::Invalid(format!(
+            "qgemv_rope: x of {} elements, a [{n}, {k}] weight and {nq} query heads of \
+             {head_dim} do not fit",
+            x.size()
+        )));
+    }
+    if pos.size() != m || pos.dtype() != Dtype::I32 {
+        return Err(MlxError::Invalid(format!(
+            "qgemv_rope: positions {:?} {:?}, expected {m} int32",
+            pos.shape(),
+            pos.dtype()
+        )));
+    }
+    if inv_freq.size() != head_dim / 2 || inv_freq.dtype() != Dtype::F32 {
+        return Err(MlxError::Invalid(format!(
+            "qgemv_rope: inverse frequencies {:?} {:?}, expected {} float32",
+            inv_freq.shape(),
+            inv_freq.dtype(),
+            head_dim / 2
+        )));
+    }
+    let (nw, eps) = match norm {
+        Some((nw, eps)) if nw.size() == k && nw.dtype() == x.dtype() => (nw, eps),
+        Some((nw, _)) => {
+            return Err(MlxError::Invalid(format!(
+                "qgemv_rope: norm weight {:?} {:?} does not match k = {k} {:?}",
+                nw.shape(),
+                nw.dtype(),
+                x.dtype()
+            )))
+        }
+        None => (x, 0.0), // not read
+    };
+    let src = source()?;
+    let (rows, wpb) = launch_config(m, n, bits);
+    static NAMES: OnceLock<([String; 7], [String; 2], [String; 11])> = OnceLock::new();
+    let (inputs, outputs, tnames) = NAMES.get_or_init(|| {
+        (
+            ["x", "w", "scales", "biases", "nw", "pos", "inv_freq"].map(String::from),
+            ["q", "kv"].map(String::from),
+            [
+                "M", "N", "K", "G", "BITS", "ROWS", "WPB", "NORM", "EPS_BITS", "HD", "NQ",
+            ]
+            .map(String::from),
+        )
+    });
+    let kernel = CudaKernel {
+        name: &kernel_names().1,
+        input_names: inputs,
+        output_names: outputs,
+        header: &src.header,
+        body: &src.body_rope,
+    };
+    let nkv2 = n / head_dim - nq;
+    let tvals = [
+        m,
+        n,
+        k,
+        group,
+        bits,
+        rows,
+        wpb,
+        norm.is_some() as usize,
+        eps.to_bits() as usize,
+        head_dim,
+        nq,
+    ]
+    .map(|v| v as i32);
+    let (mi, hd) = (m as i32, head_dim as i32);
+    let mut out = kernel
+        .call(
+            &[x, w, scales, biases, nw, pos, inv_freq],
+            &[&[mi, nq as i32, 1, hd], &[mi, nkv2 as i32, 1, hd]],
+            x.dtype(),
+            tnames,
+            &tvals,
+            x.dtype(),
+            [(n / rows * 32 * wpb) as i32, 1, 1],
+            [(32 * wpb) as i32, 1, 1],
+        )?
+        .into_iter();
+    match (out.next(), out.next()) {
+        (Some(q), Some(kv)) => Ok((q, kv)),
+        _ => Err(MlxError::Invalid(
+            "qgemv_rope: the kernel returned fewer than two outputs".into(),
+        )),
+    }
 }
 
 #[cfg(test)]
@@ -273,8 +426,9 @@ mod tests {
     fn embedded_source_splits_into_header_and_body() {
         let s = split_source(EMBEDDED).unwrap();
         assert!(s.header.contains("mlxcel_qval"));
-        assert!(s.body.contains("WPB") && s.body.contains("EPI") && s.body.contains("res[at]"));
-        assert!(!s.body.contains("@@"));
+        assert!(s.header.contains("res[at]") && s.header.contains("inv_freq[d]"));
+        assert!(s.body.contains("WPB") && s.body.contains("EPI") && !s.body.contains("@@"));
+        assert!(s.body_rope.contains("HD, NQ") && !s.body_rope.contains("@@"));
     }
 
     #[test]
@@ -282,10 +436,13 @@ mod tests {
         let a = split_source(EMBEDDED).unwrap();
         let mut b = a.clone();
         b.body.push_str("\n// edited\n");
+        let mut c = a.clone();
+        c.body_rope.push_str("\n// edited\n");
         assert!(a.kernel_name().starts_with("mlxcel_qgemv_"));
         assert_eq!(a.kernel_name().len(), "mlxcel_qgemv_".len() + 8);
         assert_eq!(a.kernel_name(), a.clone().kernel_name());
         assert_ne!(a.kernel_name(), b.kernel_name());
+        assert_ne!(a.kernel_name(), c.kernel_name());
     }
 
     #[test]
@@ -293,8 +450,10 @@ mod tests {
         assert!(split_source("no markers").unwrap_err().contains("@@header"));
         let e = split_source("// @@header\nint x;\n").unwrap_err();
         assert!(e.contains("@@body"), "{e}");
-        let e = split_source("// @@header\n// @@body\n  \n").unwrap_err();
+        let e = split_source("// @@header\n// @@body\n  \n// @@body_rope\nf();\n").unwrap_err();
         assert!(e.contains("empty"), "{e}");
+        let e = split_source("// @@header\n// @@body\nf();\n").unwrap_err();
+        assert!(e.contains("@@body_rope"), "{e}");
     }
 
     #[test]
@@ -333,6 +492,18 @@ mod tests {
         assert_eq!(launch_config(1, 28672, 4), (4, 2));
         assert_eq!(launch_config(1, 4096, 8), (4, 4));
         assert_eq!(launch_config(2, 4097, 4), (1, 4));
+    }
+
+    #[test]
+    fn rope_entry_point_needs_whole_heads_and_row_pairs() {
+        assert!(supports_rope(1, 6144, 4, 32, 128)); // Llama-3 8B: 32 q, 8 k, 8 v heads
+        assert!(supports_rope(4, 10240, 8, 64, 128)); // 70B
+        assert!(supports_rope(1, 5 * 128, 4, 3, 128)); // a TP rank's heads: 3 q, 1 k, 1 v
+        assert!(!supports_rope(1, 6144, 4, 33, 128)); // k and v head counts differ
+        assert!(!supports_rope(1, 6144, 4, 48, 128)); // no k/v heads left
+        assert!(!supports_rope(1, 6144 + 64, 4, 32, 128)); // not whole heads
+        assert!(!supports_rope(1, 6144, 4, 32, 0));
+        assert!(!supports_rope(1, 3 * 7, 4, 1, 7)); // odd head_dim
     }
 
     #[test]
