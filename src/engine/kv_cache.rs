@@ -1,7 +1,8 @@
-//! Slot-based KV cache: per layer one pool `[slots, kv_heads, capacity, head_dim]`
-//! for keys and one for values, grown in steps, with a length per slot.
-//! A sequence owns a slot while it runs; the model writes its new keys/values
-//! at the slot's current length and reads the prefix back as a view.
+//! Slot-based KV cache: per layer one pool `[slots, 2·kv_heads, capacity, head_dim]`
+//! holding a slot's key heads and then its value heads, grown in steps, with a length
+//! per slot. A sequence owns a slot while it runs; the model writes its new keys/values
+//! at the slot's current length (one update when they come as one `[.., 2·kv_heads, ..]`
+//! array, as the fused q/k/v kernel writes them) and reads the prefix back as views.
 use crate::mlx::{self, Array, Dtype};
 
 /// Where a batched decode step writes and reads (see [`KvCache::batch_index`]).
@@ -22,9 +23,16 @@ pub struct Run {
     pub mask: Array,
 }
 
+/// A step's new keys and values (`[B, kv_heads, T, head_dim]` each), or both as one
+/// array (`[B, 2·kv_heads, T, head_dim]`, key heads first) as the pool stores them.
+pub enum NewKv {
+    Split(Array, Array),
+    Merged(Array),
+}
+
 pub struct KvCache {
-    k: Vec<Array>,
-    v: Vec<Array>,
+    /// one pool per layer, keys and values
+    kv: Vec<Array>,
     lens: Vec<usize>,
     slots: usize,
     kv_heads: usize,
@@ -56,8 +64,7 @@ impl KvCache {
         max_capacity: usize,
     ) -> Self {
         KvCache {
-            k: Vec::with_capacity(layers),
-            v: Vec::with_capacity(layers),
+            kv: Vec::with_capacity(layers),
             lens: vec![0; slots],
             slots,
             kv_heads,
@@ -70,7 +77,7 @@ impl KvCache {
     }
 
     pub fn num_layers(&self) -> usize {
-        self.k.capacity().max(self.k.len())
+        self.kv.capacity().max(self.kv.len())
     }
 
     pub fn slots(&self) -> usize {
@@ -114,7 +121,7 @@ impl KvCache {
                 max: self.max_capacity,
             });
         }
-        if needed <= self.capacity && self.k.len() == layers {
+        if needed <= self.capacity && self.kv.len() == layers {
             return Ok(());
         }
         let new_cap = needed
@@ -124,15 +131,12 @@ impl KvCache {
             .max(needed);
         let shape = [
             self.slots as i32,
-            self.kv_heads as i32,
+            2 * self.kv_heads as i32,
             new_cap as i32,
             self.head_dim as i32,
         ];
-        if self.k.len() != layers {
-            self.k = (0..layers)
-                .map(|_| Array::zeros(&shape, self.dtype))
-                .collect::<mlx::Result<_>>()?;
-            self.v = (0..layers)
+        if self.kv.len() != layers {
+            self.kv = (0..layers)
                 .map(|_| Array::zeros(&shape, self.dtype))
                 .collect::<mlx::Result<_>>()?;
         } else {
@@ -142,7 +146,7 @@ impl KvCache {
                 (new_cap - self.capacity) as i32,
                 shape[3],
             ];
-            for pool in self.k.iter_mut().chain(self.v.iter_mut()) {
+            for pool in self.kv.iter_mut() {
                 let pad = Array::zeros(&extra, self.dtype)?;
                 *pool = mlx::concatenate(&[pool, &pad], 2)?;
             }
@@ -151,29 +155,51 @@ impl KvCache {
         Ok(())
     }
 
-    /// Write `k`/`v` (`[1, kv_heads, T, head_dim]`) for `slot` at position `pos` of `layer`;
-    /// return the slot's keys and values for positions `0..pos+T` (`[1, kv_heads, pos+T, head_dim]`).
+    /// Write `new` (one sequence, `T` positions) for `slot` at position `pos` of `layer`;
+    /// return the slot's keys and values for positions `0..pos+T` (`[1, kv_heads,
+    /// pos+T, head_dim]` each, views of the pool).
     pub fn write_and_read(
         &mut self,
         layer: usize,
         slot: usize,
         pos: usize,
-        k: &Array,
-        v: &Array,
+        new: &NewKv,
     ) -> mlx::Result<(Array, Array)> {
-        let t = k.dim(2) as usize;
         let s = slot as i32;
-        let (p0, p1) = (pos as i32, (pos + t) as i32);
         let (h, d) = (self.kv_heads as i32, self.head_dim as i32);
-        let lo = [s, 0, p0, 0];
-        let hi = [s + 1, h, p1, d];
         let ones = [1, 1, 1, 1];
-        self.k[layer] = self.k[layer].slice_update(&k.astype(self.dtype)?, &lo, &hi, &ones)?;
-        self.v[layer] = self.v[layer].slice_update(&v.astype(self.dtype)?, &lo, &hi, &ones)?;
-        let rlo = [s, 0, 0, 0];
+        let t = match new {
+            NewKv::Split(k, _) | NewKv::Merged(k) => k.dim(2),
+        };
+        let (p0, p1) = (pos as i32, pos as i32 + t);
+        let pool = &mut self.kv[layer];
+        match new {
+            NewKv::Merged(kv) => {
+                *pool = pool.slice_update(
+                    &kv.astype(self.dtype)?,
+                    &[s, 0, p0, 0],
+                    &[s + 1, 2 * h, p1, d],
+                    &ones,
+                )?;
+            }
+            NewKv::Split(k, v) => {
+                *pool = pool.slice_update(
+                    &k.astype(self.dtype)?,
+                    &[s, 0, p0, 0],
+                    &[s + 1, h, p1, d],
+                    &ones,
+                )?;
+                *pool = pool.slice_update(
+                    &v.astype(self.dtype)?,
+                    &[s, h, p0, 0],
+                    &[s + 1, 2 * h, p1, d],
+                    &ones,
+                )?;
+            }
+        }
         Ok((
-            self.k[layer].slice(&rlo, &hi, &ones)?,
-            self.v[layer].slice(&rlo, &hi, &ones)?,
+            pool.slice(&[s, 0, 0, 0], &[s + 1, h, p1, d], &ones)?,
+            pool.slice(&[s, h, 0, 0], &[s + 1, 2 * h, p1, d], &ones)?,
         ))
     }
 
@@ -213,40 +239,112 @@ impl KvCache {
         })
     }
 
-    /// Batched decode: write one token per sequence (`k`, `v`: `[B, kv_heads, 1, head_dim]`) at
-    /// its position in its slot, with one scatter per pool.
-    pub fn write_batch(
-        &mut self,
-        layer: usize,
-        idx: &BatchIndex,
-        k: &Array,
-        v: &Array,
-    ) -> mlx::Result<()> {
+    /// Batched decode: write one token per sequence (`[B, kv_heads, 1, head_dim]` keys and
+    /// values) at its position in its slot, with one scatter.
+    pub fn write_batch(&mut self, layer: usize, idx: &BatchIndex, new: &NewKv) -> mlx::Result<()> {
         let (h, d) = (self.kv_heads as i32, self.head_dim as i32);
-        let upd_shape = [idx.rows as i32, 1, h, 1, d];
-        let k = k.astype(self.dtype)?.reshape(&upd_shape)?;
-        let v = v.astype(self.dtype)?.reshape(&upd_shape)?;
+        let kv = match new {
+            NewKv::Merged(kv) => kv.clone(),
+            NewKv::Split(k, v) => mlx::concatenate(&[k, v], 1)?,
+        };
+        let kv = kv
+            .astype(self.dtype)?
+            .reshape(&[idx.rows as i32, 1, 2 * h, 1, d])?;
         let at = [&idx.slot_idx, &idx.pos_idx];
-        self.k[layer] = self.k[layer].scatter(&at, &k, &[0, 2])?;
-        self.v[layer] = self.v[layer].scatter(&at, &v, &[0, 2])?;
+        self.kv[layer] = self.kv[layer].scatter(&at, &kv, &[0, 2])?;
         Ok(())
     }
 
-    /// Keys and values of one run's slots, `[rows, kv_heads, max_len, head_dim]`: a view of the pool.
+    /// Keys and values of one run's slots, `[rows, kv_heads, max_len, head_dim]`: views of the pool.
     pub fn read_run(&self, layer: usize, run: &Run) -> mlx::Result<(Array, Array)> {
         let (h, d) = (self.kv_heads as i32, self.head_dim as i32);
         let s0 = run.first_slot as i32;
-        let lo = [s0, 0, 0, 0];
-        let hi = [s0 + run.rows.len() as i32, h, run.max_len as i32, d];
+        let s1 = s0 + run.rows.len() as i32;
+        let len = run.max_len as i32;
         let ones = [1, 1, 1, 1];
+        let pool = &self.kv[layer];
         Ok((
-            self.k[layer].slice(&lo, &hi, &ones)?,
-            self.v[layer].slice(&lo, &hi, &ones)?,
+            pool.slice(&[s0, 0, 0, 0], &[s1, h, len, d], &ones)?,
+            pool.slice(&[s0, h, 0, 0], &[s1, 2 * h, len, d], &ones)?,
         ))
     }
 
     /// Bytes held by the pools.
     pub fn nbytes(&self) -> usize {
-        self.k.iter().chain(self.v.iter()).map(|a| a.nbytes()).sum()
+        self.kv.iter().map(|a| a.nbytes()).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn values(shape: &[i32], from: f32) -> Array {
+        let n: i32 = shape.iter().product();
+        let v: Vec<f32> = (0..n).map(|i| from + i as f32).collect();
+        Array::from_slice(&v, shape).unwrap()
+    }
+
+    fn read(a: &Array) -> Vec<f32> {
+        a.to_vec::<f32>().unwrap()
+    }
+
+    /// Keys and values written as one `[.., 2·kv_heads, ..]` array (as the fused q/k/v
+    /// kernel writes them) and written separately read back the same, for one sequence
+    /// and for a batched decode step; the other slot is untouched.
+    #[test]
+    fn merged_and_split_writes_agree() {
+        let (layers, slots, h, d) = (2usize, 3usize, 2i32, 4i32);
+        let mut split = KvCache::new(layers, slots, h as usize, d as usize, Dtype::F32, 64);
+        let mut merged = KvCache::new(layers, slots, h as usize, d as usize, Dtype::F32, 64);
+        for c in [&mut split, &mut merged] {
+            c.reserve(layers, 8).unwrap();
+        }
+        // a 3-token prompt in slot 1 of layer 1
+        let k = values(&[1, h, 3, d], 0.0);
+        let v = values(&[1, h, 3, d], 100.0);
+        let kv = mlx::concatenate(&[&k, &v], 1).unwrap();
+        let (ks, vs) = split
+            .write_and_read(1, 1, 0, &NewKv::Split(k.clone(), v.clone()))
+            .unwrap();
+        let (km, vm) = merged.write_and_read(1, 1, 0, &NewKv::Merged(kv)).unwrap();
+        assert_eq!(read(&ks), read(&k));
+        assert_eq!(read(&vs), read(&v));
+        assert_eq!(read(&km), read(&k));
+        assert_eq!(read(&vm), read(&v));
+        for c in [&mut split, &mut merged] {
+            c.advance(1, 3);
+        }
+        // a batched decode step: slot 1 at position 3, slot 2 at position 0
+        let k1 = values(&[2, h, 1, d], 1000.0);
+        let v1 = values(&[2, h, 1, d], 2000.0);
+        let kv1 = mlx::concatenate(&[&k1, &v1], 1).unwrap();
+        let idx = split.batch_index(&[1, 2], &[3, 0]).unwrap();
+        split
+            .write_batch(1, &idx, &NewKv::Split(k1.clone(), v1.clone()))
+            .unwrap();
+        merged.write_batch(1, &idx, &NewKv::Merged(kv1)).unwrap();
+        let (ks, vs) = split.read_run(1, &idx.runs[0]).unwrap();
+        let (km, vm) = merged.read_run(1, &idx.runs[0]).unwrap();
+        assert_eq!(ks.shape(), vec![2, h, 4, d]);
+        assert_eq!(read(&ks), read(&km));
+        assert_eq!(read(&vs), read(&vm));
+        // slot 1: the prompt's keys then the new one; slot 2: the new one at position 0
+        let kk = read(&ks);
+        let (row, head) = ((h * 4 * d) as usize, (4 * d) as usize);
+        assert_eq!(kk[..3 * d as usize], read(&k)[..3 * d as usize]);
+        assert_eq!(kk[3 * d as usize], 1000.0);
+        assert_eq!(kk[row], 1000.0 + (h * d) as f32);
+        assert_eq!(read(&vs)[row + head], 2000.0 + ((h + 1) * d) as f32);
+        // slot 0 was never written
+        let idx0 = merged.batch_index(&[0], &[0]).unwrap();
+        let (k0, v0) = merged.read_run(1, &idx0.runs[0]).unwrap();
+        assert!(read(&k0).iter().chain(read(&v0).iter()).all(|&x| x == 0.0));
+        assert_eq!(merged.nbytes(), split.nbytes());
+        // capacity grows in steps of 256 positions, capped at the 64 of the context
+        assert_eq!(
+            split.nbytes(),
+            layers * slots * 2 * h as usize * 64 * d as usize * 4
+        );
     }
 }

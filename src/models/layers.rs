@@ -276,24 +276,54 @@ impl Linear {
     }
 
     /// Output features (rows of the weight).
-    fn out_dim(&self) -> usize {
+    pub fn out_dim(&self) -> usize {
         match &self.weight {
             Weight::Dense(w) | Weight::Quantized { w, .. } => w.dim(0) as usize,
         }
     }
 
-    /// `norm(x) · Wᵀ` and `epi` in one run of mlxcel's GEMV kernel, shaped `shape`, when
-    /// the kernel can do it all: a quantized weight with no bias or reduction to apply
-    /// after the epilogue, a shape the kernel covers (SwiGLU needs an even number of rows
-    /// per block), a residual of the output's size and a norm weight of x's dtype with
-    /// one value per input feature. `None`: the caller runs the plain ops.
-    fn fused(
+    /// The merged q/k/v projection of a one-token step, `norm(x) · Wᵀ` for `nq` query
+    /// heads and equally many key and value heads of `head_dim`, with `rope` applied to
+    /// q and k at positions `pos` (one per row of x), in one run of mlxcel's GEMV kernel:
+    /// q `[B, nq, 1, head_dim]` and kv `[B, 2·nkv, 1, head_dim]` (key heads, then value
+    /// heads, as the KV cache stores them). `None` when the kernel does not cover it
+    /// (see [`Linear::fused`]; also a partial rotary dimension): the caller runs the plain ops.
+    pub fn forward_qkv_rope(
         &self,
         x: &Array,
-        shape: &[i32],
-        epi: Epilogue<'_>,
         norm: Option<&RmsNorm>,
-    ) -> Option<mlx::Result<Array>> {
+        pos: &Array,
+        rope: &Rope,
+        nq: usize,
+        head_dim: usize,
+    ) -> Option<mlx::Result<(Array, Array)>> {
+        let f = self.fusable(x, norm)?;
+        let fits = rope.dims as usize == head_dim
+            && pos.size() == f.m
+            && pos.dtype() == Dtype::I32
+            && mlx::qgemv::supports_rope(f.m, f.n, f.bits, nq, head_dim);
+        fits.then(|| {
+            mlx::qgemv::qgemv_rope(
+                x,
+                f.w,
+                f.scales,
+                f.biases,
+                f.group,
+                f.bits,
+                norm.map(|n| (&n.weight, n.eps)),
+                pos,
+                &rope.inv_freq,
+                nq,
+                head_dim,
+            )
+        })
+    }
+
+    /// The quantized weight and sizes when mlxcel's GEMV kernel can compute
+    /// `norm(x) · Wᵀ`: a quantized weight with no bias or reduction to apply after an
+    /// epilogue, a shape and dtypes the kernel covers, and (with a norm) a norm weight
+    /// of x's dtype with one value per input feature.
+    fn fusable(&self, x: &Array, norm: Option<&RmsNorm>) -> Option<Fusable<'_>> {
         let Weight::Quantized {
             w,
             scales,
@@ -309,32 +339,51 @@ impl Linear {
         let (n, k) = (self.out_dim(), self.in_dim());
         let m = x.size().checked_div(k).unwrap_or(0);
         let (group, bits) = (q.group_size as usize, q.bits as usize);
-        let rows_per_out = if matches!(epi, Epilogue::SwiGlu) {
-            2
-        } else {
-            1
-        };
-        let epi_fits = match epi {
-            Epilogue::Residual(r) => r.dtype() == x.dtype() && r.size() == m * n,
-            _ => true,
-        };
         let norm_fits = norm.is_none_or(|n| n.weight.size() == k && n.weight.dtype() == x.dtype());
-        let fits = epi_fits
-            && norm_fits
+        let fits = norm_fits
             && m * k == x.size()
-            && n.is_multiple_of(rows_per_out)
-            && mlx::qgemv::launch_config(m, n, bits)
-                .0
-                .is_multiple_of(rows_per_out)
             && mlx::qgemv::supports(m, n, k, group, bits, [x.dtype(), scales.dtype()]);
-        fits.then(|| {
+        fits.then_some(Fusable {
+            w,
+            scales,
+            biases,
+            group,
+            bits,
+            m,
+            n,
+        })
+    }
+
+    /// `norm(x) · Wᵀ` and `epi` in one run of mlxcel's GEMV kernel, shaped `shape`, when
+    /// the kernel can do it all ([`Linear::fusable`]; SwiGLU needs an even number of rows
+    /// per block; a residual of the output's size and x's dtype). `None`: the caller runs
+    /// the plain ops.
+    fn fused(
+        &self,
+        x: &Array,
+        shape: &[i32],
+        epi: Epilogue<'_>,
+        norm: Option<&RmsNorm>,
+    ) -> Option<mlx::Result<Array>> {
+        let f = self.fusable(x, norm)?;
+        let epi_fits = match epi {
+            Epilogue::Residual(r) => r.dtype() == x.dtype() && r.size() == f.m * f.n,
+            Epilogue::SwiGlu => {
+                f.n.is_multiple_of(2)
+                    && mlx::qgemv::launch_config(f.m, f.n, f.bits)
+                        .0
+                        .is_multiple_of(2)
+            }
+            Epilogue::None => true,
+        };
+        epi_fits.then(|| {
             mlx::qgemv::qgemv(
                 x,
-                w,
-                scales,
-                biases,
-                group,
-                bits,
+                f.w,
+                f.scales,
+                f.biases,
+                f.group,
+                f.bits,
                 shape,
                 epi,
                 norm.map(|n| (&n.weight, n.eps)),
@@ -353,6 +402,18 @@ impl Linear {
         v.extend(self.bias.iter());
         v
     }
+}
+
+/// What [`Linear::fusable`] found: the quantized weight, its group and bits, and the
+/// product's rows (`m`) and output features (`n`).
+struct Fusable<'a> {
+    w: &'a Array,
+    scales: &'a Array,
+    biases: &'a Array,
+    group: usize,
+    bits: usize,
+    m: usize,
+    n: usize,
 }
 
 fn apply_norm(x: &Array, norm: Option<&RmsNorm>) -> mlx::Result<Array> {
@@ -454,9 +515,9 @@ impl Embedding {
         }
     }
 
-    /// Use the table as the output projection (tied embeddings).
-    pub fn as_linear(&self, x: &Array) -> mlx::Result<Array> {
-        self.table.forward(x)
+    /// The table as the output projection (tied embeddings).
+    pub fn as_linear(&self) -> &Linear {
+        &self.table
     }
 
     pub fn arrays(&self) -> Vec<&Array> {
@@ -498,12 +559,18 @@ pub struct Rope {
     base: f32,
     /// Llama-3 scaled periods, passed to MLX as `freqs`.
     freqs: Option<Array>,
+    /// float32 `[dims / 2]`: the angle of pair d at position p is `p · inv_freq[d]`
+    /// (`base^(-2d/dims)`, or `1 / freqs[d]`), for the fused q/k/v kernel.
+    inv_freq: Array,
 }
 
 impl Rope {
     pub fn new(cfg: &ModelConfig) -> mlx::Result<Rope> {
         let dims = cfg.head_dim as i32;
         let base = cfg.rope.theta;
+        let mut inv: Vec<f32> = (0..dims / 2)
+            .map(|i| (base as f64).powf(-2.0 * i as f64 / dims as f64) as f32)
+            .collect();
         let freqs = match &cfg.rope.llama3 {
             None => None,
             Some(s) => {
@@ -526,10 +593,17 @@ impl Rope {
                         }
                     })
                     .collect();
+                inv = f.iter().map(|&p| (1.0 / p as f64) as f32).collect();
                 Some(Array::from_slice(&f, &[dims / 2])?)
             }
         };
-        Ok(Rope { dims, base, freqs })
+        let inv_freq = Array::from_slice(&inv, &[dims / 2])?;
+        Ok(Rope {
+            dims,
+            base,
+            freqs,
+            inv_freq,
+        })
     }
 
     /// Rotate `x` (`[B, heads, L, head_dim]`); `offset` is a scalar or one start position per batch row.

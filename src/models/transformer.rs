@@ -4,7 +4,7 @@
 //!
 //! A forward step takes a batch of sequences, each with its KV-cache slot and
 //! new tokens; their positions are the slots' current lengths.
-use crate::engine::kv_cache::{KvCache, KvError};
+use crate::engine::kv_cache::{KvCache, KvError, NewKv};
 use crate::mlx::{self, fast, Array, Dtype};
 
 use super::config::ModelConfig;
@@ -398,8 +398,8 @@ impl Transformer {
         let mut in_flight: Option<Array> = None;
         for (li, block) in self.layers.iter().enumerate() {
             let a = &block.self_attn;
-            let (q, k, v) = a.qkv(&h, &block.input_layernorm, 1, t, &self.rope, &offset)?;
-            let (kk, vv) = cache.write_and_read(li, s.slot, pos, &k, &v)?;
+            let (q, kv) = a.qkv(&h, &block.input_layernorm, 1, t, &self.rope, &offset)?;
+            let (kk, vv) = cache.write_and_read(li, s.slot, pos, &kv)?;
             let mask = if t > 1 {
                 fast::Mask::Causal
             } else {
@@ -481,8 +481,8 @@ impl Transformer {
         let mut h = self.embed_tokens.forward(ids)?;
         for (li, block) in self.layers.iter().enumerate() {
             let a = &block.self_attn;
-            let (q, k, v) = a.qkv(&h, &block.input_layernorm, b, 1, &self.rope, &offset)?;
-            cache.write_batch(li, &index, &k, &v)?;
+            let (q, kv) = a.qkv(&h, &block.input_layernorm, b, 1, &self.rope, &offset)?;
+            cache.write_batch(li, &index, &kv)?;
             // attention per run of consecutive slots, each reading the KV pool as a view
             let mut outs = Vec::with_capacity(index.runs.len());
             for run in &index.runs {
@@ -516,18 +516,22 @@ impl Transformer {
         Ok(self.head(&h)?.reshape(&[b, self.cfg.vocab_size as i32])?)
     }
 
+    /// Float32 logits of the final norm of `h` (the norm fused into the GEMV when it runs).
     fn head(&self, h: &Array) -> mlx::Result<Array> {
-        let h = self.norm.forward(h)?;
-        let logits = match &self.lm_head {
-            Some(l) => l.forward(&h)?,
-            None => self.embed_tokens.as_linear(&h)?,
+        let lin = match &self.lm_head {
+            Some(l) => l,
+            None => self.embed_tokens.as_linear(),
         };
-        logits.astype(Dtype::F32)
+        let mut shape = h.shape();
+        *shape.last_mut().expect("h has a last axis") = lin.out_dim() as i32;
+        lin.forward_shaped(h, &shape, Some(&self.norm))?
+            .astype(Dtype::F32)
     }
 }
 
 impl Attention {
-    /// Project `norm(x)` to q/k/v `[B, heads, T, head_dim]`, with q/k norm and RoPE applied.
+    /// Project `norm(x)` to q/k/v `[B, heads, T, head_dim]`, with q/k norm and RoPE applied;
+    /// k and v come as one array when the fused kernel made them so.
     fn qkv(
         &self,
         x: &Array,
@@ -536,8 +540,22 @@ impl Attention {
         t: i32,
         rope: &Rope,
         offset: &Array,
-    ) -> mlx::Result<(Array, Array, Array)> {
+    ) -> mlx::Result<(Array, NewKv)> {
         let (nq, nkv) = (self.n_heads, self.n_kv_heads);
+        if t == 1 && self.q_norm.is_none() && self.k_norm.is_none() {
+            // one kernel: projection, norm, RoPE, and k/v laid out as the cache stores them
+            if let Some(r) = self.qkv_proj.forward_qkv_rope(
+                x,
+                Some(norm),
+                offset,
+                rope,
+                nq as usize,
+                self.head_dim as usize,
+            ) {
+                let (q, kv) = r?;
+                return Ok((q, NewKv::Merged(kv)));
+            }
+        }
         if t == 1 {
             // one position: [B, 1, heads·head_dim] is [B, heads, 1, head_dim] in memory, so
             // the projection is produced in that shape and heads are sliced from it
@@ -554,7 +572,7 @@ impl Attention {
                 let (Some(q), Some(k)) = (parts.next(), parts.next()) else {
                     return Err(mlx::MlxError::Invalid("qk split".into()));
                 };
-                return Ok((q, k, v));
+                return Ok((q, NewKv::Split(k, v)));
             }
             let mut parts = mlx::split_sections(&y, &[nq, nq + nkv], 1)?.into_iter();
             let (Some(q), Some(k), Some(v)) = (parts.next(), parts.next(), parts.next()) else {
@@ -566,7 +584,7 @@ impl Attention {
             };
             let q = rope.forward(&norm(q, &self.q_norm)?, offset)?;
             let k = rope.forward(&norm(k, &self.k_norm)?, offset)?;
-            return Ok((q, k, v));
+            return Ok((q, NewKv::Split(k, v)));
         }
         let heads = |y: Array, n: i32, norm: &Option<RmsNorm>| -> mlx::Result<Array> {
             let y = y.reshape(&[b, t, n, self.head_dim])?;
@@ -586,7 +604,10 @@ impl Attention {
         let q = heads(q, nq, &self.q_norm)?;
         let k = heads(k, nkv, &self.k_norm)?;
         let v = heads(v, nkv, &None)?;
-        Ok((rope.forward(&q, offset)?, rope.forward(&k, offset)?, v))
+        Ok((
+            rope.forward(&q, offset)?,
+            NewKv::Split(rope.forward(&k, offset)?, v),
+        ))
     }
 
     /// `res + o_proj(o)`: merge the heads of `o` (`[B, heads, T, head_dim]`) and project
