@@ -7,6 +7,7 @@
 #   bash scripts/gpu_session.sh side     # fixtures on GPU, mlxcel vs mlx-lm side by side (4-bit, bf16), qgemv off, pipelined generate
 #   bash scripts/gpu_session.sh envsweep # decode under MLX CUDA-graph settings, host time split per token
 #   bash scripts/gpu_session.sh verify3  # 70B kernel check, bf16 prefill peak, server warm-up with a cold kernel cache
+#   bash scripts/gpu_session.sh ab       # decode of two binaries alternated on one box (MLXCEL_OLD vs MLXCEL)
 # MLXCEL=path/to/mlxcel (default .gpu/bin/mlxcel); OUT=results folder (default ./gpu-out).
 set -uo pipefail
 B=${MLXCEL:-.gpu/bin/mlxcel}
@@ -120,6 +121,15 @@ verify3)
     echo "server q4 $f:"; python3 scripts/bench_server.py --port 8126 --concurrency 1,8 --max-tokens 128 --rounds 1 | tee "$OUT/server3-bench$f.json" | python3 -c 'import json,sys; [print(r["concurrency"], round(r["tokens_per_s"],1), "tok/s, inter-token p50", round(r["inter_token_s"]["p50"]*1e3,2), "ms, max", round(r["inter_token_s"]["max"],2), "s") for r in json.load(sys.stdin)["results"]]'
     kill -TERM $spid; wait $spid
   done
+  ;;
+ab)
+  # box-to-box spread is ±15%, so a change is judged against the old binary on the same box,
+  # alternating runs; MODELS (default 8b-q4), RUNS (default 2)
+  [ -f "$CK/8b-q4/config.json" ] || bash "$0" ckpt
+  O=${MLXCEL_OLD:-$(dirname $B)/mlxcel-old}
+  for m in ${MODELS:-8b-q4}; do for r in $(seq ${RUNS:-2}); do for bin in $O $B; do
+    echo "$m $(basename $bin) run $r: $($bin bench -m "$CK/$m" --prompt-lens 128 --decode-tokens 256 --repeats 2 2>/dev/null | tail -1 | python3 -c 'import json,sys; d=json.load(sys.stdin)["decode"]; print(round(d["tokens_per_second"],1), "tok/s", {k: round(v,3) for k,v in d["host_per_token"].items()})')"
+  done; done; done 2>&1 | tee -a "$OUT/ab.txt"
   ;;
 bench)
   for m in 8b-bf16 8b-q4; do

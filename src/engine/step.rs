@@ -202,18 +202,21 @@ impl Worker {
     }
 
     /// Run a decode step (then forget it) at each batch size up to one past the quantized
-    /// GEMV's [`mlx::qgemv::MAX_M`] (as far as the slots allow), and prompts of 2..=MAX_M
-    /// tokens, on a GPU backend, so MLX
-    /// compiles the run-time kernels of the decode path (mlxcel's GEMV is one per weight
-    /// shape, batch size and fused epilogue) at start-up rather than while requests
-    /// stream: a server on H200 stalled 34 s when 8 streams first met batch sizes 2–8.
-    /// MLX keeps the compiled kernels on disk, so later starts are quick. A no-op on the CPU.
+    /// GEMV's [`mlx::qgemv::MAX_M`] (as far as the slots allow), and with more than one
+    /// slot (a server) prompts of 2..=MAX_M tokens, on a GPU backend, so MLX compiles the
+    /// run-time kernels of the decode path (mlxcel's GEMV is one per weight shape, batch
+    /// size and fused epilogue) at start-up rather than while requests stream: a server
+    /// on H200 stalled 34 s when 8 streams first met batch sizes 2–8. With one slot
+    /// (`mlxcel generate`) the prompt's kernels compile at its first use, which costs the
+    /// same once, so only decode is warmed. MLX keeps the PTX on disk (`MLX_PTX_CACHE_DIR`),
+    /// which makes later starts quicker. A no-op on the CPU.
     pub fn warm_up(&mut self) -> Result<(), StepError> {
         if mlx::backend() == mlx::Backend::Cpu || self.cache.slots() == 0 {
             return Ok(());
         }
-        let t = std::time::Instant::now();
+        let start = std::time::Instant::now();
         let max_batch = self.cache.slots().min(mlx::qgemv::MAX_M + 1);
+        let mut phases = Vec::new();
         for b in 1..=max_batch {
             let slots: Vec<usize> = (0..b).collect();
             for &s in &slots {
@@ -224,10 +227,18 @@ impl Worker {
                 .model
                 .forward_decode_ids(&mut self.cache, &slots, &ids)?;
             logits.argmax(-1, false)?.eval()?;
+            phases.push(format!(
+                "decode {b}: {:.1} s",
+                start.elapsed().as_secs_f64()
+            ));
         }
         // prompts (or last prefill chunks) of 2..=MAX_M tokens take the kernel at M = T with
         // the norm as its own op
-        let prompt_max = mlx::qgemv::MAX_M.min(self.cache.max_capacity());
+        let prompt_max = if self.cache.slots() > 1 {
+            mlx::qgemv::MAX_M.min(self.cache.max_capacity())
+        } else {
+            1
+        };
         for t in 2..=prompt_max {
             self.cache.reset(0);
             let ids = Array::from_slice(&vec![0i32; t], &[1, t as i32])?;
@@ -235,13 +246,18 @@ impl Worker {
                 .model
                 .forward_slot_ids(&mut self.cache, 0, &ids, Logits::Last)?;
             logits.argmax(-1, false)?.eval()?;
+            phases.push(format!(
+                "prompt {t}: {:.1} s",
+                start.elapsed().as_secs_f64()
+            ));
         }
         for s in 0..max_batch {
             self.cache.reset(s);
         }
         tracing::info!(
-            "decode kernels warmed up (batch 1..={max_batch}) in {:.2} s",
-            t.elapsed().as_secs_f64()
+            "decode kernels warmed up (batch 1..={max_batch}) in {:.2} s (cumulative: {})",
+            start.elapsed().as_secs_f64(),
+            phases.join(", ")
         );
         Ok(())
     }
