@@ -21,6 +21,7 @@ understates the kernel's bandwidth on all but the largest shapes.
 import argparse
 import struct
 import math
+import os
 import pathlib
 import sys
 import time
@@ -76,12 +77,15 @@ def make_kernel(path):
     return plain, rope
 
 
+XQ = os.environ.get("MLXCEL_QGEMV_XQ", "1") != "0"  # as mlxcel: int8 activations for 4-bit
+
+
 def launch_config(m, n, bits):
     """ROWS and WPB as mlxcel picks them (src/mlx/qgemv.rs `launch_config`)."""
     def fit(r):
         return r if n % r == 0 else (2 if n % 2 == 0 else 1)
     if bits == 4 and m == 1:
-        return fit(4 if n >= 16384 else 2), 2
+        return fit(4 if (XQ or n >= 16384) else 2), 2
     return fit(4), 4
 
 
@@ -100,7 +104,8 @@ def qgemv(kernel, x, w, s, b, group, bits, rows=None, wpb=None, res=None, swiglu
                   ("BITS", bits), ("ROWS", rows), ("WPB", wpb), ("EPI", epi),
                   ("NORM", int(norm is not None)),
                   ("EPS_BITS", 0 if norm is None else
-                   struct.unpack("<i", struct.pack("<f", norm[1]))[0])],
+                   struct.unpack("<i", struct.pack("<f", norm[1]))[0]),
+                  ("XQ", int(XQ and bits == 4))],
         grid=(n // rows * 32 * wpb, 1, 1),
         threadgroup=(32 * wpb, 1, 1),
         output_shapes=[(m, n // 2 if swiglu else n)],
@@ -118,7 +123,7 @@ def qgemv_rope(kernel, x, w, s, b, group, bits, norm, pos, inv_freq, nq, hd):
         template=[("T", mx.bfloat16), ("M", m), ("N", n), ("K", k), ("G", group),
                   ("BITS", bits), ("ROWS", rows), ("WPB", wpb), ("NORM", 1),
                   ("EPS_BITS", struct.unpack("<i", struct.pack("<f", norm[1]))[0]),
-                  ("HD", hd), ("NQ", nq)],
+                  ("HD", hd), ("NQ", nq), ("XQ", int(XQ and bits == 4))],
         grid=(n // rows * 32 * wpb, 1, 1),
         threadgroup=(32 * wpb, 1, 1),
         output_shapes=[(m, nq, 1, hd), (m, n // hd - nq, 1, hd)],
@@ -156,8 +161,17 @@ def check_rope(kernel, n, k, group, bits, ms, nq, hd=128, seed=0):
         mq, mkv = heads_rope(qmm)
         e = max(rel_err(q, ref_q), rel_err(kv, ref_kv))
         eq = max(rel_err(mq, ref_q), rel_err(mkv, ref_kv))
-        rows.append((m, " norm+rope", e, eq, e <= 1e-2 and e <= 2 * eq + 4e-3))
+        rows.append((m, " norm+rope", e, eq, within(e, eq, bits)))
     return rows
+
+
+def within(e, e_mlx, bits):
+    """The kernel's error is MLX's order: at most 1e-2 and 2× MLX's + 4e-3; with int8
+    activations (4-bit, XQ) x itself carries a rounding of up to 1/254 of its chunk's
+    largest value, so 2e-2 and 3× MLX's + 6e-3."""
+    if XQ and bits == 4:
+        return e <= 2e-2 and e <= 3 * e_mlx + 6e-3
+    return e <= 1e-2 and e <= 2 * e_mlx + 4e-3
 
 
 def rel_err(a, ref):
@@ -184,21 +198,21 @@ def check(kernel, n, k, group, bits, ms, seed=0):
         qmm = mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=group, bits=bits)
         mx.eval(ref, ours, qmm)
         e_ours, e_qmm = rel_err(ours, ref), rel_err(qmm, ref)
-        ok = e_ours <= 1e-2 and e_ours <= 2 * e_qmm + 4e-3
+        ok = within(e_ours, e_qmm, bits)
         rows.append((m, "", e_ours, e_qmm, ok))
         # fused epilogues against the same ops done by MLX after quantized_matmul
         res = mx.random.normal((m, n)).astype(mx.bfloat16)
         ref_res = res.astype(mx.float32) + ref
         e1 = rel_err(qgemv(kernel, x, wq, s, b, group, bits, res=res), ref_res)
         e1q = rel_err(res + qmm, ref_res)
-        rows.append((m, " +res", e1, e1q, e1 <= 1e-2 and e1 <= 2 * e1q + 4e-3))
+        rows.append((m, " +res", e1, e1q, within(e1, e1q, bits)))
         if n % 4 == 0:
             g, u = ref[:, : n // 2], ref[:, n // 2:]
             ref_glu = g * mx.sigmoid(g) * u
             e2 = rel_err(qgemv(kernel, x, wq, s, b, group, bits, swiglu=True), ref_glu)
             gq, uq = qmm[:, : n // 2], qmm[:, n // 2:]
             e2q = rel_err(nn_silu(gq) * uq, ref_glu)
-            rows.append((m, " swiglu", e2, e2q, e2 <= 1e-2 and e2 <= 2 * e2q + 4e-3))
+            rows.append((m, " swiglu", e2, e2q, within(e2, e2q, bits)))
         # RMSNorm of x in the kernel, against MLX's rms_norm then quantized_matmul
         nw = (1 + 0.1 * mx.random.normal((k,))).astype(mx.bfloat16)
         xf = x.astype(mx.float32)
@@ -207,7 +221,7 @@ def check(kernel, n, k, group, bits, ms, seed=0):
         e3 = rel_err(qgemv(kernel, x, wq, s, b, group, bits, norm=(nw, 1e-5)), ref_n)
         e3q = rel_err(mx.quantized_matmul(mx.fast.rms_norm(x, nw, 1e-5), wq, s, b, transpose=True,
                                           group_size=group, bits=bits), ref_n)
-        rows.append((m, " norm", e3, e3q, e3 <= 1e-2 and e3 <= 2 * e3q + 4e-3))
+        rows.append((m, " norm", e3, e3q, within(e3, e3q, bits)))
     return rows
 
 

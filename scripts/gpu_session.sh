@@ -8,6 +8,7 @@
 #   bash scripts/gpu_session.sh envsweep # decode under MLX CUDA-graph settings, host time split per token
 #   bash scripts/gpu_session.sh verify3  # 70B kernel check, bf16 prefill peak, server warm-up with a cold kernel cache
 #   bash scripts/gpu_session.sh ab       # decode of two binaries alternated on one box (MLXCEL_OLD vs MLXCEL)
+#   bash scripts/gpu_session.sh session4 check|bench # kernel checks (70B, RoPE, int8 activations); 4-bit A/B, side by side
 # MLXCEL=path/to/mlxcel (default .gpu/bin/mlxcel); OUT=results folder (default ./gpu-out).
 set -uo pipefail
 B=${MLXCEL:-.gpu/bin/mlxcel}
@@ -121,6 +122,32 @@ verify3)
     echo "server q4 $f:"; python3 scripts/bench_server.py --port 8126 --concurrency 1,8 --max-tokens 128 --rounds 1 | tee "$OUT/server3-bench$f.json" | python3 -c 'import json,sys; [print(r["concurrency"], round(r["tokens_per_s"],1), "tok/s, inter-token p50", round(r["inter_token_s"]["p50"]*1e3,2), "ms, max", round(r["inter_token_s"]["max"],2), "s") for r in json.load(sys.stdin)["results"]]'
     kill -TERM $spid; wait $spid
   done
+  ;;
+session4)
+  # what the fourth session of 2026-11-29 measured at its end, in two calls (each under
+  # 10 minutes): `session4 check` then `session4 bench`; MLXCEL_OLD = the third session's binary
+  case "${2:-check}" in
+  check)
+    ( [ -f "$CK/8b-q4/config.json" ] || bash "$0" ckpt ) > "$OUT/ckpt.log" 2>&1 &
+    ck=$!
+    step "qgemv --quick (8B q/k/v and down, 4-bit g64, int8 activations)"
+    timeout 120 python3 scripts/check_qgemv.py --quick 2>&1 | tee "$OUT/check-qgemv-quick.txt" | tail -22
+    step "qgemv: 70B shapes, final kernel"
+    timeout ${CHECK_S:-200} python3 scripts/check_qgemv.py --only 70B 2>&1 | tee "$OUT/check-qgemv-70b.txt" | tail -60
+    wait $ck
+    step "fixtures, one GPU"; timeout 150 python3 scripts/check_fixtures.py $B -n 12 2>&1 | tail -4
+    ;;
+  bench)
+    O=${MLXCEL_OLD:-$(dirname $B)/mlxcel-old}
+    step "decode 4-bit: third session's binary, this one with float math (MLXCEL_QGEMV_XQ=0), this one"
+    for c in "$O" "env MLXCEL_QGEMV_XQ=0 $B" "$B" "$B"; do
+      echo "[$c] $($c bench -m "$CK/8b-q4" --prompt-lens 128 --decode-tokens 256 --repeats 2 2>/dev/null | tail -1 | python3 -c 'import json,sys; d=json.load(sys.stdin)["decode"]; print(round(d["tokens_per_second"],1), "tok/s", {k: round(v,3) for k,v in d["host_per_token"].items()})')"
+    done 2>&1 | tee "$OUT/ab.txt"
+    step "mlxcel vs mlx-lm, 4-bit"; timeout 200 python3 scripts/bench_side_by_side.py --mlxcel $B "$CK/8b-q4" 2>/dev/null | tee "$OUT/side-q4.txt"
+    step "generate 4-bit (load-time warm-up, kernel cache warm)"
+    $B generate -m "$CK/8b-q4" -n 256 --ignore-eos -p hello 2>&1 | grep -E -o 'warmed up.*|generated: .*tok/s'
+    ;;
+  esac
   ;;
 ab)
   # box-to-box spread is ±15%, so a change is judged against the old binary on the same box,

@@ -109,6 +109,15 @@ fn source() -> Result<&'static Source> {
         .map_err(|e| MlxError::Invalid(e.clone()))
 }
 
+/// Whether 4-bit weights meet x quantized to int8 (per 32 values, in the kernel) and
+/// `dp4a` (template constant `XQ`): about 2.4× fewer instructions per weight than
+/// dequantizing to float, for a relative error of a few 1e-3 in the product (see
+/// `kernels/qgemv.cu`). `MLXCEL_QGEMV_XQ=0` keeps bf16 activations (float math).
+pub fn int8_activations() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("MLXCEL_QGEMV_XQ").map_or(true, |v| v != "0"))
+}
+
 /// Whether the kernel is used at all: MLX's CUDA backend and not `MLXCEL_QGEMV=0`.
 pub fn enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
@@ -143,9 +152,15 @@ pub fn supports(
 }
 
 /// Rows per block and warps per block, from Nsight Compute timings on H200
-/// (docs/benchmarks.md): 4-bit M = 1 is fastest with 2 rows (4 for the wide
-/// gate/up and lm_head) and 2 warps; 8-bit and M > 1 with 4 rows and 4 warps.
+/// (docs/benchmarks.md): 4-bit M = 1 with float math is fastest with 2 rows (4 for
+/// the wide gate/up and lm_head) and 2 warps; 8-bit and M > 1 with 4 rows and 4
+/// warps. With int8 activations ([`int8_activations`]) a block quantizes its chunks
+/// of x once for all its rows, so 4-bit takes 4 rows at every M.
 pub fn launch_config(m: usize, n: usize, bits: usize) -> (usize, usize) {
+    launch_config_for(m, n, bits, bits == 4 && int8_activations())
+}
+
+fn launch_config_for(m: usize, n: usize, bits: usize, xq: bool) -> (usize, usize) {
     let fit = |r: usize| {
         if n.is_multiple_of(r) {
             r
@@ -156,7 +171,7 @@ pub fn launch_config(m: usize, n: usize, bits: usize) -> (usize, usize) {
         }
     };
     if bits == 4 && m == 1 {
-        (fit(if n >= 16384 { 4 } else { 2 }), 2)
+        (fit(if xq || n >= 16384 { 4 } else { 2 }), 2)
     } else {
         (fit(4), 4)
     }
@@ -252,13 +267,13 @@ pub fn qgemv(
         None => (x, 0.0), // not read
     };
     // built once: this runs for every quantized linear of every decode step
-    static NAMES: OnceLock<([String; 6], [String; 1], [String; 10])> = OnceLock::new();
+    static NAMES: OnceLock<([String; 6], [String; 1], [String; 11])> = OnceLock::new();
     let (inputs, outputs, tnames) = NAMES.get_or_init(|| {
         (
             ["x", "w", "scales", "biases", "res", "nw"].map(String::from),
             ["y".to_string()],
             [
-                "M", "N", "K", "G", "BITS", "ROWS", "WPB", "EPI", "NORM", "EPS_BITS",
+                "M", "N", "K", "G", "BITS", "ROWS", "WPB", "EPI", "NORM", "EPS_BITS", "XQ",
             ]
             .map(String::from),
         )
@@ -270,7 +285,21 @@ pub fn qgemv(
         header: &src.header,
         body: &src.body,
     };
-    let mut tvals = [m, n, k, group, bits, rows, wpb, epi.code(), 0, 0].map(|v| v as i32);
+    let xq = bits == 4 && int8_activations();
+    let mut tvals = [
+        m,
+        n,
+        k,
+        group,
+        bits,
+        rows,
+        wpb,
+        epi.code(),
+        0,
+        0,
+        xq as usize,
+    ]
+    .map(|v| v as i32);
     if norm.is_some() {
         tvals[8] = 1;
         tvals[9] = eps.to_bits() as i32;
@@ -364,13 +393,13 @@ pub fn qgemv_rope(
     };
     let src = source()?;
     let (rows, wpb) = launch_config(m, n, bits);
-    static NAMES: OnceLock<([String; 7], [String; 2], [String; 11])> = OnceLock::new();
+    static NAMES: OnceLock<([String; 7], [String; 2], [String; 12])> = OnceLock::new();
     let (inputs, outputs, tnames) = NAMES.get_or_init(|| {
         (
             ["x", "w", "scales", "biases", "nw", "pos", "inv_freq"].map(String::from),
             ["q", "kv"].map(String::from),
             [
-                "M", "N", "K", "G", "BITS", "ROWS", "WPB", "NORM", "EPS_BITS", "HD", "NQ",
+                "M", "N", "K", "G", "BITS", "ROWS", "WPB", "NORM", "EPS_BITS", "HD", "NQ", "XQ",
             ]
             .map(String::from),
         )
@@ -395,6 +424,7 @@ pub fn qgemv_rope(
         eps.to_bits() as usize,
         head_dim,
         nq,
+        (bits == 4 && int8_activations()) as usize,
     ]
     .map(|v| v as i32);
     let (mi, hd) = (m as i32, head_dim as i32);
@@ -483,15 +513,19 @@ mod tests {
             (1, 151_936, 4),
             (2, 4097, 8),
             (1, 16386, 4),
+            (1, 6146, 4),
         ] {
-            let (rows, wpb) = launch_config(m, n, bits);
-            assert_eq!(n % rows, 0, "m={m} n={n} bits={bits} rows={rows}");
-            assert!([1, 2, 4].contains(&rows) && [2, 4].contains(&wpb));
+            for xq in [false, true] {
+                let (rows, wpb) = launch_config_for(m, n, bits, xq);
+                assert_eq!(n % rows, 0, "m={m} n={n} bits={bits} rows={rows}");
+                assert!([1, 2, 4].contains(&rows) && [2, 4].contains(&wpb));
+            }
         }
-        assert_eq!(launch_config(1, 6144, 4), (2, 2));
-        assert_eq!(launch_config(1, 28672, 4), (4, 2));
-        assert_eq!(launch_config(1, 4096, 8), (4, 4));
-        assert_eq!(launch_config(2, 4097, 4), (1, 4));
+        assert_eq!(launch_config_for(1, 6144, 4, false), (2, 2));
+        assert_eq!(launch_config_for(1, 6144, 4, true), (4, 2));
+        assert_eq!(launch_config_for(1, 28672, 4, false), (4, 2));
+        assert_eq!(launch_config_for(1, 4096, 8, false), (4, 4));
+        assert_eq!(launch_config_for(2, 4097, 4, true), (1, 4));
     }
 
     #[test]
