@@ -708,4 +708,40 @@ mod tests {
             "the unordered chain ({unordered} bytes) should show what the ordering prevents ({ordered})"
         );
     }
+
+    /// The inverse frequencies the fused q/k/v kernel rotates with are the ones MLX's
+    /// `fast::rope` uses: rotating by `pos · inv_freq[d]` by hand matches MLX's RoPE, for
+    /// plain θ and for Llama-3 scaling (whose `freqs` are periods).
+    #[test]
+    fn rope_inv_freq_matches_mlx_rope() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+        for fixture in ["llama3", "llama_gqa2_tied"] {
+            let text = std::fs::read_to_string(dir.join(fixture).join("config.json")).unwrap();
+            let cfg = ModelConfig::from_json(&serde_json::from_str(&text).unwrap()).unwrap();
+            let rope = Rope::new(&cfg).unwrap();
+            let d = cfg.head_dim;
+            let x: Vec<f32> = (0..d).map(|i| ((i * 7 % 11) as f32 - 5.0) / 3.0).collect();
+            let xa = Array::from_slice(&x, &[1, 1, 1, d as i32]).unwrap();
+            let inv = rope.inv_freq.to_vec::<f32>().unwrap();
+            assert_eq!(inv.len(), d / 2);
+            for pos in [0, 1, 37, 1000] {
+                let got = rope
+                    .forward(&xa, &Array::scalar_i32(pos).unwrap())
+                    .unwrap()
+                    .to_vec::<f32>()
+                    .unwrap();
+                for i in 0..d / 2 {
+                    let th = pos as f64 * inv[i] as f64;
+                    let (a, b) = (x[i] as f64, x[i + d / 2] as f64);
+                    let want = [a * th.cos() - b * th.sin(), a * th.sin() + b * th.cos()];
+                    for (g, w) in [got[i], got[i + d / 2]].into_iter().zip(want) {
+                        assert!(
+                            (g as f64 - w).abs() < 2e-3,
+                            "{fixture} pos {pos} pair {i}: MLX {g}, by inv_freq {w}"
+                        );
+                    }
+                }
+            }
+        }
+    }
 }
