@@ -81,6 +81,18 @@ __device__ __forceinline__ void mlxcel_bf16x8(const uint4 v, float* f) {
   f[7] = __uint_as_float(v.w & 0xFFFF0000u);
 }
 
+// max(a, b) that returns NaN when either is NaN (fmaxf drops it), so a NaN in x
+// survives the int8 rounding of XQ as a NaN chunk scale.
+__device__ __forceinline__ float mlxcel_max_nan(float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+#else  // older GPUs, and the CPU emulation in tests/qgemv_emulated.rs
+  return (a != a || b != b) ? a + b : (a > b ? a : b);
+#endif
+}
+
 // D = Σ_j (1 + q_j/2^BITS)·x_j over the 32/BITS values of one word.
 template <int BITS>
 __device__ __forceinline__ float mlxcel_word_dot(uint32_t u, const float* xs) {
@@ -217,7 +229,7 @@ __device__ __forceinline__ void mlxcel_qgemv(const T* x, const uint32_t* w, cons
         float amax = 0.f;
 #pragma unroll
         for (int j = 0; j < VPC; ++j) {
-          amax = fmaxf(amax, fabsf(xs[j]));
+          amax = mlxcel_max_nan(amax, fabsf(xs[j]));
         }
         const float inv = amax > 0.f ? 127.f / amax : 0.f;
         const float dq = amax * (1.f / 127.f);
@@ -248,7 +260,8 @@ __device__ __forceinline__ void mlxcel_qgemv(const T* x, const uint32_t* w, cons
             D = __dp4a(int(ws[v] & 0x0F0F0F0Fu), xe[v], D);
             D = __dp4a(int((ws[v] >> 4) & 0x0F0F0F0Fu), xo[v], D);
           }
-          // Σ w·x = scale·dq·Σ q·xq + bias·Σ x over the group's part in this chunk
+          // Σ w·x ≈ scale·dq·Σ q·xq + bias·dq·Σ xq over the group's part in this chunk
+          // (a NaN in x makes dq NaN, an inf makes dq·0 NaN: both reach the output)
           acc[r][m] = fmaf(s[it][r] * dq, static_cast<float>(D), fmaf(b[it][r], X, acc[r][m]));
         }
       } else {

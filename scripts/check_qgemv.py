@@ -80,13 +80,18 @@ def make_kernel(path):
 XQ = os.environ.get("MLXCEL_QGEMV_XQ", "1") != "0"  # as mlxcel: int8 activations for 4-bit
 
 
-def launch_config(m, n, bits):
+def launch_config(m, n, k, bits):
     """ROWS and WPB as mlxcel picks them (src/mlx/qgemv.rs `launch_config`)."""
     def fit(r):
         return r if n % r == 0 else (2 if n % 2 == 0 else 1)
     if bits == 4 and m == 1:
-        return fit(4 if (XQ or n >= 16384) else 2), 2
-    return fit(4), 4
+        rows, wpb = fit(4 if (XQ or n >= 16384) else 2), 2
+    else:
+        rows, wpb = fit(4), 4
+    chunks = k // (128 // bits)
+    while wpb < 8 and rows * -(-chunks // (32 * wpb)) > 28:
+        wpb *= 2
+    return rows, wpb
 
 
 def qgemv(kernel, x, w, s, b, group, bits, rows=None, wpb=None, res=None, swiglu=False,
@@ -95,7 +100,7 @@ def qgemv(kernel, x, w, s, b, group, bits, rows=None, wpb=None, res=None, swiglu
     norm = (weight, eps): RMSNorm of x first, in the kernel."""
     m, k = x.shape
     n = w.shape[0]
-    r0, w0 = launch_config(m, n, bits)
+    r0, w0 = launch_config(m, n, k, bits)
     rows, wpb = rows or r0, wpb or w0
     epi = 2 if swiglu else (1 if res is not None else 0)
     return kernel(
@@ -117,7 +122,7 @@ def qgemv_rope(kernel, x, w, s, b, group, bits, norm, pos, inv_freq, nq, hd):
     """q [M, nq, 1, hd] and kv [M, 2·nkv, 1, hd] of norm(x)·Wᵀ with RoPE on q and k."""
     m, k = x.shape
     n = w.shape[0]
-    rows, wpb = launch_config(m, n, bits)
+    rows, wpb = launch_config(m, n, k, bits)
     return kernel(
         inputs=[x, w, s, b, norm[0], pos, inv_freq],
         template=[("T", mx.bfloat16), ("M", m), ("N", n), ("K", k), ("G", group),

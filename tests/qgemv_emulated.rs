@@ -85,6 +85,7 @@ int main() {
   std::vector<uint32_t> w(size_t(N) * K / VPW);
   std::vector<int> q(size_t(N) * K);
   for (auto& v : x) v = bf(ux(rng));
+  if (NAN_X) x[5] = bf(NAN);  // row 0 of x holds a NaN: every output of row 0 must be NaN
   for (auto& v : sc) v = bf(us(rng));
   for (auto& v : bi) v = bf(ub(rng));
   for (auto& v : res) v = bf(ux(rng));
@@ -134,6 +135,12 @@ int main() {
     }
     return r;
   };
+  if (NAN_X) {
+    for (int n = 0; n < OUT_N; ++n)
+      if (!std::isnan(float(y[n]))) { std::printf("max_err: y[%d] = %g is not NaN\n", n, float(y[n])); return 1; }
+    std::printf("max_err 0 (row 0 all NaN)\n");
+    return 0;
+  }
   double max_ref = 0, max_err = 0;
 #if ROPE
   // q heads to yq, key then value heads to ykv; q and k rotated by pos·inv_freq
@@ -195,6 +202,7 @@ fn run(tag: &str, consts: &[(&str, usize)]) {
         ("NORM", 0),
         ("EPS_BITS", 1e-5f32.to_bits() as usize),
         ("XQ", 0),
+        ("NAN_X", 0),
     ] {
         if !consts.iter().any(|(n, _)| *n == name) {
             src += &format!("constexpr int {name} = {default};\n");
@@ -300,6 +308,20 @@ fn qgemv_8bit_matches_dequantize_matmul() {
             ("BITS", 8),
             ("ROWS", 4),
             ("WPB", 4),
+        ],
+    );
+    // eight warps per block (long rows: launch_config keeps loads per thread ≤ 28)
+    run(
+        "8bit_wpb8",
+        &[
+            ("M", 2),
+            ("N", 8),
+            ("K", 4096 + 512),
+            ("G", 64),
+            ("BITS", 8),
+            ("ROWS", 4),
+            ("WPB", 8),
+            ("EPI", 1),
         ],
     );
     run(
@@ -445,6 +467,21 @@ fn qgemv_int8_activations_match() {
             ("ROWS", 4),
             ("WPB", 2),
             ("XQ", 1),
+        ],
+    );
+    // a NaN in x reaches the output (int8 rounding would otherwise turn it into 0)
+    run(
+        "4bit_xq_nan",
+        &[
+            ("M", 2),
+            ("N", 8),
+            ("K", 512),
+            ("G", 64),
+            ("BITS", 4),
+            ("ROWS", 4),
+            ("WPB", 1),
+            ("XQ", 1),
+            ("NAN_X", 1),
         ],
     );
     run(

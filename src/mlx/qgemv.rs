@@ -155,12 +155,24 @@ pub fn supports(
 /// (docs/benchmarks.md): 4-bit M = 1 with float math is fastest with 2 rows (4 for
 /// the wide gate/up and lm_head) and 2 warps; 8-bit and M > 1 with 4 rows and 4
 /// warps. With int8 activations ([`int8_activations`]) a block quantizes its chunks
-/// of x once for all its rows, so 4-bit takes 4 rows at every M.
-pub fn launch_config(m: usize, n: usize, bits: usize) -> (usize, usize) {
-    launch_config_for(m, n, bits, bits == 4 && int8_activations())
+/// of x once for all its rows, so 4-bit takes 4 rows at every M. A thread holds
+/// ROWS × (its chunks of a row) 16-byte weight loads in registers; above
+/// [`MAX_LOADS_PER_THREAD`] (a 70B down projection, K = 28672) the block gets more
+/// warps instead, which ptxas showed keeps those launches free of register spills.
+pub fn launch_config(m: usize, n: usize, k: usize, bits: usize) -> (usize, usize) {
+    launch_config_for(m, n, k, bits, bits == 4 && int8_activations())
 }
 
-fn launch_config_for(m: usize, n: usize, bits: usize, xq: bool) -> (usize, usize) {
+/// Weight loads (16 bytes each) one thread may keep in flight: ptxas (sm_90) fits 28
+/// of them without spilling at every M ≤ 4 with int8 activations and at 8 bits.
+pub const MAX_LOADS_PER_THREAD: usize = 28;
+
+/// Rows per block (what the epilogues' pairing depends on; not on K).
+pub fn rows_per_block(m: usize, n: usize, bits: usize) -> usize {
+    launch_config_for(m, n, 0, bits, bits == 4 && int8_activations()).0
+}
+
+fn launch_config_for(m: usize, n: usize, k: usize, bits: usize, xq: bool) -> (usize, usize) {
     let fit = |r: usize| {
         if n.is_multiple_of(r) {
             r
@@ -170,11 +182,16 @@ fn launch_config_for(m: usize, n: usize, bits: usize, xq: bool) -> (usize, usize
             1
         }
     };
-    if bits == 4 && m == 1 {
+    let (rows, mut wpb) = if bits == 4 && m == 1 {
         (fit(if xq || n >= 16384 { 4 } else { 2 }), 2)
     } else {
         (fit(4), 4)
+    };
+    let chunks = k / (128 / bits.max(1)); // 16-byte chunks per row
+    while wpb < 8 && rows * chunks.div_ceil(32 * wpb) > MAX_LOADS_PER_THREAD {
+        wpb *= 2;
     }
+    (rows, wpb)
 }
 
 /// What the kernel writes besides `x · Wᵀ` (its template constant `EPI`): each fused
@@ -232,7 +249,7 @@ pub fn qgemv(
         )));
     }
     let src = source()?;
-    let (rows, wpb) = launch_config(m, n, bits);
+    let (rows, wpb) = launch_config(m, n, k, bits);
     if matches!(epi, Epilogue::SwiGlu) && rows % 2 != 0 {
         return Err(MlxError::Invalid(format!(
             "qgemv: SwiGLU needs an even number of rows per block, got {rows} for n = {n}"
@@ -326,7 +343,7 @@ pub fn supports_rope(m: usize, n: usize, bits: usize, nq: usize, head_dim: usize
         return false;
     }
     let heads = n / head_dim;
-    let rows = launch_config(m, n, bits).0;
+    let rows = rows_per_block(m, n, bits);
     heads > nq
         && (heads - nq).is_multiple_of(2)
         && rows.is_multiple_of(2)
@@ -392,7 +409,7 @@ pub fn qgemv_rope(
         None => (x, 0.0), // not read
     };
     let src = source()?;
-    let (rows, wpb) = launch_config(m, n, bits);
+    let (rows, wpb) = launch_config(m, n, k, bits);
     static NAMES: OnceLock<([String; 7], [String; 2], [String; 12])> = OnceLock::new();
     let (inputs, outputs, tnames) = NAMES.get_or_init(|| {
         (
@@ -516,16 +533,32 @@ mod tests {
             (1, 6146, 4),
         ] {
             for xq in [false, true] {
-                let (rows, wpb) = launch_config_for(m, n, bits, xq);
+                let (rows, wpb) = launch_config_for(m, n, 4096, bits, xq);
                 assert_eq!(n % rows, 0, "m={m} n={n} bits={bits} rows={rows}");
                 assert!([1, 2, 4].contains(&rows) && [2, 4].contains(&wpb));
             }
         }
-        assert_eq!(launch_config_for(1, 6144, 4, false), (2, 2));
-        assert_eq!(launch_config_for(1, 6144, 4, true), (4, 2));
-        assert_eq!(launch_config_for(1, 28672, 4, false), (4, 2));
-        assert_eq!(launch_config_for(1, 4096, 8, false), (4, 4));
-        assert_eq!(launch_config_for(2, 4097, 4, true), (1, 4));
+        assert_eq!(launch_config_for(1, 6144, 4096, 4, false), (2, 2));
+        assert_eq!(launch_config_for(1, 6144, 4096, 4, true), (4, 2));
+        assert_eq!(launch_config_for(1, 28672, 4096, 4, false), (4, 2));
+        assert_eq!(launch_config_for(1, 4096, 4096, 8, false), (4, 4));
+        assert_eq!(launch_config_for(2, 4097, 4096, 4, true), (1, 4));
+        // loads per thread (rows × chunks per thread) stay within 28: more warps for long rows
+        assert_eq!(launch_config_for(1, 4096, 14336, 4, true), (4, 2)); // 8B down: 4 × 7
+        assert_eq!(launch_config_for(1, 8192, 28672, 4, true), (4, 4)); // 70B down
+        assert_eq!(launch_config_for(4, 8192, 28672, 8, false), (4, 8));
+        assert_eq!(launch_config_for(1, 8192, 28672, 4, false), (2, 2)); // float: 2 × 14
+        for &(m, n, k, bits) in &[
+            (1, 8192, 28672, 4),
+            (4, 8192, 28672, 8),
+            (3, 4096, 14336, 8),
+        ] {
+            for xq in [false, true] {
+                let (rows, wpb) = launch_config_for(m, n, k, bits, xq);
+                let chunks = k / (128 / bits);
+                assert!(rows * chunks.div_ceil(32 * wpb) <= MAX_LOADS_PER_THREAD);
+            }
+        }
     }
 
     #[test]

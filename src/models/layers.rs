@@ -370,9 +370,7 @@ impl Linear {
             Epilogue::Residual(r) => r.dtype() == x.dtype() && r.size() == f.m * f.n,
             Epilogue::SwiGlu => {
                 f.n.is_multiple_of(2)
-                    && mlx::qgemv::launch_config(f.m, f.n, f.bits)
-                        .0
-                        .is_multiple_of(2)
+                    && mlx::qgemv::rows_per_block(f.m, f.n, f.bits).is_multiple_of(2)
             }
             Epilogue::None => true,
         };
