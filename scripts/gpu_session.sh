@@ -9,6 +9,7 @@
 #   bash scripts/gpu_session.sh verify3  # 70B kernel check, bf16 prefill peak, server warm-up with a cold kernel cache
 #   bash scripts/gpu_session.sh ab       # decode of two binaries alternated on one box (MLXCEL_OLD vs MLXCEL)
 #   bash scripts/gpu_session.sh session4 check|bench # kernel checks (70B, RoPE, int8 activations); 4-bit A/B, side by side
+#   bash scripts/gpu_session.sh ncu      # Nsight kernel times: 4-bit float vs int8 activations, 8-bit, launch shapes
 # MLXCEL=path/to/mlxcel (default .gpu/bin/mlxcel); OUT=results folder (default ./gpu-out).
 set -uo pipefail
 B=${MLXCEL:-.gpu/bin/mlxcel}
@@ -148,6 +149,13 @@ session4)
     $B generate -m "$CK/8b-q4" -n 256 --ignore-eos -p hello 2>&1 | grep -E -o 'warmed up.*|generated: .*tok/s'
     ;;
   esac
+  ;;
+ncu)
+  # kernel times by Nsight Compute: every 8B shape, 4-bit with float math and with int8
+  # activations, 8-bit, launch shapes ROWS × WPB; then the parsed table
+  timeout ${NCU_S:-500} ncu --clock-control none --metrics gpu__time_duration.sum -k regex:'qgemv|qmv' \
+    python3 scripts/prof_qgemv.py > "$OUT/ncu.txt" 2>&1
+  python3 scripts/prof_qgemv.py --parse "$OUT/ncu.txt" | tee "$OUT/ncu-parsed.txt"
   ;;
 ab)
   # box-to-box spread is ±15%, so a change is judged against the old binary on the same box,

@@ -8,7 +8,8 @@ timing from Python measures MLX's per-op host overhead as much as the kernel):
     python3 scripts/prof_qgemv.py --parse ncu.txt
 
 `MLXCEL_QGEMV_SOURCE=path` times another version of the kernel file (the same
-variable mlxcel reads). Kernel names carry the template values: ..._M_N_K_G_BITS_ROWS_WPB.
+variable mlxcel reads). 4-bit launches run twice: float math and int8 activations (XQ).
+Kernel names carry the template values: ..._M_N_K_G_BITS_ROWS_WPB_EPI_NORM_EPS_XQ.
 """
 import os
 import pathlib
@@ -22,7 +23,7 @@ def launch():
     import mlx.core as mx
     sys.path.insert(0, "scripts")
     import check_qgemv as c
-    k = c.make_kernel(pathlib.Path(os.environ.get("MLXCEL_QGEMV_SOURCE", c.SOURCE)))
+    k, _ = c.make_kernel(pathlib.Path(os.environ.get("MLXCEL_QGEMV_SOURCE", c.SOURCE)))
     for n, kk in SHAPES:
         for bits in (4, 8):
             wq, s, b = c.quantized(n, kk, 64, bits, 0)
@@ -32,9 +33,11 @@ def launch():
                     cfgs = [(2, 2), (4, 2), (4, 4)]
                 else:
                     cfgs = [(r, w) for r in (1, 2, 4) for w in (1, 2, 4, 8)]
-                for rows, wpb in cfgs:
-                    for _ in range(2):
-                        mx.eval(c.qgemv(k, x, wq, s, b, 64, bits, rows, wpb))
+                for xq in ((False, True) if bits == 4 else (False,)):
+                    c.XQ = xq  # read by c.qgemv for its template value
+                    for rows, wpb in cfgs:
+                        for _ in range(2):
+                            mx.eval(c.qgemv(k, x, wq, s, b, 64, bits, rows, wpb))
                 for _ in range(2):
                     mx.eval(mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=64, bits=bits))
                 mx.synchronize()
@@ -60,11 +63,14 @@ def parse(path):
           "MLX runs another kernel at M=8):")
     print(" ".join(f"{u:.1f}" for u in qmv))
     for name, us in best.items():
-        m = re.search(r"qgemv_\w+?_t_(\d+)_(\d+)_(\d+)_(\d+)_(\d+)_(\d+)_(\d+)", name)
+        m = re.search(r"qgemv_\w+?_t_(\d+)_(\d+)_(\d+)_(\d+)_(\d+)_(\d+)_(\d+)"
+                      r"(?:_(\d+)_(\d+)_(-?\d+)_(\d+))?", name)
         if m:
-            M, N, K, G, B, R, W = map(int, m.groups())
+            M, N, K, G, B, R, W = map(int, m.groups()[:7])
+            xq = m.group(11) == "1"
             byts = N * K * B / 8 + 2 * 2 * N * K / G
-            print(f"qgemv M={M} N={N} K={K} bits={B} ROWS={R} WPB={W}: {us:.1f} us {byts / us / 1e6:.2f} TB/s")
+            print(f"qgemv M={M} N={N} K={K} bits={B} ROWS={R} WPB={W}{' XQ' if xq else ''}: "
+                  f"{us:.1f} us {byts / us / 1e6:.2f} TB/s")
         else:
             print(f"{name[:90]}: {us:.1f} us")
 
