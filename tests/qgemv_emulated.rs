@@ -469,6 +469,22 @@ fn qgemv_int8_activations_match() {
             ("XQ", 1),
         ],
     );
+    // the launch mlxcel picks for the 70B down projection (K = 28672): 4 warps, 7 chunks
+    // of each of 4 rows per thread
+    run(
+        "4bit_xq_70b_down",
+        &[
+            ("M", 1),
+            ("N", 8),
+            ("K", 28672),
+            ("G", 64),
+            ("BITS", 4),
+            ("ROWS", 4),
+            ("WPB", 4),
+            ("EPI", 1),
+            ("XQ", 1),
+        ],
+    );
     // a NaN in x reaches the output (int8 rounding would otherwise turn it into 0)
     run(
         "4bit_xq_nan",
