@@ -327,19 +327,25 @@ __device__ __forceinline__ void mlxcel_qgemv(const T* x, const uint32_t* w, cons
       return 1.f;
     }
   };
+  // EPI 2, 3: the block's rows r and r + HALF of batch row m, summed over its warps and normed
+  auto pair_of = [&](int r, int m, float& a, float& c) {
+    a = 0.f;
+    c = 0.f;
+#pragma unroll
+    for (int i = 0; i < WPB; ++i) {
+      a += red[i][r * M + m];
+      c += red[i][(r + HALF) * M + m];
+    }
+    const float f = norm_of(m);
+    a *= f;
+    c *= f;
+  };
   if constexpr (EPI == 3) {
     if (tid < HALF * M) {
       const int r = tid / M;
       const int m = tid % M;
-      float a = 0.f, c = 0.f;
-#pragma unroll
-      for (int i = 0; i < WPB; ++i) {
-        a += red[i][r * M + m];
-        c += red[i][(r + HALF) * M + m];
-      }
-      const float f = norm_of(m);
-      a *= f;
-      c *= f;
+      float a, c;
+      pair_of(r, m, a, c);
       const int p = int(blockIdx.x) * HALF + r;
       const int head = p / HD2;
       const int d = p % HD2;
@@ -361,15 +367,8 @@ __device__ __forceinline__ void mlxcel_qgemv(const T* x, const uint32_t* w, cons
     if (tid < HALF * M) {
       const int r = tid / M;
       const int m = tid % M;
-      float g = 0.f, u = 0.f;
-#pragma unroll
-      for (int i = 0; i < WPB; ++i) {
-        g += red[i][r * M + m];
-        u += red[i][(r + HALF) * M + m];
-      }
-      const float f = norm_of(m);
-      g *= f;
-      u *= f;
+      float g, u;
+      pair_of(r, m, g, u);
       y[size_t(m) * (N / 2) + blockIdx.x * HALF + r] = static_cast<T>(g / (1.f + expf(-g)) * u);
     }
   } else {

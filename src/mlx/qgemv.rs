@@ -160,7 +160,12 @@ pub fn supports(
 /// [`MAX_LOADS_PER_THREAD`] (a 70B down projection, K = 28672) the block gets more
 /// warps instead, which ptxas showed keeps those launches free of register spills.
 pub fn launch_config(m: usize, n: usize, k: usize, bits: usize) -> (usize, usize) {
-    launch_config_for(m, n, k, bits, bits == 4 && int8_activations())
+    launch_config_for(m, n, k, bits, xq(bits))
+}
+
+/// The template constant `XQ` for these bits: int8 activations for 4-bit weights.
+fn xq(bits: usize) -> bool {
+    bits == 4 && int8_activations()
 }
 
 /// Weight loads (16 bytes each) one thread may keep in flight: ptxas (sm_90) fits 28
@@ -169,7 +174,7 @@ pub const MAX_LOADS_PER_THREAD: usize = 28;
 
 /// Rows per block (what the epilogues' pairing depends on; not on K).
 pub fn rows_per_block(m: usize, n: usize, bits: usize) -> usize {
-    launch_config_for(m, n, 0, bits, bits == 4 && int8_activations()).0
+    launch_config_for(m, n, 0, bits, xq(bits)).0
 }
 
 fn launch_config_for(m: usize, n: usize, k: usize, bits: usize, xq: bool) -> (usize, usize) {
@@ -269,20 +274,7 @@ pub fn qgemv(
         }
         _ => x, // not read
     };
-    let (nw, eps) = match norm {
-        Some((nw, eps)) => {
-            if nw.size() != k || nw.dtype() != x.dtype() {
-                return Err(MlxError::Invalid(format!(
-                    "qgemv: norm weight {:?} {:?} does not match k = {k} {:?}",
-                    nw.shape(),
-                    nw.dtype(),
-                    x.dtype()
-                )));
-            }
-            (nw, eps)
-        }
-        None => (x, 0.0), // not read
-    };
+    let (nw, eps) = norm_input("qgemv", norm, x, k)?;
     // built once: this runs for every quantized linear of every decode step
     static NAMES: OnceLock<([String; 6], [String; 1], [String; 11])> = OnceLock::new();
     let (inputs, outputs, tnames) = NAMES.get_or_init(|| {
@@ -302,8 +294,7 @@ pub fn qgemv(
         header: &src.header,
         body: &src.body,
     };
-    let xq = bits == 4 && int8_activations();
-    let mut tvals = [
+    let tvals = [
         m,
         n,
         k,
@@ -312,15 +303,11 @@ pub fn qgemv(
         rows,
         wpb,
         epi.code(),
-        0,
-        0,
-        xq as usize,
+        norm.is_some() as usize,
+        eps.to_bits() as usize, // 0 without a norm
+        xq(bits) as usize,
     ]
     .map(|v| v as i32);
-    if norm.is_some() {
-        tvals[8] = 1;
-        tvals[9] = eps.to_bits() as i32;
-    }
     let mut out = kernel.call(
         &[x, w, scales, biases, res, nw],
         &[out_shape],
@@ -333,6 +320,26 @@ pub fn qgemv(
     )?;
     out.pop()
         .ok_or_else(|| MlxError::Invalid("qgemv: the kernel returned no output".into()))
+}
+
+/// The kernel's `nw` input and eps: the norm weight (one value per input feature, x's
+/// dtype), or x itself when there is no norm (not read then).
+fn norm_input<'a>(
+    who: &str,
+    norm: Option<(&'a Array, f32)>,
+    x: &'a Array,
+    k: usize,
+) -> Result<(&'a Array, f32)> {
+    match norm {
+        Some((nw, eps)) if nw.size() == k && nw.dtype() == x.dtype() => Ok((nw, eps)),
+        Some((nw, _)) => Err(MlxError::Invalid(format!(
+            "{who}: norm weight {:?} {:?} does not match k = {k} {:?}",
+            nw.shape(),
+            nw.dtype(),
+            x.dtype()
+        ))),
+        None => Ok((x, 0.0)),
+    }
 }
 
 /// Whether [`qgemv_rope`] covers a merged q/k/v weight of `n` rows for `nq` query heads
@@ -396,18 +403,7 @@ pub fn qgemv_rope(
             head_dim / 2
         )));
     }
-    let (nw, eps) = match norm {
-        Some((nw, eps)) if nw.size() == k && nw.dtype() == x.dtype() => (nw, eps),
-        Some((nw, _)) => {
-            return Err(MlxError::Invalid(format!(
-                "qgemv_rope: norm weight {:?} {:?} does not match k = {k} {:?}",
-                nw.shape(),
-                nw.dtype(),
-                x.dtype()
-            )))
-        }
-        None => (x, 0.0), // not read
-    };
+    let (nw, eps) = norm_input("qgemv_rope", norm, x, k)?;
     let src = source()?;
     let (rows, wpb) = launch_config(m, n, k, bits);
     static NAMES: OnceLock<([String; 7], [String; 2], [String; 12])> = OnceLock::new();
@@ -441,7 +437,7 @@ pub fn qgemv_rope(
         eps.to_bits() as usize,
         head_dim,
         nq,
-        (bits == 4 && int8_activations()) as usize,
+        xq(bits) as usize,
     ]
     .map(|v| v as i32);
     let (mi, hd) = (m as i32, head_dim as i32);
