@@ -15,39 +15,27 @@ import json
 import os
 import shutil
 
-import torch
-from safetensors.torch import save_file
-
 SHAPES = {
     "llama3-8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                       intermediate_size=14336, vocab_size=128256),
     "llama3-70b": dict(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
                        intermediate_size=28672, vocab_size=128256),
+    # larger than one H200 in bf16 (91.1B parameters, 182 GB): for --load-format dummy
+    "llama3-90b": dict(hidden_size=8192, num_hidden_layers=104, num_attention_heads=64, num_key_value_heads=8,
+                       intermediate_size=28672, vocab_size=128256),
+    # ~30 GB in bf16 (14.8B parameters): a real sharded checkpoint for byte-range loads on 2 GPUs
+    "llama-15b": dict(hidden_size=5120, num_hidden_layers=40, num_attention_heads=40, num_key_value_heads=8,
+                      intermediate_size=17920, vocab_size=128256),
     "llama3-1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
                       intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True),
 }
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    ap.add_argument("--tokenizer-from")
-    ap.add_argument("--shard-gb", type=float, default=5.0)
-    ap.add_argument("--seed", type=int, default=0)
-    a = ap.parse_args()
-    s = dict(SHAPES[a.shape])
-    tie = s.pop("tie_word_embeddings", False)
-    cfg = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-        "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-        "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-        "tie_word_embeddings": tie, "torch_dtype": a.dtype, "bos_token_id": 256, "eos_token_id": [257, 260],
-        "attention_bias": False, "mlp_bias": False, **s,
-    }
-    os.makedirs(a.out, exist_ok=True)
+def write_weights(a, s, tie):
+    """Random weights of shape `s` in `a.shard_gb` files plus their index; returns the bytes written."""
+    import torch  # here, so that --config-only needs no torch
+    from safetensors.torch import save_file
+
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dt = getattr(torch, a.dtype)
     g = torch.Generator(device=dev).manual_seed(a.seed)
@@ -88,6 +76,32 @@ def main():
             total += t.numel() * t.element_size()
     with open(os.path.join(a.out, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
+    return total
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--tokenizer-from")
+    ap.add_argument("--shard-gb", type=float, default=5.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--config-only", action="store_true",
+                    help="write config.json (and the tokenizer) only, for --load-format dummy")
+    a = ap.parse_args()
+    s = dict(SHAPES[a.shape])
+    tie = s.pop("tie_word_embeddings", False)
+    cfg = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+        "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "tie_word_embeddings": tie, "torch_dtype": a.dtype, "bos_token_id": 256, "eos_token_id": [257, 260],
+        "attention_bias": False, "mlp_bias": False, **s,
+    }
+    os.makedirs(a.out, exist_ok=True)
+    total = 0 if a.config_only else write_weights(a, s, tie)
     with open(os.path.join(a.out, "config.json"), "w") as f:
         json.dump(cfg, f, indent=1)
     if a.tokenizer_from:
@@ -98,12 +112,12 @@ def main():
             tok = json.load(f)
         vocab = tok["model"]["vocab"]
         used = set(vocab.values()) | {t["id"] for t in tok.get("added_tokens", [])}
-        for i in range(V):
+        for i in range(s["vocab_size"]):
             if i not in used:
                 vocab[f"\u0120t{i}"] = i
         with open(os.path.join(a.out, "tokenizer.json"), "w") as f:
             json.dump(tok, f)
-    print(f"wrote {a.out}: {total / 1e9:.2f} GB in {len(shards)} files")
+    print(f"wrote {a.out}: {total / 1e9:.2f} GB of weights" + (" (config only)" if a.config_only else ""))
 
 
 if __name__ == "__main__":
