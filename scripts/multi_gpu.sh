@@ -79,21 +79,36 @@ a)
   step "background jobs"; wait $kc; tail -40 "$OUT/check-qgemv-70b-rest.txt"; wait $ck; tail -3 "$OUT/ckpt.log"
   ;;
 b)
+  # the 8B runs use dummy weights (same shapes and speed as a file; no checkpoint needed)
+  step "background: 8B and 15B checkpoints (for call c); on GPU 1: kernel check of the 8B o, gate/up, lm_head shapes, then Nsight times"
+  ( [ -f "$CK/8b-bf16/config.json" ] || CUDA_VISIBLE_DEVICES=0 python3 scripts/make_random_checkpoint.py --shape llama3-8b --out "$CK/8b-bf16" --tokenizer-from "$TOK"
+    [ -f "$CK/15b-bf16/config.json" ] || CUDA_VISIBLE_DEVICES=0 python3 scripts/make_random_checkpoint.py --shape llama-15b --out "$CK/15b-bf16" --tokenizer-from "$TOK" ) > "$OUT/ckpt.log" 2>&1 &
+  ck=$!
+  ( export CUDA_VISIBLE_DEVICES=1
+    timeout 150 python3 scripts/check_qgemv.py --only 8B --skip qkv,down > "$OUT/check-qgemv-8b-rest.txt" 2>&1
+    timeout ${NCU_S:-200} ncu --clock-control none --metrics gpu__time_duration.sum -k regex:'qgemv|qmv' \
+      python3 scripts/prof_qgemv.py > "$OUT/ncu.txt" 2>&1
+    python3 scripts/prof_qgemv.py --parse "$OUT/ncu.txt" > "$OUT/ncu-parsed.txt" 2>&1 ) &
+  kc=$!
   step "8B bf16 TP=1: bench batch 1 and 32 (GPU 0)"
-  $B bench -m "$CK/8b-bf16" --prompt-lens 128 --decode-tokens 128 --decode-batch 1,32 --repeats 1 2>/dev/null | tee "$OUT/bench-8b-tp1.json" | tail -1 |
+  $B bench -m "$CK/c8b" --load-format dummy --prompt-lens 128 --decode-tokens 128 --decode-batch 1,32 --repeats 1 2>/dev/null | tee "$OUT/bench-8b-tp1.json" | tail -1 |
     python3 -c 'import json,sys; d=json.load(sys.stdin); print("decode bs1", round(d["decode"]["tokens_per_second"],1), "tok/s;", "batched", [(b["batch"], round(b["tokens_per_second"],1)) for b in d["decode_batched"]])'
+  step "waiting for GPU 1"; wait $kc; tail -30 "$OUT/check-qgemv-8b-rest.txt"; cat "$OUT/ncu-parsed.txt" | tail -40
   step "8B bf16 TP=2 (NCCL): generate batch 1, pipelined and not"
-  for f in "" --no-pipeline; do echo "tp2 $f: $($B generate -m "$CK/8b-bf16" --tp-size 2 -n 256 --ignore-eos -p hello $f 2>&1 | gen_tps)"; done
+  for f in "" --no-pipeline; do echo "tp2 $f: $($B generate -m "$CK/c8b" --load-format dummy --tp-size 2 -n 256 --ignore-eos -p hello $f 2>&1 | gen_tps)"; done
   step "8B bf16 TP=2: server, 1 and 32 streams"
-  serve "$CK/8b-bf16" 8131 --tp-size 2 --parallel 32 --ctx-size 2048 && {
+  serve "$CK/c8b" 8131 --load-format dummy --tp-size 2 --parallel 32 --ctx-size 2048 && {
     srv_bench 8131 32 32 >/dev/null; srv_bench 8131 1; srv_bench 8131 32; echo "$(smi | tr '\n' ' ')"; unserve; }
   step "70B bf16 (dummy) TP=2: generate batch 1"
   $B generate -m "$CK/c70b" --load-format dummy --tp-size 2 -n 128 --ignore-eos -p hello 2>&1 | grep -E "rank [01] |generated:|warmed"
   step "70B bf16 (dummy) TP=2: server, 1 and 32 streams"
   serve "$CK/c70b" 8132 --load-format dummy --tp-size 2 --parallel 32 --ctx-size 2048 && {
     echo "loaded: $(smi | tr '\n' ' ')"; srv_bench 8132 32 16 >/dev/null; srv_bench 8132 1 64; srv_bench 8132 32 64; unserve; }
+  wait $ck; tail -2 "$OUT/ckpt.log"
   ;;
 c)
+  step "run 6: --devices 1,0 (rank 0 on the GPU of bus id 07)"
+  $B generate -m "$CK/c8b" --load-format dummy --tp-size 2 --devices 1,0 -n 64 --ignore-eos -p hi 2>&1 | grep -E "rank [01] |generated:|error"
   step "run 2: tp-parity 8B bf16, TP=2 over NCCL, 256 teacher-forced positions"
   timeout 300 $B tp-parity -m "$CK/8b-bf16" --tp-size 2 --steps 256 2>/dev/null | tee "$OUT/tp-parity-8b.json"
   step "run 2: per-rank memory of 8B TP=2 vs plan vs nvidia-smi"

@@ -465,3 +465,21 @@ fn tp2_pipelined_decode_matches_step_by_step_and_one_process() {
         assert!(!tp.can_pipeline(id), "released seq {id}");
     }
 }
+
+/// Dummy weights under TP: every rank draws the tensors it holds whole (embeddings,
+/// lm_head) alike, so all ranks sample the same tokens in pipelined decode (a rank-seeded
+/// draw gave each rank its own lm_head and failed at the first pipelined token on H200).
+#[test]
+fn dummy_weights_are_replicated_alike_across_ranks() {
+    let _g = serial();
+    let out = mlxcel()
+        .args(["generate", "-m"])
+        .arg(fixture("llama3"))
+        .args(["--load-format", "dummy", "--tp-size", "2", "--tp-emulate"])
+        .args(["-n", "24", "--ignore-eos", "--temperature", "1.0", "-p", "hi"])
+        .output()
+        .unwrap();
+    let all = String::from_utf8_lossy(&out.stdout) + String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{all}");
+    assert!(all.contains("generated: 24 tokens"), "{all}");
+}

@@ -354,7 +354,7 @@ pub enum WeightSource {
     /// Random weights of the right shapes, made on the device from a seed.
     Dummy {
         dtype: Dtype,
-        key: std::cell::RefCell<Array>,
+        seed: u64,
     },
 }
 
@@ -372,11 +372,12 @@ impl WeightSource {
         }))
     }
 
+    /// Random weights from config.json alone. Every block is drawn from its own key, made
+    /// of `seed`, the tensor's name and the block's rows and columns: a tensor every rank
+    /// holds whole (embeddings, `lm_head`) is the same on every rank, as TP needs (each
+    /// rank samples from its own replicated logits).
     pub fn dummy(dtype: Dtype, seed: u64) -> Result<WeightSource, LoadError> {
-        Ok(WeightSource::Dummy {
-            dtype,
-            key: std::cell::RefCell::new(mlx::random::key(seed)?),
-        })
+        Ok(WeightSource::Dummy { dtype, seed })
     }
 
     /// Whether the checkpoint has this tensor (dummy: whether it would make one).
@@ -455,11 +456,8 @@ impl WeightSource {
                 src.bytes_read.set(src.bytes_read.get() + total as u64);
                 Ok(Array::from_bytes(&buf, &dims, e.dtype)?)
             }
-            WeightSource::Dummy { dtype, key } => {
-                let mut k = key.borrow_mut();
-                let mut keys = mlx::random::split(&k, 2)?;
-                let sub = keys.pop().unwrap();
-                *k = keys.pop().unwrap();
+            WeightSource::Dummy { dtype, seed } => {
+                let sub = mlx::random::key(block_seed(*seed, name, &rows, &cols))?;
                 let fan_in = *shape.last().unwrap_or(&1) as f32;
                 let a = match kind {
                     TensorKind::Norm => Array::full(&dims, 1.0, *dtype)?,
@@ -484,6 +482,18 @@ impl WeightSource {
             WeightSource::Dummy { .. } => 0,
         }
     }
+}
+
+/// The key of a dummy block: FNV-1a over the name and the block's bounds, mixed with `seed`.
+fn block_seed(seed: u64, name: &str, rows: &Range<usize>, cols: &Range<usize>) -> u64 {
+    let bounds = [rows.start, rows.end, cols.start, cols.end].map(|b| b as u64);
+    let bytes = name
+        .bytes()
+        .chain(bounds.iter().flat_map(|b| b.to_le_bytes()));
+    let h = bytes.fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
+    });
+    h ^ seed.wrapping_mul(0x9e37_79b9_7f4a_7c15)
 }
 
 #[cfg(test)]
@@ -564,5 +574,28 @@ mod tests {
         let e = src.load("w", &[6, 9], TensorKind::Float).unwrap_err();
         assert!(e.to_string().contains("a.safetensors"), "{e}");
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn dummy_blocks_depend_on_name_and_bounds_not_on_the_source() {
+        // two sources stand for two ranks: a tensor both hold whole must be equal
+        let (a, b) = (
+            WeightSource::dummy(Dtype::F32, 0).unwrap(),
+            WeightSource::dummy(Dtype::F32, 0).unwrap(),
+        );
+        let load = |s: &WeightSource, name: &str, rows: Range<usize>| -> Vec<f32> {
+            s.load_block(name, &[8, 4], Some(rows), None, TensorKind::Float)
+                .unwrap()
+                .to_vec()
+                .unwrap()
+        };
+        let whole = load(&a, "lm_head.weight", 0..8);
+        load(&a, "model.embed_tokens.weight", 0..8); // draws in between change nothing
+        assert_eq!(whole, load(&b, "lm_head.weight", 0..8));
+        assert_ne!(whole, load(&a, "model.embed_tokens.weight", 0..8));
+        // two ranks' blocks of a split tensor differ
+        assert_ne!(load(&a, "w", 0..4), load(&b, "w", 4..8));
+        let other_seed = WeightSource::dummy(Dtype::F32, 1).unwrap();
+        assert_ne!(whole, load(&other_seed, "lm_head.weight", 0..8));
     }
 }

@@ -95,7 +95,7 @@ fn serve(args: &RankArgs, rank: usize, dir: &ModelDir, chan: &mut RankChannel) -
     let t0 = Instant::now();
     let src = match args.load_format {
         LoadFormat::Safetensors => WeightSource::from_dir(dir)?,
-        LoadFormat::Dummy => WeightSource::dummy(cfg.dtype, rank as u64)?,
+        LoadFormat::Dummy => WeightSource::dummy(cfg.dtype, 0)?,
     };
     let model = Transformer::load_shard(&cfg, &src, &plan, Some(Rc::new(group)), |_, _| {})?;
     let load_seconds = t0.elapsed().as_secs_f64();
