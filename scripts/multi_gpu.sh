@@ -6,6 +6,8 @@
 #                                 # checkpoints and runs the 70B kernel check on GPU 1 meanwhile
 #   bash scripts/multi_gpu.sh b   # decode tok/s at batch 1 and 32: 8B TP=1/2, 70B TP=2
 #   bash scripts/multi_gpu.sh c   # teacher-forced parity 8B TP=2, 15B real-file load at TP=2
+#   bash scripts/multi_gpu.sh d   # 8B checkpoint; Nsight kernel times on GPU 1 meanwhile
+#   bash scripts/multi_gpu.sh e   # TP=2 pipelined vs step-by-step decode; parity against float32
 # MLXCEL / MLXCEL_SERVER: binaries (default .gpu/bin); OUT: results; WHEELS: the openai
 # client's wheels (default .gpu/wheels). nvidia-smi memory is sampled every second into
 # $OUT/smi-<call>.csv; `mark` lines in the log give the phases' times.
@@ -118,6 +120,25 @@ c)
   sync; echo 3 > /proc/sys/vm/drop_caches 2>/dev/null || echo "(page cache not dropped)"
   $B plan -m "$CK/15b-bf16" --tp-size 2 2>&1 | tail -4
   $B generate -m "$CK/15b-bf16" --tp-size 2 -n 64 --ignore-eos -p hello 2>&1 | grep -E "rank [01] |generated:"
+  ;;
+d)
+  step "8B checkpoint (GPU 0) while Nsight times the 4-bit/8-bit GEMVs on GPU 1 (mlxcel's launch shapes)"
+  ( [ -f "$CK/8b-bf16/config.json" ] || CUDA_VISIBLE_DEVICES=0 python3 scripts/make_random_checkpoint.py --shape llama3-8b --out "$CK/8b-bf16" --tokenizer-from "$TOK" ) > "$OUT/ckpt.log" 2>&1 &
+  ck=$!
+  CUDA_VISIBLE_DEVICES=1 timeout ${NCU_S:-400} ncu --clock-control none --metrics gpu__time_duration.sum -k regex:'qgemv|qmv' \
+    python3 scripts/prof_qgemv.py --defaults > "$OUT/ncu.txt" 2>&1; echo "ncu exit $?"
+  python3 scripts/prof_qgemv.py --parse "$OUT/ncu.txt" | tee "$OUT/ncu-parsed.txt"
+  wait $ck; tail -1 "$OUT/ckpt.log"
+  ;;
+e)
+  step "TP=2 decode, pipelined vs step by step, alternated (nothing else running)"
+  for m in c8b c70b; do for r in 1 2; do for f in "" --no-pipeline; do
+    echo "$m run $r ${f:-pipelined}: $($B generate -m "$CK/$m" --load-format dummy --tp-size 2 -n 128 --ignore-eos -p hello $f 2>&1 | gen_tps)"
+  done; done; done
+  step "TP=2 8B decode without MLX's CUDA graphs (does each NCCL call cut the graph?)"
+  for r in 1 2; do echo "c8b MLX_USE_CUDA_GRAPHS=0 run $r: $(MLX_USE_CUDA_GRAPHS=0 $B generate -m "$CK/c8b" --load-format dummy --tp-size 2 -n 128 --ignore-eos -p hello 2>&1 | gen_tps)"; done
+  step "run 2: tp-parity 8B bf16 TP=2 with a float32 reference (how far each run is from exact math)"
+  timeout 300 $B tp-parity -m "$CK/8b-bf16" --tp-size 2 --steps 256 --f32-reference 2>/dev/null | tee "$OUT/tp-parity-8b-f32.json"
   ;;
 esac
 mark "end"

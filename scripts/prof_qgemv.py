@@ -7,6 +7,7 @@ timing from Python measures MLX's per-op host overhead as much as the kernel):
         -k regex:'qgemv|qmv' python3 scripts/prof_qgemv.py > ncu.txt
     python3 scripts/prof_qgemv.py --parse ncu.txt
 
+`--defaults` launches only the shape mlxcel picks for each case (fast);
 `MLXCEL_QGEMV_SOURCE=path` times another version of the kernel file (the same
 variable mlxcel reads). 4-bit launches run twice: float math and int8 activations (XQ).
 Kernel names carry the template values: ..._M_N_K_G_BITS_ROWS_WPB_EPI_NORM_EPS_XQ.
@@ -16,6 +17,8 @@ import pathlib
 import re
 import sys
 
+# --defaults: time only mlxcel's own launch shape per case (a few compiles, not hundreds)
+DEFAULTS = "--defaults" in sys.argv[1:]
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
 
 
@@ -29,7 +32,9 @@ def launch():
             wq, s, b = c.quantized(n, kk, 64, bits, 0)
             for m in (1, 2, 4, 8):
                 x = mx.random.normal((m, kk)).astype(mx.bfloat16)
-                if bits == 8 or m > 1:
+                if DEFAULTS:  # only the launch shape mlxcel picks (launch_config)
+                    cfgs = [(None, None)]
+                elif bits == 8 or m > 1:
                     cfgs = [(2, 2), (4, 2), (4, 4)]
                 else:
                     cfgs = [(r, w) for r in (1, 2, 4) for w in (1, 2, 4, 8)]

@@ -367,6 +367,7 @@ fn tp_parity_command_reports_agreement_and_cosine() {
             "40",
             "--chunk",
             "8",
+            "--f32-reference",
         ])
         .output()
         .unwrap();
@@ -381,6 +382,10 @@ fn tp_parity_command_reports_agreement_and_cosine() {
     assert_eq!(v["top1_agreement"], 1.0);
     assert!(v["cosine_min"].as_f64().unwrap() > 0.99999, "{v}");
     assert!(v["logits_max_abs_diff"].as_f64().unwrap() < 1e-4, "{v}");
+    // an f32 model cast to f32 is the same model: the reference is the one-process run
+    let r = &v["f32_reference"];
+    assert_eq!(r["one_process"]["logits_max_abs_diff"], 0.0, "{v}");
+    assert_eq!(r["tp"]["logits_max_abs_diff"], v["logits_max_abs_diff"], "{v}");
 }
 
 /// Pipelined decode over ranks (every rank samples, feeding its own tokens to the
@@ -476,7 +481,7 @@ fn dummy_weights_are_replicated_alike_across_ranks() {
         .args(["generate", "-m"])
         .arg(fixture("llama3"))
         .args(["--load-format", "dummy", "--tp-size", "2", "--tp-emulate"])
-        .args(["-n", "24", "--ignore-eos", "--temperature", "1.0", "-p", "hi"])
+        .args(["-n", "24", "--ignore-eos", "--temp", "1.0", "-p", "hi"])
         .output()
         .unwrap();
     let all = String::from_utf8_lossy(&out.stdout) + String::from_utf8_lossy(&out.stderr);

@@ -5,13 +5,14 @@
 //!
 //! The single-process side runs in this process on the default device (it needs the
 //! whole model's memory there); the TP side runs the usual rank processes.
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use clap::Args;
 use rand::{Rng, SeedableRng};
 use serde_json::json;
 
 use super::generate::{load_weights, open_model, ModelArgs, TpArgs};
 use crate::engine::step::{Executor, LocalExecutor, SeqStart, SeqStep, StepPlan};
+use crate::mlx::Dtype;
 use crate::parallel::driver::TpExecutor;
 
 #[derive(Debug, Args)]
@@ -28,6 +29,27 @@ pub struct TpParityArgs {
     pub chunk: usize,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Also run one process with every weight cast to float32 and compare both runs with it:
+    /// how far the TP run is from exact math next to how far the one-process run is.
+    #[arg(long)]
+    pub f32_reference: bool,
+}
+
+/// Top-1 agreement, cosine (min, mean) and max-abs difference of two runs' logits.
+fn compare(a: &[Vec<f32>], b: &[Vec<f32>]) -> serde_json::Value {
+    let n = a.len().min(b.len());
+    let agree = (0..n).filter(|&i| argmax(&a[i]) == argmax(&b[i])).count();
+    let cos: Vec<f64> = (0..n).map(|i| cosine(&a[i], &b[i])).collect();
+    let max_abs = (0..n)
+        .flat_map(|i| a[i].iter().zip(&b[i]).map(|(x, y)| (x - y).abs()))
+        .fold(0f32, f32::max);
+    json!({
+        "positions": n,
+        "top1_agreement": agree as f64 / n.max(1) as f64,
+        "cosine_min": cos.iter().cloned().fold(f64::MAX, f64::min),
+        "cosine_mean": cos.iter().sum::<f64>() / n.max(1) as f64,
+        "logits_max_abs_diff": max_abs,
+    })
 }
 
 /// Every position's logits for `tokens`, `chunk` positions per step.
@@ -102,30 +124,25 @@ pub fn run(args: &TpParityArgs) -> Result<()> {
         let mut local = LocalExecutor::new(model, 1, m.ctx_size);
         all_logits(&mut local, &tokens, args.chunk)?
     };
-    let n = one_logits.len().min(tp_logits.len());
-    let agree = (0..n)
-        .filter(|&i| argmax(&one_logits[i]) == argmax(&tp_logits[i]))
-        .count();
-    let cos: Vec<f64> = (0..n)
-        .map(|i| cosine(&one_logits[i], &tp_logits[i]))
-        .collect();
-    let max_abs = (0..n)
-        .flat_map(|i| {
-            one_logits[i]
-                .iter()
-                .zip(&tp_logits[i])
-                .map(|(a, b)| (a - b).abs())
-        })
-        .fold(0f32, f32::max);
-    let out = json!({
+    let mut out = json!({
         "model": m.dir.root.display().to_string(),
         "tp_size": args.tp.tp_size,
-        "positions": n,
-        "top1_agreement": agree as f64 / n.max(1) as f64,
-        "cosine_min": cos.iter().cloned().fold(f64::MAX, f64::min),
-        "cosine_mean": cos.iter().sum::<f64>() / n.max(1) as f64,
-        "logits_max_abs_diff": max_abs,
     });
+    let fields = compare(&one_logits, &tp_logits);
+    for (k, v) in fields.as_object().into_iter().flatten() {
+        out[k] = v.clone();
+    }
+    if args.f32_reference {
+        let model = crate::models::load_as(&m.dir, args.model.load_format, Some(Dtype::F32), |_, _| {})
+            .with_context(|| format!("loading {} as float32", m.dir.root.display()))?
+            .model;
+        let mut local = LocalExecutor::new(model, 1, m.ctx_size);
+        let exact = all_logits(&mut local, &tokens, args.chunk)?;
+        out["f32_reference"] = json!({
+            "tp": compare(&exact, &tp_logits),
+            "one_process": compare(&exact, &one_logits),
+        });
+    }
     println!("{}", serde_json::to_string(&out)?);
     Ok(())
 }

@@ -57,11 +57,26 @@ pub fn load(
     format: LoadFormat,
     progress: impl FnMut(usize, usize),
 ) -> Result<Loaded, ModelError> {
+    load_as(dir, format, None, progress)
+}
+
+/// [`load`], with every float weight cast to `dtype` when given (the model then computes
+/// in it: activations and KV cache take the weights' dtype).
+pub fn load_as(
+    dir: &ModelDir,
+    format: LoadFormat,
+    dtype: Option<crate::mlx::Dtype>,
+    progress: impl FnMut(usize, usize),
+) -> Result<Loaded, ModelError> {
     let cfg = read_config(dir)?;
     let t0 = std::time::Instant::now();
     let src = match format {
         LoadFormat::Safetensors => WeightSource::from_dir(dir)?,
         LoadFormat::Dummy => WeightSource::dummy(cfg.dtype, 0)?,
+    };
+    let src = match dtype {
+        Some(d) => src.cast(d),
+        None => src,
     };
     let model = Transformer::load(&cfg, &src, progress)?;
     Ok(Loaded {

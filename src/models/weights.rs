@@ -356,6 +356,11 @@ pub enum WeightSource {
         dtype: Dtype,
         seed: u64,
     },
+    /// Another source with every float tensor cast to `dtype` (packed weights as they are).
+    Cast {
+        inner: Box<WeightSource>,
+        dtype: Dtype,
+    },
 }
 
 impl WeightSource {
@@ -380,11 +385,20 @@ impl WeightSource {
         Ok(WeightSource::Dummy { dtype, seed })
     }
 
+    /// This source with its float tensors cast to `dtype` (e.g. an f32 reference of a bf16 model).
+    pub fn cast(self, dtype: Dtype) -> WeightSource {
+        WeightSource::Cast {
+            inner: Box::new(self),
+            dtype,
+        }
+    }
+
     /// Whether the checkpoint has this tensor (dummy: whether it would make one).
     pub fn contains(&self, name: &str) -> bool {
         match self {
             WeightSource::Files(s) => s.contains(name),
             WeightSource::Dummy { .. } => true,
+            WeightSource::Cast { inner, .. } => inner.contains(name),
         }
     }
 
@@ -472,6 +486,13 @@ impl WeightSource {
                 };
                 Ok(a)
             }
+            WeightSource::Cast { inner, dtype } => {
+                let a = inner.load_block(name, shape, Some(rows), Some(cols), kind)?;
+                match kind {
+                    TensorKind::Packed => Ok(a),
+                    _ => Ok(a.astype(*dtype)?),
+                }
+            }
         }
     }
 
@@ -480,6 +501,7 @@ impl WeightSource {
         match self {
             WeightSource::Files(s) => s.bytes_read(),
             WeightSource::Dummy { .. } => 0,
+            WeightSource::Cast { inner, .. } => inner.bytes_read(),
         }
     }
 }
@@ -597,5 +619,21 @@ mod tests {
         assert_ne!(load(&a, "w", 0..4), load(&b, "w", 4..8));
         let other_seed = WeightSource::dummy(Dtype::F32, 1).unwrap();
         assert_ne!(whole, load(&other_seed, "lm_head.weight", 0..8));
+    }
+
+    #[test]
+    fn cast_source_converts_float_tensors_only() {
+        let src = WeightSource::dummy(Dtype::BF16, 3).unwrap();
+        let plain = src.load("w", &[4, 8], TensorKind::Float).unwrap();
+        let packed = src.load("q", &[4, 2], TensorKind::Packed).unwrap();
+        let cast = WeightSource::dummy(Dtype::BF16, 3).unwrap().cast(Dtype::F32);
+        let w = cast.load("w", &[4, 8], TensorKind::Float).unwrap();
+        assert_eq!((plain.dtype(), w.dtype()), (Dtype::BF16, Dtype::F32));
+        let exact: Vec<f32> = plain.astype(Dtype::F32).unwrap().to_vec().unwrap();
+        assert_eq!(w.to_vec::<f32>().unwrap(), exact, "the same values, widened");
+        let q = cast.load("q", &[4, 2], TensorKind::Packed).unwrap();
+        assert_eq!(q.dtype(), Dtype::U32);
+        assert_eq!(q.to_vec::<u32>().unwrap(), packed.to_vec::<u32>().unwrap());
+        assert!(cast.contains("anything") && cast.bytes_read() == 0);
     }
 }
