@@ -8,6 +8,7 @@
 #   bash scripts/multi_gpu.sh c   # teacher-forced parity 8B TP=2, 15B real-file load at TP=2
 #   bash scripts/multi_gpu.sh d   # 8B checkpoint; Nsight kernel times on GPU 1 meanwhile
 #   bash scripts/multi_gpu.sh e   # TP=2 pipelined vs step-by-step decode; parity against float32
+#   bash scripts/multi_gpu.sh f   # fixtures over NCCL; 4-bit TP=2; TP=2 servers at 1 and 32 streams
 # MLXCEL / MLXCEL_SERVER: binaries (default .gpu/bin); OUT: results; WHEELS: the openai
 # client's wheels (default .gpu/wheels). nvidia-smi memory is sampled every second into
 # $OUT/smi-<call>.csv; `mark` lines in the log give the phases' times.
@@ -139,6 +140,26 @@ e)
   for r in 1 2; do echo "c8b MLX_USE_CUDA_GRAPHS=0 run $r: $(MLX_USE_CUDA_GRAPHS=0 $B generate -m "$CK/c8b" --load-format dummy --tp-size 2 -n 128 --ignore-eos -p hello 2>&1 | gen_tps)"; done
   step "run 2: tp-parity 8B bf16 TP=2 with a float32 reference (how far each run is from exact math)"
   timeout 300 $B tp-parity -m "$CK/8b-bf16" --tp-size 2 --steps 256 --f32-reference 2>/dev/null | tee "$OUT/tp-parity-8b-f32.json"
+  ;;
+f)
+  step "fixtures over NCCL, TP=2 (every family, fused kernels on)"
+  timeout 150 python3 scripts/check_fixtures.py $B -n 12 --prompts 1 --tp-size 2 2>&1 | tail -9
+  python3 - "$CK" <<'PY'
+import json, os, shutil, sys
+ck = sys.argv[1]; src, dst = f"{ck}/c8b", f"{ck}/c8b-q4"
+os.makedirs(dst, exist_ok=True)
+for f in os.listdir(src): shutil.copy(f"{src}/{f}", dst)
+c = json.load(open(f"{dst}/config.json")); c["quantization"] = {"group_size": 64, "bits": 4}
+json.dump(c, open(f"{dst}/config.json", "w"))
+PY
+  step "8B 4-bit (dummy) TP=1 vs TP=2 decode, batch 1"
+  $B generate -m "$CK/c8b-q4" --load-format dummy -n 256 --ignore-eos -p hello 2>&1 | gen_tps
+  for r in 1 2; do $B generate -m "$CK/c8b-q4" --load-format dummy --tp-size 2 -n 256 --ignore-eos -p hello 2>&1 | gen_tps; done
+  step "servers at TP=2, 1 and 32 streams, nothing else running"
+  for m in c8b c70b; do
+    serve "$CK/$m" 8134 --load-format dummy --tp-size 2 --parallel 32 --ctx-size 2048 >/dev/null && {
+      srv_bench 8134 32 16 >/dev/null; echo "$m:"; srv_bench 8134 1 64; srv_bench 8134 32 64; unserve >/dev/null; }
+  done
   ;;
 esac
 mark "end"
