@@ -488,3 +488,28 @@ fn dummy_weights_are_replicated_alike_across_ranks() {
     assert!(out.status.success(), "{all}");
     assert!(all.contains("generated: 24 tokens"), "{all}");
 }
+
+/// One rank over ring (`--tp-size 1 --tp-emulate`): MLX's ring backend cannot form a group
+/// of one, so the rank runs without a group; greedy text equals the single process's.
+#[test]
+fn one_rank_over_ring_runs_and_matches_one_process() {
+    let _g = serial();
+    let run = |extra: &[&str]| {
+        let out = mlxcel()
+            .args(["generate", "-m"])
+            .arg(fixture("llama3"))
+            .args(["-n", "16", "--ignore-eos", "--temp", "0", "-p", "hello", "--json"])
+            .args(extra)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(out.status.success(), "{extra:?}: {err}");
+        let v: Value =
+            serde_json::from_str(String::from_utf8_lossy(&out.stdout).lines().last().unwrap())
+                .unwrap();
+        v["text"].as_str().unwrap().to_string()
+    };
+    let one = run(&[]);
+    assert!(!one.is_empty());
+    assert_eq!(run(&["--tp-size", "1", "--tp-emulate"]), one);
+}

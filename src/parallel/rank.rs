@@ -80,16 +80,23 @@ fn serve(args: &RankArgs, rank: usize, dir: &ModelDir, chan: &mut RankChannel) -
             mlx::memory::set_limit(limit);
         }
     }
-    let group = mlx::distributed::init(args.backend, true)
-        .with_context(|| format!("joining the {} group as rank {rank}", args.backend))?;
-    group.expect_size(args.tp_size as i32)?;
-    if group.rank() as usize != rank {
-        bail!(
-            "the {} group gave rank {} to MLX_RANK={rank}",
-            args.backend,
-            group.rank()
-        );
-    }
+    // MLX's ring backend cannot form a group of one (it waits for a peer that never
+    // comes); one rank needs no collective, so it runs without a group
+    let group = if args.tp_size == 1 && args.backend == GroupBackend::Ring {
+        None
+    } else {
+        let group = mlx::distributed::init(args.backend, true)
+            .with_context(|| format!("joining the {} group as rank {rank}", args.backend))?;
+        group.expect_size(args.tp_size as i32)?;
+        if group.rank() as usize != rank {
+            bail!(
+                "the {} group gave rank {} to MLX_RANK={rank}",
+                args.backend,
+                group.rank()
+            );
+        }
+        Some(Rc::new(group))
+    };
     let cfg = models::read_config(dir)?;
     let plan = shard::plan(&cfg, args.tp_size, rank)?;
     let t0 = Instant::now();
@@ -97,7 +104,7 @@ fn serve(args: &RankArgs, rank: usize, dir: &ModelDir, chan: &mut RankChannel) -
         LoadFormat::Safetensors => WeightSource::from_dir(dir)?,
         LoadFormat::Dummy => WeightSource::dummy(cfg.dtype, 0)?,
     };
-    let model = Transformer::load_shard(&cfg, &src, &plan, Some(Rc::new(group)), |_, _| {})?;
+    let model = Transformer::load_shard(&cfg, &src, &plan, group, |_, _| {})?;
     let load_seconds = t0.elapsed().as_secs_f64();
     let bytes_read = src.bytes_read();
     let report = RankReport {
