@@ -385,7 +385,10 @@ fn tp_parity_command_reports_agreement_and_cosine() {
     // an f32 model cast to f32 is the same model: the reference is the one-process run
     let r = &v["f32_reference"];
     assert_eq!(r["one_process"]["logits_max_abs_diff"], 0.0, "{v}");
-    assert_eq!(r["tp"]["logits_max_abs_diff"], v["logits_max_abs_diff"], "{v}");
+    assert_eq!(
+        r["tp"]["logits_max_abs_diff"], v["logits_max_abs_diff"],
+        "{v}"
+    );
 }
 
 /// Pipelined decode over ranks (every rank samples, feeding its own tokens to the
@@ -498,7 +501,16 @@ fn one_rank_over_ring_runs_and_matches_one_process() {
         let out = mlxcel()
             .args(["generate", "-m"])
             .arg(fixture("llama3"))
-            .args(["-n", "16", "--ignore-eos", "--temp", "0", "-p", "hello", "--json"])
+            .args([
+                "-n",
+                "16",
+                "--ignore-eos",
+                "--temp",
+                "0",
+                "-p",
+                "hello",
+                "--json",
+            ])
             .args(extra)
             .output()
             .unwrap();

@@ -133,9 +133,10 @@ pub fn run(args: &TpParityArgs) -> Result<()> {
         out[k] = v.clone();
     }
     if args.f32_reference {
-        let model = crate::models::load_as(&m.dir, args.model.load_format, Some(Dtype::F32), |_, _| {})
-            .with_context(|| format!("loading {} as float32", m.dir.root.display()))?
-            .model;
+        let model =
+            crate::models::load_as(&m.dir, args.model.load_format, Some(Dtype::F32), |_, _| {})
+                .with_context(|| format!("loading {} as float32", m.dir.root.display()))?
+                .model;
         let mut local = LocalExecutor::new(model, 1, m.ctx_size);
         let exact = all_logits(&mut local, &tokens, args.chunk)?;
         out["f32_reference"] = json!({

@@ -626,11 +626,17 @@ mod tests {
         let src = WeightSource::dummy(Dtype::BF16, 3).unwrap();
         let plain = src.load("w", &[4, 8], TensorKind::Float).unwrap();
         let packed = src.load("q", &[4, 2], TensorKind::Packed).unwrap();
-        let cast = WeightSource::dummy(Dtype::BF16, 3).unwrap().cast(Dtype::F32);
+        let cast = WeightSource::dummy(Dtype::BF16, 3)
+            .unwrap()
+            .cast(Dtype::F32);
         let w = cast.load("w", &[4, 8], TensorKind::Float).unwrap();
         assert_eq!((plain.dtype(), w.dtype()), (Dtype::BF16, Dtype::F32));
         let exact: Vec<f32> = plain.astype(Dtype::F32).unwrap().to_vec().unwrap();
-        assert_eq!(w.to_vec::<f32>().unwrap(), exact, "the same values, widened");
+        assert_eq!(
+            w.to_vec::<f32>().unwrap(),
+            exact,
+            "the same values, widened"
+        );
         let q = cast.load("q", &[4, 2], TensorKind::Packed).unwrap();
         assert_eq!(q.dtype(), Dtype::U32);
         assert_eq!(q.to_vec::<u32>().unwrap(), packed.to_vec::<u32>().unwrap());
