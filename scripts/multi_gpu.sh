@@ -9,6 +9,7 @@
 #   bash scripts/multi_gpu.sh d   # 8B checkpoint; Nsight kernel times on GPU 1 meanwhile
 #   bash scripts/multi_gpu.sh e   # TP=2 pipelined vs step-by-step decode; parity against float32
 #   bash scripts/multi_gpu.sh f   # fixtures over NCCL; 4-bit TP=2; TP=2 servers at 1 and 32 streams
+#   bash scripts/multi_gpu.sh g   # (next) TP=2 step overhead: MLX graph settings, rank 0's host stacks
 # MLXCEL / MLXCEL_SERVER: binaries (default .gpu/bin); OUT: results; WHEELS: the openai
 # client's wheels (default .gpu/wheels). nvidia-smi memory is sampled every second into
 # $OUT/smi-<call>.csv; `mark` lines in the log give the phases' times.
@@ -160,6 +161,26 @@ PY
     serve "$CK/$m" 8134 --load-format dummy --tp-size 2 --parallel 32 --ctx-size 2048 >/dev/null && {
       srv_bench 8134 32 16 >/dev/null; echo "$m:"; srv_bench 8134 1 64; srv_bench 8134 32 64; unserve >/dev/null; }
   done
+  ;;
+g)
+  # not yet run: where a TP=2 decode step's ~7 ms go (8B: TP=1 takes 3-5 ms)
+  step "TP=2 8B decode under MLX's CUDA-graph settings (ranks inherit the environment)"
+  for e in "X=1" "MLX_USE_CUDA_GRAPHS=0" "MLX_MAX_OPS_PER_BUFFER=30 MLX_MAX_MB_PER_BUFFER=400" \
+           "MLX_MAX_OPS_PER_BUFFER=500 MLX_MAX_MB_PER_BUFFER=8000"; do for r in 1 2; do
+    echo "[$e] run $r: $(env $e $B generate -m "$CK/c8b" --load-format dummy --tp-size 2 -n 256 --ignore-eos -p hello 2>&1 | gen_tps)"
+  done; done
+  step "host stacks of rank 0 during TP=2 decode (gdb samples; scripts/fold_stacks.py)"
+  $B generate -m "$CK/c8b" --load-format dummy --tp-size 2 -n 100000 --ignore-eos -p hello > "$OUT/g-run.log" 2>&1 &
+  g=$!
+  for _ in $(seq 60); do grep -q "rank 0 (pid" "$OUT/g-run.log" && break; sleep 1; done
+  rpid=$(grep -o "rank 0 (pid [0-9]*" "$OUT/g-run.log" | head -1 | grep -o "[0-9]*$")
+  GDB=$(command -v gdb || command -v cuda-gdb-minimal || command -v cuda-gdb || echo /usr/local/cuda/bin/cuda-gdb)
+  sleep 5
+  for i in $(seq ${SAMPLES:-24}); do echo "=== sample $i"
+    timeout 20 "$GDB" -p "$rpid" -batch -nx -ex "set pagination off" -ex "thread apply all bt 40" 2>/dev/null | grep -E "^(#|Thread)"
+    sleep 0.2; done > "$OUT/tp-rank0-stacks.txt"
+  kill $g; wait $g 2>/dev/null
+  python3 scripts/fold_stacks.py "$OUT/tp-rank0-stacks.txt" | head -40
   ;;
 esac
 mark "end"
