@@ -349,6 +349,17 @@ fn bad_splits_are_refused_before_spawning() {
     );
     let e = generate_err(&["-m", m, "--tp-size", "2", "--tp-emulate", "--devices", "0"]);
     assert!(e.contains("--devices"), "{e}");
+    // tp-parity of dummy weights would compare two different models
+    let out = mlxcel()
+        .args(["tp-parity", "-m", m, "--tp-size", "2", "--tp-emulate"])
+        .args(["--load-format", "dummy"])
+        .output()
+        .unwrap();
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && e.contains("--load-format dummy"),
+        "{e}"
+    );
 }
 
 #[test]

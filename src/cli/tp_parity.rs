@@ -13,6 +13,7 @@ use serde_json::json;
 use super::generate::{load_weights, open_model, ModelArgs, TpArgs};
 use crate::engine::step::{Executor, LocalExecutor, SeqStart, SeqStep, StepPlan};
 use crate::mlx::Dtype;
+use crate::models::LoadFormat;
 use crate::parallel::driver::TpExecutor;
 
 #[derive(Debug, Args)]
@@ -97,6 +98,12 @@ fn cosine(a: &[f32], b: &[f32]) -> f64 {
 pub fn run(args: &TpParityArgs) -> Result<()> {
     if !args.tp.uses_ranks() {
         bail!("tp-parity compares a --tp-size N run (N > 1, or --tp-backend) with one process: give --tp-size");
+    }
+    if args.model.load_format == LoadFormat::Dummy {
+        bail!(
+            "tp-parity needs checkpoint weights, not --load-format dummy: a rank draws its own \
+             blocks of the split tensors, so the two runs would be different models"
+        );
     }
     let m = open_model(&args.model)?;
     if args.steps + 1 > m.ctx_size {
