@@ -164,9 +164,12 @@ PY
   ;;
 g)
   # not yet run: where a TP=2 decode step's ~7 ms go (8B: TP=1 takes 3-5 ms)
-  step "TP=2 8B decode under MLX's CUDA-graph settings (ranks inherit the environment)"
+  # MLX captures each ncclAllReduce into its CUDA graph (a child graph when NCCL records more
+  # than one node); NCCL may register each new buffer with its peers at capture
+  step "TP=2 8B decode under MLX's CUDA-graph and NCCL settings (ranks inherit the environment)"
   for e in "X=1" "MLX_USE_CUDA_GRAPHS=0" "MLX_MAX_OPS_PER_BUFFER=30 MLX_MAX_MB_PER_BUFFER=400" \
-           "MLX_MAX_OPS_PER_BUFFER=500 MLX_MAX_MB_PER_BUFFER=8000"; do for r in 1 2; do
+           "MLX_MAX_OPS_PER_BUFFER=500 MLX_MAX_MB_PER_BUFFER=8000" \
+           "NCCL_GRAPH_REGISTER=0" "NCCL_PROTO=LL"; do for r in 1 2; do
     echo "[$e] run $r: $(env $e $B generate -m "$CK/c8b" --load-format dummy --tp-size 2 -n 256 --ignore-eos -p hello 2>&1 | gen_tps)"
   done; done
   step "host stacks of rank 0 during TP=2 decode (gdb samples; scripts/fold_stacks.py)"
