@@ -163,7 +163,7 @@ PY
   done
   ;;
 g)
-  # not yet run: where a TP=2 decode step's ~7 ms go (8B: TP=1 takes 3-5 ms)
+  # not yet run: where a TP=2 decode step's 5-8 ms go (8B: TP=1 takes 3-5 ms)
   # MLX captures each ncclAllReduce into its CUDA graph (a child graph when NCCL records more
   # than one node); NCCL may register each new buffer with its peers at capture
   step "TP=2 8B decode under MLX's CUDA-graph and NCCL settings (ranks inherit the environment)"
