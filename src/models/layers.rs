@@ -9,7 +9,7 @@ use crate::mlx::qgemv::Epilogue;
 use crate::mlx::{self, fast, Array, Dtype};
 
 use super::config::{ModelConfig, QuantConfig};
-use super::weights::{LoadError, TensorKind, WeightSource};
+use super::weights::{LoadError, RowBlock, TensorKind, WeightSource};
 
 pub type Result<T> = std::result::Result<T, LoadError>;
 
@@ -118,70 +118,70 @@ impl Linear {
         })
     }
 
-    /// One linear computing the given column-parallel (or full) linears side by side: their
-    /// weights (and scales/biases when quantized, and output biases) concatenated along the
-    /// output axis, so one matmul replaces several; callers split the output. All parts must
-    /// share the input, the kind (dense or the same quantization) and have no reduction.
-    pub fn merge(parts: Vec<Linear>) -> mlx::Result<Linear> {
-        let cat = |xs: Vec<&Array>| mlx::concatenate(&xs, 0);
-        if parts.iter().any(|p| p.reduce.is_some()) {
-            return Err(mlx::MlxError::Invalid(
-                "Linear::merge: row-parallel parts cannot be merged".into(),
-            ));
-        }
-        let bias = if parts.iter().all(|p| p.bias.is_some()) {
-            Some(cat(parts.iter().filter_map(|p| p.bias.as_ref()).collect())?)
-        } else if parts.iter().all(|p| p.bias.is_none()) {
-            None
-        } else {
-            return Err(mlx::MlxError::Invalid(
-                "Linear::merge: some parts have a bias and some do not".into(),
-            ));
-        };
-        let weight = match &parts[0].weight {
-            Weight::Dense(_) => {
-                let ws: mlx::Result<Vec<&Array>> = parts
-                    .iter()
-                    .map(|p| match &p.weight {
-                        Weight::Dense(w) => Ok(w),
-                        _ => Err(mlx::MlxError::Invalid(
-                            "Linear::merge: mixed dense and quantized parts".into(),
-                        )),
-                    })
-                    .collect();
-                Weight::Dense(cat(ws?)?)
-            }
-            Weight::Quantized { q, .. } => {
-                let q = *q;
-                let mut w = Vec::new();
-                let mut sc = Vec::new();
-                let mut bi = Vec::new();
-                for p in &parts {
-                    match &p.weight {
-                        Weight::Quantized {
-                            w: pw,
-                            scales,
-                            biases,
-                            q: pq,
-                        } if *pq == q => {
-                            w.push(pw);
-                            sc.push(scales);
-                            bi.push(biases);
-                        }
-                        _ => {
-                            return Err(mlx::MlxError::Invalid(
-                                "Linear::merge: parts quantized differently".into(),
-                            ))
-                        }
-                    }
+    /// One linear computing several column-parallel (or full) linears side by side, so one
+    /// matmul replaces several; callers split the output. `parts` are `(prefix, out_dim,
+    /// shard)` with the same input, bias and quantization. Their weights (and scales/biases
+    /// when quantized, and output biases) are stacked along the output axis as they are
+    /// read, not concatenated afterwards.
+    pub fn load_merged(
+        src: &WeightSource,
+        parts: &[(&str, usize, Shard)],
+        in_dim: usize,
+        bias: bool,
+        quant: Option<QuantConfig>,
+    ) -> Result<Linear> {
+        let mut rows = Vec::with_capacity(parts.len());
+        for (prefix, _, shard) in parts {
+            rows.push(match shard {
+                Shard::Full => None,
+                Shard::Column(r) => Some(r.clone()),
+                Shard::Row(..) => {
+                    return Err(LoadError::Mlx(mlx::MlxError::Invalid(format!(
+                        "Linear::load_merged: {prefix} is row-parallel; only column-parallel \
+                         or whole linears can be merged"
+                    ))))
                 }
+            });
+        }
+        // the rows of tensor `suffix` of every part, shape [out_dim, width] (or [out_dim])
+        let stacked = |suffix: &str, width: Option<usize>, kind: TensorKind| {
+            let specs: Vec<RowBlock> = parts
+                .iter()
+                .zip(&rows)
+                .map(|((prefix, out, _), r)| {
+                    let shape = std::iter::once(*out).chain(width).collect();
+                    (format!("{prefix}.{suffix}"), shape, r.clone())
+                })
+                .collect();
+            src.load_concat(&specs, kind)
+        };
+        let bias = match bias {
+            true => Some(stacked("bias", None, TensorKind::Float)?),
+            false => None,
+        };
+        let quantized = parts
+            .iter()
+            .filter(|(prefix, ..)| src.contains(&format!("{prefix}.scales")))
+            .count();
+        let weight = match quant {
+            Some(q) if quantized == parts.len() => {
+                let (bits, g) = (q.bits as usize, q.group_size as usize);
                 Weight::Quantized {
-                    w: cat(w)?,
-                    scales: cat(sc)?,
-                    biases: cat(bi)?,
+                    w: stacked("weight", Some(in_dim * bits / 32), TensorKind::Packed)?,
+                    scales: stacked("scales", Some(in_dim / g), TensorKind::Scales)?,
+                    biases: stacked("biases", Some(in_dim / g), TensorKind::QuantBiases)?,
                     q,
                 }
             }
+            Some(_) if quantized > 0 => {
+                return Err(LoadError::Mlx(mlx::MlxError::Invalid(format!(
+                    "Linear::load_merged: {} of {} parts ({}) are quantized",
+                    quantized,
+                    parts.len(),
+                    parts.iter().map(|p| p.0).collect::<Vec<_>>().join(", ")
+                ))))
+            }
+            _ => Weight::Dense(stacked("weight", Some(in_dim), TensorKind::Float)?),
         };
         Ok(Linear {
             weight,

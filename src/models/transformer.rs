@@ -137,35 +137,17 @@ impl Transformer {
             let (qh, kvh, inter) = (&plan.q_heads, &plan.kv_heads, plan.intermediate.clone());
             let attn = |name: &str| format!("{p}.self_attn.{name}");
             let self_attn = Attention {
-                qkv_proj: Linear::merge(vec![
-                    Linear::load(
-                        src,
-                        &attn("q_proj"),
-                        h,
-                        nh * hd,
-                        cfg.qkv_bias,
-                        q,
-                        col(heads(qh)),
-                    )?,
-                    Linear::load(
-                        src,
-                        &attn("k_proj"),
-                        h,
-                        nkv * hd,
-                        cfg.qkv_bias,
-                        q,
-                        col(heads(kvh)),
-                    )?,
-                    Linear::load(
-                        src,
-                        &attn("v_proj"),
-                        h,
-                        nkv * hd,
-                        cfg.qkv_bias,
-                        q,
-                        col(heads(kvh)),
-                    )?,
-                ])?,
+                qkv_proj: Linear::load_merged(
+                    src,
+                    &[
+                        (&attn("q_proj"), nh * hd, col(heads(qh))),
+                        (&attn("k_proj"), nkv * hd, col(heads(kvh))),
+                        (&attn("v_proj"), nkv * hd, col(heads(kvh))),
+                    ],
+                    h,
+                    cfg.qkv_bias,
+                    q,
+                )?,
                 o_proj: Linear::load(src, &attn("o_proj"), nh * hd, h, false, q, row(heads(qh)))?,
                 q_norm: qk_norm("q_norm")?,
                 k_norm: qk_norm("k_norm")?,
@@ -177,26 +159,16 @@ impl Transformer {
             let i_sz = cfg.intermediate_size;
             let mlp_name = |name: &str| format!("{p}.mlp.{name}");
             let mlp = Mlp {
-                gate_up_proj: Linear::merge(vec![
-                    Linear::load(
-                        src,
-                        &mlp_name("gate_proj"),
-                        h,
-                        i_sz,
-                        false,
-                        q,
-                        col(inter.clone()),
-                    )?,
-                    Linear::load(
-                        src,
-                        &mlp_name("up_proj"),
-                        h,
-                        i_sz,
-                        false,
-                        q,
-                        col(inter.clone()),
-                    )?,
-                ])?,
+                gate_up_proj: Linear::load_merged(
+                    src,
+                    &[
+                        (&mlp_name("gate_proj"), i_sz, col(inter.clone())),
+                        (&mlp_name("up_proj"), i_sz, col(inter.clone())),
+                    ],
+                    h,
+                    false,
+                    q,
+                )?,
                 down_proj: Linear::load(
                     src,
                     &mlp_name("down_proj"),

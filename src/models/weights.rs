@@ -215,9 +215,63 @@ pub struct SafetensorsSource {
     map: Option<HashMap<String, usize>>,
     files: Vec<OnceCell<OpenFile>>,
     bytes_read: Cell<u64>,
+    /// One staging buffer for every read: a fresh one per tensor costs a page fault per
+    /// page (large allocations are mapped and unmapped each time).
+    scratch: std::cell::RefCell<Vec<u8>>,
 }
 
 impl SafetensorsSource {
+    /// Append the bytes of block `[rows, cols]` of `name` (full shape `shape`) to `buf`;
+    /// returns the tensor's dtype. Checks shape and dtype against `kind`.
+    fn append_block(
+        &self,
+        name: &str,
+        shape: &[usize],
+        rows: Range<usize>,
+        cols: Range<usize>,
+        kind: TensorKind,
+        buf: &mut Vec<u8>,
+    ) -> Result<Dtype, LoadError> {
+        let (fi, e) = self.find(name)?.ok_or_else(|| LoadError::Missing {
+            name: name.into(),
+            files: self.file_list(),
+        })?;
+        let path = &self.paths[fi];
+        if e.shape != shape {
+            return Err(LoadError::Shape {
+                name: name.into(),
+                path: path.clone(),
+                expected: shape.to_vec(),
+                actual: e.shape.clone(),
+            });
+        }
+        let want_packed = kind == TensorKind::Packed;
+        if want_packed != (e.dtype == Dtype::U32) || (!want_packed && !e.dtype.is_float()) {
+            return Err(LoadError::Dtype {
+                name: name.into(),
+                path: path.clone(),
+                dtype: e.dtype.name().into(),
+            });
+        }
+        let elt = e.dtype.size();
+        let row_bytes = if shape.len() == 2 {
+            shape[1] * elt
+        } else {
+            elt
+        };
+        let ranges = block_ranges(e.start, row_bytes, elt, rows, cols);
+        let total: usize = ranges.iter().map(|r| r.1).sum();
+        let mut at = buf.len();
+        buf.resize(at + total, 0);
+        let file = &self.file(fi)?.file;
+        for (off, len) in ranges {
+            read_at(file, path, &mut buf[at..at + len], off)?;
+            at += len;
+        }
+        self.bytes_read.set(self.bytes_read.get() + total as u64);
+        Ok(e.dtype)
+    }
+
     /// Open the given files and read all their headers (no tensor data).
     pub fn open(paths: &[PathBuf]) -> Result<SafetensorsSource, LoadError> {
         let src = SafetensorsSource {
@@ -225,6 +279,7 @@ impl SafetensorsSource {
             map: None,
             files: paths.iter().map(|_| OnceCell::new()).collect(),
             bytes_read: Cell::new(0),
+            scratch: Default::default(),
         };
         for i in 0..paths.len() {
             src.file(i)?;
@@ -253,6 +308,7 @@ impl SafetensorsSource {
             map: Some(map),
             files: files.iter().map(|_| OnceCell::new()).collect(),
             bytes_read: Cell::new(0),
+            scratch: Default::default(),
         })
     }
 
@@ -348,6 +404,9 @@ pub fn catalog(dir: &ModelDir) -> Result<HashMap<String, TensorEntry>, LoadError
     Ok(all)
 }
 
+/// Rows of a tensor: its name, full shape and row range (all rows when `None`).
+pub type RowBlock = (String, Vec<usize>, Option<Range<usize>>);
+
 /// A source of named tensors.
 pub enum WeightSource {
     Files(SafetensorsSource),
@@ -431,44 +490,10 @@ impl WeightSource {
         let dims: Vec<i32> = out_shape.iter().map(|&d| d as i32).collect();
         match self {
             WeightSource::Files(src) => {
-                let (fi, e) = src.find(name)?.ok_or_else(|| LoadError::Missing {
-                    name: name.into(),
-                    files: src.file_list(),
-                })?;
-                let path = &src.paths[fi];
-                if e.shape != shape {
-                    return Err(LoadError::Shape {
-                        name: name.into(),
-                        path: path.clone(),
-                        expected: shape.to_vec(),
-                        actual: e.shape.clone(),
-                    });
-                }
-                let want_packed = kind == TensorKind::Packed;
-                if want_packed != (e.dtype == Dtype::U32) || (!want_packed && !e.dtype.is_float()) {
-                    return Err(LoadError::Dtype {
-                        name: name.into(),
-                        path: path.clone(),
-                        dtype: e.dtype.name().into(),
-                    });
-                }
-                let elt = e.dtype.size();
-                let row_bytes = if shape.len() == 2 {
-                    shape[1] * elt
-                } else {
-                    elt
-                };
-                let ranges = block_ranges(e.start, row_bytes, elt, rows, cols);
-                let total: usize = ranges.iter().map(|r| r.1).sum();
-                let mut buf = vec![0u8; total];
-                let file = &src.file(fi)?.file;
-                let mut at = 0;
-                for (off, len) in ranges {
-                    read_at(file, path, &mut buf[at..at + len], off)?;
-                    at += len;
-                }
-                src.bytes_read.set(src.bytes_read.get() + total as u64);
-                Ok(Array::from_bytes(&buf, &dims, e.dtype)?)
+                let mut buf = src.scratch.borrow_mut();
+                buf.clear();
+                let dtype = src.append_block(name, shape, rows, cols, kind, &mut buf)?;
+                Ok(Array::from_bytes(&buf, &dims, dtype)?)
             }
             WeightSource::Dummy { dtype, seed } => {
                 let sub = mlx::random::key(block_seed(*seed, name, &rows, &cols))?;
@@ -494,6 +519,44 @@ impl WeightSource {
                 }
             }
         }
+    }
+
+    /// Row blocks of several tensors stacked along the first axis, as one array: rows
+    /// `rows` (all when `None`) of each `(name, shape)`. From files, where the parts agree in
+    /// dtype and in their other dimensions, they are read straight into one buffer: one
+    /// copy and no concatenation afterwards (which would allocate and copy them again).
+    pub fn load_concat(&self, parts: &[RowBlock], kind: TensorKind) -> Result<Array, LoadError> {
+        if let (WeightSource::Files(src), Some(first)) = (self, parts.first()) {
+            let tail = &first.1[1..];
+            let dtype_of = |name: &str| Ok::<_, LoadError>(src.find(name)?.map(|(_, e)| e.dtype));
+            let first_dtype = dtype_of(&first.0)?;
+            let mut alike = first_dtype.is_some();
+            for (name, shape, _) in parts {
+                alike &= !shape.is_empty() && &shape[1..] == tail && dtype_of(name)? == first_dtype;
+            }
+            if let (true, Some(dtype)) = (alike, first_dtype) {
+                let mut buf = src.scratch.borrow_mut();
+                buf.clear();
+                let mut n_rows = 0;
+                for (name, shape, rows) in parts {
+                    let rows = rows.clone().unwrap_or(0..shape[0]);
+                    let cols = if shape.len() == 2 { 0..shape[1] } else { 0..1 };
+                    n_rows += rows.len();
+                    src.append_block(name, shape, rows, cols, kind, &mut buf)?;
+                }
+                let dims: Vec<i32> = std::iter::once(n_rows)
+                    .chain(tail.iter().copied())
+                    .map(|d| d as i32)
+                    .collect();
+                return Ok(Array::from_bytes(&buf, &dims, dtype)?);
+            }
+        }
+        // dummy or cast weights, or parts that differ: one array each, concatenated
+        let arrays = parts
+            .iter()
+            .map(|(name, shape, rows)| self.load_block(name, shape, rows.clone(), None, kind))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(mlx::concatenate(&arrays.iter().collect::<Vec<_>>(), 0)?)
     }
 
     /// Bytes read from checkpoint files (0 for dummy weights).
@@ -641,5 +704,36 @@ mod tests {
         assert_eq!(q.dtype(), Dtype::U32);
         assert_eq!(q.to_vec::<u32>().unwrap(), packed.to_vec::<u32>().unwrap());
         assert!(cast.contains("anything") && cast.bytes_read() == 0);
+    }
+
+    #[test]
+    fn load_concat_stacks_row_blocks_as_read() {
+        let dir = std::env::temp_dir().join(format!("mlxcel-concat-test-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let a: Vec<f32> = (0..4 * 3).map(|i| i as f32).collect();
+        let b: Vec<f32> = (0..2 * 3).map(|i| 100.0 + i as f32).collect();
+        let path = dir.join("m.safetensors");
+        write(&path, &[("a", vec![4, 3], a), ("b", vec![2, 3], b)]);
+        let src = WeightSource::files(std::slice::from_ref(&path)).unwrap();
+        let parts = vec![
+            ("a".to_string(), vec![4, 3], Some(1..3)),
+            ("b".to_string(), vec![2, 3], None),
+        ];
+        let got = src.load_concat(&parts, TensorKind::Float).unwrap();
+        assert_eq!(got.shape(), vec![4, 3]);
+        let want: Vec<f32> = [3., 4., 5., 6., 7., 8., 100., 101., 102., 103., 104., 105.].into();
+        assert_eq!(got.to_vec::<f32>().unwrap(), want);
+        assert_eq!(src.bytes_read(), 4 * 3 * 4, "only the blocks' bytes");
+        // dummy weights take the concatenating path: same shape
+        let d = WeightSource::dummy(Dtype::F32, 0).unwrap();
+        assert_eq!(
+            d.load_concat(&parts, TensorKind::Float).unwrap().shape(),
+            vec![4, 3]
+        );
+        let missing = vec![("nope".to_string(), vec![1, 3], None)];
+        let e = src.load_concat(&missing, TensorKind::Float).unwrap_err();
+        assert!(e.to_string().contains("nope"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }
