@@ -220,7 +220,17 @@ pub struct SafetensorsSource {
     scratch: std::cell::RefCell<Vec<u8>>,
 }
 
+/// The staging buffer is kept between reads up to this size (larger ones, e.g. an
+/// embedding table, are freed at once rather than held for the rest of the load).
+const SCRATCH_KEEP_BYTES: usize = 256 << 20;
+
 impl SafetensorsSource {
+    fn trim_scratch(&self, buf: &mut Vec<u8>) {
+        if buf.capacity() > SCRATCH_KEEP_BYTES {
+            *buf = Vec::new();
+        }
+    }
+
     /// Append the bytes of block `[rows, cols]` of `name` (full shape `shape`) to `buf`;
     /// returns the tensor's dtype. Checks shape and dtype against `kind`.
     fn append_block(
@@ -493,7 +503,9 @@ impl WeightSource {
                 let mut buf = src.scratch.borrow_mut();
                 buf.clear();
                 let dtype = src.append_block(name, shape, rows, cols, kind, &mut buf)?;
-                Ok(Array::from_bytes(&buf, &dims, dtype)?)
+                let a = Array::from_bytes(&buf, &dims, dtype)?;
+                src.trim_scratch(&mut buf);
+                Ok(a)
             }
             WeightSource::Dummy { dtype, seed } => {
                 let sub = mlx::random::key(block_seed(*seed, name, &rows, &cols))?;
@@ -548,7 +560,9 @@ impl WeightSource {
                     .chain(tail.iter().copied())
                     .map(|d| d as i32)
                     .collect();
-                return Ok(Array::from_bytes(&buf, &dims, dtype)?);
+                let a = Array::from_bytes(&buf, &dims, dtype)?;
+                src.trim_scratch(&mut buf);
+                return Ok(a);
             }
         }
         // dummy or cast weights, or parts that differ: one array each, concatenated
