@@ -538,7 +538,8 @@ impl WeightSource {
     /// dtype and in their other dimensions, they are read straight into one buffer: one
     /// copy and no concatenation afterwards (which would allocate and copy them again).
     pub fn load_concat(&self, parts: &[RowBlock], kind: TensorKind) -> Result<Array, LoadError> {
-        if let (WeightSource::Files(src), Some(first)) = (self, parts.first()) {
+        let first = parts.first().filter(|p| !p.1.is_empty());
+        if let (WeightSource::Files(src), Some(first)) = (self, first) {
             let tail = &first.1[1..];
             let dtype_of = |name: &str| Ok::<_, LoadError>(src.find(name)?.map(|(_, e)| e.dtype));
             let first_dtype = dtype_of(&first.0)?;
