@@ -131,14 +131,9 @@ pub fn run(args: &TpParityArgs) -> Result<()> {
         let mut local = LocalExecutor::new(model, 1, m.ctx_size);
         all_logits(&mut local, &tokens, args.chunk)?
     };
-    let mut out = json!({
-        "model": m.dir.root.display().to_string(),
-        "tp_size": args.tp.tp_size,
-    });
-    let fields = compare(&one_logits, &tp_logits);
-    for (k, v) in fields.as_object().into_iter().flatten() {
-        out[k] = v.clone();
-    }
+    let mut out = compare(&one_logits, &tp_logits);
+    out["model"] = json!(m.dir.root.display().to_string());
+    out["tp_size"] = json!(args.tp.tp_size);
     if args.f32_reference {
         let model =
             crate::models::load_as(&m.dir, args.model.load_format, Some(Dtype::F32), |_, _| {})

@@ -155,9 +155,10 @@ impl Linear {
                 .collect();
             src.load_concat(&specs, kind)
         };
-        let bias = match bias {
-            true => Some(stacked("bias", None, TensorKind::Float)?),
-            false => None,
+        let bias = if bias {
+            Some(stacked("bias", None, TensorKind::Float)?)
+        } else {
+            None
         };
         let quantized = parts
             .iter()

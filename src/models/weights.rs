@@ -225,7 +225,7 @@ pub struct SafetensorsSource {
 const SCRATCH_KEEP_BYTES: usize = 256 << 20;
 
 impl SafetensorsSource {
-    fn trim_scratch(&self, buf: &mut Vec<u8>) {
+    fn trim_scratch(buf: &mut Vec<u8>) {
         if buf.capacity() > SCRATCH_KEEP_BYTES {
             *buf = Vec::new();
         }
@@ -504,7 +504,7 @@ impl WeightSource {
                 buf.clear();
                 let dtype = src.append_block(name, shape, rows, cols, kind, &mut buf)?;
                 let a = Array::from_bytes(&buf, &dims, dtype)?;
-                src.trim_scratch(&mut buf);
+                SafetensorsSource::trim_scratch(&mut buf);
                 Ok(a)
             }
             WeightSource::Dummy { dtype, seed } => {
@@ -562,7 +562,7 @@ impl WeightSource {
                     .map(|d| d as i32)
                     .collect();
                 let a = Array::from_bytes(&buf, &dims, dtype)?;
-                src.trim_scratch(&mut buf);
+                SafetensorsSource::trim_scratch(&mut buf);
                 return Ok(a);
             }
         }
@@ -633,11 +633,17 @@ mod tests {
         safetensors::serialize_to_file(views, None, path).unwrap();
     }
 
-    #[test]
-    fn indexed_files_open_lazily_and_blocks_read_only_their_bytes() {
-        let dir = std::env::temp_dir().join(format!("mlxcel-weights-test-{}", std::process::id()));
+    /// An empty folder of this test process under the temp dir.
+    fn fresh_dir(tag: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("mlxcel-{tag}-test-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    #[test]
+    fn indexed_files_open_lazily_and_blocks_read_only_their_bytes() {
+        let dir = fresh_dir("weights");
         let w: Vec<f32> = (0..6 * 8).map(|i| i as f32).collect();
         write(&dir.join("a.safetensors"), &[("w", vec![6, 8], w.clone())]);
         write(
@@ -723,9 +729,7 @@ mod tests {
 
     #[test]
     fn load_concat_stacks_row_blocks_as_read() {
-        let dir = std::env::temp_dir().join(format!("mlxcel-concat-test-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir = fresh_dir("concat");
         let a: Vec<f32> = (0..4 * 3).map(|i| i as f32).collect();
         let b: Vec<f32> = (0..2 * 3).map(|i| 100.0 + i as f32).collect();
         let path = dir.join("m.safetensors");

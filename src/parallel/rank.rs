@@ -113,9 +113,12 @@ fn serve(args: &RankArgs, rank: usize, dir: &ModelDir, chan: &mut RankChannel) -
         device: if mlx::gpu_device_count() > 0 {
             // the bus id names the physical GPU whatever CUDA_VISIBLE_DEVICES maps to 0
             mlx::device_info(0)
-                .map(|d| match d.pci_bus_id.is_empty() {
-                    true => d.name,
-                    false => format!("{} {}", d.name, d.pci_bus_id),
+                .map(|d| {
+                    if d.pci_bus_id.is_empty() {
+                        d.name
+                    } else {
+                        format!("{} {}", d.name, d.pci_bus_id)
+                    }
                 })
                 .unwrap_or_else(|_| "gpu".into())
         } else {
