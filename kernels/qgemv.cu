@@ -5,8 +5,8 @@
 //   scales T      [N, K/G]
 //   biases T      [N, K/G]        w[n, k] = q · scale + bias
 // x and y are T (bfloat16). Compiled at run time by MLX (`fast::cuda_kernel`,
-// nvrtc); template constants: M, N, K, G, BITS, ROWS, WPB, EPI, NORM, EPS_BITS
-// (and HD, NQ for the RoPE entry point).
+// nvrtc); template constants: M, N, K, G, BITS, ROWS, WPB, EPI, NORM, EPS_BITS,
+// XQ, MMA (and HD, NQ for the RoPE entry point).
 //
 // EPI picks what is written (each saves the decode step a separate MLX op):
 //   0: y[M, N]   = x·Wᵀ
@@ -60,6 +60,23 @@
 //   Σ w·x ≈ scale·dq·Σ q·xq + bias·dq·Σ xq
 // about 2.4× fewer instructions per weight (PTX count) for an added relative error
 // of a few 1e-3 (x's rounding; as llama.cpp's q8_1 activations).
+//
+// MMA = 1 (4-bit with XQ, batch rows M = 1..8, ROWS a multiple of 16, G 32/64/128):
+// tensor cores instead of dp4a, so the instructions per weight no longer grow with M.
+// A warp takes a slice of the row's groups for ROWS/16 tiles of 16 rows and issues
+// one `mma.sync.m16n8k32` (s8·s8 → s32) per tile and 32 values of a group: the 16
+// rows of a tile are matrix A (their 4-bit values as int8, 0..15), the M rows of x
+// padded to 8 are matrix B (x rounded to int8 per group: dq = max|x|/127 over the
+// group's G values). Which 32 values of a group one MMA takes does not matter to a
+// dot product as long as A and B agree: lane (g, t) (g = lane/4, t = lane%4) loads
+// words t·G/32 … of the group for rows g and g + 8 (one 4-, 8- or 16-byte load), and
+// MMA s takes word s of each of them: its low nibbles (0x0F0F0F0F mask) are A's k
+// positions 4t..4t+3, its high nibbles 16+4t..16+4t+3, and B's same positions are the
+// even and odd values of x at those words, which lane (g, t) rounds itself for row
+// m = g. The s32 accumulator starts at the bits of 1.5·2^23, so read as a float it
+// is 1.5·2^23 + D exactly (|D| ≤ G·15·127 < 2^22) and one subtraction converts it;
+// then, per group, Σ w·x ≈ scale·dq·D + bias·dq·Σ xq for the fragment's two rows and
+// two columns (rows 2t, 2t+1 of x, whose dq the lanes of those rows share by shuffles).
 // @@header
 template <int BITS, int J>
 __device__ __forceinline__ float mlxcel_qval(uint32_t u) {
@@ -93,6 +110,53 @@ __device__ __forceinline__ float mlxcel_max_nan(float a, float b) {
 #endif
 }
 
+// y += the int8 product A·B of one m16n8k32 tensor-core MMA (fragments as PTX lays
+// them out: a0 = A[g][4t..], a1 = A[g+8][4t..], a2 = A[g][16+4t..], a3 = A[g+8][16+4t..],
+// b0 = B[4t..][g], b1 = B[16+4t..][g]; c0, c1 = C[g][2t, 2t+1], c2, c3 = C[g+8][2t, 2t+1]).
+__device__ __forceinline__ void mlxcel_mma_s8(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                              uint32_t a3, uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__)
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 "
+      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#else  // the CPU emulation in tests/qgemv_emulated.rs
+  mlxcel_emulated_mma(c, a0, a1, a2, a3, b0, b1);
+#endif
+}
+
+// WPT consecutive words (one 4-, 8- or 16-byte load; p aligned to it)
+template <int WPT>
+__device__ __forceinline__ void mlxcel_load_words(const uint32_t* p, uint32_t (&o)[WPT]) {
+  if constexpr (WPT == 4) {
+    const uint4 v = *reinterpret_cast<const uint4*>(p);
+    o[0] = v.x;
+    o[1] = v.y;
+    o[2] = v.z;
+    o[3] = v.w;
+  } else if constexpr (WPT == 2) {
+    const uint2 v = *reinterpret_cast<const uint2*>(p);
+    o[0] = v.x;
+    o[1] = v.y;
+  } else {
+    o[0] = p[0];
+  }
+}
+
+// 8 floats to int8 (xq = round(x·inv)), packed as the even values (e) and odd values (o)
+// of the 8, so they line up with the low and high nibbles of a weight word under a
+// 0x0F0F0F0F mask: 1.5·2^23 + x·inv has round(x·inv) in its low byte
+__device__ __forceinline__ void mlxcel_pack_i8(const float* xs, float inv, int& e, int& o) {
+  int t[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    t[j] = __float_as_int(fmaf(xs[j], inv, 12582912.f));
+  }
+  e = int(__byte_perm(__byte_perm(t[0], t[2], 0x0040), __byte_perm(t[4], t[6], 0x0040), 0x5410));
+  o = int(__byte_perm(__byte_perm(t[1], t[3], 0x0040), __byte_perm(t[5], t[7], 0x0040), 0x5410));
+}
+
 // D = Σ_j (1 + q_j/2^BITS)·x_j over the 32/BITS values of one word.
 template <int BITS>
 __device__ __forceinline__ float mlxcel_word_dot(uint32_t u, const float* xs) {
@@ -116,7 +180,7 @@ __device__ __forceinline__ float mlxcel_word_dot(uint32_t u, const float* xs) {
 }
 
 template <typename T, int M, int N, int K, int G, int BITS, int ROWS, int WPB, int EPI,
-          int NORM, int EPS_BITS, int HD, int NQ, int XQ>
+          int NORM, int EPS_BITS, int HD, int NQ, int XQ, int MMA>
 __device__ __forceinline__ void mlxcel_qgemv(const T* x, const uint32_t* w, const T* scales,
                                              const T* biases, const T* res, const T* nw,
                                              const int32_t* pos, const float* inv_freq, T* y,
@@ -156,160 +220,310 @@ __device__ __forceinline__ void mlxcel_qgemv(const T* x, const uint32_t* w, cons
       return int(blockIdx.x) * ROWS + r;
     }
   };
-  const uint4* wv = reinterpret_cast<const uint4*>(w);
   const uint4* xv = reinterpret_cast<const uint4*>(x);
   const uint4* nv = reinterpret_cast<const uint4*>(nw);
-  float ss[M];  // NORM: this thread's part of Σ x² of each row
+  if constexpr (MMA) {
+    // tensor cores (see the top of the file): warp `warp` takes groups warp·GPW … of
+    // every row, for ROWS/16 tiles of 16 rows; lane (gq, t)
+    static_assert(BITS == 4 && XQ == 1 && M <= 8 && ROWS % 16 == 0 && (G == 32 || G == 64 || G == 128),
+                  "qgemv: MMA needs 4-bit weights, int8 activations, M <= 8, 16-row tiles, G 32/64/128");
+    constexpr int TILES = ROWS / 16;
+    constexpr int WPT = G / 32;                   // words of a row per lane and group = MMAs per group
+    constexpr int GPW = (GPR + WPB - 1) / WPB;    // groups per warp
+    constexpr int ST = GPW < 4 ? GPW : 4;         // groups whose loads a lane has in flight
+    constexpr size_t KW = K / 8;                  // words per row
+    const int gq = lane >> 2;
+    const int t = lane & 3;
+    size_t rows[TILES][2];
 #pragma unroll
-  for (int m = 0; m < M; ++m) {
-    ss[m] = 0.f;
-  }
-
-  float acc[ROWS][M];
-#pragma unroll
-  for (int r = 0; r < ROWS; ++r) {
-#pragma unroll
-    for (int m = 0; m < M; ++m) {
-      acc[r][m] = 0.f;
+    for (int i = 0; i < TILES; ++i) {
+      rows[i][0] = size_t(row_of(16 * i + gq));
+      rows[i][1] = size_t(row_of(16 * i + gq + 8));
     }
-  }
-
-  // Issue every weight, scale and bias load of this thread before any math, so
-  // each thread has ITERS·ROWS 16-byte loads in flight (chunks past the row end,
-  // when CPR is not a multiple of TPB, read as zero weight and zero scale).
-  uint4 q[ITERS][ROWS];
-  float s[ITERS][ROWS];
-  float b[ITERS][ROWS];
+    uint32_t wb[ST][TILES][2][WPT];
+    float sb[ST][TILES][2], bb[ST][TILES][2];
+    // the weights, scales and biases of the warp's group j into stage j % ST (zero past
+    // the row's last group)
+    auto load = [&](int j) {
+      const int gi = warp * GPW + j;
+      const bool in = (GPR % WPB) == 0 || gi < GPR;
+      const int st = j % ST;
 #pragma unroll
-  for (int it = 0; it < ITERS; ++it) {
-    const int c = it * TPB + tid;
-    const bool in = (CPR % TPB) == 0 || c < CPR;
-    const int g = (in ? c : 0) * VPC / G;
+      for (int i = 0; i < TILES; ++i) {
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
-      const size_t row = size_t(row_of(r));
-      q[it][r] = in ? wv[row * CPR + c] : make_uint4(0u, 0u, 0u, 0u);
-      s[it][r] = in ? static_cast<float>(scales[row * GPR + g]) * (XQ ? 1.f : SCALE) : 0.f;
-      b[it][r] = in ? static_cast<float>(biases[row * GPR + g]) : 0.f;
-    }
-  }
-
+        for (int h = 0; h < 2; ++h) {
+          if (in) {
+            mlxcel_load_words<WPT>(w + rows[i][h] * KW + size_t(gi) * (G / 8) + t * WPT, wb[st][i][h]);
+            sb[st][i][h] = static_cast<float>(scales[rows[i][h] * GPR + gi]);
+            bb[st][i][h] = static_cast<float>(biases[rows[i][h] * GPR + gi]);
+          } else {
 #pragma unroll
-  for (int it = 0; it < ITERS; ++it) {
-    const int c = it * TPB + tid;
-    if ((CPR % TPB) != 0 && c >= CPR) {
-      break;
-    }
-    const int k0 = c * VPC;
-    float gs[NORM ? VPC : 1];
-    if constexpr (NORM) {
-#pragma unroll
-      for (int v = 0; v < VPC / 8; ++v) {
-        mlxcel_bf16x8(nv[k0 / 8 + v], gs + 8 * v);
-      }
-    }
-#pragma unroll
-    for (int m = 0; m < M; ++m) {
-      float xs[VPC];
-#pragma unroll
-      for (int v = 0; v < VPC / 8; ++v) {
-        mlxcel_bf16x8(xv[(size_t(m) * K + k0) / 8 + v], xs + 8 * v);
-      }
-      if constexpr (NORM) {
-#pragma unroll
-        for (int j = 0; j < VPC; ++j) {
-          ss[m] = fmaf(xs[j], xs[j], ss[m]);
-          xs[j] *= gs[j];
-        }
-      }
-      if constexpr (XQ) {
-        // this chunk of x as int8 (xq = round(x / dq), dq = max|x| / 127), packed as the
-        // even and odd values of each 8-value word so they line up with the low and high
-        // nibbles of the weight word under a 0x0F0F0F0F mask: two dp4a per word and row
-        float amax = 0.f;
-#pragma unroll
-        for (int j = 0; j < VPC; ++j) {
-          amax = mlxcel_max_nan(amax, fabsf(xs[j]));
-        }
-        const float inv = amax > 0.f ? 127.f / amax : 0.f;
-        const float dq = amax * (1.f / 127.f);
-        int xe[VPC / 8], xo[VPC / 8];
-#pragma unroll
-        for (int v = 0; v < VPC / 8; ++v) {
-          int t[8];
-#pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            // 1.5·2^23 + x/dq: the float's low byte is round(x/dq) in two's complement
-            t[j] = __float_as_int(fmaf(xs[8 * v + j], inv, 12582912.f));
+            for (int v = 0; v < WPT; ++v) {
+              wb[st][i][h][v] = 0u;
+            }
+            sb[st][i][h] = 0.f;
+            bb[st][i][h] = 0.f;
           }
-          xe[v] = int(__byte_perm(__byte_perm(t[0], t[2], 0x0040), __byte_perm(t[4], t[6], 0x0040), 0x5410));
-          xo[v] = int(__byte_perm(__byte_perm(t[1], t[3], 0x0040), __byte_perm(t[5], t[7], 0x0040), 0x5410));
         }
-        int xsum = 0;
+      }
+    };
+    float acc[TILES][4];
 #pragma unroll
-        for (int v = 0; v < VPC / 8; ++v) {
-          xsum = __dp4a(xe[v], 0x01010101, __dp4a(xo[v], 0x01010101, xsum));
+    for (int i = 0; i < TILES; ++i) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        acc[i][c] = 0.f;
+      }
+    }
+    float ssq = 0.f;  // NORM: Σ x² of row gq over this lane's values
+#pragma unroll
+    for (int j = 0; j + 1 < ST; ++j) {
+      load(j);
+    }
+#pragma unroll
+    for (int j = 0; j < GPW; ++j) {
+      if (j + ST - 1 < GPW) {
+        load(j + ST - 1);
+      }
+      const int st = j % ST;
+      const int gi = warp * GPW + j;
+      const bool in = (GPR % WPB) == 0 || gi < GPR;
+      // this lane's 8·WPT values of x row gq in group gi (zero for the padding rows
+      // M..7 and past the last group), as int8 B fragments
+      float xs[8 * WPT];
+      const size_t k0 = size_t(gi) * G + 8 * t * WPT;
+      if (gq < M && in) {
+#pragma unroll
+        for (int v = 0; v < WPT; ++v) {
+          mlxcel_bf16x8(xv[(size_t(gq) * K + k0) / 8 + v], xs + 8 * v);
         }
-        const float X = dq * static_cast<float>(xsum);
+        if constexpr (NORM) {
 #pragma unroll
-        for (int r = 0; r < ROWS; ++r) {
-          const uint32_t ws[4] = {q[it][r].x, q[it][r].y, q[it][r].z, q[it][r].w};
-          int D = 0;
+          for (int v = 0; v < WPT; ++v) {
+            float gs[8];
+            mlxcel_bf16x8(nv[k0 / 8 + v], gs);
 #pragma unroll
-          for (int v = 0; v < 4; ++v) {
-            D = __dp4a(int(ws[v] & 0x0F0F0F0Fu), xe[v], D);
-            D = __dp4a(int((ws[v] >> 4) & 0x0F0F0F0Fu), xo[v], D);
+            for (int e = 0; e < 8; ++e) {
+              ssq = fmaf(xs[8 * v + e], xs[8 * v + e], ssq);
+              xs[8 * v + e] *= gs[e];
+            }
           }
-          // Σ w·x ≈ scale·dq·Σ q·xq + bias·dq·Σ xq over the group's part in this chunk
-          // (a NaN in x makes dq NaN, an inf makes dq·0 NaN: both reach the output)
-          acc[r][m] = fmaf(s[it][r] * dq, static_cast<float>(D), fmaf(b[it][r], X, acc[r][m]));
         }
       } else {
-        float X0 = 0.f, X1 = 0.f;
 #pragma unroll
-        for (int j = 0; j < VPC; j += 2) {
-          X0 += xs[j];
-          X1 += xs[j + 1];
+        for (int e = 0; e < 8 * WPT; ++e) {
+          xs[e] = 0.f;
         }
-        const float X = X0 + X1;
+      }
+      float amax = 0.f;
 #pragma unroll
-        for (int r = 0; r < ROWS; ++r) {
-          const uint4 qq = q[it][r];
-          const float D = mlxcel_word_dot<BITS>(qq.x, xs) +
-              mlxcel_word_dot<BITS>(qq.y, xs + VPW) +
-              mlxcel_word_dot<BITS>(qq.z, xs + 2 * VPW) +
-              mlxcel_word_dot<BITS>(qq.w, xs + 3 * VPW);
-          acc[r][m] = fmaf(s[it][r], D - X, fmaf(b[it][r], X, acc[r][m]));
+      for (int e = 0; e < 8 * WPT; ++e) {
+        amax = mlxcel_max_nan(amax, fabsf(xs[e]));
+      }
+      amax = mlxcel_max_nan(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
+      amax = mlxcel_max_nan(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 2));
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      const float dq = amax * (1.f / 127.f);
+      int xe[WPT], xo[WPT];
+      int xsum = 0;
+#pragma unroll
+      for (int v = 0; v < WPT; ++v) {
+        mlxcel_pack_i8(xs + 8 * v, inv, xe[v], xo[v]);
+        xsum = __dp4a(xe[v], 0x01010101, __dp4a(xo[v], 0x01010101, xsum));
+      }
+      xsum += __shfl_xor_sync(0xFFFFFFFFu, xsum, 1);
+      xsum += __shfl_xor_sync(0xFFFFFFFFu, xsum, 2);
+      const float dqx = dq * static_cast<float>(xsum);
+      // the fragment's columns are rows 2t and 2t + 1 of x, rounded by lanes 8t and 8t + 4
+      const float dq0 = __shfl_sync(0xFFFFFFFFu, dq, 8 * t);
+      const float dq1 = __shfl_sync(0xFFFFFFFFu, dq, 8 * t + 4);
+      const float dx0 = __shfl_sync(0xFFFFFFFFu, dqx, 8 * t);
+      const float dx1 = __shfl_sync(0xFFFFFFFFu, dqx, 8 * t + 4);
+#pragma unroll
+      for (int i = 0; i < TILES; ++i) {
+        int c[4] = {0x4B400000, 0x4B400000, 0x4B400000, 0x4B400000};
+#pragma unroll
+        for (int v = 0; v < WPT; ++v) {
+          const uint32_t u0 = wb[st][i][0][v];
+          const uint32_t u1 = wb[st][i][1][v];
+          mlxcel_mma_s8(c, u0 & 0x0F0F0F0Fu, u1 & 0x0F0F0F0Fu, (u0 >> 4) & 0x0F0F0F0Fu,
+                        (u1 >> 4) & 0x0F0F0F0Fu, uint32_t(xe[v]), uint32_t(xo[v]));
+        }
+        const float s0 = sb[st][i][0], s1 = sb[st][i][1];
+        const float b0 = bb[st][i][0], b1 = bb[st][i][1];
+        // a NaN in x makes dq NaN, an inf makes dq·0 NaN: both reach the output
+        acc[i][0] = fmaf(__int_as_float(c[0]) - 12582912.f, s0 * dq0, fmaf(b0, dx0, acc[i][0]));
+        acc[i][1] = fmaf(__int_as_float(c[1]) - 12582912.f, s0 * dq1, fmaf(b0, dx1, acc[i][1]));
+        acc[i][2] = fmaf(__int_as_float(c[2]) - 12582912.f, s1 * dq0, fmaf(b1, dx0, acc[i][2]));
+        acc[i][3] = fmaf(__int_as_float(c[3]) - 12582912.f, s1 * dq1, fmaf(b1, dx1, acc[i][3]));
+      }
+    }
+    // this warp's part of each dot product, for the block's sum over warps below
+#pragma unroll
+    for (int i = 0; i < TILES; ++i) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int r = 16 * i + gq + (c >= 2 ? 8 : 0);
+        const int m = 2 * t + (c & 1);
+        if (m < M) {
+          red[warp][r * M + m] = acc[i][c];
         }
       }
     }
-  }
+    if constexpr (NORM) {
+      ssq += __shfl_xor_sync(0xFFFFFFFFu, ssq, 1);
+      ssq += __shfl_xor_sync(0xFFFFFFFFu, ssq, 2);
+      if (t == 0 && gq < M) {
+        red_ss[warp][gq] = ssq;
+      }
+    }
+  } else {
+    const uint4* wv = reinterpret_cast<const uint4*>(w);
+    float ss[M];  // NORM: this thread's part of Σ x² of each row
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      ss[m] = 0.f;
+    }
 
-  // reduce: lanes of a warp by shuffles, then the warps of the block in shared memory
+    float acc[ROWS][M];
 #pragma unroll
-  for (int r = 0; r < ROWS; ++r) {
+    for (int r = 0; r < ROWS; ++r) {
 #pragma unroll
-    for (int m = 0; m < M; ++m) {
-      float v = acc[r][m];
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) {
-        v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
-      }
-      if (lane == 0) {
-        red[warp][r * M + m] = v;
+      for (int m = 0; m < M; ++m) {
+        acc[r][m] = 0.f;
       }
     }
-  }
-  if constexpr (NORM) {
+
+    // Issue every weight, scale and bias load of this thread before any math, so
+    // each thread has ITERS·ROWS 16-byte loads in flight (chunks past the row end,
+    // when CPR is not a multiple of TPB, read as zero weight and zero scale).
+    uint4 q[ITERS][ROWS];
+    float s[ITERS][ROWS];
+    float b[ITERS][ROWS];
 #pragma unroll
-    for (int m = 0; m < M; ++m) {
-      float v = ss[m];
+    for (int it = 0; it < ITERS; ++it) {
+      const int c = it * TPB + tid;
+      const bool in = (CPR % TPB) == 0 || c < CPR;
+      const int g = (in ? c : 0) * VPC / G;
 #pragma unroll
-      for (int o = 16; o > 0; o >>= 1) {
-        v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
+      for (int r = 0; r < ROWS; ++r) {
+        const size_t row = size_t(row_of(r));
+        q[it][r] = in ? wv[row * CPR + c] : make_uint4(0u, 0u, 0u, 0u);
+        s[it][r] = in ? static_cast<float>(scales[row * GPR + g]) * (XQ ? 1.f : SCALE) : 0.f;
+        b[it][r] = in ? static_cast<float>(biases[row * GPR + g]) : 0.f;
       }
-      if (lane == 0) {
-        red_ss[warp][m] = v;
+    }
+
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      const int c = it * TPB + tid;
+      if ((CPR % TPB) != 0 && c >= CPR) {
+        break;
+      }
+      const int k0 = c * VPC;
+      float gs[NORM ? VPC : 1];
+      if constexpr (NORM) {
+#pragma unroll
+        for (int v = 0; v < VPC / 8; ++v) {
+          mlxcel_bf16x8(nv[k0 / 8 + v], gs + 8 * v);
+        }
+      }
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        float xs[VPC];
+#pragma unroll
+        for (int v = 0; v < VPC / 8; ++v) {
+          mlxcel_bf16x8(xv[(size_t(m) * K + k0) / 8 + v], xs + 8 * v);
+        }
+        if constexpr (NORM) {
+#pragma unroll
+          for (int j = 0; j < VPC; ++j) {
+            ss[m] = fmaf(xs[j], xs[j], ss[m]);
+            xs[j] *= gs[j];
+          }
+        }
+        if constexpr (XQ) {
+          // this chunk of x as int8 (xq = round(x / dq), dq = max|x| / 127), packed as the
+          // even and odd values of each 8-value word so they line up with the low and high
+          // nibbles of the weight word under a 0x0F0F0F0F mask: two dp4a per word and row
+          float amax = 0.f;
+#pragma unroll
+          for (int j = 0; j < VPC; ++j) {
+            amax = mlxcel_max_nan(amax, fabsf(xs[j]));
+          }
+          const float inv = amax > 0.f ? 127.f / amax : 0.f;
+          const float dq = amax * (1.f / 127.f);
+          int xe[VPC / 8], xo[VPC / 8];
+#pragma unroll
+          for (int v = 0; v < VPC / 8; ++v) {
+            mlxcel_pack_i8(xs + 8 * v, inv, xe[v], xo[v]);
+          }
+          int xsum = 0;
+#pragma unroll
+          for (int v = 0; v < VPC / 8; ++v) {
+            xsum = __dp4a(xe[v], 0x01010101, __dp4a(xo[v], 0x01010101, xsum));
+          }
+          const float X = dq * static_cast<float>(xsum);
+#pragma unroll
+          for (int r = 0; r < ROWS; ++r) {
+            const uint32_t ws[4] = {q[it][r].x, q[it][r].y, q[it][r].z, q[it][r].w};
+            int D = 0;
+#pragma unroll
+            for (int v = 0; v < 4; ++v) {
+              D = __dp4a(int(ws[v] & 0x0F0F0F0Fu), xe[v], D);
+              D = __dp4a(int((ws[v] >> 4) & 0x0F0F0F0Fu), xo[v], D);
+            }
+            // Σ w·x ≈ scale·dq·Σ q·xq + bias·dq·Σ xq over the group's part in this chunk
+            // (a NaN in x makes dq NaN, an inf makes dq·0 NaN: both reach the output)
+            acc[r][m] = fmaf(s[it][r] * dq, static_cast<float>(D), fmaf(b[it][r], X, acc[r][m]));
+          }
+        } else {
+          float X0 = 0.f, X1 = 0.f;
+#pragma unroll
+          for (int j = 0; j < VPC; j += 2) {
+            X0 += xs[j];
+            X1 += xs[j + 1];
+          }
+          const float X = X0 + X1;
+#pragma unroll
+          for (int r = 0; r < ROWS; ++r) {
+            const uint4 qq = q[it][r];
+            const float D = mlxcel_word_dot<BITS>(qq.x, xs) +
+                mlxcel_word_dot<BITS>(qq.y, xs + VPW) +
+                mlxcel_word_dot<BITS>(qq.z, xs + 2 * VPW) +
+                mlxcel_word_dot<BITS>(qq.w, xs + 3 * VPW);
+            acc[r][m] = fmaf(s[it][r], D - X, fmaf(b[it][r], X, acc[r][m]));
+          }
+        }
+      }
+    }
+
+    // reduce: lanes of a warp by shuffles, then the warps of the block in shared memory
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        float v = acc[r][m];
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+          v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
+        }
+        if (lane == 0) {
+          red[warp][r * M + m] = v;
+        }
+      }
+    }
+    if constexpr (NORM) {
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        float v = ss[m];
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+          v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
+        }
+        if (lane == 0) {
+          red_ss[warp][m] = v;
+        }
       }
     }
   }
@@ -341,9 +555,9 @@ __device__ __forceinline__ void mlxcel_qgemv(const T* x, const uint32_t* w, cons
     c *= f;
   };
   if constexpr (EPI == 3) {
-    if (tid < HALF * M) {
-      const int r = tid / M;
-      const int m = tid % M;
+    for (int i = tid; i < HALF * M; i += TPB) {
+      const int r = i / M;
+      const int m = i % M;
       float a, c;
       pair_of(r, m, a, c);
       const int p = int(blockIdx.x) * HALF + r;
@@ -364,22 +578,22 @@ __device__ __forceinline__ void mlxcel_qgemv(const T* x, const uint32_t* w, cons
       out[d + HD2] = static_cast<T>(c);
     }
   } else if constexpr (EPI == 2) {
-    if (tid < HALF * M) {
-      const int r = tid / M;
-      const int m = tid % M;
+    for (int i = tid; i < HALF * M; i += TPB) {
+      const int r = i / M;
+      const int m = i % M;
       float g, u;
       pair_of(r, m, g, u);
       y[size_t(m) * (N / 2) + blockIdx.x * HALF + r] = static_cast<T>(g / (1.f + expf(-g)) * u);
     }
   } else {
-    if (tid < ROWS * M) {
+    for (int j = tid; j < ROWS * M; j += TPB) {
       float v = 0.f;
 #pragma unroll
       for (int i = 0; i < WPB; ++i) {
-        v += red[i][tid];
+        v += red[i][j];
       }
-      const int r = tid / M;
-      const int m = tid % M;
+      const int r = j / M;
+      const int m = j % M;
       v *= norm_of(m);
       const size_t at = size_t(m) * N + row_of(r);
       if constexpr (EPI == 1) {
@@ -390,8 +604,8 @@ __device__ __forceinline__ void mlxcel_qgemv(const T* x, const uint32_t* w, cons
   }
 }
 // @@body
-  mlxcel_qgemv<T, M, N, K, G, BITS, ROWS, WPB, EPI, NORM, EPS_BITS, 0, 0, XQ>(
+  mlxcel_qgemv<T, M, N, K, G, BITS, ROWS, WPB, EPI, NORM, EPS_BITS, 0, 0, XQ, MMA>(
       x, w, scales, biases, res, nw, nullptr, nullptr, y, nullptr);
 // @@body_rope
-  mlxcel_qgemv<T, M, N, K, G, BITS, ROWS, WPB, 3, NORM, EPS_BITS, HD, NQ, XQ>(
+  mlxcel_qgemv<T, M, N, K, G, BITS, ROWS, WPB, 3, NORM, EPS_BITS, HD, NQ, XQ, MMA>(
       x, w, scales, biases, x, nw, pos, inv_freq, q, kv);

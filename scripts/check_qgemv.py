@@ -9,7 +9,8 @@ Runs on a CUDA box with the `mlx` Python package (MLX's CUDA backend):
 
 For every shape (N, K) a Llama-3.1 8B / 70B decode step multiplies by, for 4 and 8
 bits, group sizes 32/64/128 (64 only past the first shape of each model) and batch
-M = 1 and 4 (mlxcel uses the kernel up to M = 4), it quantizes a random bf16 weight
+M = 1 and 4 (`--ms`: mlxcel uses the kernel up to M = 8, the tensor-core path from M = 2
+at 4 bits), it quantizes a random bf16 weight
 with `mx.quantize` and compares the kernel with `mx.quantized_matmul` and with
 dequantize + matmul in float32 (the reference). Exit status 1 if any result is off.
 
@@ -80,8 +81,19 @@ def make_kernel(path):
 XQ = os.environ.get("MLXCEL_QGEMV_XQ", "1") != "0"  # as mlxcel: int8 activations for 4-bit
 
 
-def launch_config(m, n, k, bits):
-    """ROWS and WPB as mlxcel picks them (src/mlx/qgemv.rs `launch_config`)."""
+MMA_MIN_M = int(os.environ.get("MLXCEL_QGEMV_MMA", "2") or "2")  # as mlxcel; 0: no tensor cores
+
+
+def launch_config(m, n, k, bits, group=64):
+    """ROWS, WPB and MMA as mlxcel picks them (src/mlx/qgemv.rs `launch_config_for`)."""
+    if (XQ and bits == 4 and group in (32, 64, 128) and MMA_MIN_M and m >= MMA_MIN_M
+            and n % 16 == 0):
+        rows = 32 if n >= 16384 and n % 32 == 0 else 16
+        wpb = 8
+        while wpb > 1 and k // group < 4 * wpb:
+            wpb //= 2
+        return rows, wpb, 1
+
     def fit(r):
         return r if n % r == 0 else (2 if n % 2 == 0 else 1)
     if bits == 4 and m == 1:
@@ -91,17 +103,21 @@ def launch_config(m, n, k, bits):
     chunks = k // (128 // bits)
     while wpb < 8 and rows * -(-chunks // (32 * wpb)) > 28:
         wpb *= 2
-    return rows, wpb
+    return rows, wpb, 0
 
 
 def qgemv(kernel, x, w, s, b, group, bits, rows=None, wpb=None, res=None, swiglu=False,
-          norm=None):
+          norm=None, mma=None):
     """EPI 0: x·Wᵀ; 1 (res given): res + x·Wᵀ; 2 (swiglu): silu(g)·u of the halves.
-    norm = (weight, eps): RMSNorm of x first, in the kernel."""
+    norm = (weight, eps): RMSNorm of x first, in the kernel. rows/wpb/mma: another
+    launch than mlxcel's (mma=1: the tensor-core path)."""
     m, k = x.shape
     n = w.shape[0]
-    r0, w0 = launch_config(m, n, k, bits)
-    rows, wpb = rows or r0, wpb or w0
+    r0, w0, m0 = launch_config(m, n, k, bits, group)
+    if rows is None and mma is None:
+        rows, wpb, mma = r0, wpb or w0, m0
+    else:  # another launch: the dp4a/FMA path unless mma=1
+        rows, wpb, mma = rows or r0, wpb or w0, mma or 0
     epi = 2 if swiglu else (1 if res is not None else 0)
     return kernel(
         inputs=[x, w, s, b, x if res is None else res, x if norm is None else norm[0]],
@@ -110,7 +126,7 @@ def qgemv(kernel, x, w, s, b, group, bits, rows=None, wpb=None, res=None, swiglu
                   ("NORM", int(norm is not None)),
                   ("EPS_BITS", 0 if norm is None else
                    struct.unpack("<i", struct.pack("<f", norm[1]))[0]),
-                  ("XQ", int(XQ and bits == 4))],
+                  ("XQ", int(XQ and bits == 4)), ("MMA", mma)],
         grid=(n // rows * 32 * wpb, 1, 1),
         threadgroup=(32 * wpb, 1, 1),
         output_shapes=[(m, n // 2 if swiglu else n)],
@@ -122,13 +138,13 @@ def qgemv_rope(kernel, x, w, s, b, group, bits, norm, pos, inv_freq, nq, hd):
     """q [M, nq, 1, hd] and kv [M, 2·nkv, 1, hd] of norm(x)·Wᵀ with RoPE on q and k."""
     m, k = x.shape
     n = w.shape[0]
-    rows, wpb = launch_config(m, n, k, bits)
+    rows, wpb, mma = launch_config(m, n, k, bits, group)
     return kernel(
         inputs=[x, w, s, b, norm[0], pos, inv_freq],
         template=[("T", mx.bfloat16), ("M", m), ("N", n), ("K", k), ("G", group),
                   ("BITS", bits), ("ROWS", rows), ("WPB", wpb), ("NORM", 1),
                   ("EPS_BITS", struct.unpack("<i", struct.pack("<f", norm[1]))[0]),
-                  ("HD", hd), ("NQ", nq), ("XQ", int(XQ and bits == 4))],
+                  ("HD", hd), ("NQ", nq), ("XQ", int(XQ and bits == 4)), ("MMA", mma)],
         grid=(n // rows * 32 * wpb, 1, 1),
         threadgroup=(32 * wpb, 1, 1),
         output_shapes=[(m, nq, 1, hd), (m, n // hd - nq, 1, hd)],
@@ -148,7 +164,7 @@ def check_rope(kernel, n, k, group, bits, ms, nq, hd=128, seed=0):
     for m in ms:
         x = mx.random.normal((m, k)).astype(mx.bfloat16)
         nw = (1 + 0.1 * mx.random.normal((k,))).astype(mx.bfloat16)
-        pos = mx.array([7, 30000, 4095, 1][:m], dtype=mx.int32)
+        pos = mx.array([7, 30000, 4095, 1, 0, 12, 999, 2][:m], dtype=mx.int32)
         xf = x.astype(mx.float32)
         xn = xf * mx.rsqrt(mx.mean(xf * xf, axis=-1, keepdims=True) + 1e-5) * nw.astype(mx.float32)
 
@@ -265,6 +281,8 @@ def main():
     ap.add_argument("--only", choices=["8B", "70B"], help="only this model's shapes")
     ap.add_argument("--skip", default="", help="comma-separated shape names to leave out (e.g. qkv,o)")
     ap.add_argument("--time", action="store_true", help="also wall-clock timing (host-bound)")
+    ap.add_argument("--ms", default="1,4", type=lambda v: tuple(int(i) for i in v.split(",")),
+                    help="batch sizes M to check (default 1,4; the tensor-core path takes M ≥ 2 at 4 bits)")
     ap.add_argument("--sweep", action="store_true",
                     help="only time launch shapes (ROWS × WPB) on the 8B shapes, to pick defaults")
     args = ap.parse_args()
@@ -289,12 +307,13 @@ def main():
             # all group sizes on the first shape of each model, group 64 on the rest
             if group != 64 and not name.endswith("qkv"):
                 continue
-            found = check(kernel, n, k, group, bits, (1, 4))
+            found = check(kernel, n, k, group, bits, args.ms)
             if name.endswith("qkv"):  # 32 (8B) or 64 (70B) query heads, 8 KV heads of 128
-                found += check_rope(rope_kernel, n, k, group, bits, (1, 4), nq=n // 128 - 16)
+                found += check_rope(rope_kernel, n, k, group, bits, args.ms, nq=n // 128 - 16)
             for m, epi, e1, e2, ok in found:
                 bad += not ok
-                print(f"| {name} {n}×{k}{epi} | {bits} | {group} | {m} | {e1:.2e} | {e2:.2e} | "
+                path = "mma" if launch_config(m, n, k, bits, group)[2] else "dp"
+                print(f"| {name} {n}×{k}{epi} | {bits} | {group} | {m} {path} | {e1:.2e} | {e2:.2e} | "
                       f"{'yes' if ok else 'NO'} |")
     if args.time:
         print()

@@ -9,6 +9,7 @@
 #   bash scripts/gpu_session.sh verify3  # 70B kernel check, bf16 prefill peak, server warm-up with a cold kernel cache
 #   bash scripts/gpu_session.sh ab       # decode of two binaries alternated on one box (MLXCEL_OLD vs MLXCEL)
 #   bash scripts/gpu_session.sh session4 check|bench # kernel checks (70B, RoPE, int8 activations); 4-bit A/B, side by side
+#   bash scripts/gpu_session.sh session6 check|bench # tensor-core path: checks, Nsight; decode at batch 1-8, server
 #   bash scripts/gpu_session.sh ncu      # Nsight kernel times: 4-bit float vs int8 activations, 8-bit, launch shapes
 # Multi-GPU runs (2+ GPUs): scripts/multi_gpu.sh.
 # MLXCEL=path/to/mlxcel (default .gpu/bin/mlxcel); OUT=results folder (default ./gpu-out).
@@ -148,6 +149,55 @@ session4)
     step "mlxcel vs mlx-lm, 4-bit"; timeout 200 python3 scripts/bench_side_by_side.py --mlxcel $B "$CK/8b-q4" 2>/dev/null | tee "$OUT/side-q4.txt"
     step "generate 4-bit (load-time warm-up, kernel cache warm)"
     $B generate -m "$CK/8b-q4" -n 256 --ignore-eos -p hello 2>&1 | grep -E -o 'warmed up.*|generated: .*tok/s'
+    ;;
+  esac
+  ;;
+session6)
+  # the sixth session's tensor-core path (MMA, 4-bit at batch 2-8), two calls under 10
+  # minutes each: `session6 check` (kernel checks, Nsight) then `session6 bench` (decode
+  # at batch 1-8, MMA on / off / also at batch 1, alternated; a server at 1-8 streams)
+  case "${2:-check}" in
+  check)
+    step "qgemv --quick at M = 1, 2, 4, 8 (tensor cores from M = 2)"
+    timeout 150 python3 scripts/check_qgemv.py --quick --ms 1,2,4,8 2>&1 | tee "$OUT/check-quick.txt" | tail -40
+    step "qgemv: every 8B shape, M = 2 and 8"
+    timeout ${CHECK_S:-200} python3 scripts/check_qgemv.py --only 8B --ms 2,8 2>&1 | tee "$OUT/check-8b.txt" | tail -80
+    for mode in defaults mma; do
+      step "Nsight: prof_qgemv.py --$mode"
+      timeout ${NCU_S:-200} ncu --clock-control none --metrics gpu__time_duration.sum -k regex:'qgemv|qmv|qmm|gemv' \
+        python3 scripts/prof_qgemv.py --$mode > "$OUT/ncu-$mode.txt" 2>&1
+      python3 scripts/prof_qgemv.py --parse "$OUT/ncu-$mode.txt" | tee "$OUT/ncu-$mode-parsed.txt"
+    done
+    ;;
+  bench)
+    $B generate -n 1 >/dev/null 2>&1
+    [ -f "$CK/c8b-q4/config.json" ] || { python3 scripts/make_random_checkpoint.py --shape llama3-8b --out "$CK/c8b" \
+      --tokenizer-from "$MLXCEL_CACHE/demo-llama-v2" --config-only && python3 - "$CK" <<'PY'
+import json, os, shutil, sys
+ck = sys.argv[1]; src, dst = f"{ck}/c8b", f"{ck}/c8b-q4"
+os.makedirs(dst, exist_ok=True)
+for f in os.listdir(src): shutil.copy(f"{src}/{f}", dst)
+c = json.load(open(f"{dst}/config.json")); c["quantization"] = {"group_size": 64, "bits": 4}
+json.dump(c, open(f"{dst}/config.json", "w"))
+PY
+    }
+    step "decode 8B 4-bit (dummy weights), batch 1, 2, 4, 8: MMA default (batch >= 2), off, also at batch 1"
+    for r in 1 2; do for e in "X=1" "MLXCEL_QGEMV_MMA=0" "MLXCEL_QGEMV_MMA=1"; do
+      echo "[$e] run $r: $(env $e $B bench -m "$CK/c8b-q4" --load-format dummy --prompt-lens 128 --decode-tokens 256 \
+        --decode-batch 2,4,8 --repeats 1 2>/dev/null | tail -1 | python3 -c 'import json,sys; d=json.load(sys.stdin)
+print("b1", round(d["decode"]["tokens_per_second"],1), " ".join("b%d %.1f" % (x["batch"], x["tokens_per_second"]) for x in d["decode_batched"]), "tok/s; b1 host", {k: round(v,3) for k,v in d["decode"]["host_per_token"].items()})')"
+    done; done 2>&1 | tee "$OUT/mma-decode.txt"
+    step "fixtures, one GPU"; timeout 150 python3 scripts/check_fixtures.py $B -n 12 2>&1 | tail -4
+    step "server 8B 4-bit (dummy), 1/4/8 streams, MMA default vs off"
+    S=${MLXCEL_SERVER:-$(dirname $B)/mlxcel-server}
+    for e in "X=1" "MLXCEL_QGEMV_MMA=0"; do
+      env $e $S -m "$CK/c8b-q4" --load-format dummy --port 8126 --parallel 8 --ctx-size 2048 > "$OUT/server6.log" 2>&1 &
+      spid=$!
+      for i in $(seq 150); do curl -sf localhost:8126/health >/dev/null && break; sleep 1; done
+      echo "[$e] $(grep -o 'warmed up.*' "$OUT/server6.log" | head -1)"
+      python3 scripts/bench_server.py --port 8126 --concurrency 1,4,8 --max-tokens 128 2>&1 | tail -5
+      kill $spid; wait $spid 2>/dev/null
+    done 2>&1 | tee "$OUT/mma-server.txt"
     ;;
   esac
   ;;

@@ -4,22 +4,27 @@ for timing under Nsight Compute, which reports the kernel time itself (wall-cloc
 timing from Python measures MLX's per-op host overhead as much as the kernel):
 
     ncu --clock-control none --metrics gpu__time_duration.sum \
-        -k regex:'qgemv|qmv' python3 scripts/prof_qgemv.py > ncu.txt
+        -k regex:'qgemv|qmv|qmm' python3 scripts/prof_qgemv.py [--defaults|--mma] > ncu.txt
     python3 scripts/prof_qgemv.py --parse ncu.txt
 
-`--defaults` launches only the shape mlxcel picks for each case (fast);
+Modes (8B shapes, group 64; `--70b` adds the 70B shapes):
+  (none)      the full sweep of the dp4a/FMA path's ROWS × WPB (hundreds of compiles)
+  --defaults  mlxcel's own launch per case (4 and 8 bits, M = 1, 2, 4, 8), plus at 4 bits
+              the dp4a path at M = 2, 4 and the tensor-core path at M = 1, for comparison
+  --mma       4-bit only: the tensor-core path's ROWS (16, 32) × WPB (4, 8) at M = 1, 2, 4, 8
 `MLXCEL_QGEMV_SOURCE=path` times another version of the kernel file (the same
-variable mlxcel reads). 4-bit launches run twice: float math and int8 activations (XQ).
-Kernel names carry the template values: ..._M_N_K_G_BITS_ROWS_WPB_EPI_NORM_EPS_XQ.
+variable mlxcel reads). Kernel names carry the template values:
+..._M_N_K_G_BITS_ROWS_WPB_EPI_NORM_EPS_XQ_MMA.
 """
 import os
 import pathlib
 import re
 import sys
 
-# --defaults: time only mlxcel's own launch shape per case (a few compiles, not hundreds)
-DEFAULTS = "--defaults" in sys.argv[1:]
+ARGS = sys.argv[1:]
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
+if "--70b" in ARGS:
+    SHAPES += [(10240, 8192), (8192, 8192), (57344, 8192), (8192, 28672), (128256, 8192)]
 
 
 def launch():
@@ -28,21 +33,37 @@ def launch():
     import check_qgemv as c
     k, _ = c.make_kernel(pathlib.Path(os.environ.get("MLXCEL_QGEMV_SOURCE", c.SOURCE)))
     for n, kk in SHAPES:
-        for bits in (4, 8):
+        for bits in ((4,) if "--mma" in ARGS else (4, 8)):
             wq, s, b = c.quantized(n, kk, 64, bits, 0)
             for m in (1, 2, 4, 8):
                 x = mx.random.normal((m, kk)).astype(mx.bfloat16)
-                if DEFAULTS:  # only the launch shape mlxcel picks (launch_config)
-                    cfgs = [(None, None)]
+                # (rows, wpb, mma); None: mlxcel's launch (launch_config)
+                if "--mma" in ARGS:
+                    cfgs = [(r, w, 1) for r in (16, 32) for w in (4, 8)]
+                elif "--defaults" in ARGS:
+                    cfgs = [None]
+                    if bits == 4 and m in (2, 4):
+                        cfgs.append((4, 4, 0))  # the dp4a path (mlxcel before the MMA path)
+                    if bits == 4 and m == 1:
+                        cfgs.append((16, 8, 1))
                 elif bits == 8 or m > 1:
-                    cfgs = [(2, 2), (4, 2), (4, 4)]
+                    cfgs = [(2, 2, 0), (4, 2, 0), (4, 4, 0)]
                 else:
-                    cfgs = [(r, w) for r in (1, 2, 4) for w in (1, 2, 4, 8)]
-                for xq in ((False, True) if bits == 4 else (False,)):
+                    cfgs = [(r, w, 0) for r in (1, 2, 4) for w in (1, 2, 4, 8)]
+                for xq in ((False, True) if bits == 4 and "--mma" not in ARGS and "--defaults" not in ARGS
+                           else (bits == 4,)):
                     c.XQ = xq  # read by c.qgemv for its template value
-                    for rows, wpb in cfgs:
+                    for cfg in cfgs:
+                        if cfg is not None and cfg[2] and not xq:
+                            continue
+                        if cfg is not None and (n % cfg[0] or (not c.XQ and m > 4 and cfg[2] == 0)):
+                            continue
+                        if cfg is None and m > 4 and not c.launch_config(m, n, kk, bits)[2]:
+                            continue  # mlxcel leaves this one to MLX
+                        rows, wpb, mma = cfg if cfg else (None, None, None)
                         for _ in range(2):
-                            mx.eval(c.qgemv(k, x, wq, s, b, 64, bits, rows, wpb))
+                            mx.eval(c.qgemv(k, x, wq, s, b, 64, bits, rows, wpb, mma=mma))
+                c.XQ = True
                 for _ in range(2):
                     mx.eval(mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=64, bits=bits))
                 mx.synchronize()
@@ -53,29 +74,30 @@ def parse(path):
     for line in open(path, errors="replace"):
         if "==PROF==" in line:
             continue
-        m = re.match(r"\s+(void )?(\S*(qgemv|qmv)\S*?)[(<]", line)
+        m = re.match(r"\s+(void )?(\S*(qgemv|qmv|qmm)\S*?)[(<]", line)
         if m:
             name = line.strip().split("(")[0]
             continue
         t = re.search(r"gpu__time_duration.sum\s+(\S+)\s+([\d.,]+)", line)
         if t and name:
             us = float(t.group(2).replace(",", "")) * (1e-3 if t.group(1) == "ns" else 1)
-            if "qmv" in name:  # MLX's kernel: same name for every shape, in launch order
-                qmv.append(us)
+            if "qgemv" not in name:  # MLX's kernels: same name for every shape, in launch order
+                qmv.append((name.split("::")[-1][:40], us))
             else:
                 best[name] = min(best.get(name, 1e9), us)
-    print("quantized_matmul (qmv), launch order (per shape: bits 4 then 8, M=1,2,4, 2 launches each; "
-          "MLX runs another kernel at M=8):")
-    print(" ".join(f"{u:.1f}" for u in qmv))
+    print("MLX's quantized_matmul, launch order (per shape and bits: M = 1, 2, 4, 8, 2 launches each):")
+    print(" ".join(f"{u:.1f}" for _, u in qmv))
+    print("kernels:", sorted({n for n, _ in qmv}))
     for name, us in best.items():
         m = re.search(r"qgemv_\w+?_t_(\d+)_(\d+)_(\d+)_(\d+)_(\d+)_(\d+)_(\d+)"
-                      r"(?:_(\d+)_(\d+)_(-?\d+)_(\d+))?", name)
+                      r"(?:_(\d+)_(\d+)_(-?\d+)_(\d+)(?:_(\d+))?)?", name)
         if m:
             M, N, K, G, B, R, W = map(int, m.groups()[:7])
             xq = m.group(11) == "1"
+            mma = m.group(12) == "1"
             byts = N * K * B / 8 + 2 * 2 * N * K / G
-            print(f"qgemv M={M} N={N} K={K} bits={B} ROWS={R} WPB={W}{' XQ' if xq else ''}: "
-                  f"{us:.1f} us {byts / us / 1e6:.2f} TB/s")
+            print(f"qgemv M={M} N={N} K={K} bits={B} ROWS={R} WPB={W}{' XQ' if xq else ''}"
+                  f"{' MMA' if mma else ''}: {us:.1f} us {byts / us / 1e6:.2f} TB/s")
         else:
             print(f"{name[:90]}: {us:.1f} us")
 

@@ -55,13 +55,43 @@ static Dim blockDim;
 static std::barrier<>* g_barrier = nullptr;
 static std::vector<float> g_shfl;
 static void __syncthreads() { g_barrier->arrive_and_wait(); }
-static float __shfl_xor_sync(unsigned, float v, int o) {
-  int t = threadIdx.x;
-  g_shfl[t] = v;
+struct uint2 { uint32_t x, y; };
+// v of thread `src` of the block (all threads take part, as in a warp shuffle)
+template <class V> static V shfl_from(V v, unsigned src) {
+  static_assert(sizeof(V) == 4);
+  const unsigned t = threadIdx.x;
+  std::memcpy(&g_shfl[t], &v, 4);
   g_barrier->arrive_and_wait();
-  float r = g_shfl[t ^ o];
+  V r;
+  std::memcpy(&r, &g_shfl[src], 4);
   g_barrier->arrive_and_wait();
   return r;
+}
+static float __shfl_xor_sync(unsigned, float v, int o) { return shfl_from(v, threadIdx.x ^ o); }
+static int __shfl_xor_sync(unsigned, int v, int o) { return shfl_from(v, threadIdx.x ^ o); }
+static float __shfl_sync(unsigned, float v, int lane) { return shfl_from(v, (threadIdx.x & ~31u) | lane); }
+// mma.sync.m16n8k32 s8·s8 + s32 of one warp: every lane posts its fragments, then
+// computes its four outputs from the warp's (layouts as in the PTX ISA)
+static std::vector<uint32_t> g_mma;
+static void mlxcel_emulated_mma(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                uint32_t b0, uint32_t b1) {
+  const unsigned t = threadIdx.x;
+  const uint32_t mine[6] = {a0, a1, a2, a3, b0, b1};
+  std::memcpy(&g_mma[6 * t], mine, sizeof mine);
+  g_barrier->arrive_and_wait();
+  const unsigned base = t & ~31u, lane = t & 31u, gid = lane >> 2, tg = lane & 3;
+  auto byte = [&](unsigned owner, int reg, int k) { return int(int8_t(g_mma[6 * (base + owner) + reg] >> (8 * (k % 4)))); };
+  auto A = [&](int row, int k) { return byte((row % 8) * 4 + (k % 16) / 4, (row >= 8) + 2 * (k >= 16), k); };
+  auto B = [&](int k, int col) { return byte(col * 4 + (k % 16) / 4, 4 + (k >= 16), k); };
+  int r[4];
+  for (int i = 0; i < 4; ++i) {
+    const int row = gid + (i >= 2 ? 8 : 0), col = 2 * tg + (i & 1);
+    int d = 0;
+    for (int k = 0; k < 32; ++k) d += A(row, k) * B(k, col);
+    r[i] = c[i] + d;
+  }
+  g_barrier->arrive_and_wait();
+  for (int i = 0; i < 4; ++i) c[i] = r[i];
 }
 "#;
 
@@ -99,6 +129,7 @@ int main() {
   const int tpb = 32 * WPB;
   blockDim.x = tpb;
   g_shfl.assign(tpb, 0.f);
+  g_mma.assign(6 * tpb, 0u);
   for (int blk = 0; blk < N / ROWS; ++blk) {
     std::barrier<> bar(tpb);
     g_barrier = &bar;
@@ -202,6 +233,7 @@ fn run(tag: &str, consts: &[(&str, usize)]) {
         ("NORM", 0),
         ("EPS_BITS", 1e-5f32.to_bits() as usize),
         ("XQ", 0),
+        ("MMA", 0),
         ("NAN_X", 0),
     ] {
         if !consts.iter().any(|(n, _)| *n == name) {
@@ -544,5 +576,73 @@ fn qgemv_int8_activations_match() {
             ("NQ", 4),
             ("XQ", 1),
         ],
+    );
+}
+
+/// The tensor-core path (`MMA = 1`: 16-row tiles, `mma.sync.m16n8k32` emulated lane by
+/// lane as the PTX ISA lays out its fragments) with 4-bit weights and int8 x.
+fn mma(
+    m: usize,
+    n: usize,
+    k: usize,
+    g: usize,
+    rows: usize,
+    wpb: usize,
+) -> Vec<(&'static str, usize)> {
+    vec![
+        ("M", m),
+        ("N", n),
+        ("K", k),
+        ("G", g),
+        ("BITS", 4),
+        ("ROWS", rows),
+        ("WPB", wpb),
+        ("XQ", 1),
+        ("MMA", 1),
+    ]
+}
+
+#[test]
+fn qgemv_mma_matches_dequantize_matmul() {
+    // every batch size from 1 to 8 (the padding columns of B are zero), group 64
+    for m in 1..=8 {
+        run(&format!("mma_m{m}"), &mma(m, 32, 512, 64, 16, 2));
+    }
+    // two tiles per block; groups 32 and 128 (one and four words per lane and group)
+    run("mma_g32_tiles2", &mma(3, 64, 256, 32, 32, 2));
+    run("mma_g128", &mma(8, 32, 1024, 128, 16, 2));
+    // groups per row (9) not a multiple of the warps (2): the last warp's tail is zero
+    run("mma_tail", &mma(5, 16, 576, 64, 16, 2));
+    // a warp with more groups than loads in flight (ST = 4 of 6)
+    run("mma_deep", &mma(2, 16, 768, 64, 16, 2));
+}
+
+#[test]
+fn qgemv_mma_epilogues_match() {
+    let with = |mut c: Vec<(&'static str, usize)>, extra: &[(&'static str, usize)]| {
+        c.extend_from_slice(extra);
+        c
+    };
+    run(
+        "mma_residual",
+        &with(mma(6, 32, 512, 64, 16, 2), &[("EPI", 1)]),
+    );
+    // SwiGLU over a block's 16 gate rows and 16 up rows, with the norm
+    run(
+        "mma_norm_swiglu",
+        &with(mma(4, 64, 512, 64, 32, 2), &[("EPI", 2), ("NORM", 1)]),
+    );
+    // RoPE: 4 query, 2 key, 2 value heads of 16; row 1 at position 70000
+    run(
+        "mma_rope_norm",
+        &with(
+            mma(7, 8 * 16, 512, 64, 16, 2),
+            &[("NORM", 1), ("HD", 16), ("NQ", 4)],
+        ),
+    );
+    // a NaN in row 0 of x makes all of row 0 NaN
+    run(
+        "mma_nan",
+        &with(mma(2, 16, 256, 64, 16, 1), &[("NAN_X", 1)]),
     );
 }

@@ -12,10 +12,9 @@ use std::sync::OnceLock;
 use super::fast::CudaKernel;
 use super::{Array, Backend, Dtype, MlxError, Result};
 
-/// Largest batch (rows of x) the kernel is used for: at M ≤ 4 it beats MLX's
-/// kernel on every 8B shape measured; at M = 8 it is slower per byte (its FMAs
-/// per weight grow with M).
-pub const MAX_M: usize = 4;
+/// Largest batch (rows of x) the kernel is used for: up to [`DP4A_MAX_M`] on every
+/// path, above it on the tensor-core path only (see [`supports`]).
+pub const MAX_M: usize = 8;
 
 const EMBEDDED: &str = include_str!("../../kernels/qgemv.cu");
 const HEADER_MARK: &str = "// @@header\n";
@@ -128,6 +127,8 @@ pub fn enabled() -> bool {
 }
 
 /// Whether the kernel covers `x [m, k] · w [n, k]ᵀ` with these bits, group and dtypes.
+/// Batches above [`DP4A_MAX_M`] only on the tensor-core path ([`Launch::mma`]): the
+/// other one is slower than MLX's kernel there.
 pub fn supports(
     m: usize,
     n: usize,
@@ -149,18 +150,26 @@ pub fn supports(
         && group.is_multiple_of(vpc)
         && k.is_multiple_of(group)
         && dtypes == [Dtype::BF16, Dtype::BF16]
+        && (m <= DP4A_MAX_M || launch_config(m, n, k, group, bits).mma)
 }
 
-/// Rows per block and warps per block, from Nsight Compute timings on H200
-/// (docs/benchmarks.md): 4-bit M = 1 with float math is fastest with 2 rows (4 for
-/// the wide gate/up and lm_head) and 2 warps; 8-bit and M > 1 with 4 rows and 4
-/// warps. With int8 activations ([`int8_activations`]) a block quantizes its chunks
-/// of x once for all its rows, so 4-bit takes 4 rows at every M. A thread holds
-/// ROWS × (its chunks of a row) 16-byte weight loads in registers; above
-/// [`MAX_LOADS_PER_THREAD`] (a 70B down projection, K = 28672) the block gets more
-/// warps instead, which ptxas showed keeps those launches free of register spills.
-pub fn launch_config(m: usize, n: usize, k: usize, bits: usize) -> (usize, usize) {
-    launch_config_for(m, n, k, bits, xq(bits))
+/// Largest batch the kernel's dp4a/FMA path is used for: at M ≤ 4 it beats MLX's
+/// kernel on every 8B shape measured; at M = 8 it is slower per byte (its instructions
+/// per weight grow with M). Larger batches up to [`MAX_M`] take the tensor-core path.
+pub const DP4A_MAX_M: usize = 4;
+
+/// How the kernel is launched: rows per block, warps per block, and whether it runs the
+/// tensor-core path (template constant `MMA`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Launch {
+    pub rows: usize,
+    pub wpb: usize,
+    pub mma: bool,
+}
+
+/// The launch for `x [m, k] · w [n, k]ᵀ` on this machine (see [`launch_config_for`]).
+pub fn launch_config(m: usize, n: usize, k: usize, group: usize, bits: usize) -> Launch {
+    launch_config_for(m, n, k, group, bits, xq(bits), mma_min_m())
 }
 
 /// The template constant `XQ` for these bits: int8 activations for 4-bit weights.
@@ -168,16 +177,101 @@ fn xq(bits: usize) -> bool {
     bits == 4 && int8_activations()
 }
 
+/// Smallest batch that takes the tensor-core path, `None` where it cannot run: MLX's
+/// CUDA backend on a GPU of compute capability ≥ 8.0 (`mma.sync.m16n8k32` with int8),
+/// int8 activations on. `MLXCEL_QGEMV_MMA=0` turns the path off, `MLXCEL_QGEMV_MMA=n`
+/// (1–8) uses it from batch n (default [`MMA_MIN_M`]).
+fn mma_min_m() -> Option<usize> {
+    static MIN: OnceLock<Option<usize>> = OnceLock::new();
+    *MIN.get_or_init(|| {
+        let capable = super::backend() == Backend::Cuda
+            && int8_activations()
+            && super::device_info(0).is_ok_and(|d| sm_version(&d.architecture) >= Some(80));
+        let choice = std::env::var("MLXCEL_QGEMV_MMA").ok();
+        mma_choice(capable, choice.as_deref())
+    })
+}
+
+/// [`mma_min_m`] from whether the GPU can run it and `MLXCEL_QGEMV_MMA`.
+fn mma_choice(capable: bool, var: Option<&str>) -> Option<usize> {
+    match var.map(str::trim) {
+        _ if !capable => None,
+        Some("0") => None,
+        Some(v) => match v.parse::<usize>() {
+            Ok(n) if (1..=MAX_M).contains(&n) => Some(n),
+            _ => Some(MMA_MIN_M),
+        },
+        None => Some(MMA_MIN_M),
+    }
+}
+
+/// `sm_90` → 90 (MLX's device architecture string).
+fn sm_version(arch: &str) -> Option<u32> {
+    arch.trim()
+        .strip_prefix("sm_")?
+        .trim_end_matches(|c: char| c.is_ascii_alphabetic())
+        .parse()
+        .ok()
+}
+
+/// Smallest batch on the tensor-core path by default.
+pub const MMA_MIN_M: usize = 2;
+
 /// Weight loads (16 bytes each) one thread may keep in flight: ptxas (sm_90) fits 28
 /// of them without spilling at every M ≤ 4 with int8 activations and at 8 bits.
 pub const MAX_LOADS_PER_THREAD: usize = 28;
 
 /// Rows per block (what the epilogues' pairing depends on; not on K).
-pub fn rows_per_block(m: usize, n: usize, bits: usize) -> usize {
-    launch_config_for(m, n, 0, bits, xq(bits)).0
+pub fn rows_per_block(m: usize, n: usize, group: usize, bits: usize) -> usize {
+    launch_config(m, n, 0, group, bits).rows
 }
 
-fn launch_config_for(m: usize, n: usize, k: usize, bits: usize, xq: bool) -> (usize, usize) {
+/// Rows per block and warps per block.
+///
+/// Tensor-core path (4-bit, int8 activations, group 32/64/128, `m ≥ mma_min`, n a
+/// multiple of 16): one 16-row tile per block, two for wide matrices (n ≥ 16384: the
+/// gate/up and lm_head projections), so a warp's rounding of x serves more rows while
+/// there are still enough blocks for every SM; the warps split the row's groups, at
+/// least four groups each where the row has them, at most 8 warps.
+///
+/// Otherwise, from Nsight Compute timings on H200 (docs/benchmarks.md): 4-bit M = 1
+/// with float math is fastest with 2 rows (4 for the wide gate/up and lm_head) and 2
+/// warps; 8-bit and M > 1 with 4 rows and 4 warps. With int8 activations
+/// ([`int8_activations`]) a block quantizes its chunks of x once for all its rows, so
+/// 4-bit takes 4 rows at every M. A thread holds ROWS × (its chunks of a row) 16-byte
+/// weight loads in registers; above [`MAX_LOADS_PER_THREAD`] (a 70B down projection,
+/// K = 28672) the block gets more warps.
+fn launch_config_for(
+    m: usize,
+    n: usize,
+    k: usize,
+    group: usize,
+    bits: usize,
+    xq: bool,
+    mma_min: Option<usize>,
+) -> Launch {
+    if xq
+        && bits == 4
+        && matches!(group, 32 | 64 | 128)
+        && mma_min.is_some_and(|min| (min..=MAX_M).contains(&m))
+        && n.is_multiple_of(16)
+    {
+        let rows = if n >= 16384 && n.is_multiple_of(32) {
+            32
+        } else {
+            16
+        };
+        let groups = k / group;
+        let mut wpb = 8;
+        while wpb > 1 && groups < 4 * wpb {
+            wpb /= 2;
+        }
+        return Launch {
+            rows,
+            wpb,
+            mma: true,
+        };
+    }
     let fit = |r: usize| {
         if n.is_multiple_of(r) {
             r
@@ -196,7 +290,11 @@ fn launch_config_for(m: usize, n: usize, k: usize, bits: usize, xq: bool) -> (us
     while wpb < 8 && rows * chunks.div_ceil(32 * wpb) > MAX_LOADS_PER_THREAD {
         wpb *= 2;
     }
-    (rows, wpb)
+    Launch {
+        rows,
+        wpb,
+        mma: false,
+    }
 }
 
 /// What the kernel writes besides `x · Wᵀ` (its template constant `EPI`): each fused
@@ -254,7 +352,7 @@ pub fn qgemv(
         )));
     }
     let src = source()?;
-    let (rows, wpb) = launch_config(m, n, k, bits);
+    let Launch { rows, wpb, mma } = launch_config(m, n, k, group, bits);
     if matches!(epi, Epilogue::SwiGlu) && rows % 2 != 0 {
         return Err(MlxError::Invalid(format!(
             "qgemv: SwiGLU needs an even number of rows per block, got {rows} for n = {n}"
@@ -276,13 +374,13 @@ pub fn qgemv(
     };
     let (nw, eps) = norm_input("qgemv", norm, x, k)?;
     // built once: this runs for every quantized linear of every decode step
-    static NAMES: OnceLock<([String; 6], [String; 1], [String; 11])> = OnceLock::new();
+    static NAMES: OnceLock<([String; 6], [String; 1], [String; 12])> = OnceLock::new();
     let (inputs, outputs, tnames) = NAMES.get_or_init(|| {
         (
             ["x", "w", "scales", "biases", "res", "nw"].map(String::from),
             ["y".to_string()],
             [
-                "M", "N", "K", "G", "BITS", "ROWS", "WPB", "EPI", "NORM", "EPS_BITS", "XQ",
+                "M", "N", "K", "G", "BITS", "ROWS", "WPB", "EPI", "NORM", "EPS_BITS", "XQ", "MMA",
             ]
             .map(String::from),
         )
@@ -306,6 +404,7 @@ pub fn qgemv(
         norm.is_some() as usize,
         eps.to_bits() as usize, // 0 without a norm
         xq(bits) as usize,
+        mma as usize,
     ]
     .map(|v| v as i32);
     let mut out = kernel.call(
@@ -345,12 +444,19 @@ fn norm_input<'a>(
 /// Whether [`qgemv_rope`] covers a merged q/k/v weight of `n` rows for `nq` query heads
 /// of `head_dim` values at batch `m` (besides [`supports`]): whole heads, as many key
 /// as value heads, and pairs of rows (d, d + head_dim/2) dividing evenly into blocks.
-pub fn supports_rope(m: usize, n: usize, bits: usize, nq: usize, head_dim: usize) -> bool {
+pub fn supports_rope(
+    m: usize,
+    n: usize,
+    group: usize,
+    bits: usize,
+    nq: usize,
+    head_dim: usize,
+) -> bool {
     if head_dim == 0 || !head_dim.is_multiple_of(2) || !n.is_multiple_of(head_dim) {
         return false;
     }
     let heads = n / head_dim;
-    let rows = rows_per_block(m, n, bits);
+    let rows = rows_per_block(m, n, group, bits);
     heads > nq
         && (heads - nq).is_multiple_of(2)
         && rows.is_multiple_of(2)
@@ -381,7 +487,7 @@ pub fn qgemv_rope(
     let n = w.dim(0) as usize;
     let k = w.dim(1) as usize * 32 / bits;
     let m = x.size() / k.max(1);
-    if x.size() != m * k || !supports_rope(m, n, bits, nq, head_dim) {
+    if x.size() != m * k || !supports_rope(m, n, group, bits, nq, head_dim) {
         return Err(MlxError::Invalid(format!(
             "qgemv_rope: x of {} elements, a [{n}, {k}] weight and {nq} query heads of \
              {head_dim} do not fit",
@@ -405,14 +511,15 @@ pub fn qgemv_rope(
     }
     let (nw, eps) = norm_input("qgemv_rope", norm, x, k)?;
     let src = source()?;
-    let (rows, wpb) = launch_config(m, n, k, bits);
-    static NAMES: OnceLock<([String; 7], [String; 2], [String; 12])> = OnceLock::new();
+    let Launch { rows, wpb, mma } = launch_config(m, n, k, group, bits);
+    static NAMES: OnceLock<([String; 7], [String; 2], [String; 13])> = OnceLock::new();
     let (inputs, outputs, tnames) = NAMES.get_or_init(|| {
         (
             ["x", "w", "scales", "biases", "nw", "pos", "inv_freq"].map(String::from),
             ["q", "kv"].map(String::from),
             [
                 "M", "N", "K", "G", "BITS", "ROWS", "WPB", "NORM", "EPS_BITS", "HD", "NQ", "XQ",
+                "MMA",
             ]
             .map(String::from),
         )
@@ -438,6 +545,7 @@ pub fn qgemv_rope(
         head_dim,
         nq,
         xq(bits) as usize,
+        mma as usize,
     ]
     .map(|v| v as i32);
     let (mi, hd) = (m as i32, head_dim as i32);
@@ -505,7 +613,11 @@ mod tests {
         assert!(supports(1, 6144, 4096, 64, 4, bf));
         assert!(supports(4, 4096, 14336, 32, 8, bf));
         assert!(supports(1, 4096, 3584, 128, 4, bf)); // Qwen2-7B hidden size
-        assert!(!supports(5, 4096, 4096, 64, 4, bf)); // batch above MAX_M
+        assert!(!supports(MAX_M + 1, 4096, 4096, 64, 4, bf)); // batch above MAX_M
+        if mma_min_m().is_none() {
+            // no tensor-core path here (CPU): batches above the dp4a path's limit are MLX's
+            assert!(!supports(DP4A_MAX_M + 1, 4096, 4096, 64, 4, bf));
+        }
         assert!(!supports(0, 4096, 4096, 64, 4, bf));
         assert!(!supports(1, 4096, 4096, 64, 3, bf)); // 3-bit: MLX's kernel
         assert!(!supports(1, 4096, 4096, 16, 4, bf)); // group < 32 values per load
@@ -513,6 +625,13 @@ mod tests {
         assert!(!supports(1, 4096, 4104, 8, 8, bf)); // K not a multiple of 16
         assert!(!supports(1, 4096, 4096, 64, 4, [Dtype::F16, Dtype::F16]));
         assert!(!supports(1, 4096, 4096, 64, 4, [Dtype::BF16, Dtype::F32]));
+    }
+
+    /// (rows, wpb) of the dp4a/FMA path (no tensor cores), group 64.
+    fn dp(m: usize, n: usize, k: usize, bits: usize, xq: bool) -> (usize, usize) {
+        let l = launch_config_for(m, n, k, 64, bits, xq, None);
+        assert!(!l.mma);
+        (l.rows, l.wpb)
     }
 
     #[test]
@@ -529,28 +648,28 @@ mod tests {
             (1, 6146, 4),
         ] {
             for xq in [false, true] {
-                let (rows, wpb) = launch_config_for(m, n, 4096, bits, xq);
+                let (rows, wpb) = dp(m, n, 4096, bits, xq);
                 assert_eq!(n % rows, 0, "m={m} n={n} bits={bits} rows={rows}");
                 assert!([1, 2, 4].contains(&rows) && [2, 4].contains(&wpb));
             }
         }
-        assert_eq!(launch_config_for(1, 6144, 4096, 4, false), (2, 2));
-        assert_eq!(launch_config_for(1, 6144, 4096, 4, true), (4, 2));
-        assert_eq!(launch_config_for(1, 28672, 4096, 4, false), (4, 2));
-        assert_eq!(launch_config_for(1, 4096, 4096, 8, false), (4, 4));
-        assert_eq!(launch_config_for(2, 4097, 4096, 4, true), (1, 4));
+        assert_eq!(dp(1, 6144, 4096, 4, false), (2, 2));
+        assert_eq!(dp(1, 6144, 4096, 4, true), (4, 2));
+        assert_eq!(dp(1, 28672, 4096, 4, false), (4, 2));
+        assert_eq!(dp(1, 4096, 4096, 8, false), (4, 4));
+        assert_eq!(dp(2, 4097, 4096, 4, true), (1, 4));
         // loads per thread (rows × chunks per thread) stay within 28: more warps for long rows
-        assert_eq!(launch_config_for(1, 4096, 14336, 4, true), (4, 2)); // 8B down: 4 × 7
-        assert_eq!(launch_config_for(1, 8192, 28672, 4, true), (4, 4)); // 70B down
-        assert_eq!(launch_config_for(4, 8192, 28672, 8, false), (4, 8));
-        assert_eq!(launch_config_for(1, 8192, 28672, 4, false), (2, 2)); // float: 2 × 14
+        assert_eq!(dp(1, 4096, 14336, 4, true), (4, 2)); // 8B down: 4 × 7
+        assert_eq!(dp(1, 8192, 28672, 4, true), (4, 4)); // 70B down
+        assert_eq!(dp(4, 8192, 28672, 8, false), (4, 8));
+        assert_eq!(dp(1, 8192, 28672, 4, false), (2, 2)); // float: 2 × 14
         for &(m, n, k, bits) in &[
             (1, 8192, 28672, 4),
             (4, 8192, 28672, 8),
             (3, 4096, 14336, 8),
         ] {
             for xq in [false, true] {
-                let (rows, wpb) = launch_config_for(m, n, k, bits, xq);
+                let (rows, wpb) = dp(m, n, k, bits, xq);
                 let chunks = k / (128 / bits);
                 assert!(rows * chunks.div_ceil(32 * wpb) <= MAX_LOADS_PER_THREAD);
             }
@@ -558,15 +677,70 @@ mod tests {
     }
 
     #[test]
+    fn tensor_core_launches() {
+        let mma = |m, n, k, group, bits, xq| launch_config_for(m, n, k, group, bits, xq, Some(2));
+        let l = |rows, wpb| Launch {
+            rows,
+            wpb,
+            mma: true,
+        };
+        assert_eq!(mma(2, 6144, 4096, 64, 4, true), l(16, 8)); // 8B q/k/v: 64 groups, 8 each
+        assert_eq!(mma(8, 28672, 4096, 64, 4, true), l(32, 8)); // gate/up: two tiles
+        assert_eq!(mma(8, 128256, 4096, 64, 4, true), l(32, 8)); // lm_head (n / 32 whole)
+        assert_eq!(mma(4, 8192, 28672, 32, 4, true), l(16, 8));
+        assert_eq!(mma(3, 64, 512, 64, 4, true), l(16, 2)); // 8 groups: ≥ 4 per warp
+        assert_eq!(mma(3, 64, 128, 128, 4, true), l(16, 1));
+        // batch 1 (below the smallest MMA batch), 8 bits, float x, group 16, n not a
+        // multiple of 16: the dp4a/FMA path, and nothing above its batch limit
+        for (m, n, group, bits, xq) in [
+            (1, 6144, 64, 4, true),
+            (2, 6144, 64, 8, true),
+            (2, 6144, 64, 4, false),
+            (2, 6144, 16, 4, true),
+            (2, 6152, 64, 4, true),
+        ] {
+            assert!(
+                !mma(m, n, 4096, group, bits, xq).mma,
+                "{m} {n} {group} {bits} {xq}"
+            );
+        }
+        // every launch divides the rows into whole blocks, and SwiGLU/RoPE pairs evenly
+        for n in [
+            6144, 4096, 28672, 14336, 128256, 10240, 57344, 151_936, 16400,
+        ] {
+            for m in 2..=MAX_M {
+                let x = mma(m, n, 4096, 64, 4, true);
+                assert!(x.mma && n % x.rows == 0 && x.rows % 16 == 0, "{n} {x:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn tensor_core_path_choice() {
+        assert_eq!(mma_choice(true, None), Some(MMA_MIN_M));
+        assert_eq!(mma_choice(true, Some("0")), None);
+        assert_eq!(mma_choice(true, Some("1")), Some(1));
+        assert_eq!(mma_choice(true, Some(" 8 ")), Some(8));
+        assert_eq!(mma_choice(true, Some("9")), Some(MMA_MIN_M)); // not a batch size
+        assert_eq!(mma_choice(false, None), None);
+        assert_eq!(mma_choice(false, Some("1")), None); // the GPU cannot run it
+        assert_eq!(sm_version("sm_90"), Some(90));
+        assert_eq!(sm_version("sm_90a"), Some(90));
+        assert_eq!(sm_version("sm_75"), Some(75));
+        assert_eq!(sm_version("gfx90a"), None);
+        assert_eq!(sm_version(""), None);
+    }
+
+    #[test]
     fn rope_entry_point_needs_whole_heads_and_row_pairs() {
-        assert!(supports_rope(1, 6144, 4, 32, 128)); // Llama-3 8B: 32 q, 8 k, 8 v heads
-        assert!(supports_rope(4, 10240, 8, 64, 128)); // 70B
-        assert!(supports_rope(1, 5 * 128, 4, 3, 128)); // a TP rank's heads: 3 q, 1 k, 1 v
-        assert!(!supports_rope(1, 6144, 4, 33, 128)); // k and v head counts differ
-        assert!(!supports_rope(1, 6144, 4, 48, 128)); // no k/v heads left
-        assert!(!supports_rope(1, 6144 + 64, 4, 32, 128)); // not whole heads
-        assert!(!supports_rope(1, 6144, 4, 32, 0));
-        assert!(!supports_rope(1, 3 * 7, 4, 1, 7)); // odd head_dim
+        assert!(supports_rope(1, 6144, 64, 4, 32, 128)); // Llama-3 8B: 32 q, 8 k, 8 v heads
+        assert!(supports_rope(4, 10240, 64, 8, 64, 128)); // 70B
+        assert!(supports_rope(1, 5 * 128, 64, 4, 3, 128)); // a TP rank's heads: 3 q, 1 k, 1 v
+        assert!(!supports_rope(1, 6144, 64, 4, 33, 128)); // k and v head counts differ
+        assert!(!supports_rope(1, 6144, 64, 4, 48, 128)); // no k/v heads left
+        assert!(!supports_rope(1, 6144 + 64, 64, 4, 32, 128)); // not whole heads
+        assert!(!supports_rope(1, 6144, 64, 4, 32, 0));
+        assert!(!supports_rope(1, 3 * 7, 64, 4, 1, 7)); // odd head_dim
     }
 
     #[test]

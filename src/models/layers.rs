@@ -302,7 +302,7 @@ impl Linear {
         let fits = rope.dims as usize == head_dim
             && pos.size() == f.m
             && pos.dtype() == Dtype::I32
-            && mlx::qgemv::supports_rope(f.m, f.n, f.bits, nq, head_dim);
+            && mlx::qgemv::supports_rope(f.m, f.n, f.group, f.bits, nq, head_dim);
         fits.then(|| {
             mlx::qgemv::qgemv_rope(
                 x,
@@ -371,7 +371,7 @@ impl Linear {
             Epilogue::Residual(r) => r.dtype() == x.dtype() && r.size() == f.m * f.n,
             Epilogue::SwiGlu => {
                 f.n.is_multiple_of(2)
-                    && mlx::qgemv::rows_per_block(f.m, f.n, f.bits).is_multiple_of(2)
+                    && mlx::qgemv::rows_per_block(f.m, f.n, f.group, f.bits).is_multiple_of(2)
             }
             Epilogue::None => true,
         };
