@@ -72,11 +72,13 @@
 // words t·G/32 … of the group for rows g and g + 8 (one 4-, 8- or 16-byte load), and
 // MMA s takes word s of each of them: its low nibbles (0x0F0F0F0F mask) are A's k
 // positions 4t..4t+3, its high nibbles 16+4t..16+4t+3, and B's same positions are the
-// even and odd values of x at those words, which lane (g, t) rounds itself for row
-// m = g. The s32 accumulator starts at the bits of 1.5·2^23, so read as a float it
-// is 1.5·2^23 + D exactly (|D| ≤ G·15·127 < 2^22) and one subtraction converts it;
-// then, per group, Σ w·x ≈ scale·dq·D + bias·dq·Σ xq for the fragment's two rows and
-// two columns (rows 2t, 2t+1 of x, whose dq the lanes of those rows share by shuffles).
+// even and odd values of x at those words. The warp's lanes round x for a group
+// together (one 8-value word of one row each, the max over a row's words by
+// shuffles) into shared memory, from where each lane reads its B fragments. The s32
+// accumulator starts at the bits of 1.5·2^23, so read as a float it is 1.5·2^23 + D
+// exactly (|D| ≤ G·15·127 < 2^22) and one subtraction converts it; then, per group,
+// Σ w·x ≈ scale·dq·D + bias·dq·Σ xq for the fragment's two rows and two columns
+// (rows 2t and 2t + 1 of x). Loads run 2 groups ahead of the math.
 // @@header
 template <int BITS, int J>
 __device__ __forceinline__ float mlxcel_qval(uint32_t u) {
@@ -116,7 +118,7 @@ __device__ __forceinline__ float mlxcel_max_nan(float a, float b) {
 __device__ __forceinline__ void mlxcel_mma_s8(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
                                               uint32_t a3, uint32_t b0, uint32_t b1) {
 #if defined(__CUDA_ARCH__)
-  asm volatile(
+  asm(
       "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 "
       "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
       : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
@@ -224,14 +226,21 @@ __device__ __forceinline__ void mlxcel_qgemv(const T* x, const uint32_t* w, cons
   const uint4* nv = reinterpret_cast<const uint4*>(nw);
   if constexpr (MMA) {
     // tensor cores (see the top of the file): warp `warp` takes groups warp·GPW … of
-    // every row, for ROWS/16 tiles of 16 rows; lane (gq, t)
+    // every row, for ROWS/16 tiles of 16 rows; lane (gq, t) holds rows gq and gq + 8 of
+    // each tile. The warp's lanes first round x for a group together (word xw of the M
+    // rows' G/8 words of 8 values: one 16-byte load each) into shared memory, from where
+    // each lane reads its B fragments.
     static_assert(BITS == 4 && XQ == 1 && M <= 8 && ROWS % 16 == 0 && (G == 32 || G == 64 || G == 128),
                   "qgemv: MMA needs 4-bit weights, int8 activations, M <= 8, 16-row tiles, G 32/64/128");
     constexpr int TILES = ROWS / 16;
     constexpr int WPT = G / 32;                   // words of a row per lane and group = MMAs per group
+    constexpr int WPG = G / 8;                    // words of a row per group
+    constexpr int WX = (M * WPG + 31) / 32;       // words of x a lane rounds per group
     constexpr int GPW = (GPR + WPB - 1) / WPB;    // groups per warp
-    constexpr int ST = GPW < 4 ? GPW : 4;         // groups whose loads a lane has in flight
+    constexpr int ST = GPW < 3 ? GPW : 3;         // groups whose loads a lane has in flight
     constexpr size_t KW = K / 8;                  // words per row
+    __shared__ uint2 xsm[WPB][2][8][WPG];         // x as int8 B fragments, two groups' worth
+    __shared__ float2 xsc[WPB][2][8];             // (dq, dq·Σ xq) per row of x and group
     const int gq = lane >> 2;
     const int t = lane & 3;
     size_t rows[TILES][2];
@@ -242,8 +251,10 @@ __device__ __forceinline__ void mlxcel_qgemv(const T* x, const uint32_t* w, cons
     }
     uint32_t wb[ST][TILES][2][WPT];
     float sb[ST][TILES][2], bb[ST][TILES][2];
-    // the weights, scales and biases of the warp's group j into stage j % ST (zero past
-    // the row's last group)
+    uint4 xb[ST][WX], nb[ST][NORM ? WX : 1];
+    // everything of the warp's group j into stage j % ST: the weights, scales and biases
+    // of the lane's rows, and the words of x (and of the norm weight) it rounds (zero past
+    // the row's last group and past the M rows of x)
     auto load = [&](int j) {
       const int gi = warp * GPW + j;
       const bool in = (GPR % WPB) == 0 || gi < GPR;
@@ -253,7 +264,7 @@ __device__ __forceinline__ void mlxcel_qgemv(const T* x, const uint32_t* w, cons
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           if (in) {
-            mlxcel_load_words<WPT>(w + rows[i][h] * KW + size_t(gi) * (G / 8) + t * WPT, wb[st][i][h]);
+            mlxcel_load_words<WPT>(w + rows[i][h] * KW + size_t(gi) * WPG + t * WPT, wb[st][i][h]);
             sb[st][i][h] = static_cast<float>(scales[rows[i][h] * GPR + gi]);
             bb[st][i][h] = static_cast<float>(biases[rows[i][h] * GPR + gi]);
           } else {
@@ -266,6 +277,16 @@ __device__ __forceinline__ void mlxcel_qgemv(const T* x, const uint32_t* w, cons
           }
         }
       }
+#pragma unroll
+      for (int i = 0; i < WX; ++i) {
+        const int xw = lane + 32 * i;
+        const bool use = in && xw < M * WPG;
+        const size_t k0 = size_t(gi) * G + 8 * (xw % WPG);
+        xb[st][i] = use ? xv[(size_t(xw / WPG) * K + k0) / 8] : make_uint4(0u, 0u, 0u, 0u);
+        if constexpr (NORM) {
+          nb[st][i] = use ? nv[k0 / 8] : make_uint4(0u, 0u, 0u, 0u);
+        }
+      }
     };
     float acc[TILES][4];
 #pragma unroll
@@ -275,7 +296,11 @@ __device__ __forceinline__ void mlxcel_qgemv(const T* x, const uint32_t* w, cons
         acc[i][c] = 0.f;
       }
     }
-    float ssq = 0.f;  // NORM: Σ x² of row gq over this lane's values
+    float ssq[WX];  // NORM: Σ x² of this lane's words of x, row (lane + 32 i) / WPG
+#pragma unroll
+    for (int i = 0; i < WX; ++i) {
+      ssq[i] = 0.f;
+    }
 #pragma unroll
     for (int j = 0; j + 1 < ST; ++j) {
       load(j);
@@ -286,59 +311,58 @@ __device__ __forceinline__ void mlxcel_qgemv(const T* x, const uint32_t* w, cons
         load(j + ST - 1);
       }
       const int st = j % ST;
-      const int gi = warp * GPW + j;
-      const bool in = (GPR % WPB) == 0 || gi < GPR;
-      // this lane's 8·WPT values of x row gq in group gi (zero for the padding rows
-      // M..7 and past the last group), as int8 B fragments
-      float xs[8 * WPT];
-      const size_t k0 = size_t(gi) * G + 8 * t * WPT;
-      if (gq < M && in) {
+      const int buf = j & 1;
+      // round this lane's words of x: dq = max|x| / 127 over a row's group (the WPG
+      // lanes of a row are adjacent: xor-shuffles within them)
 #pragma unroll
-        for (int v = 0; v < WPT; ++v) {
-          mlxcel_bf16x8(xv[(size_t(gq) * K + k0) / 8 + v], xs + 8 * v);
-        }
+      for (int i = 0; i < WX; ++i) {
+        float xs[8];
+        mlxcel_bf16x8(xb[st][i], xs);
         if constexpr (NORM) {
+          float gs[8];
+          mlxcel_bf16x8(nb[st][i], gs);
 #pragma unroll
-          for (int v = 0; v < WPT; ++v) {
-            float gs[8];
-            mlxcel_bf16x8(nv[k0 / 8 + v], gs);
-#pragma unroll
-            for (int e = 0; e < 8; ++e) {
-              ssq = fmaf(xs[8 * v + e], xs[8 * v + e], ssq);
-              xs[8 * v + e] *= gs[e];
-            }
+          for (int e = 0; e < 8; ++e) {
+            ssq[i] = fmaf(xs[e], xs[e], ssq[i]);
+            xs[e] *= gs[e];
           }
         }
-      } else {
+        float amax = 0.f;
 #pragma unroll
-        for (int e = 0; e < 8 * WPT; ++e) {
-          xs[e] = 0.f;
+        for (int e = 0; e < 8; ++e) {
+          amax = mlxcel_max_nan(amax, fabsf(xs[e]));
+        }
+#pragma unroll
+        for (int o = 1; o < WPG; o <<= 1) {
+          amax = mlxcel_max_nan(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
+        }
+        const float inv = amax > 0.f ? 127.f / amax : 0.f;
+        const float dq = amax * (1.f / 127.f);
+        int e8, o8;
+        mlxcel_pack_i8(xs, inv, e8, o8);
+        int xsum = __dp4a(e8, 0x01010101, __dp4a(o8, 0x01010101, 0));
+#pragma unroll
+        for (int o = 1; o < WPG; o <<= 1) {
+          xsum += __shfl_xor_sync(0xFFFFFFFFu, xsum, o);
+        }
+        const int xw = lane + 32 * i;
+        if (xw < M * WPG) {
+          xsm[warp][buf][xw / WPG][xw % WPG] = make_uint2(uint32_t(e8), uint32_t(o8));
+          if (xw % WPG == 0) {
+            xsc[warp][buf][xw / WPG] = make_float2(dq, dq * static_cast<float>(xsum));
+          }
         }
       }
-      float amax = 0.f;
-#pragma unroll
-      for (int e = 0; e < 8 * WPT; ++e) {
-        amax = mlxcel_max_nan(amax, fabsf(xs[e]));
-      }
-      amax = mlxcel_max_nan(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 1));
-      amax = mlxcel_max_nan(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, 2));
-      const float inv = amax > 0.f ? 127.f / amax : 0.f;
-      const float dq = amax * (1.f / 127.f);
-      int xe[WPT], xo[WPT];
-      int xsum = 0;
+      __syncwarp();
+      // B fragments: row gq of x (zero for the padding rows), words t·WPT + v; the
+      // fragment's columns are rows 2t and 2t + 1
+      uint2 xf[WPT];
 #pragma unroll
       for (int v = 0; v < WPT; ++v) {
-        mlxcel_pack_i8(xs + 8 * v, inv, xe[v], xo[v]);
-        xsum = __dp4a(xe[v], 0x01010101, __dp4a(xo[v], 0x01010101, xsum));
+        xf[v] = gq < M ? xsm[warp][buf][gq][t * WPT + v] : make_uint2(0u, 0u);
       }
-      xsum += __shfl_xor_sync(0xFFFFFFFFu, xsum, 1);
-      xsum += __shfl_xor_sync(0xFFFFFFFFu, xsum, 2);
-      const float dqx = dq * static_cast<float>(xsum);
-      // the fragment's columns are rows 2t and 2t + 1 of x, rounded by lanes 8t and 8t + 4
-      const float dq0 = __shfl_sync(0xFFFFFFFFu, dq, 8 * t);
-      const float dq1 = __shfl_sync(0xFFFFFFFFu, dq, 8 * t + 4);
-      const float dx0 = __shfl_sync(0xFFFFFFFFu, dqx, 8 * t);
-      const float dx1 = __shfl_sync(0xFFFFFFFFu, dqx, 8 * t + 4);
+      const float2 c0 = 2 * t < M ? xsc[warp][buf][2 * t] : make_float2(0.f, 0.f);
+      const float2 c1 = 2 * t + 1 < M ? xsc[warp][buf][2 * t + 1] : make_float2(0.f, 0.f);
 #pragma unroll
       for (int i = 0; i < TILES; ++i) {
         int c[4] = {0x4B400000, 0x4B400000, 0x4B400000, 0x4B400000};
@@ -347,15 +371,15 @@ __device__ __forceinline__ void mlxcel_qgemv(const T* x, const uint32_t* w, cons
           const uint32_t u0 = wb[st][i][0][v];
           const uint32_t u1 = wb[st][i][1][v];
           mlxcel_mma_s8(c, u0 & 0x0F0F0F0Fu, u1 & 0x0F0F0F0Fu, (u0 >> 4) & 0x0F0F0F0Fu,
-                        (u1 >> 4) & 0x0F0F0F0Fu, uint32_t(xe[v]), uint32_t(xo[v]));
+                        (u1 >> 4) & 0x0F0F0F0Fu, xf[v].x, xf[v].y);
         }
         const float s0 = sb[st][i][0], s1 = sb[st][i][1];
         const float b0 = bb[st][i][0], b1 = bb[st][i][1];
         // a NaN in x makes dq NaN, an inf makes dq·0 NaN: both reach the output
-        acc[i][0] = fmaf(__int_as_float(c[0]) - 12582912.f, s0 * dq0, fmaf(b0, dx0, acc[i][0]));
-        acc[i][1] = fmaf(__int_as_float(c[1]) - 12582912.f, s0 * dq1, fmaf(b0, dx1, acc[i][1]));
-        acc[i][2] = fmaf(__int_as_float(c[2]) - 12582912.f, s1 * dq0, fmaf(b1, dx0, acc[i][2]));
-        acc[i][3] = fmaf(__int_as_float(c[3]) - 12582912.f, s1 * dq1, fmaf(b1, dx1, acc[i][3]));
+        acc[i][0] = fmaf(__int_as_float(c[0]) - 12582912.f, s0 * c0.x, fmaf(b0, c0.y, acc[i][0]));
+        acc[i][1] = fmaf(__int_as_float(c[1]) - 12582912.f, s0 * c1.x, fmaf(b0, c1.y, acc[i][1]));
+        acc[i][2] = fmaf(__int_as_float(c[2]) - 12582912.f, s1 * c0.x, fmaf(b1, c0.y, acc[i][2]));
+        acc[i][3] = fmaf(__int_as_float(c[3]) - 12582912.f, s1 * c1.x, fmaf(b1, c1.y, acc[i][3]));
       }
     }
     // this warp's part of each dot product, for the block's sum over warps below
@@ -371,10 +395,16 @@ __device__ __forceinline__ void mlxcel_qgemv(const T* x, const uint32_t* w, cons
       }
     }
     if constexpr (NORM) {
-      ssq += __shfl_xor_sync(0xFFFFFFFFu, ssq, 1);
-      ssq += __shfl_xor_sync(0xFFFFFFFFu, ssq, 2);
-      if (t == 0 && gq < M) {
-        red_ss[warp][gq] = ssq;
+#pragma unroll
+      for (int i = 0; i < WX; ++i) {
+#pragma unroll
+        for (int o = 1; o < WPG; o <<= 1) {
+          ssq[i] += __shfl_xor_sync(0xFFFFFFFFu, ssq[i], o);
+        }
+        const int xw = lane + 32 * i;
+        if (xw < M * WPG && xw % WPG == 0) {
+          red_ss[warp][xw / WPG] = ssq[i];
+        }
       }
     }
   } else {

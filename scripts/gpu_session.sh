@@ -21,6 +21,20 @@ mkdir -p "$OUT"
 export MLXCEL_CACHE=${MLXCEL_CACHE:-/root/.mlxcel-cache}
 ngpu=$(nvidia-smi -L | wc -l)
 step() { echo; echo "=== $*"; }
+# config.json of the 8B shape, 4-bit g64, for --load-format dummy (no weights written)
+q4cfg() {
+  [ -f "$CK/c8b-q4/config.json" ] && return
+  $B generate -n 1 >/dev/null 2>&1
+  python3 scripts/make_random_checkpoint.py --shape llama3-8b --out "$CK/c8b" \
+    --tokenizer-from "$MLXCEL_CACHE/demo-llama-v2" --config-only && python3 - "$CK" <<'PY'
+import json, os, shutil, sys
+ck = sys.argv[1]; src, dst = f"{ck}/c8b", f"{ck}/c8b-q4"
+os.makedirs(dst, exist_ok=True)
+for f in os.listdir(src): shutil.copy(f"{src}/{f}", dst)
+c = json.load(open(f"{dst}/config.json")); c["quantization"] = {"group_size": 64, "bits": 4}
+json.dump(c, open(f"{dst}/config.json", "w"))
+PY
+}
 case "${1:-checks}" in
 checks)
   step "nvidia-smi"; nvidia-smi --query-gpu=index,name,memory.used,memory.total,pci.bus_id --format=csv
@@ -169,18 +183,31 @@ session6)
       python3 scripts/prof_qgemv.py --parse "$OUT/ncu-$mode.txt" | tee "$OUT/ncu-$mode-parsed.txt"
     done
     ;;
+  mma2)
+    # the second version of the tensor-core path (x rounded by the warp together, loads
+    # 2 groups ahead) against the first (V1, a kernel file): check, Nsight at M = 2, 4, 8
+    V1=${V1:-$(dirname $B)/qgemv_v1.cu}
+    step "qgemv --quick at M = 2, 8"
+    timeout 120 python3 scripts/check_qgemv.py --quick --ms 2,8 2>&1 | tee "$OUT/check-quick2.txt" | tail -22
+    for src in kernels/qgemv.cu "$V1"; do
+      tag=$(basename "$src" .cu)
+      step "Nsight: prof_qgemv.py --mma --ms 2,4,8, $src"
+      MLXCEL_QGEMV_SOURCE=$src timeout ${NCU_S:-170} ncu --clock-control none --metrics gpu__time_duration.sum \
+        -k regex:'qgemv|qmv|qmm|gemv' python3 scripts/prof_qgemv.py --mma --ms 2,4,8 > "$OUT/ncu-mma-$tag.txt" 2>&1
+      python3 scripts/prof_qgemv.py --parse "$OUT/ncu-mma-$tag.txt" | tee "$OUT/ncu-mma-$tag-parsed.txt"
+    done
+    ;;
+  decode)
+    q4cfg
+    step "decode 8B 4-bit (dummy weights), batch 1, 2, 4, 8: MMA from batch 2 (default), off, from batch 5"
+    for r in 1 2; do for e in "MLXCEL_QGEMV_MMA=0" "X=1" "MLXCEL_QGEMV_MMA=5"; do
+      echo "[$e] run $r: $(env $e $B bench -m "$CK/c8b-q4" --load-format dummy --prompt-lens 128 --decode-tokens 256 \
+        --decode-batch 2,4,8 --repeats 1 2>/dev/null | tail -1 | python3 -c 'import json,sys; d=json.load(sys.stdin)
+print("b1", round(d["decode"]["tokens_per_second"],1), " ".join("b%d %.1f" % (x["batch"], x["tokens_per_second"]) for x in d["decode_batched"]), "tok/s")')"
+    done; done 2>&1 | tee "$OUT/mma-decode2.txt"
+    ;;
   bench)
-    $B generate -n 1 >/dev/null 2>&1
-    [ -f "$CK/c8b-q4/config.json" ] || { python3 scripts/make_random_checkpoint.py --shape llama3-8b --out "$CK/c8b" \
-      --tokenizer-from "$MLXCEL_CACHE/demo-llama-v2" --config-only && python3 - "$CK" <<'PY'
-import json, os, shutil, sys
-ck = sys.argv[1]; src, dst = f"{ck}/c8b", f"{ck}/c8b-q4"
-os.makedirs(dst, exist_ok=True)
-for f in os.listdir(src): shutil.copy(f"{src}/{f}", dst)
-c = json.load(open(f"{dst}/config.json")); c["quantization"] = {"group_size": 64, "bits": 4}
-json.dump(c, open(f"{dst}/config.json", "w"))
-PY
-    }
+    q4cfg
     step "decode 8B 4-bit (dummy weights), batch 1, 2, 4, 8: MMA default (batch >= 2), off, also at batch 1"
     for r in 1 2; do for e in "X=1" "MLXCEL_QGEMV_MMA=0" "MLXCEL_QGEMV_MMA=1"; do
       echo "[$e] run $r: $(env $e $B bench -m "$CK/c8b-q4" --load-format dummy --prompt-lens 128 --decode-tokens 256 \

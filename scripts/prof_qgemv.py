@@ -11,7 +11,9 @@ Modes (8B shapes, group 64; `--70b` adds the 70B shapes):
   (none)      the full sweep of the dp4a/FMA path's ROWS × WPB (hundreds of compiles)
   --defaults  mlxcel's own launch per case (4 and 8 bits, M = 1, 2, 4, 8), plus at 4 bits
               the dp4a path at M = 2, 4 and the tensor-core path at M = 1, for comparison
-  --mma       4-bit only: the tensor-core path's ROWS (16, 32) × WPB (4, 8) at M = 1, 2, 4, 8
+  --mma       4-bit only: the tensor-core path's ROWS (16, 32) × WPB (4, 8), and the dp4a
+              path's launch at M ≤ 4
+  --ms 2,4,8  the batch sizes (default 1, 2, 4, 8)
 `MLXCEL_QGEMV_SOURCE=path` times another version of the kernel file (the same
 variable mlxcel reads). Kernel names carry the template values:
 ..._M_N_K_G_BITS_ROWS_WPB_EPI_NORM_EPS_XQ_MMA.
@@ -22,6 +24,8 @@ import re
 import sys
 
 ARGS = sys.argv[1:]
+# --ms 2,4,8: the batch sizes to launch (default 1, 2, 4, 8)
+MS = tuple(int(v) for v in ARGS[ARGS.index("--ms") + 1].split(",")) if "--ms" in ARGS else (1, 2, 4, 8)
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
 if "--70b" in ARGS:
     SHAPES += [(10240, 8192), (8192, 8192), (57344, 8192), (8192, 28672), (128256, 8192)]
@@ -35,11 +39,13 @@ def launch():
     for n, kk in SHAPES:
         for bits in ((4,) if "--mma" in ARGS else (4, 8)):
             wq, s, b = c.quantized(n, kk, 64, bits, 0)
-            for m in (1, 2, 4, 8):
+            for m in MS:
                 x = mx.random.normal((m, kk)).astype(mx.bfloat16)
                 # (rows, wpb, mma); None: mlxcel's launch (launch_config)
                 if "--mma" in ARGS:
                     cfgs = [(r, w, 1) for r in (16, 32) for w in (4, 8)]
+                    if m <= 4:
+                        cfgs.append((4, 4 if m > 1 else 2, 0))  # the dp4a path, for comparison
                 elif "--defaults" in ARGS:
                     cfgs = [None]
                     if bits == 4 and m in (2, 4):

@@ -55,7 +55,11 @@ static Dim blockDim;
 static std::barrier<>* g_barrier = nullptr;
 static std::vector<float> g_shfl;
 static void __syncthreads() { g_barrier->arrive_and_wait(); }
+static void __syncwarp() { g_barrier->arrive_and_wait(); }
 struct uint2 { uint32_t x, y; };
+struct float2 { float x, y; };
+static uint2 make_uint2(uint32_t a, uint32_t b) { return {a, b}; }
+static float2 make_float2(float a, float b) { return {a, b}; }
 // v of thread `src` of the block (all threads take part, as in a warp shuffle)
 template <class V> static V shfl_from(V v, unsigned src) {
   static_assert(sizeof(V) == 4);
