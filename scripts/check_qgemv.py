@@ -9,7 +9,7 @@ Runs on a CUDA box with the `mlx` Python package (MLX's CUDA backend):
 
 For every shape (N, K) a Llama-3.1 8B / 70B decode step multiplies by, for 4 and 8
 bits, group sizes 32/64/128 (64 only past the first shape of each model) and batch
-M = 1 and 4 (`--ms`: mlxcel uses the kernel up to M = 8, the tensor-core path from M = 2
+M = 1 and 4 (`--ms`: mlxcel uses the kernel up to M = 8, the tensor-core path from M = 3
 at 4 bits), it quantizes a random bf16 weight
 with `mx.quantize` and compares the kernel with `mx.quantized_matmul` and with
 dequantize + matmul in float32 (the reference). Exit status 1 if any result is off.
@@ -81,15 +81,14 @@ def make_kernel(path):
 XQ = os.environ.get("MLXCEL_QGEMV_XQ", "1") != "0"  # as mlxcel: int8 activations for 4-bit
 
 
-MMA_MIN_M = int(os.environ.get("MLXCEL_QGEMV_MMA", "2") or "2")  # as mlxcel; 0: no tensor cores
+MMA_MIN_M = int(os.environ.get("MLXCEL_QGEMV_MMA", "3") or "3")  # as mlxcel; 0: no tensor cores
 
 
 def launch_config(m, n, k, bits, group=64):
     """ROWS, WPB and MMA as mlxcel picks them (src/mlx/qgemv.rs `launch_config_for`)."""
     if (XQ and bits == 4 and group in (32, 64, 128) and MMA_MIN_M and m >= MMA_MIN_M
             and n % 16 == 0):
-        rows = 32 if n >= 16384 and n % 32 == 0 else 16
-        wpb = 8
+        rows, wpb = (32, 4) if n >= 16384 and n % 32 == 0 else (16, 8)
         while wpb > 1 and k // group < 4 * wpb:
             wpb //= 2
         return rows, wpb, 1
@@ -282,7 +281,7 @@ def main():
     ap.add_argument("--skip", default="", help="comma-separated shape names to leave out (e.g. qkv,o)")
     ap.add_argument("--time", action="store_true", help="also wall-clock timing (host-bound)")
     ap.add_argument("--ms", default="1,4", type=lambda v: tuple(int(i) for i in v.split(",")),
-                    help="batch sizes M to check (default 1,4; the tensor-core path takes M ≥ 2 at 4 bits)")
+                    help="batch sizes M to check (default 1,4; the tensor-core path takes M ≥ 3 at 4 bits)")
     ap.add_argument("--sweep", action="store_true",
                     help="only time launch shapes (ROWS × WPB) on the 8B shapes, to pick defaults")
     args = ap.parse_args()

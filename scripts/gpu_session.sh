@@ -172,7 +172,7 @@ session6)
   # at batch 1-8, MMA on / off / also at batch 1, alternated; a server at 1-8 streams)
   case "${2:-check}" in
   check)
-    step "qgemv --quick at M = 1, 2, 4, 8 (tensor cores from M = 2)"
+    step "qgemv --quick at M = 1, 2, 4, 8 (tensor cores from M = 3 by default)"
     timeout 150 python3 scripts/check_qgemv.py --quick --ms 1,2,4,8 2>&1 | tee "$OUT/check-quick.txt" | tail -40
     step "qgemv: every 8B shape, M = 2 and 8"
     timeout ${CHECK_S:-200} python3 scripts/check_qgemv.py --only 8B --ms 2,8 2>&1 | tee "$OUT/check-8b.txt" | tail -80
@@ -199,16 +199,35 @@ session6)
     ;;
   decode)
     q4cfg
-    step "decode 8B 4-bit (dummy weights), batch 1, 2, 4, 8: MMA from batch 2 (default), off, from batch 5"
-    for r in 1 2; do for e in "MLXCEL_QGEMV_MMA=0" "X=1" "MLXCEL_QGEMV_MMA=5"; do
+    step "decode 8B 4-bit (dummy weights), batch 1, 2, 4, 8: MMA from batch 2, off (dp4a to batch 4, MLX above), from batch 5"
+    for r in 1 2; do for e in "MLXCEL_QGEMV_MMA=0" "MLXCEL_QGEMV_MMA=2" "MLXCEL_QGEMV_MMA=5"; do
       echo "[$e] run $r: $(env $e $B bench -m "$CK/c8b-q4" --load-format dummy --prompt-lens 128 --decode-tokens 256 \
         --decode-batch 2,4,8 --repeats 1 2>/dev/null | tail -1 | python3 -c 'import json,sys; d=json.load(sys.stdin)
 print("b1", round(d["decode"]["tokens_per_second"],1), " ".join("b%d %.1f" % (x["batch"], x["tokens_per_second"]) for x in d["decode_batched"]), "tok/s")')"
     done; done 2>&1 | tee "$OUT/mma-decode2.txt"
     ;;
+  final)
+    # the final binary and kernel: the 8B shapes the second version had not run on a GPU
+    # (o, gate/up, lm_head) and 70B q/k/v, down at M = 3 and 8; decode at batch 1-8; why
+    # the MMA path stalls (ncu sections of one launch each)
+    step "qgemv: 8B o, gate/up, lm_head and 70B q/k/v, down at M = 3, 8"
+    timeout 170 python3 scripts/check_qgemv.py --only 8B --skip qkv,down --ms 3,8 2>&1 | tee "$OUT/check-final-8b.txt" | grep -E "^\|" | tail -40
+    timeout 100 python3 scripts/check_qgemv.py --only 70B --skip o,gate_up,lm_head --ms 8 2>&1 | tee "$OUT/check-final-70b.txt" | grep -E "NO|^\| 70B [a-z_]+ [0-9×]+ \|" | tail -20
+    q4cfg
+    step "decode 8B 4-bit (dummy weights): final defaults, twice, and MLXCEL_QGEMV_MMA=0"
+    for e in "X=1" "MLXCEL_QGEMV_MMA=0" "X=1"; do
+      echo "[$e] $(env $e timeout 120 $B bench -m "$CK/c8b-q4" --load-format dummy --prompt-lens 128 --decode-tokens 256 \
+        --decode-batch 2,3,4,6,8 --repeats 1 2>/dev/null | tail -1 | python3 -c 'import json,sys; d=json.load(sys.stdin)
+print("b1", round(d["decode"]["tokens_per_second"],1), " ".join("b%d %.1f" % (x["batch"], x["tokens_per_second"]) for x in d["decode_batched"]), "tok/s")')"
+    done 2>&1 | tee "$OUT/decode-final.txt"
+    step "ncu sections: gate/up M = 1 (dp4a), 8 (MMA), down M = 8 (MMA)"
+    timeout 90 ncu --clock-control none --section SpeedOfLight --section Occupancy --section WarpStateStats \
+      -k regex:qgemv python3 scripts/prof_qgemv.py --stalls > "$OUT/ncu-stalls.txt" 2>&1
+    grep -E "custom_kernel|Duration|Memory Throughput|Achieved Occupancy|Registers Per|Theoretical Occupancy|Stall|Warp Cycles Per Issued|DRAM Through|Compute \(SM\)" "$OUT/ncu-stalls.txt" | head -60
+    ;;
   bench)
     q4cfg
-    step "decode 8B 4-bit (dummy weights), batch 1, 2, 4, 8: MMA default (batch >= 2), off, also at batch 1"
+    step "decode 8B 4-bit (dummy weights), batch 1, 2, 4, 8: MMA default (batch >= 3), off, also at batch 1"
     for r in 1 2; do for e in "X=1" "MLXCEL_QGEMV_MMA=0" "MLXCEL_QGEMV_MMA=1"; do
       echo "[$e] run $r: $(env $e $B bench -m "$CK/c8b-q4" --load-format dummy --prompt-lens 128 --decode-tokens 256 \
         --decode-batch 2,4,8 --repeats 1 2>/dev/null | tail -1 | python3 -c 'import json,sys; d=json.load(sys.stdin)

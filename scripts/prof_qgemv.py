@@ -14,6 +14,7 @@ Modes (8B shapes, group 64; `--70b` adds the 70B shapes):
   --mma       4-bit only: the tensor-core path's ROWS (16, 32) × WPB (4, 8), and the dp4a
               path's launch at M ≤ 4
   --ms 2,4,8  the batch sizes (default 1, 2, 4, 8)
+  --stalls    three launches (gate/up at M = 1 and 8, down at M = 8) for ncu's sections
 `MLXCEL_QGEMV_SOURCE=path` times another version of the kernel file (the same
 variable mlxcel reads). Kernel names carry the template values:
 ..._M_N_K_G_BITS_ROWS_WPB_EPI_NORM_EPS_XQ_MMA.
@@ -36,6 +37,13 @@ def launch():
     sys.path.insert(0, "scripts")
     import check_qgemv as c
     k, _ = c.make_kernel(pathlib.Path(os.environ.get("MLXCEL_QGEMV_SOURCE", c.SOURCE)))
+    if "--stalls" in ARGS:  # a few launches for ncu's stall sections (mlxcel's own launch)
+        for n, kk, m in [(28672, 4096, 1), (28672, 4096, 8), (4096, 14336, 8)]:
+            wq, s, b = c.quantized(n, kk, 64, 4, 0)
+            x = mx.random.normal((m, kk)).astype(mx.bfloat16)
+            mx.eval(c.qgemv(k, x, wq, s, b, 64, 4))
+        mx.synchronize()
+        return
     for n, kk in SHAPES:
         for bits in ((4,) if "--mma" in ARGS else (4, 8)):
             wq, s, b = c.quantized(n, kk, 64, bits, 0)

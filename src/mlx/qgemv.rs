@@ -214,8 +214,10 @@ fn sm_version(arch: &str) -> Option<u32> {
         .ok()
 }
 
-/// Smallest batch on the tensor-core path by default.
-pub const MMA_MIN_M: usize = 2;
+/// Smallest batch on the tensor-core path by default. Nsight on H200: at M = 2 the dp4a
+/// path is faster on every 8B shape but the down projection; at M = 4 the tensor cores
+/// take 18% less time per token's GEMVs, M = 3 is about even (by interpolation).
+pub const MMA_MIN_M: usize = 3;
 
 /// Weight loads (16 bytes each) one thread may keep in flight: ptxas (sm_90) fits 28
 /// of them without spilling at every M ≤ 4 with int8 activations and at 8 bits.
@@ -229,10 +231,11 @@ pub fn rows_per_block(m: usize, n: usize, group: usize, bits: usize) -> usize {
 /// Rows per block and warps per block.
 ///
 /// Tensor-core path (4-bit, int8 activations, group 32/64/128, `m ≥ mma_min`, n a
-/// multiple of 16): one 16-row tile per block, two for wide matrices (n ≥ 16384: the
-/// gate/up and lm_head projections), so a warp's rounding of x serves more rows while
-/// there are still enough blocks for every SM; the warps split the row's groups, at
-/// least four groups each where the row has them, at most 8 warps.
+/// multiple of 16), from Nsight Compute timings on H200 (docs/benchmarks.md, sixth
+/// session): one 16-row tile per block and 8 warps splitting the row's groups; wide
+/// matrices (n ≥ 16384: gate/up, lm_head) two tiles and 4 warps (their x rounding then
+/// serves more rows, and there are still blocks enough for every SM). At least four
+/// groups per warp where the row has them.
 ///
 /// Otherwise, from Nsight Compute timings on H200 (docs/benchmarks.md): 4-bit M = 1
 /// with float math is fastest with 2 rows (4 for the wide gate/up and lm_head) and 2
@@ -256,13 +259,12 @@ fn launch_config_for(
         && mma_min.is_some_and(|min| (min..=MAX_M).contains(&m))
         && n.is_multiple_of(16)
     {
-        let rows = if n >= 16384 && n.is_multiple_of(32) {
-            32
+        let (rows, mut wpb) = if n >= 16384 && n.is_multiple_of(32) {
+            (32, 4)
         } else {
-            16
+            (16, 8)
         };
         let groups = k / group;
-        let mut wpb = 8;
         while wpb > 1 && groups < 4 * wpb {
             wpb /= 2;
         }
@@ -685,8 +687,9 @@ mod tests {
             mma: true,
         };
         assert_eq!(mma(2, 6144, 4096, 64, 4, true), l(16, 8)); // 8B q/k/v: 64 groups, 8 each
-        assert_eq!(mma(8, 28672, 4096, 64, 4, true), l(32, 8)); // gate/up: two tiles
-        assert_eq!(mma(8, 128256, 4096, 64, 4, true), l(32, 8)); // lm_head (n / 32 whole)
+        assert_eq!(mma(8, 28672, 4096, 64, 4, true), l(32, 4)); // gate/up: two tiles
+        assert_eq!(mma(8, 128256, 4096, 64, 4, true), l(32, 4)); // lm_head (n / 32 whole)
+        assert_eq!(mma(8, 4096, 14336, 64, 4, true), l(16, 8)); // down
         assert_eq!(mma(4, 8192, 28672, 32, 4, true), l(16, 8));
         assert_eq!(mma(3, 64, 512, 64, 4, true), l(16, 2)); // 8 groups: ≥ 4 per warp
         assert_eq!(mma(3, 64, 128, 128, 4, true), l(16, 1));
