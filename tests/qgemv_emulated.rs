@@ -617,8 +617,10 @@ fn qgemv_mma_matches_dequantize_matmul() {
     run("mma_g128", &mma(8, 32, 1024, 128, 16, 2));
     // groups per row (9) not a multiple of the warps (2): the last warp's tail is zero
     run("mma_tail", &mma(5, 16, 576, 64, 16, 2));
-    // a warp with more groups than loads in flight (ST = 4 of 6)
+    // a warp with more groups than loads in flight (3)
     run("mma_deep", &mma(2, 16, 768, 64, 16, 2));
+    // the launch of a 70B down projection (K = 28672: 56 groups per warp of 8)
+    run("mma_70b_down", &mma(3, 16, 28672, 64, 16, 8));
 }
 
 #[test]

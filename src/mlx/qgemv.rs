@@ -214,9 +214,10 @@ fn sm_version(arch: &str) -> Option<u32> {
         .ok()
 }
 
-/// Smallest batch on the tensor-core path by default. Nsight on H200: at M = 2 the dp4a
-/// path is faster on every 8B shape but the down projection; at M = 4 the tensor cores
-/// take 18% less time per token's GEMVs, M = 3 is about even (by interpolation).
+/// Smallest batch on the tensor-core path by default. Nsight on H200 (8B shapes, one
+/// token's GEMVs): at M = 2 the dp4a path takes 16% less time, at M = 4 the tensor
+/// cores take 24% less; M = 3 is about even (by interpolation) and goes to the tensor
+/// cores, whose time hardly grows with M.
 pub const MMA_MIN_M: usize = 3;
 
 /// Weight loads (16 bytes each) one thread may keep in flight: ptxas (sm_90) fits 28
