@@ -188,6 +188,12 @@ fn mma_min_m() -> Option<usize> {
             && int8_activations()
             && super::device_info(0).is_ok_and(|d| sm_version(&d.architecture) >= Some(80));
         let choice = std::env::var("MLXCEL_QGEMV_MMA").ok();
+        if let Some(v) = choice.as_deref().filter(|v| !mma_var_valid(v)) {
+            tracing::warn!(
+                "MLXCEL_QGEMV_MMA={v:?} is neither 0 nor a batch size 1-{MAX_M}; \
+                 the tensor-core path starts at batch {MMA_MIN_M}"
+            );
+        }
         mma_choice(capable, choice.as_deref())
     })
 }
@@ -203,6 +209,11 @@ fn mma_choice(capable: bool, var: Option<&str>) -> Option<usize> {
         },
         None => Some(MMA_MIN_M),
     }
+}
+
+/// Whether `MLXCEL_QGEMV_MMA` holds 0 or a batch size the kernel covers.
+fn mma_var_valid(v: &str) -> bool {
+    v.trim().parse::<usize>().is_ok_and(|n| n <= MAX_M)
 }
 
 /// `sm_90` → 90 (MLX's device architecture string).
@@ -726,6 +737,8 @@ mod tests {
         assert_eq!(mma_choice(true, Some("1")), Some(1));
         assert_eq!(mma_choice(true, Some(" 8 ")), Some(8));
         assert_eq!(mma_choice(true, Some("9")), Some(MMA_MIN_M)); // not a batch size
+        assert!(mma_var_valid("0") && mma_var_valid(" 8") && mma_var_valid("3"));
+        assert!(!mma_var_valid("9") && !mma_var_valid("on") && !mma_var_valid(""));
         assert_eq!(mma_choice(false, None), None);
         assert_eq!(mma_choice(false, Some("1")), None); // the GPU cannot run it
         assert_eq!(sm_version("sm_90"), Some(90));
