@@ -9,7 +9,8 @@
 #   bash scripts/gpu_session.sh verify3  # 70B kernel check, bf16 prefill peak, server warm-up with a cold kernel cache
 #   bash scripts/gpu_session.sh ab       # decode of two binaries alternated on one box (MLXCEL_OLD vs MLXCEL)
 #   bash scripts/gpu_session.sh session4 check|bench # kernel checks (70B, RoPE, int8 activations); 4-bit A/B, side by side
-#   bash scripts/gpu_session.sh session6 check|bench # tensor-core path: checks, Nsight; decode at batch 1-8, server
+#   bash scripts/gpu_session.sh session6 check|mma2|final|decode|bench # tensor-core path: checks, Nsight sweeps
+#                                        # (v2 vs V1=old kernel file), decode at batch 1-8, server
 #   bash scripts/gpu_session.sh ncu      # Nsight kernel times: 4-bit float vs int8 activations, 8-bit, launch shapes
 # Multi-GPU runs (2+ GPUs): scripts/multi_gpu.sh.
 # MLXCEL=path/to/mlxcel (default .gpu/bin/mlxcel); OUT=results folder (default ./gpu-out).
