@@ -88,7 +88,7 @@ def launch_config(m, n, k, bits, group=64):
     """ROWS, WPB and MMA as mlxcel picks them (src/mlx/qgemv.rs `launch_config_for`)."""
     if (XQ and bits == 4 and group in (32, 64, 128) and MMA_MIN_M and m >= MMA_MIN_M
             and n % 16 == 0):
-        rows, wpb = (32, 4) if n >= 16384 and n % 32 == 0 else (16, 8)
+        rows, wpb = (32, 4) if n >= 16384 and n % 32 == 0 and group <= 64 else (16, 8)
         while wpb > 1 and k // group < 4 * wpb:
             wpb //= 2
         return rows, wpb, 1

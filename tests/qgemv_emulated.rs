@@ -646,6 +646,19 @@ fn qgemv_mma_epilogues_match() {
             &[("NORM", 1), ("HD", 16), ("NQ", 4)],
         ),
     );
+    // SwiGLU with one tile per block (8 gate rows and 8 up rows), group 32, the norm
+    run(
+        "mma_swiglu_rows16_g32",
+        &with(mma(5, 32, 512, 32, 16, 2), &[("EPI", 2), ("NORM", 1)]),
+    );
+    // RoPE with two tiles per block (16 pairs over two heads of 16), group 128, the norm
+    run(
+        "mma_rope_rows32_g128",
+        &with(
+            mma(3, 6 * 16, 1024, 128, 32, 2),
+            &[("NORM", 1), ("HD", 16), ("NQ", 2)],
+        ),
+    );
     // a NaN in row 0 of x makes all of row 0 NaN
     run(
         "mma_nan",

@@ -108,10 +108,11 @@ fn source() -> Result<&'static Source> {
         .map_err(|e| MlxError::Invalid(e.clone()))
 }
 
-/// Whether 4-bit weights meet x quantized to int8 (per 32 values, in the kernel) and
-/// `dp4a` (template constant `XQ`): about 2.4× fewer instructions per weight than
-/// dequantizing to float, for a relative error of a few 1e-3 in the product (see
-/// `kernels/qgemv.cu`). `MLXCEL_QGEMV_XQ=0` keeps bf16 activations (float math).
+/// Whether 4-bit weights meet x quantized to int8 (in the kernel: per 32 values on the
+/// dp4a path, per group on the tensor-core path) and `dp4a` or int8 MMAs (template
+/// constant `XQ`): about 2.4× fewer instructions per weight than dequantizing to float,
+/// for a relative error of a few 1e-3 in the product (see `kernels/qgemv.cu`).
+/// `MLXCEL_QGEMV_XQ=0` keeps bf16 activations (float math, no tensor cores).
 pub fn int8_activations() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
     *ON.get_or_init(|| std::env::var("MLXCEL_QGEMV_XQ").map_or(true, |v| v != "0"))
@@ -246,8 +247,9 @@ pub fn rows_per_block(m: usize, n: usize, group: usize, bits: usize) -> usize {
 /// multiple of 16), from Nsight Compute timings on H200 (docs/benchmarks.md, sixth
 /// session): one 16-row tile per block and 8 warps splitting the row's groups; wide
 /// matrices (n ≥ 16384: gate/up, lm_head) two tiles and 4 warps (their x rounding then
-/// serves more rows, and there are still blocks enough for every SM). At least four
-/// groups per warp where the row has them.
+/// serves more rows, and there are still blocks enough for every SM), except with group
+/// 128, where two tiles need more than 255 registers (ptxas spills at M = 8 with the
+/// norm). At least four groups per warp where the row has them.
 ///
 /// Otherwise, from Nsight Compute timings on H200 (docs/benchmarks.md): 4-bit M = 1
 /// with float math is fastest with 2 rows (4 for the wide gate/up and lm_head) and 2
@@ -271,7 +273,7 @@ fn launch_config_for(
         && mma_min.is_some_and(|min| (min..=MAX_M).contains(&m))
         && n.is_multiple_of(16)
     {
-        let (rows, mut wpb) = if n >= 16384 && n.is_multiple_of(32) {
+        let (rows, mut wpb) = if n >= 16384 && n.is_multiple_of(32) && group <= 64 {
             (32, 4)
         } else {
             (16, 8)
@@ -702,6 +704,7 @@ mod tests {
         assert_eq!(mma(8, 28672, 4096, 64, 4, true), l(32, 4)); // gate/up: two tiles
         assert_eq!(mma(8, 128256, 4096, 64, 4, true), l(32, 4)); // lm_head (n / 32 whole)
         assert_eq!(mma(8, 4096, 14336, 64, 4, true), l(16, 8)); // down
+        assert_eq!(mma(8, 128256, 8192, 128, 4, true), l(16, 8)); // group 128: one tile
         assert_eq!(mma(4, 8192, 28672, 32, 4, true), l(16, 8));
         assert_eq!(mma(3, 64, 512, 64, 4, true), l(16, 2)); // 8 groups: ≥ 4 per warp
         assert_eq!(mma(3, 64, 128, 128, 4, true), l(16, 1));
