@@ -94,9 +94,11 @@ def parse(path):
             continue
         t = re.search(r"gpu__time_duration.sum\s+(\S+)\s+([\d.,]+)", line)
         if t and name:
-            us = float(t.group(2).replace(",", "")) * (1e-3 if t.group(1) == "ns" else 1)
+            unit = {"ns": 1e-3, "us": 1.0, "usecond": 1.0, "nsecond": 1e-3, "ms": 1e3, "msecond": 1e3}
+            us = float(t.group(2).replace(",", "")) * unit.get(t.group(1), 1.0)
             if "qgemv" not in name:  # MLX's kernels: same name for every shape, in launch order
-                qmv.append((name.split("::")[-1][:40], us))
+                k = re.search(r"(qmv|qmm|gemv)\w*", name)
+                qmv.append((k.group(0) if k else name[:40], us))
             else:
                 best[name] = min(best.get(name, 1e9), us)
     print("MLX's quantized_matmul, launch order (per shape and bits: M = 1, 2, 4, 8, 2 launches each):")
