@@ -22,6 +22,16 @@ mkdir -p "$OUT"
 export MLXCEL_CACHE=${MLXCEL_CACHE:-/root/.mlxcel-cache}
 ngpu=$(nvidia-smi -L | wc -l)
 step() { echo; echo "=== $*"; }
+# one decode bench of the 8B 4-bit config (dummy weights) per environment setting, a line
+# each: tok/s at batch 1 and at BATCHES (comma-separated), batch 1's host time per token
+q4decode() {
+  local batches=$1; shift
+  for e in "$@"; do
+    echo "[$e] $(env $e timeout ${BENCH_S:-150} $B bench -m "$CK/c8b-q4" --load-format dummy --prompt-lens 128 \
+      --decode-tokens 256 --decode-batch "$batches" --repeats 1 2>/dev/null | tail -1 | python3 -c 'import json,sys; d=json.load(sys.stdin)
+print("b1", round(d["decode"]["tokens_per_second"],1), " ".join("b%d %.1f" % (x["batch"], x["tokens_per_second"]) for x in d["decode_batched"]), "tok/s; b1 host", {k: round(v,3) for k,v in d["decode"]["host_per_token"].items()})')"
+  done
+}
 # config.json of the 8B shape, 4-bit g64, for --load-format dummy (no weights written)
 q4cfg() {
   [ -f "$CK/c8b-q4/config.json" ] && return
@@ -201,11 +211,7 @@ session6)
   decode)
     q4cfg
     step "decode 8B 4-bit (dummy weights), batch 1, 2, 4, 8: MMA from batch 2, off (dp4a to batch 4, MLX above), from batch 5"
-    for r in 1 2; do for e in "MLXCEL_QGEMV_MMA=0" "MLXCEL_QGEMV_MMA=2" "MLXCEL_QGEMV_MMA=5"; do
-      echo "[$e] run $r: $(env $e $B bench -m "$CK/c8b-q4" --load-format dummy --prompt-lens 128 --decode-tokens 256 \
-        --decode-batch 2,4,8 --repeats 1 2>/dev/null | tail -1 | python3 -c 'import json,sys; d=json.load(sys.stdin)
-print("b1", round(d["decode"]["tokens_per_second"],1), " ".join("b%d %.1f" % (x["batch"], x["tokens_per_second"]) for x in d["decode_batched"]), "tok/s")')"
-    done; done 2>&1 | tee "$OUT/mma-decode2.txt"
+    for r in 1 2; do q4decode 2,4,8 "MLXCEL_QGEMV_MMA=0" "MLXCEL_QGEMV_MMA=2" "MLXCEL_QGEMV_MMA=5"; done 2>&1 | tee "$OUT/mma-decode2.txt"
     ;;
   final)
     # the final binary and kernel: the 8B shapes the second version had not run on a GPU
@@ -216,11 +222,7 @@ print("b1", round(d["decode"]["tokens_per_second"],1), " ".join("b%d %.1f" % (x[
     timeout 100 python3 scripts/check_qgemv.py --only 70B --skip o,gate_up,lm_head --ms 8 2>&1 | tee "$OUT/check-final-70b.txt" | grep -E "NO|^\| 70B [a-z_]+ [0-9×]+ \|" | tail -20
     q4cfg
     step "decode 8B 4-bit (dummy weights): final defaults, twice, and MLXCEL_QGEMV_MMA=0"
-    for e in "X=1" "MLXCEL_QGEMV_MMA=0" "X=1"; do
-      echo "[$e] $(env $e timeout 120 $B bench -m "$CK/c8b-q4" --load-format dummy --prompt-lens 128 --decode-tokens 256 \
-        --decode-batch 2,3,4,6,8 --repeats 1 2>/dev/null | tail -1 | python3 -c 'import json,sys; d=json.load(sys.stdin)
-print("b1", round(d["decode"]["tokens_per_second"],1), " ".join("b%d %.1f" % (x["batch"], x["tokens_per_second"]) for x in d["decode_batched"]), "tok/s")')"
-    done 2>&1 | tee "$OUT/decode-final.txt"
+    q4decode 2,3,4,6,8 "X=1" "MLXCEL_QGEMV_MMA=0" "X=1" 2>&1 | tee "$OUT/decode-final.txt"
     step "ncu sections: gate/up M = 1 (dp4a), 8 (MMA), down M = 8 (MMA)"
     timeout 90 ncu --clock-control none --section SpeedOfLight --section Occupancy --section WarpStateStats \
       -k regex:qgemv python3 scripts/prof_qgemv.py --stalls > "$OUT/ncu-stalls.txt" 2>&1
@@ -229,11 +231,7 @@ print("b1", round(d["decode"]["tokens_per_second"],1), " ".join("b%d %.1f" % (x[
   bench)
     q4cfg
     step "decode 8B 4-bit (dummy weights), batch 1, 2, 4, 8: MMA default (batch >= 3), off, also at batch 1"
-    for r in 1 2; do for e in "X=1" "MLXCEL_QGEMV_MMA=0" "MLXCEL_QGEMV_MMA=1"; do
-      echo "[$e] run $r: $(env $e $B bench -m "$CK/c8b-q4" --load-format dummy --prompt-lens 128 --decode-tokens 256 \
-        --decode-batch 2,4,8 --repeats 1 2>/dev/null | tail -1 | python3 -c 'import json,sys; d=json.load(sys.stdin)
-print("b1", round(d["decode"]["tokens_per_second"],1), " ".join("b%d %.1f" % (x["batch"], x["tokens_per_second"]) for x in d["decode_batched"]), "tok/s; b1 host", {k: round(v,3) for k,v in d["decode"]["host_per_token"].items()})')"
-    done; done 2>&1 | tee "$OUT/mma-decode.txt"
+    for r in 1 2; do q4decode 2,4,8 "X=1" "MLXCEL_QGEMV_MMA=0" "MLXCEL_QGEMV_MMA=1"; done 2>&1 | tee "$OUT/mma-decode.txt"
     step "fixtures, one GPU"; timeout 150 python3 scripts/check_fixtures.py $B -n 12 2>&1 | tail -4
     step "server 8B 4-bit (dummy), 1/4/8 streams, MMA default vs off"
     S=${MLXCEL_SERVER:-$(dirname $B)/mlxcel-server}
