@@ -26,14 +26,16 @@
 // x is read as M rows of K whatever its shape, y is written row-major.
 //
 // This file is loaded in parts split at the marker lines: the header (device code,
-// here all of the kernel as the template `mlxcel_qgemv`) and two kernel bodies, each
+// here all of the kernel as the template `mlxcel_qgemv`) and three kernel bodies, each
 // the body of a `__global__` function MLX generates around it:
-//   @@body       (const T* x, const uint32_t* w, const T* scales, const T* biases,
+//   @@body       (const X* x, const uint32_t* w, const T* scales, const T* biases,
 //                 const T* res, const T* nw, T* y)                        EPI 0, 1, 2
-//   @@body_rope  (const T* x, const uint32_t* w, const T* scales, const T* biases,
+//   @@body_rope  (const X* x, const uint32_t* w, const T* scales, const T* biases,
 //                 const T* nw, const int32_t* pos, const float* inv_freq, T* q, T* kv)
-// (res is read only when EPI = 1, nw only when NORM = 1; callers pass any array
-// there). MLX declares the template constants as constexpr locals of that function,
+//   @@body_xq    (const T* x, const T* nw, uint32_t* xq)    x rounded for MMA = 1
+// (X is T, or with MMA = 1 uint32_t: the rounding kernel's output, which carries the
+// norm then; res is read only when EPI = 1, nw only when NORM = 1 and MMA = 0; callers
+// pass any array there). MLX declares the template constants as constexpr locals of that function,
 // so the bodies pass them on as template arguments: a discarded `if constexpr` branch
 // of a template is not compiled, which lets one kernel have two signatures.
 // mlxcel embeds it and `MLXCEL_QGEMV_SOURCE=path` replaces it at run time;
@@ -61,24 +63,25 @@
 // about 2.4× fewer instructions per weight (PTX count) for an added relative error
 // of a few 1e-3 (x's rounding; as llama.cpp's q8_1 activations).
 //
-// MMA = 1 (4-bit with XQ, batch rows M = 1..8, ROWS a multiple of 16, G 32/64/128):
-// tensor cores instead of dp4a, so the instructions per weight no longer grow with M.
-// A warp takes a slice of the row's groups for ROWS/16 tiles of 16 rows and issues
-// one `mma.sync.m16n8k32` (s8·s8 → s32) per tile and 32 values of a group: the 16
-// rows of a tile are matrix A (their 4-bit values as int8, 0..15), the M rows of x
-// padded to 8 are matrix B (x rounded to int8 per group: dq = max|x|/127 over the
-// group's G values). Which 32 values of a group one MMA takes does not matter to a
-// dot product as long as A and B agree: lane (g, t) (g = lane/4, t = lane%4) loads
-// words t·G/32 … of the group for rows g and g + 8 (one 4-, 8- or 16-byte load), and
-// MMA s takes word s of each of them: its low nibbles (0x0F0F0F0F mask) are A's k
-// positions 4t..4t+3, its high nibbles 16+4t..16+4t+3, and B's same positions are the
-// even and odd values of x at those words. The warp's lanes round x for a group
-// together (one 8-value word of one row each, the max over a row's words by
-// shuffles) into shared memory, from where each lane reads its B fragments. The s32
-// accumulator starts at the bits of 1.5·2^23, so read as a float it is 1.5·2^23 + D
-// exactly (|D| ≤ G·15·127 < 2^22) and one subtraction converts it; then, per group,
-// Σ w·x ≈ scale·dq·D + bias·dq·Σ xq for the fragment's two rows and two columns
-// (rows 2t and 2t + 1 of x). Loads run 2 groups ahead of the math.
+// MMA = 1 (4-bit with XQ, batch rows M = 1..8, ROWS a multiple of 16, G 32/64/128,
+// K a multiple of 128): tensor cores instead of dp4a, so the instructions per weight no
+// longer grow with M. x comes rounded to int8 per group (dq = max|x|/127 over the G
+// values) by a kernel of its own, `mlxcel_round_x` (@@body_xq), once per call: rounding
+// it in every block cost as many instructions as the MMAs and loads together at M = 8.
+// A warp takes a slice of the row's groups for ROWS/16 tiles of 16 rows and issues one
+// `mma.sync.m16n8k32` (s8·s8 → s32) per tile and 32 values of a group: the 16 rows of a
+// tile are matrix A (their 4-bit values as int8, 0..15), the M rows of x padded to 8
+// are matrix B. Which 32 values of a group one MMA takes does not matter to a dot
+// product as long as A and B agree: lane (g, t) (g = lane/4, t = lane%4) holds WPT =
+// G/32 words of the group for rows g and g + 8, and MMA s takes word s of each: its low
+// nibbles (0x0F0F0F0F mask) are A's k positions 4t..4t+3, its high nibbles
+// 16+4t..16+4t+3, and B's same positions are the even and odd values of x at those
+// words (as the rounding kernel stores them). The s32 accumulator starts at the bits of
+// 1.5·2^23, so read as a float it is 1.5·2^23 + D exactly (|D| ≤ G·15·127 < 2^22) and
+// one subtraction converts it; then, per group, Σ w·x ≈ scale·dq·D + bias·dq·Σ xq for
+// the fragment's two rows and two columns (rows 2t and 2t + 1 of x). Weights are read
+// 64 contiguous bytes per row and load (see the code) and 3 steps of 128 values ahead
+// of the math (4 with G = 128).
 // @@header
 template <int BITS, int J>
 __device__ __forceinline__ float mlxcel_qval(uint32_t u) {
@@ -128,10 +131,21 @@ __device__ __forceinline__ void mlxcel_mma_s8(int (&c)[4], uint32_t a0, uint32_t
 #endif
 }
 
-// WPT consecutive words (one 4-, 8- or 16-byte load; p aligned to it)
+// WPT consecutive words (one 4-, 8- or 16-byte load, two for 8 words; p aligned to it)
 template <int WPT>
 __device__ __forceinline__ void mlxcel_load_words(const uint32_t* p, uint32_t (&o)[WPT]) {
-  if constexpr (WPT == 4) {
+  if constexpr (WPT == 8) {
+    const uint4 v = *reinterpret_cast<const uint4*>(p);
+    const uint4 u = *reinterpret_cast<const uint4*>(p + 4);
+    o[0] = v.x;
+    o[1] = v.y;
+    o[2] = v.z;
+    o[3] = v.w;
+    o[4] = u.x;
+    o[5] = u.y;
+    o[6] = u.z;
+    o[7] = u.w;
+  } else if constexpr (WPT == 4) {
     const uint4 v = *reinterpret_cast<const uint4*>(p);
     o[0] = v.x;
     o[1] = v.y;
@@ -182,8 +196,8 @@ __device__ __forceinline__ float mlxcel_word_dot(uint32_t u, const float* xs) {
 }
 
 template <typename T, int M, int N, int K, int G, int BITS, int ROWS, int WPB, int EPI,
-          int NORM, int EPS_BITS, int HD, int NQ, int XQ, int MMA>
-__device__ __forceinline__ void mlxcel_qgemv(const T* x, const uint32_t* w, const T* scales,
+          int NORM, int EPS_BITS, int HD, int NQ, int XQ, int MMA, typename XT>
+__device__ __forceinline__ void mlxcel_qgemv(const XT* x, const uint32_t* w, const T* scales,
                                              const T* biases, const T* res, const T* nw,
                                              const int32_t* pos, const float* inv_freq, T* y,
                                              T* y2) {
@@ -225,67 +239,104 @@ __device__ __forceinline__ void mlxcel_qgemv(const T* x, const uint32_t* w, cons
   const uint4* xv = reinterpret_cast<const uint4*>(x);
   const uint4* nv = reinterpret_cast<const uint4*>(nw);
   if constexpr (MMA) {
-    // tensor cores (see the top of the file): warp `warp` takes groups warp·GPW … of
-    // every row, for ROWS/16 tiles of 16 rows; lane (gq, t) holds rows gq and gq + 8 of
-    // each tile. The warp's lanes first round x for a group together (word xw of the M
-    // rows' G/8 words of 8 values: one 16-byte load each) into shared memory, from where
-    // each lane reads its B fragments.
-    static_assert(BITS == 4 && XQ == 1 && M <= 8 && ROWS % 16 == 0 && (G == 32 || G == 64 || G == 128),
-                  "qgemv: MMA needs 4-bit weights, int8 activations, M <= 8, 16-row tiles, G 32/64/128");
+    // tensor cores, x rounded by mlxcel_round_x (see the top of the file):
+    // warp `warp` takes steps warp·SPW … of every row, a step being 128 values of the row
+    // (GS = 128/G groups), for ROWS/16 tiles of 16 rows; lane (gq, t) holds rows gq and
+    // gq + 8 of each tile. A lane loads 16 bytes of each of its rows per step, the 4
+    // lanes of a row 64 contiguous bytes (with one group of 64 4-bit values, 32 bytes,
+    // per row and load, the sixth session's version took 1.3-1.6× the time at M = 8),
+    // then the lanes of a row exchange words so that each holds
+    // WPT words of every group of the step: lane t holds group q's words
+    //   G = 128: 4t … 4t + 3 (no exchange)
+    //   G = 64:  2σ(t), 2σ(t) + 1 with σ = (0, 2, 1, 3) (two words with lane t ^ 2)
+    //   G = 32:  word t (a 4×4 transpose: two words with lane t ^ 2, one with t ^ 1)
+    // and the B fragments are x's words at the same positions.
+    static_assert(BITS == 4 && XQ == 1 && M <= 8 && ROWS % 16 == 0 && (G == 32 || G == 64 || G == 128) &&
+                  K % 128 == 0, "qgemv: MMA needs 4-bit weights, int8 x, M <= 8, 16-row tiles, G 32/64/128, K % 128 = 0");
     constexpr int TILES = ROWS / 16;
-    constexpr int WPT = G / 32;                   // words of a row per lane and group = MMAs per group
-    constexpr int WPG = G / 8;                    // words of a row per group
-    constexpr int WX = (M * WPG + 31) / 32;       // words of x a lane rounds per group
-    constexpr int GPW = (GPR + WPB - 1) / WPB;    // groups per warp
-    constexpr int ST = GPW < 3 ? GPW : 3;         // groups whose loads a lane has in flight
-    constexpr size_t KW = K / 8;                  // words per row
-    __shared__ uint2 xsm[WPB][2][8][WPG];         // x as int8 B fragments, two groups' worth
-    __shared__ float2 xsc[WPB][2][8];             // (dq, dq·Σ xq) per row of x and group
+    constexpr int WPT = G / 32;                  // words of a group per lane = MMAs per group
+    constexpr int GS = 128 / G;                  // groups per step
+    constexpr int SPR = K / 128;                 // steps per row
+    constexpr int SPW = (SPR + WPB - 1) / WPB;   // steps per warp
+    constexpr int ST0 = GS == 1 ? 4 : 3;
+    constexpr int ST = SPW < ST0 ? SPW : ST0;    // steps whose loads a lane has in flight
+    constexpr size_t KW = K / 8;                 // words per row
     const int gq = lane >> 2;
     const int t = lane & 3;
+    // the lane's position among the row's lanes for the words it ends up with (σ above)
+    const int tw = G == 64 ? ((t & 1) << 1) | (t >> 1) : t;
+    const uint32_t* xa = reinterpret_cast<const uint32_t*>(x);
+    const float2* xd = reinterpret_cast<const float2*>(xa + size_t(M) * K / 4);
     size_t rows[TILES][2];
 #pragma unroll
     for (int i = 0; i < TILES; ++i) {
       rows[i][0] = size_t(row_of(16 * i + gq));
       rows[i][1] = size_t(row_of(16 * i + gq + 8));
     }
-    uint32_t wb[ST][TILES][2][WPT];
-    float sb[ST][TILES][2], bb[ST][TILES][2];
-    uint4 xb[ST][WX], nb[ST][NORM ? WX : 1];
-    // everything of the warp's group j into stage j % ST: the weights, scales and biases
-    // of the lane's rows, and the words of x (and of the norm weight) it rounds (zero past
-    // the row's last group and past the M rows of x)
+    uint4 wb[ST][TILES][2];                      // the step's 16 bytes of each row
+    uint32_t sbw[ST][TILES][2][GS], bbw[ST][TILES][2][GS > 1 ? GS / 2 : 1];  // bf16 scales, biases
+    uint32_t xfb[ST][GS][2 * WPT];               // B fragments (pairs: even, odd values)
+    float2 cb[ST][GS][2];                        // (dq, dq·Σ xq) of rows 2t, 2t + 1
     auto load = [&](int j) {
-      const int gi = warp * GPW + j;
-      const bool in = (GPR % WPB) == 0 || gi < GPR;
+      const int si = warp * SPW + j;
+      const bool in = (SPR % WPB) == 0 || si < SPR;
       const int st = j % ST;
 #pragma unroll
       for (int i = 0; i < TILES; ++i) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          if (in) {
-            mlxcel_load_words<WPT>(w + rows[i][h] * KW + size_t(gi) * WPG + t * WPT, wb[st][i][h]);
-            sb[st][i][h] = static_cast<float>(scales[rows[i][h] * GPR + gi]);
-            bb[st][i][h] = static_cast<float>(biases[rows[i][h] * GPR + gi]);
-          } else {
+          const size_t r = rows[i][h];
+          wb[st][i][h] = in ? *reinterpret_cast<const uint4*>(w + r * KW + size_t(si) * 16 + 4 * t)
+                            : make_uint4(0u, 0u, 0u, 0u);
+          const T* sp = scales + r * (K / G) + size_t(si) * GS;
+          const T* bp = biases + r * (K / G) + size_t(si) * GS;
 #pragma unroll
-            for (int v = 0; v < WPT; ++v) {
-              wb[st][i][h][v] = 0u;
-            }
-            sb[st][i][h] = 0.f;
-            bb[st][i][h] = 0.f;
+          for (int q = 0; q < GS; ++q) {
+            sbw[st][i][h][q] = 0u;
+          }
+          // GS bf16 values: one 2-, 4- or 8-byte load each for scales and biases
+          if constexpr (GS == 1) {
+            sbw[st][i][h][0] = in ? uint32_t(*reinterpret_cast<const unsigned short*>(sp)) |
+                                        (uint32_t(*reinterpret_cast<const unsigned short*>(bp)) << 16)
+                                  : 0u;
+          } else if constexpr (GS == 2) {
+            sbw[st][i][h][0] = in ? *reinterpret_cast<const uint32_t*>(sp) : 0u;
+            bbw[st][i][h][0] = in ? *reinterpret_cast<const uint32_t*>(bp) : 0u;
+          } else {
+            const uint2 sv = in ? *reinterpret_cast<const uint2*>(sp) : make_uint2(0u, 0u);
+            const uint2 bv = in ? *reinterpret_cast<const uint2*>(bp) : make_uint2(0u, 0u);
+            sbw[st][i][h][0] = sv.x;
+            sbw[st][i][h][1] = sv.y;
+            bbw[st][i][h][0] = bv.x;
+            bbw[st][i][h][1] = bv.y;
           }
         }
       }
 #pragma unroll
-      for (int i = 0; i < WX; ++i) {
-        const int xw = lane + 32 * i;
-        const bool use = in && xw < M * WPG;
-        const size_t k0 = size_t(gi) * G + 8 * (xw % WPG);
-        xb[st][i] = use ? xv[(size_t(xw / WPG) * K + k0) / 8] : make_uint4(0u, 0u, 0u, 0u);
-        if constexpr (NORM) {
-          nb[st][i] = use ? nv[k0 / 8] : make_uint4(0u, 0u, 0u, 0u);
+      for (int q = 0; q < GS; ++q) {
+        const int gi = si * GS + q;
+        if (in && gq < M) {
+          mlxcel_load_words<2 * WPT>(xa + 2 * (size_t(gq) * KW + size_t(gi) * (G / 8) + tw * WPT), xfb[st][q]);
+        } else {
+#pragma unroll
+          for (int v = 0; v < 2 * WPT; ++v) {
+            xfb[st][q][v] = 0u;
+          }
         }
+        cb[st][q][0] = in && 2 * t < M ? xd[(2 * t) * (K / G) + gi] : make_float2(0.f, 0.f);
+        cb[st][q][1] = in && 2 * t + 1 < M ? xd[(2 * t + 1) * (K / G) + gi] : make_float2(0.f, 0.f);
+      }
+    };
+    // scale (s) and bias (b) of group q of a step as floats (bf16 is the top half of an f32)
+    auto scale_of = [&](const uint32_t (&sw)[GS], const uint32_t (&bw)[GS > 1 ? GS / 2 : 1], int q,
+                        float& s, float& b) {
+      if constexpr (GS == 1) {
+        s = __uint_as_float(sw[0] << 16);
+        b = __uint_as_float(sw[0] & 0xFFFF0000u);
+      } else {
+        const uint32_t su = sw[q / 2], bu = bw[q / 2];
+        s = __uint_as_float((q & 1) ? (su & 0xFFFF0000u) : (su << 16));
+        b = __uint_as_float((q & 1) ? (bu & 0xFFFF0000u) : (bu << 16));
       }
     };
     float acc[TILES][4];
@@ -296,93 +347,84 @@ __device__ __forceinline__ void mlxcel_qgemv(const T* x, const uint32_t* w, cons
         acc[i][c] = 0.f;
       }
     }
-    float ssq[WX];  // NORM: Σ x² of this lane's words of x, row (lane + 32 i) / WPG
-#pragma unroll
-    for (int i = 0; i < WX; ++i) {
-      ssq[i] = 0.f;
-    }
 #pragma unroll
     for (int j = 0; j + 1 < ST; ++j) {
       load(j);
     }
 #pragma unroll
-    for (int j = 0; j < GPW; ++j) {
-      if (j + ST - 1 < GPW) {
+    for (int j = 0; j < SPW; ++j) {
+      if (j + ST - 1 < SPW) {
         load(j + ST - 1);
       }
       const int st = j % ST;
-      const int buf = j & 1;
-      // round this lane's words of x: dq = max|x| / 127 over a row's group (the WPG
-      // lanes of a row are adjacent: xor-shuffles within them)
-#pragma unroll
-      for (int i = 0; i < WX; ++i) {
-        float xs[8];
-        mlxcel_bf16x8(xb[st][i], xs);
-        if constexpr (NORM) {
-          float gs[8];
-          mlxcel_bf16x8(nb[st][i], gs);
-#pragma unroll
-          for (int e = 0; e < 8; ++e) {
-            ssq[i] = fmaf(xs[e], xs[e], ssq[i]);
-            xs[e] *= gs[e];
-          }
-        }
-        float amax = 0.f;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          amax = mlxcel_max_nan(amax, fabsf(xs[e]));
-        }
-#pragma unroll
-        for (int o = 1; o < WPG; o <<= 1) {
-          amax = mlxcel_max_nan(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
-        }
-        const float inv = amax > 0.f ? 127.f / amax : 0.f;
-        const float dq = amax * (1.f / 127.f);
-        int e8, o8;
-        mlxcel_pack_i8(xs, inv, e8, o8);
-        int xsum = __dp4a(e8, 0x01010101, __dp4a(o8, 0x01010101, 0));
-#pragma unroll
-        for (int o = 1; o < WPG; o <<= 1) {
-          xsum += __shfl_xor_sync(0xFFFFFFFFu, xsum, o);
-        }
-        const int xw = lane + 32 * i;
-        if (xw < M * WPG) {
-          xsm[warp][buf][xw / WPG][xw % WPG] = make_uint2(uint32_t(e8), uint32_t(o8));
-          if (xw % WPG == 0) {
-            xsc[warp][buf][xw / WPG] = make_float2(dq, dq * static_cast<float>(xsum));
-          }
-        }
-      }
-      __syncwarp();
-      // B fragments: row gq of x (zero for the padding rows), words t·WPT + v; the
-      // fragment's columns are rows 2t and 2t + 1
-      uint2 xf[WPT];
-#pragma unroll
-      for (int v = 0; v < WPT; ++v) {
-        xf[v] = gq < M ? xsm[warp][buf][gq][t * WPT + v] : make_uint2(0u, 0u);
-      }
-      const float2 c0 = 2 * t < M ? xsc[warp][buf][2 * t] : make_float2(0.f, 0.f);
-      const float2 c1 = 2 * t + 1 < M ? xsc[warp][buf][2 * t + 1] : make_float2(0.f, 0.f);
 #pragma unroll
       for (int i = 0; i < TILES; ++i) {
-        int c[4] = {0x4B400000, 0x4B400000, 0x4B400000, 0x4B400000};
+        // the words of group q of this step for rows gq (u[0]) and gq + 8 (u[1])
+        uint32_t u[2][GS][WPT];
 #pragma unroll
-        for (int v = 0; v < WPT; ++v) {
-          const uint32_t u0 = wb[st][i][0][v];
-          const uint32_t u1 = wb[st][i][1][v];
-          mlxcel_mma_s8(c, u0 & 0x0F0F0F0Fu, u1 & 0x0F0F0F0Fu, (u0 >> 4) & 0x0F0F0F0Fu,
-                        (u1 >> 4) & 0x0F0F0F0Fu, xf[v].x, xf[v].y);
+        for (int h = 0; h < 2; ++h) {
+          const uint4 v = wb[st][i][h];
+          if constexpr (GS == 1) {
+            u[h][0][0] = v.x;
+            u[h][0][1] = v.y;
+            u[h][0][2] = v.z;
+            u[h][0][3] = v.w;
+          } else if constexpr (GS == 2) {
+            // lanes 0, 1 hold group 0's words 0-3, 4-7; lanes 2, 3 group 1's: swap half
+            const bool lo = t < 2;
+            const uint32_t r0 = __shfl_xor_sync(0xFFFFFFFFu, lo ? v.z : v.x, 2);
+            const uint32_t r1 = __shfl_xor_sync(0xFFFFFFFFu, lo ? v.w : v.y, 2);
+            u[h][0][0] = lo ? v.x : r0;
+            u[h][0][1] = lo ? v.y : r1;
+            u[h][1][0] = lo ? r0 : v.z;
+            u[h][1][1] = lo ? r1 : v.w;
+          } else {
+            // lane t holds group t's words 0-3; transpose so that it holds word t of each
+            const bool hi2 = (t & 2) != 0;
+            const uint32_t a0 = __shfl_xor_sync(0xFFFFFFFFu, hi2 ? v.x : v.z, 2);
+            const uint32_t a1 = __shfl_xor_sync(0xFFFFFFFFu, hi2 ? v.y : v.w, 2);
+            // now lane t has words 2·(t >> 1) + {0, 1} of groups t and t ^ 2: m of group
+            // t & 1, n of group (t & 1) | 2; the partner t ^ 1 has the same words of the
+            // other two groups
+            const uint32_t m0 = hi2 ? a0 : v.x, m1 = hi2 ? a1 : v.y;
+            const uint32_t n0 = hi2 ? v.z : a0, n1 = hi2 ? v.w : a1;
+            const bool hi1 = (t & 1) != 0;
+            const uint32_t b0 = __shfl_xor_sync(0xFFFFFFFFu, hi1 ? m0 : m1, 1);
+            const uint32_t b1 = __shfl_xor_sync(0xFFFFFFFFu, hi1 ? n0 : n1, 1);
+            // word t of groups 0, 1 from m (own or partner's), of groups 2, 3 from n
+            uint32_t p[4];
+            p[0] = hi1 ? b0 : m0;
+            p[1] = hi1 ? m1 : b0;
+            p[2] = hi1 ? b1 : n0;
+            p[3] = hi1 ? n1 : b1;
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+              u[h][q][0] = p[q];
+            }
+          }
         }
-        const float s0 = sb[st][i][0], s1 = sb[st][i][1];
-        const float b0 = bb[st][i][0], b1 = bb[st][i][1];
-        // a NaN in x makes dq NaN, an inf makes dq·0 NaN: both reach the output
-        acc[i][0] = fmaf(__int_as_float(c[0]) - 12582912.f, s0 * c0.x, fmaf(b0, c0.y, acc[i][0]));
-        acc[i][1] = fmaf(__int_as_float(c[1]) - 12582912.f, s0 * c1.x, fmaf(b0, c1.y, acc[i][1]));
-        acc[i][2] = fmaf(__int_as_float(c[2]) - 12582912.f, s1 * c0.x, fmaf(b1, c0.y, acc[i][2]));
-        acc[i][3] = fmaf(__int_as_float(c[3]) - 12582912.f, s1 * c1.x, fmaf(b1, c1.y, acc[i][3]));
+#pragma unroll
+        for (int q = 0; q < GS; ++q) {
+          int c[4] = {0x4B400000, 0x4B400000, 0x4B400000, 0x4B400000};
+#pragma unroll
+          for (int v = 0; v < WPT; ++v) {
+            const uint32_t u0 = u[0][q][v];
+            const uint32_t u1 = u[1][q][v];
+            mlxcel_mma_s8(c, u0 & 0x0F0F0F0Fu, u1 & 0x0F0F0F0Fu, (u0 >> 4) & 0x0F0F0F0Fu,
+                          (u1 >> 4) & 0x0F0F0F0Fu, xfb[st][q][2 * v], xfb[st][q][2 * v + 1]);
+          }
+          float s0, b0, s1, b1;
+          scale_of(sbw[st][i][0], bbw[st][i][0], q, s0, b0);
+          scale_of(sbw[st][i][1], bbw[st][i][1], q, s1, b1);
+          const float2 c0 = cb[st][q][0], c1 = cb[st][q][1];
+          // a NaN in x makes dq NaN, an inf makes dq·0 NaN: both reach the output
+          acc[i][0] = fmaf(__int_as_float(c[0]) - 12582912.f, s0 * c0.x, fmaf(b0, c0.y, acc[i][0]));
+          acc[i][1] = fmaf(__int_as_float(c[1]) - 12582912.f, s0 * c1.x, fmaf(b0, c1.y, acc[i][1]));
+          acc[i][2] = fmaf(__int_as_float(c[2]) - 12582912.f, s1 * c0.x, fmaf(b1, c0.y, acc[i][2]));
+          acc[i][3] = fmaf(__int_as_float(c[3]) - 12582912.f, s1 * c1.x, fmaf(b1, c1.y, acc[i][3]));
+        }
       }
     }
-    // this warp's part of each dot product, for the block's sum over warps below
 #pragma unroll
     for (int i = 0; i < TILES; ++i) {
 #pragma unroll
@@ -391,19 +433,6 @@ __device__ __forceinline__ void mlxcel_qgemv(const T* x, const uint32_t* w, cons
         const int m = 2 * t + (c & 1);
         if (m < M) {
           red[warp][r * M + m] = acc[i][c];
-        }
-      }
-    }
-    if constexpr (NORM) {
-#pragma unroll
-      for (int i = 0; i < WX; ++i) {
-#pragma unroll
-        for (int o = 1; o < WPG; o <<= 1) {
-          ssq[i] += __shfl_xor_sync(0xFFFFFFFFu, ssq[i], o);
-        }
-        const int xw = lane + 32 * i;
-        if (xw < M * WPG && xw % WPG == 0) {
-          red_ss[warp][xw / WPG] = ssq[i];
         }
       }
     }
@@ -560,7 +589,7 @@ __device__ __forceinline__ void mlxcel_qgemv(const T* x, const uint32_t* w, cons
   __syncthreads();
   // NORM: rsqrt(mean(x²) + eps) of row m, which scales its dot products
   auto norm_of = [&](int m) -> float {
-    if constexpr (NORM) {
+    if constexpr (NORM && !MMA) {  // MMA: in x's scales (mlxcel_round_x)
       float t = 0.f;
 #pragma unroll
       for (int i = 0; i < WPB; ++i) {
@@ -633,9 +662,104 @@ __device__ __forceinline__ void mlxcel_qgemv(const T* x, const uint32_t* w, cons
     }
   }
 }
+
+// x [M, K] rounded to int8 per group of G values once per GEMV, the input of the
+// tensor-core path (MMA = 1), which then only loads its B fragments. Output, uint32 words:
+//   [0, M·K/4)           row m's 8-value word i (k = 8i … 8i + 7) at uint2 m·K/8 + i: the
+//                        even values and the odd values as int8 (mlxcel_pack_i8)
+//   [M·K/4, +2·M·K/G)    float2 (dq·f, dq·f·Σ xq) of row m and group g at m·K/G + g
+// with dq = max|x| / 127 over the group and f = 1, or with NORM the row's RMSNorm factor
+// rsqrt(mean(x²) + eps) (x is then multiplied by the norm weight nw before rounding).
+// One thread per 8-value word, XQ_TPB threads per block, ceil(K/8 / XQ_TPB) blocks per
+// row of x (each computes its row's Σ x² for the norm: K ≤ a few 10k values).
+constexpr int XQ_TPB = 256;
+template <typename T, int M, int K, int G, int NORM, int EPS_BITS>
+__device__ __forceinline__ void mlxcel_round_x(const T* x, const T* nw, uint32_t* xq) {
+  static_assert(K % G == 0 && (G == 32 || G == 64 || G == 128), "round_x: G 32/64/128 dividing K");
+  constexpr int WPR = K / 8;                         // 8-value words per row
+  constexpr int BPR = (WPR + XQ_TPB - 1) / XQ_TPB;  // blocks per row
+  constexpr int WPG = G / 8;
+  const int tid = threadIdx.x;
+  const int m = int(blockIdx.x) / BPR;
+  const int i = (int(blockIdx.x) % BPR) * XQ_TPB + tid;
+  const bool in = i < WPR;  // (a whole group is in or out: XQ_TPB is a multiple of WPG)
+  const uint4* xv = reinterpret_cast<const uint4*>(x) + size_t(m) * WPR;
+  float f = 1.f;
+  if constexpr (NORM) {
+    __shared__ float part[XQ_TPB / 32];
+    float ss = 0.f;
+    for (int j = tid; j < WPR; j += XQ_TPB) {
+      float xs[8];
+      mlxcel_bf16x8(xv[j], xs);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        ss = fmaf(xs[e], xs[e], ss);
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      ss += __shfl_xor_sync(0xFFFFFFFFu, ss, o);
+    }
+    if ((tid & 31) == 0) {
+      part[tid >> 5] = ss;
+    }
+    __syncthreads();
+    float t = 0.f;
+#pragma unroll
+    for (int j = 0; j < XQ_TPB / 32; ++j) {
+      t += part[j];
+    }
+    f = rsqrtf(t / float(K) + __int_as_float(EPS_BITS));
+  }
+  float xs[8];
+  if (in) {
+    mlxcel_bf16x8(xv[i], xs);
+    if constexpr (NORM) {
+      float gs[8];
+      mlxcel_bf16x8(reinterpret_cast<const uint4*>(nw)[i], gs);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        xs[e] *= gs[e];
+      }
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      xs[e] = 0.f;
+    }
+  }
+  float amax = 0.f;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    amax = mlxcel_max_nan(amax, fabsf(xs[e]));
+  }
+  // the WPG threads of a group are adjacent lanes
+#pragma unroll
+  for (int o = 1; o < WPG; o <<= 1) {
+    amax = mlxcel_max_nan(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, o));
+  }
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  const float dq = amax * (1.f / 127.f) * f;  // a NaN in x (or its norm) makes it NaN
+  int e8, o8;
+  mlxcel_pack_i8(xs, inv, e8, o8);
+  int xsum = __dp4a(e8, 0x01010101, __dp4a(o8, 0x01010101, 0));
+#pragma unroll
+  for (int o = 1; o < WPG; o <<= 1) {
+    xsum += __shfl_xor_sync(0xFFFFFFFFu, xsum, o);
+  }
+  if (in) {
+    reinterpret_cast<uint2*>(xq)[size_t(m) * WPR + i] = make_uint2(uint32_t(e8), uint32_t(o8));
+    if (i % WPG == 0) {
+      reinterpret_cast<float2*>(xq + size_t(M) * K / 4)[m * (K / G) + i / WPG] =
+          make_float2(dq, dq * static_cast<float>(xsum));
+    }
+  }
+}
 // @@body
   mlxcel_qgemv<T, M, N, K, G, BITS, ROWS, WPB, EPI, NORM, EPS_BITS, 0, 0, XQ, MMA>(
       x, w, scales, biases, res, nw, nullptr, nullptr, y, nullptr);
 // @@body_rope
   mlxcel_qgemv<T, M, N, K, G, BITS, ROWS, WPB, 3, NORM, EPS_BITS, HD, NQ, XQ, MMA>(
-      x, w, scales, biases, x, nw, pos, inv_freq, q, kv);
+      x, w, scales, biases, nw, nw, pos, inv_freq, q, kv);
+// @@body_xq
+  mlxcel_round_x<T, M, K, G, NORM, EPS_BITS>(x, nw, xq);

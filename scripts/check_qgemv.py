@@ -9,7 +9,7 @@ Runs on a CUDA box with the `mlx` Python package (MLX's CUDA backend):
 
 For every shape (N, K) a Llama-3.1 8B / 70B decode step multiplies by, for 4 and 8
 bits, group sizes 32/64/128 (64 only past the first shape of each model) and batch
-M = 1 and 4 (`--ms`: mlxcel uses the kernel up to M = 8, the tensor-core path from M = 3
+M = 1 and 4 (`--ms`: mlxcel uses the kernel up to M = 8, the tensor-core path from M = 5
 at 4 bits), it quantizes a random bf16 weight
 with `mx.quantize` and compares the kernel with `mx.quantized_matmul` and with
 dequantize + matmul in float32 (the reference). Exit status 1 if any result is off.
@@ -39,28 +39,39 @@ SHAPES_70B = [(10240, 8192, "qkv"), (8192, 8192, "o"), (57344, 8192, "gate_up"),
 
 
 ROPE_MARK = "// @@body_rope\n"
+XQ_MARK = "// @@body_xq\n"
+ROUND_X = None  # the x-rounding kernel of the tensor-core path (make_kernel sets it)
 
 
 def load_source(path):
     text = path.read_text()
     head, body = text.split("// @@header\n", 1)[1].split("// @@body\n", 1)
     body, body_rope = body.split(ROPE_MARK, 1)
-    return head, body, body_rope
+    body_rope, body_xq = body_rope.split(XQ_MARK, 1)
+    return head, body, body_rope, body_xq
 
 
-def kernel_name(header, body, body_rope):
+def kernel_name(header, body, body_rope, body_xq):
     """`mlxcel_qgemv_<FNV-1a of the source>`, as mlxcel names it: MLX caches compiled
     kernels by name (also on disk), so another source must get another name."""
     h = 0xcbf29ce484222325
-    for b in (header + body + ROPE_MARK + body_rope).encode():
+    for b in (header + body + ROPE_MARK + body_rope + XQ_MARK + body_xq).encode():
         h = ((h ^ b) * 0x100000001b3) & 0xFFFFFFFFFFFFFFFF
     return f"mlxcel_qgemv_{h & 0xFFFFFFFF:08x}"
 
 
 def make_kernel(path):
-    """The plain kernel (epilogues 0-2) and the q/k/v + RoPE entry point."""
-    header, body, body_rope = load_source(path)
-    name = kernel_name(header, body, body_rope)
+    """The plain kernel (epilogues 0-2) and the q/k/v + RoPE entry point (and ROUND_X)."""
+    global ROUND_X
+    header, body, body_rope, body_xq = load_source(path)
+    name = kernel_name(header, body, body_rope, body_xq)
+    ROUND_X = mx.fast.cuda_kernel(
+        name=name + "_xq",
+        input_names=["x", "nw"],
+        output_names=["xq"],
+        source=body_xq,
+        header=header,
+    )
     plain = mx.fast.cuda_kernel(
         name=name,
         input_names=["x", "w", "scales", "biases", "res", "nw"],
@@ -81,15 +92,15 @@ def make_kernel(path):
 XQ = os.environ.get("MLXCEL_QGEMV_XQ", "1") != "0"  # as mlxcel: int8 activations for 4-bit
 
 
-MMA_MIN_M = int(os.environ.get("MLXCEL_QGEMV_MMA", "3") or "3")  # as mlxcel; 0: no tensor cores
+MMA_MIN_M = int(os.environ.get("MLXCEL_QGEMV_MMA", "5") or "5")  # as mlxcel; 0: no tensor cores
 
 
 def launch_config(m, n, k, bits, group=64):
     """ROWS, WPB and MMA as mlxcel picks them (src/mlx/qgemv.rs `launch_config_for`)."""
     if (XQ and bits == 4 and group in (32, 64, 128) and MMA_MIN_M and m >= MMA_MIN_M
-            and n % 16 == 0):
-        rows, wpb = (32, 4) if n >= 16384 and n % 32 == 0 and group <= 64 else (16, 8)
-        while wpb > 1 and k // group < 4 * wpb:
+            and n % 16 == 0 and k % 128 == 0):
+        rows, wpb = (32, 4) if n >= 16384 and n % 32 == 0 else (16, 8)
+        while wpb > 1 and k // 128 < 2 * wpb:
             wpb //= 2
         return rows, wpb, 1
 
@@ -105,6 +116,25 @@ def launch_config(m, n, k, bits, group=64):
     return rows, wpb, 0
 
 
+XQ_TPB = 256  # threads per block of the rounding kernel (kernels/qgemv.cu)
+
+
+def round_x(x, group, norm=None):
+    """x [m, k] rounded to int8 per group (the tensor-core path's input)."""
+    m, k = x.shape
+    bpr = -(-(k // 8) // XQ_TPB)
+    return ROUND_X(
+        inputs=[x, x if norm is None else norm[0]],
+        template=[("T", mx.bfloat16), ("M", m), ("K", k), ("G", group),
+                  ("NORM", int(norm is not None)),
+                  ("EPS_BITS", 0 if norm is None else struct.unpack("<i", struct.pack("<f", norm[1]))[0])],
+        grid=(m * bpr * XQ_TPB, 1, 1),
+        threadgroup=(XQ_TPB, 1, 1),
+        output_shapes=[(m * k // 4 + 2 * m * k // group,)],
+        output_dtypes=[mx.uint32],
+    )[0]
+
+
 def qgemv(kernel, x, w, s, b, group, bits, rows=None, wpb=None, res=None, swiglu=False,
           norm=None, mma=None):
     """EPI 0: x·Wᵀ; 1 (res given): res + x·Wᵀ; 2 (swiglu): silu(g)·u of the halves.
@@ -118,8 +148,9 @@ def qgemv(kernel, x, w, s, b, group, bits, rows=None, wpb=None, res=None, swiglu
     else:  # another launch: the dp4a/FMA path unless mma=1
         rows, wpb, mma = rows or r0, wpb or w0, mma or 0
     epi = 2 if swiglu else (1 if res is not None else 0)
+    xin = round_x(x, group, norm) if mma else x
     return kernel(
-        inputs=[x, w, s, b, x if res is None else res, x if norm is None else norm[0]],
+        inputs=[xin, w, s, b, x if res is None else res, x if norm is None else norm[0]],
         template=[("T", mx.bfloat16), ("M", m), ("N", n), ("K", k), ("G", group),
                   ("BITS", bits), ("ROWS", rows), ("WPB", wpb), ("EPI", epi),
                   ("NORM", int(norm is not None)),
@@ -138,8 +169,9 @@ def qgemv_rope(kernel, x, w, s, b, group, bits, norm, pos, inv_freq, nq, hd):
     m, k = x.shape
     n = w.shape[0]
     rows, wpb, mma = launch_config(m, n, k, bits, group)
+    xin = round_x(x, group, norm) if mma else x
     return kernel(
-        inputs=[x, w, s, b, norm[0], pos, inv_freq],
+        inputs=[xin, w, s, b, norm[0], pos, inv_freq],
         template=[("T", mx.bfloat16), ("M", m), ("N", n), ("K", k), ("G", group),
                   ("BITS", bits), ("ROWS", rows), ("WPB", wpb), ("NORM", 1),
                   ("EPS_BITS", struct.unpack("<i", struct.pack("<f", norm[1]))[0]),
@@ -281,7 +313,7 @@ def main():
     ap.add_argument("--skip", default="", help="comma-separated shape names to leave out (e.g. qkv,o)")
     ap.add_argument("--time", action="store_true", help="also wall-clock timing (host-bound)")
     ap.add_argument("--ms", default="1,4", type=lambda v: tuple(int(i) for i in v.split(",")),
-                    help="batch sizes M to check (default 1,4; the tensor-core path takes M ≥ 3 at 4 bits)")
+                    help="batch sizes M to check (default 1,4; the tensor-core path takes M ≥ 5 at 4 bits)")
     ap.add_argument("--sweep", action="store_true",
                     help="only time launch shapes (ROWS × WPB) on the 8B shapes, to pick defaults")
     args = ap.parse_args()

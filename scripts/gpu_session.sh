@@ -11,6 +11,7 @@
 #   bash scripts/gpu_session.sh session4 check|bench # kernel checks (70B, RoPE, int8 activations); 4-bit A/B, side by side
 #   bash scripts/gpu_session.sh session6 check|mma2|final|decode|bench # tensor-core path: checks, Nsight sweeps
 #                                        # (v2 vs V1=old kernel file), decode at batch 1-8, server
+#   bash scripts/gpu_session.sh session7 ceiling|final|decode|minm  # read-only ceiling; tensor cores with x rounded once per call
 #   bash scripts/gpu_session.sh ncu      # Nsight kernel times: 4-bit float vs int8 activations, 8-bit, launch shapes
 # Multi-GPU runs (2+ GPUs): scripts/multi_gpu.sh.
 # MLXCEL=path/to/mlxcel (default .gpu/bin/mlxcel); OUT=results folder (default ./gpu-out).
@@ -243,6 +244,38 @@ session6)
       python3 scripts/bench_server.py --port 8126 --concurrency 1,4,8 --max-tokens 128 2>&1 | tail -5
       kill $spid; wait $spid 2>/dev/null
     done 2>&1 | tee "$OUT/mma-server.txt"
+    ;;
+  esac
+  ;;
+session7)
+  # the seventh session's tensor-core path (x rounded once per call, 64-byte weight loads)
+  ncut() {  # ncu kernel times of prof_qgemv.py mode $1 (more args passed on), parsed
+    local tag=$1; shift
+    timeout ${NCU_S:-200} ncu --clock-control none --metrics gpu__time_duration.sum -k regex:'qgemv|qmv|qmm|gemv|ceiling' \
+      python3 scripts/prof_qgemv.py "$@" > "$OUT/ncu-$tag.txt" 2>&1
+    python3 scripts/prof_qgemv.py --parse "$OUT/ncu-$tag.txt" | tee "$OUT/ncu-$tag-parsed.txt"
+  }
+  case "${2:-final}" in
+  ceiling)
+    step "ncu: read-only kernels of each 4-bit shape's bytes"; NCU_S=90 ncut ceiling --ceiling
+    ;;
+  final)
+    step "qgemv --quick at M = 2, 3, 8"
+    timeout 150 python3 scripts/check_qgemv.py --quick --ms 2,3,8 2>&1 | tee "$OUT/check-quick.txt" | grep -E "^\||Error|error" | tail -40
+    step "qgemv: 8B o, gate/up, lm_head at M = 5, 8; 70B q/k/v, down at M = 8 (groups 32/64/128 on q/k/v)"
+    timeout 120 python3 scripts/check_qgemv.py --only 8B --skip qkv,down --ms 5,8 2>&1 | tee "$OUT/check-8b.txt" | grep -E "^\| 8B [a-z_]+ [0-9×]+ \||NO" | tail -20
+    timeout 100 python3 scripts/check_qgemv.py --only 70B --skip o,gate_up,lm_head --ms 8 2>&1 | tee "$OUT/check-70b.txt" | grep -E "NO|^\| 70B [a-z_]+ [0-9×]+ \|" | tail -20
+    step "ncu: tensor-core ROWS × WPB and dp4a, M = 3, 8"; NCU_S=200 ncut mma --mma --ms 3,8
+    ;;
+  decode)
+    q4cfg
+    step "decode 8B 4-bit (dummy weights): defaults, MLXCEL_QGEMV_MMA=0, defaults"
+    q4decode 2,3,4,6,8 "X=1" "MLXCEL_QGEMV_MMA=0" "X=1" 2>&1 | tee "$OUT/decode.txt"
+    ;;
+  minm)
+    q4cfg
+    step "decode 8B 4-bit (dummy weights), batch 3, 4: tensor cores from batch 3 vs 5, alternated"
+    q4decode 3,4 "MLXCEL_QGEMV_MMA=3" "MLXCEL_QGEMV_MMA=5" "MLXCEL_QGEMV_MMA=3" "MLXCEL_QGEMV_MMA=5" 2>&1 | tee "$OUT/decode-minm.txt"
     ;;
   esac
   ;;

@@ -12,9 +12,11 @@ Modes (8B shapes, group 64; `--70b` adds the 70B shapes):
   --defaults  mlxcel's own launch per case (4 and 8 bits, M = 1, 2, 4, 8), plus at 4 bits
               the dp4a path at M = 2, 4 and the tensor-core path at M = 1, for comparison
   --mma       4-bit only: the tensor-core path's ROWS (16, 32) × WPB (4, 8), and the dp4a
-              path's launch at M ≤ 4
+              path's launch at M ≤ 4 (the rounding kernel of x, `..._xq`, is timed on its own)
   --ms 2,4,8  the batch sizes (default 1, 2, 4, 8)
-  --stalls    three launches (gate/up at M = 1 and 8, down at M = 8) for ncu's sections
+  --stalls    five launches (gate/up, o at M = 1; gate/up, down, o at M = 8) for ncu's sections
+  --ceiling   a kernel that only reads the bytes of each shape's 4-bit g64 weights (16-byte
+              loads, all issued before any use): the bandwidth any GEMV could reach there
 `MLXCEL_QGEMV_SOURCE=path` times another version of the kernel file (the same
 variable mlxcel reads). Kernel names carry the template values:
 ..._M_N_K_G_BITS_ROWS_WPB_EPI_NORM_EPS_XQ_MMA.
@@ -36,9 +38,11 @@ def launch():
     import mlx.core as mx
     sys.path.insert(0, "scripts")
     import check_qgemv as c
+    if "--ceiling" in ARGS:
+        return ceiling()
     k, _ = c.make_kernel(pathlib.Path(os.environ.get("MLXCEL_QGEMV_SOURCE", c.SOURCE)))
     if "--stalls" in ARGS:  # a few launches for ncu's stall sections (mlxcel's own launch)
-        for n, kk, m in [(28672, 4096, 1), (28672, 4096, 8), (4096, 14336, 8)]:
+        for n, kk, m in [(28672, 4096, 1), (4096, 4096, 1), (28672, 4096, 8), (4096, 14336, 8), (4096, 4096, 8)]:
             wq, s, b = c.quantized(n, kk, 64, 4, 0)
             x = mx.random.normal((m, kk)).astype(mx.bfloat16)
             mx.eval(c.qgemv(k, x, wq, s, b, 64, 4))
@@ -83,12 +87,52 @@ def launch():
                 mx.synchronize()
 
 
+CEIL_SRC = """
+  constexpr int TPB = 256;
+  const uint4* p = reinterpret_cast<const uint4*>(w);
+  const size_t base = size_t(blockIdx.x) * TPB * ITERS + threadIdx.x;
+  uint4 v[ITERS];
+#pragma unroll
+  for (int i = 0; i < ITERS; ++i) {
+    const size_t j = base + size_t(i) * TPB;
+    v[i] = j < N16 ? p[j] : make_uint4(0u, 0u, 0u, 0u);
+  }
+  uint32_t a = 0;
+#pragma unroll
+  for (int i = 0; i < ITERS; ++i) {
+    a ^= v[i].x ^ v[i].y ^ v[i].z ^ v[i].w;
+  }
+  if (a == 0x9E3779B9u) {  // (keeps the loads; practically never true)
+    y[0] = a;
+  }
+"""
+
+
+def ceiling():
+    """Read-only kernels over the byte sizes of the 4-bit g64 weights of each shape."""
+    import mlx.core as mx
+    kern = mx.fast.cuda_kernel(name="mlxcel_ceiling_read", input_names=["w"], output_names=["y"],
+                               source=CEIL_SRC)
+    for n, kk in SHAPES:
+        nbytes = n * kk // 2 + 2 * 2 * n * kk // 64
+        n16 = nbytes // 16
+        w = mx.zeros((n16 * 4,), dtype=mx.uint32)
+        mx.eval(w)
+        for iters in (1, 2, 4, 8):
+            blocks = -(-n16 // (256 * iters))
+            for _ in range(3):
+                mx.eval(kern(inputs=[w], template=[("N16", n16), ("ITERS", iters)],
+                             grid=(blocks * 256, 1, 1), threadgroup=(256, 1, 1),
+                             output_shapes=[(1,)], output_dtypes=[mx.uint32]))
+        mx.synchronize()
+
+
 def parse(path):
     name, best, qmv = None, {}, []
     for line in open(path, errors="replace"):
         if "==PROF==" in line:
             continue
-        m = re.match(r"\s+(void )?(\S*(qgemv|qmv|qmm)\S*?)[(<]", line)
+        m = re.match(r"\s+(void )?(\S*(qgemv|qmv|qmm|ceiling)\S*?)[(<]", line)
         if m:
             name = line.strip().split("(")[0]
             continue
@@ -96,7 +140,9 @@ def parse(path):
         if t and name:
             unit = {"ns": 1e-3, "us": 1.0, "usecond": 1.0, "nsecond": 1e-3, "ms": 1e3, "msecond": 1e3}
             us = float(t.group(2).replace(",", "")) * unit.get(t.group(1), 1.0)
-            if "qgemv" not in name:  # MLX's kernels: same name for every shape, in launch order
+            if "ceiling" in name:
+                best[name] = min(best.get(name, 1e9), us)
+            elif "qgemv" not in name:  # MLX's kernels: same name for every shape, in launch order
                 k = re.search(r"(qmv|qmm|gemv)\w*", name)
                 qmv.append((k.group(0) if k else name[:40], us))
             else:
@@ -105,6 +151,11 @@ def parse(path):
     print(" ".join(f"{u:.1f}" for _, u in qmv))
     print("kernels:", sorted({n for n, _ in qmv}))
     for name, us in best.items():
+        cm = re.search(r"ceiling_read_(\d+)_(\d+)", name)
+        if cm:
+            n16, iters = map(int, cm.groups())
+            print(f"read-only {n16 * 16 / 1e6:.1f} MB ITERS={iters}: {us:.1f} us {n16 * 16 / us / 1e6:.2f} TB/s")
+            continue
         m = re.search(r"qgemv_\w+?_t_(\d+)_(\d+)_(\d+)_(\d+)_(\d+)_(\d+)_(\d+)"
                       r"(?:_(\d+)_(\d+)_(-?\d+)_(\d+)(?:_(\d+))?)?", name)
         if m:

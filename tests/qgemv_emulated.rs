@@ -73,6 +73,7 @@ template <class V> static V shfl_from(V v, unsigned src) {
 }
 static float __shfl_xor_sync(unsigned, float v, int o) { return shfl_from(v, threadIdx.x ^ o); }
 static int __shfl_xor_sync(unsigned, int v, int o) { return shfl_from(v, threadIdx.x ^ o); }
+static unsigned __shfl_xor_sync(unsigned, unsigned v, int o) { return shfl_from(v, threadIdx.x ^ o); }
 static float __shfl_sync(unsigned, float v, int lane) { return shfl_from(v, (threadIdx.x & ~31u) | lane); }
 // mma.sync.m16n8k32 s8·s8 + s32 of one warp: every lane posts its fragments, then
 // computes its four outputs from the warp's (layouts as in the PTX ISA)
@@ -130,6 +131,31 @@ int main() {
       q[size_t(n) * K + k] = v;
       w[(size_t(n) * K + k) / VPW] |= uint32_t(v) << (BITS * (k % VPW));
     }
+#if MMA_X
+  // x rounded to int8 per group by the rounding kernel (XQ_TPB threads per block), the
+  // GEMV's input
+  std::vector<uint32_t> xq(size_t(M) * K / 4 + 2 * size_t(M) * (K / G));
+  {
+    constexpr int bpr = (K / 8 + XQ_TPB - 1) / XQ_TPB;
+    blockDim.x = XQ_TPB;
+    g_shfl.assign(XQ_TPB, 0.f);
+    for (int blk = 0; blk < M * bpr; ++blk) {
+      std::barrier<> bar(XQ_TPB);
+      g_barrier = &bar;
+      std::vector<std::thread> ts;
+      for (int t = 0; t < XQ_TPB; ++t)
+        ts.emplace_back([&, t] {
+          threadIdx.x = t;
+          blockIdx.x = blk;
+          kernel_xq(x.data(), nw.data(), xq.data());
+        });
+      for (auto& t : ts) t.join();
+    }
+  }
+  const uint32_t* xarg = xq.data();
+#else
+  const bf* xarg = x.data();
+#endif
   const int tpb = 32 * WPB;
   blockDim.x = tpb;
   g_shfl.assign(tpb, 0.f);
@@ -143,10 +169,10 @@ int main() {
         threadIdx.x = t;
         blockIdx.x = blk;
 #if ROPE
-        kernel(x.data(), w.data(), sc.data(), bi.data(), nw.data(), pos.data(), inv.data(),
+        kernel(xarg, w.data(), sc.data(), bi.data(), nw.data(), pos.data(), inv.data(),
                yq.data(), ykv.data());
 #else
-        kernel(x.data(), w.data(), sc.data(), bi.data(), res.data(), nw.data(), y.data());
+        kernel(xarg, w.data(), sc.data(), bi.data(), res.data(), nw.data(), y.data());
 #endif
       });
     for (auto& t : ts) t.join();
@@ -211,21 +237,30 @@ int main() {
 }
 "#;
 
-/// The kernel file's header, plain body and RoPE body.
-fn kernel_parts() -> (String, String, String) {
+/// The kernel file's header, plain body, RoPE body and x-rounding body.
+fn kernel_parts() -> (String, String, String, String) {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels/qgemv.cu");
     let text = std::fs::read_to_string(&path).unwrap();
     let (_, rest) = text.split_once("// @@header\n").unwrap();
     let (header, rest) = rest.split_once("// @@body\n").unwrap();
-    let (body, body_rope) = rest.split_once("// @@body_rope\n").unwrap();
-    (header.to_string(), body.to_string(), body_rope.to_string())
+    let (body, rest) = rest.split_once("// @@body_rope\n").unwrap();
+    let (body_rope, body_xq) = rest.split_once("// @@body_xq\n").unwrap();
+    (
+        header.to_string(),
+        body.to_string(),
+        body_rope.to_string(),
+        body_xq.to_string(),
+    )
 }
 
 /// Compile and run the emulated kernel with template constants `consts`; the RoPE
 /// entry point (`@@body_rope`) when they include `HD` and `NQ`.
 fn run(tag: &str, consts: &[(&str, usize)]) {
-    let (header, body, body_rope) = kernel_parts();
+    let (header, body, body_rope, body_xq) = kernel_parts();
     let rope = consts.iter().any(|(n, _)| *n == "HD");
+    // MMA = 1: x comes from the rounding kernel (`@@body_xq`), as uint32 words
+    let mma = consts.contains(&("MMA", 1));
+    let xin = if mma { "uint32_t" } else { "__nv_bfloat16" };
     let mut src = String::from(PRELUDE);
     src += &header;
     src += "using T = __nv_bfloat16;\n";
@@ -247,21 +282,32 @@ fn run(tag: &str, consts: &[(&str, usize)]) {
     if rope {
         // the signature MLX generates for inputs x, w, scales, biases, nw, pos, inv_freq
         // and outputs q, kv
-        src +=
-            "void kernel(const __nv_bfloat16* x, const uint32_t* w, const __nv_bfloat16* scales,\n\
+        src += &format!(
+            "void kernel(const {xin}* x, const uint32_t* w, const __nv_bfloat16* scales,\n\
                 const __nv_bfloat16* biases, const __nv_bfloat16* nw, const int32_t* pos,\n\
-                const float* inv_freq, __nv_bfloat16* q, __nv_bfloat16* kv) {\n";
+                const float* inv_freq, __nv_bfloat16* q, __nv_bfloat16* kv) {{\n"
+        );
         src += &body_rope;
     } else {
         // the signature MLX generates for inputs x, w, scales, biases, res, nw and output y
-        src +=
-            "void kernel(const __nv_bfloat16* x, const uint32_t* w, const __nv_bfloat16* scales,\n\
+        src += &format!(
+            "void kernel(const {xin}* x, const uint32_t* w, const __nv_bfloat16* scales,\n\
                 const __nv_bfloat16* biases, const __nv_bfloat16* res, const __nv_bfloat16* nw,\n\
-                __nv_bfloat16* y) {\n";
+                __nv_bfloat16* y) {{\n"
+        );
         src += &body;
     }
     src += "\n}\n";
-    src += &format!("#define ROPE {}\n", rope as i32);
+    if mma {
+        // inputs x, nw and output xq
+        src += "void kernel_xq(const __nv_bfloat16* x, const __nv_bfloat16* nw, uint32_t* xq) {\n";
+        src += &body_xq;
+        src += "\n}\n";
+    }
+    src += &format!(
+        "#define ROPE {}\n#define MMA_X {}\n",
+        rope as i32, mma as i32
+    );
     src += MAIN;
     let dir: PathBuf =
         std::env::temp_dir().join(format!("mlxcel-qgemv-emu-{}-{tag}", std::process::id()));
@@ -584,7 +630,8 @@ fn qgemv_int8_activations_match() {
 }
 
 /// The tensor-core path (`MMA = 1`: 16-row tiles, `mma.sync.m16n8k32` emulated lane by
-/// lane as the PTX ISA lays out its fragments) with 4-bit weights and int8 x.
+/// lane as the PTX ISA lays out its fragments) with 4-bit weights and x rounded to int8
+/// by the rounding kernel (`@@body_xq`, run first).
 fn mma(
     m: usize,
     n: usize,
@@ -615,10 +662,14 @@ fn qgemv_mma_matches_dequantize_matmul() {
     // two tiles per block; groups 32 and 128 (one and four words per lane and group)
     run("mma_g32_tiles2", &mma(3, 64, 256, 32, 32, 2));
     run("mma_g128", &mma(8, 32, 1024, 128, 16, 2));
-    // groups per row (9) not a multiple of the warps (2): the last warp's tail is zero
-    run("mma_tail", &mma(5, 16, 576, 64, 16, 2));
-    // a warp with more groups than loads in flight (3)
-    run("mma_deep", &mma(2, 16, 768, 64, 16, 2));
+    // steps of 128 values per row (5) not a multiple of the warps (2): the last warp's
+    // tail is zero
+    run("mma_tail", &mma(5, 16, 640, 64, 16, 2));
+    // warps with more steps than loads in flight (3; 4 with group 128), each group size
+    // (the lanes' word exchanges differ)
+    run("mma_deep", &mma(2, 16, 1024, 64, 16, 1));
+    run("mma_deep_g32", &mma(8, 16, 2048, 32, 16, 2));
+    run("mma_deep_g128", &mma(4, 32, 2048, 128, 32, 1));
     // the launch of a 70B down projection (K = 28672: 56 groups per warp of 8)
     run("mma_70b_down", &mma(3, 16, 28672, 64, 16, 8));
 }
@@ -658,6 +709,12 @@ fn qgemv_mma_epilogues_match() {
             mma(3, 6 * 16, 1024, 128, 32, 2),
             &[("NORM", 1), ("HD", 16), ("NQ", 2)],
         ),
+    );
+    // the rounding kernel's norm at a row longer than its blocks (K = 4608: 2 blocks of 256
+    // threads per row), with the residual
+    run(
+        "mma_norm_res_2blocks",
+        &with(mma(3, 16, 4608, 64, 16, 4), &[("EPI", 1), ("NORM", 1)]),
     );
     // a NaN in row 0 of x makes all of row 0 NaN
     run(

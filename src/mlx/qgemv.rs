@@ -1,7 +1,7 @@
 //! mlxcel's quantized GEMV (`kernels/qgemv.cu`): `x · dequantize(w)ᵀ` for decode
 //! (batch ≤ [`MAX_M`]) on MLX's CUDA backend, where its one-token launches take
 //! 2.1–4.2× less time than MLX's own `quantized_matmul` and its tensor-core path
-//! 3.6× less at batch 8 (H200, 8B shapes; see docs/benchmarks.md). Elsewhere, and
+//! 4.8× less at batch 8 (H200, 8B shapes; see docs/benchmarks.md). Elsewhere, and
 //! for shapes it does not cover, callers keep `quantized_matmul`.
 //!
 //! The kernel source is embedded; `MLXCEL_QGEMV_SOURCE=path` loads another file
@@ -21,8 +21,9 @@ const EMBEDDED: &str = include_str!("../../kernels/qgemv.cu");
 const HEADER_MARK: &str = "// @@header\n";
 const BODY_MARK: &str = "// @@body\n";
 const ROPE_MARK: &str = "// @@body_rope\n";
+const XQ_MARK: &str = "// @@body_xq\n";
 
-/// The kernel file split into the device-code header and the two kernel bodies.
+/// The kernel file split into the device-code header and the three kernel bodies.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Source {
     pub header: String,
@@ -30,6 +31,8 @@ pub struct Source {
     pub body: String,
     /// The q/k/v projection with RoPE (epilogue 3), outputs q and kv.
     pub body_rope: String,
+    /// x rounded to int8 per group, the tensor-core path's input (output xq).
+    pub body_xq: String,
 }
 
 impl Source {
@@ -44,6 +47,8 @@ impl Source {
             .chain(self.body.bytes())
             .chain(ROPE_MARK.bytes())
             .chain(self.body_rope.bytes())
+            .chain(XQ_MARK.bytes())
+            .chain(self.body_xq.bytes())
         {
             h ^= b as u64;
             h = h.wrapping_mul(0x100000001b3);
@@ -52,7 +57,8 @@ impl Source {
     }
 }
 
-/// Split a kernel file at its `// @@header`, `// @@body` and `// @@body_rope` marker lines.
+/// Split a kernel file at its `// @@header`, `// @@body`, `// @@body_rope` and
+/// `// @@body_xq` marker lines.
 pub fn split_source(text: &str) -> std::result::Result<Source, String> {
     let (_, rest) = text
         .split_once(HEADER_MARK)
@@ -60,19 +66,26 @@ pub fn split_source(text: &str) -> std::result::Result<Source, String> {
     let (header, rest) = rest
         .split_once(BODY_MARK)
         .ok_or("no `// @@body` marker line after `// @@header`")?;
-    let (body, body_rope) = rest
+    let (body, rest) = rest
         .split_once(ROPE_MARK)
         .ok_or("no `// @@body_rope` marker line after `// @@body`")?;
-    if body.trim().is_empty() {
-        return Err("the kernel body after `// @@body` is empty".into());
-    }
-    if body_rope.trim().is_empty() {
-        return Err("the kernel body after `// @@body_rope` is empty".into());
+    let (body_rope, body_xq) = rest
+        .split_once(XQ_MARK)
+        .ok_or("no `// @@body_xq` marker line after `// @@body_rope`")?;
+    for (text, mark) in [
+        (body, "@@body"),
+        (body_rope, "@@body_rope"),
+        (body_xq, "@@body_xq"),
+    ] {
+        if text.trim().is_empty() {
+            return Err(format!("the kernel body after `// {mark}` is empty"));
+        }
     }
     Ok(Source {
         header: header.to_string(),
         body: body.to_string(),
         body_rope: body_rope.to_string(),
+        body_xq: body_xq.to_string(),
     })
 }
 
@@ -92,12 +105,13 @@ fn load_source() -> std::result::Result<Source, String> {
     }
 }
 
-/// The plain kernel's name and the RoPE entry point's (`<name>_rope`).
-fn kernel_names() -> &'static (String, String) {
-    static NAMES: OnceLock<(String, String)> = OnceLock::new();
+/// The plain kernel's name, the RoPE entry point's (`<name>_rope`) and the rounding
+/// kernel's (`<name>_xq`).
+fn kernel_names() -> &'static (String, String, String) {
+    static NAMES: OnceLock<(String, String, String)> = OnceLock::new();
     NAMES.get_or_init(|| {
         let n = source().map(|s| s.kernel_name()).unwrap_or_default();
-        (n.clone(), n + "_rope")
+        (n.clone(), n.clone() + "_rope", n + "_xq")
     })
 }
 
@@ -227,17 +241,22 @@ fn sm_version(arch: &str) -> Option<u32> {
         .ok()
 }
 
-/// Smallest batch on the tensor-core path by default. Nsight on H200 (8B shapes, one
-/// token's GEMVs): at M = 2 the dp4a path takes 16% less time, at M = 4 the tensor
-/// cores take 24% less; M = 3 is about even (by interpolation) and goes to the tensor
-/// cores, whose time hardly grows with M.
-pub const MMA_MIN_M: usize = 3;
+/// Smallest batch on the tensor-core path by default. On H200 (8B shapes) the path's
+/// kernels (with the rounding of x) take 20% less GPU time than dp4a at M = 3 (Nsight,
+/// one token's GEMVs), but decode at batches 3 and 4 was faster on dp4a end to end
+/// (`mlxcel bench`, alternated: 538–549 vs 295–405 tok/s at batch 3, 602–605 vs 448–505
+/// at batch 4): the rounding kernel is one more MLX op per GEMV, 129 per step, and
+/// those batches are bound by MLX's host work per op. From batch 5 the dp4a path's
+/// instructions grow with M and MLX's kernel is slower still.
+pub const MMA_MIN_M: usize = 5;
 
 /// Weight loads (16 bytes each) one thread may keep in flight: ptxas (sm_90) fits 28
 /// of them without spilling at every M ≤ 4 with int8 activations and at 8 bits.
 pub const MAX_LOADS_PER_THREAD: usize = 28;
 
-/// Rows per block (what the epilogues' pairing depends on; not on K).
+/// Rows per block (what the epilogues' pairing depends on), for a K that is a multiple
+/// of 128. Where K is not, the launch takes the dp4a path's 4 (or 2) rows, which pair
+/// evenly wherever these do, so checks made with this value stay valid.
 pub fn rows_per_block(m: usize, n: usize, group: usize, bits: usize) -> usize {
     launch_config(m, n, 0, group, bits).rows
 }
@@ -245,12 +264,11 @@ pub fn rows_per_block(m: usize, n: usize, group: usize, bits: usize) -> usize {
 /// Rows per block and warps per block.
 ///
 /// Tensor-core path (4-bit, int8 activations, group 32/64/128, `m ≥ mma_min`, n a
-/// multiple of 16), from Nsight Compute timings on H200 (docs/benchmarks.md, sixth
-/// session): one 16-row tile per block and 8 warps splitting the row's groups; wide
-/// matrices (n ≥ 16384: gate/up, lm_head) two tiles and 4 warps (their x rounding then
-/// serves more rows, and there are still blocks enough for every SM), except with group
-/// 128, where two tiles need more than 255 registers (ptxas spills at M = 8 with the
-/// norm). At least four groups per warp where the row has them.
+/// multiple of 16, k of 128), from Nsight Compute timings on H200 (docs/benchmarks.md,
+/// seventh session): one 16-row tile per block and 8 warps splitting the row's steps of
+/// 128 values; wide matrices (n ≥ 16384: gate/up, lm_head) two tiles and 4 warps (each
+/// B fragment of x loaded then serves twice the rows, and there are still blocks enough
+/// for every SM). At least two steps per warp where the row has them.
 ///
 /// Otherwise, from Nsight Compute timings on H200 (docs/benchmarks.md): 4-bit M = 1
 /// with float math is fastest with 2 rows (4 for the wide gate/up and lm_head) and 2
@@ -273,14 +291,15 @@ fn launch_config_for(
         && matches!(group, 32 | 64 | 128)
         && mma_min.is_some_and(|min| (min..=MAX_M).contains(&m))
         && n.is_multiple_of(16)
+        && k.is_multiple_of(128)
     {
-        let (rows, mut wpb) = if n >= 16384 && n.is_multiple_of(32) && group <= 64 {
+        let (rows, mut wpb) = if n >= 16384 && n.is_multiple_of(32) {
             (32, 4)
         } else {
             (16, 8)
         };
-        let groups = k / group;
-        while wpb > 1 && groups < 4 * wpb {
+        let steps = k / 128; // the kernel's steps of 128 values per row
+        while wpb > 1 && steps < 2 * wpb {
             wpb /= 2;
         }
         return Launch {
@@ -390,6 +409,12 @@ pub fn qgemv(
         _ => x, // not read
     };
     let (nw, eps) = norm_input("qgemv", norm, x, k)?;
+    // the tensor-core path reads x rounded by its own kernel, which applies the norm
+    let xr = if mma {
+        Some(round_x(x, m, k, group, norm.map(|_| (nw, eps)))?)
+    } else {
+        None
+    };
     // built once: this runs for every quantized linear of every decode step
     static NAMES: OnceLock<([String; 6], [String; 1], [String; 12])> = OnceLock::new();
     let (inputs, outputs, tnames) = NAMES.get_or_init(|| {
@@ -421,11 +446,11 @@ pub fn qgemv(
         norm.is_some() as usize,
         eps.to_bits() as usize, // 0 without a norm
         xq(bits) as usize,
-        mma as usize,
+        mma as usize, // 1: x rounded by round_x first
     ]
     .map(|v| v as i32);
     let mut out = kernel.call(
-        &[x, w, scales, biases, res, nw],
+        &[xr.as_ref().unwrap_or(x), w, scales, biases, res, nw],
         &[out_shape],
         x.dtype(),
         tnames,
@@ -436,6 +461,54 @@ pub fn qgemv(
     )?;
     out.pop()
         .ok_or_else(|| MlxError::Invalid("qgemv: the kernel returned no output".into()))
+}
+
+/// Threads per block of the rounding kernel (`XQ_TPB` in kernels/qgemv.cu).
+const XQ_TPB: usize = 256;
+
+/// x (`m` rows of `k`) rounded to int8 per group of `group` values by the kernel file's
+/// `@@body_xq`, the tensor-core path's input: uint32 words, the int8 values (`m·k/4`
+/// words) then a (scale, scale·Σ) float pair per row and group; with `norm` the row's
+/// RMSNorm is in the scales. Once per GEMV instead of once per block of the GEMV.
+fn round_x(
+    x: &Array,
+    m: usize,
+    k: usize,
+    group: usize,
+    norm: Option<(&Array, f32)>,
+) -> Result<Array> {
+    let src = source()?;
+    static NAMES: OnceLock<([String; 2], [String; 1], [String; 5])> = OnceLock::new();
+    let (inputs, outputs, tnames) = NAMES.get_or_init(|| {
+        (
+            ["x", "nw"].map(String::from),
+            ["xq".to_string()],
+            ["M", "K", "G", "NORM", "EPS_BITS"].map(String::from),
+        )
+    });
+    let kernel = CudaKernel {
+        name: &kernel_names().2,
+        input_names: inputs,
+        output_names: outputs,
+        header: &src.header,
+        body: &src.body_xq,
+    };
+    let (nw, eps) = norm.unwrap_or((x, 0.0));
+    let tvals = [m, k, group, norm.is_some() as usize, eps.to_bits() as usize].map(|v| v as i32);
+    let words = m * k / 4 + 2 * m * (k / group);
+    let blocks = m * (k / 8).div_ceil(XQ_TPB);
+    let mut out = kernel.call(
+        &[x, nw],
+        &[&[words as i32]],
+        Dtype::U32,
+        tnames,
+        &tvals,
+        x.dtype(),
+        [(blocks * XQ_TPB) as i32, 1, 1],
+        [XQ_TPB as i32, 1, 1],
+    )?;
+    out.pop()
+        .ok_or_else(|| MlxError::Invalid("qgemv: the rounding kernel returned no output".into()))
 }
 
 /// The kernel's `nw` input and eps: the norm weight (one value per input feature, x's
@@ -529,6 +602,11 @@ pub fn qgemv_rope(
     let (nw, eps) = norm_input("qgemv_rope", norm, x, k)?;
     let src = source()?;
     let Launch { rows, wpb, mma } = launch_config(m, n, k, group, bits);
+    let xr = if mma {
+        Some(round_x(x, m, k, group, norm.map(|_| (nw, eps)))?)
+    } else {
+        None
+    };
     static NAMES: OnceLock<([String; 7], [String; 2], [String; 13])> = OnceLock::new();
     let (inputs, outputs, tnames) = NAMES.get_or_init(|| {
         (
@@ -562,13 +640,21 @@ pub fn qgemv_rope(
         head_dim,
         nq,
         xq(bits) as usize,
-        mma as usize,
+        mma as usize, // 1: x rounded by round_x first
     ]
     .map(|v| v as i32);
     let (mi, hd) = (m as i32, head_dim as i32);
     let mut out = kernel
         .call(
-            &[x, w, scales, biases, nw, pos, inv_freq],
+            &[
+                xr.as_ref().unwrap_or(x),
+                w,
+                scales,
+                biases,
+                nw,
+                pos,
+                inv_freq,
+            ],
             &[&[mi, nq as i32, 1, hd], &[mi, nkv2 as i32, 1, hd]],
             x.dtype(),
             tnames,
@@ -597,6 +683,10 @@ mod tests {
         assert!(s.header.contains("res[at]") && s.header.contains("inv_freq[d]"));
         assert!(s.body.contains("WPB") && s.body.contains("EPI") && !s.body.contains("@@"));
         assert!(s.body_rope.contains("HD, NQ") && !s.body_rope.contains("@@"));
+        assert!(s.body_xq.contains("mlxcel_round_x") && !s.body_xq.contains("@@"));
+        assert!(s
+            .header
+            .contains(&format!("constexpr int XQ_TPB = {XQ_TPB};")));
     }
 
     #[test]
@@ -606,11 +696,14 @@ mod tests {
         b.body.push_str("\n// edited\n");
         let mut c = a.clone();
         c.body_rope.push_str("\n// edited\n");
+        let mut d = a.clone();
+        d.body_xq.push_str("\n// edited\n");
         assert!(a.kernel_name().starts_with("mlxcel_qgemv_"));
         assert_eq!(a.kernel_name().len(), "mlxcel_qgemv_".len() + 8);
         assert_eq!(a.kernel_name(), a.clone().kernel_name());
         assert_ne!(a.kernel_name(), b.kernel_name());
         assert_ne!(a.kernel_name(), c.kernel_name());
+        assert_ne!(a.kernel_name(), d.kernel_name());
     }
 
     #[test]
@@ -618,8 +711,15 @@ mod tests {
         assert!(split_source("no markers").unwrap_err().contains("@@header"));
         let e = split_source("// @@header\nint x;\n").unwrap_err();
         assert!(e.contains("@@body"), "{e}");
-        let e = split_source("// @@header\n// @@body\n  \n// @@body_rope\nf();\n").unwrap_err();
-        assert!(e.contains("empty"), "{e}");
+        let e =
+            split_source("// @@header\n// @@body\n  \n// @@body_rope\nf();\n// @@body_xq\ng();\n")
+                .unwrap_err();
+        assert!(e.contains("empty") && e.contains("`// @@body`"), "{e}");
+        let e = split_source("// @@header\n// @@body\nf();\n// @@body_rope\nf();\n// @@body_xq\n")
+            .unwrap_err();
+        assert!(e.contains("empty") && e.contains("@@body_xq"), "{e}");
+        let e = split_source("// @@header\n// @@body\nf();\n// @@body_rope\nf();\n").unwrap_err();
+        assert!(e.contains("@@body_xq"), "{e}");
         let e = split_source("// @@header\n// @@body\nf();\n").unwrap_err();
         assert!(e.contains("@@body_rope"), "{e}");
     }
@@ -701,14 +801,16 @@ mod tests {
             wpb,
             mma: true,
         };
-        assert_eq!(mma(2, 6144, 4096, 64, 4, true), l(16, 8)); // 8B q/k/v: 64 groups, 8 each
+        assert_eq!(mma(2, 6144, 4096, 64, 4, true), l(16, 8)); // 8B q/k/v: 32 steps, 4 each
         assert_eq!(mma(8, 28672, 4096, 64, 4, true), l(32, 4)); // gate/up: two tiles
         assert_eq!(mma(8, 128256, 4096, 64, 4, true), l(32, 4)); // lm_head (n / 32 whole)
         assert_eq!(mma(8, 4096, 14336, 64, 4, true), l(16, 8)); // down
-        assert_eq!(mma(8, 128256, 8192, 128, 4, true), l(16, 8)); // group 128: one tile
+        assert_eq!(mma(8, 128256, 8192, 128, 4, true), l(32, 4)); // group 128 too
         assert_eq!(mma(4, 8192, 28672, 32, 4, true), l(16, 8));
-        assert_eq!(mma(3, 64, 512, 64, 4, true), l(16, 2)); // 8 groups: ≥ 4 per warp
+        assert_eq!(mma(3, 64, 1024, 64, 4, true), l(16, 4)); // 8 steps: ≥ 2 per warp
         assert_eq!(mma(3, 64, 128, 128, 4, true), l(16, 1));
+        // k not a multiple of the kernel's 128-value steps: not the tensor-core path
+        assert!(!mma(3, 64, 576, 64, 4, true).mma);
         // batch 1 (below the smallest MMA batch), 8 bits, float x, group 16, n not a
         // multiple of 16: the dp4a/FMA path, and nothing above its batch limit
         for (m, n, group, bits, xq) in [
