@@ -274,7 +274,9 @@ __device__ __forceinline__ void mlxcel_qgemv(const XT* x, const uint32_t* w, con
       rows[i][1] = size_t(row_of(16 * i + gq + 8));
     }
     uint4 wb[ST][TILES][2];                      // the step's 16 bytes of each row
-    uint32_t sbw[ST][TILES][2][GS], bbw[ST][TILES][2][GS > 1 ? GS / 2 : 1];  // bf16 scales, biases
+    // the step's GS scales and biases of each row as bf16 pairs (GS = 1: scale | bias << 16)
+    constexpr int SBW = GS > 1 ? GS / 2 : 1;
+    uint32_t sbw[ST][TILES][2][SBW], bbw[ST][TILES][2][SBW];
     uint32_t xfb[ST][GS][2 * WPT];               // B fragments (pairs: even, odd values)
     float2 cb[ST][GS][2];                        // (dq, dq·Σ xq) of rows 2t, 2t + 1
     auto load = [&](int j) {
@@ -290,10 +292,6 @@ __device__ __forceinline__ void mlxcel_qgemv(const XT* x, const uint32_t* w, con
                             : make_uint4(0u, 0u, 0u, 0u);
           const T* sp = scales + r * (K / G) + size_t(si) * GS;
           const T* bp = biases + r * (K / G) + size_t(si) * GS;
-#pragma unroll
-          for (int q = 0; q < GS; ++q) {
-            sbw[st][i][h][q] = 0u;
-          }
           // GS bf16 values: one 2-, 4- or 8-byte load each for scales and biases
           if constexpr (GS == 1) {
             sbw[st][i][h][0] = in ? uint32_t(*reinterpret_cast<const unsigned short*>(sp)) |
@@ -328,8 +326,7 @@ __device__ __forceinline__ void mlxcel_qgemv(const XT* x, const uint32_t* w, con
       }
     };
     // scale (s) and bias (b) of group q of a step as floats (bf16 is the top half of an f32)
-    auto scale_of = [&](const uint32_t (&sw)[GS], const uint32_t (&bw)[GS > 1 ? GS / 2 : 1], int q,
-                        float& s, float& b) {
+    auto scale_of = [&](const uint32_t (&sw)[SBW], const uint32_t (&bw)[SBW], int q, float& s, float& b) {
       if constexpr (GS == 1) {
         s = __uint_as_float(sw[0] << 16);
         b = __uint_as_float(sw[0] & 0xFFFF0000u);

@@ -410,11 +410,9 @@ pub fn qgemv(
     };
     let (nw, eps) = norm_input("qgemv", norm, x, k)?;
     // the tensor-core path reads x rounded by its own kernel, which applies the norm
-    let xr = if mma {
-        Some(round_x(x, m, k, group, norm.map(|_| (nw, eps)))?)
-    } else {
-        None
-    };
+    let xr = mma
+        .then(|| round_x(x, m, k, group, norm.map(|_| (nw, eps))))
+        .transpose()?;
     // built once: this runs for every quantized linear of every decode step
     static NAMES: OnceLock<([String; 6], [String; 1], [String; 12])> = OnceLock::new();
     let (inputs, outputs, tnames) = NAMES.get_or_init(|| {
@@ -602,11 +600,9 @@ pub fn qgemv_rope(
     let (nw, eps) = norm_input("qgemv_rope", norm, x, k)?;
     let src = source()?;
     let Launch { rows, wpb, mma } = launch_config(m, n, k, group, bits);
-    let xr = if mma {
-        Some(round_x(x, m, k, group, norm.map(|_| (nw, eps)))?)
-    } else {
-        None
-    };
+    let xr = mma
+        .then(|| round_x(x, m, k, group, norm.map(|_| (nw, eps))))
+        .transpose()?;
     static NAMES: OnceLock<([String; 7], [String; 2], [String; 13])> = OnceLock::new();
     let (inputs, outputs, tnames) = NAMES.get_or_init(|| {
         (
