@@ -12,6 +12,9 @@
 #   bash scripts/gpu_session.sh session6 check|mma2|final|decode|bench # tensor-core path: checks, Nsight sweeps
 #                                        # (v2 vs V1=old kernel file), decode at batch 1-8, server
 #   bash scripts/gpu_session.sh session7 ceiling|final|decode|minm  # read-only ceiling; tensor cores with x rounded once per call
+#   bash scripts/gpu_session.sh session8 prof|m1|mma|final|decode|check  # Nsight sections of the GEMVs;
+#     M = 1 launch shapes; tensor-core variants (VARIANTS=files); mlxcel's launches; decode of
+#     binaries OLD vs NEW; kernel check
 #   bash scripts/gpu_session.sh ncu      # Nsight kernel times: 4-bit float vs int8 activations, 8-bit, launch shapes
 # Multi-GPU runs (2+ GPUs): scripts/multi_gpu.sh.
 # MLXCEL=path/to/mlxcel (default .gpu/bin/mlxcel); OUT=results folder (default ./gpu-out).
@@ -276,6 +279,54 @@ session7)
     q4cfg
     step "decode 8B 4-bit (dummy weights), batch 3, 4: tensor cores from batch 3 vs 5, alternated"
     q4decode 3,4 "MLXCEL_QGEMV_MMA=3" "MLXCEL_QGEMV_MMA=5" "MLXCEL_QGEMV_MMA=3" "MLXCEL_QGEMV_MMA=5" 2>&1 | tee "$OUT/decode-minm.txt"
+    ;;
+  esac
+  ;;
+session8)
+  # the eighth session: where the GEMV's time goes (Nsight sections), M = 1 launch shapes
+  ncut() {  # ncu kernel times of prof_qgemv.py mode $1 (more args passed on), parsed
+    local tag=$1; shift
+    timeout ${NCU_S:-200} ncu --clock-control none --metrics gpu__time_duration.sum -k regex:'qgemv|qmv|qmm|gemv|ceiling' \
+      python3 scripts/prof_qgemv.py "$@" > "$OUT/ncu-$tag.txt" 2>&1
+    python3 scripts/prof_qgemv.py --parse "$OUT/ncu-$tag.txt" | tee "$OUT/ncu-$tag-parsed.txt"
+  }
+  case "${2:-prof}" in
+  prof)
+    step "ncu sections (raw metrics, csv): q/k/v, down at M = 1; q/k/v, o, down, gate/up at M = 8"
+    timeout ${NCU_S:-240} ncu --clock-control none -k regex:qgemv -c 16 --section SpeedOfLight \
+      --section LaunchStats --section Occupancy --section WarpStateStats --section SchedulerStats \
+      --section MemoryWorkloadAnalysis_Tables --section InstructionStats --page raw --csv \
+      python3 scripts/prof_qgemv.py --stalls > "$OUT/ncu-stalls.csv" 2> "$OUT/ncu-stalls.err"
+    echo "rc $? lines $(wc -l < "$OUT/ncu-stalls.csv")"; tail -3 "$OUT/ncu-stalls.err"
+    python3 scripts/ncu_summary.py "$OUT/ncu-stalls.csv" | tee "$OUT/ncu-stalls-summary.txt"
+    ;;
+  m1)
+    step "ncu: M = 1 dp4a ROWS × WPB"; NCU_S=${NCU_S:-200} ncut m1 --m1 --ms 1 ${M1_ARGS:-}
+    ;;
+  mma)
+    # kernel files (VARIANTS, default the tracked one) at M = 8, tensor-core launches CFGS
+    for v in ${VARIANTS:-kernels/qgemv.cu}; do
+      step "ncu: M = 8 tensor cores, $v"
+      MLXCEL_QGEMV_SOURCE=$v NCU_S=${NCU_S:-150} ncut "mma-$(basename "$v" .cu)" --mma --ms ${MS:-8} \
+        --cfgs ${CFGS:-16x8,16x16,32x4,32x8}
+    done
+    ;;
+  final)
+    step "ncu: mlxcel's launches at M = 1, 5, 8 (4 and 8 bits)"; NCU_S=${NCU_S:-150} ncut defaults --defaults --ms 1,5,8
+    ;;
+  decode)
+    # decode tok/s, 8B 4-bit g64 dummy weights: binaries OLD and NEW alternated
+    B=$NEW q4cfg
+    step "decode 8B 4-bit: $OLD vs $NEW, alternated, batches ${BATCHES:-4,5,8}"
+    for b in "$OLD" "$NEW" "$OLD" "$NEW"; do
+      echo "--- $b"; B=$b BENCH_S=${BENCH_S:-100} q4decode "${BATCHES:-4,5,8}" X=1
+    done 2>&1 | tee "$OUT/decode.txt"
+    ;;
+  check)
+    step "qgemv --quick at M = 1, 5, 8; groups 32, 128 at M = 5, 8; 70B q/k/v at M = 8 (groups 32/64/128)"
+    timeout 150 python3 scripts/check_qgemv.py --quick --ms 1,5,8 2>&1 | tee "$OUT/check-quick.txt" | grep -E "^\||Error|error|NO" | tail -30
+    timeout 120 python3 scripts/check_qgemv.py --quick --configs 4g32,4g128 --ms 5,8 2>&1 | tee "$OUT/check-groups.txt" | grep -E "^\| 8B|Error|error|NO" | tail -30
+    timeout 120 python3 scripts/check_qgemv.py --only 70B --skip o,gate_up,down,lm_head --ms 8 2>&1 | tee "$OUT/check-70b.txt" | grep -E "NO|^\| 70B [a-z_]+ [0-9×]+ \||Error" | tail -12
     ;;
   esac
   ;;

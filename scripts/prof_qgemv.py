@@ -11,10 +11,13 @@ Modes (8B shapes, group 64; `--70b` adds the 70B shapes):
   (none)      the full sweep of the dp4a/FMA path's ROWS × WPB (hundreds of compiles)
   --defaults  mlxcel's own launch per case (4 and 8 bits, M = 1, 2, 4, 8), plus at 4 bits
               the dp4a path at M = 2, 4 and the tensor-core path at M = 1, for comparison
-  --mma       4-bit only: the tensor-core path's ROWS (16, 32) × WPB (4, 8), and the dp4a
+  --mma       4-bit only: the tensor-core path's ROWS (16, 32) × WPB (4, 8) (or `--cfgs
+              16x8,32x4,...`), and the dp4a
               path's launch at M ≤ 4 (the rounding kernel of x, `..._xq`, is timed on its own)
   --ms 2,4,8  the batch sizes (default 1, 2, 4, 8)
-  --stalls    five launches (gate/up, o at M = 1; gate/up, down, o at M = 8) for ncu's sections
+  --stalls    six launches (q/k/v, down at M = 1; q/k/v, o, down, gate/up at M = 8) for
+              ncu's sections (`gpu_session.sh session8 prof`)
+  --m1        4-bit M = 1 on the dp4a path: ROWS (4, 8, 16) × WPB (2, 4, 8)
   --ceiling   a kernel that only reads the bytes of each shape's 4-bit g64 weights (16-byte
               loads, all issued before any use): the bandwidth any GEMV could reach there
 `MLXCEL_QGEMV_SOURCE=path` times another version of the kernel file (the same
@@ -29,6 +32,9 @@ import sys
 ARGS = sys.argv[1:]
 # --ms 2,4,8: the batch sizes to launch (default 1, 2, 4, 8)
 MS = tuple(int(v) for v in ARGS[ARGS.index("--ms") + 1].split(",")) if "--ms" in ARGS else (1, 2, 4, 8)
+# --cfgs 16x8,32x4: the tensor-core launches (ROWS x WPB) --mma times (default 16, 32 × 4, 8)
+MMA_CFGS = ([tuple(map(int, c.split("x"))) for c in ARGS[ARGS.index("--cfgs") + 1].split(",")]
+            if "--cfgs" in ARGS else [(r, w) for r in (16, 32) for w in (4, 8)])
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
 if "--70b" in ARGS:
     SHAPES += [(10240, 8192), (8192, 8192), (57344, 8192), (8192, 28672), (128256, 8192)]
@@ -42,20 +48,25 @@ def launch():
         return ceiling()
     k, _ = c.make_kernel(pathlib.Path(os.environ.get("MLXCEL_QGEMV_SOURCE", c.SOURCE)))
     if "--stalls" in ARGS:  # a few launches for ncu's stall sections (mlxcel's own launch)
-        for n, kk, m in [(28672, 4096, 1), (4096, 4096, 1), (28672, 4096, 8), (4096, 14336, 8), (4096, 4096, 8)]:
+        for n, kk, m in [(6144, 4096, 1), (4096, 14336, 1), (6144, 4096, 8), (4096, 4096, 8),
+                         (4096, 14336, 8), (28672, 4096, 8)]:
             wq, s, b = c.quantized(n, kk, 64, 4, 0)
             x = mx.random.normal((m, kk)).astype(mx.bfloat16)
             mx.eval(c.qgemv(k, x, wq, s, b, 64, 4))
         mx.synchronize()
         return
     for n, kk in SHAPES:
-        for bits in ((4,) if "--mma" in ARGS else (4, 8)):
+        for bits in ((4,) if "--mma" in ARGS or "--m1" in ARGS else (4, 8)):
             wq, s, b = c.quantized(n, kk, 64, bits, 0)
             for m in MS:
                 x = mx.random.normal((m, kk)).astype(mx.bfloat16)
                 # (rows, wpb, mma); None: mlxcel's launch (launch_config)
-                if "--mma" in ARGS:
-                    cfgs = [(r, w, 1) for r in (16, 32) for w in (4, 8)]
+                if "--m1" in ARGS:
+                    if bits == 8 or m != 1:
+                        continue
+                    cfgs = [(r, w, 0) for r in (4, 8, 16) for w in (2, 4, 8)]
+                elif "--mma" in ARGS:
+                    cfgs = [(r, w, 1) for r, w in MMA_CFGS]
                     if m <= 4:
                         cfgs.append((4, 4 if m > 1 else 2, 0))  # the dp4a path, for comparison
                 elif "--defaults" in ARGS:
@@ -68,7 +79,7 @@ def launch():
                     cfgs = [(2, 2, 0), (4, 2, 0), (4, 4, 0)]
                 else:
                     cfgs = [(r, w, 0) for r in (1, 2, 4) for w in (1, 2, 4, 8)]
-                for xq in ((False, True) if bits == 4 and "--mma" not in ARGS and "--defaults" not in ARGS
+                for xq in ((False, True) if bits == 4 and not {"--mma", "--defaults", "--m1"} & set(ARGS)
                            else (bits == 4,)):
                     c.XQ = xq  # read by c.qgemv for its template value
                     for cfg in cfgs:
