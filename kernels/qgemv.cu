@@ -83,6 +83,11 @@
 // 64 contiguous bytes per row and load (see the code) and 3 steps of 128 values ahead
 // of the math (4 with G = 128).
 // @@header
+// Steps of 128 values whose loads a lane of the tensor-core path keeps in flight (0: the
+// default, 3, or 4 with G = 128); a source file may define another for experiments.
+#ifndef MLXCEL_MMA_STEPS
+#define MLXCEL_MMA_STEPS 0
+#endif
 template <int BITS, int J>
 __device__ __forceinline__ float mlxcel_qval(uint32_t u) {
   constexpr int from = BITS * J;
@@ -258,27 +263,38 @@ __device__ __forceinline__ void mlxcel_qgemv(const XT* x, const uint32_t* w, con
     constexpr int GS = 128 / G;                  // groups per step
     constexpr int SPR = K / 128;                 // steps per row
     constexpr int SPW = (SPR + WPB - 1) / WPB;   // steps per warp
-    constexpr int ST0 = GS == 1 ? 4 : 3;
+    constexpr int ST0 = MLXCEL_MMA_STEPS > 0 ? MLXCEL_MMA_STEPS : (GS == 1 ? 4 : 3);
     constexpr int ST = SPW < ST0 ? SPW : ST0;    // steps whose loads a lane has in flight
     constexpr size_t KW = K / 8;                 // words per row
+    // Scales and biases come CS steps at a time: lane l loads CS·GS values of row l & 15
+    // of each tile, scales for l < 16 and biases for l ≥ 16 (one load for 16 rows and CS
+    // steps: per-lane loads of a step's took 4 loads of 8 rows each, and the L1 data pipe
+    // was the busiest unit, Nsight), and the lanes that need them take them by shuffles.
+    // A chunk never straddles a warp's or a row's end (CS divides SPW and SPR).
+    constexpr int CSX = GS == 4 ? 2 : 4;         // at most 16 bytes (G = 32) or 8 (G = 128)
+    constexpr int CS = (SPW % CSX == 0 && SPR % CSX == 0) ? CSX : (SPW % 2 == 0 && SPR % 2 == 0) ? 2 : 1;
+    constexpr int CW = CS * GS >= 2 ? CS * GS / 2 : 1;  // 32-bit words of a chunk
+    constexpr int CB = 1 + (ST - 1 + CS - 1) / CS;     // chunks a lane holds (in use + loading)
     const int gq = lane >> 2;
     const int t = lane & 3;
     // the lane's position among the row's lanes for the words it ends up with (σ above)
     const int tw = G == 64 ? ((t & 1) << 1) | (t >> 1) : t;
     const uint32_t* xa = reinterpret_cast<const uint32_t*>(x);
-    const float2* xd = reinterpret_cast<const float2*>(xa + size_t(M) * K / 4);
+    const float4* xd = reinterpret_cast<const float4*>(xa + size_t(M) * K / 4);
     size_t rows[TILES][2];
+    size_t srow[TILES];                          // the row whose scales or biases this lane loads
 #pragma unroll
     for (int i = 0; i < TILES; ++i) {
       rows[i][0] = size_t(row_of(16 * i + gq));
       rows[i][1] = size_t(row_of(16 * i + gq + 8));
+      srow[i] = size_t(row_of(16 * i + (lane & 15)));
     }
+    const T* sbp = lane < 16 ? scales : biases;
     uint4 wb[ST][TILES][2];                      // the step's 16 bytes of each row
-    // the step's GS scales and biases of each row as bf16 pairs (GS = 1: scale | bias << 16)
+    uint32_t scw[CB][TILES][CW];                 // chunks of scales or biases (bf16 pairs)
     constexpr int SBW = GS > 1 ? GS / 2 : 1;
-    uint32_t sbw[ST][TILES][2][SBW], bbw[ST][TILES][2][SBW];
     uint32_t xfb[ST][GS][2 * WPT];               // B fragments (pairs: even, odd values)
-    float2 cb[ST][GS][2];                        // (dq, dq·Σ xq) of rows 2t, 2t + 1
+    float4 cb[ST][GS];                           // (dq, dq·Σ xq) of rows 2t and 2t + 1
     auto load = [&](int j) {
       const int si = warp * SPW + j;
       const bool in = (SPR % WPB) == 0 || si < SPR;
@@ -287,26 +303,27 @@ __device__ __forceinline__ void mlxcel_qgemv(const XT* x, const uint32_t* w, con
       for (int i = 0; i < TILES; ++i) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const size_t r = rows[i][h];
-          wb[st][i][h] = in ? *reinterpret_cast<const uint4*>(w + r * KW + size_t(si) * 16 + 4 * t)
+          wb[st][i][h] = in ? *reinterpret_cast<const uint4*>(w + rows[i][h] * KW + size_t(si) * 16 + 4 * t)
                             : make_uint4(0u, 0u, 0u, 0u);
-          const T* sp = scales + r * (K / G) + size_t(si) * GS;
-          const T* bp = biases + r * (K / G) + size_t(si) * GS;
-          // GS bf16 values: one 2-, 4- or 8-byte load each for scales and biases
-          if constexpr (GS == 1) {
-            sbw[st][i][h][0] = in ? uint32_t(*reinterpret_cast<const unsigned short*>(sp)) |
-                                        (uint32_t(*reinterpret_cast<const unsigned short*>(bp)) << 16)
-                                  : 0u;
-          } else if constexpr (GS == 2) {
-            sbw[st][i][h][0] = in ? *reinterpret_cast<const uint32_t*>(sp) : 0u;
-            bbw[st][i][h][0] = in ? *reinterpret_cast<const uint32_t*>(bp) : 0u;
+        }
+        if (j % CS == 0) {  // (a chunk is wholly in or out of the row)
+          const T* sp = sbp + srow[i] * (K / G) + size_t(si) * GS;
+          uint32_t(&o)[CW] = scw[(j / CS) % CB][i];
+          if constexpr (CS * GS == 1) {
+            o[0] = in ? uint32_t(*reinterpret_cast<const unsigned short*>(sp)) : 0u;
+          } else if constexpr (CW == 1) {
+            o[0] = in ? *reinterpret_cast<const uint32_t*>(sp) : 0u;
+          } else if constexpr (CW == 2) {
+            const uint2 v = in ? *reinterpret_cast<const uint2*>(sp) : make_uint2(0u, 0u);
+            o[0] = v.x;
+            o[1] = v.y;
           } else {
-            const uint2 sv = in ? *reinterpret_cast<const uint2*>(sp) : make_uint2(0u, 0u);
-            const uint2 bv = in ? *reinterpret_cast<const uint2*>(bp) : make_uint2(0u, 0u);
-            sbw[st][i][h][0] = sv.x;
-            sbw[st][i][h][1] = sv.y;
-            bbw[st][i][h][0] = bv.x;
-            bbw[st][i][h][1] = bv.y;
+            static_assert(CW == 4, "qgemv: scale chunks of 2 to 16 bytes");
+            const uint4 v = in ? *reinterpret_cast<const uint4*>(sp) : make_uint4(0u, 0u, 0u, 0u);
+            o[0] = v.x;
+            o[1] = v.y;
+            o[2] = v.z;
+            o[3] = v.w;
           }
         }
       }
@@ -314,15 +331,35 @@ __device__ __forceinline__ void mlxcel_qgemv(const XT* x, const uint32_t* w, con
       for (int q = 0; q < GS; ++q) {
         const int gi = si * GS + q;
         if (in && gq < M) {
-          mlxcel_load_words<2 * WPT>(xa + 2 * (size_t(gq) * KW + size_t(gi) * (G / 8) + tw * WPT), xfb[st][q]);
+          // group gi of x row gq: the M rows of a group are adjacent (mlxcel_round_x)
+          mlxcel_load_words<2 * WPT>(xa + 2 * ((size_t(gi) * M + gq) * (G / 8) + tw * WPT), xfb[st][q]);
         } else {
 #pragma unroll
           for (int v = 0; v < 2 * WPT; ++v) {
             xfb[st][q][v] = 0u;
           }
         }
-        cb[st][q][0] = in && 2 * t < M ? xd[(2 * t) * (K / G) + gi] : make_float2(0.f, 0.f);
-        cb[st][q][1] = in && 2 * t + 1 < M ? xd[(2 * t + 1) * (K / G) + gi] : make_float2(0.f, 0.f);
+        // rows 2t, 2t + 1 of group gi (the rounding kernel writes zeros for rows ≥ M)
+        cb[st][q] = in ? xd[size_t(gi) * 4 + t] : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+    };
+    // the scale and bias words of step j (SBW each, scale_of's layout) of rows gq (h = 0)
+    // and gq + 8 (h = 1) of tile i, from the lanes that loaded them
+    auto scales_of = [&](int j, int i, int h, uint32_t (&sw)[SBW], uint32_t (&bw)[SBW]) {
+      const int src = gq + 8 * h;
+      const uint32_t(&c)[CW] = scw[(j / CS) % CB][i];
+      const int p = j % CS;
+      if constexpr (GS == 1) {  // one bf16 per step: half p % 2 of word p / 2
+        const uint32_t sv = __shfl_sync(0xFFFFFFFFu, c[p / 2], src);
+        const uint32_t bv = __shfl_sync(0xFFFFFFFFu, c[p / 2], src + 16);
+        sw[0] = (p & 1) ? (sv >> 16) | (bv & 0xFFFF0000u) : (sv & 0xFFFFu) | (bv << 16);
+        bw[0] = 0u;  // (unused: scale_of reads both halves of sw)
+      } else {
+#pragma unroll
+        for (int v = 0; v < SBW; ++v) {
+          sw[v] = __shfl_sync(0xFFFFFFFFu, c[p * SBW + v], src);
+          bw[v] = __shfl_sync(0xFFFFFFFFu, c[p * SBW + v], src + 16);
+        }
       }
     };
     // scale (s) and bias (b) of group q of a step as floats (bf16 is the top half of an f32)
@@ -356,6 +393,9 @@ __device__ __forceinline__ void mlxcel_qgemv(const XT* x, const uint32_t* w, con
       const int st = j % ST;
 #pragma unroll
       for (int i = 0; i < TILES; ++i) {
+        uint32_t sw[2][SBW], bw[2][SBW];  // scales, biases of rows gq, gq + 8
+        scales_of(j, i, 0, sw[0], bw[0]);
+        scales_of(j, i, 1, sw[1], bw[1]);
         // the words of group q of this step for rows gq (u[0]) and gq + 8 (u[1])
         uint32_t u[2][GS][WPT];
 #pragma unroll
@@ -411,9 +451,10 @@ __device__ __forceinline__ void mlxcel_qgemv(const XT* x, const uint32_t* w, con
                           (u1 >> 4) & 0x0F0F0F0Fu, xfb[st][q][2 * v], xfb[st][q][2 * v + 1]);
           }
           float s0, b0, s1, b1;
-          scale_of(sbw[st][i][0], bbw[st][i][0], q, s0, b0);
-          scale_of(sbw[st][i][1], bbw[st][i][1], q, s1, b1);
-          const float2 c0 = cb[st][q][0], c1 = cb[st][q][1];
+          scale_of(sw[0], bw[0], q, s0, b0);
+          scale_of(sw[1], bw[1], q, s1, b1);
+          const float2 c0 = make_float2(cb[st][q].x, cb[st][q].y);
+          const float2 c1 = make_float2(cb[st][q].z, cb[st][q].w);
           // a NaN in x makes dq NaN, an inf makes dq·0 NaN: both reach the output
           acc[i][0] = fmaf(__int_as_float(c[0]) - 12582912.f, s0 * c0.x, fmaf(b0, c0.y, acc[i][0]));
           acc[i][1] = fmaf(__int_as_float(c[1]) - 12582912.f, s0 * c1.x, fmaf(b0, c1.y, acc[i][1]));
@@ -661,10 +702,13 @@ __device__ __forceinline__ void mlxcel_qgemv(const XT* x, const uint32_t* w, con
 }
 
 // x [M, K] rounded to int8 per group of G values once per GEMV, the input of the
-// tensor-core path (MMA = 1), which then only loads its B fragments. Output, uint32 words:
-//   [0, M·K/4)           row m's 8-value word i (k = 8i … 8i + 7) at uint2 m·K/8 + i: the
-//                        even values and the odd values as int8 (mlxcel_pack_i8)
-//   [M·K/4, +2·M·K/G)    float2 (dq·f, dq·f·Σ xq) of row m and group g at m·K/G + g
+// tensor-core path (MMA = 1), which then only loads its B fragments. Output, uint32 words,
+// laid out so that what one load of the GEMV takes is adjacent:
+//   [0, M·K/4)           row m's 8-value word i (k = 8i … 8i + 7) of group g = i / (G/8)
+//                        at uint2 (g·M + m)·G/8 + i % (G/8) (a group's M rows together):
+//                        the even values and the odd values as int8 (mlxcel_pack_i8)
+//   [M·K/4, +16·K/G)     float2 (dq·f, dq·f·Σ xq) of row m and group g at 8g + m, zeros
+//                        for rows M … 7 (a group's rows together, padded to the MMA's 8)
 // with dq = max|x| / 127 over the group and f = 1, or with NORM the row's RMSNorm factor
 // rsqrt(mean(x²) + eps) (x is then multiplied by the norm weight nw before rounding).
 // One thread per 8-value word, XQ_TPB threads per block, ceil(K/8 / XQ_TPB) blocks per
@@ -745,10 +789,17 @@ __device__ __forceinline__ void mlxcel_round_x(const T* x, const T* nw, uint32_t
     xsum += __shfl_xor_sync(0xFFFFFFFFu, xsum, o);
   }
   if (in) {
-    reinterpret_cast<uint2*>(xq)[size_t(m) * WPR + i] = make_uint2(uint32_t(e8), uint32_t(o8));
+    const int g = i / WPG;
+    reinterpret_cast<uint2*>(xq)[(size_t(g) * M + m) * WPG + i % WPG] = make_uint2(uint32_t(e8), uint32_t(o8));
     if (i % WPG == 0) {
-      reinterpret_cast<float2*>(xq + size_t(M) * K / 4)[m * (K / G) + i / WPG] =
-          make_float2(dq, dq * static_cast<float>(xsum));
+      float2* xd = reinterpret_cast<float2*>(xq + size_t(M) * K / 4) + 8 * g;
+      xd[m] = make_float2(dq, dq * static_cast<float>(xsum));
+      if (m == 0) {
+#pragma unroll
+        for (int r = M; r < 8; ++r) {
+          xd[r] = make_float2(0.f, 0.f);
+        }
+      }
     }
   }
 }

@@ -130,7 +130,7 @@ def round_x(x, group, norm=None):
                   ("EPS_BITS", 0 if norm is None else struct.unpack("<i", struct.pack("<f", norm[1]))[0])],
         grid=(m * bpr * XQ_TPB, 1, 1),
         threadgroup=(XQ_TPB, 1, 1),
-        output_shapes=[(m * k // 4 + 2 * m * k // group,)],
+        output_shapes=[(m * k // 4 + 2 * 8 * (k // group),)],
         output_dtypes=[mx.uint32],
     )[0]
 

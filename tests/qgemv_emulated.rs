@@ -58,8 +58,10 @@ static void __syncthreads() { g_barrier->arrive_and_wait(); }
 static void __syncwarp() { g_barrier->arrive_and_wait(); }
 struct uint2 { uint32_t x, y; };
 struct float2 { float x, y; };
+struct alignas(16) float4 { float x, y, z, w; };
 static uint2 make_uint2(uint32_t a, uint32_t b) { return {a, b}; }
 static float2 make_float2(float a, float b) { return {a, b}; }
+static float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
 // v of thread `src` of the block (all threads take part, as in a warp shuffle)
 template <class V> static V shfl_from(V v, unsigned src) {
   static_assert(sizeof(V) == 4);
@@ -75,6 +77,7 @@ static float __shfl_xor_sync(unsigned, float v, int o) { return shfl_from(v, thr
 static int __shfl_xor_sync(unsigned, int v, int o) { return shfl_from(v, threadIdx.x ^ o); }
 static unsigned __shfl_xor_sync(unsigned, unsigned v, int o) { return shfl_from(v, threadIdx.x ^ o); }
 static float __shfl_sync(unsigned, float v, int lane) { return shfl_from(v, (threadIdx.x & ~31u) | lane); }
+static unsigned __shfl_sync(unsigned, unsigned v, int lane) { return shfl_from(v, (threadIdx.x & ~31u) | lane); }
 // mma.sync.m16n8k32 s8·s8 + s32 of one warp: every lane posts its fragments, then
 // computes its four outputs from the warp's (layouts as in the PTX ISA)
 static std::vector<uint32_t> g_mma;
@@ -134,7 +137,7 @@ int main() {
 #if MMA_X
   // x rounded to int8 per group by the rounding kernel (XQ_TPB threads per block), the
   // GEMV's input
-  std::vector<uint32_t> xq(size_t(M) * K / 4 + 2 * size_t(M) * (K / G));
+  std::vector<uint32_t> xq(size_t(M) * K / 4 + 2 * 8 * size_t(K / G), 0xDEADBEEFu);
   {
     constexpr int bpr = (K / 8 + XQ_TPB - 1) / XQ_TPB;
     blockDim.x = XQ_TPB;
@@ -672,6 +675,11 @@ fn qgemv_mma_matches_dequantize_matmul() {
     run("mma_deep_g128", &mma(4, 32, 2048, 128, 32, 1));
     // the launch of a 70B down projection (K = 28672: 56 groups per warp of 8)
     run("mma_70b_down", &mma(3, 16, 28672, 64, 16, 8));
+    // scales and biases come in chunks of CS steps (kernels/qgemv.cu): the cases above
+    // take CS = 4 (16 bytes at group 64, 8 at 128), 2 and 1; group 128 with 1 and 2 steps
+    // per chunk (2 and 4 bytes: halves of a word)
+    run("mma_g128_cs1", &mma(2, 16, 384, 128, 16, 1));
+    run("mma_g128_cs2", &mma(3, 16, 768, 128, 16, 3));
 }
 
 #[test]

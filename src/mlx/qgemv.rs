@@ -466,8 +466,9 @@ const XQ_TPB: usize = 256;
 
 /// x (`m` rows of `k`) rounded to int8 per group of `group` values by the kernel file's
 /// `@@body_xq`, the tensor-core path's input: uint32 words, the int8 values (`m·k/4`
-/// words) then a (scale, scale·Σ) float pair per row and group; with `norm` the row's
-/// RMSNorm is in the scales. Once per GEMV instead of once per block of the GEMV.
+/// words, a group's `m` rows together) then a (scale, scale·Σ) float pair per group and
+/// row, the rows padded to 8 (the MMA's columns); with `norm` the row's RMSNorm is in
+/// the scales. Once per GEMV instead of once per block of the GEMV.
 fn round_x(
     x: &Array,
     m: usize,
@@ -493,7 +494,7 @@ fn round_x(
     };
     let (nw, eps) = norm.unwrap_or((x, 0.0));
     let tvals = [m, k, group, norm.is_some() as usize, eps.to_bits() as usize].map(|v| v as i32);
-    let words = m * k / 4 + 2 * m * (k / group);
+    let words = m * k / 4 + 2 * 8 * (k / group);
     let blocks = m * (k / 8).div_ceil(XQ_TPB);
     let mut out = kernel.call(
         &[x, nw],
