@@ -99,20 +99,32 @@ def launch_config(m, n, k, bits, group=64):
     """ROWS, WPB and MMA as mlxcel picks them (src/mlx/qgemv.rs `launch_config_for`)."""
     if (XQ and bits == 4 and group in (32, 64, 128) and MMA_MIN_M and m >= MMA_MIN_M
             and n % 16 == 0 and k % 128 == 0):
-        rows, wpb = (32, 4) if n >= 16384 and n % 32 == 0 else (16, 8)
-        while wpb > 1 and k // 128 < 2 * wpb:
+        steps = k // 128
+        wpb = 16 if steps > 64 else 8
+        while wpb > 1 and steps < 2 * wpb:
             wpb //= 2
-        return rows, wpb, 1
+        return 16, wpb, 1
 
-    def fit(r):
-        return r if n % r == 0 else (2 if n % 2 == 0 else 1)
-    if bits == 4 and m == 1:
-        rows, wpb = fit(4 if (XQ or n >= 16384) else 2), 2
+    def fit(r):  # the largest of r, r/2, ..., 1 dividing n
+        while n % r:
+            r //= 2
+        return r
+    chunks = k // (128 // bits)
+
+    def loads(rows, wpb):
+        return rows * -(-chunks // (32 * wpb))
+    if bits == 4 and m == 1 and XQ:
+        rows, wpb = (fit(16), 8) if k > 4096 else (fit(8), 4)
+        while rows > 4 and loads(rows, wpb) > 16:
+            rows = fit(rows // 2)
+    elif bits == 4 and m == 1:
+        rows, wpb = fit(4 if n >= 16384 else 2), 2
     else:
         rows, wpb = fit(4), 4
-    chunks = k // (128 // bits)
-    while wpb < 8 and rows * -(-chunks // (32 * wpb)) > 28:
+    while wpb < 8 and loads(rows, wpb) > 28:
         wpb *= 2
+    if rows > 1 and loads(rows, wpb) > 28:
+        rows = fit(rows // 2)
     return rows, wpb, 0
 
 
@@ -314,6 +326,8 @@ def main():
     ap.add_argument("--time", action="store_true", help="also wall-clock timing (host-bound)")
     ap.add_argument("--ms", default="1,4", type=lambda v: tuple(int(i) for i in v.split(",")),
                     help="batch sizes M to check (default 1,4; the tensor-core path takes M ≥ 5 at 4 bits)")
+    ap.add_argument("--configs", type=lambda v: [tuple(map(int, c.split("g"))) for c in v.split(",")],
+                    help="bits and groups to check, e.g. 4g32,4g128 (all groups on every shape)")
     ap.add_argument("--sweep", action="store_true",
                     help="only time launch shapes (ROWS × WPB) on the 8B shapes, to pick defaults")
     args = ap.parse_args()
@@ -326,7 +340,7 @@ def main():
         shapes = [sh for sh in shapes if sh[2].startswith(args.only + " ")]
     skip = {t for t in args.skip.split(",") if t}
     shapes = [sh for sh in shapes if sh[2].split(" ", 1)[1] not in skip]
-    configs = [(4, 64)] if args.quick else [(4, 64), (8, 64), (4, 32), (4, 128), (8, 32), (8, 128)]
+    configs = args.configs or ([(4, 64)] if args.quick else [(4, 64), (8, 64), (4, 32), (4, 128), (8, 32), (8, 128)])
     bad = 0
     if args.sweep:
         shapes = [(n, k, "8B " + t) for n, k, t in SHAPES_8B]
@@ -336,7 +350,7 @@ def main():
     for n, k, name in ([] if args.sweep else shapes):
         for bits, group in configs:
             # all group sizes on the first shape of each model, group 64 on the rest
-            if group != 64 and not name.endswith("qkv"):
+            if group != 64 and not name.endswith("qkv") and not args.configs:
                 continue
             found = check(kernel, n, k, group, bits, args.ms)
             if name.endswith("qkv"):  # 32 (8B) or 64 (70B) query heads, 8 KV heads of 128

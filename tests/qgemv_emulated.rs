@@ -539,23 +539,39 @@ fn qgemv_fused_rope_matches() {
 
 #[test]
 fn qgemv_int8_activations_match() {
-    // 4-bit weights with x quantized to int8 per 32 values (XQ = 1): plain, the guarded
-    // tail with batch 4, SwiGLU with the norm, and the RoPE entry point
+    // 4-bit weights with x quantized to int8 per 32 values (XQ = 1): plain (M = 1's launch,
+    // 8 rows and 4 warps), the guarded tail with batch 4, SwiGLU with the norm, and the
+    // RoPE entry point
     run(
         "4bit_xq",
         &[
             ("M", 1),
-            ("N", 8),
+            ("N", 16),
             ("K", 2048),
             ("G", 64),
             ("BITS", 4),
-            ("ROWS", 4),
-            ("WPB", 2),
+            ("ROWS", 8),
+            ("WPB", 4),
             ("XQ", 1),
         ],
     );
-    // the launch mlxcel picks for the 70B down projection (K = 28672): 4 warps, 7 chunks
-    // of each of 4 rows per thread
+    // the launches mlxcel picks at M = 1 for the 8B down projection (K = 14336: 8 rows,
+    // 8 warps, 2 chunks of each row per thread) and the 70B one (K = 28672: 4 rows, 8
+    // warps, 4 chunks)
+    run(
+        "4bit_xq_8b_down",
+        &[
+            ("M", 1),
+            ("N", 8),
+            ("K", 14336),
+            ("G", 64),
+            ("BITS", 4),
+            ("ROWS", 8),
+            ("WPB", 8),
+            ("EPI", 1),
+            ("XQ", 1),
+        ],
+    );
     run(
         "4bit_xq_70b_down",
         &[
@@ -565,7 +581,7 @@ fn qgemv_int8_activations_match() {
             ("G", 64),
             ("BITS", 4),
             ("ROWS", 4),
-            ("WPB", 4),
+            ("WPB", 8),
             ("EPI", 1),
             ("XQ", 1),
         ],
@@ -611,6 +627,39 @@ fn qgemv_int8_activations_match() {
             ("WPB", 2),
             ("EPI", 2),
             ("NORM", 1),
+            ("XQ", 1),
+        ],
+    );
+    // M = 1: 16 rows a block (K > 4096), 8 pairs of the SwiGLU halves; 8 rows, 4 pairs of
+    // RoPE's rows
+    run(
+        "4bit_xq_norm_swiglu_m1",
+        &[
+            ("M", 1),
+            ("N", 32),
+            ("K", 1024),
+            ("G", 64),
+            ("BITS", 4),
+            ("ROWS", 16),
+            ("WPB", 8),
+            ("EPI", 2),
+            ("NORM", 1),
+            ("XQ", 1),
+        ],
+    );
+    run(
+        "4bit_xq_rope_m1",
+        &[
+            ("M", 1),
+            ("N", 8 * 16),
+            ("K", 512),
+            ("G", 64),
+            ("BITS", 4),
+            ("ROWS", 8),
+            ("WPB", 4),
+            ("NORM", 1),
+            ("HD", 16),
+            ("NQ", 4),
             ("XQ", 1),
         ],
     );

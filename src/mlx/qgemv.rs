@@ -254,9 +254,10 @@ pub const MMA_MIN_M: usize = 5;
 /// of them without spilling at every M ≤ 4 with int8 activations and at 8 bits.
 pub const MAX_LOADS_PER_THREAD: usize = 28;
 
-/// Rows per block (what the epilogues' pairing depends on), for a K that is a multiple
-/// of 128. Where K is not, the launch takes the dp4a path's 4 (or 2) rows, which pair
-/// evenly wherever these do, so checks made with this value stay valid.
+/// Rows per block (what the epilogues' pairing depends on) as for a short row. The
+/// launch for the real K may take other rows (the dp4a path's where K is not a multiple
+/// of 128, more or fewer at M = 1), but always rows dividing n, even wherever these are
+/// (n even), which is all the pairing needs: checks made with this value stay valid.
 pub fn rows_per_block(m: usize, n: usize, group: usize, bits: usize) -> usize {
     launch_config(m, n, 0, group, bits).rows
 }
@@ -265,18 +266,20 @@ pub fn rows_per_block(m: usize, n: usize, group: usize, bits: usize) -> usize {
 ///
 /// Tensor-core path (4-bit, int8 activations, group 32/64/128, `m ≥ mma_min`, n a
 /// multiple of 16, k of 128), from Nsight Compute timings on H200 (docs/benchmarks.md,
-/// seventh session): one 16-row tile per block and 8 warps splitting the row's steps of
-/// 128 values; wide matrices (n ≥ 16384: gate/up, lm_head) two tiles and 4 warps (each
-/// B fragment of x loaded then serves twice the rows, and there are still blocks enough
-/// for every SM). At least two steps per warp where the row has them.
+/// eighth session): one 16-row tile per block and 8 warps splitting the row's steps of
+/// 128 values, 16 warps where a row has more than 64 steps (the 8B down projection: 14.1
+/// against 18.9 µs at M = 8); two tiles per block lost on every 8B shape once scales came
+/// in chunks. At least two steps per warp where the row has them.
 ///
 /// Otherwise, from Nsight Compute timings on H200 (docs/benchmarks.md): 4-bit M = 1
-/// with float math is fastest with 2 rows (4 for the wide gate/up and lm_head) and 2
-/// warps; 8-bit and M > 1 with 4 rows and 4 warps. With int8 activations
-/// ([`int8_activations`]) a block quantizes its chunks of x once for all its rows, so
-/// 4-bit takes 4 rows at every M. A thread holds ROWS × (its chunks of a row) 16-byte
-/// weight loads in registers; above [`MAX_LOADS_PER_THREAD`] (a 70B down projection,
-/// K = 28672) the block gets more warps.
+/// with int8 activations ([`int8_activations`]) takes 8 rows and 4 warps for K ≤ 4096,
+/// else 16 rows and 8 warps, with half the rows (down to 4) while a thread would hold
+/// more than [`M1_LOADS`] weight loads: the best of 4/8/16 rows × 2/4/8 warps for every
+/// 8B and 70B shape but the 8B o projection (5.9 against 5.4 µs; eighth session);
+/// with float math 2 rows (4 for the wide gate/up and lm_head) and 2 warps; 8-bit and
+/// M > 1 4 rows and 4 warps. A thread holds ROWS × (its chunks of a row) 16-byte weight
+/// loads in registers; above [`MAX_LOADS_PER_THREAD`] (a 70B down projection, K = 28672)
+/// the block gets more warps.
 fn launch_config_for(
     m: usize,
     n: usize,
@@ -293,38 +296,42 @@ fn launch_config_for(
         && n.is_multiple_of(16)
         && k.is_multiple_of(128)
     {
-        let (rows, mut wpb) = if n >= 16384 && n.is_multiple_of(32) {
-            (32, 4)
-        } else {
-            (16, 8)
-        };
         let steps = k / 128; // the kernel's steps of 128 values per row
+        let mut wpb = if steps > 64 { 16 } else { 8 };
         while wpb > 1 && steps < 2 * wpb {
             wpb /= 2;
         }
         return Launch {
-            rows,
+            rows: 16,
             wpb,
             mma: true,
         };
     }
+    // the largest of r, r/2, …, 1 dividing n
     let fit = |r: usize| {
-        if n.is_multiple_of(r) {
-            r
-        } else if n.is_multiple_of(2) {
-            2
-        } else {
-            1
-        }
+        (0..=r.trailing_zeros())
+            .map(|i| r >> i)
+            .find(|&d| n.is_multiple_of(d))
+            .unwrap_or(1)
     };
-    let (rows, mut wpb) = if bits == 4 && m == 1 {
-        (fit(if xq || n >= 16384 { 4 } else { 2 }), 2)
+    let chunks = k / (128 / bits.max(1)); // 16-byte chunks per row
+    let loads = |rows: usize, wpb: usize| rows * chunks.div_ceil(32 * wpb);
+    let (mut rows, mut wpb) = if bits == 4 && m == 1 && xq {
+        let (mut rows, wpb) = if k > 4096 { (fit(16), 8) } else { (fit(8), 4) };
+        while rows > 4 && loads(rows, wpb) > M1_LOADS {
+            rows = fit(rows / 2);
+        }
+        (rows, wpb)
+    } else if bits == 4 && m == 1 {
+        (fit(if n >= 16384 { 4 } else { 2 }), 2)
     } else {
         (fit(4), 4)
     };
-    let chunks = k / (128 / bits.max(1)); // 16-byte chunks per row
-    while wpb < 8 && rows * chunks.div_ceil(32 * wpb) > MAX_LOADS_PER_THREAD {
+    while wpb < 8 && loads(rows, wpb) > MAX_LOADS_PER_THREAD {
         wpb *= 2;
+    }
+    if rows > 1 && loads(rows, wpb) > MAX_LOADS_PER_THREAD {
+        rows = fit(rows / 2);
     }
     Launch {
         rows,
@@ -332,6 +339,11 @@ fn launch_config_for(
         mma: false,
     }
 }
+
+/// Weight loads per thread the 4-bit M = 1 launch stays within for rows above 4: 8 rows
+/// and 4 warps hold 8 at K = 4096, 16 rows and 8 warps 16 at K = 8192; the 8B down
+/// projection (K = 14336) gets 8 rows, the 70B one (K = 28672) 4.
+pub const M1_LOADS: usize = 16;
 
 /// What the kernel writes besides `x · Wᵀ` (its template constant `EPI`): each fused
 /// epilogue saves a decode step one MLX op per layer.
@@ -760,27 +772,46 @@ mod tests {
             (2, 4097, 8),
             (1, 16386, 4),
             (1, 6146, 4),
+            (1, 6148, 4),
         ] {
             for xq in [false, true] {
                 let (rows, wpb) = dp(m, n, 4096, bits, xq);
                 assert_eq!(n % rows, 0, "m={m} n={n} bits={bits} rows={rows}");
-                assert!([1, 2, 4].contains(&rows) && [2, 4].contains(&wpb));
+                assert!([1, 2, 4, 8].contains(&rows) && [2, 4].contains(&wpb));
+                // every launch pairs the epilogues' rows as the check made with the
+                // k-free rows_per_block does: rows dividing n, even where those are
+                for k in [4096, 8192, 14336, 28672, 53248] {
+                    let (r, _) = dp(m, n, k, bits, xq);
+                    let r0 = launch_config_for(m, n, 0, 64, bits, xq, None).rows;
+                    assert!(
+                        n % r == 0 && (r0 % 2 != 0 || r % 2 == 0),
+                        "{m} {n} {k} {r} {r0}"
+                    );
+                }
             }
         }
         assert_eq!(dp(1, 6144, 4096, 4, false), (2, 2));
-        assert_eq!(dp(1, 6144, 4096, 4, true), (4, 2));
         assert_eq!(dp(1, 28672, 4096, 4, false), (4, 2));
         assert_eq!(dp(1, 4096, 4096, 8, false), (4, 4));
         assert_eq!(dp(2, 4097, 4096, 4, true), (1, 4));
-        // loads per thread (rows × chunks per thread) stay within 28: more warps for long rows
-        assert_eq!(dp(1, 4096, 14336, 4, true), (4, 2)); // 8B down: 4 × 7
-        assert_eq!(dp(1, 8192, 28672, 4, true), (4, 4)); // 70B down
+        // 4-bit M = 1, int8 x: 8 rows and 4 warps; more warps, then 4 rows, for long rows
+        assert_eq!(dp(1, 6144, 4096, 4, true), (8, 4)); // 8B q/k/v: 8 loads a thread
+        assert_eq!(dp(1, 6148, 4096, 4, true), (4, 4)); // (n not a multiple of 8)
+        assert_eq!(dp(1, 6146, 4096, 4, true), (2, 4));
+        assert_eq!(dp(1, 10240, 8192, 4, true), (16, 8)); // 70B q/k/v: 16 × 1
+        assert_eq!(dp(1, 4096, 14336, 4, true), (8, 8)); // 8B down: 8 × 2
+        assert_eq!(dp(1, 8192, 28672, 4, true), (4, 8)); // 70B down: 4 × 4
+        assert_eq!(dp(1, 10248, 8192, 4, true), (8, 8)); // n a multiple of 8, not 16
+                                                         // loads per thread (rows × chunks per thread) stay within 28: more warps for long rows
         assert_eq!(dp(4, 8192, 28672, 8, false), (4, 8));
         assert_eq!(dp(1, 8192, 28672, 4, false), (2, 2)); // float: 2 × 14
+        assert_eq!(dp(2, 8192, 65536, 4, true), (2, 8)); // and fewer rows beyond
         for &(m, n, k, bits) in &[
             (1, 8192, 28672, 4),
             (4, 8192, 28672, 8),
             (3, 4096, 14336, 8),
+            (1, 8192, 53248, 4),
+            (2, 8192, 65536, 4),
         ] {
             for xq in [false, true] {
                 let (rows, wpb) = dp(m, n, k, bits, xq);
@@ -799,11 +830,11 @@ mod tests {
             mma: true,
         };
         assert_eq!(mma(2, 6144, 4096, 64, 4, true), l(16, 8)); // 8B q/k/v: 32 steps, 4 each
-        assert_eq!(mma(8, 28672, 4096, 64, 4, true), l(32, 4)); // gate/up: two tiles
-        assert_eq!(mma(8, 128256, 4096, 64, 4, true), l(32, 4)); // lm_head (n / 32 whole)
-        assert_eq!(mma(8, 4096, 14336, 64, 4, true), l(16, 8)); // down
-        assert_eq!(mma(8, 128256, 8192, 128, 4, true), l(32, 4)); // group 128 too
-        assert_eq!(mma(4, 8192, 28672, 32, 4, true), l(16, 8));
+        assert_eq!(mma(8, 28672, 4096, 64, 4, true), l(16, 8)); // gate/up
+        assert_eq!(mma(8, 128256, 4096, 64, 4, true), l(16, 8)); // lm_head
+        assert_eq!(mma(8, 4096, 14336, 64, 4, true), l(16, 16)); // down: 112 steps, 7 each
+        assert_eq!(mma(8, 10240, 8192, 128, 4, true), l(16, 8)); // 70B q/k/v: 64 steps
+        assert_eq!(mma(4, 8192, 28672, 32, 4, true), l(16, 16)); // 70B down
         assert_eq!(mma(3, 64, 1024, 64, 4, true), l(16, 4)); // 8 steps: ≥ 2 per warp
         assert_eq!(mma(3, 64, 128, 128, 4, true), l(16, 1));
         // k not a multiple of the kernel's 128-value steps: not the tensor-core path
