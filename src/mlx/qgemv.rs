@@ -784,7 +784,7 @@ mod tests {
                     let (r, _) = dp(m, n, k, bits, xq);
                     let r0 = launch_config_for(m, n, 0, 64, bits, xq, None).rows;
                     assert!(
-                        n % r == 0 && (r0 % 2 != 0 || r % 2 == 0),
+                        n.is_multiple_of(r) && (!r0.is_multiple_of(2) || r.is_multiple_of(2)),
                         "{m} {n} {k} {r} {r0}"
                     );
                 }
