@@ -570,11 +570,14 @@ fn models_health_metrics(tp: &[&str]) {
     let e = assert_error(&post(&json!({"model": "gpt-4", "prompt": "x"})), 404);
     assert_eq!(e["code"], "model_not_found");
 
-    // counters are updated just after the response is sent: poll briefly
+    // counters are updated just after the response is sent, the running gauge at the end
+    // of the engine's step (which can come after the counters): poll briefly for both
     let success = "mlxcel:request_success_total{finished_reason=\"length\"}";
     let mut m1 = s.metrics();
     for _ in 0..40 {
-        if metric(&m1, success) - metric(&m0, success) >= 1.0 {
+        if metric(&m1, success) - metric(&m0, success) >= 1.0
+            && metric(&m1, "mlxcel:num_requests_running") == 0.0
+        {
             break;
         }
         std::thread::sleep(Duration::from_millis(50));
