@@ -716,7 +716,8 @@ __device__ __forceinline__ void mlxcel_qgemv(const XT* x, const uint32_t* w, con
 constexpr int XQ_TPB = 256;
 template <typename T, int M, int K, int G, int NORM, int EPS_BITS>
 __device__ __forceinline__ void mlxcel_round_x(const T* x, const T* nw, uint32_t* xq) {
-  static_assert(K % G == 0 && (G == 32 || G == 64 || G == 128), "round_x: G 32/64/128 dividing K");
+  static_assert(K % G == 0 && (G == 32 || G == 64 || G == 128) && M <= 8,
+                "round_x: G 32/64/128 dividing K, at most 8 rows (the MMA's columns)");
   constexpr int WPR = K / 8;                         // 8-value words per row
   constexpr int BPR = (WPR + XQ_TPB - 1) / XQ_TPB;  // blocks per row
   constexpr int WPG = G / 8;

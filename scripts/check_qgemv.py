@@ -123,7 +123,7 @@ def launch_config(m, n, k, bits, group=64):
         rows, wpb = fit(4), 4
     while wpb < 8 and loads(rows, wpb) > 28:
         wpb *= 2
-    if rows > 1 and loads(rows, wpb) > 28:
+    while rows > 2 and loads(rows, wpb) > 28:
         rows = fit(rows // 2)
     return rows, wpb, 0
 

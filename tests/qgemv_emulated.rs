@@ -630,8 +630,8 @@ fn qgemv_int8_activations_match() {
             ("XQ", 1),
         ],
     );
-    // M = 1: 16 rows a block (K > 4096), 8 pairs of the SwiGLU halves; 8 rows, 4 pairs of
-    // RoPE's rows
+    // M = 1 launches (16 rows × 8 warps as for K > 4096, 8 × 4 as for K ≤ 4096; short
+    // rows here to keep the emulation quick): 8 pairs of the SwiGLU halves, 4 of RoPE's rows
     run(
         "4bit_xq_norm_swiglu_m1",
         &[

@@ -279,7 +279,7 @@ pub fn rows_per_block(m: usize, n: usize, group: usize, bits: usize) -> usize {
 /// with float math 2 rows (4 for the wide gate/up and lm_head) and 2 warps; 8-bit and
 /// M > 1 4 rows and 4 warps. A thread holds ROWS × (its chunks of a row) 16-byte weight
 /// loads in registers; above [`MAX_LOADS_PER_THREAD`] (a 70B down projection, K = 28672)
-/// the block gets more warps.
+/// the block gets more warps, up to 8, then fewer rows, down to 2.
 fn launch_config_for(
     m: usize,
     n: usize,
@@ -330,7 +330,9 @@ fn launch_config_for(
     while wpb < 8 && loads(rows, wpb) > MAX_LOADS_PER_THREAD {
         wpb *= 2;
     }
-    if rows > 1 && loads(rows, wpb) > MAX_LOADS_PER_THREAD {
+    // past that at 8 warps, fewer rows, but never fewer than 2 where n is even (the
+    // epilogues' pairs): very long rows may then hold more loads, and spill
+    while rows > 2 && loads(rows, wpb) > MAX_LOADS_PER_THREAD {
         rows = fit(rows / 2);
     }
     Launch {
@@ -780,7 +782,7 @@ mod tests {
                 assert!([1, 2, 4, 8].contains(&rows) && [2, 4].contains(&wpb));
                 // every launch pairs the epilogues' rows as the check made with the
                 // k-free rows_per_block does: rows dividing n, even where those are
-                for k in [4096, 8192, 14336, 28672, 53248] {
+                for k in [4096, 8192, 14336, 28672, 53248, 57360, 131_072] {
                     let (r, _) = dp(m, n, k, bits, xq);
                     let r0 = launch_config_for(m, n, 0, 64, bits, xq, None).rows;
                     assert!(
@@ -802,10 +804,13 @@ mod tests {
         assert_eq!(dp(1, 4096, 14336, 4, true), (8, 8)); // 8B down: 8 × 2
         assert_eq!(dp(1, 8192, 28672, 4, true), (4, 8)); // 70B down: 4 × 4
         assert_eq!(dp(1, 10248, 8192, 4, true), (8, 8)); // n a multiple of 8, not 16
-                                                         // loads per thread (rows × chunks per thread) stay within 28: more warps for long rows
+
+        // loads per thread (rows × chunks per thread) stay within 28: more warps for long
+        // rows, then fewer rows (not below 2 for an even n: the epilogues pair rows)
         assert_eq!(dp(4, 8192, 28672, 8, false), (4, 8));
         assert_eq!(dp(1, 8192, 28672, 4, false), (2, 2)); // float: 2 × 14
         assert_eq!(dp(2, 8192, 65536, 4, true), (2, 8)); // and fewer rows beyond
+        assert_eq!(dp(1, 4098, 57360, 8, false), (2, 8)); // 2 rows stay (n even)
         for &(m, n, k, bits) in &[
             (1, 8192, 28672, 4),
             (4, 8192, 28672, 8),
