@@ -36,6 +36,13 @@ q4decode() {
 print("b1", round(d["decode"]["tokens_per_second"],1), " ".join("b%d %.1f" % (x["batch"], x["tokens_per_second"]) for x in d["decode_batched"]), "tok/s; b1 host", {k: round(v,3) for k,v in d["decode"]["host_per_token"].items()})')"
   done
 }
+# ncu kernel times of prof_qgemv.py mode $1 (more args passed on), parsed
+ncut() {
+  local tag=$1; shift
+  timeout ${NCU_S:-200} ncu --clock-control none --metrics gpu__time_duration.sum -k regex:'qgemv|qmv|qmm|gemv|ceiling' \
+    python3 scripts/prof_qgemv.py "$@" > "$OUT/ncu-$tag.txt" 2>&1
+  python3 scripts/prof_qgemv.py --parse "$OUT/ncu-$tag.txt" | tee "$OUT/ncu-$tag-parsed.txt"
+}
 # config.json of the 8B shape, 4-bit g64, for --load-format dummy (no weights written)
 q4cfg() {
   [ -f "$CK/c8b-q4/config.json" ] && return
@@ -252,12 +259,6 @@ session6)
   ;;
 session7)
   # the seventh session's tensor-core path (x rounded once per call, 64-byte weight loads)
-  ncut() {  # ncu kernel times of prof_qgemv.py mode $1 (more args passed on), parsed
-    local tag=$1; shift
-    timeout ${NCU_S:-200} ncu --clock-control none --metrics gpu__time_duration.sum -k regex:'qgemv|qmv|qmm|gemv|ceiling' \
-      python3 scripts/prof_qgemv.py "$@" > "$OUT/ncu-$tag.txt" 2>&1
-    python3 scripts/prof_qgemv.py --parse "$OUT/ncu-$tag.txt" | tee "$OUT/ncu-$tag-parsed.txt"
-  }
   case "${2:-final}" in
   ceiling)
     step "ncu: read-only kernels of each 4-bit shape's bytes"; NCU_S=90 ncut ceiling --ceiling
@@ -284,12 +285,6 @@ session7)
   ;;
 session8)
   # the eighth session: where the GEMV's time goes (Nsight sections), M = 1 launch shapes
-  ncut() {  # ncu kernel times of prof_qgemv.py mode $1 (more args passed on), parsed
-    local tag=$1; shift
-    timeout ${NCU_S:-200} ncu --clock-control none --metrics gpu__time_duration.sum -k regex:'qgemv|qmv|qmm|gemv|ceiling' \
-      python3 scripts/prof_qgemv.py "$@" > "$OUT/ncu-$tag.txt" 2>&1
-    python3 scripts/prof_qgemv.py --parse "$OUT/ncu-$tag.txt" | tee "$OUT/ncu-$tag-parsed.txt"
-  }
   case "${2:-prof}" in
   prof)
     step "ncu sections (raw metrics, csv): q/k/v, down at M = 1; q/k/v, o, down, gate/up at M = 8"
@@ -301,7 +296,7 @@ session8)
     python3 scripts/ncu_summary.py "$OUT/ncu-stalls.csv" | tee "$OUT/ncu-stalls-summary.txt"
     ;;
   m1)
-    step "ncu: M = 1 dp4a ROWS × WPB"; NCU_S=${NCU_S:-200} ncut m1 --m1 --ms 1 ${M1_ARGS:-}
+    step "ncu: M = 1 dp4a ROWS × WPB"; ncut m1 --m1 --ms 1 ${M1_ARGS:-}
     ;;
   mma)
     # kernel files (VARIANTS, default the tracked one) at M = 8, tensor-core launches CFGS

@@ -58,8 +58,6 @@ def main(path):
         m = re.search(r"qgemv_\w+?_t_(\d+)_(\d+)_(\d+)_(\d+)_(\d+)_(\d+)_(\d+)", name)
         short = (f"M={m[1]} N={m[2]} K={m[3]} G={m[4]} bits={m[5]} ROWS={m[6]} WPB={m[7]}"
                  if m else name[:100])
-        if "MMA" not in short and re.search(r"_1\b", name[-6:]):
-            short += " (MMA?)"
         print(f"== {short}\n   {name[:160]}")
         for label, key in KEYS:
             if key in r and r[key] != "":
