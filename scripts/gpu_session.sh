@@ -325,6 +325,20 @@ session8)
     ;;
   esac
   ;;
+session9)
+  # the ninth session: host cost per op; the GEMV header passed to MLX as an #include
+  case "${2:-include}" in
+  include)
+    step "host cost per MLX op (scripts/op_costs.py)"
+    timeout 120 python3 scripts/op_costs.py 2>&1 | tee "$OUT/op-costs.txt"
+    q4cfg
+    step "decode 8B 4-bit: GEMV header inline (MLXCEL_KERNEL_INCLUDE=0) vs #include (default), alternated"
+    for r in 1 2 3; do BENCH_S=${BENCH_S:-100} q4decode "${BATCHES:-4,8}" MLXCEL_KERNEL_INCLUDE=0 X=1; done 2>&1 | tee "$OUT/decode-include.txt"
+    step "fixtures vs references"
+    timeout 200 python3 scripts/check_fixtures.py $B -n 12 2>&1 | tail -15 | tee "$OUT/fixtures.txt"
+    ;;
+  esac
+  ;;
 ncu)
   # kernel times by Nsight Compute: every 8B shape, 4-bit with float math and with int8
   # activations, 8-bit, launch shapes ROWS × WPB; then the parsed table

@@ -10,3 +10,14 @@ pub mod tokenizer;
 
 // Links the MLX library that mlx-sys found.
 use mlx_sys as _;
+
+/// mlxcel's cache folder (the demo model, kernel headers): `$MLXCEL_CACHE`, else
+/// `$XDG_CACHE_HOME/mlxcel`, else `~/.cache/mlxcel`, else `mlxcel` in the temp folder.
+pub fn cache_root() -> std::path::PathBuf {
+    use std::path::PathBuf;
+    std::env::var_os("MLXCEL_CACHE")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("XDG_CACHE_HOME").map(|d| PathBuf::from(d).join("mlxcel")))
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/mlxcel")))
+        .unwrap_or_else(|| std::env::temp_dir().join("mlxcel"))
+}

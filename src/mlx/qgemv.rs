@@ -8,6 +8,7 @@
 //! at run time (to iterate on the kernel without rebuilding), `MLXCEL_QGEMV=0`
 //! turns the kernel off. `scripts/check_qgemv.py` checks and times the same file
 //! from Python.
+use std::path::Path;
 use std::sync::OnceLock;
 
 use super::fast::CudaKernel;
@@ -113,6 +114,57 @@ fn kernel_names() -> &'static (String, String, String) {
         let n = source().map(|s| s.kernel_name()).unwrap_or_default();
         (n.clone(), n.clone() + "_rope", n + "_xq")
     })
+}
+
+/// The device-code header as MLX gets it: one `#include` line of a file holding it,
+/// `<cache>/kernels/<kernel name>.cuh` (nvrtc reads it when MLX compiles a variant).
+/// MLX copies the header and body into every op it makes, and hashes the result into
+/// the op's kernel name; with the 36 KB header that cost about 7 µs of host time per
+/// GEMV, 129–258 times a decode step (`scripts/op_costs.py`). Falls back to the header
+/// itself when the file cannot be written, or with `MLXCEL_KERNEL_INCLUDE=0`.
+fn mlx_header() -> Result<&'static str> {
+    static HEADER: OnceLock<String> = OnceLock::new();
+    let src = source()?;
+    Ok(HEADER.get_or_init(|| {
+        if std::env::var_os("MLXCEL_KERNEL_INCLUDE").is_some_and(|v| v == "0") {
+            return src.header.clone();
+        }
+        let dir = crate::cache_root().join("kernels");
+        match include_header(&dir, &kernel_names().0, &src.header) {
+            Ok(line) => line,
+            Err(e) => {
+                tracing::warn!(
+                    "cannot write the GEMV kernel header to {}: {e}; passing it to MLX inline",
+                    dir.display()
+                );
+                src.header.clone()
+            }
+        }
+    }))
+}
+
+/// Write `header` to `dir/<name>.cuh` (unless it already holds exactly that) and return
+/// the one-line header that includes it. The file is replaced atomically, so ranks of
+/// one model starting together never see a partial file.
+pub fn include_header(dir: &Path, name: &str, header: &str) -> std::io::Result<String> {
+    std::fs::create_dir_all(dir)?;
+    let path = std::fs::canonicalize(dir)?.join(format!("{name}.cuh"));
+    let quoted = path
+        .to_str()
+        .filter(|p| !p.contains(['"', '\\', '\n']))
+        .ok_or_else(|| {
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!("{} cannot be named in an #include", path.display()),
+            )
+        })?
+        .to_string();
+    if std::fs::read(&path).ok().as_deref() != Some(header.as_bytes()) {
+        let tmp = path.with_file_name(format!(".{name}.{}.tmp", std::process::id()));
+        std::fs::write(&tmp, header)?;
+        std::fs::rename(&tmp, &path)?;
+    }
+    Ok(format!("#include \"{quoted}\"\n"))
 }
 
 fn source() -> Result<&'static Source> {
@@ -443,7 +495,7 @@ pub fn qgemv(
         name: &kernel_names().0,
         input_names: inputs,
         output_names: outputs,
-        header: &src.header,
+        header: mlx_header()?,
         body: &src.body,
     };
     let tvals = [
@@ -503,7 +555,7 @@ fn round_x(
         name: &kernel_names().2,
         input_names: inputs,
         output_names: outputs,
-        header: &src.header,
+        header: mlx_header()?,
         body: &src.body_xq,
     };
     let (nw, eps) = norm.unwrap_or((x, 0.0));
@@ -634,7 +686,7 @@ pub fn qgemv_rope(
         name: &kernel_names().1,
         input_names: inputs,
         output_names: outputs,
-        header: &src.header,
+        header: mlx_header()?,
         body: &src.body_rope,
     };
     let nkv2 = n / head_dim - nq;
@@ -715,6 +767,31 @@ mod tests {
         assert_ne!(a.kernel_name(), b.kernel_name());
         assert_ne!(a.kernel_name(), c.kernel_name());
         assert_ne!(a.kernel_name(), d.kernel_name());
+    }
+
+    #[test]
+    fn the_header_goes_to_a_file_that_one_include_line_names() {
+        let dir = std::env::temp_dir().join(format!("mlxcel-incl-test-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let header = split_source(EMBEDDED).unwrap().header;
+        let line = include_header(&dir.join("kernels"), "mlxcel_qgemv_x", &header).unwrap();
+        let path = std::fs::canonicalize(dir.join("kernels/mlxcel_qgemv_x.cuh")).unwrap();
+        assert_eq!(line, format!("#include \"{}\"\n", path.display()));
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), header);
+        // another content under the same name is rewritten; no temp file is left
+        let line2 = include_header(&dir.join("kernels"), "mlxcel_qgemv_x", "int y;\n").unwrap();
+        assert_eq!(line2, line);
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "int y;\n");
+        assert_eq!(std::fs::read_dir(dir.join("kernels")).unwrap().count(), 1);
+        // a folder that cannot be made is an error (the caller then passes the header inline)
+        std::fs::write(dir.join("file"), "").unwrap();
+        assert!(include_header(&dir.join("file"), "n", "h").is_err());
+        let quote = dir.join("a\"b");
+        assert!(include_header(&quote, "n", "h")
+            .unwrap_err()
+            .to_string()
+            .contains("#include"));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

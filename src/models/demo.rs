@@ -30,12 +30,7 @@ const CHAT_TEMPLATE: &str = "{{ bos_token }}{% for message in messages %}<|start
 
 /// Where the demo model lives: `$MLXCEL_CACHE` or `~/.cache/mlxcel`, then `demo-llama-v2/`.
 pub fn demo_dir() -> PathBuf {
-    let root = std::env::var_os("MLXCEL_CACHE")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("XDG_CACHE_HOME").map(|d| PathBuf::from(d).join("mlxcel")))
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/mlxcel")))
-        .unwrap_or_else(|| std::env::temp_dir().join("mlxcel"));
-    root.join(DEMO_VERSION)
+    crate::cache_root().join(DEMO_VERSION)
 }
 
 /// The demo model folder, written on first use.
