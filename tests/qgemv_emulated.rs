@@ -4,104 +4,10 @@
 //! barriers) and compared with dequantize + matmul in double precision. This
 //! checks the kernel's indexing, reduction and dequantisation math on machines
 //! without a GPU (CI); `scripts/check_qgemv.py` checks it on one, against MLX.
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::Path;
 
-const PRELUDE: &str = r#"
-#include <barrier>
-#include <cmath>
-#include <cstdint>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
-#include <random>
-#include <thread>
-#include <vector>
-
-#define __device__
-#define __forceinline__
-#define __shared__ static
-struct uint4 { uint32_t x, y, z, w; };
-static uint4 make_uint4(uint32_t a, uint32_t b, uint32_t c, uint32_t d) { return {a, b, c, d}; }
-static float __uint_as_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
-static float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; }
-static int __float_as_int(float f) { int i; std::memcpy(&i, &f, 4); return i; }
-// byte i of the result is byte (s >> 4i) & 7 of the 8 bytes {b:a}
-static unsigned __byte_perm(unsigned a, unsigned b, unsigned s) {
-  const uint64_t v = (uint64_t(b) << 32) | a;
-  unsigned r = 0;
-  for (int i = 0; i < 4; ++i) r |= unsigned((v >> (8 * ((s >> (4 * i)) & 7))) & 0xFF) << (8 * i);
-  return r;
-}
-// c + the dot product of the four signed bytes of a and b
-static int __dp4a(int a, int b, int c) {
-  for (int i = 0; i < 4; ++i) c += int(int8_t(a >> (8 * i))) * int(int8_t(b >> (8 * i)));
-  return c;
-}
-static float rsqrtf(float v) { return 1.f / std::sqrt(v); }
-struct __nv_bfloat16 {
-  uint16_t bits;
-  __nv_bfloat16() : bits(0) {}
-  explicit __nv_bfloat16(float f) {
-    uint32_t u; std::memcpy(&u, &f, 4);
-    u += 0x7FFFu + ((u >> 16) & 1u);  // round to nearest even
-    bits = uint16_t(u >> 16);
-  }
-  operator float() const { uint32_t u = uint32_t(bits) << 16; float f; std::memcpy(&f, &u, 4); return f; }
-};
-struct Dim { unsigned x = 0, y = 0, z = 0; };
-static thread_local Dim threadIdx, blockIdx;
-static Dim blockDim;
-static std::barrier<>* g_barrier = nullptr;
-static std::vector<float> g_shfl;
-static void __syncthreads() { g_barrier->arrive_and_wait(); }
-static void __syncwarp() { g_barrier->arrive_and_wait(); }
-struct uint2 { uint32_t x, y; };
-struct float2 { float x, y; };
-struct alignas(16) float4 { float x, y, z, w; };
-static uint2 make_uint2(uint32_t a, uint32_t b) { return {a, b}; }
-static float2 make_float2(float a, float b) { return {a, b}; }
-static float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
-// v of thread `src` of the block (all threads take part, as in a warp shuffle)
-template <class V> static V shfl_from(V v, unsigned src) {
-  static_assert(sizeof(V) == 4);
-  const unsigned t = threadIdx.x;
-  std::memcpy(&g_shfl[t], &v, 4);
-  g_barrier->arrive_and_wait();
-  V r;
-  std::memcpy(&r, &g_shfl[src], 4);
-  g_barrier->arrive_and_wait();
-  return r;
-}
-static float __shfl_xor_sync(unsigned, float v, int o) { return shfl_from(v, threadIdx.x ^ o); }
-static int __shfl_xor_sync(unsigned, int v, int o) { return shfl_from(v, threadIdx.x ^ o); }
-static unsigned __shfl_xor_sync(unsigned, unsigned v, int o) { return shfl_from(v, threadIdx.x ^ o); }
-static float __shfl_sync(unsigned, float v, int lane) { return shfl_from(v, (threadIdx.x & ~31u) | lane); }
-static unsigned __shfl_sync(unsigned, unsigned v, int lane) { return shfl_from(v, (threadIdx.x & ~31u) | lane); }
-// mma.sync.m16n8k32 s8·s8 + s32 of one warp: every lane posts its fragments, then
-// computes its four outputs from the warp's (layouts as in the PTX ISA)
-static std::vector<uint32_t> g_mma;
-static void mlxcel_emulated_mma(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                uint32_t b0, uint32_t b1) {
-  const unsigned t = threadIdx.x;
-  const uint32_t mine[6] = {a0, a1, a2, a3, b0, b1};
-  std::memcpy(&g_mma[6 * t], mine, sizeof mine);
-  g_barrier->arrive_and_wait();
-  const unsigned base = t & ~31u, lane = t & 31u, gid = lane >> 2, tg = lane & 3;
-  auto byte = [&](unsigned owner, int reg, int k) { return int(int8_t(g_mma[6 * (base + owner) + reg] >> (8 * (k % 4)))); };
-  auto A = [&](int row, int k) { return byte((row % 8) * 4 + (k % 16) / 4, (row >= 8) + 2 * (k >= 16), k); };
-  auto B = [&](int k, int col) { return byte(col * 4 + (k % 16) / 4, 4 + (k >= 16), k); };
-  int r[4];
-  for (int i = 0; i < 4; ++i) {
-    const int row = gid + (i >= 2 ? 8 : 0), col = 2 * tg + (i & 1);
-    int d = 0;
-    for (int k = 0; k < 32; ++k) d += A(row, k) * B(k, col);
-    r[i] = c[i] + d;
-  }
-  g_barrier->arrive_and_wait();
-  for (int i = 0; i < 4; ++i) c[i] = r[i];
-}
-"#;
+mod common;
+use common::PRELUDE;
 
 const MAIN: &str = r#"
 int main() {
@@ -312,29 +218,9 @@ fn run(tag: &str, consts: &[(&str, usize)]) {
         rope as i32, mma as i32
     );
     src += MAIN;
-    let dir: PathBuf =
-        std::env::temp_dir().join(format!("mlxcel-qgemv-emu-{}-{tag}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let cpp = dir.join("qgemv.cpp");
-    let exe = dir.join("qgemv");
-    std::fs::write(&cpp, &src).unwrap();
-    let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
-    let out = Command::new(&cxx)
-        .args(["-std=c++20", "-O1", "-pthread", "-o"])
-        .arg(&exe)
-        .arg(&cpp)
-        .output()
-        .unwrap_or_else(|e| panic!("running the C++ compiler `{cxx}`: {e}"));
-    assert!(
-        out.status.success(),
-        "{tag}: compiling the emulated kernel failed:\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let res = Command::new(&exe).output().unwrap();
-    let text = String::from_utf8_lossy(&res.stdout);
-    let _ = std::fs::remove_dir_all(&dir);
+    let (ok, text) = common::compile_and_run(&format!("qgemv-{tag}"), &src);
     eprintln!("{tag}: {}", text.trim());
-    assert!(res.status.success(), "{tag} {consts:?}: {text}");
+    assert!(ok, "{tag} {consts:?}: {text}");
     assert!(text.contains("max_err"), "{tag}: {text}");
 }
 
