@@ -10,6 +10,7 @@
 //! engine thread); other threads talk to it over channels.
 
 mod array;
+pub mod attn;
 mod device;
 pub mod distributed;
 pub mod fast;

@@ -41,21 +41,26 @@ impl Source {
     /// name, in memory and on disk (`MLX_PTX_CACHE_DIR`), so an edited source must not
     /// reuse the old name. `scripts/check_qgemv.py` names it the same way.
     pub fn kernel_name(&self) -> String {
-        let mut h: u64 = 0xcbf29ce484222325;
-        for b in self
-            .header
-            .bytes()
-            .chain(self.body.bytes())
-            .chain(ROPE_MARK.bytes())
-            .chain(self.body_rope.bytes())
-            .chain(XQ_MARK.bytes())
-            .chain(self.body_xq.bytes())
-        {
-            h ^= b as u64;
-            h = h.wrapping_mul(0x100000001b3);
-        }
-        format!("mlxcel_qgemv_{:08x}", h & 0xFFFF_FFFF)
+        let h = fnv1a32(&[
+            &self.header,
+            &self.body,
+            ROPE_MARK,
+            &self.body_rope,
+            XQ_MARK,
+            &self.body_xq,
+        ]);
+        format!("mlxcel_qgemv_{h:08x}")
     }
+}
+
+/// The low 32 bits of the 64-bit FNV-1a hash of the concatenated `parts` (kernel names).
+pub(crate) fn fnv1a32(parts: &[&str]) -> u32 {
+    let mut h: u64 = 0xcbf29ce484222325;
+    for b in parts.iter().flat_map(|p| p.bytes()) {
+        h ^= b as u64;
+        h = h.wrapping_mul(0x100000001b3);
+    }
+    h as u32
 }
 
 /// Split a kernel file at its `// @@header`, `// @@body`, `// @@body_rope` and
@@ -125,22 +130,26 @@ fn kernel_names() -> &'static (String, String, String) {
 fn mlx_header() -> Result<&'static str> {
     static HEADER: OnceLock<String> = OnceLock::new();
     let src = source()?;
-    Ok(HEADER.get_or_init(|| {
-        if std::env::var_os("MLXCEL_KERNEL_INCLUDE").is_some_and(|v| v == "0") {
-            return src.header.clone();
+    Ok(HEADER.get_or_init(|| header_for_mlx(&kernel_names().0, &src.header)))
+}
+
+/// `header` as a custom kernel named `name` passes it to MLX: an `#include` of it
+/// written to `<cache>/kernels/<name>.cuh` (see [`mlx_header`]), or itself.
+pub(crate) fn header_for_mlx(name: &str, header: &str) -> String {
+    if std::env::var_os("MLXCEL_KERNEL_INCLUDE").is_some_and(|v| v == "0") {
+        return header.to_string();
+    }
+    let dir = crate::cache_root().join("kernels");
+    match include_header(&dir, name, header) {
+        Ok(line) => line,
+        Err(e) => {
+            tracing::warn!(
+                "cannot write the {name} kernel header to {}: {e}; passing it to MLX inline",
+                dir.display()
+            );
+            header.to_string()
         }
-        let dir = crate::cache_root().join("kernels");
-        match include_header(&dir, &kernel_names().0, &src.header) {
-            Ok(line) => line,
-            Err(e) => {
-                tracing::warn!(
-                    "cannot write the GEMV kernel header to {}: {e}; passing it to MLX inline",
-                    dir.display()
-                );
-                src.header.clone()
-            }
-        }
-    }))
+    }
 }
 
 /// Write `header` to `dir/<name>.cuh` (unless it already holds exactly that) and return

@@ -1,0 +1,209 @@
+// mlxcel: attention of a decode step (one new token per sequence) over the KV pool.
+//
+//   q     T [B, HQ, 1, D]              the step's query heads (RoPE applied)
+//   pool  T [slots, 2·HKV, cap, D]     the layer's KV pool: key heads, then value heads
+//   slots int32 [B]                    batch row b reads slot slots[b]
+//   pos   int32 [B] (or a scalar, B = 1)  row b attends to positions 0 ..= pos[b] (the
+//                                      new token's keys/values already written there)
+//   part  float32, count int32         scratch (below); count starts, and ends, all zero
+//   out   T [B, HQ, 1, D]              softmax(q·kᵀ·scale)·v per head
+// T is bfloat16; D is 64 or 128; query head j reads key/value head j / (HQ/HKV) (GQA).
+// Compiled at run time by MLX (`fast::cuda_kernel`); template constants D, HQ, HKV,
+// NSPLIT, WARPS, SCALE_BITS (the bits of the float scale·log2(e)).
+//
+// One op replaces MLX's two views of the pool and `fast::scaled_dot_product_attention`
+// (which took 6-8 µs of GPU time per layer at 384 positions on H200), and the batch
+// rows may read any slots at any lengths, so a batched step needs no masks.
+//
+// Work split: a block of WARPS = G·TW warps (G = HQ/HKV) per (row b, kv head h, split
+// s): blockIdx.x = (b·HKV + h)·NSPLIT + s. Warp w takes query head w % G of the block's
+// tile w / G, so a round covers TW tiles of 32 positions; the positions are cut into
+// ns ≤ NSPLIT ranges of whole tiles (about one round each, so short contexts still
+// spread over many warps and long ones over more SMs); blocks past ns return at once.
+// Per tile lane l owns position p = tile + l: it reads p's key row (D/8 16-byte loads;
+// the block's G warps of a tile share them through L1) and scores it against its
+// head's q, kept in shared memory pre-scaled by scale·log2 e (so exp2 gives the
+// softmax); the warp updates its running max / sum (online softmax) and accumulates the
+// tile's value rows with lanes over d (D/32 values each), the weights broadcast by
+// shuffles. The warps of a head are merged in shared memory. With ns = 1 the block
+// writes out; otherwise it writes its partial result to
+// part[b, h, s] and bumps count[b, h] (after a fence), and the block that brings it to
+// ns merges the ns partials, writes out and sets the count back to zero, so the scratch
+// is ready for the next layer with no clearing op. (MLX hands inputs to a kernel as
+// const pointers; part and count are mlxcel's own arrays, never read by MLX, and the
+// kernels that use them run one after another, each layer's after the previous one's.)
+//
+// Loop trip counts are uniform over the block, so the CPU emulation in
+// tests/attn_emulated.rs (one thread per CUDA thread, shuffles as block barriers) runs
+// this code unchanged.
+// @@header
+// Ask for the 128-byte line at p in L1 (no register, no wait): ptxas otherwise spaces a
+// tile's loads out between the math, and each paid a full memory round trip.
+__device__ __forceinline__ void mlxcel_prefetch_l1(const void* p) {
+#if defined(__CUDA_ARCH__)
+  asm volatile("prefetch.global.L1 [%0];" ::"l"(p));
+#endif
+}
+
+// a lane's DPL values of a value row as one load
+template <int DPL> struct mlxcel_vword { using type = uint32_t; };
+template <> struct mlxcel_vword<4> { using type = uint2; };
+
+template <int D, int HQ, int HKV, int NSPLIT, int WARPS, int SCALE_BITS>
+__device__ void mlxcel_attn_decode(const __nv_bfloat16* q, const __nv_bfloat16* pool,
+                                   const int32_t* slots, const int32_t* pos, const float* part_in,
+                                   const int32_t* count_in, __nv_bfloat16* out, int cap) {
+  constexpr int G = HQ / HKV;
+  constexpr int TW = WARPS / G;  // tiles in flight: warp w takes query head w % G of tile w / G
+  constexpr int CHUNK = 32 * TW;  // positions a block takes per round
+  constexpr int DPL = D / 32;     // values of a value row per lane
+  constexpr int KC = D / 8;       // 16-byte chunks of a key row
+  static_assert(D == 64 || D == 128, "head_dim 64 or 128");
+  static_assert(HQ % HKV == 0 && G <= 16, "1-16 query heads per kv head");
+  static_assert(WARPS % G == 0 && TW >= 1 && NSPLIT >= 1 && WARPS * D <= 8192);
+  const float NEG_INF = -__int_as_float(0x7f800000);
+  const unsigned FULL = 0xffffffffu;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = warp % G, tw = warp / G;
+  const int s = blockIdx.x % NSPLIT, h = (blockIdx.x / NSPLIT) % HKV;
+  const int b = blockIdx.x / (NSPLIT * HKV);
+  const int len = pos[b] + 1;
+  // positions per split in whole tiles; ns ≤ NSPLIT splits, each non-empty
+  const int ns0 = min(NSPLIT, (len + CHUNK - 1) / CHUNK);
+  const int per = (((len + ns0 - 1) / ns0) + 31) & ~31;
+  const int ns = (len + per - 1) / per;
+  if (s >= ns) return;
+  const int p0 = s * per, p1 = min(len, p0 + per);
+
+  __shared__ float sq[G][D];
+  const float qs = __int_as_float(SCALE_BITS);
+  for (int i = threadIdx.x; i < G * D; i += 32 * WARPS)
+    sq[i / D][i % D] = float(q[(size_t(b) * HQ + size_t(h) * G) * D + i]) * qs;
+  __syncthreads();
+
+  const size_t kbase = (size_t(slots[b]) * 2 * HKV + h) * size_t(cap) * D;
+  const size_t vbase = kbase + size_t(HKV) * cap * D;
+  float m = NEG_INF, l = 0.f, acc[DPL];
+#pragma unroll
+  for (int i = 0; i < DPL; ++i) acc[i] = 0.f;
+  // value rows as lanes read them (D/32 values = DPL/2 words); row index clamped to the
+  // range so that every load is in bounds and can be issued early (clamped rows weigh 0)
+  using VW = typename mlxcel_vword<DPL>::type;
+  const VW* vcol = reinterpret_cast<const VW*>(pool + vbase + lane * DPL);
+  auto vrow = [&](int t0, int j) { return vcol[size_t(min(t0 + j, p1 - 1)) * (D / DPL)]; };
+  auto add_rows = [&](const VW (&vw)[16], int j0, float e) {
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const float wj = __shfl_sync(FULL, e, j0 + j);
+      uint32_t u[2];
+      if constexpr (DPL == 4) u[0] = vw[j].x, u[1] = vw[j].y;
+      else u[0] = vw[j];
+#pragma unroll
+      for (int i = 0; i < DPL / 2; ++i) {
+        acc[2 * i] += wj * __uint_as_float(u[i] << 16);
+        acc[2 * i + 1] += wj * __uint_as_float(u[i] & 0xffff0000u);
+      }
+    }
+  };
+  for (int base = p0; base < p1; base += CHUNK) {
+    const int t0 = base + 32 * tw;  // this warp's tile (may be past p1: empty)
+    const int p = t0 + lane;
+    const bool ok = p < p1;
+    // the tile's key and value rows into L1 in one round trip: lane l asks for row t0 + l
+    const size_t row = size_t(min(p, p1 - 1)) * D;
+#pragma unroll
+    for (int off = 0; off < D; off += 64) {
+      mlxcel_prefetch_l1(pool + kbase + row + off);
+      mlxcel_prefetch_l1(pool + vbase + row + off);
+    }
+    // then the loads: the key row of p and the first 16 value rows
+    const uint4* kr = reinterpret_cast<const uint4*>(pool + kbase + row);
+    uint4 kw[KC];
+    VW va[16], vb[16];
+#pragma unroll
+    for (int c = 0; c < KC; ++c) kw[c] = kr[c];
+#pragma unroll
+    for (int j = 0; j < 16; ++j) va[j] = vrow(t0, j);
+    float sc = 0.f;
+#pragma unroll
+    for (int c = 0; c < KC; ++c) {
+      const uint32_t wd[4] = {kw[c].x, kw[c].y, kw[c].z, kw[c].w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float k0 = __uint_as_float(wd[j] << 16), k1 = __uint_as_float(wd[j] & 0xffff0000u);
+        sc += sq[g][8 * c + 2 * j] * k0 + sq[g][8 * c + 2 * j + 1] * k1;
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < 16; ++j) vb[j] = vrow(t0, 16 + j);
+    float mt = ok ? sc : NEG_INF;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mt = fmaxf(mt, __shfl_xor_sync(FULL, mt, o));
+    const float mn = fmaxf(m, mt);
+    const float corr = mn == NEG_INF ? 1.f : exp2f(m - mn);
+    l *= corr;
+#pragma unroll
+    for (int i = 0; i < DPL; ++i) acc[i] *= corr;
+    m = mn;
+    const float e = ok ? exp2f(sc - mn) : 0.f;
+    l += e;
+    // the tile's value rows, lanes over d, weighted by their lanes' e
+    add_rows(va, 0, e);
+    add_rows(vb, 16, e);
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(FULL, l, o);
+
+  // merge the warps of each query head
+  __shared__ float sm[TW][G], sl[TW][G], sa[TW][G][D];
+#pragma unroll
+  for (int i = 0; i < DPL; ++i) sa[tw][g][lane * DPL + i] = acc[i];
+  if (lane == 0) sm[tw][g] = m, sl[tw][g] = l;
+  __syncthreads();
+  float* part = const_cast<float*>(part_in) + ((size_t(b) * HKV + h) * NSPLIT) * G * (D + 2);
+  for (int i = threadIdx.x; i < G * D; i += 32 * WARPS) {
+    const int g = i / D, d = i % D;
+    float mx = NEG_INF;
+    for (int w = 0; w < TW; ++w) mx = fmaxf(mx, sm[w][g]);
+    float sum = 0.f, a = 0.f;
+    for (int w = 0; w < TW; ++w) {
+      const float f = sm[w][g] == NEG_INF ? 0.f : exp2f(sm[w][g] - mx);
+      sum += sl[w][g] * f;
+      a += sa[w][g][d] * f;
+    }
+    if (ns == 1) {
+      out[(size_t(b) * HQ + size_t(h) * G + g) * D + d] = __nv_bfloat16(a / sum);
+    } else {
+      float* ps = part + size_t(s) * G * (D + 2) + g * (D + 2);
+      ps[d] = a;
+      if (d == 0) ps[D] = mx, ps[D + 1] = sum;
+    }
+  }
+  if (ns == 1) return;
+  // the last split's block to finish merges them all
+  __shared__ int last;
+  __threadfence();
+  __syncthreads();
+  int32_t* count = const_cast<int32_t*>(count_in) + size_t(b) * HKV + h;
+  if (threadIdx.x == 0) last = atomicAdd(count, 1) == ns - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  for (int i = threadIdx.x; i < G * D; i += 32 * WARPS) {
+    const int g = i / D, d = i % D;
+    float mx = NEG_INF;
+    for (int t = 0; t < ns; ++t) mx = fmaxf(mx, __ldcg(part + size_t(t) * G * (D + 2) + g * (D + 2) + D));
+    float sum = 0.f, a = 0.f;
+    for (int t = 0; t < ns; ++t) {
+      const float* ps = part + size_t(t) * G * (D + 2) + g * (D + 2);
+      const float f = exp2f(__ldcg(ps + D) - mx);
+      sum += __ldcg(ps + D + 1) * f;
+      a += __ldcg(ps + d) * f;
+    }
+    out[(size_t(b) * HQ + size_t(h) * G + g) * D + d] = __nv_bfloat16(a / sum);
+  }
+  if (threadIdx.x == 0) atomicExch(count, 0);
+}
+// @@body
+  mlxcel_attn_decode<D, HQ, HKV, NSPLIT, WARPS, SCALE_BITS>(
+      q, pool, slots, pos, part, count, out, pool_shape[2]);

@@ -1,0 +1,198 @@
+#!/usr/bin/env python3
+"""Check and time mlxcel's decode attention kernel (kernels/attn.cu) on a GPU box.
+
+Runs the kernel through MLX (`mx.fast.cuda_kernel`, launched as src/mlx/attn.rs does)
+on random bfloat16 inputs and compares it with softmax(q·kᵀ·scale)·v in float32
+(MLX's `fast.scaled_dot_product_attention` on float32 copies of the same values), for
+the 8B and 70B head shapes (and a 70B rank's under TP = 8), head_dim 64, GQA up to 8,
+batch rows reading other slots at other lengths, one to 32 splits. Each case runs
+twice (a count the merge failed to reset would change the second result) and the
+counts must be zero afterwards. Prints max |error| / max |reference| for the kernel
+and for MLX's bfloat16 sdpa on views of the pool (what mlxcel ran before), then times
+both at batch 1 (a chain of calls, GPU time per call).
+
+    python3 scripts/check_attn.py [--quick]
+    ncu --clock-control none --metrics gpu__time_duration.sum python3 scripts/check_attn.py --marks > ncu.txt
+    python3 scripts/check_attn.py --parse ncu.txt
+"""
+import argparse
+import math
+import os
+import pathlib
+import re
+import struct
+import sys
+import time
+
+import mlx.core as mx
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+NSPLIT = int(os.environ.get("ATTN_NSPLIT", "32"))  # as src/mlx/attn.rs; other values: experiments
+CTXS = tuple(int(c) for c in os.environ.get("ATTN_CTXS", "128,384,2048,8192,32768").split(","))
+
+
+def kernel():
+    text = pathlib.Path(os.environ.get("ATTN_SRC", ROOT / "kernels" / "attn.cu")).read_text()
+    header, body = text.split("// @@header\n", 1)[1].split("// @@body\n", 1)
+    return mx.fast.cuda_kernel(name="mlxcel_attn_check_" + hex(hash(text) & 0xffffffff)[2:], input_names=["q", "pool", "slots", "pos", "part", "count"],
+                               output_names=["out"], source=body, header=header)
+
+
+def attn(k, q, pool, slots, pos, part, count, hq, hkv, d, scale):
+    b = q.shape[0]
+    g = hq // hkv
+    warps = g * max(1, 16 // g)
+    sb = struct.unpack("<i", struct.pack("<f", scale * math.log2(math.e)))[0]
+    return k(inputs=[q, pool, slots, pos, part, count],
+             template=[("D", d), ("HQ", hq), ("HKV", hkv), ("NSPLIT", NSPLIT), ("WARPS", warps),
+                       ("SCALE_BITS", sb)],
+             grid=(b * hkv * NSPLIT * 32 * warps, 1, 1), threadgroup=(32 * warps, 1, 1),
+             output_shapes=[(b, hq, 1, d)], output_dtypes=[mx.bfloat16])[0]
+
+
+def scratch(slots_n, hq, hkv, d):
+    part = mx.zeros((slots_n * hkv * NSPLIT * (hq // hkv) * (d + 2),), dtype=mx.float32)
+    count = mx.zeros((slots_n * hkv,), dtype=mx.int32)
+    mx.eval(part, count)
+    return part, count
+
+
+def rel(a, ref):
+    return (mx.abs(a.astype(mx.float32) - ref).max() / mx.abs(ref).max()).item()
+
+
+def check(k, name, hq, hkv, d, rows, cap, slots_n=4, seed=0):
+    """rows: [(slot, pos)]; row b attends to positions 0..=pos of its slot."""
+    mx.random.seed(seed)
+    b = len(rows)
+    pool = mx.random.normal((slots_n, 2 * hkv, cap, d)).astype(mx.bfloat16)
+    q = (2 * mx.random.normal((b, hq, 1, d))).astype(mx.bfloat16)
+    slots = mx.array([r[0] for r in rows], dtype=mx.int32)
+    pos = mx.array([r[1] for r in rows], dtype=mx.int32)
+    part, count = scratch(slots_n, hq, hkv, d)
+    scale = d ** -0.5
+    outs = []
+    for _ in range(2):
+        outs.append(attn(k, q, pool, slots, pos, part, count, hq, hkv, d, scale))
+        mx.eval(outs[-1])
+    refs, sdpa = [], []
+    for i, (s, p) in enumerate(rows):
+        kk, vv = pool[s:s + 1, :hkv, :p + 1], pool[s:s + 1, hkv:, :p + 1]
+        refs.append(mx.fast.scaled_dot_product_attention(q[i:i + 1].astype(mx.float32), kk.astype(mx.float32),
+                                                         vv.astype(mx.float32), scale=scale))
+        sdpa.append(mx.fast.scaled_dot_product_attention(q[i:i + 1], kk, vv, scale=scale))
+    ref = mx.concatenate(refs, 0)
+    e1, e2 = rel(outs[0], ref), rel(outs[1], ref)
+    e_mlx = rel(mx.concatenate(sdpa, 0), ref)
+    left = int(mx.abs(count).sum().item())
+    same = mx.array_equal(outs[0], outs[1]).item()
+    ok = max(e1, e2) < max(2e-2, 2 * e_mlx + 4e-3) and left == 0 and same
+    print(f"| {name} | {hq}/{hkv}×{d} | {rows} | {e1:.2e} | {e_mlx:.2e} | {'yes' if same else 'NO'} | {left} | "
+          f"{'ok' if ok else 'NO'} |", flush=True)
+    return ok
+
+
+def timing(k, hq, hkv, d, ctx, n=200, marks=False):
+    """Wall time per call of a chain of n calls (host-bound for short contexts); with
+    marks, n = 3 calls each between marker lines, for `ncu` (see --parse)."""
+    pool = mx.random.normal((1, 2 * hkv, ctx + 256, d)).astype(mx.bfloat16)
+    q = mx.random.normal((1, hq, 1, d)).astype(mx.bfloat16)
+    slots, pos = mx.array([0], dtype=mx.int32), mx.array([ctx - 1], dtype=mx.int32)
+    part, count = scratch(1, hq, hkv, d)
+    kv_k, kv_v = pool[:, :hkv, :ctx], pool[:, hkv:, :ctx]
+    mx.eval(pool, q, slots, pos, kv_k, kv_v)
+    scale = d ** -0.5
+    fns = {
+        "mlxcel": lambda y: attn(k, y, pool, slots, pos, part, count, hq, hkv, d, scale),
+        "sdpa": lambda y: mx.fast.scaled_dot_product_attention(y, kv_k, kv_v, scale=scale),
+    }
+    res = {}
+    for name, f in fns.items():
+        if marks:
+            mx.eval(f(q))  # compiles
+            print(f"@@ {name} {ctx}", flush=True)
+            for _ in range(3):
+                mx.eval(f(q))
+            print("@@ end", flush=True)
+            continue
+        best = 1e9
+        for _ in range(3):
+            y = q
+            t = time.perf_counter()
+            for _ in range(n):
+                y = f(y)
+            mx.eval(y)
+            best = min(best, (time.perf_counter() - t) / n * 1e6)
+        res[name] = best
+    if not marks:
+        print(f"| {hq}/{hkv}×{d} | {ctx} | {res['mlxcel']:.1f} | {res['sdpa']:.1f} |", flush=True)
+
+
+def parse(path):
+    """GPU µs per call between the markers of `--marks` in ncu's output: ncu prints its
+    results at the end, in launch order, and its progress lines ("Profiling ... - ID")
+    as the kernels run, between the markers."""
+    seg, seg_of, results = None, {}, []
+    unit = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}
+    for line in open(path, errors="replace"):
+        if line.startswith("@@ "):
+            seg = None if line.startswith("@@ end") else tuple(line.split()[1:3])
+            continue
+        p = re.search(r"==PROF== Profiling .* - (\d+):", line)
+        if p:
+            seg_of[int(p.group(1))] = seg
+            continue
+        t = re.search(r"gpu__time_duration.sum\s+(\S+)\s+([\d.,]+)", line)
+        if t:
+            results.append(float(t.group(2).replace(",", "")) * unit.get(t.group(1), 1.0))
+    times = {}
+    for i, us in enumerate(results):
+        if seg_of.get(i):
+            times.setdefault(seg_of[i], []).append(us)
+    print("| positions | mlxcel µs/call (GPU) | MLX sdpa µs/call (GPU, all its kernels) |")
+    print("|---|---|---|")
+    for ctx in sorted({int(c) for _, c in times}):
+        m, s = times.get(("mlxcel", str(ctx)), []), times.get(("sdpa", str(ctx)), [])
+        print(f"| {ctx} | {sum(m) / 3:.1f} | {sum(s) / 3:.1f} |")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--marks", action="store_true", help="only the timing calls, between markers (run under ncu)")
+    ap.add_argument("--parse", help="summarise ncu output of a --marks run")
+    a = ap.parse_args()
+    if a.parse:
+        return parse(a.parse)
+    k = kernel()
+    if a.marks:
+        for ctx in CTXS:
+            timing(k, 32, 8, 128, ctx, marks=True)
+        return
+    print("| case | heads q/kv × d | rows (slot, last position) | kernel error | MLX bf16 sdpa error | "
+          "run 2 = run 1 | counts left | ok |")
+    print("|---|---|---|---|---|---|---|---|")
+    cases = [
+        ("8B, one position", 32, 8, 128, [(0, 0)], 256),
+        ("8B, 1 split", 32, 8, 128, [(1, 383)], 512),
+        ("8B, 9 splits", 32, 8, 128, [(2, 2200)], 2304),
+        ("8B, 32 splits", 32, 8, 128, [(0, 20000)], 20224),
+        ("8B, batch of 5", 32, 8, 128, [(3, 10), (0, 700), (1, 255), (2, 256), (3, 4000)], 4096),
+        ("70B", 64, 8, 128, [(0, 1000), (1, 3000)], 3072),
+        ("70B rank of 8", 8, 1, 128, [(0, 5000), (2, 17)], 5120),
+        ("head_dim 64, GQA 2", 16, 8, 64, [(1, 600), (0, 1)], 1024),
+        ("G = 7", 28, 4, 128, [(0, 900)], 1024),
+    ]
+    if a.quick:
+        cases = cases[:5]
+    ok = all([check(k, *c) for c in cases])
+    print("\n| heads q/kv × d | positions | mlxcel µs/call (wall, chain) | MLX sdpa µs/call (views) |")
+    print("|---|---|---|---|")
+    for ctx in CTXS:
+        timing(k, 32, 8, 128, ctx)
+    print("all ok" if ok else "SOME CHECKS FAILED")
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

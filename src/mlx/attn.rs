@@ -1,0 +1,185 @@
+//! Attention of a decode step over the KV pool as one MLX op: `kernels/attn.cu`, an MLX
+//! custom CUDA kernel (CUDA backend only; elsewhere callers keep MLX's views of the pool
+//! and `fast::sdpa`). It replaces those three ops per layer, reads each batch row's own
+//! slot up to its own position (no masks), and spreads long contexts over more blocks.
+//! `MLXCEL_ATTN=0` turns it off.
+use std::sync::OnceLock;
+
+use super::fast::CudaKernel;
+use super::qgemv::{fnv1a32, header_for_mlx};
+use super::{Array, Backend, Dtype, MlxError, Result};
+
+const SOURCE: &str = include_str!("../../kernels/attn.cu");
+
+/// At most this many blocks per (row, kv head).
+pub const NSPLIT: usize = 32;
+
+/// Whether [`decode`] runs for these shapes: CUDA, bfloat16, head_dim 64 or 128, 1-16
+/// query heads per kv head, and not turned off.
+pub fn supported(q_heads: usize, kv_heads: usize, head_dim: usize, dtype: Dtype) -> bool {
+    static OFF: OnceLock<bool> = OnceLock::new();
+    let off = *OFF.get_or_init(|| std::env::var_os("MLXCEL_ATTN").is_some_and(|v| v == "0"));
+    !off && super::backend() == Backend::Cuda
+        && dtype == Dtype::BF16
+        && matches!(head_dim, 64 | 128)
+        && kv_heads > 0
+        && q_heads.is_multiple_of(kv_heads)
+        && q_heads / kv_heads <= 16
+}
+
+/// The kernel's scratch for a cache of `slots` slots: per (slot, kv head, split) a
+/// partial result of `G·(head_dim + 2)` floats, and per (slot, kv head) a count that
+/// starts at zero and is left at zero by every call. Both are evaluated at once, so the
+/// kernel gets plain contiguous buffers of their own. Clones share them.
+#[derive(Clone)]
+pub struct Scratch {
+    part: Array,
+    count: Array,
+    slots: usize,
+}
+
+impl Scratch {
+    pub fn new(slots: usize, q_heads: usize, kv_heads: usize, head_dim: usize) -> Result<Self> {
+        let g = q_heads / kv_heads.max(1);
+        let n = slots * kv_heads * NSPLIT * g * (head_dim + 2);
+        let part = Array::zeros(&[n as i32], Dtype::F32)?;
+        let count = Array::zeros(&[(slots * kv_heads) as i32], Dtype::I32)?;
+        // materialised now: MLX's zeros is a fill op, and the kernel must get these buffers
+        super::eval(&[&part, &count])?;
+        Ok(Scratch { part, count, slots })
+    }
+}
+
+/// Warps per block: G = q_heads/kv_heads times the tiles a round takes, ⌊16/G⌋ (≥ 1):
+/// 14–16 warps, each with one query head of one 32-position tile.
+fn warps(g: usize) -> usize {
+    g * (16 / g).max(1)
+}
+
+/// `softmax(q·kᵀ·scale)·v` for each batch row b of `q` (`[B, q_heads, 1, head_dim]`)
+/// over positions `0..=pos[b]` of slot `slots[b]` of `pool` (`[slots, 2·kv_heads, cap,
+/// head_dim]`, key heads then value heads, the new token already written); `slots` and
+/// `pos` int32 `[B]` (`pos` may be a scalar when B = 1). Returns `[B, q_heads, 1,
+/// head_dim]`. Check [`supported`] first.
+#[allow(clippy::too_many_arguments)]
+pub fn decode(
+    q: &Array,
+    pool: &Array,
+    slots: &Array,
+    pos: &Array,
+    scratch: &Scratch,
+    q_heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    scale: f32,
+) -> Result<Array> {
+    let b = q.dim(0) as usize;
+    let ps = pool.shape();
+    if ps.len() != 4
+        || ps[1] as usize != 2 * kv_heads
+        || ps[3] as usize != head_dim
+        || q.size() != b * q_heads * head_dim
+        || slots.size() != b
+        || pos.size() != b
+        || b > scratch.slots
+        || q.dtype() != Dtype::BF16
+        || pool.dtype() != Dtype::BF16
+    {
+        return Err(MlxError::Invalid(format!(
+            "attn::decode: q {:?} {:?}, pool {ps:?} {:?}, slots {:?}, pos {:?} do not fit \
+             {q_heads} query and {kv_heads} kv heads of {head_dim} in bfloat16 (scratch for {} rows)",
+            q.shape(),
+            q.dtype(),
+            pool.dtype(),
+            slots.shape(),
+            pos.shape(),
+            scratch.slots
+        )));
+    }
+    static KERNEL: OnceLock<(String, String, String)> = OnceLock::new();
+    let (name, header, body) = KERNEL.get_or_init(|| {
+        let (_, rest) = SOURCE
+            .split_once("// @@header\n")
+            .expect("attn.cu: @@header");
+        let (header, body) = rest.split_once("// @@body\n").expect("attn.cu: @@body");
+        let name = format!("mlxcel_attn_{:08x}", fnv1a32(&[header, body]));
+        let header = header_for_mlx(&name, header);
+        (name, header, body.to_string())
+    });
+    static NAMES: OnceLock<([String; 6], [String; 1], [String; 6])> = OnceLock::new();
+    let (inputs, outputs, tnames) = NAMES.get_or_init(|| {
+        (
+            ["q", "pool", "slots", "pos", "part", "count"].map(String::from),
+            ["out".to_string()],
+            ["D", "HQ", "HKV", "NSPLIT", "WARPS", "SCALE_BITS"].map(String::from),
+        )
+    });
+    let g = q_heads / kv_heads;
+    let w = warps(g);
+    let kernel = CudaKernel {
+        name,
+        input_names: inputs,
+        output_names: outputs,
+        header,
+        body,
+    };
+    let tvals = [
+        head_dim as i32,
+        q_heads as i32,
+        kv_heads as i32,
+        NSPLIT as i32,
+        w as i32,
+        (scale * std::f32::consts::LOG2_E).to_bits() as i32,
+    ];
+    let blocks = (b * kv_heads * NSPLIT) as i32;
+    let threads = 32 * w as i32;
+    let mut out = kernel.call(
+        &[q, pool, slots, pos, &scratch.part, &scratch.count],
+        &[&[b as i32, q_heads as i32, 1, head_dim as i32]],
+        Dtype::BF16,
+        tnames,
+        &tvals,
+        Dtype::BF16,
+        [blocks * threads, 1, 1],
+        [threads, 1, 1],
+    )?;
+    Ok(out.remove(0))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_block_has_whole_groups_of_query_heads_and_at_most_16_warps() {
+        for (g, want) in [(1, 16), (3, 15), (4, 16), (7, 14), (8, 16), (16, 16)] {
+            let w = warps(g);
+            assert_eq!(w, want, "G {g}");
+            assert_eq!(w % g, 0);
+            // the kernel's shared accumulators: warps · head_dim floats ≤ 32 KB
+            assert!(w * 128 <= 8192);
+        }
+    }
+
+    #[test]
+    fn the_kernel_file_has_its_markers() {
+        let (_, rest) = SOURCE.split_once("// @@header\n").unwrap();
+        let (header, body) = rest.split_once("// @@body\n").unwrap();
+        assert!(header.contains("mlxcel_attn_decode"));
+        // MLX passes the pool's shape only when the body names it
+        assert!(body.contains("pool_shape"));
+    }
+
+    #[test]
+    fn only_cuda_bf16_and_known_head_sizes() {
+        // this machine's backend decides the rest; the shapes are refused anywhere
+        assert!(!supported(32, 8, 96, Dtype::BF16));
+        assert!(!supported(32, 8, 128, Dtype::F16));
+        assert!(!supported(30, 8, 128, Dtype::BF16));
+        assert!(!supported(64, 2, 128, Dtype::BF16));
+        assert_eq!(
+            supported(32, 8, 128, Dtype::BF16),
+            crate::mlx::backend() == Backend::Cuda
+        );
+    }
+}

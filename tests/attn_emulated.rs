@@ -1,0 +1,168 @@
+//! The decode attention kernel (`kernels/attn.cu`) run on the CPU (see `common`) and
+//! compared with softmax(q·kᵀ·scale)·v in double precision: GQA, rows reading other
+//! slots at other lengths, one and several splits (the last block merging them), run
+//! twice so that a count left non-zero by the first run would show in the second.
+use std::path::Path;
+
+mod common;
+use common::PRELUDE;
+
+const MAIN: &str = r#"
+int main() {
+  using bf = __nv_bfloat16;
+  constexpr int G = HQ / HKV;
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> u(-1.f, 1.f);
+  const int slots_n = 3, cap = CAP;
+  std::vector<bf> q(B * HQ * D), pool(size_t(slots_n) * 2 * HKV * cap * D), out(B * HQ * D);
+  for (auto& v : q) v = bf(2.f * u(rng));
+  for (auto& v : pool) v = bf(u(rng));
+  const int32_t slot_of[4] = {2, 0, 1, 2}, pos_of[4] = {POS0, POS1, POS2, POS3};
+  std::vector<int32_t> slots(slot_of, slot_of + B), pos(pos_of, pos_of + B);
+  std::vector<float> part(size_t(B) * HKV * NSPLIT * G * (D + 2), NAN);
+  std::vector<int32_t> count(B * HKV, 0);
+  const int pool_shape[4] = {slots_n, 2 * HKV, cap, D};
+  constexpr int tpb = 32 * WARPS;
+  blockDim.x = tpb;
+  g_shfl.assign(tpb, 0.f);
+  double worst = 0;
+  for (int run = 0; run < 2; ++run) {
+    std::fill(out.begin(), out.end(), bf(NAN));
+    for (int blk = 0; blk < B * HKV * NSPLIT; ++blk) {
+      std::barrier<> bar(tpb);
+      g_barrier = &bar;
+      std::vector<std::thread> ts;
+      for (int t = 0; t < tpb; ++t)
+        ts.emplace_back([&, t] {
+          threadIdx.x = t;
+          blockIdx.x = blk;
+          kernel(q.data(), pool.data(), pool_shape, slots.data(), pos.data(), part.data(),
+                 count.data(), out.data());
+        });
+      for (auto& t : ts) t.join();
+    }
+    for (int c : count)
+      if (c != 0) { std::printf("max_err: a count was left at %d\n", c); return 1; }
+    float scale; int sb = SCALE_BITS; std::memcpy(&scale, &sb, 4);
+    scale /= std::log2(std::exp(1.0));  // the kernel gets scale·log2(e)
+    double max_ref = 0, max_err = 0;
+    for (int b = 0; b < B; ++b)
+      for (int hq = 0; hq < HQ; ++hq) {
+        const int h = hq / G, len = pos[b] + 1;
+        const bf* k = &pool[(size_t(slots[b]) * 2 * HKV + h) * cap * D];
+        const bf* v = &pool[(size_t(slots[b]) * 2 * HKV + HKV + h) * cap * D];
+        std::vector<double> sc(len);
+        double mx = -1e300, sum = 0;
+        for (int p = 0; p < len; ++p) {
+          double d = 0;
+          for (int i = 0; i < D; ++i) d += double(float(q[(b * HQ + hq) * D + i])) * double(float(k[p * D + i]));
+          sc[p] = d * scale;
+          mx = std::max(mx, sc[p]);
+        }
+        for (int p = 0; p < len; ++p) sum += (sc[p] = std::exp(sc[p] - mx));
+        for (int i = 0; i < D; ++i) {
+          double r = 0;
+          for (int p = 0; p < len; ++p) r += sc[p] / sum * double(float(v[p * D + i]));
+          const double got = double(float(out[(b * HQ + hq) * D + i]));
+          max_ref = std::fmax(max_ref, std::fabs(r));
+          max_err = std::isnan(got) ? 1e300 : std::fmax(max_err, std::fabs(r - got));
+        }
+      }
+    std::printf("run %d: max_err %.3e max_ref %.3e rel %.3e\n", run, max_err, max_ref, max_err / max_ref);
+    worst = std::fmax(worst, max_err / max_ref);
+  }
+  return worst < 1e-2 ? 0 : 1;
+}
+"#;
+
+/// Compile and run the emulated kernel with template constants `consts` (B, HQ, HKV, D,
+/// NSPLIT, WARPS, CAP, the rows' positions POS0..POS3 and the softmax scale).
+fn run(tag: &str, consts: &[(&str, i64)], scale: f32) {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels/attn.cu");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let (_, rest) = text.split_once("// @@header\n").unwrap();
+    let (header, body) = rest.split_once("// @@body\n").unwrap();
+    let mut src = String::from(PRELUDE);
+    src += header;
+    for (n, v) in consts {
+        src += &format!("constexpr int {n} = {v};\n");
+    }
+    let scale_log2e = scale * std::f32::consts::LOG2_E;
+    src += &format!(
+        "constexpr int SCALE_BITS = {};\n",
+        scale_log2e.to_bits() as i32
+    );
+    // the signature MLX generates for inputs q, pool (with its shape), slots, pos, part,
+    // count and output out
+    src +=
+        "void kernel(const __nv_bfloat16* q, const __nv_bfloat16* pool, const int* pool_shape,\n\
+            const int32_t* slots, const int32_t* pos, const float* part, const int32_t* count,\n\
+            __nv_bfloat16* out) {\n";
+    src += body;
+    src += "\n}\n";
+    src += MAIN;
+    let (ok, out) = common::compile_and_run(&format!("attn-{tag}"), &src);
+    eprintln!("{tag}: {}", out.trim());
+    assert!(ok, "{tag} {consts:?}: {out}");
+    assert!(out.contains("run 1: max_err"), "{tag}: {out}");
+}
+
+#[test]
+fn decode_attention_matches_softmax_of_scores_times_values() {
+    // one row, one split of two tiles (the second partial); GQA 4:1, head_dim 128
+    run(
+        "one_split",
+        &[
+            ("B", 1),
+            ("HQ", 8),
+            ("HKV", 2),
+            ("D", 128),
+            ("NSPLIT", 4),
+            ("WARPS", 8),
+            ("CAP", 128),
+            ("POS0", 40),
+            ("POS1", 0),
+            ("POS2", 0),
+            ("POS3", 0),
+        ],
+        0.088,
+    );
+    // four rows over three slots at lengths 1, 70, 200, 33: 1 to 4 splits of one
+    // 32-position tile each (the last block merges), an empty last round; head_dim 64,
+    // 3 query heads per kv head
+    run(
+        "splits",
+        &[
+            ("B", 4),
+            ("HQ", 6),
+            ("HKV", 2),
+            ("D", 64),
+            ("NSPLIT", 4),
+            ("WARPS", 3),
+            ("CAP", 256),
+            ("POS0", 0),
+            ("POS1", 69),
+            ("POS2", 199),
+            ("POS3", 32),
+        ],
+        0.125,
+    );
+    // two tiles per round over 3 splits (lengths 150, 300: rounds of 64 with empty tiles)
+    run(
+        "rounds",
+        &[
+            ("B", 2),
+            ("HQ", 4),
+            ("HKV", 2),
+            ("D", 64),
+            ("NSPLIT", 3),
+            ("WARPS", 4),
+            ("CAP", 320),
+            ("POS0", 149),
+            ("POS1", 299),
+            ("POS2", 0),
+            ("POS3", 0),
+        ],
+        0.125,
+    );
+}
