@@ -14,6 +14,13 @@ pub struct BatchIndex {
     pub runs: Vec<Run>,
 }
 
+impl BatchIndex {
+    /// The rows' slots, int32 `[B]`.
+    pub fn slot_array(&self) -> &Array {
+        &self.slot_idx
+    }
+}
+
 /// Batch rows `rows` hold consecutive slots from `first_slot`; `mask` (`[n, 1, 1, max_len]`)
 /// hides each row's positions past its own length.
 pub struct Run {
@@ -41,6 +48,8 @@ pub struct KvCache {
     max_capacity: usize,
     step: usize,
     dtype: Dtype,
+    /// the decode attention kernel's scratch and the query heads it was made for
+    attn_scratch: Option<(usize, mlx::attn::Scratch)>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -73,6 +82,7 @@ impl KvCache {
             max_capacity,
             step: 256,
             dtype,
+            attn_scratch: None,
         }
     }
 
@@ -165,6 +175,43 @@ impl KvCache {
         pos: usize,
         new: &NewKv,
     ) -> mlx::Result<(Array, Array)> {
+        let p1 = self.write(layer, slot, pos, new)? as i32;
+        let (s, h, d) = (slot as i32, self.kv_heads as i32, self.head_dim as i32);
+        let ones = [1, 1, 1, 1];
+        let pool = &self.kv[layer];
+        Ok((
+            pool.slice(&[s, 0, 0, 0], &[s + 1, h, p1, d], &ones)?,
+            pool.slice(&[s, h, 0, 0], &[s + 1, 2 * h, p1, d], &ones)?,
+        ))
+    }
+
+    /// The pool of `layer`, `[slots, 2·kv_heads, capacity, head_dim]` (key heads first).
+    pub fn pool(&self, layer: usize) -> &Array {
+        &self.kv[layer]
+    }
+
+    /// The decode attention kernel's scratch for `q_heads` query heads, made on first use.
+    pub fn attn_scratch(&mut self, q_heads: usize) -> mlx::Result<&mlx::attn::Scratch> {
+        if self
+            .attn_scratch
+            .as_ref()
+            .is_none_or(|(q, _)| *q != q_heads)
+        {
+            let s = mlx::attn::Scratch::new(self.slots, q_heads, self.kv_heads, self.head_dim)?;
+            self.attn_scratch = Some((q_heads, s));
+        }
+        Ok(&self.attn_scratch.as_ref().expect("set above").1)
+    }
+
+    /// Write `new` (one sequence, `T` positions) for `slot` at position `pos` of `layer`
+    /// (one update of the pool); returns `pos + T`.
+    pub fn write(
+        &mut self,
+        layer: usize,
+        slot: usize,
+        pos: usize,
+        new: &NewKv,
+    ) -> mlx::Result<usize> {
         let s = slot as i32;
         let (h, d) = (self.kv_heads as i32, self.head_dim as i32);
         let ones = [1, 1, 1, 1];
@@ -197,10 +244,7 @@ impl KvCache {
                 )?;
             }
         }
-        Ok((
-            pool.slice(&[s, 0, 0, 0], &[s + 1, h, p1, d], &ones)?,
-            pool.slice(&[s, h, 0, 0], &[s + 1, 2 * h, p1, d], &ones)?,
-        ))
+        Ok(p1 as usize)
     }
 
     /// Index arrays and attention masks for a batched decode step over `slots` at
