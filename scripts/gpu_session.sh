@@ -337,6 +337,25 @@ session9)
     step "fixtures vs references"
     timeout 200 python3 scripts/check_fixtures.py $B -n 12 2>&1 | tail -15 | tee "$OUT/fixtures.txt"
     ;;
+  attn)
+    step "decode attention kernel vs float32 reference and MLX's sdpa (scripts/check_attn.py)"
+    timeout 200 python3 scripts/check_attn.py 2>&1 | tee "$OUT/check-attn.txt"
+    step "GPU time per call (ncu)"
+    timeout 150 ncu --clock-control none --metrics gpu__time_duration.sum python3 scripts/check_attn.py --marks > "$OUT/ncu-attn.txt" 2>&1
+    python3 scripts/check_attn.py --parse "$OUT/ncu-attn.txt" | tee "$OUT/ncu-attn-parsed.txt"
+    ;;
+  decode)
+    # batched decode steps: mlxcel's attention kernel (default) vs MLX's sdpa on views (MLXCEL_ATTN=0), alternated
+    q4cfg
+    step "decode 8B 4-bit: MLXCEL_ATTN=0 vs default, alternated"
+    for r in 1 2 3; do BENCH_S=${BENCH_S:-100} q4decode "${BATCHES:-4,8}" MLXCEL_ATTN=0 X=1; done 2>&1 | tee "$OUT/decode-attn.txt"
+    step "decode 8B 4-bit at 2048 positions: MLXCEL_ATTN=0 vs default"
+    for e in MLXCEL_ATTN=0 X=1; do
+      echo "[$e] $(env $e timeout 100 $B bench -m "$CK/c8b-q4" --load-format dummy --prompt-lens 2048 --decode-tokens 256 --repeats 1 2>/dev/null | tail -1 | python3 -c 'import json,sys; d=json.load(sys.stdin)["decode"]; print(round(d["tokens_per_second"],1), "tok/s", {k: round(v,3) for k,v in d["host_per_token"].items()})')"
+    done 2>&1 | tee -a "$OUT/decode-attn.txt"
+    step "generate agrees: 8B 4-bit dummy weights, greedy, MLXCEL_ATTN=0 vs default"
+    for e in MLXCEL_ATTN=0 X=1; do env $e timeout 100 $B generate -m "$CK/c8b-q4" --load-format dummy -p "The capital of France is" -n 48 --ignore-eos --json 2>/dev/null | python3 -c 'import json,sys; d=json.load(sys.stdin); print(d["generated_token_ids"])'; done 2>&1 | tee -a "$OUT/decode-attn.txt"
+    ;;
   esac
   ;;
 ncu)
