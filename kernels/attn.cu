@@ -68,6 +68,12 @@ __device__ void mlxcel_attn_decode(const __nv_bfloat16* q, const __nv_bfloat16* 
   const int s = blockIdx.x % NSPLIT, h = (blockIdx.x / NSPLIT) % HKV;
   const int b = blockIdx.x / (NSPLIT * HKV);
   const int len = pos[b] + 1;
+  if (len <= 0) {  // a negative position: nothing to attend to
+    if (s == 0)
+      for (int i = threadIdx.x; i < G * D; i += 32 * WARPS)
+        out[(size_t(b) * HQ + size_t(h) * G) * D + i] = __nv_bfloat16(0.f);
+    return;
+  }
   // positions per split in whole tiles; ns ≤ NSPLIT splits, each non-empty
   const int ns0 = min(NSPLIT, (len + CHUNK - 1) / CHUNK);
   const int per = (((len + ns0 - 1) / ns0) + 31) & ~31;

@@ -41,7 +41,7 @@ def kernel():
 def attn(k, q, pool, slots, pos, part, count, hq, hkv, d, scale):
     b = q.shape[0]
     g = hq // hkv
-    warps = g * max(1, 16 // g)
+    warps = g * int(os.environ.get("ATTN_TW", 0) or max(1, 16 // g))  # as src/mlx/attn.rs; ATTN_TW: tiles per round
     sb = struct.unpack("<i", struct.pack("<f", scale * math.log2(math.e)))[0]
     return k(inputs=[q, pool, slots, pos, part, count],
              template=[("D", d), ("HQ", hq), ("HKV", hkv), ("NSPLIT", NSPLIT), ("WARPS", warps),
@@ -174,9 +174,9 @@ def main():
     print("|---|---|---|---|---|---|---|---|")
     cases = [
         ("8B, one position", 32, 8, 128, [(0, 0)], 256),
-        ("8B, 1 split", 32, 8, 128, [(1, 383)], 512),
-        ("8B, 9 splits", 32, 8, 128, [(2, 2200)], 2304),
-        ("8B, 32 splits", 32, 8, 128, [(0, 20000)], 20224),
+        ("8B, 384 positions (3 splits)", 32, 8, 128, [(1, 383)], 512),
+        ("8B, 2,201 positions (18 splits)", 32, 8, 128, [(2, 2200)], 2304),
+        ("8B, 20,001 positions (32 splits)", 32, 8, 128, [(0, 20000)], 20224),
         ("8B, batch of 5", 32, 8, 128, [(3, 10), (0, 700), (1, 255), (2, 256), (3, 4000)], 4096),
         ("70B", 64, 8, 128, [(0, 1000), (1, 3000)], 3072),
         ("70B rank of 8", 8, 1, 128, [(0, 5000), (2, 17)], 5120),

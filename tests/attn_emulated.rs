@@ -147,6 +147,25 @@ fn decode_attention_matches_softmax_of_scores_times_values() {
         ],
         0.125,
     );
+    // mlxcel's launch for 8B heads per kv head (16 warps: 4 tiles of 4 query heads per
+    // round, up to 32 splits): 301 positions are 3 splits of 128
+    run(
+        "launch",
+        &[
+            ("B", 1),
+            ("HQ", 8),
+            ("HKV", 2),
+            ("D", 128),
+            ("NSPLIT", 32),
+            ("WARPS", 16),
+            ("CAP", 320),
+            ("POS0", 300),
+            ("POS1", 0),
+            ("POS2", 0),
+            ("POS3", 0),
+        ],
+        0.088,
+    );
     // two tiles per round over 3 splits (lengths 150, 300: rounds of 64 with empty tiles)
     run(
         "rounds",

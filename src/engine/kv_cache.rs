@@ -191,6 +191,10 @@ impl KvCache {
     }
 
     /// The decode attention kernel's scratch for `q_heads` query heads, made on first use.
+    /// One scratch serves every layer and step: the kernels that use it must run one after
+    /// another, as a step's layers do (each reads the previous one's output) and as
+    /// separately evaluated steps do on one stream. Two batched forwards built into one
+    /// graph without a dependency between them must not share it.
     pub fn attn_scratch(&mut self, q_heads: usize) -> mlx::Result<&mlx::attn::Scratch> {
         if self
             .attn_scratch
@@ -250,14 +254,21 @@ impl KvCache {
     /// Index arrays and attention masks for a batched decode step over `slots` at
     /// `positions`, built once per step and shared by every layer. Rows whose slots are
     /// consecutive form a run; each run reads the pool as one view (no copy of the cache).
-    pub fn batch_index(&self, slots: &[usize], positions: &[usize]) -> mlx::Result<BatchIndex> {
+    /// `with_runs = false` skips the runs and their masks (a step that attends with
+    /// `mlx::attn` needs neither).
+    pub fn batch_index(
+        &self,
+        slots: &[usize],
+        positions: &[usize],
+        with_runs: bool,
+    ) -> mlx::Result<BatchIndex> {
         let to_arr = |v: &[usize]| {
             let v: Vec<i32> = v.iter().map(|&x| x as i32).collect();
             Array::from_slice(&v, &[v.len() as i32])
         };
         let mut runs = Vec::new();
         let mut start = 0;
-        for i in 1..=slots.len() {
+        for i in 1..=slots.len() * with_runs as usize {
             if i == slots.len() || slots[i] != slots[i - 1] + 1 {
                 let max_len = positions[start..i].iter().max().map_or(0, |&p| p + 1);
                 // row r attends to positions 0..=positions[r]
@@ -363,7 +374,7 @@ mod tests {
         let k1 = values(&[2, h, 1, d], 1000.0);
         let v1 = values(&[2, h, 1, d], 2000.0);
         let kv1 = mlx::concatenate(&[&k1, &v1], 1).unwrap();
-        let idx = split.batch_index(&[1, 2], &[3, 0]).unwrap();
+        let idx = split.batch_index(&[1, 2], &[3, 0], true).unwrap();
         split
             .write_batch(1, &idx, &NewKv::Split(k1.clone(), v1.clone()))
             .unwrap();
@@ -381,7 +392,7 @@ mod tests {
         assert_eq!(kk[row], 1000.0 + (h * d) as f32);
         assert_eq!(read(&vs)[row + head], 2000.0 + ((h + 1) * d) as f32);
         // slot 0 was never written
-        let idx0 = merged.batch_index(&[0], &[0]).unwrap();
+        let idx0 = merged.batch_index(&[0], &[0], true).unwrap();
         let (k0, v0) = merged.read_run(1, &idx0.runs[0]).unwrap();
         assert!(read(&k0).iter().chain(read(&v0).iter()).all(|&x| x == 0.0));
         assert_eq!(merged.nbytes(), split.nbytes());

@@ -169,9 +169,21 @@ pub fn include_header(dir: &Path, name: &str, header: &str) -> std::io::Result<S
         })?
         .to_string();
     if std::fs::read(&path).ok().as_deref() != Some(header.as_bytes()) {
-        let tmp = path.with_file_name(format!(".{name}.{}.tmp", std::process::id()));
-        std::fs::write(&tmp, header)?;
-        std::fs::rename(&tmp, &path)?;
+        // unique per process and call, even across hosts sharing the folder
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        let tmp = path.with_file_name(format!(".{name}.{}.{nanos}.tmp", std::process::id()));
+        let written = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&tmp)
+            .and_then(|mut f| std::io::Write::write_all(&mut f, header.as_bytes()))
+            .and_then(|()| std::fs::rename(&tmp, &path));
+        if let Err(e) = written {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(e);
+        }
     }
     Ok(format!("#include \"{quoted}\"\n"))
 }

@@ -471,11 +471,12 @@ impl Transformer {
         let positions: Vec<usize> = slots.iter().map(|&s| cache.len(s)).collect();
         let pos_i32: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
         let offset = Array::from_slice(&pos_i32, &[b])?;
-        let index = cache.batch_index(&slots, &positions)?;
         // mlxcel's attention kernel: one op per layer whatever the rows' slots and lengths
         // (MLX's needs views, a mask and an op per run of consecutive slots); 8B 4-bit on
         // H200, batch 8: 2,111-2,517 tok/s with it, 1,612-1,731 without
-        let scratch = match self.attn_kernel_fits() {
+        let kernel = self.attn_kernel_fits();
+        let index = cache.batch_index(&slots, &positions, !kernel)?;
+        let scratch = match kernel {
             true => Some(cache.attn_scratch(self.q_heads())?.clone()),
             false => None,
         };
