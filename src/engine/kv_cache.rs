@@ -268,7 +268,9 @@ impl KvCache {
         };
         let mut runs = Vec::new();
         let mut start = 0;
-        for i in 1..=slots.len() * with_runs as usize {
+        // no rows to walk when the runs are not wanted
+        let ends = if with_runs { slots.len() } else { 0 };
+        for i in 1..=ends {
             if i == slots.len() || slots[i] != slots[i - 1] + 1 {
                 let max_len = positions[start..i].iter().max().map_or(0, |&p| p + 1);
                 // row r attends to positions 0..=positions[r]
@@ -342,6 +344,18 @@ mod tests {
 
     fn read(a: &Array) -> Vec<f32> {
         a.to_vec::<f32>().unwrap()
+    }
+
+    /// A step that attends with the kernel gets the rows' slots and no runs (no masks).
+    #[test]
+    fn batch_index_without_runs_has_the_slots_only() {
+        let cache = KvCache::new(1, 4, 2, 4, Dtype::F32, 64);
+        let idx = cache.batch_index(&[3, 0, 1], &[5, 2, 7], false).unwrap();
+        assert!(idx.runs.is_empty());
+        assert_eq!(idx.slot_array().to_vec::<i32>().unwrap(), vec![3, 0, 1]);
+        let with = cache.batch_index(&[3, 0, 1], &[5, 2, 7], true).unwrap();
+        let rows: Vec<_> = with.runs.iter().map(|r| r.rows.clone()).collect();
+        assert_eq!(rows, vec![0..1, 1..3]);
     }
 
     /// Keys and values written as one `[.., 2·kv_heads, ..]` array (as the fused q/k/v
