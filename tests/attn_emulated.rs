@@ -101,10 +101,7 @@ fn run(tag: &str, consts: &[(&str, i64)], scale: f32) {
     src += body;
     src += "\n}\n";
     src += MAIN;
-    let (ok, out) = common::compile_and_run(&format!("attn-{tag}"), &src);
-    eprintln!("{tag}: {}", out.trim());
-    assert!(ok, "{tag} {consts:?}: {out}");
-    assert!(out.contains("run 1: max_err"), "{tag}: {out}");
+    common::run_checked(&format!("attn-{tag}"), &src, &consts, "run 1: max_err");
 }
 
 #[test]

@@ -218,10 +218,7 @@ fn run(tag: &str, consts: &[(&str, usize)]) {
         rope as i32, mma as i32
     );
     src += MAIN;
-    let (ok, text) = common::compile_and_run(&format!("qgemv-{tag}"), &src);
-    eprintln!("{tag}: {}", text.trim());
-    assert!(ok, "{tag} {consts:?}: {text}");
-    assert!(text.contains("max_err"), "{tag}: {text}");
+    common::run_checked(&format!("qgemv-{tag}"), &src, &consts, "max_err");
 }
 
 #[test]

@@ -4,7 +4,7 @@
 //!
 //! A forward step takes a batch of sequences, each with its KV-cache slot and
 //! new tokens; their positions are the slots' current lengths.
-use crate::engine::kv_cache::{KvCache, KvError, NewKv};
+use crate::engine::kv_cache::{BatchIndex, KvCache, KvError, NewKv};
 use crate::mlx::{self, fast, Array, Dtype};
 
 use super::config::ModelConfig;
@@ -485,37 +485,12 @@ impl Transformer {
             let a = &block.self_attn;
             let (q, kv) = a.qkv(&h, &block.input_layernorm, b, 1, &self.rope, &offset)?;
             cache.write_batch(li, &index, &kv)?;
-            if let Some(scratch) = &scratch {
+            let o = match &scratch {
                 // every row its own slot and length, in one kernel
-                let o =
-                    a.decode_attention(&q, cache.pool(li), index.slot_array(), &offset, scratch)?;
-                h = a.out_residual(&o, &h, b, 1)?;
-                h = block
-                    .mlp
-                    .forward_residual(&h, &block.post_attention_layernorm)?;
-                continue;
-            }
-            // attention per run of consecutive slots, each reading the KV pool as a view
-            let mut outs = Vec::with_capacity(index.runs.len());
-            for run in &index.runs {
-                let (kk, vv) = cache.read_run(li, run)?;
-                let qr = if index.runs.len() == 1 {
-                    q.clone()
-                } else {
-                    q.slice_axis(0, run.rows.start as i32, run.rows.end as i32)?
-                };
-                outs.push(fast::sdpa(
-                    &qr,
-                    &kk,
-                    &vv,
-                    a.scale,
-                    fast::Mask::Array(&run.mask),
-                )?);
-            }
-            let o = if outs.len() == 1 {
-                outs.pop().unwrap()
-            } else {
-                mlx::concatenate(&outs.iter().collect::<Vec<_>>(), 0)?
+                Some(scratch) => {
+                    a.decode_attention(&q, cache.pool(li), index.slot_array(), &offset, scratch)?
+                }
+                None => a.attend_runs(&q, cache, li, &index)?,
             };
             h = a.out_residual(&o, &h, b, 1)?;
             h = block
@@ -542,6 +517,37 @@ impl Transformer {
 }
 
 impl Attention {
+    /// A batched decode step's attention with MLX's sdpa: per run of consecutive slots,
+    /// the KV pool read as a view and the run's mask.
+    fn attend_runs(
+        &self,
+        q: &Array,
+        cache: &KvCache,
+        layer: usize,
+        index: &BatchIndex,
+    ) -> mlx::Result<Array> {
+        let mut outs = Vec::with_capacity(index.runs.len());
+        for run in &index.runs {
+            let (kk, vv) = cache.read_run(layer, run)?;
+            let qr = if index.runs.len() == 1 {
+                q.clone()
+            } else {
+                q.slice_axis(0, run.rows.start as i32, run.rows.end as i32)?
+            };
+            outs.push(fast::sdpa(
+                &qr,
+                &kk,
+                &vv,
+                self.scale,
+                fast::Mask::Array(&run.mask),
+            )?);
+        }
+        if outs.len() == 1 {
+            return Ok(outs.pop().unwrap());
+        }
+        mlx::concatenate(&outs.iter().collect::<Vec<_>>(), 0)
+    }
+
     /// A decode step's attention by mlxcel's kernel (`mlx::attn`): q `[B, heads, 1,
     /// head_dim]` over the layer's `pool`, row b at slot `slots[b]` up to `pos[b]`.
     fn decode_attention(

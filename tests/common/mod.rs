@@ -133,3 +133,12 @@ pub fn compile_and_run(tag: &str, src: &str) -> (bool, String) {
     let _ = std::fs::remove_dir_all(&dir);
     (res.status.success(), text)
 }
+
+/// [`compile_and_run`] a kernel test program and check it: it must exit 0 and print
+/// `expect` (its error line); prints that output under `tag`.
+pub fn run_checked(tag: &str, src: &str, what: &dyn std::fmt::Debug, expect: &str) {
+    let (ok, out) = compile_and_run(tag, src);
+    eprintln!("{tag}: {}", out.trim());
+    assert!(ok, "{tag} {what:?}: {out}");
+    assert!(out.contains(expect), "{tag}: {out}");
+}
