@@ -6,7 +6,7 @@
 //   biases T      [N, K/G]        w[n, k] = q · scale + bias
 // x and y are T (bfloat16). Compiled at run time by MLX (`fast::cuda_kernel`,
 // nvrtc); template constants: M, N, K, G, BITS, ROWS, WPB, EPI, NORM, EPS_BITS,
-// XQ, MMA (and HD, NQ for the RoPE entry point).
+// XQ, MMA, PG (and HD, NQ for the RoPE entry point).
 //
 // EPI picks what is written (each saves the decode step a separate MLX op):
 //   0: y[M, N]   = x·Wᵀ
@@ -40,6 +40,10 @@
 // of a template is not compiled, which lets one kernel have two signatures.
 // mlxcel embeds it and `MLXCEL_QGEMV_SOURCE=path` replaces it at run time;
 // `scripts/check_qgemv.py` loads the same file from Python to check and time it.
+//
+// PG > 0 (M = 1 with XQ, long rows: mlxcel takes it for K > 8192, the down projections):
+// a grid of PG blocks instead of one per row group, each block streaming row groups
+// b, b + PG, … through a ring of shared-memory stages filled by cp.async (see the code).
 //
 // Work split: one block of WPB warps per ROWS output rows (grid N/ROWS blocks);
 // thread t reads 16-byte chunks t, t+32·WPB, … of each of its rows (coalesced,
@@ -200,8 +204,63 @@ __device__ __forceinline__ float mlxcel_word_dot(uint32_t u, const float* xs) {
   return a + b;
 }
 
+// 32 values of x (one 16-byte chunk of 4-bit weights) as int8 for the dp4a path (XQ):
+// xq = round(x / dq), dq = max|x| / 127, packed as the even and odd values of each
+// 8-value word (xe, xo) so they line up with the low and high nibbles of the weight word
+// under a 0x0F0F0F0F mask: two dp4a per word and row. X = dq·Σ xq.
+__device__ __forceinline__ void mlxcel_xq_chunk(const float* xs, int (&xe)[4], int (&xo)[4], float& dq,
+                                                float& X) {
+  float amax = 0.f;
+#pragma unroll
+  for (int j = 0; j < 32; ++j) {
+    amax = mlxcel_max_nan(amax, fabsf(xs[j]));
+  }
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  dq = amax * (1.f / 127.f);
+  int xsum = 0;
+#pragma unroll
+  for (int v = 0; v < 4; ++v) {
+    mlxcel_pack_i8(xs + 8 * v, inv, xe[v], xo[v]);
+    xsum = __dp4a(xe[v], 0x01010101, __dp4a(xo[v], 0x01010101, xsum));
+  }
+  X = dq * static_cast<float>(xsum);
+}
+
+// Asynchronous 16- and 4-byte copies global → shared (cp.async, sm_80+; a plain copy
+// elsewhere and in the CPU emulation), committed as a group; wait until at most N of
+// this thread's groups are pending.
+__device__ __forceinline__ void mlxcel_cp16(uint4* dst, const uint4* src) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(
+                   static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
+               "l"(src));
+#else
+  *dst = *src;
+#endif
+}
+__device__ __forceinline__ void mlxcel_cp4(uint32_t* dst, const uint32_t* src) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(
+                   static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
+               "l"(src));
+#else
+  *dst = *src;
+#endif
+}
+__device__ __forceinline__ void mlxcel_cp_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+template <int N>
+__device__ __forceinline__ void mlxcel_cp_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+#endif
+}
+
 template <typename T, int M, int N, int K, int G, int BITS, int ROWS, int WPB, int EPI,
-          int NORM, int EPS_BITS, int HD, int NQ, int XQ, int MMA, typename XT>
+          int NORM, int EPS_BITS, int HD, int NQ, int XQ, int MMA, int PG, typename XT>
 __device__ __forceinline__ void mlxcel_qgemv(const XT* x, const uint32_t* w, const T* scales,
                                              const T* biases, const T* res, const T* nw,
                                              const int32_t* pos, const float* inv_freq, T* y,
@@ -220,7 +279,8 @@ __device__ __forceinline__ void mlxcel_qgemv(const XT* x, const uint32_t* w, con
   constexpr int GPR = K / G;                // groups per row
   static_assert(K % VPC == 0 && G % VPC == 0, "qgemv: K and G must be multiples of 128/BITS");
   constexpr float SCALE = float(1 << BITS);
-  __shared__ float red[WPB][ROWS * M];
+  // (the streaming path, PG > 0, alternates two buffers from one row group to the next)
+  __shared__ float red[PG > 0 ? 2 : 1][WPB][ROWS * M];
   __shared__ float red_ss[WPB][M];
 
   const int tid = threadIdx.x;
@@ -231,14 +291,93 @@ __device__ __forceinline__ void mlxcel_qgemv(const XT* x, const uint32_t* w, con
   // rows d of ROWS/2 pairs (d, d + HD/2) of a head followed by their second rows
   constexpr int HALF = ROWS / 2;
   constexpr int HD2 = HD > 0 ? HD / 2 : 1;
-  auto row_of = [&](int r) -> int {
+  // (of row group grp: the block's index, or with PG > 0 each group the block streams)
+  auto row_in = [&](int grp, int r) -> int {
     if constexpr (EPI == 2) {
-      return r < HALF ? int(blockIdx.x) * HALF + r : N / 2 + int(blockIdx.x) * HALF + (r - HALF);
+      return r < HALF ? grp * HALF + r : N / 2 + grp * HALF + (r - HALF);
     } else if constexpr (EPI == 3) {
-      const int p = int(blockIdx.x) * HALF + (r < HALF ? r : r - HALF);  // pair index
+      const int p = grp * HALF + (r < HALF ? r : r - HALF);  // pair index
       return (p / HD2) * HD + p % HD2 + (r < HALF ? 0 : HD2);
     } else {
-      return int(blockIdx.x) * ROWS + r;
+      return grp * ROWS + r;
+    }
+  };
+  auto row_of = [&](int r) -> int { return row_in(int(blockIdx.x), r); };
+  // NORM: rsqrt(mean(x²) + eps) of row m, which scales its dot products
+  auto norm_of = [&](int m) -> float {
+    if constexpr (NORM && !MMA) {  // MMA: in x's scales (mlxcel_round_x)
+      float t = 0.f;
+#pragma unroll
+      for (int i = 0; i < WPB; ++i) {
+        t += red_ss[i][m];
+      }
+      return rsqrtf(t / float(K) + __int_as_float(EPS_BITS));
+    } else {
+      return 1.f;
+    }
+  };
+  // EPI 2, 3: the block's rows r and r + HALF of batch row m, summed over its warps and normed
+  auto pair_of = [&](int buf, int r, int m, float& a, float& c) {
+    a = 0.f;
+    c = 0.f;
+#pragma unroll
+    for (int i = 0; i < WPB; ++i) {
+      a += red[buf][i][r * M + m];
+      c += red[buf][i][(r + HALF) * M + m];
+    }
+    const float f = norm_of(m);
+    a *= f;
+    c *= f;
+  };
+  // what the block writes for row group grp from red[buf] (after a __syncthreads)
+  auto finish = [&](int grp, int buf) {
+    if constexpr (EPI == 3) {
+      for (int i = tid; i < HALF * M; i += TPB) {
+        const int r = i / M;
+        const int m = i % M;
+        float a, c;
+        pair_of(buf, r, m, a, c);
+        const int p = grp * HALF + r;
+        const int head = p / HD2;
+        const int d = p % HD2;
+        constexpr int NKV = (N / HD - NQ) / 2;
+        if (head < NQ + NKV) {
+          const float theta = static_cast<float>(pos[m]) * inv_freq[d];
+          const float cs = cosf(theta);
+          const float sn = sinf(theta);
+          const float ra = a * cs - c * sn;
+          c = a * sn + c * cs;
+          a = ra;
+        }
+        T* out = head < NQ ? y + size_t(m) * (NQ * HD) + size_t(head) * HD
+                           : y2 + size_t(m) * (N - NQ * HD) + size_t(head - NQ) * HD;
+        out[d] = static_cast<T>(a);
+        out[d + HD2] = static_cast<T>(c);
+      }
+    } else if constexpr (EPI == 2) {
+      for (int i = tid; i < HALF * M; i += TPB) {
+        const int r = i / M;
+        const int m = i % M;
+        float g, u;
+        pair_of(buf, r, m, g, u);
+        y[size_t(m) * (N / 2) + grp * HALF + r] = static_cast<T>(g / (1.f + expf(-g)) * u);
+      }
+    } else {
+      for (int j = tid; j < ROWS * M; j += TPB) {
+        float v = 0.f;
+#pragma unroll
+        for (int i = 0; i < WPB; ++i) {
+          v += red[buf][i][j];
+        }
+        const int r = j / M;
+        const int m = j % M;
+        v *= norm_of(m);
+        const size_t at = size_t(m) * N + row_in(grp, r);
+        if constexpr (EPI == 1) {
+          v += static_cast<float>(res[at]);
+        }
+        y[at] = static_cast<T>(v);
+      }
     }
   };
   const uint4* xv = reinterpret_cast<const uint4*>(x);
@@ -470,10 +609,156 @@ __device__ __forceinline__ void mlxcel_qgemv(const XT* x, const uint32_t* w, con
         const int r = 16 * i + gq + (c >= 2 ? 8 : 0);
         const int m = 2 * t + (c & 1);
         if (m < M) {
-          red[warp][r * M + m] = acc[i][c];
+          red[0][warp][r * M + m] = acc[i][c];
         }
       }
     }
+  } else if constexpr (PG > 0) {
+    // Streaming (M = 1 with int8 activations): a grid of PG blocks, block b taking the row
+    // groups b, b + PG, … of ROWS rows each. Thread t owns chunks t, t + TPB, … of every
+    // row, as on the path below, and rounds its chunks of x once for all groups. Its
+    // weights, scales and biases come through shared memory by cp.async, STAGES row
+    // groups in flight: the loads of later groups are issued while a group's dot products
+    // are reduced and written, so the block never waits with nothing in flight (one block
+    // per row group issued all of its loads, then did its math and exited; the 8B down
+    // projection, 1.9 waves of such blocks, read at 2/3 of what the GPU can). A thread reads
+    // back only what it copied, so its own cp.async wait orders it; the __syncthreads of
+    // each group's reduction orders a stage's reads before the copy that reuses it.
+    static_assert(M == 1 && XQ == 1 && BITS == 4, "qgemv: streaming needs M = 1 and int8 activations");
+    static_assert(N % ROWS == 0, "qgemv: streaming needs ROWS dividing N");
+    constexpr int NG = N / ROWS;                  // row groups
+    constexpr int SLOTS = ITERS * ROWS;           // 16-byte chunks per thread and group
+    constexpr int STAGE = SLOTS * TPB * (16 + 4 + 4);
+    // static shared memory is at most 48 KB a block, the reduction's buffers included
+    constexpr int FREE = 48 * 1024 - int(sizeof(float)) * (2 * WPB * ROWS * M + WPB * M);
+    constexpr int STAGES = FREE / STAGE < 4 ? FREE / STAGE : 4;
+    static_assert(STAGES >= 2, "qgemv: streaming needs two stages of ROWS·ITERS·TPB chunks in 48 KB");
+    __shared__ uint4 wsm[STAGES][SLOTS][TPB];
+    // (scales and biases are copied as the 32-bit word holding the chunk's bf16: their
+    // arrays start 4-byte aligned, as MLX allocates them)
+    __shared__ uint32_t ssm[STAGES][SLOTS][TPB];  // the bf16 pair holding the chunk's scale
+    __shared__ uint32_t bsm[STAGES][SLOTS][TPB];  // … and bias
+    const uint4* wv = reinterpret_cast<const uint4*>(w);
+    const uint32_t* s32 = reinterpret_cast<const uint32_t*>(scales);
+    const uint32_t* b32 = reinterpret_cast<const uint32_t*>(biases);
+    int xe[ITERS][4], xo[ITERS][4];
+    float dqv[ITERS], Xv[ITERS];
+    float ss0 = 0.f;
+#pragma unroll
+    for (int it = 0; it < ITERS; ++it) {
+      const int c = it * TPB + tid;
+      const bool in = (CPR % TPB) == 0 || c < CPR;
+      float xs[32];
+#pragma unroll
+      for (int v = 0; v < 4; ++v) {
+        if (in) {
+          mlxcel_bf16x8(xv[c * 4 + v], xs + 8 * v);
+        } else {
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            xs[8 * v + j] = 0.f;
+          }
+        }
+      }
+      if constexpr (NORM) {
+        float gs[32];
+#pragma unroll
+        for (int v = 0; v < 4; ++v) {
+          mlxcel_bf16x8(in ? nv[c * 4 + v] : make_uint4(0u, 0u, 0u, 0u), gs + 8 * v);
+        }
+#pragma unroll
+        for (int j = 0; j < 32; ++j) {
+          ss0 = fmaf(xs[j], xs[j], ss0);
+          xs[j] *= gs[j];
+        }
+      }
+      mlxcel_xq_chunk(xs, xe[it], xo[it], dqv[it], Xv[it]);
+    }
+    if constexpr (NORM) {
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+        ss0 += __shfl_xor_sync(0xFFFFFFFFu, ss0, o);
+      }
+      if (lane == 0) {
+        red_ss[warp][0] = ss0;  // read after the first group's __syncthreads
+      }
+    }
+    // copy row group grp's chunks of this thread into stage st (one commit group, empty
+    // past the last row group, so that the count of groups stays the same)
+    auto issue = [&](int grp, int st) {
+      if (grp < NG) {
+#pragma unroll
+        for (int it = 0; it < ITERS; ++it) {
+          const int c = it * TPB + tid;
+          if ((CPR % TPB) == 0 || c < CPR) {
+            const int g = c * VPC / G;
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) {
+              const size_t row = size_t(row_in(grp, r));
+              mlxcel_cp16(&wsm[st][it * ROWS + r][tid], wv + row * CPR + c);
+              const size_t si = (row * GPR + g) / 2;
+              mlxcel_cp4(&ssm[st][it * ROWS + r][tid], s32 + si);
+              mlxcel_cp4(&bsm[st][it * ROWS + r][tid], b32 + si);
+            }
+          }
+        }
+      }
+      mlxcel_cp_commit();
+    };
+#pragma unroll
+    for (int j = 0; j + 1 < STAGES; ++j) {
+      issue(int(blockIdx.x) + j * PG, j);
+    }
+    int i = 0;
+    for (int grp = int(blockIdx.x); grp < NG; grp += PG, ++i) {
+      const int st = i % STAGES;
+      issue(grp + (STAGES - 1) * PG, (i + STAGES - 1) % STAGES);
+      mlxcel_cp_wait<STAGES - 1>();  // this group's copies have landed
+      float acc[ROWS];
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) {
+        acc[r] = 0.f;
+      }
+#pragma unroll
+      for (int it = 0; it < ITERS; ++it) {
+        const int c = it * TPB + tid;
+        if ((CPR % TPB) != 0 && c >= CPR) {
+          break;
+        }
+        const int g = c * VPC / G;
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+          const uint4 qv = wsm[st][it * ROWS + r][tid];
+          const bool hi = ((size_t(row_in(grp, r)) * GPR + g) & 1) != 0;
+          const uint32_t su = ssm[st][it * ROWS + r][tid];
+          const uint32_t bu = bsm[st][it * ROWS + r][tid];
+          const float sc = __uint_as_float(hi ? (su & 0xFFFF0000u) : (su << 16));
+          const float bi = __uint_as_float(hi ? (bu & 0xFFFF0000u) : (bu << 16));
+          const uint32_t ws[4] = {qv.x, qv.y, qv.z, qv.w};
+          int D = 0;
+#pragma unroll
+          for (int v = 0; v < 4; ++v) {
+            D = __dp4a(int(ws[v] & 0x0F0F0F0Fu), xe[it][v], D);
+            D = __dp4a(int((ws[v] >> 4) & 0x0F0F0F0Fu), xo[it][v], D);
+          }
+          acc[r] = fmaf(sc * dqv[it], static_cast<float>(D), fmaf(bi, Xv[it], acc[r]));
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) {
+        float v = acc[r];
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+          v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
+        }
+        if (lane == 0) {
+          red[i & 1][warp][r] = v;
+        }
+      }
+      __syncthreads();
+      finish(grp, i & 1);
+    }
+    mlxcel_cp_wait<0>();
   } else {
     const uint4* wv = reinterpret_cast<const uint4*>(w);
     float ss[M];  // NORM: this thread's part of Σ x² of each row
@@ -543,24 +828,9 @@ __device__ __forceinline__ void mlxcel_qgemv(const XT* x, const uint32_t* w, con
           // this chunk of x as int8 (xq = round(x / dq), dq = max|x| / 127), packed as the
           // even and odd values of each 8-value word so they line up with the low and high
           // nibbles of the weight word under a 0x0F0F0F0F mask: two dp4a per word and row
-          float amax = 0.f;
-#pragma unroll
-          for (int j = 0; j < VPC; ++j) {
-            amax = mlxcel_max_nan(amax, fabsf(xs[j]));
-          }
-          const float inv = amax > 0.f ? 127.f / amax : 0.f;
-          const float dq = amax * (1.f / 127.f);
-          int xe[VPC / 8], xo[VPC / 8];
-#pragma unroll
-          for (int v = 0; v < VPC / 8; ++v) {
-            mlxcel_pack_i8(xs + 8 * v, inv, xe[v], xo[v]);
-          }
-          int xsum = 0;
-#pragma unroll
-          for (int v = 0; v < VPC / 8; ++v) {
-            xsum = __dp4a(xe[v], 0x01010101, __dp4a(xo[v], 0x01010101, xsum));
-          }
-          const float X = dq * static_cast<float>(xsum);
+          int xe[4], xo[4];
+          float dq, X;
+          mlxcel_xq_chunk(xs, xe, xo, dq, X);
 #pragma unroll
           for (int r = 0; r < ROWS; ++r) {
             const uint32_t ws[4] = {q[it][r].x, q[it][r].y, q[it][r].z, q[it][r].w};
@@ -606,7 +876,7 @@ __device__ __forceinline__ void mlxcel_qgemv(const XT* x, const uint32_t* w, con
           v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
         }
         if (lane == 0) {
-          red[warp][r * M + m] = v;
+          red[0][warp][r * M + m] = v;
         }
       }
     }
@@ -624,80 +894,9 @@ __device__ __forceinline__ void mlxcel_qgemv(const XT* x, const uint32_t* w, con
       }
     }
   }
-  __syncthreads();
-  // NORM: rsqrt(mean(x²) + eps) of row m, which scales its dot products
-  auto norm_of = [&](int m) -> float {
-    if constexpr (NORM && !MMA) {  // MMA: in x's scales (mlxcel_round_x)
-      float t = 0.f;
-#pragma unroll
-      for (int i = 0; i < WPB; ++i) {
-        t += red_ss[i][m];
-      }
-      return rsqrtf(t / float(K) + __int_as_float(EPS_BITS));
-    } else {
-      return 1.f;
-    }
-  };
-  // EPI 2, 3: the block's rows r and r + HALF of batch row m, summed over its warps and normed
-  auto pair_of = [&](int r, int m, float& a, float& c) {
-    a = 0.f;
-    c = 0.f;
-#pragma unroll
-    for (int i = 0; i < WPB; ++i) {
-      a += red[i][r * M + m];
-      c += red[i][(r + HALF) * M + m];
-    }
-    const float f = norm_of(m);
-    a *= f;
-    c *= f;
-  };
-  if constexpr (EPI == 3) {
-    for (int i = tid; i < HALF * M; i += TPB) {
-      const int r = i / M;
-      const int m = i % M;
-      float a, c;
-      pair_of(r, m, a, c);
-      const int p = int(blockIdx.x) * HALF + r;
-      const int head = p / HD2;
-      const int d = p % HD2;
-      constexpr int NKV = (N / HD - NQ) / 2;
-      if (head < NQ + NKV) {
-        const float theta = static_cast<float>(pos[m]) * inv_freq[d];
-        const float cs = cosf(theta);
-        const float sn = sinf(theta);
-        const float ra = a * cs - c * sn;
-        c = a * sn + c * cs;
-        a = ra;
-      }
-      T* out = head < NQ ? y + size_t(m) * (NQ * HD) + size_t(head) * HD
-                         : y2 + size_t(m) * (N - NQ * HD) + size_t(head - NQ) * HD;
-      out[d] = static_cast<T>(a);
-      out[d + HD2] = static_cast<T>(c);
-    }
-  } else if constexpr (EPI == 2) {
-    for (int i = tid; i < HALF * M; i += TPB) {
-      const int r = i / M;
-      const int m = i % M;
-      float g, u;
-      pair_of(r, m, g, u);
-      y[size_t(m) * (N / 2) + blockIdx.x * HALF + r] = static_cast<T>(g / (1.f + expf(-g)) * u);
-    }
-  } else {
-    for (int j = tid; j < ROWS * M; j += TPB) {
-      float v = 0.f;
-#pragma unroll
-      for (int i = 0; i < WPB; ++i) {
-        v += red[i][j];
-      }
-      const int r = j / M;
-      const int m = j % M;
-      v *= norm_of(m);
-      const size_t at = size_t(m) * N + row_of(r);
-      if constexpr (EPI == 1) {
-        v += static_cast<float>(res[at]);
-      }
-      y[at] = static_cast<T>(v);
-    }
+  if constexpr (PG == 0) {
+    __syncthreads();
+    finish(int(blockIdx.x), 0);
   }
 }
 
@@ -805,10 +1004,10 @@ __device__ __forceinline__ void mlxcel_round_x(const T* x, const T* nw, uint32_t
   }
 }
 // @@body
-  mlxcel_qgemv<T, M, N, K, G, BITS, ROWS, WPB, EPI, NORM, EPS_BITS, 0, 0, XQ, MMA>(
+  mlxcel_qgemv<T, M, N, K, G, BITS, ROWS, WPB, EPI, NORM, EPS_BITS, 0, 0, XQ, MMA, PG>(
       x, w, scales, biases, res, nw, nullptr, nullptr, y, nullptr);
 // @@body_rope
-  mlxcel_qgemv<T, M, N, K, G, BITS, ROWS, WPB, 3, NORM, EPS_BITS, HD, NQ, XQ, MMA>(
+  mlxcel_qgemv<T, M, N, K, G, BITS, ROWS, WPB, 3, NORM, EPS_BITS, HD, NQ, XQ, MMA, PG>(
       x, w, scales, biases, nw, nw, pos, inv_freq, q, kv);
 // @@body_xq
   mlxcel_round_x<T, M, K, G, NORM, EPS_BITS>(x, nw, xq);

@@ -95,8 +95,35 @@ XQ = os.environ.get("MLXCEL_QGEMV_XQ", "1") != "0"  # as mlxcel: int8 activation
 MMA_MIN_M = int(os.environ.get("MLXCEL_QGEMV_MMA", "5") or "5")  # as mlxcel; 0: no tensor cores
 
 
+STREAM = os.environ.get("MLXCEL_QGEMV_STREAM", "1") != "0"  # as mlxcel: the streaming M = 1 path
+
+
+def stream_config(m, n, k, bits, group=64, pairs=False):
+    """ROWS, WPB and PG of the streaming M = 1 path, or None (src/mlx/qgemv.rs
+    `stream_config_for`); pairs: the epilogue needs an even ROWS (SwiGLU, RoPE)."""
+    if not (STREAM and XQ and bits == 4 and m == 1 and k > STREAM_MIN_K and k % 32 == 0
+            and k % group == 0):
+        return None
+    chunks = k // 32
+    iters = -(-chunks // (32 * 16))
+    wpb = -(-chunks // (32 * iters))
+
+    def fits(rows):
+        return n % rows == 0 and 2 * rows * iters * 32 * wpb * 24 <= STREAM_SMEM
+    rows = 2 if fits(2) else 1
+    if (pairs and rows != 2) or not fits(rows):
+        return None
+    return rows, wpb, min(n // rows, STREAM_BLOCKS)
+
+
+STREAM_MIN_K = 8192             # rows of K ≤ this keep the one-block-per-group launch
+STREAM_SMEM = 46 * 1024         # what the kernel's stages may take (48 KB less its reductions)
+STREAM_BLOCKS = int(os.environ.get("MLXCEL_QGEMV_STREAM_BLOCKS", "264"))
+
+
 def launch_config(m, n, k, bits, group=64):
-    """ROWS, WPB and MMA as mlxcel picks them (src/mlx/qgemv.rs `launch_config_for`)."""
+    """ROWS, WPB and MMA as mlxcel picks them (src/mlx/qgemv.rs `launch_config_for`);
+    `stream_config` may take M = 1 instead."""
     if (XQ and bits == 4 and group in (32, 64, 128) and MMA_MIN_M and m >= MMA_MIN_M
             and n % 16 == 0 and k % 128 == 0):
         steps = k // 128
@@ -147,18 +174,27 @@ def round_x(x, group, norm=None):
     )[0]
 
 
+def launch(m, n, k, bits, group, rows=None, wpb=None, mma=None, pg=None, pairs=False):
+    """(rows, wpb, mma, pg): mlxcel's launch (streaming where it streams) unless given;
+    another launch is the dp4a/FMA path unless mma=1 or pg > 0 (the streaming path)."""
+    if rows is None and mma is None and pg is None:
+        sc = stream_config(m, n, k, bits, group, pairs)
+        if sc and wpb is None:
+            return sc[0], sc[1], 0, sc[2]
+        r0, w0, m0 = launch_config(m, n, k, bits, group)
+        return r0, wpb or w0, m0, 0
+    r0, w0, _ = launch_config(m, n, k, bits, group)
+    return rows or r0, wpb or w0, mma or 0, pg or 0
+
+
 def qgemv(kernel, x, w, s, b, group, bits, rows=None, wpb=None, res=None, swiglu=False,
-          norm=None, mma=None):
+          norm=None, mma=None, pg=None):
     """EPI 0: x·Wᵀ; 1 (res given): res + x·Wᵀ; 2 (swiglu): silu(g)·u of the halves.
-    norm = (weight, eps): RMSNorm of x first, in the kernel. rows/wpb/mma: another
-    launch than mlxcel's (mma=1: the tensor-core path)."""
+    norm = (weight, eps): RMSNorm of x first, in the kernel. rows/wpb/mma/pg: another
+    launch than mlxcel's (mma=1: the tensor-core path; pg > 0: the streaming path's blocks)."""
     m, k = x.shape
     n = w.shape[0]
-    r0, w0, m0 = launch_config(m, n, k, bits, group)
-    if rows is None and mma is None:
-        rows, wpb, mma = r0, wpb or w0, m0
-    else:  # another launch: the dp4a/FMA path unless mma=1
-        rows, wpb, mma = rows or r0, wpb or w0, mma or 0
+    rows, wpb, mma, pg = launch(m, n, k, bits, group, rows, wpb, mma, pg, pairs=swiglu)
     epi = 2 if swiglu else (1 if res is not None else 0)
     xin = round_x(x, group, norm) if mma else x
     return kernel(
@@ -168,8 +204,8 @@ def qgemv(kernel, x, w, s, b, group, bits, rows=None, wpb=None, res=None, swiglu
                   ("NORM", int(norm is not None)),
                   ("EPS_BITS", 0 if norm is None else
                    struct.unpack("<i", struct.pack("<f", norm[1]))[0]),
-                  ("XQ", int(XQ and bits == 4)), ("MMA", mma)],
-        grid=(n // rows * 32 * wpb, 1, 1),
+                  ("XQ", int(XQ and bits == 4)), ("MMA", mma), ("PG", pg)],
+        grid=((pg or n // rows) * 32 * wpb, 1, 1),
         threadgroup=(32 * wpb, 1, 1),
         output_shapes=[(m, n // 2 if swiglu else n)],
         output_dtypes=[mx.bfloat16],
@@ -180,15 +216,16 @@ def qgemv_rope(kernel, x, w, s, b, group, bits, norm, pos, inv_freq, nq, hd):
     """q [M, nq, 1, hd] and kv [M, 2·nkv, 1, hd] of norm(x)·Wᵀ with RoPE on q and k."""
     m, k = x.shape
     n = w.shape[0]
-    rows, wpb, mma = launch_config(m, n, k, bits, group)
+    rows, wpb, mma, pg = launch(m, n, k, bits, group, pairs=True)
     xin = round_x(x, group, norm) if mma else x
     return kernel(
         inputs=[xin, w, s, b, norm[0], pos, inv_freq],
         template=[("T", mx.bfloat16), ("M", m), ("N", n), ("K", k), ("G", group),
                   ("BITS", bits), ("ROWS", rows), ("WPB", wpb), ("NORM", 1),
                   ("EPS_BITS", struct.unpack("<i", struct.pack("<f", norm[1]))[0]),
-                  ("HD", hd), ("NQ", nq), ("XQ", int(XQ and bits == 4)), ("MMA", mma)],
-        grid=(n // rows * 32 * wpb, 1, 1),
+                  ("HD", hd), ("NQ", nq), ("XQ", int(XQ and bits == 4)), ("MMA", mma),
+                  ("PG", pg)],
+        grid=((pg or n // rows) * 32 * wpb, 1, 1),
         threadgroup=(32 * wpb, 1, 1),
         output_shapes=[(m, nq, 1, hd), (m, n // hd - nq, 1, hd)],
         output_dtypes=[mx.bfloat16, mx.bfloat16],
@@ -357,7 +394,8 @@ def main():
                 found += check_rope(rope_kernel, n, k, group, bits, args.ms, nq=n // 128 - 16)
             for m, epi, e1, e2, ok in found:
                 bad += not ok
-                path = "mma" if launch_config(m, n, k, bits, group)[2] else "dp"
+                lc = launch(m, n, k, bits, group)
+                path = "mma" if lc[2] else ("stream" if lc[3] else "dp")
                 print(f"| {name} {n}×{k}{epi} | {bits} | {group} | {m} {path} | {e1:.2e} | {e2:.2e} | "
                       f"{'yes' if ok else 'NO'} |")
     if args.time:

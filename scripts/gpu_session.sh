@@ -358,6 +358,32 @@ session9)
     ;;
   esac
   ;;
+session10)
+  # the tenth session: the streaming M = 1 GEMV (cp.async ring of row groups, a grid of PG blocks)
+  case "${2:-stream}" in
+  stream)
+    step "kernel check at M = 1 (the streaming path at 4 bits), 8B shapes, all epilogues, RoPE"
+    timeout 200 python3 scripts/check_qgemv.py --only 8B --ms 1 2>&1 | tail -60 | tee "$OUT/check-stream.txt"
+    step "Nsight: the dp4a launch vs streaming ROWS x WPB x PG, 8B shapes, M = 1"
+    NCU_S=${NCU_S:-330} ncut stream --stream --pgs ${PGS:-264,396,528,792}
+    ;;
+  down)
+    step "kernel check at M = 1, down projections (streaming), 8B and 70B"
+    timeout 150 python3 scripts/check_qgemv.py --skip qkv,o,gate_up,lm_head --ms 1 --configs 4g64,4g32,4g128 2>&1 | tail -30 | tee "$OUT/check-down.txt"
+    step "Nsight: the dp4a launch vs streaming, down projections 8B and 70B, M = 1"
+    NCU_S=${NCU_S:-150} ncut down --stream --70b --ks 14336,28672 --pgs ${PGS:-132,264,396}
+    ;;
+  decode)
+    q4cfg
+    step "decode 8B 4-bit: MLXCEL_QGEMV_STREAM=0 vs default (and STREAM_BLOCKS), alternated"
+    for r in 1 2 3; do BENCH_S=100 q4decode "${BATCHES:-4}" MLXCEL_QGEMV_STREAM=0 X=1 ${EXTRA:-}; done 2>&1 | tee "$OUT/decode-stream.txt"
+    step "generate agrees: 8B 4-bit dummy weights, greedy, MLXCEL_QGEMV_STREAM=0 vs default"
+    for e in MLXCEL_QGEMV_STREAM=0 X=1; do env $e timeout 100 $B generate -m "$CK/c8b-q4" --load-format dummy -p "The capital of France is" -n 32 --ignore-eos --json 2>/dev/null | python3 -c 'import json,sys; d=json.load(sys.stdin); print(d["generated_token_ids"])'; done 2>&1 | tee -a "$OUT/decode-stream.txt"
+    step "fixtures vs references"
+    timeout 200 python3 scripts/check_fixtures.py $B -n 12 2>&1 | tail -15 | tee "$OUT/fixtures.txt"
+    ;;
+  esac
+  ;;
 ncu)
   # kernel times by Nsight Compute: every 8B shape, 4-bit with float math and with int8
   # activations, 8-bit, launch shapes ROWS × WPB; then the parsed table

@@ -18,6 +18,9 @@ Modes (8B shapes, group 64; `--70b` adds the 70B shapes):
   --stalls    six launches (q/k/v, down at M = 1; q/k/v, o, down, gate/up at M = 8) for
               ncu's sections (`gpu_session.sh session8 prof`)
   --m1        4-bit M = 1 on the dp4a path: ROWS (4, 8, 16) × WPB (2, 4, 8)
+  --stream    4-bit M = 1: the dp4a launch against the streaming path's ROWS (1, 2, 4) ×
+              WPB (chunks of a row over 32 or 16 lanes) × PG blocks (`--pgs 264,396,...`)
+  --ks 14336  only the shapes with these row lengths K
   --ceiling   a kernel that only reads the bytes of each shape's 4-bit g64 weights (16-byte
               loads, all issued before any use): the bandwidth any GEMV could reach there
 `MLXCEL_QGEMV_SOURCE=path` times another version of the kernel file (the same
@@ -35,9 +38,15 @@ MS = tuple(int(v) for v in ARGS[ARGS.index("--ms") + 1].split(",")) if "--ms" in
 # --cfgs 16x8,32x4: the tensor-core launches (ROWS x WPB) --mma times (default 16, 32 × 4, 8)
 MMA_CFGS = ([tuple(map(int, c.split("x"))) for c in ARGS[ARGS.index("--cfgs") + 1].split(",")]
             if "--cfgs" in ARGS else [(r, w) for r in (16, 32) for w in (4, 8)])
+# --pgs 264,396: the streaming path's grid sizes --stream times
+PGS = tuple(int(v) for v in ARGS[ARGS.index("--pgs") + 1].split(",")) if "--pgs" in ARGS else (132, 264, 396, 528, 792)
+# --ks 14336,28672: only the shapes of these row lengths
+KS = tuple(int(v) for v in ARGS[ARGS.index("--ks") + 1].split(",")) if "--ks" in ARGS else None
 SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
 if "--70b" in ARGS:
     SHAPES += [(10240, 8192), (8192, 8192), (57344, 8192), (8192, 28672), (128256, 8192)]
+if KS:
+    SHAPES = [(n, k) for n, k in SHAPES if k in KS]
 
 
 def launch():
@@ -61,7 +70,20 @@ def launch():
             for m in MS:
                 x = mx.random.normal((m, kk)).astype(mx.bfloat16)
                 # (rows, wpb, mma); None: mlxcel's launch (launch_config)
-                if "--m1" in ARGS:
+                if "--stream" in ARGS:
+                    if bits == 8 or m != 1:
+                        continue
+                    ch = kk // 32
+                    r0, w0, _ = c.launch_config(m, n, kk, bits)
+                    cfgs = [(r0, w0, 0), None]  # the dp4a launch, mlxcel's (streaming) launch
+                    for wpb in (sorted({min(16, -(-ch // 32)), min(16, -(-ch // 64))})
+                                if n * kk < 2 ** 28 else ()):  # (the wide gate/up, lm_head: defaults only)
+                        it = -(-ch // (32 * wpb))
+                        for rows in (1, 2, 4) if kk <= 8192 else (1, 2):
+                            if n % rows or rows * it * 32 * wpb * 24 * 2 > c.STREAM_SMEM:
+                                continue
+                            cfgs += [(rows, wpb, 0, pg) for pg in PGS if pg <= n // rows]
+                elif "--m1" in ARGS:
                     if bits == 8 or m != 1:
                         continue
                     cfgs = [(r, w, 0) for r in (4, 8, 16) for w in (2, 4, 8)]
@@ -79,7 +101,7 @@ def launch():
                     cfgs = [(2, 2, 0), (4, 2, 0), (4, 4, 0)]
                 else:
                     cfgs = [(r, w, 0) for r in (1, 2, 4) for w in (1, 2, 4, 8)]
-                for xq in ((False, True) if bits == 4 and not {"--mma", "--defaults", "--m1"} & set(ARGS)
+                for xq in ((False, True) if bits == 4 and not {"--mma", "--defaults", "--m1", "--stream"} & set(ARGS)
                            else (bits == 4,)):
                     c.XQ = xq  # read by c.qgemv for its template value
                     for cfg in cfgs:
@@ -89,9 +111,9 @@ def launch():
                             continue
                         if cfg is None and m > 4 and not c.launch_config(m, n, kk, bits)[2]:
                             continue  # mlxcel leaves this one to MLX
-                        rows, wpb, mma = cfg if cfg else (None, None, None)
+                        rows, wpb, mma, pg = (cfg + (0,))[:4] if cfg else (None, None, None, None)
                         for _ in range(2):
-                            mx.eval(c.qgemv(k, x, wq, s, b, 64, bits, rows, wpb, mma=mma))
+                            mx.eval(c.qgemv(k, x, wq, s, b, 64, bits, rows, wpb, mma=mma, pg=pg))
                 c.XQ = True
                 for _ in range(2):
                     mx.eval(mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=64, bits=bits))
@@ -168,14 +190,15 @@ def parse(path):
             print(f"read-only {n16 * 16 / 1e6:.1f} MB ITERS={iters}: {us:.1f} us {n16 * 16 / us / 1e6:.2f} TB/s")
             continue
         m = re.search(r"qgemv_\w+?_t_(\d+)_(\d+)_(\d+)_(\d+)_(\d+)_(\d+)_(\d+)"
-                      r"(?:_(\d+)_(\d+)_(-?\d+)_(\d+)(?:_(\d+))?)?", name)
+                      r"(?:_(\d+)_(\d+)_(-?\d+)_(\d+)(?:_(\d+))?(?:_(\d+))?)?", name)
         if m:
             M, N, K, G, B, R, W = map(int, m.groups()[:7])
             xq = m.group(11) == "1"
             mma = m.group(12) == "1"
+            pg = int(m.group(13) or 0)
             byts = N * K * B / 8 + 2 * 2 * N * K / G
             print(f"qgemv M={M} N={N} K={K} bits={B} ROWS={R} WPB={W}{' XQ' if xq else ''}"
-                  f"{' MMA' if mma else ''}: {us:.1f} us {byts / us / 1e6:.2f} TB/s")
+                  f"{' MMA' if mma else ''}{f' PG={pg}' if pg else ''}: {us:.1f} us {byts / us / 1e6:.2f} TB/s")
         else:
             print(f"{name[:90]}: {us:.1f} us")
 

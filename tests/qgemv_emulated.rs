@@ -69,7 +69,8 @@ int main() {
   blockDim.x = tpb;
   g_shfl.assign(tpb, 0.f);
   g_mma.assign(6 * tpb, 0u);
-  for (int blk = 0; blk < N / ROWS; ++blk) {
+  // PG > 0: the streaming path's grid of PG blocks, each looping over row groups
+  for (int blk = 0; blk < (PG > 0 ? PG : N / ROWS); ++blk) {
     std::barrier<> bar(tpb);
     g_barrier = &bar;
     std::vector<std::thread> ts;
@@ -182,6 +183,7 @@ fn run(tag: &str, consts: &[(&str, usize)]) {
         ("EPS_BITS", 1e-5f32.to_bits() as usize),
         ("XQ", 0),
         ("MMA", 0),
+        ("PG", 0),
         ("NAN_X", 0),
     ] {
         if !consts.iter().any(|(n, _)| *n == name) {
@@ -660,5 +662,112 @@ fn qgemv_mma_epilogues_match() {
     run(
         "mma_nan",
         &with(mma(2, 16, 256, 64, 16, 1), &[("NAN_X", 1)]),
+    );
+}
+
+#[test]
+fn qgemv_streaming_matches() {
+    // M = 1 with int8 activations, a grid of PG blocks streaming row groups through shared
+    // memory: 8 groups of 2 rows over 3 blocks (3, 3 and 2 groups each, 4 stages deep, so
+    // the ring wraps), with the residual
+    run(
+        "4bit_stream",
+        &[
+            ("M", 1),
+            ("N", 16),
+            ("K", 2048),
+            ("G", 64),
+            ("BITS", 4),
+            ("ROWS", 2),
+            ("WPB", 2),
+            ("EPI", 1),
+            ("XQ", 1),
+            ("PG", 3),
+        ],
+    );
+    // mlxcel's streaming launches for the 8B down projection (K = 14336: 2 rows per group,
+    // 14 warps, 2 stages) and the 70B one (K = 28672: 1 row, 2 chunks per thread, 2 stages)
+    run(
+        "4bit_stream_8b_down",
+        &[
+            ("M", 1),
+            ("N", 6),
+            ("K", 14336),
+            ("G", 64),
+            ("BITS", 4),
+            ("ROWS", 2),
+            ("WPB", 14),
+            ("EPI", 1),
+            ("XQ", 1),
+            ("PG", 2),
+        ],
+    );
+    run(
+        "4bit_stream_70b_down",
+        &[
+            ("M", 1),
+            ("N", 4),
+            ("K", 28672),
+            ("G", 64),
+            ("BITS", 4),
+            ("ROWS", 1),
+            ("WPB", 14),
+            ("EPI", 1),
+            ("XQ", 1),
+            ("PG", 3),
+        ],
+    );
+    // the guarded tail (49 chunks per row, 32 threads: 2 chunks each, the second of most
+    // threads out of the row), group 32 (odd groups take the high half of a scale word),
+    // one row per group, with the norm
+    run(
+        "4bit_stream_tail_norm",
+        &[
+            ("M", 1),
+            ("N", 6),
+            ("K", 3 * 512 + 32),
+            ("G", 32),
+            ("BITS", 4),
+            ("ROWS", 1),
+            ("WPB", 1),
+            ("NORM", 1),
+            ("XQ", 1),
+            ("PG", 4),
+        ],
+    );
+    // SwiGLU of the merged gate/up halves with the norm (group 128), and the RoPE entry
+    // point (4 query, 2 key, 2 value heads of 16)
+    run(
+        "4bit_stream_swiglu",
+        &[
+            ("M", 1),
+            ("N", 32),
+            ("K", 1024),
+            ("G", 128),
+            ("BITS", 4),
+            ("ROWS", 4),
+            ("WPB", 1),
+            ("EPI", 2),
+            ("NORM", 1),
+            ("XQ", 1),
+            ("PG", 3),
+        ],
+    );
+    run(
+        "4bit_stream_rope",
+        &[
+            ("M", 1),
+            ("N", 8 * 16),
+            ("K", 512),
+            ("G", 64),
+            ("BITS", 4),
+            ("ROWS", 4),
+            ("WPB", 1),
+            ("NORM", 1),
+            ("HD", 16),
+            ("NQ", 4),
+            ("XQ", 1),
+            ("PG", 5),
+        ],
     );
 }

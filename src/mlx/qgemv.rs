@@ -247,13 +247,118 @@ pub fn supports(
 /// per weight grow with M). Larger batches up to [`MAX_M`] take the tensor-core path.
 pub const DP4A_MAX_M: usize = 4;
 
-/// How the kernel is launched: rows per block, warps per block, and whether it runs the
-/// tensor-core path (template constant `MMA`).
+/// How the kernel is launched: rows per block, warps per block, whether it runs the
+/// tensor-core path (template constant `MMA`), and the streaming path's grid (`PG`
+/// blocks looping over the row groups; 0: one block per group of `rows` rows).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Launch {
     pub rows: usize,
     pub wpb: usize,
     pub mma: bool,
+    pub pg: usize,
+}
+
+/// The launch [`qgemv`] and [`qgemv_rope`] use: the streaming path where
+/// [`stream_config`] takes the shape, else [`launch_config`].
+fn launch(m: usize, n: usize, k: usize, group: usize, bits: usize, pairs: bool) -> Launch {
+    stream_config(m, n, k, group, bits, pairs)
+        .unwrap_or_else(|| launch_config(m, n, k, group, bits))
+}
+
+/// The streaming path's launch (M = 1, 4-bit with int8 activations, on a GPU with
+/// `cp.async`, compute capability ≥ 8.0; `MLXCEL_QGEMV_STREAM=0` turns it off, and
+/// `MLXCEL_QGEMV_STREAM_BLOCKS=n` sets its grid, default [`STREAM_BLOCKS`]). `pairs`: the
+/// epilogue takes pairs of rows (SwiGLU, RoPE), so rows per group must be even.
+pub fn stream_config(
+    m: usize,
+    n: usize,
+    k: usize,
+    group: usize,
+    bits: usize,
+    pairs: bool,
+) -> Option<Launch> {
+    if m != 1 || bits != 4 || !xq(bits) {
+        return None;
+    }
+    let blocks = stream_blocks()?;
+    stream_config_for(n, k, group, pairs, blocks)
+}
+
+/// Grid of the streaming path, `None` where it does not run (see [`stream_config`]).
+fn stream_blocks() -> Option<usize> {
+    static BLOCKS: OnceLock<Option<usize>> = OnceLock::new();
+    *BLOCKS.get_or_init(|| {
+        let capable = super::backend() == Backend::Cuda
+            && super::device_info(0).is_ok_and(|d| sm_version(&d.architecture) >= Some(80));
+        if !capable || std::env::var("MLXCEL_QGEMV_STREAM").is_ok_and(|v| v.trim() == "0") {
+            return None;
+        }
+        let var = std::env::var("MLXCEL_QGEMV_STREAM_BLOCKS").ok();
+        Some(match var.as_deref().map(|v| v.trim().parse::<usize>()) {
+            None => STREAM_BLOCKS,
+            Some(Ok(b)) if (1..=65535).contains(&b) => b,
+            Some(_) => {
+                tracing::warn!(
+                    "MLXCEL_QGEMV_STREAM_BLOCKS={:?} is not a block count 1-65535; using {STREAM_BLOCKS}",
+                    var.unwrap_or_default()
+                );
+                STREAM_BLOCKS
+            }
+        })
+    })
+}
+
+/// Blocks of the streaming path: 2 per SM of an H200 (132 SMs). Nsight, tenth session,
+/// the 8B down projection with 2 rows per group and 14 warps: 12.1-13.1 µs at 264 blocks,
+/// 14.9-15.2 at 396, 13.5-13.7 at 528 (the one-block-per-group launch: 14.4).
+pub const STREAM_BLOCKS: usize = 264;
+
+/// Shortest row the streaming path takes. At K = 4096 (8B q/k/v, o, gate/up, lm_head) the
+/// one-block-per-group launch won on every shape (Nsight, tenth session: q/k/v 6.5 against
+/// 7.8-12.6 µs, o 5.8 against 6.6-9.7); on the 8B down projection (K = 14336) streaming
+/// won (12.1-13.6 against 14.4 µs).
+pub const STREAM_MIN_K: usize = 8192;
+
+/// Shared memory the streaming path's stages may take: 48 KB of static shared memory
+/// per block, less its reduction buffers (kernels/qgemv.cu checks the same).
+pub const STREAM_SMEM: usize = 46 * 1024;
+
+/// [`stream_config`] for a grid of `blocks`, rows longer than [`STREAM_MIN_K`]: the
+/// threads of a block cover a row's 16-byte chunks (32 values) in as few rounds as 16
+/// warps allow, with as few warps as those rounds need (8B down, 448 chunks: 14 warps,
+/// one each; 70B down: 14 warps, two); 2 rows per group where two stages of them fit in
+/// [`STREAM_SMEM`] (24 bytes a chunk: 16 of weights, 4 each of the scale and bias words),
+/// else 1 (the pairs of SwiGLU and RoPE need 2).
+fn stream_config_for(
+    n: usize,
+    k: usize,
+    group: usize,
+    pairs: bool,
+    blocks: usize,
+) -> Option<Launch> {
+    if n == 0
+        || k <= STREAM_MIN_K
+        || !k.is_multiple_of(32)
+        || group == 0
+        || !k.is_multiple_of(group)
+    {
+        return None;
+    }
+    let chunks = k / 32;
+    let iters = chunks.div_ceil(32 * 16);
+    let wpb = chunks.div_ceil(32 * iters);
+    let fits =
+        |rows: usize| n.is_multiple_of(rows) && 2 * rows * iters * 32 * wpb * 24 <= STREAM_SMEM;
+    let rows = if fits(2) { 2 } else { 1 };
+    if (pairs && rows != 2) || !fits(rows) {
+        return None;
+    }
+    Some(Launch {
+        rows,
+        wpb,
+        mma: false,
+        pg: (n / rows).min(blocks),
+    })
 }
 
 /// The launch for `x [m, k] · w [n, k]ᵀ` on this machine (see [`launch_config_for`]).
@@ -378,6 +483,7 @@ fn launch_config_for(
             rows: 16,
             wpb,
             mma: true,
+            pg: 0,
         };
     }
     // the largest of r, r/2, …, 1 dividing n
@@ -412,6 +518,7 @@ fn launch_config_for(
         rows,
         wpb,
         mma: false,
+        pg: 0,
     }
 }
 
@@ -475,8 +582,9 @@ pub fn qgemv(
         )));
     }
     let src = source()?;
-    let Launch { rows, wpb, mma } = launch_config(m, n, k, group, bits);
-    if matches!(epi, Epilogue::SwiGlu) && rows % 2 != 0 {
+    let swiglu = matches!(epi, Epilogue::SwiGlu);
+    let Launch { rows, wpb, mma, pg } = launch(m, n, k, group, bits, swiglu);
+    if swiglu && rows % 2 != 0 {
         return Err(MlxError::Invalid(format!(
             "qgemv: SwiGLU needs an even number of rows per block, got {rows} for n = {n}"
         )));
@@ -501,13 +609,14 @@ pub fn qgemv(
         .then(|| round_x(x, m, k, group, norm.map(|_| (nw, eps))))
         .transpose()?;
     // built once: this runs for every quantized linear of every decode step
-    static NAMES: OnceLock<([String; 6], [String; 1], [String; 12])> = OnceLock::new();
+    static NAMES: OnceLock<([String; 6], [String; 1], [String; 13])> = OnceLock::new();
     let (inputs, outputs, tnames) = NAMES.get_or_init(|| {
         (
             ["x", "w", "scales", "biases", "res", "nw"].map(String::from),
             ["y".to_string()],
             [
                 "M", "N", "K", "G", "BITS", "ROWS", "WPB", "EPI", "NORM", "EPS_BITS", "XQ", "MMA",
+                "PG",
             ]
             .map(String::from),
         )
@@ -532,8 +641,10 @@ pub fn qgemv(
         eps.to_bits() as usize, // 0 without a norm
         xq(bits) as usize,
         mma as usize, // 1: x rounded by round_x first
+        pg,
     ]
     .map(|v| v as i32);
+    let blocks = if pg > 0 { pg } else { n / rows };
     let mut out = kernel.call(
         &[xr.as_ref().unwrap_or(x), w, scales, biases, res, nw],
         &[out_shape],
@@ -541,7 +652,7 @@ pub fn qgemv(
         tnames,
         &tvals,
         x.dtype(),
-        [(n / rows * 32 * wpb) as i32, 1, 1],
+        [(blocks * 32 * wpb) as i32, 1, 1],
         [(32 * wpb) as i32, 1, 1],
     )?;
     out.pop()
@@ -687,18 +798,18 @@ pub fn qgemv_rope(
     }
     let (nw, eps) = norm_input("qgemv_rope", norm, x, k)?;
     let src = source()?;
-    let Launch { rows, wpb, mma } = launch_config(m, n, k, group, bits);
+    let Launch { rows, wpb, mma, pg } = launch(m, n, k, group, bits, true);
     let xr = mma
         .then(|| round_x(x, m, k, group, norm.map(|_| (nw, eps))))
         .transpose()?;
-    static NAMES: OnceLock<([String; 7], [String; 2], [String; 13])> = OnceLock::new();
+    static NAMES: OnceLock<([String; 7], [String; 2], [String; 14])> = OnceLock::new();
     let (inputs, outputs, tnames) = NAMES.get_or_init(|| {
         (
             ["x", "w", "scales", "biases", "nw", "pos", "inv_freq"].map(String::from),
             ["q", "kv"].map(String::from),
             [
                 "M", "N", "K", "G", "BITS", "ROWS", "WPB", "NORM", "EPS_BITS", "HD", "NQ", "XQ",
-                "MMA",
+                "MMA", "PG",
             ]
             .map(String::from),
         )
@@ -725,8 +836,10 @@ pub fn qgemv_rope(
         nq,
         xq(bits) as usize,
         mma as usize, // 1: x rounded by round_x first
+        pg,
     ]
     .map(|v| v as i32);
+    let blocks = if pg > 0 { pg } else { n / rows };
     let (mi, hd) = (m as i32, head_dim as i32);
     let mut out = kernel
         .call(
@@ -744,7 +857,7 @@ pub fn qgemv_rope(
             tnames,
             &tvals,
             x.dtype(),
-            [(n / rows * 32 * wpb) as i32, 1, 1],
+            [(blocks * 32 * wpb) as i32, 1, 1],
             [(32 * wpb) as i32, 1, 1],
         )?
         .into_iter();
@@ -861,6 +974,41 @@ mod tests {
     }
 
     #[test]
+    fn stream_config_fits_shared_memory() {
+        let l = |rows, wpb, pg| {
+            Some(Launch {
+                rows,
+                wpb,
+                mma: false,
+                pg,
+            })
+        };
+        // 8B down: 448 chunks, 14 warps, 2 rows (2 stages of 21 KB)
+        assert_eq!(
+            stream_config_for(4096, 14336, 64, false, 264),
+            l(2, 14, 264)
+        );
+        assert_eq!(stream_config_for(4096, 14336, 64, true, 264), l(2, 14, 264));
+        // 70B down: 896 chunks, 2 per thread of 14 warps, so 1 row (2 stages of 21 KB) ...
+        assert_eq!(
+            stream_config_for(8192, 28672, 64, false, 264),
+            l(1, 14, 264)
+        );
+        // ... and no pairs
+        assert_eq!(stream_config_for(8192, 28672, 64, true, 264), None);
+        // rows of K ≤ 8192 keep the one-block-per-group launch
+        assert_eq!(stream_config_for(6144, 4096, 64, true, 264), None);
+        assert_eq!(stream_config_for(8192, 8192, 64, false, 264), None);
+        // fewer groups than blocks: one block per group; odd n: 1 row, and so no pairs
+        assert_eq!(stream_config_for(12, 14336, 64, false, 264), l(2, 14, 6));
+        assert_eq!(stream_config_for(7, 14336, 64, false, 264), l(1, 14, 7));
+        assert_eq!(stream_config_for(7, 14336, 64, true, 264), None);
+        // k not a whole number of chunks or groups
+        assert_eq!(stream_config_for(4096, 14336 + 16, 64, false, 264), None);
+        assert_eq!(stream_config_for(4096, 14336 + 32, 64, false, 264), None);
+    }
+
+    #[test]
     fn launch_config_divides_the_rows() {
         for &(m, n, bits) in &[
             (1, 6144, 4),
@@ -931,6 +1079,7 @@ mod tests {
             rows,
             wpb,
             mma: true,
+            pg: 0,
         };
         assert_eq!(mma(2, 6144, 4096, 64, 4, true), l(16, 8)); // 8B q/k/v: 32 steps, 4 each
         assert_eq!(mma(8, 28672, 4096, 64, 4, true), l(16, 8)); // gate/up
