@@ -373,6 +373,38 @@ session10)
     step "Nsight: the dp4a launch vs streaming, down projections 8B and 70B, M = 1"
     NCU_S=${NCU_S:-150} ncut down --stream --70b --ks 14336,28672 --pgs ${PGS:-132,264,396}
     ;;
+  final)
+    step "Nsight: tensor-core down projections at M = 5, 8 with 14 / 16 / 8 warps (8B, 70B)"
+    NCU_S=120 ncut mmadown --mma --70b --ms 5,8 --ks 14336,28672 --cfgs 16x14,16x16,16x8
+    q4cfg
+    S=${MLXCEL_SERVER:-$(dirname $B)/mlxcel-server}
+    for e in MLXCEL_ATTN=0 X=1; do
+      step "server, 8B 4-bit dummy weights, --parallel 32, $e: bench 1/8/32 streams"
+      env $e $S -m "$CK/c8b-q4" --load-format dummy --port 8123 --parallel 32 --ctx-size 2048 > "$OUT/server-$e.log" 2>&1 &
+      spid=$!
+      for i in $(seq 150); do curl -sf localhost:8123/health >/dev/null && break; sleep 1; done
+      timeout 60 python3 scripts/bench_server.py --port 8123 --concurrency 8,32 --rounds 1 --max-tokens 32 >/dev/null  # warm-up
+      timeout 120 python3 scripts/bench_server.py --port 8123 --concurrency 1,8,32 --max-tokens 128 | tee "$OUT/server-bench-$e.json"
+      kill -TERM $spid; wait $spid; echo "server exit: $?"
+    done
+    ;;
+  chunks)
+    # batches of 9-32 rows: the kernel on row chunks of <= 8 (default) vs MLX (MLXCEL_QGEMV_CHUNKS=0)
+    q4cfg
+    step "decode 8B 4-bit at batches 8/12/16/32: MLXCEL_QGEMV_CHUNKS=0 vs default, alternated"
+    for r in 1 2; do BENCH_S=150 q4decode "${BATCHES:-8,12,16,32}" MLXCEL_QGEMV_CHUNKS=0 X=1; done 2>&1 | tee "$OUT/decode-chunks.txt"
+    S=${MLXCEL_SERVER:-$(dirname $B)/mlxcel-server}
+    for e in MLXCEL_QGEMV_CHUNKS=0 X=1; do
+      step "server, 8B 4-bit dummy weights, --parallel 32, $e: bench 1/8/32 streams"
+      env $e $S -m "$CK/c8b-q4" --load-format dummy --port 8123 --parallel 32 --ctx-size 2048 > "$OUT/server.log" 2>&1 &
+      spid=$!
+      for i in $(seq 150); do curl -sf localhost:8123/health >/dev/null && break; sleep 1; done
+      timeout 60 python3 scripts/bench_server.py --port 8123 --concurrency 8,32 --rounds 1 --max-tokens 32 >/dev/null  # warm-up
+      timeout 120 python3 scripts/bench_server.py --port 8123 --concurrency 1,8,32 --max-tokens 128 > "$OUT/server-bench.json"
+      python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); [print(r["concurrency"], "streams:", round(r["tokens_per_s"],1), "tok/s, ttft", round(r["ttft_s"]["mean"],3), "s, inter-token mean/p50/p90 ms", round(r["inter_token_s"]["mean"]*1e3,2), round(r["inter_token_s"]["p50"]*1e3,2), round(r["inter_token_s"]["p90"]*1e3,2)) for r in d["results"]]' "$OUT/server-bench.json" | tee -a "$OUT/server-chunks.txt"
+      kill -TERM $spid; wait $spid; echo "server exit: $?"
+    done
+    ;;
   decode)
     q4cfg
     step "decode 8B 4-bit: MLXCEL_QGEMV_STREAM=0 vs default (and STREAM_BLOCKS), alternated"

@@ -231,7 +231,15 @@ pub fn supports(
         8 => 16,
         _ => return false,
     };
-    (1..=MAX_M).contains(&m)
+    if m > MAX_M {
+        // in row chunks of at most MAX_M (see [`row_chunks`])
+        return m <= MAX_CHUNKED_M
+            && chunking()
+            && row_chunks(m)
+                .iter()
+                .all(|&(_, rows)| supports(rows, n, k, group, bits, dtypes));
+    }
+    m >= 1
         && n > 0
         && k > 0
         && k.is_multiple_of(vpc)
@@ -240,6 +248,57 @@ pub fn supports(
         && k.is_multiple_of(group)
         && dtypes == [Dtype::BF16, Dtype::BF16]
         && (m <= DP4A_MAX_M || launch_config(m, n, k, group, bits).mma)
+}
+
+/// Largest batch the kernel takes at all: batches above [`MAX_M`] run it on row chunks
+/// ([`row_chunks`]), each reading the weights again. On H200 (Nsight, tenth session) MLX's
+/// `quantized_matmul` (`qmm_sm80`) took 164 and 187 µs on the 8B down projection at 5 and 8
+/// rows where the kernel took 13.9 and 13.8, and a server's 4-bit decode steps at 32
+/// streams took 24-32 ms (p50 between tokens) against 4.5-5.6 ms at 8 (not measured since
+/// with chunks). Longer inputs (prefill) keep MLX's kernels (dequantize + GEMM from 32
+/// rows). `MLXCEL_QGEMV_CHUNKS=0` leaves batches above [`MAX_M`] to them too.
+pub const MAX_CHUNKED_M: usize = 32;
+
+/// Whether batches above [`MAX_M`] run in row chunks (`MLXCEL_QGEMV_CHUNKS`, default on).
+fn chunking() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("MLXCEL_QGEMV_CHUNKS").map_or(true, |v| v.trim() != "0"))
+}
+
+/// `m` rows as `(first row, rows)` chunks of at most [`MAX_M`], as few as that allows and
+/// as even as possible (9 → 5 + 4, 20 → 7 + 7 + 6), in order.
+pub fn row_chunks(m: usize) -> Vec<(usize, usize)> {
+    let count = m.div_ceil(MAX_M).max(1);
+    let (base, extra) = (m / count, m % count);
+    let mut at = 0;
+    (0..count)
+        .map(|i| {
+            let rows = base + usize::from(i < extra);
+            at += rows;
+            (at - rows, rows)
+        })
+        .collect()
+}
+
+/// Runs `f(first row, rows)` on each of [`row_chunks`]`(m)` and joins the outputs: output i
+/// of every call concatenated along axis 0.
+fn by_row_chunks(
+    m: usize,
+    mut f: impl FnMut(usize, usize) -> Result<Vec<Array>>,
+) -> Result<Vec<Array>> {
+    let mut parts: Vec<Vec<Array>> = Vec::new();
+    for (lo, rows) in row_chunks(m) {
+        for (i, a) in f(lo, rows)?.into_iter().enumerate() {
+            if parts.len() <= i {
+                parts.push(Vec::new());
+            }
+            parts[i].push(a);
+        }
+    }
+    parts
+        .iter()
+        .map(|p| super::concatenate(&p.iter().collect::<Vec<_>>(), 0))
+        .collect()
 }
 
 /// Largest batch the kernel's dp4a/FMA path is used for: at M ≤ 4 it beats MLX's
@@ -432,6 +491,18 @@ pub const MMA_MIN_M: usize = 5;
 /// of them without spilling at every M ≤ 4 with int8 activations and at 8 bits.
 pub const MAX_LOADS_PER_THREAD: usize = 28;
 
+/// Whether [`Epilogue::SwiGlu`] fits batch `m` of a merged gate/up weight of `n` rows
+/// (besides [`supports`]): pairs of rows in every block of every row chunk.
+pub fn supports_swiglu(m: usize, n: usize, group: usize, bits: usize) -> bool {
+    if m > MAX_M {
+        return m <= MAX_CHUNKED_M
+            && row_chunks(m)
+                .iter()
+                .all(|&(_, rows)| supports_swiglu(rows, n, group, bits));
+    }
+    n.is_multiple_of(2) && rows_per_block(m, n, group, bits).is_multiple_of(2)
+}
+
 /// Rows per block (what the epilogues' pairing depends on) as for a short row. The
 /// launch for the real K may take other rows (the dp4a path's where K is not a multiple
 /// of 128, more or fewer at M = 1), but always rows dividing n, even wherever these are
@@ -580,6 +651,38 @@ pub fn qgemv(
             "qgemv: x of {} elements and output {out_shape:?} do not fit a [{n}, {k}] weight",
             x.size()
         )));
+    }
+    if m > MAX_M {
+        // row chunks, each a run of the kernel (see MAX_CHUNKED_M)
+        let (mi, ki, ni, oi) = (m as i32, k as i32, n as i32, out_n as i32);
+        let x2 = x.reshape(&[mi, ki])?;
+        let res2 = match epi {
+            Epilogue::Residual(r) if r.size() == m * n => Some(r.reshape(&[mi, ni])?),
+            _ => None,
+        };
+        let mut y = by_row_chunks(m, |lo, rows| {
+            let (a, b) = (lo as i32, (lo + rows) as i32);
+            let xi = x2.slice_axis(0, a, b)?;
+            let ri = res2.as_ref().map(|r| r.slice_axis(0, a, b)).transpose()?;
+            let e = match (epi, &ri) {
+                (Epilogue::Residual(_), Some(r)) => Epilogue::Residual(r),
+                (Epilogue::Residual(r), None) => {
+                    return Err(MlxError::Invalid(format!(
+                        "qgemv: residual {:?} does not match the output [{m}, {n}]",
+                        r.shape()
+                    )))
+                }
+                (e, _) => e,
+            };
+            let shape = [rows as i32, oi];
+            Ok(vec![qgemv(
+                &xi, w, scales, biases, group, bits, &shape, e, norm,
+            )?])
+        })?;
+        return y
+            .pop()
+            .ok_or_else(|| MlxError::Invalid("qgemv: no rows".into()))?
+            .reshape(out_shape);
     }
     let src = source()?;
     let swiglu = matches!(epi, Epilogue::SwiGlu);
@@ -739,6 +842,12 @@ pub fn supports_rope(
     nq: usize,
     head_dim: usize,
 ) -> bool {
+    if m > MAX_M {
+        return m <= MAX_CHUNKED_M
+            && row_chunks(m)
+                .iter()
+                .all(|&(_, rows)| supports_rope(rows, n, group, bits, nq, head_dim));
+    }
     if head_dim == 0 || !head_dim.is_multiple_of(2) || !n.is_multiple_of(head_dim) {
         return false;
     }
@@ -795,6 +904,33 @@ pub fn qgemv_rope(
             inv_freq.dtype(),
             head_dim / 2
         )));
+    }
+    if m > MAX_M {
+        // row chunks, each a run of the kernel (see MAX_CHUNKED_M)
+        let x2 = x.reshape(&[m as i32, k as i32])?;
+        let pos1 = pos.reshape(&[m as i32])?;
+        let mut out = by_row_chunks(m, |lo, rows| {
+            let (a, b) = (lo as i32, (lo + rows) as i32);
+            let (q, kv) = qgemv_rope(
+                &x2.slice_axis(0, a, b)?,
+                w,
+                scales,
+                biases,
+                group,
+                bits,
+                norm,
+                &pos1.slice_axis(0, a, b)?,
+                inv_freq,
+                nq,
+                head_dim,
+            )?;
+            Ok(vec![q, kv])
+        })?
+        .into_iter();
+        return match (out.next(), out.next()) {
+            (Some(q), Some(kv)) => Ok((q, kv)),
+            _ => Err(MlxError::Invalid("qgemv_rope: no rows".into())),
+        };
     }
     let (nw, eps) = norm_input("qgemv_rope", norm, x, k)?;
     let src = source()?;
@@ -952,7 +1088,11 @@ mod tests {
         assert!(supports(1, 6144, 4096, 64, 4, bf));
         assert!(supports(4, 4096, 14336, 32, 8, bf));
         assert!(supports(1, 4096, 3584, 128, 4, bf)); // Qwen2-7B hidden size
-        assert!(!supports(MAX_M + 1, 4096, 4096, 64, 4, bf)); // batch above MAX_M
+        if mma_min_m().is_none() {
+            // batches above MAX_M run in chunks of 5-8 rows, which need the tensor cores
+            assert!(!supports(MAX_M + 1, 4096, 4096, 64, 4, bf));
+        }
+        assert!(!supports(MAX_CHUNKED_M + 1, 4096, 4096, 64, 4, bf));
         if mma_min_m().is_none() {
             // no tensor-core path here (CPU): batches above the dp4a path's limit are MLX's
             assert!(!supports(DP4A_MAX_M + 1, 4096, 4096, 64, 4, bf));
@@ -971,6 +1111,72 @@ mod tests {
         let l = launch_config_for(m, n, k, 64, bits, xq, None);
         assert!(!l.mma);
         (l.rows, l.wpb)
+    }
+
+    #[test]
+    fn row_chunks_cover_the_batch_evenly() {
+        assert_eq!(row_chunks(1), vec![(0, 1)]);
+        assert_eq!(row_chunks(8), vec![(0, 8)]);
+        assert_eq!(row_chunks(9), vec![(0, 5), (5, 4)]);
+        assert_eq!(row_chunks(20), vec![(0, 7), (7, 7), (14, 6)]);
+        assert_eq!(row_chunks(32), vec![(0, 8), (8, 8), (16, 8), (24, 8)]);
+        for m in 1..=MAX_CHUNKED_M {
+            let c = row_chunks(m);
+            assert_eq!(c.len(), m.div_ceil(MAX_M));
+            let mut at = 0;
+            for &(lo, rows) in &c {
+                assert_eq!(lo, at);
+                assert!(
+                    (1..=MAX_M).contains(&rows) && rows + 1 >= c[0].1,
+                    "{m}: {c:?}"
+                );
+                at += rows;
+            }
+            assert_eq!(at, m);
+        }
+    }
+
+    #[test]
+    fn chunked_rows_join_as_one_product() {
+        // the row-chunk glue against one product, with a residual and a second output
+        // (as the RoPE entry point's q and kv), on MLX's CPU ops
+        let (m, k, n) = (20usize, 64usize, 12usize);
+        let rnd = |shape: &[i32], seed| {
+            let key = crate::mlx::random::key(seed).unwrap();
+            crate::mlx::random::normal(shape, Dtype::F32, 0.0, 1.0, &key).unwrap()
+        };
+        let x = rnd(&[m as i32, k as i32], 1);
+        let w = rnd(&[n as i32, k as i32], 2);
+        let res = rnd(&[m as i32, n as i32], 3);
+        let want = res.add(&x.matmul(&w.t().unwrap()).unwrap()).unwrap();
+        let mut calls = Vec::new();
+        let got = by_row_chunks(m, |lo, rows| {
+            calls.push((lo, rows));
+            let (a, b) = (lo as i32, (lo + rows) as i32);
+            let xi = x.slice_axis(0, a, b)?;
+            let yi = res.slice_axis(0, a, b)?.add(&xi.matmul(&w.t()?)?)?;
+            Ok(vec![yi, xi])
+        })
+        .unwrap();
+        assert_eq!(calls, row_chunks(m));
+        assert_eq!(got.len(), 2);
+        assert_eq!(got[0].shape(), vec![m as i32, n as i32]);
+        let err = got[0]
+            .sub(&want)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max(&[0, 1], false)
+            .unwrap();
+        assert!(err.item::<f32>().unwrap() < 1e-4);
+        let same = got[1]
+            .sub(&x)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max(&[0, 1], false)
+            .unwrap();
+        assert_eq!(same.item::<f32>().unwrap(), 0.0);
     }
 
     #[test]

@@ -369,10 +369,7 @@ impl Linear {
         let f = self.fusable(x, norm)?;
         let epi_fits = match epi {
             Epilogue::Residual(r) => r.dtype() == x.dtype() && r.size() == f.m * f.n,
-            Epilogue::SwiGlu => {
-                f.n.is_multiple_of(2)
-                    && mlx::qgemv::rows_per_block(f.m, f.n, f.group, f.bits).is_multiple_of(2)
-            }
+            Epilogue::SwiGlu => mlx::qgemv::supports_swiglu(f.m, f.n, f.group, f.bits),
             Epilogue::None => true,
         };
         epi_fits.then(|| {
