@@ -41,7 +41,7 @@
 // mlxcel embeds it and `MLXCEL_QGEMV_SOURCE=path` replaces it at run time;
 // `scripts/check_qgemv.py` loads the same file from Python to check and time it.
 //
-// PG > 0 (M = 1 with XQ, long rows: mlxcel takes it for K > 8192, the down projections):
+// PG > 0 (M = 1 with XQ, long rows: mlxcel takes it for K > 8192, e.g. the down projections):
 // a grid of PG blocks instead of one per row group, each block streaming row groups
 // b, b + PG, … through a ring of shared-memory stages filled by cp.async (see the code).
 //
@@ -228,12 +228,14 @@ __device__ __forceinline__ void mlxcel_xq_chunk(const float* xs, int (&xe)[4], i
 
 // Asynchronous 16- and 4-byte copies global → shared (cp.async, sm_80+; a plain copy
 // elsewhere and in the CPU emulation), committed as a group; wait until at most N of
-// this thread's groups are pending.
+// this thread's groups are pending. The "memory" clobbers keep the compiler from moving
+// shared-memory reads of a stage above the wait that makes them valid.
 __device__ __forceinline__ void mlxcel_cp16(uint4* dst, const uint4* src) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(
                    static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
-               "l"(src));
+               "l"(src)
+               : "memory");
 #else
   *dst = *src;
 #endif
@@ -242,20 +244,21 @@ __device__ __forceinline__ void mlxcel_cp4(uint32_t* dst, const uint32_t* src) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(
                    static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
-               "l"(src));
+               "l"(src)
+               : "memory");
 #else
   *dst = *src;
 #endif
 }
 __device__ __forceinline__ void mlxcel_cp_commit() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.commit_group;\n" ::);
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
 #endif
 }
 template <int N>
 __device__ __forceinline__ void mlxcel_cp_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 #endif
 }
 
@@ -266,6 +269,7 @@ __device__ __forceinline__ void mlxcel_qgemv(const XT* x, const uint32_t* w, con
                                              const int32_t* pos, const float* inv_freq, T* y,
                                              T* y2) {
   static_assert(BITS == 4 || BITS == 8, "qgemv: 4 or 8 bits");
+  static_assert(PG == 0 || MMA == 0, "qgemv: streaming (PG > 0) is a launch of the dp4a path, not of the tensor cores");
   static_assert(XQ == 0 || BITS == 4, "qgemv: int8 activations only with 4-bit weights");
   static_assert(EPI != 2 || (ROWS % 2 == 0 && N % 2 == 0), "qgemv: SwiGLU needs pairs of rows");
   static_assert(EPI != 3 || (ROWS % 2 == 0 && HD % 2 == 0 && N % HD == 0 && (N / 2) % (ROWS / 2) == 0 &&

@@ -102,7 +102,7 @@ def stream_config(m, n, k, bits, group=64, pairs=False):
     """ROWS, WPB and PG of the streaming M = 1 path, or None (src/mlx/qgemv.rs
     `stream_config_for`); pairs: the epilogue needs an even ROWS (SwiGLU, RoPE)."""
     if not (STREAM and XQ and bits == 4 and m == 1 and k > STREAM_MIN_K and k % 32 == 0
-            and k % group == 0):
+            and k % group == 0 and MMA_MIN_M != 1):  # (MLXCEL_QGEMV_MMA=1: tensor cores at M = 1)
         return None
     chunks = k // 32
     iters = -(-chunks // (32 * 16))

@@ -668,8 +668,8 @@ fn qgemv_mma_epilogues_match() {
 #[test]
 fn qgemv_streaming_matches() {
     // M = 1 with int8 activations, a grid of PG blocks streaming row groups through shared
-    // memory: 8 groups of 2 rows over 3 blocks (3, 3 and 2 groups each, 4 stages deep, so
-    // the ring wraps), with the residual
+    // memory: 8 groups of 2 rows over 3 blocks (3, 3 and 2 groups each, 4 stages deep),
+    // with the residual; the RoPE case below has 6-7 groups per block, so its ring wraps
     run(
         "4bit_stream",
         &[
@@ -717,7 +717,22 @@ fn qgemv_streaming_matches() {
             ("PG", 3),
         ],
     );
-    // the guarded tail (49 chunks per row, 32 threads: 2 chunks each, the second of most
+    // more blocks than row groups (2 groups, 3 blocks): the third only commits empty groups
+    run(
+        "4bit_stream_idle_block",
+        &[
+            ("M", 1),
+            ("N", 4),
+            ("K", 512),
+            ("G", 64),
+            ("BITS", 4),
+            ("ROWS", 2),
+            ("WPB", 1),
+            ("XQ", 1),
+            ("PG", 3),
+        ],
+    );
+    // the guarded tail (49 chunks per row, 32 threads: 2 chunks each, the second of 15
     // threads out of the row), group 32 (odd groups take the high half of a scale word),
     // one row per group, with the norm
     run(

@@ -202,7 +202,8 @@ impl Worker {
     }
 
     /// Run a decode step (then forget it) at each batch size up to one past the quantized
-    /// GEMV's [`mlx::qgemv::MAX_M`] (as far as the slots allow), and with more than one
+    /// GEMV's [`mlx::qgemv::MAX_M`] (as far as the slots allow; larger batches run it on
+    /// row chunks of those sizes), and with more than one
     /// slot (a server) prompts of 2..=MAX_M tokens, on a GPU backend, so MLX compiles the
     /// run-time kernels of the decode path (mlxcel's GEMV is one per weight shape, batch
     /// size and fused epilogue) at start-up rather than while requests stream: a server

@@ -1,5 +1,5 @@
 //! mlxcel's quantized GEMV (`kernels/qgemv.cu`): `x · dequantize(w)ᵀ` for decode
-//! (batch ≤ [`MAX_M`]) on MLX's CUDA backend, where its one-token launches take
+//! (batch ≤ [`MAX_M`] in one launch, up to [`MAX_CHUNKED_M`] in row chunks) on MLX's CUDA backend, where its one-token launches take
 //! 2.1–4.2× less time than MLX's own `quantized_matmul` and its tensor-core path
 //! 4.8× less at batch 8 (H200, 8B shapes; see docs/benchmarks.md). Elsewhere, and
 //! for shapes it does not cover, callers keep `quantized_matmul`.
@@ -14,8 +14,9 @@ use std::sync::OnceLock;
 use super::fast::CudaKernel;
 use super::{Array, Backend, Dtype, MlxError, Result};
 
-/// Largest batch (rows of x) the kernel is used for: up to [`DP4A_MAX_M`] on every
-/// path, above it on the tensor-core path only (see [`supports`]).
+/// Largest batch (rows of x) of one launch of the kernel: up to [`DP4A_MAX_M`] on every
+/// path, above it on the tensor-core path only (see [`supports`]); larger batches up to
+/// [`MAX_CHUNKED_M`] run in row chunks of at most this.
 pub const MAX_M: usize = 8;
 
 const EMBEDDED: &str = include_str!("../../kernels/qgemv.cu");
@@ -255,8 +256,9 @@ pub fn supports(
 /// `quantized_matmul` (`qmm_sm80`) took 164 and 187 µs on the 8B down projection at 5 and 8
 /// rows where the kernel took 13.9 and 13.8, and a server's 4-bit decode steps at 32
 /// streams took 24-32 ms (p50 between tokens) against 4.5-5.6 ms at 8 (not measured since
-/// with chunks). Longer inputs (prefill) keep MLX's kernels (dequantize + GEMM from 32
-/// rows). `MLXCEL_QGEMV_CHUNKS=0` leaves batches above [`MAX_M`] to them too.
+/// with chunks). At 32 rows four chunks read 4 × 4.5 GB of the 8B model where dequantize +
+/// GEMM writes and reads 16 GB of bf16 weights; longer inputs (prefill) keep that GEMM.
+/// `MLXCEL_QGEMV_CHUNKS=0` leaves batches above [`MAX_M`] to MLX's kernels again.
 pub const MAX_CHUNKED_M: usize = 32;
 
 /// Whether batches above [`MAX_M`] run in row chunks (`MLXCEL_QGEMV_CHUNKS`, default on).
@@ -336,7 +338,8 @@ pub fn stream_config(
     bits: usize,
     pairs: bool,
 ) -> Option<Launch> {
-    if m != 1 || bits != 4 || !xq(bits) {
+    // (MLXCEL_QGEMV_MMA=1 asks for the tensor cores at batch 1: that choice stands)
+    if m != 1 || bits != 4 || !xq(bits) || mma_min_m() == Some(1) {
         return None;
     }
     let blocks = stream_blocks()?;
@@ -505,8 +508,9 @@ pub fn supports_swiglu(m: usize, n: usize, group: usize, bits: usize) -> bool {
 
 /// Rows per block (what the epilogues' pairing depends on) as for a short row. The
 /// launch for the real K may take other rows (the dp4a path's where K is not a multiple
-/// of 128, more or fewer at M = 1), but always rows dividing n, even wherever these are
-/// (n even), which is all the pairing needs: checks made with this value stay valid.
+/// of 128, more or fewer at M = 1, the streaming launch 1 or 2), but always rows dividing
+/// n, even wherever the epilogue pairs rows (the streaming launch is asked for pairs then),
+/// which is all the pairing needs: checks made with this value stay valid.
 pub fn rows_per_block(m: usize, n: usize, group: usize, bits: usize) -> usize {
     launch_config(m, n, 0, group, bits).rows
 }
@@ -1089,7 +1093,7 @@ mod tests {
         assert!(supports(4, 4096, 14336, 32, 8, bf));
         assert!(supports(1, 4096, 3584, 128, 4, bf)); // Qwen2-7B hidden size
         if mma_min_m().is_none() {
-            // batches above MAX_M run in chunks of 5-8 rows, which need the tensor cores
+            // batches above MAX_M run in chunks of 4-8 rows, those of 5-8 on the tensor cores
             assert!(!supports(MAX_M + 1, 4096, 4096, 64, 4, bf));
         }
         assert!(!supports(MAX_CHUNKED_M + 1, 4096, 4096, 64, 4, bf));
