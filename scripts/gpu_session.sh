@@ -43,6 +43,24 @@ ncut() {
     python3 scripts/prof_qgemv.py "$@" > "$OUT/ncu-$tag.txt" 2>&1
   python3 scripts/prof_qgemv.py --parse "$OUT/ncu-$tag.txt" | tee "$OUT/ncu-$tag-parsed.txt"
 }
+# mlxcel-server on the 8B 4-bit dummy config, --parallel 32, once per setting "$@" (VAR=value;
+# X=1: the defaults): bench_server.py at 1/8/32 streams after a warm-up, summarised
+# (file names hold no '=': such files do not come back from the box)
+srvab() {
+  local S=${MLXCEL_SERVER:-$(dirname $B)/mlxcel-server} e f
+  q4cfg
+  for e in "$@"; do
+    f=$(echo "$e" | tr '=' '-')
+    step "server, 8B 4-bit dummy weights, --parallel 32, $e: bench 1/8/32 streams"
+    env $e $S -m "$CK/c8b-q4" --load-format dummy --port 8123 --parallel 32 --ctx-size 2048 > "$OUT/server-$f.log" 2>&1 &
+    local spid=$!
+    for i in $(seq 150); do curl -sf localhost:8123/health >/dev/null && break; sleep 1; done
+    timeout 60 python3 scripts/bench_server.py --port 8123 --concurrency 8,32 --rounds 1 --max-tokens 32 >/dev/null  # warm-up
+    timeout 120 python3 scripts/bench_server.py --port 8123 --concurrency 1,8,32 --max-tokens 128 > "$OUT/server-bench-$f.json"
+    python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); [print(r["concurrency"], "streams:", round(r["tokens_per_s"],1), "tok/s, ttft", round(r["ttft_s"]["mean"],3), "s, inter-token mean/p50/p90 ms", round(r["inter_token_s"]["mean"]*1e3,2), round(r["inter_token_s"]["p50"]*1e3,2), round(r["inter_token_s"]["p90"]*1e3,2)) for r in d["results"]]' "$OUT/server-bench-$f.json" | tee -a "$OUT/server-ab.txt"
+    kill -TERM $spid; wait $spid; echo "server exit: $?"
+  done
+}
 # config.json of the 8B shape, 4-bit g64, for --load-format dummy (no weights written)
 q4cfg() {
   [ -f "$CK/c8b-q4/config.json" ] && return
@@ -376,34 +394,14 @@ session10)
   final)
     step "Nsight: tensor-core down projections at M = 5, 8 with 14 / 16 / 8 warps (8B, 70B)"
     NCU_S=120 ncut mmadown --mma --70b --ms 5,8 --ks 14336,28672 --cfgs 16x14,16x16,16x8
-    q4cfg
-    S=${MLXCEL_SERVER:-$(dirname $B)/mlxcel-server}
-    for e in MLXCEL_ATTN=0 X=1; do
-      step "server, 8B 4-bit dummy weights, --parallel 32, $e: bench 1/8/32 streams"
-      env $e $S -m "$CK/c8b-q4" --load-format dummy --port 8123 --parallel 32 --ctx-size 2048 > "$OUT/server-$e.log" 2>&1 &
-      spid=$!
-      for i in $(seq 150); do curl -sf localhost:8123/health >/dev/null && break; sleep 1; done
-      timeout 60 python3 scripts/bench_server.py --port 8123 --concurrency 8,32 --rounds 1 --max-tokens 32 >/dev/null  # warm-up
-      timeout 120 python3 scripts/bench_server.py --port 8123 --concurrency 1,8,32 --max-tokens 128 | tee "$OUT/server-bench-$e.json"
-      kill -TERM $spid; wait $spid; echo "server exit: $?"
-    done
+    srvab MLXCEL_ATTN=0 X=1
     ;;
   chunks)
     # batches of 9-32 rows: the kernel on row chunks of <= 8 (default) vs MLX (MLXCEL_QGEMV_CHUNKS=0)
     q4cfg
     step "decode 8B 4-bit at batches 8/12/16/32: MLXCEL_QGEMV_CHUNKS=0 vs default, alternated"
     for r in 1 2; do BENCH_S=150 q4decode "${BATCHES:-8,12,16,32}" MLXCEL_QGEMV_CHUNKS=0 X=1; done 2>&1 | tee "$OUT/decode-chunks.txt"
-    S=${MLXCEL_SERVER:-$(dirname $B)/mlxcel-server}
-    for e in MLXCEL_QGEMV_CHUNKS=0 X=1; do
-      step "server, 8B 4-bit dummy weights, --parallel 32, $e: bench 1/8/32 streams"
-      env $e $S -m "$CK/c8b-q4" --load-format dummy --port 8123 --parallel 32 --ctx-size 2048 > "$OUT/server.log" 2>&1 &
-      spid=$!
-      for i in $(seq 150); do curl -sf localhost:8123/health >/dev/null && break; sleep 1; done
-      timeout 60 python3 scripts/bench_server.py --port 8123 --concurrency 8,32 --rounds 1 --max-tokens 32 >/dev/null  # warm-up
-      timeout 120 python3 scripts/bench_server.py --port 8123 --concurrency 1,8,32 --max-tokens 128 > "$OUT/server-bench.json"
-      python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); [print(r["concurrency"], "streams:", round(r["tokens_per_s"],1), "tok/s, ttft", round(r["ttft_s"]["mean"],3), "s, inter-token mean/p50/p90 ms", round(r["inter_token_s"]["mean"]*1e3,2), round(r["inter_token_s"]["p50"]*1e3,2), round(r["inter_token_s"]["p90"]*1e3,2)) for r in d["results"]]' "$OUT/server-bench.json" | tee -a "$OUT/server-chunks.txt"
-      kill -TERM $spid; wait $spid; echo "server exit: $?"
-    done
+    srvab MLXCEL_QGEMV_CHUNKS=0 X=1
     ;;
   decode)
     q4cfg

@@ -234,11 +234,7 @@ pub fn supports(
     };
     if m > MAX_M {
         // in row chunks of at most MAX_M (see [`row_chunks`])
-        return m <= MAX_CHUNKED_M
-            && chunking()
-            && row_chunks(m)
-                .iter()
-                .all(|&(_, rows)| supports(rows, n, k, group, bits, dtypes));
+        return chunking() && every_chunk(m, |rows| supports(rows, n, k, group, bits, dtypes));
     }
     m >= 1
         && n > 0
@@ -280,6 +276,12 @@ pub fn row_chunks(m: usize) -> Vec<(usize, usize)> {
             (at - rows, rows)
         })
         .collect()
+}
+
+/// Whether a batch of `m` rows (at most [`MAX_CHUNKED_M`]) can run in [`row_chunks`]:
+/// `fits(rows)` for every chunk's rows.
+fn every_chunk(m: usize, fits: impl Fn(usize) -> bool) -> bool {
+    m <= MAX_CHUNKED_M && row_chunks(m).iter().all(|&(_, rows)| fits(rows))
 }
 
 /// Runs `f(first row, rows)` on each of [`row_chunks`]`(m)` and joins the outputs: output i
@@ -498,10 +500,7 @@ pub const MAX_LOADS_PER_THREAD: usize = 28;
 /// (besides [`supports`]): pairs of rows in every block of every row chunk.
 pub fn supports_swiglu(m: usize, n: usize, group: usize, bits: usize) -> bool {
     if m > MAX_M {
-        return m <= MAX_CHUNKED_M
-            && row_chunks(m)
-                .iter()
-                .all(|&(_, rows)| supports_swiglu(rows, n, group, bits));
+        return every_chunk(m, |rows| supports_swiglu(rows, n, group, bits));
     }
     n.is_multiple_of(2) && rows_per_block(m, n, group, bits).is_multiple_of(2)
 }
@@ -661,22 +660,22 @@ pub fn qgemv(
         let (mi, ki, ni, oi) = (m as i32, k as i32, n as i32, out_n as i32);
         let x2 = x.reshape(&[mi, ki])?;
         let res2 = match epi {
-            Epilogue::Residual(r) if r.size() == m * n => Some(r.reshape(&[mi, ni])?),
+            Epilogue::Residual(r) if r.size() != m * n => {
+                return Err(MlxError::Invalid(format!(
+                    "qgemv: residual {:?} does not match the output [{m}, {n}]",
+                    r.shape()
+                )))
+            }
+            Epilogue::Residual(r) => Some(r.reshape(&[mi, ni])?),
             _ => None,
         };
         let mut y = by_row_chunks(m, |lo, rows| {
             let (a, b) = (lo as i32, (lo + rows) as i32);
             let xi = x2.slice_axis(0, a, b)?;
             let ri = res2.as_ref().map(|r| r.slice_axis(0, a, b)).transpose()?;
-            let e = match (epi, &ri) {
-                (Epilogue::Residual(_), Some(r)) => Epilogue::Residual(r),
-                (Epilogue::Residual(r), None) => {
-                    return Err(MlxError::Invalid(format!(
-                        "qgemv: residual {:?} does not match the output [{m}, {n}]",
-                        r.shape()
-                    )))
-                }
-                (e, _) => e,
+            let e = match &ri {
+                Some(r) => Epilogue::Residual(r),
+                None => epi,
             };
             let shape = [rows as i32, oi];
             Ok(vec![qgemv(
@@ -847,10 +846,7 @@ pub fn supports_rope(
     head_dim: usize,
 ) -> bool {
     if m > MAX_M {
-        return m <= MAX_CHUNKED_M
-            && row_chunks(m)
-                .iter()
-                .all(|&(_, rows)| supports_rope(rows, n, group, bits, nq, head_dim));
+        return every_chunk(m, |rows| supports_rope(rows, n, group, bits, nq, head_dim));
     }
     if head_dim == 0 || !head_dim.is_multiple_of(2) || !n.is_multiple_of(head_dim) {
         return false;
