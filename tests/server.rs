@@ -804,7 +804,7 @@ fn bad_requests(tp: &[&str]) {
             &[("Content-Type", "application/x-www-form-urlencoded")],
             br#"{"prompt": "x"}"#,
         ),
-        400,
+        415,
     );
     assert!(e["message"].as_str().unwrap().contains("Content-Type"));
     // unknown route, wrong method
