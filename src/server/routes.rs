@@ -1,12 +1,10 @@
 //! The HTTP surface: routes, auth, body handling, streaming (SSE) and the
 //! fallbacks that keep every error in OpenAI's JSON shape.
-use std::collections::VecDeque;
 use std::convert::Infallible;
-use std::io::Read;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use axum::body::{Body, Bytes};
+use axum::body::Body;
 use axum::extract::rejection::PathRejection;
 use axum::extract::{Path, Request, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
@@ -308,9 +306,10 @@ fn error_response(e: ApiError) -> Response {
     r
 }
 
-/// The body as JSON: content type (415), size limit (413), `--body-timeout`
-/// (408) and syntax (400); also says how many bytes the body had.
-async fn read_json(req: Request, timeout: Duration) -> Result<(Value, usize), ApiError> {
+/// The body: content type (415), size limit (413) and `--body-timeout` (408).
+/// It is gathered in one buffer as it arrives (each chunk freed once copied),
+/// so the JSON parse can borrow its strings.
+async fn read_body(req: Request, timeout: Duration) -> Result<Vec<u8>, ApiError> {
     check_content_type(req.headers())?;
     let declared = req
         .headers()
@@ -320,7 +319,8 @@ async fn read_json(req: Request, timeout: Duration) -> Result<(Value, usize), Ap
     if declared.is_some_and(|n| n > BODY_LIMIT as u64) {
         return Err(ApiError::too_large(BODY_LIMIT));
     }
-    let chunks = match tokio::time::timeout(timeout, read_chunks(req.into_body())).await {
+    let capacity = declared.unwrap_or(0) as usize;
+    let bytes = match tokio::time::timeout(timeout, gather(req.into_body(), capacity)).await {
         Ok(r) => r?,
         Err(_) => {
             return Err(ApiError::new(
@@ -334,59 +334,119 @@ async fn read_json(req: Request, timeout: Duration) -> Result<(Value, usize), Ap
             .with_code("request_timeout"))
         }
     };
-    let len = chunks.len;
-    if len == 0 {
+    if bytes.is_empty() {
         return Err(ApiError::bad_request(
             "the request body is empty; send a JSON object",
         ));
     }
-    // parsed from the chunks as they are (no contiguous copy), each freed once read
-    let v = serde_json::from_reader(std::io::BufReader::with_capacity(64 << 10, chunks))
-        .map_err(|e| ApiError::bad_request(format!("the request body is not valid JSON: {e}")))?;
-    Ok((v, len))
+    Ok(bytes)
 }
 
-/// A request body's chunks, read in order and dropped as they are used up.
-struct Chunks {
-    queue: VecDeque<Bytes>,
-    len: usize,
-}
-
-impl Read for Chunks {
-    fn read(&mut self, out: &mut [u8]) -> std::io::Result<usize> {
-        while let Some(front) = self.queue.front_mut() {
-            if front.is_empty() {
-                self.queue.pop_front();
-                continue;
-            }
-            let n = out.len().min(front.len());
-            out[..n].copy_from_slice(&front[..n]);
-            *front = front.slice(n..);
-            return Ok(n);
-        }
-        Ok(0)
-    }
-}
-
-async fn read_chunks(body: Body) -> Result<Chunks, ApiError> {
+async fn gather(body: Body, capacity: usize) -> Result<Vec<u8>, ApiError> {
     use http_body_util::BodyExt;
     let mut body = body;
-    let mut out = Chunks {
-        queue: VecDeque::new(),
-        len: 0,
-    };
+    let mut out = Vec::with_capacity(capacity);
     while let Some(frame) = body.frame().await {
         let frame =
             frame.map_err(|e| ApiError::bad_request(format!("reading the request body: {e}")))?;
         if let Ok(data) = frame.into_data() {
-            out.len += data.len();
-            if out.len > BODY_LIMIT {
+            if out.len() + data.len() > BODY_LIMIT {
                 return Err(ApiError::too_large(BODY_LIMIT));
             }
-            out.queue.push_back(data);
+            out.extend_from_slice(&data);
         }
     }
     Ok(out)
+}
+
+fn parse_json(bytes: &[u8]) -> Result<Value, ApiError> {
+    serde_json::from_slice(bytes)
+        .map_err(|e| ApiError::bad_request(format!("the request body is not valid JSON: {e}")))
+}
+
+/// The bytes of text in a JSON value, found without keeping a copy: a string's
+/// length, the sum over a list, and over the `text` fields of an object (a
+/// chat content part); 0 for anything else.
+struct TextLen(usize);
+
+impl<'de> serde::Deserialize<'de> for TextLen {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<TextLen, D::Error> {
+        use serde::de::{IgnoredAny, MapAccess, SeqAccess, Visitor};
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = TextLen;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("any JSON value")
+            }
+            fn visit_str<E>(self, s: &str) -> Result<TextLen, E> {
+                Ok(TextLen(s.len()))
+            }
+            fn visit_bool<E>(self, _: bool) -> Result<TextLen, E> {
+                Ok(TextLen(0))
+            }
+            fn visit_i64<E>(self, _: i64) -> Result<TextLen, E> {
+                Ok(TextLen(0))
+            }
+            fn visit_u64<E>(self, _: u64) -> Result<TextLen, E> {
+                Ok(TextLen(0))
+            }
+            fn visit_f64<E>(self, _: f64) -> Result<TextLen, E> {
+                Ok(TextLen(0))
+            }
+            fn visit_unit<E>(self) -> Result<TextLen, E> {
+                Ok(TextLen(0))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut a: A) -> Result<TextLen, A::Error> {
+                let mut n = 0;
+                while let Some(TextLen(x)) = a.next_element()? {
+                    n += x;
+                }
+                Ok(TextLen(n))
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut a: A) -> Result<TextLen, A::Error> {
+                let mut n = 0;
+                while let Some(key) = a.next_key::<std::borrow::Cow<'de, str>>()? {
+                    if key == "text" {
+                        n += a.next_value::<TextLen>()?.0;
+                    } else {
+                        a.next_value::<IgnoredAny>()?;
+                    }
+                }
+                Ok(TextLen(n))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// Just the prompt text's size of a request body.
+#[derive(serde::Deserialize)]
+struct PromptView {
+    #[serde(default)]
+    messages: Option<Vec<MessageView>>,
+    #[serde(default)]
+    prompt: Option<TextLen>,
+}
+
+#[derive(serde::Deserialize)]
+struct MessageView {
+    #[serde(default)]
+    content: Option<TextLen>,
+}
+
+/// Bytes of prompt text in a raw body (`None` if its shape is not the usual
+/// one; the full parse says what is wrong then).
+fn raw_prompt_bytes(api: Api, body: &[u8]) -> Option<usize> {
+    let v: PromptView = serde_json::from_slice(body).ok()?;
+    match api {
+        Api::Chat => Some(
+            v.messages?
+                .iter()
+                .map(|m| m.content.as_ref().map_or(0, |c| c.0))
+                .sum(),
+        ),
+        Api::Completions => v.prompt.map(|p| p.0),
+    }
 }
 
 /// Hands memory freed by a large request back to the OS (glibc keeps freed
@@ -435,20 +495,34 @@ fn now_secs() -> u64 {
 
 async fn generate(st: Arc<AppState>, req: Request, api: Api) -> Result<Response, ApiError> {
     let arrived = Instant::now();
-    let (body, len) = read_json(req, st.body_timeout).await?;
-    let r = generate_parsed(st, body, api, arrived).await;
+    let raw = read_body(req, st.body_timeout).await?;
+    let len = raw.len();
+    let r = generate_raw(st, raw, api, arrived).await;
     if len >= TRIM_AFTER_BYTES {
         release_memory().await;
     }
     r
 }
 
-async fn generate_parsed(
+async fn generate_raw(
     st: Arc<AppState>,
-    body: Value,
+    raw: Vec<u8>,
     api: Api,
     arrived: Instant,
 ) -> Result<Response, ApiError> {
+    // the cheap bound, before any copy of the prompt is made
+    if let Some(bytes) = raw_prompt_bytes(api, &raw) {
+        let (ctx, per_token) = (st.model.ctx_size, st.model.max_token_bytes.max(1));
+        if bytes >= ctx.saturating_mul(per_token) {
+            let param = match api {
+                Api::Chat => "messages",
+                Api::Completions => "prompt",
+            };
+            return Err(bytes_too_long(param, ctx, bytes, per_token));
+        }
+    }
+    let body = parse_json(&raw)?;
+    drop(raw);
     let g = openai::parse(api, &body)?;
     drop(body);
     if let Some(m) = &g.model {
@@ -512,8 +586,22 @@ async fn generate_parsed(
 }
 
 fn too_long(g: &GenRequest, ctx: usize, what: String) -> ApiError {
+    too_long_for(g.prompt_param(), ctx, what)
+}
+
+fn bytes_too_long(param: &str, ctx: usize, bytes: usize, per_token: usize) -> ApiError {
+    too_long_for(
+        param,
+        ctx,
+        format!(
+            "the prompt has {bytes} bytes of text, and no token of this tokenizer is longer than {per_token} bytes"
+        ),
+    )
+}
+
+fn too_long_for(param: &str, ctx: usize, what: String) -> ApiError {
     ApiError::invalid(
-        g.prompt_param(),
+        param,
         format!(
             "this model's maximum context length is {ctx} tokens, but {what} (at least one more is needed to generate)"
         ),
@@ -582,13 +670,7 @@ async fn tokenize(st: &AppState, g: &GenRequest) -> Result<Vec<u32>, ApiError> {
     let bytes = prompt_bytes(&g.prompt);
     let per_token = st.model.max_token_bytes.max(1);
     if bytes >= ctx.saturating_mul(per_token) {
-        return Err(too_long(
-            g,
-            ctx,
-            format!(
-                "the prompt has {bytes} bytes of text, and no token of this tokenizer is longer than {per_token} bytes"
-            ),
-        ));
+        return Err(bytes_too_long(param, ctx, bytes, per_token));
     }
     let ids = match &g.prompt {
         PromptInput::Ids(ids) => {
@@ -833,6 +915,28 @@ fn stream_response(st: Arc<AppState>, g: GenRequest, env: Envelope, rx: EventRec
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn prompt_bytes_of_raw_bodies() {
+        let chat = br#"{"model": "m", "messages": [{"role": "system", "content": "ab\n"},
+            {"role": "user", "content": [{"type": "text", "text": "xyz"}, {"type": "text", "text": "\u00e9"}]}],
+            "max_tokens": 3}"#;
+        assert_eq!(raw_prompt_bytes(Api::Chat, chat), Some(3 + 3 + 2));
+        assert_eq!(raw_prompt_bytes(Api::Completions, chat), None);
+        assert_eq!(
+            raw_prompt_bytes(Api::Completions, br#"{"prompt": ["hello"]}"#),
+            Some(5)
+        );
+        assert_eq!(
+            raw_prompt_bytes(Api::Completions, br#"{"prompt": [1, 2, 3]}"#),
+            Some(0)
+        );
+        assert_eq!(raw_prompt_bytes(Api::Chat, br#"{"messages": "hi"}"#), None);
+        assert_eq!(raw_prompt_bytes(Api::Chat, b"{\"messages\": [}"), None);
+        assert_eq!(cut_before_space("ab cd ef", 7), 5);
+        assert_eq!(cut_before_space("abcdef", 4), 4);
+        assert_eq!(cut_before_space("aé", 2), 1);
+    }
 
     #[test]
     fn content_types() {
