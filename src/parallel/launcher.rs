@@ -490,15 +490,14 @@ fn watch(shared: Arc<Shared>, events: Sender<Event>, grace: Duration) {
         {
             if let Some((rank, silent)) = shared.silent_rank() {
                 let stderr_tail = shared.tails[rank].lines();
-                shared.fail(RankError::HeartbeatLost {
+                let err = RankError::HeartbeatLost {
                     rank,
                     silent,
                     stderr_tail,
-                });
+                };
+                fail_group(&shared, err, grace, &events);
                 // a stopped or frozen rank would sit out the grace period
                 shared.kill(rank);
-                shared.terminate(grace);
-                let _ = events.send(Event::Failed);
             }
         }
         for (rank, status) in deaths {
@@ -509,13 +508,12 @@ fn watch(shared: Arc<Shared>, events: Sender<Event>, grace: Duration) {
                 continue;
             }
             let stderr_tail = shared.tails[rank].settled_lines();
-            shared.fail(RankError::Died {
+            let err = RankError::Died {
                 rank,
                 status,
                 stderr_tail,
-            });
-            shared.terminate(grace);
-            let _ = events.send(Event::Failed);
+            };
+            fail_group(&shared, err, grace, &events);
         }
         if shared.all_reaped() {
             return;
@@ -530,6 +528,13 @@ fn watch(shared: Arc<Shared>, events: Sender<Event>, grace: Duration) {
         }
         std::thread::sleep(WATCH_PERIOD);
     }
+}
+
+/// Records `err` as the group's failure, starts stopping every rank and wakes the driver.
+fn fail_group(shared: &Shared, err: RankError, grace: Duration, events: &Sender<Event>) {
+    shared.fail(err);
+    shared.terminate(grace);
+    let _ = events.send(Event::Failed);
 }
 
 fn read_frames(rank: usize, mut ch: Channel, events: Sender<Event>, shared: Arc<Shared>) {

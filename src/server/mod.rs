@@ -14,6 +14,10 @@
 //! minutes; past that the server exits non-zero with the reason). The server
 //! process itself does no GPU work then.
 //!
+//! Connections are served by [`http`] (hyper with header, body and idle
+//! timeouts and `--max-connections`); prompts are bounded before they are
+//! tokenized (see [`routes`]).
+//!
 //! See `docs/server.md` for the endpoints, parameters, flags and metrics.
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};

@@ -916,6 +916,31 @@ fn stream_response(st: Arc<AppState>, g: GenRequest, env: Envelope, rx: EventRec
 mod tests {
     use super::*;
 
+    #[tokio::test]
+    async fn framework_errors_become_json() {
+        let plain = (
+            StatusCode::UNPROCESSABLE_ENTITY,
+            [(header::CONTENT_TYPE, "text/plain")],
+            "Failed to deserialize",
+        )
+            .into_response();
+        let r = json_errors(plain).await;
+        assert_eq!(r.status(), StatusCode::UNPROCESSABLE_ENTITY);
+        assert_eq!(r.headers()[header::CONTENT_TYPE], "application/json");
+        let body = axum::body::to_bytes(r.into_body(), 4096).await.unwrap();
+        let v: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(v["error"]["message"], "Failed to deserialize");
+        assert_eq!(v["error"]["type"], "invalid_request_error");
+        // an empty 5xx gets its reason; a success is left alone
+        let r = json_errors(StatusCode::BAD_GATEWAY.into_response()).await;
+        let body = axum::body::to_bytes(r.into_body(), 4096).await.unwrap();
+        let v: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(v["error"]["message"], "Bad Gateway");
+        assert_eq!(v["error"]["type"], "server_error");
+        let ok = json_errors("hi".into_response()).await;
+        assert_eq!(ok.status(), StatusCode::OK);
+    }
+
     #[test]
     fn prompt_bytes_of_raw_bodies() {
         let chat = br#"{"model": "m", "messages": [{"role": "system", "content": "ab\n"},
