@@ -67,6 +67,10 @@ pub fn run(args: &RankArgs) -> Result<()> {
             chan.rank()
         );
     }
+    // from its own thread, which touches no MLX state: the driver hears this rank
+    // while it loads or runs a long step, and not once it is stopped or frozen
+    chan.start_heartbeat()
+        .context("starting the heartbeat thread")?;
     let result = serve(args, rank, &dir, &mut chan);
     if let Err(e) = &result {
         let _ = chan.send(&FromRank::Error(format!("rank {rank}: {e:#}")));
