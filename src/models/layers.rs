@@ -49,7 +49,7 @@ impl Linear {
     /// reading only this rank's part under `shard`.
     #[allow(clippy::too_many_arguments)]
     pub fn load(
-        src: &WeightSource,
+        src: &dyn WeightSource,
         prefix: &str,
         in_dim: usize,
         out_dim: usize,
@@ -124,7 +124,7 @@ impl Linear {
     /// when quantized, and output biases) are stacked along the output axis as they are
     /// read, not concatenated afterwards.
     pub fn load_merged(
-        src: &WeightSource,
+        src: &dyn WeightSource,
         parts: &[(&str, usize, Shard)],
         in_dim: usize,
         bias: bool,
@@ -482,7 +482,7 @@ pub struct Embedding {
 
 impl Embedding {
     pub fn load(
-        src: &WeightSource,
+        src: &dyn WeightSource,
         prefix: &str,
         vocab: usize,
         hidden: usize,
@@ -536,7 +536,7 @@ pub struct RmsNorm {
 }
 
 impl RmsNorm {
-    pub fn load(src: &WeightSource, name: &str, dim: usize, eps: f32) -> Result<Self> {
+    pub fn load(src: &dyn WeightSource, name: &str, dim: usize, eps: f32) -> Result<Self> {
         Ok(RmsNorm {
             weight: src.load(name, &[dim], TensorKind::Norm)?,
             eps,

@@ -87,7 +87,7 @@ impl Transformer {
     /// Load every weight named as in the HF / mlx-community checkpoint.
     pub fn load(
         cfg: &ModelConfig,
-        src: &WeightSource,
+        src: &dyn WeightSource,
         progress: impl FnMut(usize, usize),
     ) -> Result<Transformer> {
         Self::load_shard(cfg, src, &ShardPlan::full(cfg), None, progress)
@@ -96,7 +96,7 @@ impl Transformer {
     /// Load this rank's shard under `plan`; row-parallel layers reduce over `tp`.
     pub fn load_shard(
         cfg: &ModelConfig,
-        src: &WeightSource,
+        src: &dyn WeightSource,
         plan: &ShardPlan,
         tp: Option<Rc<Group>>,
         mut progress: impl FnMut(usize, usize),
