@@ -70,7 +70,7 @@ pub enum Command {
 /// Entry point of the `mlxcel` binary.
 pub fn main() -> Result<()> {
     let cli = Cli::parse();
-    startup(cli.verbose);
+    startup(cli.verbose)?;
     match cli.command {
         Command::Generate(args) => generate::run(&args),
         Command::Bench(args) => bench::run(&args),
@@ -89,8 +89,9 @@ pub fn main() -> Result<()> {
     }
 }
 
-/// Logging, the CUDA device order and the `detected N GPUs` line; every binary calls it first.
-pub fn startup(verbose: u8) {
+/// Logging, the CUDA device order, the `detected N GPUs` line and the kernels' tuning
+/// knobs (a bad value is an error naming the variable); every binary calls it first.
+pub fn startup(verbose: u8) -> Result<()> {
     init_logging(verbose);
     prepare_cuda_env();
     tracing::info!(
@@ -99,6 +100,8 @@ pub fn startup(verbose: u8) {
         mlx::backend(),
         mlx::version()
     );
+    crate::kernels::knobs::check()?;
+    Ok(())
 }
 
 /// Logs go to stderr: `RUST_LOG` if set, else info (debug with -v, trace with -vv).

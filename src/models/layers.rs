@@ -4,8 +4,8 @@
 use std::ops::Range;
 use std::rc::Rc;
 
+use crate::kernels::{self, qgemv::Epilogue};
 use crate::mlx::distributed::Group;
-use crate::mlx::qgemv::Epilogue;
 use crate::mlx::{self, fast, Array, Dtype};
 
 use super::config::{ModelConfig, QuantConfig};
@@ -302,9 +302,9 @@ impl Linear {
         let fits = rope.dims as usize == head_dim
             && pos.size() == f.m
             && pos.dtype() == Dtype::I32
-            && mlx::qgemv::supports_rope(f.m, f.n, f.group, f.bits, nq, head_dim);
+            && kernels::qgemv::supports_rope(f.m, f.n, f.group, f.bits, nq, head_dim);
         fits.then(|| {
-            mlx::qgemv::qgemv_rope(
+            kernels::qgemv::qgemv_rope(
                 x,
                 f.w,
                 f.scales,
@@ -334,7 +334,7 @@ impl Linear {
         else {
             return None;
         };
-        if self.bias.is_some() || self.reduce.is_some() || !mlx::qgemv::enabled() {
+        if self.bias.is_some() || self.reduce.is_some() || !kernels::qgemv::enabled() {
             return None;
         }
         let (n, k) = (self.out_dim(), self.in_dim());
@@ -343,7 +343,7 @@ impl Linear {
         let norm_fits = norm.is_none_or(|n| n.weight.size() == k && n.weight.dtype() == x.dtype());
         let fits = norm_fits
             && m * k == x.size()
-            && mlx::qgemv::supports(m, n, k, group, bits, [x.dtype(), scales.dtype()]);
+            && kernels::qgemv::supports(m, n, k, group, bits, [x.dtype(), scales.dtype()]);
         fits.then_some(Fusable {
             w,
             scales,
@@ -369,11 +369,11 @@ impl Linear {
         let f = self.fusable(x, norm)?;
         let epi_fits = match epi {
             Epilogue::Residual(r) => r.dtype() == x.dtype() && r.size() == f.m * f.n,
-            Epilogue::SwiGlu => mlx::qgemv::supports_swiglu(f.m, f.n, f.group, f.bits),
+            Epilogue::SwiGlu => kernels::qgemv::supports_swiglu(f.m, f.n, f.group, f.bits),
             Epilogue::None => true,
         };
         epi_fits.then(|| {
-            mlx::qgemv::qgemv(
+            kernels::qgemv::qgemv(
                 x,
                 f.w,
                 f.scales,
@@ -437,12 +437,12 @@ fn quantized_forward(
     let n = w.dim(0) as usize;
     let m = x.size().checked_div(k).unwrap_or(0);
     let (group, bits) = (q.group_size as usize, q.bits as usize);
-    if mlx::qgemv::enabled()
-        && mlx::qgemv::supports(m, n, k, group, bits, [x.dtype(), scales.dtype()])
+    if kernels::qgemv::enabled()
+        && kernels::qgemv::supports(m, n, k, group, bits, [x.dtype(), scales.dtype()])
     {
         let mut shape = x.shape();
         *shape.last_mut().expect("x has a last axis") = n as i32;
-        return mlx::qgemv::qgemv(
+        return kernels::qgemv::qgemv(
             x,
             w,
             scales,

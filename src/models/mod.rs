@@ -3,10 +3,12 @@
 //! in [`transformer`], built from the layers in [`layers`].
 pub mod config;
 pub mod demo;
+pub mod kv_cache;
 pub mod layers;
 pub mod llama;
 pub mod qwen2;
 pub mod qwen3;
+pub mod shard;
 pub mod transformer;
 pub mod weights;
 

@@ -666,7 +666,7 @@ pub fn gpu_memory_via_child(program: Option<&Path>) -> Result<Vec<GpuMemory>, St
     };
     let mut cmd = std::process::Command::new(&exe);
     cmd.arg("_devices").env("RUST_LOG", "error");
-    let out = crate::cli::devices::run_with_timeout(cmd, Duration::from_secs(60))
+    let out = super::child::run_with_timeout(cmd, Duration::from_secs(60))
         .map_err(|e| format!("running `{} _devices`: {e:#}", exe.display()))?;
     if out.timed_out {
         return Err(format!(

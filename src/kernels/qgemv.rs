@@ -11,8 +11,9 @@
 use std::path::Path;
 use std::sync::OnceLock;
 
-use super::fast::CudaKernel;
-use super::{Array, Backend, Dtype, MlxError, Result};
+use super::{gpu, knobs};
+use crate::mlx::fast::CudaKernel;
+use crate::mlx::{self, Array, Backend, Dtype, MlxError, Result};
 
 /// Largest batch (rows of x) of one launch of the kernel: up to [`DP4A_MAX_M`] on every
 /// path, above it on the tensor-core path only (see [`supports`]); larger batches up to
@@ -97,16 +98,15 @@ pub fn split_source(text: &str) -> std::result::Result<Source, String> {
 }
 
 fn load_source() -> std::result::Result<Source, String> {
-    match std::env::var_os("MLXCEL_QGEMV_SOURCE") {
+    match &knobs::get().qgemv_source {
         Some(path) => {
-            let text = std::fs::read_to_string(&path).map_err(|e| {
+            let text = std::fs::read_to_string(path).map_err(|e| {
                 format!(
                     "MLXCEL_QGEMV_SOURCE={}: cannot read it: {e}",
-                    path.to_string_lossy()
+                    path.display()
                 )
             })?;
-            split_source(&text)
-                .map_err(|e| format!("MLXCEL_QGEMV_SOURCE={}: {e}", path.to_string_lossy()))
+            split_source(&text).map_err(|e| format!("MLXCEL_QGEMV_SOURCE={}: {e}", path.display()))
         }
         None => split_source(EMBEDDED).map_err(|e| format!("embedded kernels/qgemv.cu: {e}")),
     }
@@ -137,7 +137,7 @@ fn mlx_header() -> Result<&'static str> {
 /// `header` as a custom kernel named `name` passes it to MLX: an `#include` of it
 /// written to `<cache>/kernels/<name>.cuh` (see [`mlx_header`]), or itself.
 pub(crate) fn header_for_mlx(name: &str, header: &str) -> String {
-    if std::env::var_os("MLXCEL_KERNEL_INCLUDE").is_some_and(|v| v == "0") {
+    if !knobs::get().kernel_include {
         return header.to_string();
     }
     let dir = crate::cache_root().join("kernels");
@@ -204,16 +204,13 @@ fn source() -> Result<&'static Source> {
 /// `MLXCEL_QGEMV_XQ=0` keeps bf16 activations (float math, no tensor cores).
 pub fn int8_activations() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| std::env::var("MLXCEL_QGEMV_XQ").map_or(true, |v| v != "0"))
+    *ON.get_or_init(|| knobs::get().qgemv_xq)
 }
 
 /// Whether the kernel is used at all: MLX's CUDA backend and not `MLXCEL_QGEMV=0`.
 pub fn enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| {
-        super::backend() == Backend::Cuda
-            && std::env::var("MLXCEL_QGEMV").map_or(true, |v| v != "0")
-    })
+    *ON.get_or_init(|| mlx::backend() == Backend::Cuda && knobs::get().qgemv)
 }
 
 /// Whether the kernel covers `x [m, k] · w [n, k]ᵀ` with these bits, group and dtypes.
@@ -260,7 +257,7 @@ pub const MAX_CHUNKED_M: usize = 32;
 /// Whether batches above [`MAX_M`] run in row chunks (`MLXCEL_QGEMV_CHUNKS`, default on).
 fn chunking() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| std::env::var("MLXCEL_QGEMV_CHUNKS").map_or(true, |v| v.trim() != "0"))
+    *ON.get_or_init(|| knobs::get().qgemv_chunks)
 }
 
 /// `m` rows as `(first row, rows)` chunks of at most [`MAX_M`], as few as that allows and
@@ -301,7 +298,7 @@ fn by_row_chunks(
     }
     parts
         .iter()
-        .map(|p| super::concatenate(&p.iter().collect::<Vec<_>>(), 0))
+        .map(|p| mlx::concatenate(&p.iter().collect::<Vec<_>>(), 0))
         .collect()
 }
 
@@ -330,7 +327,7 @@ fn launch(m: usize, n: usize, k: usize, group: usize, bits: usize, pairs: bool) 
 
 /// The streaming path's launch (M = 1, 4-bit with int8 activations, on a GPU with
 /// `cp.async`, compute capability ≥ 8.0; `MLXCEL_QGEMV_STREAM=0` turns it off, and
-/// `MLXCEL_QGEMV_STREAM_BLOCKS=n` sets its grid, default [`STREAM_BLOCKS`]). `pairs`: the
+/// `MLXCEL_QGEMV_STREAM_BLOCKS=n` sets its grid, default [`gpu::Gpu::streaming_grid`]). `pairs`: the
 /// epilogue takes pairs of rows (SwiGLU, RoPE), so rows per group must be even.
 pub fn stream_config(
     m: usize,
@@ -352,30 +349,18 @@ pub fn stream_config(
 fn stream_blocks() -> Option<usize> {
     static BLOCKS: OnceLock<Option<usize>> = OnceLock::new();
     *BLOCKS.get_or_init(|| {
-        let capable = super::backend() == Backend::Cuda
-            && super::device_info(0).is_ok_and(|d| sm_version(&d.architecture) >= Some(80));
-        if !capable || std::env::var("MLXCEL_QGEMV_STREAM").is_ok_and(|v| v.trim() == "0") {
+        let gpu = gpu::this_gpu();
+        let knobs = knobs::get();
+        if !gpu.has_cp_async() || !knobs.qgemv_stream {
             return None;
         }
-        let var = std::env::var("MLXCEL_QGEMV_STREAM_BLOCKS").ok();
-        Some(match var.as_deref().map(|v| v.trim().parse::<usize>()) {
-            None => STREAM_BLOCKS,
-            Some(Ok(b)) if (1..=65535).contains(&b) => b,
-            Some(_) => {
-                tracing::warn!(
-                    "MLXCEL_QGEMV_STREAM_BLOCKS={:?} is not a block count 1-65535; using {STREAM_BLOCKS}",
-                    var.unwrap_or_default()
-                );
-                STREAM_BLOCKS
-            }
-        })
+        Some(
+            knobs
+                .qgemv_stream_blocks
+                .unwrap_or_else(|| gpu.streaming_grid()),
+        )
     })
 }
-
-/// Blocks of the streaming path: 2 per SM of an H200 (132 SMs). Nsight, tenth session,
-/// the 8B down projection with 2 rows per group and 14 warps: 12.1-13.1 µs at 264 blocks,
-/// 14.9-15.2 at 396, 13.5-13.7 at 528 (the one-block-per-group launch: 14.4).
-pub const STREAM_BLOCKS: usize = 264;
 
 /// Shortest row the streaming path takes. At K = 4096 (8B q/k/v, o, gate/up, lm_head) the
 /// one-block-per-group launch won on every shape (Nsight, tenth session: q/k/v 6.5 against
@@ -442,45 +427,20 @@ fn xq(bits: usize) -> bool {
 fn mma_min_m() -> Option<usize> {
     static MIN: OnceLock<Option<usize>> = OnceLock::new();
     *MIN.get_or_init(|| {
-        let capable = super::backend() == Backend::Cuda
-            && int8_activations()
-            && super::device_info(0).is_ok_and(|d| sm_version(&d.architecture) >= Some(80));
-        let choice = std::env::var("MLXCEL_QGEMV_MMA").ok();
-        if let Some(v) = choice.as_deref().filter(|v| !mma_var_valid(v)) {
-            tracing::warn!(
-                "MLXCEL_QGEMV_MMA={v:?} is neither 0 nor a batch size 1-{MAX_M}; \
-                 the tensor-core path starts at batch {MMA_MIN_M}"
-            );
-        }
-        mma_choice(capable, choice.as_deref())
+        let capable = int8_activations() && gpu::this_gpu().has_int8_mma();
+        mma_choice(capable, knobs::get().qgemv_mma)
     })
 }
 
-/// [`mma_min_m`] from whether the GPU can run it and `MLXCEL_QGEMV_MMA`.
-fn mma_choice(capable: bool, var: Option<&str>) -> Option<usize> {
-    match var.map(str::trim) {
+/// [`mma_min_m`] from whether the GPU can run it and `MLXCEL_QGEMV_MMA` (validated by
+/// [`knobs`]: 0 or a batch size 1–[`MAX_M`]).
+fn mma_choice(capable: bool, knob: Option<usize>) -> Option<usize> {
+    match knob {
         _ if !capable => None,
-        Some("0") => None,
-        Some(v) => match v.parse::<usize>() {
-            Ok(n) if (1..=MAX_M).contains(&n) => Some(n),
-            _ => Some(MMA_MIN_M),
-        },
+        Some(0) => None,
+        Some(n) => Some(n),
         None => Some(MMA_MIN_M),
     }
-}
-
-/// Whether `MLXCEL_QGEMV_MMA` holds 0 or a batch size the kernel covers.
-fn mma_var_valid(v: &str) -> bool {
-    v.trim().parse::<usize>().is_ok_and(|n| n <= MAX_M)
-}
-
-/// `sm_90` → 90 (MLX's device architecture string).
-fn sm_version(arch: &str) -> Option<u32> {
-    arch.trim()
-        .strip_prefix("sm_")?
-        .trim_end_matches(|c: char| c.is_ascii_alphabetic())
-        .parse()
-        .ok()
 }
 
 /// Smallest batch on the tensor-core path by default. On H200 (8B shapes) the path's
@@ -1142,8 +1102,8 @@ mod tests {
         // (as the RoPE entry point's q and kv), on MLX's CPU ops
         let (m, k, n) = (20usize, 64usize, 12usize);
         let rnd = |shape: &[i32], seed| {
-            let key = crate::mlx::random::key(seed).unwrap();
-            crate::mlx::random::normal(shape, Dtype::F32, 0.0, 1.0, &key).unwrap()
+            let key = mlx::random::key(seed).unwrap();
+            mlx::random::normal(shape, Dtype::F32, 0.0, 1.0, &key).unwrap()
         };
         let x = rnd(&[m as i32, k as i32], 1);
         let w = rnd(&[n as i32, k as i32], 2);
@@ -1325,19 +1285,11 @@ mod tests {
     #[test]
     fn tensor_core_path_choice() {
         assert_eq!(mma_choice(true, None), Some(MMA_MIN_M));
-        assert_eq!(mma_choice(true, Some("0")), None);
-        assert_eq!(mma_choice(true, Some("1")), Some(1));
-        assert_eq!(mma_choice(true, Some(" 8 ")), Some(8));
-        assert_eq!(mma_choice(true, Some("9")), Some(MMA_MIN_M)); // not a batch size
-        assert!(mma_var_valid("0") && mma_var_valid(" 8") && mma_var_valid("3"));
-        assert!(!mma_var_valid("9") && !mma_var_valid("on") && !mma_var_valid(""));
+        assert_eq!(mma_choice(true, Some(0)), None);
+        assert_eq!(mma_choice(true, Some(1)), Some(1));
+        assert_eq!(mma_choice(true, Some(8)), Some(8));
         assert_eq!(mma_choice(false, None), None);
-        assert_eq!(mma_choice(false, Some("1")), None); // the GPU cannot run it
-        assert_eq!(sm_version("sm_90"), Some(90));
-        assert_eq!(sm_version("sm_90a"), Some(90));
-        assert_eq!(sm_version("sm_75"), Some(75));
-        assert_eq!(sm_version("gfx90a"), None);
-        assert_eq!(sm_version(""), None);
+        assert_eq!(mma_choice(false, Some(1)), None); // the GPU cannot run it
     }
 
     #[test]
@@ -1354,7 +1306,7 @@ mod tests {
 
     #[test]
     fn not_used_off_cuda() {
-        if super::super::backend() != Backend::Cuda {
+        if mlx::backend() != Backend::Cuda {
             assert!(!enabled());
         }
     }

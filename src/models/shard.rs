@@ -12,7 +12,7 @@
 //! `(in / N) % group_size == 0`.
 use std::ops::Range;
 
-use crate::models::ModelConfig;
+use super::config::ModelConfig;
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum ShardError {
