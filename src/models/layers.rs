@@ -8,7 +8,7 @@ use crate::kernels::{self, qgemv::Epilogue};
 use crate::mlx::distributed::Group;
 use crate::mlx::{self, fast, Array, Dtype};
 
-use super::config::{ModelConfig, QuantConfig};
+use super::config::{ModelConfig, QuantConfig, RopeScaling};
 use super::weights::{LoadError, RowBlock, TensorKind, WeightSource};
 
 pub type Result<T> = std::result::Result<T, LoadError>;
@@ -548,55 +548,33 @@ impl RmsNorm {
     }
 }
 
-/// Rotary position embedding (half-split, as in HF Llama), optionally with
-/// Llama-3 frequency scaling.
+/// Rotary position embedding (half-split, as in HF Llama), with the frequencies of
+/// the config's rope type ([`crate::models::config::RopeScaling`]).
 pub struct Rope {
     dims: i32,
     base: f32,
-    /// Llama-3 scaled periods, passed to MLX as `freqs`.
+    /// Scaled periods (`1 / inv_freq`), passed to MLX as `freqs`; `None` for plain RoPE.
     freqs: Option<Array>,
     /// float32 `[dims / 2]`: the angle of pair d at position p is `p · inv_freq[d]`
-    /// (`base^(-2d/dims)`, or `1 / freqs[d]`), for the fused q/k/v kernel.
+    /// (`base^(-2d/dims)` as the rope type scales it), for the fused q/k/v kernel.
     inv_freq: Array,
 }
 
 impl Rope {
     pub fn new(cfg: &ModelConfig) -> mlx::Result<Rope> {
         let dims = cfg.head_dim as i32;
-        let base = cfg.rope.theta;
-        let mut inv: Vec<f32> = (0..dims / 2)
-            .map(|i| (base as f64).powf(-2.0 * i as f64 / dims as f64) as f32)
-            .collect();
-        let freqs = match &cfg.rope.llama3 {
-            None => None,
-            Some(s) => {
-                // As mlx-lm's Llama3RoPE: periods base^(2i/d), scaled by wavelength band.
-                let low_wavelen = s.original_max_position_embeddings / s.low_freq_factor;
-                let high_wavelen = s.original_max_position_embeddings / s.high_freq_factor;
-                let f: Vec<f32> = (0..dims / 2)
-                    .map(|i| {
-                        let period = base.powf(2.0 * i as f32 / dims as f32);
-                        let wavelen = 2.0 * std::f32::consts::PI * period;
-                        if wavelen > low_wavelen {
-                            period * s.factor
-                        } else if wavelen < high_wavelen {
-                            period
-                        } else {
-                            let smooth = (s.original_max_position_embeddings / wavelen
-                                - s.low_freq_factor)
-                                / (s.high_freq_factor - s.low_freq_factor);
-                            period / ((1.0 - smooth) / s.factor + smooth)
-                        }
-                    })
-                    .collect();
-                inv = f.iter().map(|&p| (1.0 / p as f64) as f32).collect();
-                Some(Array::from_slice(&f, &[dims / 2])?)
+        let inv = cfg.rope.inv_freq(cfg.head_dim);
+        let freqs = match cfg.rope.scaling {
+            RopeScaling::None => None,
+            _ => {
+                let periods: Vec<f32> = inv.iter().map(|&f| (1.0 / f as f64) as f32).collect();
+                Some(Array::from_slice(&periods, &[dims / 2])?)
             }
         };
         let inv_freq = Array::from_slice(&inv, &[dims / 2])?;
         Ok(Rope {
             dims,
-            base,
+            base: cfg.rope.theta,
             freqs,
             inv_freq,
         })
@@ -711,7 +689,13 @@ mod tests {
     #[test]
     fn rope_inv_freq_matches_mlx_rope() {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
-        for fixture in ["llama3", "llama_gqa2_tied"] {
+        for fixture in [
+            "llama3",
+            "llama_gqa2_tied",
+            "rope_llama3",
+            "rope_linear",
+            "rope_yarn",
+        ] {
             let text = std::fs::read_to_string(dir.join(fixture).join("config.json")).unwrap();
             let cfg = ModelConfig::from_json(&serde_json::from_str(&text).unwrap()).unwrap();
             let rope = Rope::new(&cfg).unwrap();

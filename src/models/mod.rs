@@ -8,6 +8,7 @@ pub mod layers;
 pub mod llama;
 pub mod qwen2;
 pub mod qwen3;
+pub mod rope;
 pub mod shard;
 pub mod transformer;
 pub mod weights;

@@ -155,7 +155,8 @@ impl Transformer {
                 n_heads: qh.len() as i32,
                 n_kv_heads: kvh.len() as i32,
                 head_dim: hd as i32,
-                scale: (hd as f32).powf(-0.5),
+                // YaRN scales q and k (cos and sin) by its attention factor: the logits take its square.
+                scale: (hd as f32).powf(-0.5) * cfg.rope.logit_scale(),
             };
             let i_sz = cfg.intermediate_size;
             let mlp_name = |name: &str| format!("{p}.mlp.{name}");

@@ -819,10 +819,7 @@ mod tests {
             intermediate_size: 14336,
             vocab_size: 128256,
             rms_norm_eps: 1e-5,
-            rope: RopeConfig {
-                theta: 5e5,
-                llama3: None,
-            },
+            rope: RopeConfig::plain(5e5),
             tie_word_embeddings: false,
             qkv_bias: false,
             qk_norm: false,
