@@ -162,7 +162,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
 /// Greedy decode of `n` tokens after whatever is in slot 0, pipelined: step i+1 is
 /// queued before token i is read back.
 fn decode_loop(
-    model: &crate::models::Transformer,
+    model: &crate::models::Model,
     cache: &mut crate::models::kv_cache::KvCache,
     n: usize,
 ) -> Result<HostTimes> {
@@ -220,7 +220,7 @@ impl HostTimes {
 /// Greedy decode of `n` steps of `b` sequences (slots `0..b`, one token each per
 /// step) as one graph per step, pipelined like [`decode_loop`].
 fn decode_batch_loop(
-    model: &crate::models::Transformer,
+    model: &crate::models::Model,
     cache: &mut crate::models::kv_cache::KvCache,
     b: usize,
     n: usize,

@@ -13,7 +13,7 @@ use super::sampler::{sample_batch_lazy, LazySample, SamplingParams, SequenceSamp
 use crate::kernels;
 use crate::mlx::{self, Array};
 use crate::models::kv_cache::KvCache;
-use crate::models::{ForwardError, Logits, SeqInput, Transformer};
+use crate::models::{ForwardError, Logits, Model, SeqInput};
 
 /// First step of a sequence: reset its slot and set up its sampler.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -181,7 +181,7 @@ struct Queued {
 
 /// The model, its KV cache and per-sequence samplers, on the MLX thread.
 pub struct Worker {
-    pub model: Transformer,
+    pub model: Model,
     pub cache: KvCache,
     samplers: HashMap<u64, SequenceSampler>,
     /// Whether this worker samples (rank 0, or the only process).
@@ -191,7 +191,7 @@ pub struct Worker {
 }
 
 impl Worker {
-    pub fn new(model: Transformer, slots: usize, ctx_size: usize, sampling: bool) -> Worker {
+    pub fn new(model: Model, slots: usize, ctx_size: usize, sampling: bool) -> Worker {
         let cache = model.new_cache(slots, ctx_size);
         Worker {
             model,
@@ -517,7 +517,7 @@ pub struct LocalExecutor {
 }
 
 impl LocalExecutor {
-    pub fn new(model: Transformer, slots: usize, ctx_size: usize) -> LocalExecutor {
+    pub fn new(model: Model, slots: usize, ctx_size: usize) -> LocalExecutor {
         LocalExecutor {
             worker: Worker::new(model, slots, ctx_size, true),
             ctx_size,
