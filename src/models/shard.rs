@@ -1,5 +1,7 @@
-//! The shard plan: which slice of each weight a tensor-parallel rank holds,
-//! validated before any process is spawned.
+//! The shard plan: which heads and intermediate columns a tensor-parallel rank holds,
+//! validated before any process is spawned. Each family's layout
+//! ([`super::layout`]) turns the plan into every parameter's split; for the
+//! Llama-like decoder:
 //!
 //! | tensor | split |
 //! |---|---|
