@@ -9,7 +9,9 @@
 //! detokenization and stop strings in [`stream`].
 
 pub mod chat;
+pub mod reasoning;
 pub mod stream;
+pub mod tool_calls;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
