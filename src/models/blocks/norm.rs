@@ -1,9 +1,8 @@
 //! RMSNorm with a learned scale.
 use crate::mlx::{self, fast, Array};
 
-use super::super::layers::Result;
 use super::super::layout::ParamSpec;
-use super::super::weights::{TensorKind, WeightSource};
+use super::super::weights::{LoadError, TensorKind, WeightSource};
 
 /// RMSNorm with a learned scale.
 pub struct RmsNorm {
@@ -13,7 +12,7 @@ pub struct RmsNorm {
 
 impl RmsNorm {
     /// The scale of `spec` (a [`Kind::Norm`](super::super::layout::Kind::Norm)).
-    pub fn load(src: &dyn WeightSource, spec: &ParamSpec, eps: f32) -> Result<Self> {
+    pub fn load(src: &dyn WeightSource, spec: &ParamSpec, eps: f32) -> Result<Self, LoadError> {
         let t = spec.tensors(None).remove(0);
         Ok(RmsNorm {
             weight: src.load(&t.name, &t.shape, TensorKind::Norm)?,
