@@ -9,10 +9,11 @@ use std::collections::HashMap;
 
 use serde::{Deserialize, Serialize};
 
-use super::kv_cache::KvCache;
 use super::sampler::{sample_batch_lazy, LazySample, SamplingParams, SequenceSampler};
+use crate::kernels;
 use crate::mlx::{self, Array};
-use crate::models::{ForwardError, Logits, SeqInput, Transformer};
+use crate::models::kv_cache::KvCache;
+use crate::models::{ForwardError, Logits, Model, SeqInput};
 
 /// First step of a sequence: reset its slot and set up its sampler.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -180,7 +181,7 @@ struct Queued {
 
 /// The model, its KV cache and per-sequence samplers, on the MLX thread.
 pub struct Worker {
-    pub model: Transformer,
+    pub model: Model,
     pub cache: KvCache,
     samplers: HashMap<u64, SequenceSampler>,
     /// Whether this worker samples (rank 0, or the only process).
@@ -190,7 +191,7 @@ pub struct Worker {
 }
 
 impl Worker {
-    pub fn new(model: Transformer, slots: usize, ctx_size: usize, sampling: bool) -> Worker {
+    pub fn new(model: Model, slots: usize, ctx_size: usize, sampling: bool) -> Worker {
         let cache = model.new_cache(slots, ctx_size);
         Worker {
             model,
@@ -202,7 +203,7 @@ impl Worker {
     }
 
     /// Run a decode step (then forget it) at each batch size up to one past the quantized
-    /// GEMV's [`mlx::qgemv::MAX_M`] (as far as the slots allow; larger batches run it on
+    /// GEMV's [`kernels::qgemv::MAX_M`] (as far as the slots allow; larger batches run it on
     /// row chunks of those sizes), and with more than one
     /// slot (a server) prompts of 2..=MAX_M tokens, on a GPU backend, so MLX compiles the
     /// run-time kernels of the decode path (mlxcel's GEMV is one per weight shape, batch
@@ -216,7 +217,7 @@ impl Worker {
             return Ok(());
         }
         let start = std::time::Instant::now();
-        let max_batch = self.cache.slots().min(mlx::qgemv::MAX_M + 1);
+        let max_batch = self.cache.slots().min(kernels::qgemv::MAX_M + 1);
         let mut phases = Vec::new();
         for b in 1..=max_batch {
             let slots: Vec<usize> = (0..b).collect();
@@ -236,7 +237,7 @@ impl Worker {
         // prompts (or last prefill chunks) of 2..=MAX_M tokens take the kernel at M = T with
         // the norm as its own op
         let prompt_max = if self.cache.slots() > 1 {
-            mlx::qgemv::MAX_M.min(self.cache.max_capacity())
+            kernels::qgemv::MAX_M.min(self.cache.max_capacity())
         } else {
             1
         };
@@ -516,7 +517,7 @@ pub struct LocalExecutor {
 }
 
 impl LocalExecutor {
-    pub fn new(model: Transformer, slots: usize, ctx_size: usize) -> LocalExecutor {
+    pub fn new(model: Model, slots: usize, ctx_size: usize) -> LocalExecutor {
         LocalExecutor {
             worker: Worker::new(model, slots, ctx_size, true),
             ctx_size,
