@@ -8,7 +8,7 @@ use super::sampler::SamplingParams;
 use super::step::{Executor, SeqStart, SeqStep, StepError, StepPlan};
 use crate::mlx::{self, Array};
 use crate::models::kv_cache::KvCache;
-use crate::models::{ForwardError, Logits, Model, SeqInput};
+use crate::models::{ForwardError, Logits, Model, SeqInput, StepInput};
 use crate::tokenizer::stream::{StopMatcher, StreamDecoder};
 use crate::tokenizer::{Tokenizer, TokenizerError};
 
@@ -98,7 +98,11 @@ pub fn prefill(
     let chunk = chunk.max(1);
     let mut last = None;
     for part in prompt.chunks(chunk) {
-        let mut out = model.forward(cache, &[SeqInput { slot, tokens: part }], Logits::Last)?;
+        let mut out = model.forward(
+            cache,
+            StepInput::Host(&[SeqInput { slot, tokens: part }]),
+            Logits::Last,
+        )?;
         let logits = out.remove(0);
         logits.eval()?;
         last = Some(logits);

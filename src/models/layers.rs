@@ -413,7 +413,7 @@ fn quantized_forward(
 /// `x · dequantize(w)ᵀ` as a dense GEMM. The dequantization is ordered after `x`
 /// exists, so MLX does not dequantize weights before their input is there; across
 /// layers the bound that matters on a GPU is the forward pass's layers in flight
-/// (`Model::forward_slot_ids`).
+/// (`Model::forward`, one slot's chunk).
 fn dequant_gemm(
     x: &Array,
     w: &Array,

@@ -22,7 +22,7 @@ use super::shard::ShardPlan;
 use super::weights::WeightSource;
 
 /// Inputs of at least this many tokens keep at most two layers in flight on a GPU
-/// (see `Model::forward_slot_ids`): a decode step must not wait inside itself.
+/// (see `Model::forward`, one slot's chunk): a decode step must not wait inside itself.
 const PREFILL_BOUND_MIN_ROWS: usize = 32;
 
 struct Block {
@@ -40,13 +40,28 @@ pub struct SeqInput<'a> {
     pub tokens: &'a [u32],
 }
 
-/// Which logits a step returns.
+/// The token ids of one forward step.
+#[derive(Debug, Clone, Copy)]
+pub enum StepInput<'a> {
+    /// Ids on the host, per sequence: one token is a decode row, more a prefill chunk.
+    /// Ids are range-checked.
+    Host(&'a [SeqInput<'a>]),
+    /// Ids already on the device (e.g. the previous step's samples), so that a decode loop
+    /// can queue step t+1 before it reads step t's tokens: `[B, 1]` int32, one decode row
+    /// for each of `slots`, or `[1, T]` for a chunk of one slot. Not range-checked.
+    Device { slots: &'a [usize], ids: &'a Array },
+}
+
+/// Which logits a step returns (float32, in input order).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Logits {
-    /// Only each sequence's last position: `[n_seqs, vocab]`.
+    /// Each sequence's last position: one `[1, vocab]` array per sequence.
     Last,
     /// Every position of every sequence (tests): one `[T, vocab]` per sequence.
     All,
+    /// Each sequence's last position as a single `[n_seqs, vocab]` array (row i for
+    /// sequence i, no per-row slicing): what a decode step hands its sampler.
+    Rows,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -59,6 +74,8 @@ pub enum ForwardError {
     BadToken { id: u32, vocab: usize },
     #[error("empty step: a sequence has no tokens")]
     Empty,
+    #[error("all-position logits need a single sequence when the ids are on the device")]
+    AllLogitsOfRows,
 }
 
 pub struct Model {
@@ -185,9 +202,38 @@ impl Model {
         all.iter().map(|a| a.nbytes()).sum()
     }
 
-    /// Run one step. Sequences with one token are batched together (decode);
-    /// longer ones (prefill chunks) run one at a time. Logits are float32, in input order.
+    /// Run one step: the model's one entry point. Host sequences with one token are batched
+    /// together (decode); longer ones (prefill chunks) run one at a time. With
+    /// [`Logits::Rows`] the result is one `[n_seqs, vocab]` array; otherwise one array per
+    /// sequence. Device ids of several slots are decode rows and give one `[B, vocab]` array
+    /// (`Logits::All` needs a single slot).
     pub fn forward(
+        &self,
+        cache: &mut KvCache,
+        input: StepInput<'_>,
+        mode: Logits,
+    ) -> std::result::Result<Vec<Array>, ForwardError> {
+        match (input, mode) {
+            (StepInput::Host(seqs), Logits::Rows) => {
+                Ok(vec![self.forward_decode_rows(cache, seqs)?])
+            }
+            (StepInput::Host(seqs), _) => self.forward_host(cache, seqs, mode),
+            (StepInput::Device { slots: [slot], ids }, _) => {
+                let mode = if mode == Logits::All {
+                    Logits::All
+                } else {
+                    Logits::Last
+                };
+                Ok(vec![self.forward_slot_ids(cache, *slot, ids, mode)?])
+            }
+            (StepInput::Device { .. }, Logits::All) => Err(ForwardError::AllLogitsOfRows),
+            (StepInput::Device { slots, ids }, _) => {
+                Ok(vec![self.forward_decode_ids(cache, slots, ids)?])
+            }
+        }
+    }
+
+    fn forward_host(
         &self,
         cache: &mut KvCache,
         seqs: &[SeqInput<'_>],
@@ -226,7 +272,7 @@ impl Model {
 
     /// A step of only single-token sequences (a decode step) as one `[n_seqs, vocab]` float32
     /// array, row i for sequence i: no per-row slicing.
-    pub fn forward_decode_rows(
+    fn forward_decode_rows(
         &self,
         cache: &mut KvCache,
         seqs: &[SeqInput<'_>],
@@ -267,7 +313,7 @@ impl Model {
 
     /// One sequence's step with its token ids already on the device (`[1, T]` int32), so a
     /// decode loop can queue step i+1 before reading token i. Ids are not range-checked here.
-    pub fn forward_slot_ids(
+    fn forward_slot_ids(
         &self,
         cache: &mut KvCache,
         slot: usize,
@@ -338,7 +384,7 @@ impl Model {
     /// already on the device (`[B, 1]` int32, e.g. the previous step's samples), so a
     /// decode loop can queue step t+1 before reading step t's tokens. Returns
     /// `[B, vocab]`. Ids are not range-checked here.
-    pub fn forward_decode_ids(
+    fn forward_decode_ids(
         &self,
         cache: &mut KvCache,
         slots: &[usize],
