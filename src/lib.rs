@@ -1,6 +1,7 @@
 //! mlxcel: LLM inference over MLX, with tensor parallelism across the GPUs of one node.
 pub mod cli;
 pub mod engine;
+pub mod gguf;
 pub mod mlx;
 pub mod model_dir;
 pub mod models;

@@ -73,6 +73,7 @@ impl Linear {
         } else {
             None
         };
+        let quant = src.quant_of(prefix).or(quant);
         let weight = match quant {
             Some(q) if src.contains(&format!("{prefix}.scales")) => {
                 let (bits, g) = (q.bits as usize, q.group_size as usize);
@@ -164,6 +165,16 @@ impl Linear {
             .iter()
             .filter(|(prefix, ..)| src.contains(&format!("{prefix}.scales")))
             .count();
+        // per-tensor quantization (GGUF): every part must agree
+        let per_part: Vec<_> = parts.iter().map(|(p, ..)| src.quant_of(p)).collect();
+        if per_part.iter().any(|q| *q != per_part[0]) {
+            return Err(LoadError::Mlx(mlx::MlxError::Invalid(format!(
+                "Linear::load_merged: {} have different quantization types ({per_part:?}); \
+                 merging them is not implemented",
+                parts.iter().map(|p| p.0).collect::<Vec<_>>().join(", ")
+            ))));
+        }
+        let quant = per_part[0].or(quant);
         let weight = match quant {
             Some(q) if quantized == parts.len() => {
                 let (bits, g) = (q.bits as usize, q.group_size as usize);

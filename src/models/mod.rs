@@ -3,6 +3,7 @@
 //! in [`transformer`], built from the layers in [`layers`].
 pub mod config;
 pub mod demo;
+pub mod gguf;
 pub mod layers;
 pub mod llama;
 pub mod qwen2;

@@ -52,6 +52,8 @@ pub enum LoadError {
     IndexFile { path: PathBuf, file: String },
     #[error(transparent)]
     Mlx(#[from] MlxError),
+    #[error(transparent)]
+    Gguf(#[from] crate::gguf::GgufError),
 }
 
 /// What kind of tensor is asked for (dummy weights pick values by it).
@@ -405,8 +407,14 @@ pub fn index_map(index: &Path) -> Result<HashMap<String, String>, LoadError> {
         .collect())
 }
 
-/// Every tensor's dtype and shape in a model folder's checkpoint (headers only).
+/// Every tensor's dtype and shape in a model folder's checkpoint (headers only; a GGUF's
+/// tensors as they will be handed to MLX).
 pub fn catalog(dir: &ModelDir) -> Result<HashMap<String, TensorEntry>, LoadError> {
+    if dir.is_gguf() {
+        return Ok(super::gguf::catalog(&crate::gguf::GgufModel::open(
+            &dir.weights[0],
+        )?));
+    }
     let mut all = HashMap::new();
     for p in &dir.weights {
         all.extend(read_header(p)?);
@@ -425,6 +433,8 @@ pub enum WeightSource {
         dtype: Dtype,
         seed: u64,
     },
+    /// A GGUF file, converted to MLX's layout on read (`crate::gguf`).
+    Gguf(super::gguf::GgufSource),
     /// Another source with every float tensor cast to `dtype` (packed weights as they are).
     Cast {
         inner: Box<WeightSource>,
@@ -440,6 +450,11 @@ impl WeightSource {
 
     /// A model folder's checkpoint: with an index, files are opened on first use.
     pub fn from_dir(dir: &ModelDir) -> Result<WeightSource, LoadError> {
+        if dir.is_gguf() {
+            return Ok(WeightSource::Gguf(crate::models::gguf::GgufSource::open(
+                &dir.weights[0],
+            )?));
+        }
         Ok(WeightSource::Files(match &dir.index {
             Some(index) => SafetensorsSource::open_indexed(index, &dir.weights)?,
             None => SafetensorsSource::open(&dir.weights)?,
@@ -467,7 +482,18 @@ impl WeightSource {
         match self {
             WeightSource::Files(s) => s.contains(name),
             WeightSource::Dummy { .. } => true,
+            WeightSource::Gguf(s) => s.contains(name),
             WeightSource::Cast { inner, .. } => inner.contains(name),
+        }
+    }
+
+    /// The quantization of linear `prefix` where the checkpoint sets it per tensor (GGUF);
+    /// `None`: the config's applies.
+    pub fn quant_of(&self, prefix: &str) -> Option<crate::models::config::QuantConfig> {
+        match self {
+            WeightSource::Gguf(s) => s.quant(prefix),
+            WeightSource::Cast { inner, .. } => inner.quant_of(prefix),
+            _ => None,
         }
     }
 
@@ -523,6 +549,7 @@ impl WeightSource {
                 };
                 Ok(a)
             }
+            WeightSource::Gguf(s) => s.load_block(name, shape, Some(rows), Some(cols), kind),
             WeightSource::Cast { inner, dtype } => {
                 let a = inner.load_block(name, shape, Some(rows), Some(cols), kind)?;
                 match kind {
@@ -579,6 +606,7 @@ impl WeightSource {
         match self {
             WeightSource::Files(s) => s.bytes_read(),
             WeightSource::Dummy { .. } => 0,
+            WeightSource::Gguf(s) => s.bytes_read(),
             WeightSource::Cast { inner, .. } => inner.bytes_read(),
         }
     }

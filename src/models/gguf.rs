@@ -1,0 +1,371 @@
+//! The GGUF weight source: tensors of a GGUF model (`crate::gguf`) under the HF names the
+//! model code asks for, converted to MLX's layout as they are read.
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::ops::Range;
+use std::path::Path;
+
+use crate::gguf::{
+    self, file, quant, split_name, GgufError, GgufModel, MetaValue, Part, TensorInfo,
+};
+use crate::mlx::{Array, Dtype};
+
+use super::config::QuantConfig;
+use super::weights::{block_ranges, LoadError, TensorEntry, TensorKind};
+
+/// Every tensor under its HF names, as the loader will hand it to MLX (packed
+/// uint32 + scales + biases for affine types, floats otherwise), for the memory plan.
+pub fn catalog(model: &GgufModel) -> HashMap<String, TensorEntry> {
+    let float = gguf::float_dtype();
+    let mut out = HashMap::new();
+    for (gname, (_, t)) in &model.tensors {
+        let Some(hf) = gguf::hf_name(gname) else {
+            continue;
+        };
+        let shape = t.shape();
+        match (quant::affine_bits(t.ty), shape.as_slice()) {
+            (Some(bits), &[rows, cols]) => {
+                let prefix = hf.trim_end_matches(".weight");
+                let entry = |dtype, width| TensorEntry {
+                    dtype,
+                    shape: vec![rows, width],
+                    start: t.start,
+                };
+                out.insert(hf.clone(), entry(Dtype::U32, cols * bits as usize / 32));
+                for s in ["scales", "biases"] {
+                    out.insert(format!("{prefix}.{s}"), entry(float, cols / quant::GROUP));
+                }
+            }
+            _ => {
+                out.insert(
+                    hf,
+                    TensorEntry {
+                        dtype: float,
+                        shape,
+                        start: t.start,
+                    },
+                );
+            }
+        }
+    }
+    out
+}
+
+/// Converted scales and biases kept from a `.weight` read until they are asked for.
+type Pending = HashMap<(String, usize, usize, usize, usize), (Option<Vec<f32>>, Option<Vec<f32>>)>;
+
+/// Tensors of a GGUF model, converted on read (see the module docs).
+pub struct GgufSource {
+    model: GgufModel,
+    /// Dtype of every float tensor, scale and bias handed to MLX.
+    float: Dtype,
+    /// `(q heads, kv heads)` when the q/k rows are in llama.cpp's permuted order.
+    permuted: Option<(usize, usize)>,
+    bytes_read: Cell<u64>,
+    pending: RefCell<Pending>,
+}
+
+impl GgufSource {
+    pub fn open(first: &Path) -> Result<GgufSource, GgufError> {
+        Self::from_model(GgufModel::open(first)?)
+    }
+
+    pub fn from_model(model: GgufModel) -> Result<GgufSource, GgufError> {
+        model.check_types()?;
+        let arch = model.architecture()?.to_string();
+        let permuted = if arch == "llama" {
+            let heads = model.need_u64("llama.attention.head_count")? as usize;
+            let kv = model
+                .get("llama.attention.head_count_kv")
+                .and_then(MetaValue::as_u64)
+                .map_or(heads, |x| x as usize);
+            Some((heads, kv))
+        } else {
+            None
+        };
+        Ok(GgufSource {
+            model,
+            float: gguf::float_dtype(),
+            permuted,
+            bytes_read: Cell::new(0),
+            pending: RefCell::new(HashMap::new()),
+        })
+    }
+
+    pub fn model(&self) -> &GgufModel {
+        &self.model
+    }
+
+    /// Bytes read from the GGUF files so far.
+    pub fn bytes_read(&self) -> u64 {
+        self.bytes_read.get()
+    }
+
+    fn info(&self, gname: &str) -> Option<(usize, &TensorInfo)> {
+        self.model.tensors.get(gname).map(|(i, t)| (*i, t))
+    }
+
+    /// Whether `name` (an HF name) is offered: `.scales`/`.biases` only for tensors that
+    /// convert to MLX's affine layout.
+    pub fn contains(&self, name: &str) -> bool {
+        let Some((g, part)) = split_name(name) else {
+            return false;
+        };
+        match self.info(&g) {
+            None => false,
+            Some((_, t)) => match part {
+                Part::Scales | Part::Biases => quant::affine_bits(t.ty).is_some(),
+                _ => true,
+            },
+        }
+    }
+
+    /// The quantization of the linear `prefix` (`None`: a float tensor).
+    pub fn quant(&self, prefix: &str) -> Option<QuantConfig> {
+        let (g, _) = split_name(&format!("{prefix}.weight"))?;
+        let (_, t) = self.info(&g)?;
+        quant::affine_bits(t.ty).map(|bits| QuantConfig {
+            group_size: quant::GROUP as i32,
+            bits: bits as i32,
+        })
+    }
+
+    fn err(&self, name: &str, msg: String) -> LoadError {
+        LoadError::Gguf(GgufError::Corrupt {
+            path: self.model.path().to_path_buf(),
+            msg: format!("tensor `{name}`: {msg}"),
+        })
+    }
+
+    /// Rows of q/k heads of `hd` rows each: HF row `r` of a head is GGUF row
+    /// `2·(r mod hd/2) + r div (hd/2)`.
+    fn head_dim_of(&self, gname: &str, rows_total: usize) -> Option<usize> {
+        let (heads, kv) = self.permuted?;
+        let n = if gname.ends_with(".attn_q.weight") || gname.ends_with(".attn_q.bias") {
+            heads
+        } else if gname.ends_with(".attn_k.weight") || gname.ends_with(".attn_k.bias") {
+            kv
+        } else {
+            return None;
+        };
+        Some(rows_total / n)
+    }
+
+    /// Read rows `rows` of the GGUF tensor, blocks covering values `vals`; returns the
+    /// bytes and the value offset of the first block read.
+    fn read_rows(
+        &self,
+        name: &str,
+        part: usize,
+        t: &TensorInfo,
+        rows: Range<usize>,
+        vals: Range<usize>,
+    ) -> Result<(Vec<u8>, usize), LoadError> {
+        let (bv, bb) = t.ty.block().expect("checked at open");
+        let cols = t.dims[0] as usize;
+        let (b0, b1) = (vals.start / bv, vals.end.div_ceil(bv));
+        if vals.end > cols || rows.end > t.dims.get(1).copied().unwrap_or(1) as usize {
+            return Err(self.err(name, format!("block {rows:?} x {vals:?} is out of range")));
+        }
+        let ranges = block_ranges(t.start, cols / bv * bb, bb, rows, b0..b1);
+        let total: usize = ranges.iter().map(|r| r.1).sum();
+        let mut buf = vec![0u8; total];
+        let f = &self.model.parts[part];
+        let mut at = 0;
+        for (off, len) in ranges {
+            file::read_at(&f.file, &f.path, &mut buf[at..at + len], off)
+                .map_err(|e| self.err(name, e.to_string()))?;
+            at += len;
+        }
+        self.bytes_read.set(self.bytes_read.get() + total as u64);
+        Ok((buf, b0 * bv))
+    }
+
+    /// Load the block `[rows, cols]` of the HF-named tensor `name` of full shape `shape`,
+    /// as `WeightSource::load_block` (columns of packed weights in uint32 words, of scales
+    /// and biases in groups).
+    pub fn load_block(
+        &self,
+        name: &str,
+        shape: &[usize],
+        rows: Option<Range<usize>>,
+        cols: Option<Range<usize>>,
+        kind: TensorKind,
+    ) -> Result<Array, LoadError> {
+        let missing = || LoadError::Missing {
+            name: name.into(),
+            files: self.model.path().display().to_string(),
+        };
+        let (gname, part) = split_name(name).ok_or_else(missing)?;
+        let (pi, t) = self.info(&gname).ok_or_else(missing)?;
+        let gshape = t.shape();
+        let (n_rows, n_cols) = match gshape.as_slice() {
+            [r, c] => (*r, *c),
+            [c] => (1, *c),
+            _ => return Err(self.err(&gname, format!("shape {gshape:?} is not 1-D or 2-D"))),
+        };
+        let bits = quant::affine_bits(t.ty);
+        let shape_err = |expected: Vec<usize>| LoadError::Shape {
+            name: name.into(),
+            path: self.model.path().to_path_buf(),
+            expected: shape.to_vec(),
+            actual: expected,
+        };
+        let one_d = shape.len() == 1;
+        // a 1-D tensor (norm, bias) is one row; its block comes as `rows`
+        let (rows, cols) = if one_d {
+            (0..1, rows.unwrap_or(0..shape[0]))
+        } else {
+            (rows.unwrap_or(0..shape[0]), cols.unwrap_or(0..shape[1]))
+        };
+        // the unit of `cols`: values, packed words or groups
+        let unit = match (part, kind, bits) {
+            (Part::Weight, TensorKind::Packed, Some(b)) => 32 / b as usize,
+            (Part::Weight, TensorKind::Packed, None) => {
+                return Err(LoadError::Dtype {
+                    name: name.into(),
+                    path: self.model.path().to_path_buf(),
+                    dtype: format!("{} (not an MLX affine type)", t.ty.name()),
+                })
+            }
+            (Part::Scales | Part::Biases, _, Some(_)) => quant::GROUP,
+            (Part::Scales | Part::Biases, _, None) => return Err(missing()),
+            _ => 1,
+        };
+        let full = if one_d {
+            vec![n_cols / unit]
+        } else {
+            vec![n_rows, n_cols / unit]
+        };
+        if full != shape || n_cols % unit != 0 {
+            return Err(shape_err(if one_d { vec![n_cols] } else { gshape.clone() }));
+        }
+        let vals = cols.start * unit..cols.end * unit;
+        let hd = self.head_dim_of(&gname, n_rows);
+        if let Some(hd) = hd {
+            if rows.start % hd != 0 || rows.end % hd != 0 {
+                return Err(self.err(
+                    name,
+                    format!("rows {rows:?} do not cut at whole heads of {hd} (q/k rows are permuted per head)"),
+                ));
+            }
+        }
+        let dims: Vec<i32> = if one_d {
+            vec![cols.len() as i32]
+        } else {
+            vec![rows.len() as i32, cols.len() as i32]
+        };
+        let key = (gname.clone(), rows.start, rows.end, vals.start, vals.end);
+        if matches!(part, Part::Scales | Part::Biases) {
+            let mut pending = self.pending.borrow_mut();
+            let hit = pending.get_mut(&key).and_then(|(s, b)| match part {
+                Part::Scales => s.take(),
+                _ => b.take(),
+            });
+            if pending
+                .get(&key)
+                .is_some_and(|(s, b)| s.is_none() && b.is_none())
+            {
+                pending.remove(&key);
+            }
+            drop(pending);
+            let v = match hit {
+                Some(v) => v,
+                None => {
+                    // asked before (or without) the weight: convert again
+                    let a = self.affine(&gname, pi, t, rows.clone(), vals.clone(), hd)?;
+                    if part == Part::Scales {
+                        a.scales
+                    } else {
+                        a.biases
+                    }
+                }
+            };
+            return Ok(Array::from_slice(&v, &dims)?.astype(self.float)?);
+        }
+        if unit > 1 {
+            let a = self.affine(&gname, pi, t, rows, vals, hd)?;
+            self.pending
+                .borrow_mut()
+                .insert(key, (Some(a.scales), Some(a.biases)));
+            return Ok(Array::from_slice(&a.packed, &dims)?);
+        }
+        let (buf, first) = self.read_rows(&gname, pi, t, rows.clone(), vals.clone())?;
+        let mut v = quant::rows_float(t.ty, &buf, rows.len(), vals.start - first..vals.end - first);
+        if let Some(hd) = hd {
+            unpermute(&mut v, vals.len(), hd);
+        }
+        let a = Array::from_slice(&v, &dims)?;
+        Ok(match kind {
+            TensorKind::Packed => unreachable!("handled above"),
+            _ => a.astype(self.float)?,
+        })
+    }
+
+    fn affine(
+        &self,
+        gname: &str,
+        pi: usize,
+        t: &TensorInfo,
+        rows: Range<usize>,
+        vals: Range<usize>,
+        hd: Option<usize>,
+    ) -> Result<quant::Affine, LoadError> {
+        if !vals.start.is_multiple_of(quant::GROUP) || !vals.end.is_multiple_of(quant::GROUP) {
+            return Err(self.err(
+                gname,
+                format!("columns {vals:?} do not cut at 32-value groups"),
+            ));
+        }
+        let (buf, first) = self.read_rows(gname, pi, t, rows.clone(), vals.clone())?;
+        let mut a =
+            quant::rows_affine(t.ty, &buf, rows.len(), vals.start - first..vals.end - first);
+        if let Some(hd) = hd {
+            let words = a.packed.len() / rows.len().max(1);
+            let groups = a.scales.len() / rows.len().max(1);
+            unpermute(&mut a.packed, words, hd);
+            unpermute(&mut a.scales, groups, hd);
+            unpermute(&mut a.biases, groups, hd);
+        }
+        Ok(a)
+    }
+}
+
+/// Put rows of `row_len` elements back from llama.cpp's per-head interleaved order
+/// (GGUF row `2i + h` of a head is HF row `h·hd/2 + i`) into HF order.
+fn unpermute<T: Copy>(v: &mut [T], row_len: usize, hd: usize) {
+    if row_len == 0 || hd < 2 {
+        return;
+    }
+    let n_rows = v.len() / row_len;
+    let src = v.to_vec();
+    let half = hd / 2;
+    for r in 0..n_rows {
+        let (head, within) = (r / hd, r % hd);
+        let g = head * hd + 2 * (within % half) + within / half;
+        v[r * row_len..(r + 1) * row_len].copy_from_slice(&src[g * row_len..(g + 1) * row_len]);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unpermute_inverts_llama_cpp_permute() {
+        // llama.cpp: w.reshape(n_head, 2, hd/2, ...).swapaxes(1, 2).reshape(...)
+        let (heads, hd) = (2, 4);
+        let hf: Vec<u32> = (0..(heads * hd) as u32).collect();
+        let mut permuted = vec![0; hf.len()];
+        for h in 0..heads {
+            for i in 0..hd / 2 {
+                for half in 0..2 {
+                    permuted[h * hd + 2 * i + half] = hf[h * hd + half * hd / 2 + i];
+                }
+            }
+        }
+        assert_eq!(permuted, vec![0, 2, 1, 3, 4, 6, 5, 7]);
+        unpermute(&mut permuted, 1, hd);
+        assert_eq!(permuted, hf);
+    }
+}
