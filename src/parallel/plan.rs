@@ -173,7 +173,16 @@ impl Acc<'_> {
         }
         if self.quantized(prefix) {
             let q = self.cfg.quantization.expect("quantized");
-            let (bits, g) = (q.bits as usize, q.group_size as usize);
+            let (mut bits, g) = (q.bits as usize, q.group_size as usize);
+            // a checkpoint with a quantization per tensor (GGUF): bits from the packed shape
+            if let Some(e) = self
+                .catalog
+                .and_then(|c| c.get(&format!("{prefix}.weight")))
+            {
+                if e.dtype == Dtype::U32 && e.shape.len() == 2 && in_dim > 0 {
+                    bits = e.shape[1] * 32 / in_dim;
+                }
+            }
             self.add(
                 &format!("{prefix}.weight"),
                 out_dim * in_dim * bits / 32,
