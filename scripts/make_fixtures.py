@@ -25,6 +25,11 @@ What is built:
                     renderings, decodes) come from HF transformers on CPU.
   * llama_q4        MLX affine 4-bit (group 32) model made by mlx-lm's convert
                     from a float llama; references come from mlx-lm (mlx CPU).
+  * rope_llama3, rope_linear, rope_yarn
+                    one small float model per scaled rope type, prompts longer
+                    than original_max_position_embeddings; HF references.
+Float folders get config.json as transformers 5 writes it (rope_parameters) and
+config.legacy.json (top-level rope_theta / rope_scaling): the same model.
 """
 
 from __future__ import annotations
@@ -809,6 +814,60 @@ FIXTURES: dict[str, dict] = {
     },
 }
 
+# One small fixture per scaled rope type, with prompts longer than the type's
+# original_max_position_embeddings (32), so that the reference compares positions
+# beyond it (32 greedy tokens go further). hidden 32, 2 heads of 16, 1 KV head.
+ROPE_PROMPTS = [
+    "Once upon a time, in a small village by the sea, there lived an old fisherman.",
+    "Language models read text as a sequence of tokens, one at a time.",
+]
+ROPE_ORIGINAL = 32
+
+
+def rope_fixture(base: str, seed: int, family: str, theta: float, scaling: dict) -> dict:
+    spec = copy.deepcopy(FIXTURES[base])
+    spec.update(seed=seed, family=family, prompts=ROPE_PROMPTS)
+    if "original_max_position_embeddings" in scaling:
+        spec["long_prompts_beyond"] = {"original_max_position_embeddings": ROPE_ORIGINAL}
+    spec["config"].update(
+        hidden_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        intermediate_size=32,
+        tie_word_embeddings=True,
+        rope_theta=theta,
+        rope_scaling=scaling,
+    )
+    return spec
+
+
+FIXTURES["rope_llama3"] = rope_fixture(
+    "llama3",
+    1007,
+    "llama3",
+    2e4,
+    # head_dim 16, theta 2e4: wavelengths 6.3 (< 32/4: kept), 23.6 (smoothed), 89 and up (scaled)
+    {
+        "factor": 8.0,
+        "high_freq_factor": 4.0,
+        "low_freq_factor": 1.0,
+        "original_max_position_embeddings": ROPE_ORIGINAL,
+        "rope_type": "llama3",
+    },
+)
+FIXTURES["rope_linear"] = rope_fixture(
+    "llama_gqa2_tied", 1008, "llama3", 1e5, {"rope_type": "linear", "factor": 4.0}
+)
+# Qwen2.5's long-context recipe, in its README's spelling (`type`, not `rope_type`).
+FIXTURES["rope_yarn"] = rope_fixture(
+    "qwen2",
+    1009,
+    "qwen2",
+    1e5,
+    {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": ROPE_ORIGINAL},
+)
+
 # The brief asked for intermediate 512; 256 keeps tests/fixtures under 3 MiB.
 # Scales/biases and activations are float32: with float16 the mlx-lm logits
 # differ from a float32 evaluation of the same quantized weights by ~0.5
@@ -923,7 +982,14 @@ def write_model_folder(folder: Path, spec: dict, base: Tokenizer) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     folder.mkdir(parents=True, exist_ok=True)
-    write_json(folder / "config.json", spec["config"])
+    # spec["config"] is the legacy form (top-level rope_theta / rope_scaling, torch_dtype):
+    # kept as config.legacy.json. config.json is what transformers 5 writes for it
+    # (rope_parameters, dtype, layer_types, ...), as current checkpoints look.
+    write_json(folder / "config.legacy.json", spec["config"])
+    shutil.copy(folder / "config.legacy.json", folder / "config.json")
+    AutoConfig.from_pretrained(folder).save_pretrained(folder)
+    written = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    assert "rope_parameters" in written and "rope_theta" not in written, written
     tok_json, tok_cfg = tokenizer_files(spec["tokenizer"], base)
     (folder / "tokenizer.json").write_text(tok_json + "\n", encoding="utf-8")
     write_json(folder / "tokenizer_config.json", tok_cfg)
@@ -952,14 +1018,14 @@ def write_model_folder(folder: Path, spec: dict, base: Tokenizer) -> None:
 # ----------------------------------------------------------------------------
 
 
-def tokenizer_references(folder: Path, raw_tok: Tokenizer):
+def tokenizer_references(folder: Path, raw_tok: Tokenizer, spec_prompts=PROMPTS):
     """Prompt ids, chat renderings and decodes from HF AutoTokenizer, cross-checked
     against the raw `tokenizers` pipeline of tokenizer.json."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(folder)
     prompts = []
-    for text in PROMPTS:
+    for text in spec_prompts:
         ids = list(tok(text)["input_ids"])
         raw = raw_tok.encode(text, add_special_tokens=True).ids
         assert ids == raw, f"{folder.name}: HF ids {ids} != tokenizers ids {raw}"
@@ -991,7 +1057,7 @@ def decode_references(tok, raw_tok: Tokenizer, prompts, chats) -> list:
         (cjk[:1], False),
         (cjk[1:], False),
         (prompts[1]["greedy"], False),
-        (prompts[2]["greedy"], False),
+        (prompts[-1]["greedy"], False),
         (chats[0]["ids"], False),
         (chats[0]["ids"], True),
     ]
@@ -1010,10 +1076,13 @@ def top2_gap(logits_row) -> float:
 def hf_references(folder: Path, spec: dict, raw_tok: Tokenizer) -> dict:
     from transformers import AutoModelForCausalLM
 
-    tok, prompts, chats = tokenizer_references(folder, raw_tok)
+    tok, prompts, chats = tokenizer_references(folder, raw_tok, spec.get("prompts", PROMPTS))
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
     model.eval()
     check_loaded(model, folder, spec)
+    if "original_max_position_embeddings" in spec.get("long_prompts_beyond", {}):
+        old = spec["long_prompts_beyond"]["original_max_position_embeddings"]
+        assert all(len(p["ids"]) > old for p in prompts), (folder.name, [len(p["ids"]) for p in prompts], old)
 
     logits_out = {}
     with torch.no_grad():
@@ -1073,6 +1142,10 @@ def check_loaded(model, folder: Path, spec: dict) -> None:
     inv = model.model.rotary_emb.inv_freq.double().numpy()
     expected = expected_inv_freq(cfg, head_dim)
     assert np.allclose(inv, expected, rtol=1e-5, atol=0), (folder.name, inv, expected)
+    rs = cfg.get("rope_scaling") or {}
+    if rs.get("rope_type", rs.get("type")) == "yarn":
+        want = 0.1 * np.log(rs["factor"]) + 1.0  # the paper's attention factor
+        assert abs(model.model.rotary_emb.attention_scaling - want) < 1e-6, folder.name
 
 
 def expected_inv_freq(cfg: dict, head_dim: int) -> np.ndarray:
@@ -1082,7 +1155,12 @@ def expected_inv_freq(cfg: dict, head_dim: int) -> np.ndarray:
     rs = cfg.get("rope_scaling")
     if not rs:
         return inv
-    assert rs["rope_type"] == "llama3"
+    kind = rs.get("rope_type", rs.get("type"))
+    if kind == "linear":
+        return inv / rs["factor"]
+    if kind == "yarn":
+        return yarn_inv_freq(base, head_dim, rs)
+    assert kind == "llama3", kind
     factor, lo, hi = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
     old = rs["original_max_position_embeddings"]
     low_wl, high_wl = old / lo, old / hi
@@ -1104,6 +1182,26 @@ def expected_inv_freq(cfg: dict, head_dim: int) -> np.ndarray:
     return np.array(out)
 
 
+def yarn_inv_freq(base: float, dim: int, rs: dict) -> np.ndarray:
+    """YaRN (arXiv 2309.00071) frequencies, written out from the paper's formulas in
+    float64: dims that rotate more than beta_fast times over the original length keep
+    their frequency, those below beta_slow rotations are interpolated by `factor`,
+    and a linear ramp (over whole dims) joins the two."""
+    factor, old = rs["factor"], rs["original_max_position_embeddings"]
+    fast, slow = rs.get("beta_fast", 32), rs.get("beta_slow", 1)
+
+    def dim_of(rotations):
+        return dim * np.log(old / (rotations * 2 * np.pi)) / (2 * np.log(base))
+
+    lo, hi = max(np.floor(dim_of(fast)), 0), min(np.ceil(dim_of(slow)), dim - 1)
+    if lo == hi:
+        hi += 0.001
+    inv = 1.0 / base ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+    keep = 1 - np.clip((np.arange(dim // 2) - lo) / (hi - lo), 0, 1)
+    assert 0 < keep.sum() < len(keep) and ((keep > 0) & (keep < 1)).any(), keep  # a real ramp
+    return inv / factor * (1 - keep) + inv * keep
+
+
 # ----------------------------------------------------------------------------
 # Quantized fixture (mlx-lm)
 # ----------------------------------------------------------------------------
@@ -1118,6 +1216,10 @@ def build_q4(folder: Path, spec: dict, base: Tokenizer, raw_tok: Tokenizer) -> d
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "float"
         write_model_folder(src, spec, base)
+        # mlx-lm 0.32.2's llama reads only the legacy keys (it would run a transformers-5
+        # config with theta 10000 and no scaling): convert from the legacy form, which
+        # it then writes, as mlx-community checkpoints have it.
+        shutil.copy(src / "config.legacy.json", src / "config.json")
         if folder.exists():
             shutil.rmtree(folder)
         mlx_convert(
@@ -1295,7 +1397,23 @@ def verify(out: Path) -> None:
                     worst = max(worst, (y[: len(p["ids"])] - logits[f"logits.{i}"]).abs().max().item())
                     assert y[len(p["ids"]) - 1 : -1].argmax(-1).tolist() == p["greedy"]
         assert worst < 1e-3, (folder.name, worst)
-        print(f"  verify {folder.name}: ok (reload max |dlogit| {worst:.1e})")
+        legacy = ""
+        if (folder / "config.legacy.json").exists():
+            # the legacy config describes the same model: same logits from transformers
+            with tempfile.TemporaryDirectory() as tmp:
+                for f in folder.iterdir():
+                    if f.name != "config.json":
+                        os.symlink(f, Path(tmp) / f.name)
+                os.symlink(folder / "config.legacy.json", Path(tmp) / "config.json")
+                lm = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32)
+                lm.eval()
+                with torch.no_grad():
+                    for i, p in enumerate(ref["prompts"]):
+                        y = lm(torch.tensor([p["ids"]])).logits[0]
+                        d = (y - logits[f"logits.{i}"]).abs().max().item()
+                        assert d < 1e-4, (folder.name, "legacy config", d)
+            legacy = ", legacy config.legacy.json gives the same logits"
+        print(f"  verify {folder.name}: ok (reload max |dlogit| {worst:.1e}{legacy})")
 
 
 def main() -> None:

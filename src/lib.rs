@@ -3,10 +3,12 @@ pub mod cli;
 pub mod default_model;
 pub mod engine;
 pub mod gguf;
+pub mod kernels;
 pub mod mlx;
 pub mod model_dir;
 pub mod models;
 pub mod parallel;
+pub mod runtime;
 pub mod server;
 pub mod tokenizer;
 

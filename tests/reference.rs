@@ -17,6 +17,9 @@ const FIXTURES: &[&str] = &[
     "qwen2",
     "qwen3",
     "llama_q4",
+    "rope_llama3",
+    "rope_linear",
+    "rope_yarn",
 ];
 
 fn fixture(name: &str) -> PathBuf {
@@ -38,13 +41,37 @@ fn reference_logits(dir: &Path, i: usize) -> (Vec<f32>, Vec<usize>) {
     (v, t.shape().to_vec())
 }
 
+/// Check a fixture with its `config.json` (as transformers 5 writes it), and again with
+/// `config.legacy.json` (top-level `rope_theta` / `rope_scaling`) where it has one: both
+/// describe the same model, so both must match the same references.
 fn check_fixture(name: &str) {
     let dir = fixture(name);
-    let md = ModelDir::open(&dir).unwrap();
+    check_fixture_dir(name, &dir);
+    if dir.join("config.legacy.json").is_file() {
+        let legacy = std::env::temp_dir().join(format!(
+            "mlxcel-legacy-config-{name}-{}",
+            std::process::id()
+        ));
+        std::fs::create_dir_all(&legacy).unwrap();
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            let file = path.file_name().unwrap();
+            if file != "config.json" && file != "config.legacy.json" {
+                std::fs::copy(&path, legacy.join(file)).unwrap();
+            }
+        }
+        std::fs::copy(dir.join("config.legacy.json"), legacy.join("config.json")).unwrap();
+        check_fixture_dir(&format!("{name} (legacy config)"), &legacy);
+        std::fs::remove_dir_all(&legacy).unwrap();
+    }
+}
+
+fn check_fixture_dir(name: &str, dir: &Path) {
+    let md = ModelDir::open(dir).unwrap();
     let loaded = models::load(&md, LoadFormat::Safetensors, |_, _| {}).unwrap();
     let model = loaded.model;
     let config: Value = md.read_config().unwrap();
-    let tok = Tokenizer::from_dir(&dir, &config).unwrap();
+    let tok = Tokenizer::from_dir(dir, &config).unwrap();
     let reference: Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
             .unwrap();
@@ -74,7 +101,7 @@ fn check_fixture(name: &str) {
             )
             .unwrap();
         let got = out[0].to_vec::<f32>().unwrap();
-        let (want, shape) = reference_logits(&dir, i);
+        let (want, shape) = reference_logits(dir, i);
         assert_eq!(
             out[0].shape(),
             vec![shape[0] as i32, shape[1] as i32],
@@ -168,6 +195,48 @@ fn qwen3_matches_transformers() {
 #[test]
 fn llama_q4_matches_mlx_lm() {
     check_fixture("llama_q4");
+}
+// Scaled rope types, with prompts longer than original_max_position_embeddings (32).
+#[test]
+fn rope_llama3_matches_transformers_beyond_original_length() {
+    check_fixture("rope_llama3");
+}
+#[test]
+fn rope_linear_matches_transformers() {
+    check_fixture("rope_linear");
+}
+#[test]
+fn rope_yarn_matches_transformers_beyond_original_length() {
+    check_fixture("rope_yarn");
+}
+
+/// The two config forms of every fixture that has both parse to the same model.
+#[test]
+fn legacy_and_current_configs_agree() {
+    let mut both = 0;
+    for f in FIXTURES {
+        let legacy = fixture(f).join("config.legacy.json");
+        if !legacy.is_file() {
+            continue;
+        }
+        let read = |p: &Path| {
+            let v: Value = serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap();
+            models::ModelConfig::from_json(&v).unwrap()
+        };
+        let current = fixture(f).join("config.json");
+        let v: Value = serde_json::from_str(&std::fs::read_to_string(&current).unwrap()).unwrap();
+        assert!(
+            v.get("rope_parameters").is_some() && v.get("rope_theta").is_none(),
+            "{f}: config.json is not in the transformers 5 form"
+        );
+        assert_eq!(read(&current), read(&legacy), "{f}");
+        both += 1;
+    }
+    assert_eq!(
+        both,
+        FIXTURES.len() - 1,
+        "every float fixture has both forms"
+    );
 }
 
 /// Batched decode of several sequences in different slots at different

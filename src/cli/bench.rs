@@ -11,10 +11,10 @@ use clap::Args;
 use rand::{Rng, SeedableRng};
 use serde_json::json;
 
-use super::generate::{check_single_device_memory, load_weights, open_model, ModelArgs};
 use crate::engine::generate::prefill;
 use crate::mlx::{self, Dtype};
 use crate::models::Logits;
+use crate::runtime::{check_single_device_memory, load_weights, open_model, ModelArgs};
 
 #[derive(Debug, Args)]
 pub struct BenchArgs {
@@ -61,7 +61,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     }
     let max_batch = args.decode_batch.iter().copied().max().unwrap_or(1).max(1);
     check_single_device_memory(&margs, &opened, max_batch, args.prefill_chunk)?;
-    let m = super::generate::LoadedModel {
+    let m = crate::runtime::LoadedModel {
         model: load_weights(&margs, &opened)?,
         dir: opened.dir,
         tokenizer: opened.tokenizer,
@@ -163,7 +163,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
 /// queued before token i is read back.
 fn decode_loop(
     model: &crate::models::Transformer,
-    cache: &mut crate::engine::kv_cache::KvCache,
+    cache: &mut crate::models::kv_cache::KvCache,
     n: usize,
 ) -> Result<HostTimes> {
     // re-feed a token stand-in: any valid id works for timing
@@ -221,7 +221,7 @@ impl HostTimes {
 /// step) as one graph per step, pipelined like [`decode_loop`].
 fn decode_batch_loop(
     model: &crate::models::Transformer,
-    cache: &mut crate::engine::kv_cache::KvCache,
+    cache: &mut crate::models::kv_cache::KvCache,
     b: usize,
     n: usize,
 ) -> Result<()> {

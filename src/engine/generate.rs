@@ -4,10 +4,10 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use super::kv_cache::KvCache;
 use super::sampler::SamplingParams;
 use super::step::{Executor, SeqStart, SeqStep, StepError, StepPlan};
 use crate::mlx::{self, Array};
+use crate::models::kv_cache::KvCache;
 use crate::models::{ForwardError, Logits, SeqInput, Transformer};
 use crate::tokenizer::stream::{StopMatcher, StreamDecoder};
 use crate::tokenizer::{Tokenizer, TokenizerError};

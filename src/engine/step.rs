@@ -9,9 +9,10 @@ use std::collections::HashMap;
 
 use serde::{Deserialize, Serialize};
 
-use super::kv_cache::KvCache;
 use super::sampler::{sample_batch_lazy, LazySample, SamplingParams, SequenceSampler};
+use crate::kernels;
 use crate::mlx::{self, Array};
+use crate::models::kv_cache::KvCache;
 use crate::models::{ForwardError, Logits, SeqInput, Transformer};
 
 /// First step of a sequence: reset its slot and set up its sampler.
@@ -202,7 +203,7 @@ impl Worker {
     }
 
     /// Run a decode step (then forget it) at each batch size up to one past the quantized
-    /// GEMV's [`mlx::qgemv::MAX_M`] (as far as the slots allow; larger batches run it on
+    /// GEMV's [`kernels::qgemv::MAX_M`] (as far as the slots allow; larger batches run it on
     /// row chunks of those sizes), and with more than one
     /// slot (a server) prompts of 2..=MAX_M tokens, on a GPU backend, so MLX compiles the
     /// run-time kernels of the decode path (mlxcel's GEMV is one per weight shape, batch
@@ -216,7 +217,7 @@ impl Worker {
             return Ok(());
         }
         let start = std::time::Instant::now();
-        let max_batch = self.cache.slots().min(mlx::qgemv::MAX_M + 1);
+        let max_batch = self.cache.slots().min(kernels::qgemv::MAX_M + 1);
         let mut phases = Vec::new();
         for b in 1..=max_batch {
             let slots: Vec<usize> = (0..b).collect();
@@ -236,7 +237,7 @@ impl Worker {
         // prompts (or last prefill chunks) of 2..=MAX_M tokens take the kernel at M = T with
         // the norm as its own op
         let prompt_max = if self.cache.slots() > 1 {
-            mlx::qgemv::MAX_M.min(self.cache.max_capacity())
+            kernels::qgemv::MAX_M.min(self.cache.max_capacity())
         } else {
             1
         };

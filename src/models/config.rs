@@ -7,6 +7,8 @@ use serde_json::Value;
 
 use crate::mlx::Dtype;
 
+pub use super::rope::{Llama3RopeScaling, RopeConfig, RopeScaling, YarnRopeScaling};
+
 /// Errors in `config.json`.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -26,22 +28,6 @@ pub enum ConfigError {
 
 /// `model_type` values mlxcel can run.
 pub const SUPPORTED: &[&str] = &["llama", "mistral", "qwen2", "qwen3"];
-
-/// Rotary embedding settings.
-#[derive(Debug, Clone, PartialEq)]
-pub struct RopeConfig {
-    pub theta: f32,
-    /// Llama-3 frequency scaling (`rope_scaling.rope_type = "llama3"`).
-    pub llama3: Option<Llama3RopeScaling>,
-}
-
-#[derive(Debug, Clone, PartialEq)]
-pub struct Llama3RopeScaling {
-    pub factor: f32,
-    pub low_freq_factor: f32,
-    pub high_freq_factor: f32,
-    pub original_max_position_embeddings: f32,
-}
 
 /// MLX affine quantization of the checkpoint (`"quantization": {group_size, bits}`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -203,17 +189,7 @@ pub(crate) fn parse_common(v: &Value) -> Result<ModelConfig, ConfigError> {
             msg: format!("{num_kv_heads} does not divide num_attention_heads {num_heads}"),
         });
     }
-    f.refuse_unless(
-        "hidden_act",
-        |v| v == "silu",
-        "only SiLU MLPs are implemented",
-    )?;
-    f.refuse_unless("mlp_bias", |v| v == false, "MLP biases are not implemented")?;
-    f.refuse_unless(
-        "pretraining_tp",
-        |v| v == 1,
-        "pretraining_tp > 1 changes the math",
-    )?;
+    refuse_math_changes(&f)?;
     let dtype_name = f
         .get("torch_dtype")
         .or_else(|| f.get("dtype"))
@@ -235,6 +211,19 @@ pub(crate) fn parse_common(v: &Value) -> Result<ModelConfig, ConfigError> {
                 |v| v == "affine",
                 "only MLX affine quantization is implemented",
             )?;
+            // mlx-lm's mixed recipes put per-layer settings (an object, or false) beside the defaults.
+            if let Some((k, v)) = q
+                .as_object()
+                .into_iter()
+                .flatten()
+                .find(|(_, v)| v.is_object() || v.is_boolean())
+            {
+                return Err(ConfigError::Unsupported {
+                    field: format!("quantization.{k}"),
+                    value: v.to_string(),
+                    why: "per-layer quantization settings are not implemented".into(),
+                });
+            }
             let group_size = qf.usize("group_size").map_err(|_| ConfigError::Field {
                 field: "quantization.group_size".into(),
                 msg: "missing or not a positive integer".into(),
@@ -253,7 +242,7 @@ pub(crate) fn parse_common(v: &Value) -> Result<ModelConfig, ConfigError> {
             Some(QuantConfig { group_size, bits })
         }
     };
-    let rope = parse_rope(&f)?;
+    let rope = super::rope::parse_rope(&f)?;
     Ok(ModelConfig {
         model_type: v
             .get("model_type")
@@ -280,49 +269,327 @@ pub(crate) fn parse_common(v: &Value) -> Result<ModelConfig, ConfigError> {
     })
 }
 
-fn parse_rope(f: &Fields<'_>) -> Result<RopeConfig, ConfigError> {
-    let theta = f.f32_or("rope_theta", 10000.0)?;
-    let Some(s) = f.get("rope_scaling") else {
-        return Ok(RopeConfig {
-            theta,
-            llama3: None,
-        });
+/// Refuse the values of fields shared by the Llama-like families that change the math
+/// and are not implemented. A field with its neutral value (or null) is fine: current
+/// tools write many of them.
+fn refuse_math_changes(f: &Fields<'_>) -> Result<(), ConfigError> {
+    for k in ["hidden_act", "hidden_activation"] {
+        f.refuse_unless(k, |v| v == "silu", "only SiLU MLPs are implemented")?;
+    }
+    f.refuse_unless("mlp_bias", |v| v == false, "MLP biases are not implemented")?;
+    f.refuse_unless(
+        "pretraining_tp",
+        |v| v == 1,
+        "pretraining_tp > 1 changes the math",
+    )?;
+    f.refuse_unless(
+        "partial_rotary_factor",
+        |v| v.as_f64() == Some(1.0),
+        "partial rotary embeddings are not implemented",
+    )?;
+    f.refuse_unless(
+        "rope_traditional",
+        |v| v == false,
+        "interleaved (traditional) RoPE is not implemented",
+    )?;
+    for k in ["attn_logit_softcapping", "final_logit_softcapping"] {
+        f.refuse_unless(k, |_| false, "logit soft-capping is not implemented")?;
+    }
+    for k in [
+        "embedding_multiplier",
+        "logits_scaling",
+        "residual_multiplier",
+        "attention_multiplier",
+    ] {
+        f.refuse_unless(
+            k,
+            |v| v.as_f64() == Some(1.0),
+            "scaling multipliers are not implemented",
+        )?;
+    }
+    if let Some(q) = f.get("quantization_config") {
+        Fields(q)
+            .refuse_unless(
+                "quant_method",
+                |_| false,
+                "only MLX affine checkpoints (`quantization`) and float weights are read",
+            )
+            .map_err(|e| match e {
+                ConfigError::Unsupported { value, why, .. } => ConfigError::Unsupported {
+                    field: "quantization_config.quant_method".into(),
+                    value,
+                    why,
+                },
+                e => e,
+            })?;
+    }
+    Ok(())
+}
+
+/// Refuse a sliding window that takes effect: one that some layer uses and that is
+/// shorter than `max_position_embeddings`. Layers slide when `layer_types` says so,
+/// else (Qwen) when `use_sliding_window` is true from layer `max_window_layers` on,
+/// else (Mistral) everywhere a `sliding_window` is given.
+pub(crate) fn refuse_sliding_window(f: &Fields<'_>) -> Result<(), ConfigError> {
+    let layers = f.usize("num_hidden_layers")?;
+    let max_pos = f.opt_usize("max_position_embeddings")?.unwrap_or(4096);
+    let window = match f.get("sliding_window") {
+        None => None,
+        Some(v) => Some(v.as_u64().ok_or_else(|| ConfigError::Field {
+            field: "sliding_window".into(),
+            msg: format!("expected a positive integer or null, got {v}"),
+        })? as usize),
     };
-    let sf = Fields(s);
-    let kind = sf
-        .get("rope_type")
-        .or_else(|| sf.get("type"))
-        .and_then(Value::as_str)
-        .unwrap_or("");
-    match kind {
-        "default" => Ok(RopeConfig {
-            theta,
-            llama3: None,
-        }),
-        "llama3" => {
-            let need = |k: &str| -> Result<f32, ConfigError> {
-                sf.get(k)
-                    .and_then(Value::as_f64)
-                    .map(|x| x as f32)
-                    .ok_or_else(|| ConfigError::Field {
-                        field: format!("rope_scaling.{k}"),
-                        msg: "missing or not a number".into(),
-                    })
-            };
-            Ok(RopeConfig {
-                theta,
-                llama3: Some(Llama3RopeScaling {
-                    factor: need("factor")?,
-                    low_freq_factor: need("low_freq_factor")?,
-                    high_freq_factor: need("high_freq_factor")?,
-                    original_max_position_embeddings: need("original_max_position_embeddings")?,
-                }),
+    let (field, sliding): (&str, Vec<bool>) = if let Some(lt) = f.get("layer_types") {
+        let kinds = lt.as_array().ok_or_else(|| ConfigError::Field {
+            field: "layer_types".into(),
+            msg: format!("expected a list, got {lt}"),
+        })?;
+        if let Some(k) = kinds
+            .iter()
+            .find(|k| *k != "full_attention" && *k != "sliding_attention")
+        {
+            return Err(ConfigError::Unsupported {
+                field: "layer_types".into(),
+                value: k.to_string(),
+                why: "only full (and inactive sliding) attention is implemented".into(),
+            });
+        }
+        (
+            "layer_types",
+            kinds.iter().map(|k| k == "sliding_attention").collect(),
+        )
+    } else if let Some(on) = f.get("use_sliding_window") {
+        let from = match f.get("max_window_layers") {
+            None => 0,
+            Some(v) => v.as_u64().ok_or_else(|| ConfigError::Field {
+                field: "max_window_layers".into(),
+                msg: format!("expected a non-negative integer, got {v}"),
+            })? as usize,
+        };
+        let on = on == true && window.is_some();
+        (
+            "use_sliding_window",
+            (0..layers).map(|i| on && i >= from).collect(),
+        )
+    } else {
+        ("sliding_window", vec![window.is_some(); layers])
+    };
+    match window {
+        Some(w) if w > 0 && w < max_pos && sliding.iter().any(|&s| s) => {
+            Err(ConfigError::Unsupported {
+                field: field.into(),
+                value: f.get(field).map(Value::to_string).unwrap_or_default(),
+                why: format!(
+                    "sliding-window attention (sliding_window {w} < max_position_embeddings {max_pos}) is not implemented"
+                ),
             })
         }
-        other => Err(ConfigError::Unsupported {
-            field: "rope_scaling.rope_type".into(),
-            value: format!("\"{other}\""),
-            why: "only llama3 rope scaling is implemented".into(),
+        None if field == "layer_types" && sliding.iter().any(|&s| s) => Err(ConfigError::Field {
+            field: "sliding_window".into(),
+            msg: "missing, but layer_types has sliding_attention layers".into(),
         }),
+        _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    /// A small Llama config in the form transformers 5 writes, with `extra` merged in.
+    fn config(model_type: &str, extra: Value) -> Value {
+        let mut v = json!({
+            "architectures": ["LlamaForCausalLM"], "model_type": model_type,
+            "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 8,
+            "num_key_value_heads": 4, "intermediate_size": 128, "vocab_size": 384,
+            "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "dtype": "bfloat16",
+            "hidden_act": "silu", "attention_bias": false, "attention_dropout": 0.0,
+            "mlp_bias": false, "pretraining_tp": 1, "pad_token_id": null,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
+            "tie_word_embeddings": false, "transformers_version": "5.24.0", "use_cache": true
+        });
+        for (k, x) in extra.as_object().unwrap() {
+            v[k] = x.clone();
+        }
+        if model_type != "llama" {
+            v.as_object_mut().unwrap().remove("mlp_bias");
+            v.as_object_mut().unwrap().remove("pretraining_tp");
+        }
+        if model_type == "qwen2" {
+            v.as_object_mut().unwrap().remove("attention_bias");
+        }
+        v
+    }
+
+    fn refusal(model_type: &str, extra: Value) -> String {
+        match ModelConfig::from_json(&config(model_type, extra.clone())) {
+            Ok(_) => panic!("{model_type} {extra} was accepted"),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    #[test]
+    fn transformers5_harmless_fields_load() {
+        for mt in SUPPORTED {
+            let extra = json!({
+                "layer_types": ["full_attention", "full_attention"],
+                "use_sliding_window": false, "max_window_layers": 28, "sliding_window": null,
+                "head_dim": 8, "partial_rotary_factor": 1.0, "attn_logit_softcapping": null,
+                "final_logit_softcapping": null,
+            });
+            let mut v = config(mt, extra);
+            if *mt == "mistral" || *mt == "llama" {
+                v.as_object_mut().unwrap().remove("use_sliding_window");
+                v.as_object_mut().unwrap().remove("max_window_layers");
+            }
+            let cfg = ModelConfig::from_json(&v).unwrap_or_else(|e| panic!("{mt}: {e}"));
+            assert_eq!(cfg.rope.theta, 500000.0, "{mt}");
+            assert_eq!(cfg.dtype, Dtype::BF16);
+        }
+        // Qwen: a window that no layer uses (use_sliding_window false, or every layer below
+        // max_window_layers) is harmless too.
+        for extra in [
+            json!({"use_sliding_window": false, "sliding_window": 4096, "max_window_layers": 0}),
+            json!({"use_sliding_window": true, "sliding_window": 1024, "max_window_layers": 2}),
+            json!({"layer_types": ["sliding_attention", "sliding_attention"], "sliding_window": 4096}),
+        ] {
+            ModelConfig::from_json(&config("qwen2", extra.clone()))
+                .unwrap_or_else(|e| panic!("{extra}: {e}"));
+        }
+    }
+
+    /// Every refusal names the field and its value.
+    #[test]
+    fn math_changing_values_are_refused_by_name() {
+        let cases: &[(&str, Value, &str, &str)] = &[
+            ("llama", json!({"hidden_act": "gelu"}), "hidden_act", "gelu"),
+            ("qwen3", json!({"hidden_act": "relu"}), "hidden_act", "relu"),
+            ("llama", json!({"mlp_bias": true}), "mlp_bias", "true"),
+            (
+                "llama",
+                json!({"attention_bias": true}),
+                "attention_bias",
+                "true",
+            ),
+            (
+                "qwen3",
+                json!({"attention_bias": true}),
+                "attention_bias",
+                "true",
+            ),
+            (
+                "mistral",
+                json!({"attention_bias": true}),
+                "attention_bias",
+                "true",
+            ),
+            ("llama", json!({"pretraining_tp": 2}), "pretraining_tp", "2"),
+            (
+                "llama",
+                json!({"partial_rotary_factor": 0.5}),
+                "partial_rotary_factor",
+                "0.5",
+            ),
+            (
+                "qwen2",
+                json!({"attn_logit_softcapping": 50.0}),
+                "attn_logit_softcapping",
+                "50",
+            ),
+            (
+                "qwen3",
+                json!({"final_logit_softcapping": 30.0}),
+                "final_logit_softcapping",
+                "30",
+            ),
+            (
+                "llama",
+                json!({"rope_traditional": true}),
+                "rope_traditional",
+                "true",
+            ),
+            (
+                "llama",
+                json!({"logits_scaling": 8.0}),
+                "logits_scaling",
+                "8",
+            ),
+            (
+                "mistral",
+                json!({"sliding_window": 1024}),
+                "sliding_window",
+                "1024",
+            ),
+            (
+                "qwen2",
+                json!({"use_sliding_window": true, "sliding_window": 1024, "max_window_layers": 1}),
+                "use_sliding_window",
+                "true",
+            ),
+            (
+                "qwen3",
+                json!({"layer_types": ["full_attention", "sliding_attention"], "sliding_window": 512}),
+                "layer_types",
+                "sliding_attention",
+            ),
+            (
+                "qwen3",
+                json!({"layer_types": ["full_attention", "chunked_attention"]}),
+                "layer_types",
+                "chunked_attention",
+            ),
+            (
+                "llama",
+                json!({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}}),
+                "rope_parameters.rope_type",
+                "dynamic",
+            ),
+            (
+                "qwen2",
+                json!({"rope_parameters": null, "rope_theta": 1e6, "rope_scaling": {"type": "longrope"}}),
+                "rope_scaling.rope_type",
+                "longrope",
+            ),
+            (
+                "llama",
+                json!({"quantization_config": {"quant_method": "gptq", "bits": 4}}),
+                "quantization_config.quant_method",
+                "gptq",
+            ),
+            (
+                "llama",
+                json!({"quantization": {"group_size": 64, "bits": 4,
+                        "model.layers.0.mlp.down_proj": {"group_size": 64, "bits": 8}}}),
+                "quantization.model.layers.0.mlp.down_proj",
+                "\"bits\":8",
+            ),
+        ];
+        for (mt, extra, field, value) in cases {
+            let e = refusal(mt, extra.clone());
+            assert!(
+                e.contains(&format!("`{field}`")) && e.contains(value),
+                "{mt} {extra}: {e}"
+            );
+        }
+    }
+
+    /// mlx-lm writes `quantization_config` as a copy of `quantization` (no quant_method).
+    #[test]
+    fn mlx_quantization_config_is_read() {
+        let q = json!({"group_size": 64, "bits": 4, "mode": "affine"});
+        let cfg = ModelConfig::from_json(&config(
+            "llama",
+            json!({"quantization": q, "quantization_config": q}),
+        ))
+        .unwrap();
+        assert_eq!(
+            cfg.quantization,
+            Some(QuantConfig {
+                group_size: 64,
+                bits: 4
+            })
+        );
     }
 }

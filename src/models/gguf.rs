@@ -10,8 +10,9 @@ use crate::gguf::{
 };
 use crate::mlx::{Array, Dtype};
 
-use super::config::QuantConfig;
-use super::weights::{block_ranges, LoadError, TensorEntry, TensorKind};
+use super::weights::{
+    block_ranges, LoadError, TensorEntry, TensorInfo as TensorInfo2, TensorKind, WeightSource,
+};
 
 /// Every tensor under its HF names, as the loader will hand it to MLX (packed
 /// uint32 + scales + biases for affine types, floats otherwise), for the memory plan.
@@ -97,7 +98,7 @@ impl GgufSource {
     }
 
     /// Bytes read from the GGUF files so far.
-    pub fn bytes_read(&self) -> u64 {
+    pub fn total_bytes_read(&self) -> u64 {
         self.bytes_read.get()
     }
 
@@ -105,29 +106,27 @@ impl GgufSource {
         self.model.tensors.get(gname).map(|(i, t)| (*i, t))
     }
 
-    /// Whether `name` (an HF name) is offered: `.scales`/`.biases` only for tensors that
-    /// convert to MLX's affine layout.
-    pub fn contains(&self, name: &str) -> bool {
-        let Some((g, part)) = split_name(name) else {
-            return false;
-        };
-        match self.info(&g) {
-            None => false,
-            Some((_, t)) => match part {
-                Part::Scales | Part::Biases => quant::affine_bits(t.ty).is_some(),
-                _ => true,
-            },
-        }
-    }
-
-    /// The quantization of the linear `prefix` (`None`: a float tensor).
-    pub fn quant(&self, prefix: &str) -> Option<QuantConfig> {
-        let (g, _) = split_name(&format!("{prefix}.weight"))?;
+    /// Shape and dtype of the HF-named tensor as it is handed to MLX (`None`: not
+    /// offered; `.scales`/`.biases` only for tensors that convert to MLX's affine layout).
+    fn info_of(&self, name: &str) -> Option<TensorInfo2> {
+        let (g, part) = split_name(name)?;
         let (_, t) = self.info(&g)?;
-        quant::affine_bits(t.ty).map(|bits| QuantConfig {
-            group_size: quant::GROUP as i32,
-            bits: bits as i32,
-        })
+        let shape = t.shape();
+        match (quant::affine_bits(t.ty), part, shape.as_slice()) {
+            (Some(bits), Part::Weight, &[rows, cols]) => Some(TensorInfo2 {
+                shape: vec![rows, cols * bits as usize / 32],
+                dtype: Dtype::U32,
+            }),
+            (Some(_), Part::Scales | Part::Biases, &[rows, cols]) => Some(TensorInfo2 {
+                shape: vec![rows, cols / quant::GROUP],
+                dtype: self.float,
+            }),
+            (_, Part::Scales | Part::Biases, _) => None,
+            _ => Some(TensorInfo2 {
+                shape,
+                dtype: self.float,
+            }),
+        }
     }
 
     fn err(&self, name: &str, msg: String) -> LoadError {
@@ -184,7 +183,7 @@ impl GgufSource {
     /// Load the block `[rows, cols]` of the HF-named tensor `name` of full shape `shape`,
     /// as `WeightSource::load_block` (columns of packed weights in uint32 words, of scales
     /// and biases in groups).
-    pub fn load_block(
+    fn read_block(
         &self,
         name: &str,
         shape: &[usize],
@@ -328,6 +327,27 @@ impl GgufSource {
             unpermute(&mut a.biases, groups, hd);
         }
         Ok(a)
+    }
+}
+
+impl WeightSource for GgufSource {
+    fn info(&self, name: &str) -> Result<Option<TensorInfo2>, LoadError> {
+        Ok(self.info_of(name))
+    }
+
+    fn load_block(
+        &self,
+        name: &str,
+        shape: &[usize],
+        rows: Option<Range<usize>>,
+        cols: Option<Range<usize>>,
+        kind: TensorKind,
+    ) -> Result<Array, LoadError> {
+        self.read_block(name, shape, rows, cols, kind)
+    }
+
+    fn bytes_read(&self) -> u64 {
+        self.total_bytes_read()
     }
 }
 

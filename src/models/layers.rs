@@ -4,11 +4,11 @@
 use std::ops::Range;
 use std::rc::Rc;
 
+use crate::kernels::{self, qgemv::Epilogue};
 use crate::mlx::distributed::Group;
-use crate::mlx::qgemv::Epilogue;
 use crate::mlx::{self, fast, Array, Dtype};
 
-use super::config::{ModelConfig, QuantConfig};
+use super::config::{ModelConfig, QuantConfig, RopeScaling};
 use super::weights::{LoadError, RowBlock, TensorKind, WeightSource};
 
 pub type Result<T> = std::result::Result<T, LoadError>;
@@ -49,7 +49,7 @@ impl Linear {
     /// reading only this rank's part under `shard`.
     #[allow(clippy::too_many_arguments)]
     pub fn load(
-        src: &WeightSource,
+        src: &dyn WeightSource,
         prefix: &str,
         in_dim: usize,
         out_dim: usize,
@@ -73,7 +73,7 @@ impl Linear {
         } else {
             None
         };
-        let quant = src.quant_of(prefix).or(quant);
+        let quant = tensor_quant(src, prefix, in_dim, quant);
         let weight = match quant {
             Some(q) if src.contains(&format!("{prefix}.scales")) => {
                 let (bits, g) = (q.bits as usize, q.group_size as usize);
@@ -125,7 +125,7 @@ impl Linear {
     /// when quantized, and output biases) are stacked along the output axis as they are
     /// read, not concatenated afterwards.
     pub fn load_merged(
-        src: &WeightSource,
+        src: &dyn WeightSource,
         parts: &[(&str, usize, Shard)],
         in_dim: usize,
         bias: bool,
@@ -166,7 +166,10 @@ impl Linear {
             .filter(|(prefix, ..)| src.contains(&format!("{prefix}.scales")))
             .count();
         // per-tensor quantization (GGUF): every part must agree
-        let per_part: Vec<_> = parts.iter().map(|(p, ..)| src.quant_of(p)).collect();
+        let per_part: Vec<_> = parts
+            .iter()
+            .map(|(p, ..)| tensor_quant(src, p, in_dim, quant))
+            .collect();
         if per_part.iter().any(|q| *q != per_part[0]) {
             return Err(LoadError::Mlx(mlx::MlxError::Invalid(format!(
                 "Linear::load_merged: {} have different quantization types ({per_part:?}); \
@@ -174,7 +177,7 @@ impl Linear {
                 parts.iter().map(|p| p.0).collect::<Vec<_>>().join(", ")
             ))));
         }
-        let quant = per_part[0].or(quant);
+        let quant = per_part[0];
         let weight = match quant {
             Some(q) if quantized == parts.len() => {
                 let (bits, g) = (q.bits as usize, q.group_size as usize);
@@ -313,9 +316,9 @@ impl Linear {
         let fits = rope.dims as usize == head_dim
             && pos.size() == f.m
             && pos.dtype() == Dtype::I32
-            && mlx::qgemv::supports_rope(f.m, f.n, f.group, f.bits, nq, head_dim);
+            && kernels::qgemv::supports_rope(f.m, f.n, f.group, f.bits, nq, head_dim);
         fits.then(|| {
-            mlx::qgemv::qgemv_rope(
+            kernels::qgemv::qgemv_rope(
                 x,
                 f.w,
                 f.scales,
@@ -345,7 +348,7 @@ impl Linear {
         else {
             return None;
         };
-        if self.bias.is_some() || self.reduce.is_some() || !mlx::qgemv::enabled() {
+        if self.bias.is_some() || self.reduce.is_some() || !kernels::qgemv::enabled() {
             return None;
         }
         let (n, k) = (self.out_dim(), self.in_dim());
@@ -354,7 +357,7 @@ impl Linear {
         let norm_fits = norm.is_none_or(|n| n.weight.size() == k && n.weight.dtype() == x.dtype());
         let fits = norm_fits
             && m * k == x.size()
-            && mlx::qgemv::supports(m, n, k, group, bits, [x.dtype(), scales.dtype()]);
+            && kernels::qgemv::supports(m, n, k, group, bits, [x.dtype(), scales.dtype()]);
         fits.then_some(Fusable {
             w,
             scales,
@@ -380,11 +383,11 @@ impl Linear {
         let f = self.fusable(x, norm)?;
         let epi_fits = match epi {
             Epilogue::Residual(r) => r.dtype() == x.dtype() && r.size() == f.m * f.n,
-            Epilogue::SwiGlu => mlx::qgemv::supports_swiglu(f.m, f.n, f.group, f.bits),
+            Epilogue::SwiGlu => kernels::qgemv::supports_swiglu(f.m, f.n, f.group, f.bits),
             Epilogue::None => true,
         };
         epi_fits.then(|| {
-            mlx::qgemv::qgemv(
+            kernels::qgemv::qgemv(
                 x,
                 f.w,
                 f.scales,
@@ -430,6 +433,33 @@ fn apply_norm(x: &Array, norm: Option<&RmsNorm>) -> mlx::Result<Array> {
     }
 }
 
+/// The quantization of linear `prefix`: the bits and group size its stored tensors imply
+/// (packed `.weight` `[out, in · bits / 32]`, `.scales` `[out, in / group]`) where the source
+/// says, else the config's `quant`. A checkpoint may quantize tensors differently (GGUF:
+/// 4-bit Q4_1 linears beside an 8-bit Q8_0 embedding).
+fn tensor_quant(
+    src: &dyn WeightSource,
+    prefix: &str,
+    in_dim: usize,
+    quant: Option<QuantConfig>,
+) -> Option<QuantConfig> {
+    let q = quant?;
+    let info = |s: &str| src.info(&format!("{prefix}.{s}")).ok().flatten();
+    match (info("weight"), info("scales")) {
+        (Some(w), Some(s))
+            if w.dtype == Dtype::U32 && w.shape.len() == 2 && s.shape.len() == 2 && in_dim > 0 =>
+        {
+            let bits = w.shape[1] * 32 / in_dim;
+            let group = in_dim / s.shape[1].max(1);
+            Some(QuantConfig {
+                bits: bits as i32,
+                group_size: group as i32,
+            })
+        }
+        _ => Some(q),
+    }
+}
+
 /// Rows of x from which a GPU multiplies by the dequantized weight (one bf16 GEMM,
 /// the weight dequantized into a temporary) rather than with `quantized_matmul`:
 /// prefill runs at the dense GEMM's speed (4.7× MLX's quantized GEMM on H200).
@@ -448,12 +478,12 @@ fn quantized_forward(
     let n = w.dim(0) as usize;
     let m = x.size().checked_div(k).unwrap_or(0);
     let (group, bits) = (q.group_size as usize, q.bits as usize);
-    if mlx::qgemv::enabled()
-        && mlx::qgemv::supports(m, n, k, group, bits, [x.dtype(), scales.dtype()])
+    if kernels::qgemv::enabled()
+        && kernels::qgemv::supports(m, n, k, group, bits, [x.dtype(), scales.dtype()])
     {
         let mut shape = x.shape();
         *shape.last_mut().expect("x has a last axis") = n as i32;
-        return mlx::qgemv::qgemv(
+        return kernels::qgemv::qgemv(
             x,
             w,
             scales,
@@ -493,7 +523,7 @@ pub struct Embedding {
 
 impl Embedding {
     pub fn load(
-        src: &WeightSource,
+        src: &dyn WeightSource,
         prefix: &str,
         vocab: usize,
         hidden: usize,
@@ -547,7 +577,7 @@ pub struct RmsNorm {
 }
 
 impl RmsNorm {
-    pub fn load(src: &WeightSource, name: &str, dim: usize, eps: f32) -> Result<Self> {
+    pub fn load(src: &dyn WeightSource, name: &str, dim: usize, eps: f32) -> Result<Self> {
         Ok(RmsNorm {
             weight: src.load(name, &[dim], TensorKind::Norm)?,
             eps,
@@ -559,55 +589,33 @@ impl RmsNorm {
     }
 }
 
-/// Rotary position embedding (half-split, as in HF Llama), optionally with
-/// Llama-3 frequency scaling.
+/// Rotary position embedding (half-split, as in HF Llama), with the frequencies of
+/// the config's rope type ([`crate::models::config::RopeScaling`]).
 pub struct Rope {
     dims: i32,
     base: f32,
-    /// Llama-3 scaled periods, passed to MLX as `freqs`.
+    /// Scaled periods (`1 / inv_freq`), passed to MLX as `freqs`; `None` for plain RoPE.
     freqs: Option<Array>,
     /// float32 `[dims / 2]`: the angle of pair d at position p is `p · inv_freq[d]`
-    /// (`base^(-2d/dims)`, or `1 / freqs[d]`), for the fused q/k/v kernel.
+    /// (`base^(-2d/dims)` as the rope type scales it), for the fused q/k/v kernel.
     inv_freq: Array,
 }
 
 impl Rope {
     pub fn new(cfg: &ModelConfig) -> mlx::Result<Rope> {
         let dims = cfg.head_dim as i32;
-        let base = cfg.rope.theta;
-        let mut inv: Vec<f32> = (0..dims / 2)
-            .map(|i| (base as f64).powf(-2.0 * i as f64 / dims as f64) as f32)
-            .collect();
-        let freqs = match &cfg.rope.llama3 {
-            None => None,
-            Some(s) => {
-                // As mlx-lm's Llama3RoPE: periods base^(2i/d), scaled by wavelength band.
-                let low_wavelen = s.original_max_position_embeddings / s.low_freq_factor;
-                let high_wavelen = s.original_max_position_embeddings / s.high_freq_factor;
-                let f: Vec<f32> = (0..dims / 2)
-                    .map(|i| {
-                        let period = base.powf(2.0 * i as f32 / dims as f32);
-                        let wavelen = 2.0 * std::f32::consts::PI * period;
-                        if wavelen > low_wavelen {
-                            period * s.factor
-                        } else if wavelen < high_wavelen {
-                            period
-                        } else {
-                            let smooth = (s.original_max_position_embeddings / wavelen
-                                - s.low_freq_factor)
-                                / (s.high_freq_factor - s.low_freq_factor);
-                            period / ((1.0 - smooth) / s.factor + smooth)
-                        }
-                    })
-                    .collect();
-                inv = f.iter().map(|&p| (1.0 / p as f64) as f32).collect();
-                Some(Array::from_slice(&f, &[dims / 2])?)
+        let inv = cfg.rope.inv_freq(cfg.head_dim);
+        let freqs = match cfg.rope.scaling {
+            RopeScaling::None => None,
+            _ => {
+                let periods: Vec<f32> = inv.iter().map(|&f| (1.0 / f as f64) as f32).collect();
+                Some(Array::from_slice(&periods, &[dims / 2])?)
             }
         };
         let inv_freq = Array::from_slice(&inv, &[dims / 2])?;
         Ok(Rope {
             dims,
-            base,
+            base: cfg.rope.theta,
             freqs,
             inv_freq,
         })
@@ -722,7 +730,13 @@ mod tests {
     #[test]
     fn rope_inv_freq_matches_mlx_rope() {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
-        for fixture in ["llama3", "llama_gqa2_tied"] {
+        for fixture in [
+            "llama3",
+            "llama_gqa2_tied",
+            "rope_llama3",
+            "rope_linear",
+            "rope_yarn",
+        ] {
             let text = std::fs::read_to_string(dir.join(fixture).join("config.json")).unwrap();
             let cfg = ModelConfig::from_json(&serde_json::from_str(&text).unwrap()).unwrap();
             let rope = Rope::new(&cfg).unwrap();

@@ -4,16 +4,19 @@
 pub mod config;
 pub mod demo;
 pub mod gguf;
+pub mod kv_cache;
 pub mod layers;
 pub mod llama;
 pub mod qwen2;
 pub mod qwen3;
+pub mod rope;
+pub mod shard;
 pub mod transformer;
 pub mod weights;
 
 pub use config::{ConfigError, ModelConfig};
 pub use transformer::{ForwardError, Logits, SeqInput, Transformer};
-pub use weights::{LoadError, WeightSource};
+pub use weights::{CastSource, DummySource, LoadError, SafetensorsSource, WeightSource};
 
 use crate::model_dir::{ModelDir, ModelDirError};
 
@@ -52,6 +55,22 @@ pub fn read_config(dir: &ModelDir) -> Result<ModelConfig, ModelError> {
     Ok(ModelConfig::from_json(&dir.read_config()?)?)
 }
 
+/// The weights of the model in `dir` as `format` says: its checkpoint files, or dummy
+/// weights (seed 0) in the config's dtype.
+pub fn weight_source(
+    dir: &ModelDir,
+    format: LoadFormat,
+    cfg: &ModelConfig,
+) -> Result<Box<dyn WeightSource>, LoadError> {
+    Ok(match format {
+        LoadFormat::Safetensors if dir.is_gguf() => {
+            Box::new(gguf::GgufSource::open(&dir.weights[0])?)
+        }
+        LoadFormat::Safetensors => Box::new(SafetensorsSource::from_dir(dir)?),
+        LoadFormat::Dummy => Box::new(DummySource::new(cfg.dtype, 0)),
+    })
+}
+
 /// Load the model in `dir`; `progress(done, total)` is called per layer.
 pub fn load(
     dir: &ModelDir,
@@ -71,15 +90,12 @@ pub fn load_as(
 ) -> Result<Loaded, ModelError> {
     let cfg = read_config(dir)?;
     let t0 = std::time::Instant::now();
-    let src = match format {
-        LoadFormat::Safetensors => WeightSource::from_dir(dir)?,
-        LoadFormat::Dummy => WeightSource::dummy(cfg.dtype, 0)?,
-    };
+    let src = weight_source(dir, format, &cfg)?;
     let src = match dtype {
-        Some(d) => src.cast(d),
+        Some(d) => Box::new(CastSource::new(src, d)),
         None => src,
     };
-    let model = Transformer::load(&cfg, &src, progress)?;
+    let model = Transformer::load(&cfg, src.as_ref(), progress)?;
     Ok(Loaded {
         model,
         bytes_read: src.bytes_read(),

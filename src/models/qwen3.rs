@@ -2,15 +2,11 @@
 //! Forward: [`super::transformer`].
 use serde_json::Value;
 
-use super::config::{parse_common, ConfigError, Fields, ModelConfig};
+use super::config::{parse_common, refuse_sliding_window, ConfigError, Fields, ModelConfig};
 
 pub fn parse_config(v: &Value) -> Result<ModelConfig, ConfigError> {
     let f = Fields(v);
-    f.refuse_unless(
-        "use_sliding_window",
-        |v| v == false,
-        "sliding-window attention is not implemented",
-    )?;
+    refuse_sliding_window(&f)?;
     f.refuse_unless(
         "attention_bias",
         |v| v == false,

@@ -4,14 +4,15 @@
 //!
 //! A forward step takes a batch of sequences, each with its KV-cache slot and
 //! new tokens; their positions are the slots' current lengths.
-use crate::engine::kv_cache::{BatchIndex, KvCache, KvError, NewKv};
+use super::kv_cache::{BatchIndex, KvCache, KvError, NewKv};
+use crate::kernels;
 use crate::mlx::{self, fast, Array, Dtype};
 
 use super::config::ModelConfig;
 use super::layers::{Embedding, Linear, Result, RmsNorm, Rope, Shard};
+use super::shard::ShardPlan;
 use super::weights::WeightSource;
 use crate::mlx::distributed::Group;
-use crate::parallel::shard::ShardPlan;
 use std::rc::Rc;
 
 /// Inputs of at least this many tokens keep at most two layers in flight on a GPU
@@ -87,7 +88,7 @@ impl Transformer {
     /// Load every weight named as in the HF / mlx-community checkpoint.
     pub fn load(
         cfg: &ModelConfig,
-        src: &WeightSource,
+        src: &dyn WeightSource,
         progress: impl FnMut(usize, usize),
     ) -> Result<Transformer> {
         Self::load_shard(cfg, src, &ShardPlan::full(cfg), None, progress)
@@ -96,7 +97,7 @@ impl Transformer {
     /// Load this rank's shard under `plan`; row-parallel layers reduce over `tp`.
     pub fn load_shard(
         cfg: &ModelConfig,
-        src: &WeightSource,
+        src: &dyn WeightSource,
         plan: &ShardPlan,
         tp: Option<Rc<Group>>,
         mut progress: impl FnMut(usize, usize),
@@ -154,7 +155,8 @@ impl Transformer {
                 n_heads: qh.len() as i32,
                 n_kv_heads: kvh.len() as i32,
                 head_dim: hd as i32,
-                scale: (hd as f32).powf(-0.5),
+                // YaRN scales q and k (cos and sin) by its attention factor: the logits take its square.
+                scale: (hd as f32).powf(-0.5) * cfg.rope.logit_scale(),
             };
             let i_sz = cfg.intermediate_size;
             let mlp_name = |name: &str| format!("{p}.mlp.{name}");
@@ -247,11 +249,11 @@ impl Transformer {
             .map_or(0, |b| b.self_attn.n_heads as usize)
     }
 
-    /// Whether decode steps run mlxcel's attention kernel (`mlx::attn`) here.
+    /// Whether decode steps run mlxcel's attention kernel (`kernels::attn`) here.
     fn attn_kernel_fits(&self) -> bool {
         self.layers.first().is_some_and(|b| {
             let a = &b.self_attn;
-            mlx::attn::supported(
+            kernels::attn::supported(
                 a.n_heads as usize,
                 a.n_kv_heads as usize,
                 a.head_dim as usize,
@@ -392,7 +394,7 @@ impl Transformer {
             let a = &block.self_attn;
             let (q, kv) = a.qkv(&h, &block.input_layernorm, 1, t, &self.rope, &offset)?;
             // one sequence reads its slot as views with MLX's attention: at batch 1 that
-            // beat mlxcel's kernel (`mlx::attn`, used for batched steps) on H200
+            // beat mlxcel's kernel (`kernels::attn`, used for batched steps) on H200
             let (kk, vv) = cache.write_and_read(li, s.slot, pos, &kv)?;
             let mask = if t > 1 {
                 fast::Mask::Causal
@@ -548,7 +550,7 @@ impl Attention {
         mlx::concatenate(&outs.iter().collect::<Vec<_>>(), 0)
     }
 
-    /// A decode step's attention by mlxcel's kernel (`mlx::attn`): q `[B, heads, 1,
+    /// A decode step's attention by mlxcel's kernel (`kernels::attn`): q `[B, heads, 1,
     /// head_dim]` over the layer's `pool`, row b at slot `slots[b]` up to `pos[b]`.
     fn decode_attention(
         &self,
@@ -556,9 +558,9 @@ impl Attention {
         pool: &Array,
         slots: &Array,
         pos: &Array,
-        scratch: &mlx::attn::Scratch,
+        scratch: &kernels::attn::Scratch,
     ) -> mlx::Result<Array> {
-        mlx::attn::decode(
+        kernels::attn::decode(
             q,
             pool,
             slots,

@@ -675,7 +675,7 @@ pub fn gpu_memory_via_child(program: Option<&Path>) -> Result<Vec<GpuMemory>, St
     };
     let mut cmd = std::process::Command::new(&exe);
     cmd.arg("_devices").env("RUST_LOG", "error");
-    let out = crate::cli::devices::run_with_timeout(cmd, Duration::from_secs(60))
+    let out = super::child::run_with_timeout(cmd, Duration::from_secs(60))
         .map_err(|e| format!("running `{} _devices`: {e:#}", exe.display()))?;
     if out.timed_out {
         return Err(format!(
@@ -828,10 +828,7 @@ mod tests {
             intermediate_size: 14336,
             vocab_size: 128256,
             rms_norm_eps: 1e-5,
-            rope: RopeConfig {
-                theta: 5e5,
-                llama3: None,
-            },
+            rope: RopeConfig::plain(5e5),
             tie_word_embeddings: false,
             qkv_bias: false,
             qk_norm: false,

@@ -12,7 +12,7 @@
 //! `(in / N) % group_size == 0`.
 use std::ops::Range;
 
-use crate::models::ModelConfig;
+use super::config::ModelConfig;
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum ShardError {
@@ -192,10 +192,7 @@ mod tests {
             intermediate_size: inter,
             vocab_size: 100,
             rms_norm_eps: 1e-5,
-            rope: RopeConfig {
-                theta: 1e4,
-                llama3: None,
-            },
+            rope: RopeConfig::plain(1e4),
             tie_word_embeddings: false,
             qkv_bias: false,
             qk_norm: false,
