@@ -71,6 +71,14 @@ impl GgufSource {
         Self::from_model(GgufModel::open(first)?)
     }
 
+    /// [`open`](Self::open), with floats, scales and biases in `float` (not
+    /// [`gguf::float_dtype`]'s choice).
+    pub fn open_as(first: &Path, float: Dtype) -> Result<GgufSource, GgufError> {
+        let mut s = Self::open(first)?;
+        s.float = float;
+        Ok(s)
+    }
+
     pub fn from_model(model: GgufModel) -> Result<GgufSource, GgufError> {
         model.check_types()?;
         let arch = model.architecture()?.to_string();
@@ -102,7 +110,7 @@ impl GgufSource {
         self.bytes_read.get()
     }
 
-    fn info(&self, gname: &str) -> Option<(usize, &TensorInfo)> {
+    fn tensor(&self, gname: &str) -> Option<(usize, &TensorInfo)> {
         self.model.tensors.get(gname).map(|(i, t)| (*i, t))
     }
 
@@ -110,7 +118,7 @@ impl GgufSource {
     /// offered; `.scales`/`.biases` only for tensors that convert to MLX's affine layout).
     fn info_of(&self, name: &str) -> Option<TensorInfo2> {
         let (g, part) = split_name(name)?;
-        let (_, t) = self.info(&g)?;
+        let (_, t) = self.tensor(&g)?;
         let shape = t.shape();
         match (quant::affine_bits(t.ty), part, shape.as_slice()) {
             (Some(bits), Part::Weight, &[rows, cols]) => Some(TensorInfo2 {
@@ -196,7 +204,7 @@ impl GgufSource {
             files: self.model.path().display().to_string(),
         };
         let (gname, part) = split_name(name).ok_or_else(missing)?;
-        let (pi, t) = self.info(&gname).ok_or_else(missing)?;
+        let (pi, t) = self.tensor(&gname).ok_or_else(missing)?;
         let gshape = t.shape();
         let (n_rows, n_cols) = match gshape.as_slice() {
             [r, c] => (*r, *c),
@@ -387,5 +395,180 @@ mod tests {
         assert_eq!(permuted, vec![0, 2, 1, 3, 4, 6, 5, 7]);
         unpermute(&mut permuted, 1, hd);
         assert_eq!(permuted, hf);
+    }
+
+    /// A small llama GGUF: `attn_q` Q8_0 `[8, 64]` (2 heads of 4 rows, in llama.cpp's
+    /// permuted order), `ffn_down` Q4_1 `[4, 64]`, `output_norm` F16 `[64]`.
+    fn write_model(path: &Path) -> (Vec<Vec<i32>>, Vec<Vec<u8>>) {
+        use crate::gguf::file::write;
+        let f16 = |x: f32| -> [u8; 2] {
+            // exact for the small dyadic values used here
+            let b = x.to_bits();
+            let e = ((b >> 23) & 0xff) as i32 - 127 + 15;
+            let v = ((b >> 16) & 0x8000) as u16 | ((e as u16) << 10) | ((b >> 13) & 0x3ff) as u16;
+            if x == 0.0 {
+                [0, 0]
+            } else {
+                v.to_le_bytes()
+            }
+        };
+        // q8 values of GGUF row g, column c
+        let q8: Vec<Vec<i32>> = (0..8)
+            .map(|g| (0..64).map(|c| (g * 37 + c * 3) % 201 - 100).collect())
+            .collect();
+        let mut q_bytes = Vec::new();
+        for row in &q8 {
+            for blk in row.chunks(32) {
+                q_bytes.extend(f16(1.0));
+                q_bytes.extend(blk.iter().map(|&v| v as i8 as u8));
+            }
+        }
+        // q4_1 nibbles of row r, column c; d = 0.5, m = -1
+        let q4: Vec<Vec<u8>> = (0..4)
+            .map(|r| (0..64).map(|c| ((r * 5 + c) % 16) as u8).collect())
+            .collect();
+        let mut d_bytes = Vec::new();
+        for row in &q4 {
+            for blk in row.chunks(32) {
+                d_bytes.extend(f16(0.5));
+                d_bytes.extend(f16(-1.0));
+                d_bytes.extend((0..16).map(|j| blk[j] | (blk[j + 16] << 4)));
+            }
+        }
+        let norm: Vec<u8> = (0..64).flat_map(|i| f16(i as f32 / 4.0)).collect();
+        let s = |x: &str| MetaValue::Str(x.into());
+        write(
+            path,
+            &[
+                ("general.architecture", s("llama")),
+                ("llama.attention.head_count", MetaValue::U64(2)),
+                ("llama.attention.head_count_kv", MetaValue::U64(1)),
+            ],
+            &[
+                ("blk.0.attn_q.weight", vec![8, 64], 8, q_bytes),
+                ("blk.0.ffn_down.weight", vec![4, 64], 3, d_bytes),
+                ("output_norm.weight", vec![64], 1, norm),
+            ],
+        )
+        .unwrap();
+        (q8, q4)
+    }
+
+    #[test]
+    fn blocks_read_their_bytes_and_convert_exactly() {
+        let dir = std::env::temp_dir().join(format!("mlxcel-gguf-src-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("m.gguf");
+        let (q8, q4) = write_model(&path);
+        let src = GgufSource::open_as(&path, Dtype::F32).unwrap();
+        let q = "model.layers.0.self_attn.q_proj";
+        assert!(src.contains(&format!("{q}.scales")));
+        assert!(!src.contains("model.norm.scales") && src.contains("model.norm.weight"));
+        assert_eq!(
+            src.info(&format!("{q}.weight")).unwrap().unwrap().shape,
+            vec![8, 16],
+            "8-bit: 4 values per uint32"
+        );
+        // head 1 (rows 4..8), columns 32..64 (words 8..16, group 1)
+        let dq = |prefix: &str, rows: Range<usize>, words: Range<usize>, bits: i32| {
+            let groups = words.start * 32 / bits as usize / 32..words.end * 32 / bits as usize / 32;
+            let w = src
+                .load_block(
+                    &format!("{prefix}.weight"),
+                    &[rows.end.max(4), 64 * bits as usize / 32],
+                    Some(rows.clone()),
+                    Some(words),
+                    TensorKind::Packed,
+                )
+                .unwrap();
+            let sc = src
+                .load_block(
+                    &format!("{prefix}.scales"),
+                    &[rows.end.max(4), 2],
+                    Some(rows.clone()),
+                    Some(groups.clone()),
+                    TensorKind::Scales,
+                )
+                .unwrap();
+            let b = src
+                .load_block(
+                    &format!("{prefix}.biases"),
+                    &[rows.end.max(4), 2],
+                    Some(rows),
+                    Some(groups),
+                    TensorKind::QuantBiases,
+                )
+                .unwrap();
+            crate::mlx::fast::dequantize(&w, &sc, &b, 32, bits)
+                .unwrap()
+                .to_vec::<f32>()
+                .unwrap()
+        };
+        let before = src.bytes_read();
+        let got = dq(q, 4..8, 8..16, 8);
+        assert_eq!(
+            src.bytes_read() - before,
+            4 * 34,
+            "4 rows of one Q8_0 block"
+        );
+        // HF row r of head 1 is GGUF row 4 + 2·(r mod 2) + r div 2 (hd = 4)
+        let want: Vec<f32> = (0..4)
+            .flat_map(|r| {
+                let g = 4 + 2 * (r % 2) + r / 2;
+                q8[g][32..64].iter().map(|&v| v as f32).collect::<Vec<_>>()
+            })
+            .collect();
+        assert_eq!(got, want);
+        // a row-parallel block of the Q4_1 down projection: columns 32..64 (words 4..8)
+        let before = src.bytes_read();
+        let got = dq("model.layers.0.mlp.down_proj", 0..4, 4..8, 4);
+        assert_eq!(src.bytes_read() - before, 4 * 20, "one Q4_1 block per row");
+        let want: Vec<f32> = (0..4)
+            .flat_map(|r| {
+                q4[r][32..64]
+                    .iter()
+                    .map(|&v| 0.5 * v as f32 - 1.0)
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        assert_eq!(got, want);
+        // F16 → float32, a 1-D block
+        let n = src
+            .load_block(
+                "model.norm.weight",
+                &[64],
+                Some(32..40),
+                None,
+                TensorKind::Norm,
+            )
+            .unwrap();
+        assert_eq!(
+            n.to_vec::<f32>().unwrap(),
+            (32..40).map(|i| i as f32 / 4.0).collect::<Vec<_>>()
+        );
+        // rows that cut a head are refused (the permutation is per head)
+        let e = src
+            .load_block(
+                &format!("{q}.weight"),
+                &[8, 16],
+                Some(2..6),
+                None,
+                TensorKind::Packed,
+            )
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("whole heads"), "{e}");
+        let e = src
+            .load_block(
+                &format!("{q}.weight"),
+                &[8, 17],
+                None,
+                None,
+                TensorKind::Packed,
+            )
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("attn_q") || e.contains("q_proj"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }
