@@ -23,7 +23,7 @@ pub struct ModelArgs {
     #[arg(short = 'm', long)]
     pub model: Option<String>,
     /// Chat template (a Jinja file) to use instead of the model's.
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, value_name = "FILE", alias = "chat-template-file")]
     pub chat_template: Option<std::path::PathBuf>,
     /// `safetensors` reads the checkpoint; `dummy` makes random weights from config.json alone.
     #[arg(long, value_enum, default_value_t = LoadFormat::Safetensors)]
