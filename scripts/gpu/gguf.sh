@@ -61,6 +61,8 @@ answer() {
   need_model
   step "mlxcel generate (no arguments: the default model answers the default question)"
   $B generate 2>&1 | tail -2 | tee "$OUT/gguf-answer.txt"
+  step "the same with GGUF's float16 scales kept (and float16 activations), and in float32"
+  for d in float16 float32; do echo "[$d] $(MLXCEL_GGUF_DTYPE=$d $B generate 2>&1 | tail -2 | tr '\n' ' ')"; done | tee -a "$OUT/gguf-answer.txt"
   step "mlxcel-server -m GGUF, one streamed answer"
   serve "$G" 8093 || return 1
   python3 - 8093 <<'PY' 2>&1 | tee -a "$OUT/gguf-answer.txt"
