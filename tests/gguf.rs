@@ -14,7 +14,7 @@ use mlxcel::mlx::Dtype;
 use mlxcel::model_dir::ModelDir;
 use mlxcel::models::gguf::GgufSource;
 use mlxcel::models::weights::CastSource;
-use mlxcel::models::{self, LoadFormat, Logits, SeqInput};
+use mlxcel::models::{self, LoadFormat, Logits, SeqInput, StepInput};
 use mlxcel::parallel::shard;
 use mlxcel::tokenizer::{ChatMessage, Tokenizer};
 use serde_json::Value;
@@ -95,10 +95,10 @@ fn greedy_tokens_and_chat_ids_equal_transformers() {
             let out = model
                 .forward(
                     &mut cache,
-                    &[SeqInput {
+                    StepInput::Host(&[SeqInput {
                         slot: 0,
                         tokens: &next,
-                    }],
+                    }]),
                     Logits::Last,
                 )
                 .unwrap();
@@ -120,17 +120,19 @@ fn greedy_tokens_and_chat_ids_equal_transformers() {
         Box::new(GgufSource::open_as(&path, Dtype::BF16).unwrap()),
         Dtype::F32,
     );
-    let rounded = models::Transformer::load(&cfg, &bf16, |_, _| {}).unwrap();
+    let rounded = models::Model::load(&cfg, &bf16, |_, _| {}).unwrap();
     let (mut worst, mut agree, mut total) = (0f32, 0, 0);
     for p in prompts {
         let ids = ids(&p["ids"]);
-        let all = |m: &models::Transformer| {
+        let all = |m: &models::Model| {
             let mut cache = m.new_cache(1, 512);
             let seq = [SeqInput {
                 slot: 0,
                 tokens: &ids,
             }];
-            m.forward(&mut cache, &seq, Logits::All).unwrap().remove(0)
+            m.forward(&mut cache, StepInput::Host(&seq), Logits::All)
+                .unwrap()
+                .remove(0)
         };
         let (a, b) = (all(&model), all(&rounded));
         let (va, vb) = (a.to_vec::<f32>().unwrap(), b.to_vec::<f32>().unwrap());

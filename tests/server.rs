@@ -804,7 +804,7 @@ fn bad_requests(tp: &[&str]) {
             &[("Content-Type", "application/x-www-form-urlencoded")],
             br#"{"prompt": "x"}"#,
         ),
-        400,
+        415,
     );
     assert!(e["message"].as_str().unwrap().contains("Content-Type"));
     // unknown route, wrong method
@@ -1258,4 +1258,828 @@ fn tp_max_restarts_0_exits_non_zero_with_the_reason() {
         "{log}"
     );
     assert!(pids.iter().all(|&p| !alive(p)), "a rank was left behind");
+}
+
+// ------------------------------------------------- hardening: slow and hostile clients
+
+/// A field of `/proc/PID/status` in KiB (`VmRSS`, `VmHWM`).
+fn proc_kib(pid: u32, field: &str) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Resets the peak RSS (`VmHWM`) of `pid`.
+fn reset_peak_rss(pid: u32) {
+    let _ = std::fs::write(format!("/proc/{pid}/clear_refs"), "5");
+}
+
+/// Writes `bytes` on a fresh connection, shuts the sending side, and reads
+/// until the server closes (or `limit`); returns what came back.
+fn exchange(addr: &str, bytes: &[u8], limit: Duration) -> Vec<u8> {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(limit)).unwrap();
+    let _ = s.write_all(bytes);
+    let _ = s.shutdown(std::net::Shutdown::Write);
+    let mut out = Vec::new();
+    let mut buf = [0u8; 16384];
+    while let Ok(n) = s.read(&mut buf) {
+        if n == 0 {
+            break;
+        }
+        out.extend_from_slice(&buf[..n]);
+    }
+    out
+}
+
+/// Whether the server has closed `c` (EOF or reset) within `limit`; what it sent is dropped.
+fn closed_within(c: &mut TcpStream, limit: Duration) -> bool {
+    c.set_read_timeout(Some(limit)).unwrap();
+    let mut buf = [0u8; 4096];
+    let t0 = Instant::now();
+    while t0.elapsed() < limit {
+        match c.read(&mut buf) {
+            Ok(0) => return true,
+            Ok(_) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return false,
+            Err(e) if e.kind() == std::io::ErrorKind::TimedOut => return false,
+            Err(_) => return true,
+        }
+    }
+    false
+}
+
+#[test]
+fn slow_clients_are_cut_off_by_the_header_body_and_idle_timeouts() {
+    let s = Server::start(
+        "llama3",
+        &[
+            "--header-timeout",
+            "2",
+            "--body-timeout",
+            "2",
+            "--idle-timeout",
+            "3",
+        ],
+        &[],
+    );
+    let connect = || TcpStream::connect(&s.addr).unwrap();
+    // half a head, a head trickled one byte per 100 ms, a head and half a body
+    let t0 = Instant::now();
+    let mut half_heads: Vec<TcpStream> = (0..20)
+        .map(|_| {
+            let mut c = connect();
+            c.write_all(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Le")
+                .unwrap();
+            c
+        })
+        .collect();
+    let mut half_bodies: Vec<TcpStream> = (0..10)
+        .map(|_| {
+            let mut c = connect();
+            c.write_all(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\": ",
+            )
+            .unwrap();
+            c
+        })
+        .collect();
+    let trickler = {
+        let addr = s.addr.clone();
+        std::thread::spawn(move || {
+            let mut c = TcpStream::connect(&addr).unwrap();
+            let t0 = Instant::now();
+            let head = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: ".to_vec();
+            for b in head.into_iter().chain(std::iter::repeat(b'a')) {
+                if c.write_all(&[b]).is_err() || t0.elapsed() > Duration::from_secs(20) {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            t0.elapsed()
+        })
+    };
+    for c in &mut half_heads {
+        assert!(
+            closed_within(c, Duration::from_secs(15)),
+            "a half head was not cut off"
+        );
+    }
+    let took = t0.elapsed();
+    eprintln!("20 half heads closed {took:?} after they were sent (--header-timeout 2)");
+    assert!(
+        took >= Duration::from_millis(1900) && took < Duration::from_secs(12),
+        "{took:?}"
+    );
+    for c in &mut half_bodies {
+        c.set_read_timeout(Some(Duration::from_secs(15))).unwrap();
+        let mut raw = Vec::new();
+        let _ = c.read_to_end(&mut raw);
+        let r = parse_response(&raw).unwrap_or_else(|e| panic!("{e}: {raw:?}"));
+        let e = assert_error(&r, 408);
+        assert_eq!(e["code"], "request_timeout");
+    }
+    let trickled = trickler.join().unwrap();
+    eprintln!("a head trickled a byte per 100 ms was cut off after {trickled:?}");
+    assert!(
+        trickled < Duration::from_secs(12),
+        "a head trickled byte by byte stayed open {trickled:?}: the deadline was reset per byte"
+    );
+    // idle keep-alive: a connection that asks every second stays; one that stops is closed
+    let mut busy = connect();
+    busy.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        .unwrap();
+    let idle = {
+        let mut idle = connect();
+        std::thread::spawn(move || {
+            idle.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+                .unwrap();
+            let t0 = Instant::now();
+            assert!(closed_within(&mut idle, Duration::from_secs(15)));
+            t0.elapsed()
+        })
+    };
+    for _ in 0..5 {
+        std::thread::sleep(Duration::from_secs(1));
+        busy.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            .unwrap();
+    }
+    let idled = idle.join().unwrap();
+    eprintln!("an idle keep-alive connection was closed after {idled:?} (--idle-timeout 3)");
+    assert!(
+        idled >= Duration::from_millis(2500) && idled < Duration::from_secs(12),
+        "{idled:?}"
+    );
+    busy.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    busy.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .unwrap();
+    let mut raw = Vec::new();
+    let _ = busy.read_to_end(&mut raw);
+    let answers = String::from_utf8_lossy(&raw)
+        .matches("HTTP/1.1 200")
+        .count();
+    assert_eq!(answers, 7, "{}", String::from_utf8_lossy(&raw));
+    // the server serves on
+    assert_eq!(s.req("GET", "/health", &[], None).status, 200);
+}
+
+#[test]
+fn max_connections_keeps_health_answering() {
+    let s = Server::start(
+        "llama3",
+        &["--max-connections", "4", "--header-timeout", "60"],
+        &[],
+    );
+    let mut held: Vec<TcpStream> = (0..4)
+        .map(|_| {
+            let mut c = TcpStream::connect(&s.addr).unwrap();
+            c.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+                .unwrap();
+            let mut buf = [0u8; 512];
+            let n = c.read(&mut buf).unwrap();
+            assert!(buf[..n].starts_with(b"HTTP/1.1 200"));
+            c
+        })
+        .collect();
+    // at the limit: /health and /metrics answer, the rest gets 503 as JSON
+    let r = s.req("GET", "/health", &[], None);
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.header("connection"), Some("close"));
+    assert_eq!(s.req("GET", "/metrics", &[], None).status, 200);
+    let e = assert_error(&s.req("GET", "/v1/models", &[], None), 503);
+    assert_eq!(e["code"], "too_many_connections");
+    // past the 64 extra connections, new ones are closed at once
+    let mut extra: Vec<TcpStream> = (0..64)
+        .map(|_| TcpStream::connect(&s.addr).unwrap())
+        .collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let mut over = TcpStream::connect(&s.addr).unwrap();
+    // closed at once; the margin is for a loaded machine, where the accept loop may run late
+    assert!(closed_within(&mut over, Duration::from_secs(20)));
+    extra.clear();
+    held.clear();
+    // once they are gone, everything is served again
+    wait_until(
+        "/v1/models served again",
+        Duration::from_secs(10),
+        || s.req("GET", "/v1/models", &[], None).status == 200,
+        || s.log(),
+    );
+}
+
+/// One seeded hostile request (`kind` picks the family).
+fn hostile_request(rng: &mut impl rand::Rng, kind: usize) -> Vec<u8> {
+    const PATHS: &[&str] = &["/v1/chat/completions", "/v1/completions"];
+    let m = json!([{"role": "user", "content": "hi"}]);
+    let base = |chat: bool| {
+        if chat {
+            json!({"messages": m, "max_tokens": 2})
+        } else {
+            json!({"prompt": "Once upon", "max_tokens": 2})
+        }
+    };
+    let chat = rng.random_bool(0.5);
+    let path = PATHS[usize::from(!chat)];
+    let post = |body: &[u8], extra: &str| {
+        let mut v = format!(
+            "POST {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Type: application/json\r\n{extra}Content-Length: {}\r\n\r\n",
+            body.len()
+        )
+        .into_bytes();
+        v.extend_from_slice(body);
+        v
+    };
+    const FIELDS: &[&str] = &[
+        "messages",
+        "prompt",
+        "max_tokens",
+        "max_completion_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "stop",
+        "stream",
+        "stream_options",
+        "logprobs",
+        "top_logprobs",
+        "n",
+        "best_of",
+        "echo",
+        "suffix",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "logit_bias",
+        "tools",
+        "tool_choice",
+        "response_format",
+        "model",
+        "ignore_eos",
+        "skip_special_tokens",
+    ];
+    let field = FIELDS[rng.random_range(0..FIELDS.len())];
+    match kind {
+        // broken JSON: a valid body truncated, with bytes flipped, inserted or removed
+        0 => {
+            let mut b = base(chat).to_string().into_bytes();
+            for _ in 0..rng.random_range(1..4) {
+                let at = rng.random_range(0..b.len());
+                match rng.random_range(0..4) {
+                    0 => b.truncate(at),
+                    1 => b[at] = rng.random(),
+                    2 => b.insert(at, b"{}[]\",:\\"[rng.random_range(0..8)]),
+                    _ => {
+                        b.remove(at);
+                    }
+                }
+                if b.is_empty() {
+                    b.push(b'{');
+                }
+            }
+            post(&b, "")
+        }
+        // wrong types
+        1 => {
+            let values = [
+                json!("x"),
+                json!(1),
+                json!(-1),
+                json!(1.5),
+                json!(true),
+                json!(null),
+                json!([]),
+                json!([1, "a", null]),
+                json!({}),
+                json!({"a": [1]}),
+                json!([{"role": 1, "content": {}}]),
+            ];
+            let mut b = base(chat);
+            b[field] = values[rng.random_range(0..values.len())].clone();
+            post(b.to_string().as_bytes(), "")
+        }
+        // huge and odd numbers, written as raw JSON text
+        2 => {
+            const NUMS: &[&str] = &[
+                "1e308",
+                "-1e308",
+                "1e999",
+                "-1e999",
+                "18446744073709551616",
+                "-9223372036854775809",
+                "123456789012345678901234567890",
+                "1e-400",
+                "-0",
+                "4294967296",
+                "2147483648",
+                "0.9999999999999999999",
+                "NaN",
+                "Infinity",
+                "01",
+            ];
+            let n = NUMS[rng.random_range(0..NUMS.len())];
+            let mut b = base(chat).to_string();
+            b.insert_str(1, &format!("\"{field}\": {n}, "));
+            post(b.as_bytes(), "")
+        }
+        // deep nesting
+        3 => {
+            let depth = rng.random_range(50..20_000);
+            let (open, close) = if rng.random_bool(0.5) {
+                ("[", "]")
+            } else {
+                ("{\"a\":", "}")
+            };
+            let inner = format!("{}1{}", open.repeat(depth), close.repeat(depth));
+            let b = if rng.random_bool(0.5) {
+                inner
+            } else {
+                format!("{{\"{field}\": {inner}, \"messages\": {m}, \"prompt\": \"x\"}}")
+            };
+            post(b.as_bytes(), "")
+        }
+        // invalid UTF-8 and hostile escapes inside strings
+        4 => {
+            const BAD: &[&[u8]] = &[
+                b"\xff\xfe",
+                b"\xc0\x80",
+                b"\xed\xa0\x80",
+                b"\\ud800",
+                b"\\udfff\\ud800",
+                b"\x00",
+                b"\\u0000",
+                b"\xf4\x90\x80\x80",
+                b"\x80",
+                b"\\x41",
+            ];
+            let bad = BAD[rng.random_range(0..BAD.len())];
+            let mut b = Vec::new();
+            if chat {
+                b.extend_from_slice(b"{\"messages\": [{\"role\": \"user\", \"content\": \"a");
+                b.extend_from_slice(bad);
+                b.extend_from_slice(b"b\"}], \"max_tokens\": 2}");
+            } else {
+                b.extend_from_slice(b"{\"prompt\": \"a");
+                b.extend_from_slice(bad);
+                b.extend_from_slice(b"\", \"max_tokens\": 2}");
+            }
+            post(&b, "")
+        }
+        // hostile headers
+        5 => {
+            let body = base(chat).to_string();
+            let head = format!("POST {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n");
+            let tail = match rng.random_range(0..12) {
+                0 => format!("Content-Length: {}\r\nContent-Length: 3\r\n", body.len()),
+                1 => "Content-Length: -1\r\n".to_string(),
+                2 => "Content-Length: 99999999999999999999999\r\n".to_string(),
+                3 => "Transfer-Encoding: chunked\r\n".to_string(), // the body is not chunked
+                4 => format!(
+                    "Transfer-Encoding: chunked\r\nContent-Length: {}\r\n",
+                    body.len()
+                ),
+                5 => format!("X-No-Colon\r\nContent-Length: {}\r\n", body.len()),
+                6 => format!("Bad Name: v\r\nContent-Length: {}\r\n", body.len()),
+                7 => format!("X-Nul: a\0b\r\nContent-Length: {}\r\n", body.len()),
+                8 => format!(
+                    "{}Content-Length: {}\r\n",
+                    (0..rng.random_range(90..700))
+                        .map(|i| format!("X-{i}: v\r\n"))
+                        .collect::<String>(),
+                    body.len()
+                ),
+                9 => format!(
+                    "X-Big: {}\r\nContent-Length: {}\r\n",
+                    "a".repeat(rng.random_range(60_000..3_000_000)),
+                    body.len()
+                ),
+                10 => format!(
+                    "X-Fold: a\r\n b\r\nContent-Type: text/html\r\nContent-Length: {}\r\n",
+                    body.len()
+                ),
+                _ => format!(
+                    "Expect: 100-continue\r\nAuthorization: Bearer \x7f\r\nContent-Length: {}\r\n",
+                    body.len()
+                ),
+            };
+            let mut v = format!("{head}{tail}\r\n").into_bytes();
+            v.extend_from_slice(body.as_bytes());
+            v
+        }
+        // hostile request lines
+        _ => {
+            const METHODS: &[&str] = &[
+                "GET",
+                "get",
+                "G\0T",
+                "POST",
+                "PUT",
+                "DELETE",
+                "OPTIONS",
+                "HEAD",
+                "TRACE",
+                "CONNECT",
+                "PATCH",
+                "BREW",
+                "GETGETGETGETGETGETGETGETGETGET",
+                "",
+            ];
+            let long = format!("/{}", "a".repeat(rng.random_range(1000..100_000)));
+            let targets: [&str; 14] = [
+                "/health",
+                "/v1/models",
+                "/v1/models/%ff%fe",
+                "/v1/models/%zz",
+                "/he\0alth",
+                "*",
+                "http://x/health",
+                "/v1/../health",
+                "//",
+                "/health?%",
+                " /health",
+                "/v1/models/\u{1F600}",
+                &long,
+                "",
+            ];
+            const VERSIONS: &[&str] = &[
+                "HTTP/1.1",
+                "HTTP/1.0",
+                "HTTP/9.9",
+                "HTTP/1.1x",
+                "HTTP/0.9",
+                "",
+                "HTTP/2.0",
+                "http/1.1",
+                "HTTP/1.1 extra",
+            ];
+            if rng.random_range(0..10) == 0 {
+                return b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00garbage"
+                    .to_vec();
+            }
+            let method = METHODS[rng.random_range(0..METHODS.len())];
+            let target = targets[rng.random_range(0..targets.len())];
+            let version = VERSIONS[rng.random_range(0..VERSIONS.len())];
+            let eol = ["\r\n", "\n", "\r\r\n"][rng.random_range(0..3)];
+            format!("{method} {target} {version}{eol}Host: x{eol}Connection: close{eol}{eol}")
+                .into_bytes()
+        }
+    }
+}
+
+#[test]
+fn every_error_is_json_and_a_seeded_fuzz_gets_no_5xx() {
+    use rand::SeedableRng;
+    let s = Server::start("llama3", &["--ctx-size", "64", "--parallel", "4"], &[]);
+    let pid = s.child.id();
+    // the errors this server produces are JSON
+    let json_ct = [("Content-Type", "application/json")];
+    assert_error(&s.req("GET", "/nothing", &[], None), 404);
+    assert_error(&s.req("PUT", "/v1/models", &[], None), 405);
+    let big = format!("{{\"prompt\": \"{}\"}}", "a".repeat(5 << 20));
+    assert_error(
+        &s.req("POST", "/v1/completions", &json_ct, Some(big.into_bytes())),
+        413,
+    );
+    assert_error(
+        &s.req(
+            "POST",
+            "/v1/completions",
+            &[("Content-Type", "text/plain")],
+            Some(b"{}".to_vec()),
+        ),
+        415,
+    );
+    let many: Vec<(String, String)> = (0..300).map(|i| (format!("X-{i}"), "v".into())).collect();
+    let many: Vec<(&str, &str)> = many.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+    let e = assert_error(&s.req("GET", "/health", &many, None), 431);
+    assert_eq!(e["code"], "request_header_fields_too_large");
+    let mib = "a".repeat(1 << 20);
+    assert_error(&s.req("GET", "/health", &[("X-Big", &mib)], None), 431);
+    let e = assert_error(&s.req("GET", "/v1/models/%ff%fe", &[], None), 400);
+    assert_eq!(e["code"], "invalid_path");
+    // the HTTP/2 preface is served as HTTP/2 (prior knowledge)
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let tcp = tokio::net::TcpStream::connect(&s.addr).await.unwrap();
+        let (client, conn) = h2::client::handshake(tcp).await.unwrap();
+        tokio::spawn(async move {
+            let _ = conn.await;
+        });
+        let mut client = client.ready().await.unwrap();
+        for (path, status) in [("/health", 200), ("/nothing", 404)] {
+            let req = http::Request::get(format!("http://{}{path}", s.addr))
+                .body(())
+                .unwrap();
+            let (resp, _) = client.send_request(req, true).unwrap();
+            let resp = resp.await.unwrap();
+            assert_eq!(resp.status().as_u16(), status, "{path} over HTTP/2");
+            let mut body = resp.into_body();
+            let mut bytes = Vec::new();
+            while let Some(chunk) = body.data().await {
+                let chunk = chunk.unwrap();
+                let _ = body.flow_control().release_capacity(chunk.len());
+                bytes.extend_from_slice(&chunk);
+            }
+            let v: Value = serde_json::from_slice(&bytes).unwrap();
+            assert!(
+                v.get("status").is_some() || v["error"]["message"].is_string(),
+                "{v}"
+            );
+        }
+    });
+
+    // the fuzz: 1400 requests of 7 families from one seed, 4 at a time
+    const SEED: u64 = 0x6d6c_7863_656c;
+    const N: usize = 1400;
+    let before = proc_kib(pid, "VmRSS");
+    reset_peak_rss(pid);
+    let tally: Arc<Mutex<std::collections::BTreeMap<String, usize>>> = Arc::default();
+    let bad: Arc<Mutex<Vec<String>>> = Arc::default();
+    std::thread::scope(|scope| {
+        for t in 0..4 {
+            let (tally, bad, addr) = (tally.clone(), bad.clone(), s.addr.clone());
+            scope.spawn(move || {
+                for i in (t..N).step_by(4) {
+                    let mut rng = rand::rngs::StdRng::seed_from_u64(SEED ^ i as u64);
+                    let kind = i % 7;
+                    let req = hostile_request(&mut rng, kind);
+                    let raw = exchange(&addr, &req, Duration::from_secs(60));
+                    let what = match parse_response(&raw) {
+                        Err(_) if raw.is_empty() => "closed".to_string(),
+                        // a broken HTTP/2 preface gets HTTP/2 frames (a GOAWAY)
+                        Err(_) if req.starts_with(b"PRI * HTTP/2.0") && raw[0] == 0 => {
+                            "HTTP/2 frames".to_string()
+                        }
+                        Err(e) => format!("unparsable ({e})"),
+                        Ok(r) => {
+                            let bodyless = r.header("content-length") == Some("0");
+                            if r.status >= 500
+                                || (r.status >= 400
+                                    && !bodyless
+                                    && serde_json::from_slice::<Value>(&r.body)
+                                        .ok()
+                                        .and_then(|v| v["error"]["message"].as_str().map(|_| ()))
+                                        .is_none())
+                            {
+                                bad.lock().unwrap().push(format!(
+                                    "#{i} {:?} -> {}",
+                                    String::from_utf8_lossy(&req[..req.len().min(300)]),
+                                    r.text()
+                                ));
+                            }
+                            if bodyless && r.status >= 400 && kind < 5 {
+                                bad.lock().unwrap().push(format!(
+                                    "#{i}: a body-less {} for a well-formed head",
+                                    r.status
+                                ));
+                            }
+                            format!("{}{}", r.status, if bodyless { " (no body)" } else { "" })
+                        }
+                    };
+                    *tally.lock().unwrap().entry(what).or_default() += 1;
+                }
+            });
+        }
+    });
+    let tally = tally.lock().unwrap().clone();
+    eprintln!("fuzz answers: {tally:?}");
+    assert_eq!(tally.values().sum::<usize>(), N);
+    let bad = bad.lock().unwrap();
+    assert!(
+        bad.is_empty(),
+        "{} bad answers:\n{}",
+        bad.len(),
+        bad.join("\n")
+    );
+    assert!(
+        tally
+            .keys()
+            .all(|k| !k.starts_with('5') && !k.starts_with("unparsable")),
+        "{tally:?}"
+    );
+    assert!(tally.get("400").copied().unwrap_or(0) >= 400, "{tally:?}");
+    assert!(tally.get("200").copied().unwrap_or(0) >= 20, "{tally:?}");
+    // bounded memory: the server's peak and lasting growth over the whole fuzz
+    let peak = proc_kib(pid, "VmHWM");
+    let after = proc_kib(pid, "VmRSS");
+    eprintln!("fuzz RSS: before {before} KiB, peak {peak} KiB, after {after} KiB");
+    assert!(
+        peak < before + 512 * 1024,
+        "peak RSS {peak} KiB from {before} KiB"
+    );
+    assert!(
+        after < before + 200 * 1024,
+        "RSS {after} KiB from {before} KiB"
+    );
+    assert_eq!(s.req("GET", "/health", &[], None).status, 200);
+    s.ok(
+        "/v1/completions",
+        &json!({"prompt": "Once upon", "max_tokens": 2}),
+    );
+}
+
+#[test]
+fn huge_prompts_are_refused_at_once_with_bounded_memory() {
+    let s = Server::start("llama3", &[], &[]);
+    let pid = s.child.id();
+    let content = "hello world ".repeat(4_000_000 / 12);
+    let body =
+        json!({"messages": [{"role": "user", "content": content}], "max_tokens": 1}).to_string();
+    std::thread::sleep(Duration::from_secs(1));
+    let before = proc_kib(pid, "VmRSS");
+    reset_peak_rss(pid);
+    let t0 = Instant::now();
+    let answers: Vec<(Value, Duration)> = std::thread::scope(|scope| {
+        let hs: Vec<_> = (0..8)
+            .map(|_| {
+                let (s, body) = (&s, &body);
+                scope.spawn(move || {
+                    let t = Instant::now();
+                    let r = s.req(
+                        "POST",
+                        "/v1/chat/completions",
+                        &[("Content-Type", "application/json")],
+                        Some(body.clone().into_bytes()),
+                    );
+                    (assert_error(&r, 400), t.elapsed())
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let wall = t0.elapsed();
+    for (e, took) in &answers {
+        assert_eq!(e["code"], "context_length_exceeded", "{e}");
+        assert!(e["message"].as_str().unwrap().contains("bytes"), "{e}");
+        assert!(*took < Duration::from_secs(30), "{took:?}");
+    }
+    let peak = proc_kib(pid, "VmHWM");
+    std::thread::sleep(Duration::from_secs(5));
+    let after = proc_kib(pid, "VmRSS");
+    let bodies_kib = 8 * body.len() as u64 / 1024;
+    eprintln!(
+        "8 x {} B prompts: {wall:?}; RSS before {before} KiB, peak {peak} KiB, 5 s after {after} KiB",
+        body.len()
+    );
+    // the client's copies of the bodies are in this process, not the server's
+    assert!(
+        peak.saturating_sub(before) <= 3 * bodies_kib,
+        "peak RSS grew {} KiB for {bodies_kib} KiB of bodies",
+        peak.saturating_sub(before)
+    );
+    assert!(
+        after <= before + 100 * 1024,
+        "RSS {after} KiB 5 s after, from {before} KiB"
+    );
+    // a prompt that passes the byte bound but not the context: counted by a
+    // prefix (the context is 4096 tokens, the longest token 19 bytes)
+    let text = "hello world ".repeat(6000);
+    let e = assert_error(&s.post("/v1/completions", &json!({"prompt": text})), 400);
+    assert_eq!(e["code"], "context_length_exceeded");
+    assert!(e["message"].as_str().unwrap().contains("prefix"), "{e}");
+    s.ok(
+        "/v1/completions",
+        &json!({"prompt": "Once upon", "max_tokens": 2}),
+    );
+}
+
+/// Every field the server refuses, on each endpoint: 400 naming the field.
+#[test]
+fn refused_fields_get_400_naming_the_field_on_both_endpoints() {
+    let s = Server::start("llama3", &[], &[]);
+    let refused: &[(&str, Value)] = &[
+        ("n", json!(2)),
+        ("best_of", json!(3)),
+        ("echo", json!(true)),
+        ("suffix", json!("x")),
+        ("logit_bias", json!({"1": 5})),
+        (
+            "tools",
+            json!([{"type": "function", "function": {"name": "f"}}]),
+        ),
+        ("functions", json!([{"name": "f"}])),
+        ("tool_choice", json!("auto")),
+        ("function_call", json!("auto")),
+        ("response_format", json!({"type": "json_object"})),
+        ("audio", json!({"voice": "x"})),
+        ("modalities", json!(["audio"])),
+        ("prediction", json!({"type": "content", "content": "x"})),
+        ("web_search_options", json!({})),
+    ];
+    for (field, value) in refused {
+        for (path, mut body) in [
+            (
+                "/v1/chat/completions",
+                json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}),
+            ),
+            ("/v1/completions", json!({"prompt": "hi", "max_tokens": 1})),
+        ] {
+            body[*field] = value.clone();
+            let e = assert_error(&s.post(path, &body), 400);
+            assert_eq!(e["param"], *field, "{path} {body}: {e}");
+            assert_eq!(e["code"], "unsupported_parameter", "{path} {body}: {e}");
+        }
+    }
+    // the neutral values are accepted
+    for (field, value) in [
+        ("n", json!(1)),
+        ("best_of", json!(1)),
+        ("echo", json!(false)),
+        ("suffix", json!("")),
+        ("logit_bias", json!({})),
+        ("tools", json!([])),
+        ("tool_choice", json!("none")),
+        ("response_format", json!({"type": "text"})),
+    ] {
+        let mut body = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1});
+        body[field] = value;
+        s.ok("/v1/chat/completions", &body);
+    }
+    // in messages: tool roles, tool calls, image parts
+    for (messages, param) in [
+        (
+            json!([{"role": "tool", "content": "x"}]),
+            "messages[0].role",
+        ),
+        (
+            json!([{"role": "assistant", "content": "x", "tool_calls": [{}]}]),
+            "messages[0].tool_calls",
+        ),
+        (
+            json!([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+            "messages[0].content[0].type",
+        ),
+    ] {
+        let e = assert_error(
+            &s.post("/v1/chat/completions", &json!({"messages": messages})),
+            400,
+        );
+        assert_eq!(e["param"], param, "{e}");
+    }
+}
+
+#[test]
+fn tp_a_stopped_rank_is_named_within_10s_busy_and_idle() {
+    // default deadlines: the heartbeat finds the rank, not the 60 s step deadline
+    let s = Server::start("llama3", TP2, &[]);
+    let watch = HealthWatch::start(&s.addr);
+    let pids = rank_pids(&s);
+    assert_eq!(pids.len(), 2, "{}", s.metrics());
+    // busy: SIGSTOP of rank 1 during a stream (rank 0 waits in a collective)
+    let c = start_stream(&s);
+    signal(pids[1], libc::SIGSTOP);
+    let t0 = Instant::now();
+    let rest = finish_stream(c, Duration::from_secs(40));
+    let took = t0.elapsed();
+    eprintln!("a rank stopped during a stream: the stream failed {took:?} later");
+    assert!(took < Duration::from_secs(10), "busy: {took:?}");
+    assert_stream_error(&rest, &s);
+    assert!(
+        rest.contains("TP rank 1 sent no heartbeat"),
+        "{rest}\nlog:\n{}",
+        s.log()
+    );
+    let down = watch.wait_down_and_up(&s, Duration::from_secs(60));
+    assert!(
+        down.contains("rank 1") && down.contains("heartbeat"),
+        "{down}"
+    );
+    wait_until(
+        "the stopped rank is gone",
+        Duration::from_secs(10),
+        || !alive(pids[1]),
+        || s.log(),
+    );
+    greedy_check(&s);
+    // idle: SIGSTOP of rank 0 of the new group, no request running
+    let pids = rank_pids(&s);
+    assert_eq!(pids.len(), 2);
+    signal(pids[0], libc::SIGSTOP);
+    let t0 = Instant::now();
+    wait_until(
+        "/health 503 after an idle stall",
+        Duration::from_secs(10),
+        || {
+            s.try_req("GET", "/health", &[], None)
+                .is_ok_and(|r| r.status == 503)
+        },
+        || s.log(),
+    );
+    let took = t0.elapsed();
+    eprintln!("a rank stopped while idle: /health 503 {took:?} later");
+    assert!(took < Duration::from_secs(10), "idle: {took:?}");
+    let down = watch.wait_down_and_up(&s, Duration::from_secs(60));
+    assert!(
+        down.contains("rank 0") && down.contains("heartbeat"),
+        "{down}"
+    );
+    greedy_check(&s);
+    assert_eq!(metric(&s.metrics(), "mlxcel:tp_restarts_total"), 2.0);
 }

@@ -13,7 +13,7 @@ use serde_json::json;
 
 use crate::engine::generate::prefill;
 use crate::mlx::{self, Dtype};
-use crate::models::Logits;
+use crate::models::{Logits, StepInput};
 use crate::runtime::{check_single_device_memory, load_weights, open_model, ModelArgs};
 
 #[derive(Debug, Args)]
@@ -162,7 +162,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
 /// Greedy decode of `n` tokens after whatever is in slot 0, pipelined: step i+1 is
 /// queued before token i is read back.
 fn decode_loop(
-    model: &crate::models::Transformer,
+    model: &crate::models::Model,
     cache: &mut crate::models::kv_cache::KvCache,
     n: usize,
 ) -> Result<HostTimes> {
@@ -172,7 +172,16 @@ fn decode_loop(
     let mut times = HostTimes::default();
     for _ in 0..n {
         let t0 = Instant::now();
-        let logits = model.forward_slot_ids(cache, 0, &y, Logits::Last)?;
+        let logits = model
+            .forward(
+                cache,
+                StepInput::Device {
+                    slots: &[0],
+                    ids: &y,
+                },
+                Logits::Last,
+            )?
+            .remove(0);
         let next = logits
             .argmax(-1, false)?
             .astype(Dtype::I32)?
@@ -220,7 +229,7 @@ impl HostTimes {
 /// Greedy decode of `n` steps of `b` sequences (slots `0..b`, one token each per
 /// step) as one graph per step, pipelined like [`decode_loop`].
 fn decode_batch_loop(
-    model: &crate::models::Transformer,
+    model: &crate::models::Model,
     cache: &mut crate::models::kv_cache::KvCache,
     b: usize,
     n: usize,
@@ -229,7 +238,16 @@ fn decode_batch_loop(
     let mut y = mlx::Array::from_slice(&vec![1i32; b], &[b as i32, 1])?;
     let mut pending: Option<mlx::Array> = None;
     for _ in 0..n {
-        let logits = model.forward_decode_ids(cache, &slots, &y)?;
+        let logits = model
+            .forward(
+                cache,
+                StepInput::Device {
+                    slots: &slots,
+                    ids: &y,
+                },
+                Logits::Rows,
+            )?
+            .remove(0);
         let next = logits
             .argmax(-1, false)?
             .astype(Dtype::I32)?

@@ -1,5 +1,6 @@
 //! Engine: sampling, generation loop and scheduling (all on the MLX thread).
 pub mod generate;
+pub mod grammar;
 pub mod sampler;
 pub mod scheduler;
 pub mod step;

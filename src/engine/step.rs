@@ -13,7 +13,7 @@ use super::sampler::{sample_batch_lazy, LazySample, SamplingParams, SequenceSamp
 use crate::kernels;
 use crate::mlx::{self, Array};
 use crate::models::kv_cache::KvCache;
-use crate::models::{ForwardError, Logits, SeqInput, Transformer};
+use crate::models::{ForwardError, Logits, Model, SeqInput, StepInput};
 
 /// First step of a sequence: reset its slot and set up its sampler.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -181,7 +181,7 @@ struct Queued {
 
 /// The model, its KV cache and per-sequence samplers, on the MLX thread.
 pub struct Worker {
-    pub model: Transformer,
+    pub model: Model,
     pub cache: KvCache,
     samplers: HashMap<u64, SequenceSampler>,
     /// Whether this worker samples (rank 0, or the only process).
@@ -191,7 +191,7 @@ pub struct Worker {
 }
 
 impl Worker {
-    pub fn new(model: Transformer, slots: usize, ctx_size: usize, sampling: bool) -> Worker {
+    pub fn new(model: Model, slots: usize, ctx_size: usize, sampling: bool) -> Worker {
         let cache = model.new_cache(slots, ctx_size);
         Worker {
             model,
@@ -225,10 +225,15 @@ impl Worker {
                 self.cache.reset(s);
             }
             let ids = Array::from_slice(&vec![0i32; b], &[b as i32, 1])?;
-            let logits = self
-                .model
-                .forward_decode_ids(&mut self.cache, &slots, &ids)?;
-            logits.argmax(-1, false)?.eval()?;
+            let logits = self.model.forward(
+                &mut self.cache,
+                StepInput::Device {
+                    slots: &slots,
+                    ids: &ids,
+                },
+                Logits::Rows,
+            )?;
+            logits[0].argmax(-1, false)?.eval()?;
             phases.push(format!(
                 "decode {b}: {:.1} s",
                 start.elapsed().as_secs_f64()
@@ -244,10 +249,15 @@ impl Worker {
         for t in 2..=prompt_max {
             self.cache.reset(0);
             let ids = Array::from_slice(&vec![0i32; t], &[1, t as i32])?;
-            let logits = self
-                .model
-                .forward_slot_ids(&mut self.cache, 0, &ids, Logits::Last)?;
-            logits.argmax(-1, false)?.eval()?;
+            let logits = self.model.forward(
+                &mut self.cache,
+                StepInput::Device {
+                    slots: &[0],
+                    ids: &ids,
+                },
+                Logits::Last,
+            )?;
+            logits[0].argmax(-1, false)?.eval()?;
             phases.push(format!(
                 "prompt {t}: {:.1} s",
                 start.elapsed().as_secs_f64()
@@ -330,7 +340,15 @@ impl Worker {
         let slots: Vec<usize> = rows.iter().map(|r| r.1).collect();
         let logits = self
             .model
-            .forward_decode_ids(&mut self.cache, &slots, &ids)?;
+            .forward(
+                &mut self.cache,
+                StepInput::Device {
+                    slots: &slots,
+                    ids: &ids,
+                },
+                Logits::Rows,
+            )?
+            .remove(0);
         let sample = self.sample_lazy(&seq_ids, &logits)?;
         mlx::async_eval(&sample.arrays())?;
         self.queued.push_back(Queued { seq_ids, sample });
@@ -389,7 +407,10 @@ impl Worker {
             && plan.seqs.iter().all(|s| s.tokens.len() == 1 && s.sample);
         if pure_decode {
             // one graph, one `[B, vocab]` logits array straight into the sampler
-            let logits = self.model.forward_decode_rows(&mut self.cache, &inputs)?;
+            let logits = self
+                .model
+                .forward(&mut self.cache, StepInput::Host(&inputs), Logits::Rows)?
+                .remove(0);
             if !self.sampling {
                 logits.eval()?;
                 return Ok(StepResult::default());
@@ -401,7 +422,9 @@ impl Worker {
         } else {
             Logits::Last
         };
-        let logits = self.model.forward(&mut self.cache, &inputs, mode)?;
+        let logits = self
+            .model
+            .forward(&mut self.cache, StepInput::Host(&inputs), mode)?;
         let mut result = StepResult::default();
         if plan.return_logits {
             for l in &logits {
@@ -517,7 +540,7 @@ pub struct LocalExecutor {
 }
 
 impl LocalExecutor {
-    pub fn new(model: Transformer, slots: usize, ctx_size: usize) -> LocalExecutor {
+    pub fn new(model: Model, slots: usize, ctx_size: usize) -> LocalExecutor {
         LocalExecutor {
             worker: Worker::new(model, slots, ctx_size, true),
             ctx_size,

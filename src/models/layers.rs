@@ -1,30 +1,18 @@
 //! Building blocks that model files call like single-device layers: linear
-//! (dense or MLX-affine-quantized), embedding, RMSNorm, rotary embedding.
-//! Each layer loads its own tensors by name, with shapes from the config.
-use std::ops::Range;
+//! (dense or MLX-affine-quantized), embedding, rotary embedding.
+//! Each layer loads its tensors from its parameter specs (`models::layout`).
 use std::rc::Rc;
 
 use crate::kernels::{self, qgemv::Epilogue};
 use crate::mlx::distributed::Group;
 use crate::mlx::{self, fast, Array, Dtype};
 
+use super::blocks::norm::RmsNorm;
 use super::config::{ModelConfig, QuantConfig, RopeScaling};
-use super::weights::{LoadError, RowBlock, TensorKind, WeightSource};
+use super::layout::{ParamSpec, Split};
+use super::weights::{LoadError, RowBlock, WeightSource};
 
 pub type Result<T> = std::result::Result<T, LoadError>;
-
-/// How a linear layer is split across tensor-parallel ranks.
-#[derive(Clone, Default)]
-pub enum Shard {
-    /// The whole weight.
-    #[default]
-    Full,
-    /// Output rows `range` (column-parallel): no communication.
-    Column(Range<usize>),
-    /// Input columns `range` (row-parallel): partial sums are `all_sum`med over
-    /// `group`, then the bias is added once.
-    Row(Range<usize>, Rc<Group>),
-}
 
 enum Weight {
     Dense(Array),
@@ -36,8 +24,29 @@ enum Weight {
     },
 }
 
+impl Weight {
+    /// `[weight]`, or `[packed weight, scales, biases]` with `quant`.
+    fn from_parts(parts: Vec<Array>, quant: Option<QuantConfig>) -> Weight {
+        let mut it = parts.into_iter();
+        match (quant, it.next(), it.next(), it.next()) {
+            (Some(q), Some(w), Some(scales), Some(biases)) => Weight::Quantized {
+                w,
+                scales,
+                biases,
+                q,
+            },
+            (_, Some(w), ..) => Weight::Dense(w),
+            _ => unreachable!("a linear's tensors start with its weight"),
+        }
+    }
+}
+
+fn invalid(msg: String) -> LoadError {
+    LoadError::Mlx(mlx::MlxError::Invalid(msg))
+}
+
 /// `y = x Wᵀ (+ b)`, with W dense `[out, in]` or MLX affine-quantized, possibly one
-/// rank's shard of it (see [`Shard`]); model code calls it like a plain linear layer.
+/// rank's block of it (see [`Split`]); model code calls it like a plain linear layer.
 pub struct Linear {
     weight: Weight,
     bias: Option<Array>,
@@ -45,161 +54,96 @@ pub struct Linear {
 }
 
 impl Linear {
-    /// Load `{prefix}.weight` (and `.scales`/`.biases` when quantized, `.bias` when `bias`),
-    /// reading only this rank's part under `shard`.
-    #[allow(clippy::too_many_arguments)]
+    /// Load the tensors of `spec` ([`ParamSpec::tensors`]: `.weight`, and `.scales` /
+    /// `.biases` when quantized, `.bias`), reading only this rank's block of each; a
+    /// row-parallel spec's partial sums are `all_sum`med over `reduce` when given.
     pub fn load(
         src: &dyn WeightSource,
-        prefix: &str,
-        in_dim: usize,
-        out_dim: usize,
-        bias: bool,
-        quant: Option<QuantConfig>,
-        shard: Shard,
+        spec: &ParamSpec,
+        reduce: Option<Rc<Group>>,
     ) -> Result<Linear> {
-        let (rows, cols, reduce) = match shard {
-            Shard::Full => (None, None, None),
-            Shard::Column(r) => (Some(r), None, None),
-            Shard::Row(c, g) => (None, Some(c), Some(g)),
-        };
-        let bias = if bias {
-            Some(src.load_block(
-                &format!("{prefix}.bias"),
-                &[out_dim],
-                rows.clone(),
-                None,
-                TensorKind::Float,
-            )?)
-        } else {
-            None
-        };
-        let quant = tensor_quant(src, prefix, in_dim, quant);
-        let weight = match quant {
-            Some(q) if src.contains(&format!("{prefix}.scales")) => {
-                let (bits, g) = (q.bits as usize, q.group_size as usize);
-                let packed = cols.clone().map(|c| c.start * bits / 32..c.end * bits / 32);
-                let groups = cols.clone().map(|c| c.start / g..c.end / g);
-                Weight::Quantized {
-                    w: src.load_block(
-                        &format!("{prefix}.weight"),
-                        &[out_dim, in_dim * bits / 32],
-                        rows.clone(),
-                        packed,
-                        TensorKind::Packed,
-                    )?,
-                    scales: src.load_block(
-                        &format!("{prefix}.scales"),
-                        &[out_dim, in_dim / g],
-                        rows.clone(),
-                        groups.clone(),
-                        TensorKind::Scales,
-                    )?,
-                    biases: src.load_block(
-                        &format!("{prefix}.biases"),
-                        &[out_dim, in_dim / g],
-                        rows,
-                        groups,
-                        TensorKind::QuantBiases,
-                    )?,
-                    q,
-                }
+        if let Split::Vocab(_) = spec.split {
+            return Err(invalid(format!(
+                "{}: vocab-parallel rows are not implemented",
+                spec.name
+            )));
+        }
+        let quant = spec.quantization_stored(
+            |n| src.contains(n),
+            |n| src.info(n).ok().flatten().map(|i| i.shape),
+        );
+        let reduce = reduce.filter(|_| matches!(spec.split, Split::Row(_)));
+        let mut bias = None;
+        let mut parts = Vec::with_capacity(3);
+        for t in spec.tensors(quant) {
+            let a = src.load_block(&t.name, &t.shape, t.rows, t.cols, t.kind)?;
+            match t.suffix {
+                "bias" => bias = Some(a),
+                _ => parts.push(a),
             }
-            _ => Weight::Dense(src.load_block(
-                &format!("{prefix}.weight"),
-                &[out_dim, in_dim],
-                rows,
-                cols,
-                TensorKind::Float,
-            )?),
-        };
+        }
         Ok(Linear {
-            weight,
+            weight: Weight::from_parts(parts, quant),
             bias,
             reduce,
         })
     }
 
-    /// One linear computing several column-parallel (or full) linears side by side, so one
-    /// matmul replaces several; callers split the output. `parts` are `(prefix, out_dim,
-    /// shard)` with the same input, bias and quantization. Their weights (and scales/biases
-    /// when quantized, and output biases) are stacked along the output axis as they are
-    /// read, not concatenated afterwards.
-    pub fn load_merged(
-        src: &dyn WeightSource,
-        parts: &[(&str, usize, Shard)],
-        in_dim: usize,
-        bias: bool,
-        quant: Option<QuantConfig>,
-    ) -> Result<Linear> {
-        let mut rows = Vec::with_capacity(parts.len());
-        for (prefix, _, shard) in parts {
-            rows.push(match shard {
-                Shard::Full => None,
-                Shard::Column(r) => Some(r.clone()),
-                Shard::Row(..) => {
-                    return Err(LoadError::Mlx(mlx::MlxError::Invalid(format!(
-                        "Linear::load_merged: {prefix} is row-parallel; only column-parallel \
-                         or whole linears can be merged"
-                    ))))
-                }
-            });
+    /// One linear computing several column-parallel (or whole) linears side by side, so one
+    /// matmul replaces several; callers split the output. `parts` have the same input,
+    /// bias and quantization. Their weights (and scales/biases when quantized, and output
+    /// biases) are stacked along the output axis as they are read, not concatenated
+    /// afterwards.
+    pub fn load_merged(src: &dyn WeightSource, parts: &[&ParamSpec]) -> Result<Linear> {
+        if let Some(p) = parts
+            .iter()
+            .find(|p| matches!(p.split, Split::Row(_) | Split::Vocab(_)))
+        {
+            return Err(invalid(format!(
+                "Linear::load_merged: {} is row- or vocab-parallel; only column-parallel \
+                 or whole linears can be merged",
+                p.name
+            )));
         }
-        // the rows of tensor `suffix` of every part, shape [out_dim, width] (or [out_dim])
-        let stacked = |suffix: &str, width: Option<usize>, kind: TensorKind| {
-            let specs: Vec<RowBlock> = parts
-                .iter()
-                .zip(&rows)
-                .map(|((prefix, out, _), r)| {
-                    let shape = std::iter::once(*out).chain(width).collect();
-                    (format!("{prefix}.{suffix}"), shape, r.clone())
-                })
-                .collect();
-            src.load_concat(&specs, kind)
-        };
-        let bias = if bias {
-            Some(stacked("bias", None, TensorKind::Float)?)
-        } else {
-            None
-        };
-        let quantized = parts
+        let quants: Vec<_> = parts
             .iter()
-            .filter(|(prefix, ..)| src.contains(&format!("{prefix}.scales")))
-            .count();
-        // per-tensor quantization (GGUF): every part must agree
-        let per_part: Vec<_> = parts
-            .iter()
-            .map(|(p, ..)| tensor_quant(src, p, in_dim, quant))
+            .map(|p| {
+                p.quantization_stored(
+                    |n| src.contains(n),
+                    |n| src.info(n).ok().flatten().map(|i| i.shape),
+                )
+            })
             .collect();
-        if per_part.iter().any(|q| *q != per_part[0]) {
-            return Err(LoadError::Mlx(mlx::MlxError::Invalid(format!(
-                "Linear::load_merged: {} have different quantization types ({per_part:?}); \
-                 merging them is not implemented",
-                parts.iter().map(|p| p.0).collect::<Vec<_>>().join(", ")
-            ))));
+        let quant = quants.first().copied().flatten();
+        if quants.iter().any(|q| *q != quant) {
+            return Err(invalid(format!(
+                "Linear::load_merged: {} of {} parts ({}) are quantized",
+                quants.iter().filter(|q| q.is_some()).count(),
+                parts.len(),
+                parts
+                    .iter()
+                    .map(|p| p.name.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )));
         }
-        let quant = per_part[0];
-        let weight = match quant {
-            Some(q) if quantized == parts.len() => {
-                let (bits, g) = (q.bits as usize, q.group_size as usize);
-                Weight::Quantized {
-                    w: stacked("weight", Some(in_dim * bits / 32), TensorKind::Packed)?,
-                    scales: stacked("scales", Some(in_dim / g), TensorKind::Scales)?,
-                    biases: stacked("biases", Some(in_dim / g), TensorKind::QuantBiases)?,
-                    q,
-                }
+        // tensor i of every part, stacked: the parts' tensors come in the same order
+        let tensors: Vec<_> = parts.iter().map(|p| p.tensors(quant)).collect();
+        let mut bias = None;
+        let mut stacked = Vec::with_capacity(3);
+        for i in 0..tensors.first().map_or(0, |t| t.len()) {
+            let blocks: Vec<RowBlock> = tensors
+                .iter()
+                .map(|t| (t[i].name.clone(), t[i].shape.clone(), t[i].rows.clone()))
+                .collect();
+            let a = src.load_concat(&blocks, tensors[0][i].kind)?;
+            match tensors[0][i].suffix {
+                "bias" => bias = Some(a),
+                _ => stacked.push(a),
             }
-            Some(_) if quantized > 0 => {
-                return Err(LoadError::Mlx(mlx::MlxError::Invalid(format!(
-                    "Linear::load_merged: {} of {} parts ({}) are quantized",
-                    quantized,
-                    parts.len(),
-                    parts.iter().map(|p| p.0).collect::<Vec<_>>().join(", ")
-                ))))
-            }
-            _ => Weight::Dense(stacked("weight", Some(in_dim), TensorKind::Float)?),
-        };
+        }
         Ok(Linear {
-            weight,
+            weight: Weight::from_parts(stacked, quant),
             bias,
             reduce: None,
         })
@@ -433,33 +377,6 @@ fn apply_norm(x: &Array, norm: Option<&RmsNorm>) -> mlx::Result<Array> {
     }
 }
 
-/// The quantization of linear `prefix`: the bits and group size its stored tensors imply
-/// (packed `.weight` `[out, in · bits / 32]`, `.scales` `[out, in / group]`) where the source
-/// says, else the config's `quant`. A checkpoint may quantize tensors differently (GGUF:
-/// 4-bit Q4_1 linears beside an 8-bit Q8_0 embedding).
-fn tensor_quant(
-    src: &dyn WeightSource,
-    prefix: &str,
-    in_dim: usize,
-    quant: Option<QuantConfig>,
-) -> Option<QuantConfig> {
-    let q = quant?;
-    let info = |s: &str| src.info(&format!("{prefix}.{s}")).ok().flatten();
-    match (info("weight"), info("scales")) {
-        (Some(w), Some(s))
-            if w.dtype == Dtype::U32 && w.shape.len() == 2 && s.shape.len() == 2 && in_dim > 0 =>
-        {
-            let bits = w.shape[1] * 32 / in_dim;
-            let group = in_dim / s.shape[1].max(1);
-            Some(QuantConfig {
-                bits: bits as i32,
-                group_size: group as i32,
-            })
-        }
-        _ => Some(q),
-    }
-}
-
 /// Rows of x from which a GPU multiplies by the dequantized weight (one bf16 GEMM,
 /// the weight dequantized into a temporary) rather than with `quantized_matmul`:
 /// prefill runs at the dense GEMM's speed (4.7× MLX's quantized GEMM on H200).
@@ -504,7 +421,7 @@ fn quantized_forward(
 /// `x · dequantize(w)ᵀ` as a dense GEMM. The dequantization is ordered after `x`
 /// exists, so MLX does not dequantize weights before their input is there; across
 /// layers the bound that matters on a GPU is the forward pass's layers in flight
-/// (`Transformer::forward_slot_ids`).
+/// (`Model::forward`, one slot's chunk).
 fn dequant_gemm(
     x: &Array,
     w: &Array,
@@ -522,15 +439,9 @@ pub struct Embedding {
 }
 
 impl Embedding {
-    pub fn load(
-        src: &dyn WeightSource,
-        prefix: &str,
-        vocab: usize,
-        hidden: usize,
-        quant: Option<QuantConfig>,
-    ) -> Result<Self> {
+    pub fn load(src: &dyn WeightSource, spec: &ParamSpec) -> Result<Self> {
         Ok(Embedding {
-            table: Linear::load(src, prefix, hidden, vocab, false, quant, Shard::Full)?,
+            table: Linear::load(src, spec, None)?,
         })
     }
 
@@ -567,25 +478,6 @@ impl Embedding {
             Weight::Dense(w) => w.dtype(),
             Weight::Quantized { scales, .. } => scales.dtype(),
         }
-    }
-}
-
-/// RMSNorm with a learned scale.
-pub struct RmsNorm {
-    pub weight: Array,
-    pub eps: f32,
-}
-
-impl RmsNorm {
-    pub fn load(src: &dyn WeightSource, name: &str, dim: usize, eps: f32) -> Result<Self> {
-        Ok(RmsNorm {
-            weight: src.load(name, &[dim], TensorKind::Norm)?,
-            eps,
-        })
-    }
-
-    pub fn forward(&self, x: &Array) -> mlx::Result<Array> {
-        fast::rms_norm(x, Some(&self.weight), self.eps)
     }
 }
 

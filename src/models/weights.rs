@@ -469,12 +469,22 @@ pub trait WeightSource {
     /// `rows` (all when `None`) of each `(name, shape)`. By default one array per part,
     /// concatenated.
     fn load_concat(&self, parts: &[RowBlock], kind: TensorKind) -> Result<Array, LoadError> {
-        let arrays = parts
-            .iter()
-            .map(|(name, shape, rows)| self.load_block(name, shape, rows.clone(), None, kind))
-            .collect::<Result<Vec<_>, _>>()?;
-        Ok(mlx::concatenate(&arrays.iter().collect::<Vec<_>>(), 0)?)
+        concat_blocks(self, parts, kind)
     }
+}
+
+/// Each part loaded on its own, then concatenated (what [`WeightSource::load_concat`] does
+/// by default).
+fn concat_blocks<S: WeightSource + ?Sized>(
+    src: &S,
+    parts: &[RowBlock],
+    kind: TensorKind,
+) -> Result<Array, LoadError> {
+    let arrays = parts
+        .iter()
+        .map(|(name, shape, rows)| src.load_block(name, shape, rows.clone(), None, kind))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(mlx::concatenate(&arrays.iter().collect::<Vec<_>>(), 0)?)
 }
 
 /// The rows and columns of a block request, filled in, and the block's shape.
@@ -579,11 +589,7 @@ impl WeightSource for SafetensorsSource {
             }
         }
         // parts that differ: one array each, concatenated
-        let arrays = parts
-            .iter()
-            .map(|(name, shape, rows)| self.load_block(name, shape, rows.clone(), None, kind))
-            .collect::<Result<Vec<_>, _>>()?;
-        Ok(mlx::concatenate(&arrays.iter().collect::<Vec<_>>(), 0)?)
+        concat_blocks(self, parts, kind)
     }
 }
 

@@ -20,6 +20,7 @@
 
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use serde::de::DeserializeOwned;
@@ -27,6 +28,9 @@ use serde::{Deserialize, Serialize};
 
 /// Largest frame either end sends or accepts.
 pub const MAX_FRAME_BYTES: usize = 256 << 20;
+
+/// How often a rank sends a heartbeat (an empty frame) once connected.
+pub const HEARTBEAT_PERIOD: Duration = Duration::from_millis(500);
 
 /// Environment variables the driver sets for every rank.
 pub const CONTROL_ADDR_VAR: &str = "MLXCEL_CONTROL_ADDR";
@@ -134,6 +138,8 @@ pub struct Channel {
     max_frame: usize,
     /// The read timeout currently set on the socket (avoids a syscall per read).
     read_timeout: Option<Duration>,
+    /// Held while a frame is written, once a heartbeat thread writes too.
+    write_lock: Option<Arc<Mutex<()>>>,
 }
 
 impl Channel {
@@ -147,6 +153,7 @@ impl Channel {
             rbuf: Vec::new(),
             max_frame: MAX_FRAME_BYTES,
             read_timeout: None,
+            write_lock: None,
         })
     }
 
@@ -182,7 +189,32 @@ impl Channel {
             rbuf: std::mem::take(&mut self.rbuf),
             max_frame: self.max_frame,
             read_timeout: self.read_timeout,
+            write_lock: self.write_lock.clone(),
         })
+    }
+
+    /// Sends an empty frame every `period` from a thread of its own until the
+    /// connection breaks. The thread only writes to the socket (it touches no
+    /// other state), so the peer hears it while this side is busy for long,
+    /// and stops hearing it when this process is stopped or frozen. Frames
+    /// sent on this channel are written under a lock from then on, so the
+    /// two writers never interleave.
+    pub fn start_heartbeat(&mut self, period: Duration) -> Result<(), ChannelError> {
+        let mut stream = self.stream.try_clone()?;
+        let lock = self
+            .write_lock
+            .get_or_insert_with(|| Arc::new(Mutex::new(())))
+            .clone();
+        std::thread::Builder::new()
+            .name("mlxcel-heartbeat".into())
+            .spawn(move || loop {
+                std::thread::sleep(period);
+                let _held = lock.lock().unwrap_or_else(|e| e.into_inner());
+                if stream.write_all(&0u32.to_le_bytes()).is_err() {
+                    return;
+                }
+            })?;
+        Ok(())
     }
 
     /// Shuts the connection down both ways: the peer sees EOF, and a thread
@@ -200,6 +232,10 @@ impl Channel {
             });
         }
         let header = (body.len() as u32).to_le_bytes();
+        let lock = self.write_lock.clone();
+        let _held = lock
+            .as_ref()
+            .map(|l| l.lock().unwrap_or_else(|e| e.into_inner()));
         if body.len() <= 64 * 1024 {
             let mut buf = Vec::with_capacity(4 + body.len());
             buf.extend_from_slice(&header);
@@ -501,6 +537,11 @@ impl RankChannel {
 
     pub fn world_size(&self) -> usize {
         self.world_size
+    }
+
+    /// Heartbeats to the driver every [`HEARTBEAT_PERIOD`] (see [`Channel::start_heartbeat`]).
+    pub fn start_heartbeat(&mut self) -> Result<(), ChannelError> {
+        self.channel.start_heartbeat(HEARTBEAT_PERIOD)
     }
 
     /// The underlying channel (send/recv, raw frames, `f32` frames).

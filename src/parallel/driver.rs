@@ -50,7 +50,16 @@ pub struct TpOptions {
     /// Deadline for the first step (kernel compilation) and for later steps.
     pub first_step_timeout: Duration,
     pub step_timeout: Duration,
+    /// A rank that sends no heartbeat for this long fails the group (idle or busy).
+    pub heartbeat_timeout: Duration,
+    /// Once one rank has answered a step, the others must within this (the
+    /// first step: [`FIRST_STEP_STRAGGLER`] at least).
+    pub straggler_timeout: Duration,
 }
+
+/// The straggler deadline of a group's first step at least (its kernels may
+/// still compile at different speeds on the ranks).
+pub const FIRST_STEP_STRAGGLER: Duration = Duration::from_secs(30);
 
 impl TpOptions {
     pub fn new(tp_size: usize, ctx_size: usize, slots: usize) -> TpOptions {
@@ -75,6 +84,8 @@ impl TpOptions {
             load_timeout: secs("MLXCEL_TP_LOAD_TIMEOUT", 1800),
             first_step_timeout: secs("MLXCEL_TP_FIRST_STEP_TIMEOUT", 600),
             step_timeout: secs("MLXCEL_TP_STEP_TIMEOUT", 60),
+            heartbeat_timeout: secs("MLXCEL_TP_HEARTBEAT_TIMEOUT", 5),
+            straggler_timeout: secs("MLXCEL_TP_STRAGGLER_TIMEOUT", 5),
         }
     }
 }
@@ -323,6 +334,7 @@ impl TpExecutor {
         };
         let launch = LaunchOptions {
             startup_timeout: Duration::from_secs(120),
+            heartbeat_timeout: Some(opts.heartbeat_timeout),
             ..LaunchOptions::default()
         };
         tracing::info!(
@@ -496,12 +508,15 @@ impl Executor for TpExecutor {
         if let Err(e) = self.group.broadcast(&ToRank::Step(plan)) {
             return Err(self.fail(e.to_string()));
         }
-        let timeout = if self.steps == 0 {
-            self.opts.first_step_timeout
+        let (timeout, straggler) = if self.steps == 0 {
+            (
+                self.opts.first_step_timeout,
+                self.opts.straggler_timeout.max(FIRST_STEP_STRAGGLER),
+            )
         } else {
-            self.opts.step_timeout
+            (self.opts.step_timeout, self.opts.straggler_timeout)
         };
-        let replies: Vec<FromRank> = match self.group.recv_all(timeout) {
+        let replies: Vec<FromRank> = match self.group.recv_all_within(timeout, Some(straggler)) {
             Ok(r) => r,
             Err(e) => return Err(self.fail(e.to_string())),
         };
@@ -572,7 +587,10 @@ impl Executor for TpExecutor {
             return Err(self.fail(e.to_string()));
         }
         self.queued -= 1;
-        let replies: Vec<FromRank> = match self.group.recv_all(self.opts.step_timeout) {
+        let replies: Vec<FromRank> = match self
+            .group
+            .recv_all_within(self.opts.step_timeout, Some(self.opts.straggler_timeout))
+        {
             Ok(r) => r,
             Err(e) => return Err(self.fail(e.to_string())),
         };

@@ -23,6 +23,17 @@
 //!   A receive that times out or a channel that breaks fails the group the same
 //!   way. With the default 2 s grace all ranks are gone within ~2.2 s of a
 //!   failure being detected.
+//! - with [`LaunchOptions::heartbeat_timeout`], every rank sends an empty
+//!   frame (a heartbeat) every [`channel::HEARTBEAT_PERIOD`] from a thread of
+//!   its own (see [`channel::Channel::start_heartbeat`]); the reader threads
+//!   note them, and the watcher fails the group, naming the rank, when one
+//!   has been silent that long: a stopped (SIGSTOP) or frozen rank is found
+//!   whether a step is running or not, and a long step (a kernel warm-up, a
+//!   long prefill) is no false alarm, the heartbeat thread runs meanwhile.
+//! - [`RankGroup::recv_all_within`] has a straggler deadline too: once one
+//!   rank has answered, the others must answer within it, else the first
+//!   rank still silent is blamed (a rank whose heartbeat runs but whose step
+//!   is stuck).
 //! - [`RankGroup::shutdown`] and `Drop` stop everything (EOF, SIGTERM, SIGKILL
 //!   after the grace period) and reap every child: no process is left behind.
 
@@ -63,6 +74,9 @@ pub struct LaunchOptions {
     pub send_timeout: Duration,
     /// How many stderr lines per rank are kept for error messages.
     pub stderr_tail_lines: usize,
+    /// Fail the group when a connected rank sends no heartbeat for this long
+    /// (`None`: ranks send none).
+    pub heartbeat_timeout: Option<Duration>,
 }
 
 impl Default for LaunchOptions {
@@ -72,6 +86,7 @@ impl Default for LaunchOptions {
             grace: Duration::from_secs(2),
             send_timeout: Duration::from_secs(30),
             stderr_tail_lines: 20,
+            heartbeat_timeout: None,
         }
     }
 }
@@ -99,6 +114,25 @@ pub enum RankError {
     )]
     Timeout {
         rank: usize,
+        after: Duration,
+        stderr_tail: Vec<String>,
+    },
+    #[error(
+        "TP rank {rank} sent no heartbeat for {silent:.1?}: it is stopped, frozen or starved \
+         of CPU; all ranks were stopped{}", tail_text(.stderr_tail)
+    )]
+    HeartbeatLost {
+        rank: usize,
+        silent: Duration,
+        stderr_tail: Vec<String>,
+    },
+    #[error(
+        "TP rank {rank} did not finish the step within {after:?} of rank {first}: it is stuck \
+         or far too slow; all ranks were stopped{}", tail_text(.stderr_tail)
+    )]
+    Straggler {
+        rank: usize,
+        first: usize,
         after: Duration,
         stderr_tail: Vec<String>,
     },
@@ -145,6 +179,8 @@ impl RankError {
             RankError::Spawn { rank, .. }
             | RankError::Died { rank, .. }
             | RankError::Timeout { rank, .. }
+            | RankError::HeartbeatLost { rank, .. }
+            | RankError::Straggler { rank, .. }
             | RankError::StartupTimeout { rank, .. }
             | RankError::Handshake { rank, .. }
             | RankError::IdentityMismatch { rank, .. }
@@ -318,6 +354,11 @@ struct Shared {
     stopping: AtomicBool,
     /// When still-running children get SIGKILL (set once termination starts).
     kill_at: Mutex<Option<Instant>>,
+    /// When each rank's last heartbeat (or any frame) arrived.
+    beats: Mutex<Vec<Instant>>,
+    /// Set once the handshake is done and the ranks send heartbeats.
+    beating: AtomicBool,
+    heartbeat_timeout: Option<Duration>,
 }
 
 impl Shared {
@@ -369,6 +410,21 @@ impl Shared {
         }
     }
 
+    /// SIGKILL to one live child (a rank that cannot act on SIGTERM: stopped or frozen).
+    fn kill(&self, rank: usize) {
+        if let Some(p) = lock(&self.procs).get(rank) {
+            if p.exit.is_none() {
+                let pid = p.pid as libc::pid_t;
+                // SAFETY: plain kill(2) on our own unreaped child / its group.
+                unsafe {
+                    if libc::kill(-pid, libc::SIGKILL) != 0 {
+                        libc::kill(pid, libc::SIGKILL);
+                    }
+                }
+            }
+        }
+    }
+
     /// Starts stopping every live child: SIGTERM now, SIGKILL after `grace`
     /// (an earlier SIGKILL time already set stands).
     fn terminate(&self, grace: Duration) {
@@ -385,6 +441,28 @@ impl Shared {
 
     fn all_reaped(&self) -> bool {
         lock(&self.procs).iter().all(|p| p.exit.is_some())
+    }
+
+    fn beat(&self, rank: usize) {
+        if let Some(t) = lock(&self.beats).get_mut(rank) {
+            *t = Instant::now();
+        }
+    }
+
+    /// The live rank silent for longest, if silent past the heartbeat timeout.
+    fn silent_rank(&self) -> Option<(usize, Duration)> {
+        let timeout = self.heartbeat_timeout?;
+        if !self.beating.load(Ordering::SeqCst) {
+            return None;
+        }
+        let procs = lock(&self.procs);
+        lock(&self.beats)
+            .iter()
+            .enumerate()
+            .filter(|(rank, _)| procs[*rank].exit.is_none())
+            .map(|(rank, t)| (rank, t.elapsed()))
+            .filter(|(_, silent)| *silent > timeout)
+            .max_by_key(|(_, silent)| *silent)
     }
 }
 
@@ -406,6 +484,22 @@ fn watch(shared: Arc<Shared>, events: Sender<Event>, grace: Duration) {
             use std::os::unix::process::ExitStatusExt;
             deaths.sort_by_key(|(rank, st)| (st.signal().is_none(), *rank));
         }
+        if deaths.is_empty()
+            && !shared.stopping.load(Ordering::SeqCst)
+            && lock(&shared.failure).is_none()
+        {
+            if let Some((rank, silent)) = shared.silent_rank() {
+                let stderr_tail = shared.tails[rank].lines();
+                let err = RankError::HeartbeatLost {
+                    rank,
+                    silent,
+                    stderr_tail,
+                };
+                fail_group(&shared, err, grace, &events);
+                // a stopped or frozen rank would sit out the grace period
+                shared.kill(rank);
+            }
+        }
         for (rank, status) in deaths {
             let expected =
                 shared.stopping.load(Ordering::SeqCst) || lock(&shared.failure).is_some();
@@ -414,13 +508,12 @@ fn watch(shared: Arc<Shared>, events: Sender<Event>, grace: Duration) {
                 continue;
             }
             let stderr_tail = shared.tails[rank].settled_lines();
-            shared.fail(RankError::Died {
+            let err = RankError::Died {
                 rank,
                 status,
                 stderr_tail,
-            });
-            shared.terminate(grace);
-            let _ = events.send(Event::Failed);
+            };
+            fail_group(&shared, err, grace, &events);
         }
         if shared.all_reaped() {
             return;
@@ -437,10 +530,21 @@ fn watch(shared: Arc<Shared>, events: Sender<Event>, grace: Duration) {
     }
 }
 
-fn read_frames(rank: usize, mut ch: Channel, events: Sender<Event>) {
+/// Records `err` as the group's failure, starts stopping every rank and wakes the driver.
+fn fail_group(shared: &Shared, err: RankError, grace: Duration, events: &Sender<Event>) {
+    shared.fail(err);
+    shared.terminate(grace);
+    let _ = events.send(Event::Failed);
+}
+
+fn read_frames(rank: usize, mut ch: Channel, events: Sender<Event>, shared: Arc<Shared>) {
     loop {
         match ch.recv_frame() {
             Ok(frame) => {
+                shared.beat(rank);
+                if frame.is_empty() {
+                    continue; // a heartbeat
+                }
                 if events.send(Event::Frame(rank, frame)).is_err() {
                     return;
                 }
@@ -639,6 +743,9 @@ impl RankGroup {
             failure: Mutex::new(None),
             stopping: AtomicBool::new(false),
             kill_at: Mutex::new(None),
+            beats: Mutex::new(vec![Instant::now(); n]),
+            beating: AtomicBool::new(false),
+            heartbeat_timeout: opts.heartbeat_timeout,
         });
         let (events_tx, events) = mpsc::channel();
         let mut group = RankGroup {
@@ -701,9 +808,10 @@ impl RankGroup {
                 Err(e) => return Err(group.send_failed(rank, e)),
             };
             let tx = group.events_tx.clone().unwrap();
+            let shared = group.shared.clone();
             match std::thread::Builder::new()
                 .name(format!("mlxcel-rank{rank}-reader"))
-                .spawn(move || read_frames(rank, reader, tx))
+                .spawn(move || read_frames(rank, reader, tx, shared))
             {
                 Ok(h) => group.readers.push(h),
                 Err(e) => {
@@ -716,6 +824,8 @@ impl RankGroup {
         }
         group.writers = chans;
         group.identities = identities;
+        *lock(&group.shared.beats) = vec![Instant::now(); n];
+        group.shared.beating.store(true, Ordering::SeqCst);
         // Only the watcher and readers hold senders now, so `recv` sees a
         // disconnect once they are all gone.
         group.events_tx = None;
@@ -964,16 +1074,29 @@ impl RankGroup {
     fn wait_for(
         &mut self,
         timeout: Duration,
+        straggler: Option<Duration>,
         ready: impl Fn(&[VecDeque<Vec<u8>>]) -> bool,
         blame: impl Fn(&[VecDeque<Vec<u8>>]) -> usize,
     ) -> Result<(), RankError> {
         let deadline = Instant::now() + timeout;
+        // (when, which rank) the first answer was there
+        let mut first: Option<(Instant, usize)> = None;
         loop {
             self.ensure_usable()?;
             if ready(&self.pending) {
                 return Ok(());
             }
-            let left = deadline.saturating_duration_since(Instant::now());
+            if first.is_none() {
+                if let Some(r) = self.pending.iter().position(|q| !q.is_empty()) {
+                    first = Some((Instant::now(), r));
+                }
+            }
+            let straggler_due = match (straggler, first) {
+                (Some(s), Some((t, _))) => Some(t + s),
+                _ => None,
+            };
+            let until = straggler_due.map_or(deadline, |d| d.min(deadline));
+            let left = until.saturating_duration_since(Instant::now());
             let ev = if left.is_zero() {
                 self.events
                     .try_recv()
@@ -984,13 +1107,26 @@ impl RankGroup {
             match ev {
                 Ok(ev) => self.handle(ev)?,
                 Err(RecvTimeoutError::Timeout) => {
+                    let now = Instant::now();
+                    if now < until {
+                        continue;
+                    }
                     let rank = blame(&self.pending);
                     let stderr_tail = self.shared.tails[rank].lines();
-                    return Err(self.fail(RankError::Timeout {
-                        rank,
-                        after: timeout,
-                        stderr_tail,
-                    }));
+                    let err = match (straggler, first) {
+                        (Some(after), Some((_, first))) if now < deadline => RankError::Straggler {
+                            rank,
+                            first,
+                            after,
+                            stderr_tail,
+                        },
+                        _ => RankError::Timeout {
+                            rank,
+                            after: timeout,
+                            stderr_tail,
+                        },
+                    };
+                    return Err(self.fail(err));
                 }
                 Err(RecvTimeoutError::Disconnected) => {
                     return Err(self.shared.failure().unwrap_or(RankError::ShutDown));
@@ -1008,7 +1144,7 @@ impl RankGroup {
         rank: usize,
         timeout: Duration,
     ) -> Result<Vec<u8>, RankError> {
-        self.wait_for(timeout, |p| !p[rank].is_empty(), |_| rank)?;
+        self.wait_for(timeout, None, |p| !p[rank].is_empty(), |_| rank)?;
         Ok(self.pending[rank].pop_front().unwrap())
     }
 
@@ -1024,8 +1160,19 @@ impl RankGroup {
 
     /// One raw frame from every rank, by rank, within one `timeout`.
     pub fn recv_frames_all(&mut self, timeout: Duration) -> Result<Vec<Vec<u8>>, RankError> {
+        self.recv_frames_all_within(timeout, None)
+    }
+
+    /// [`recv_frames_all`](Self::recv_frames_all), and once one rank has
+    /// answered, the others within `straggler`.
+    pub fn recv_frames_all_within(
+        &mut self,
+        timeout: Duration,
+        straggler: Option<Duration>,
+    ) -> Result<Vec<Vec<u8>>, RankError> {
         self.wait_for(
             timeout,
+            straggler,
             |p| p.iter().all(|q| !q.is_empty()),
             |p| p.iter().position(|q| q.is_empty()).unwrap_or(0),
         )?;
@@ -1041,7 +1188,17 @@ impl RankGroup {
         &mut self,
         timeout: Duration,
     ) -> Result<Vec<T>, RankError> {
-        let frames = self.recv_frames_all(timeout)?;
+        self.recv_all_within(timeout, None)
+    }
+
+    /// One typed message from every rank, with a straggler deadline (see
+    /// [`recv_frames_all_within`](Self::recv_frames_all_within)).
+    pub fn recv_all_within<T: DeserializeOwned>(
+        &mut self,
+        timeout: Duration,
+        straggler: Option<Duration>,
+    ) -> Result<Vec<T>, RankError> {
+        let frames = self.recv_frames_all_within(timeout, straggler)?;
         frames
             .iter()
             .enumerate()
@@ -1177,6 +1334,9 @@ mod tests {
             }
         };
         eprintln!("fake rank {rank}: connected ({mode})");
+        if mode.starts_with("beat") {
+            ch.start_heartbeat().unwrap();
+        }
         loop {
             let msg = match ch.recv::<Msg>() {
                 Ok(m) => m,
@@ -1195,7 +1355,12 @@ mod tests {
                     eprintln!("fake rank {rank}: simulated NCCL failure, exiting with 3");
                     std::process::exit(3);
                 }
-                ("silent", _) | ("stubborn", _) => {}
+                ("silent", _) | ("stubborn", _) | ("beat-silent", _) => {}
+                // answers after 3 s (its heartbeat goes on meanwhile)
+                ("beat-slow", Msg::Ping(n)) => {
+                    std::thread::sleep(Duration::from_secs(3));
+                    ch.send(&Msg::Pong { n, rank }).unwrap()
+                }
                 (_, Msg::Ping(n)) => ch.send(&Msg::Pong { n, rank }).unwrap(),
                 (_, Msg::Pong { .. }) => unreachable!(),
             }
@@ -1371,6 +1536,95 @@ mod tests {
             took >= Duration::from_millis(290) && took < Duration::from_secs(2),
             "{took:?}"
         );
+    }
+
+    fn beating() -> LaunchOptions {
+        LaunchOptions {
+            heartbeat_timeout: Some(Duration::from_millis(1500)),
+            ..opts()
+        }
+    }
+
+    #[test]
+    fn heartbeats_keep_a_busy_rank_and_find_a_stopped_one() {
+        // a rank that answers nothing for 3 s but heartbeats is no failure
+        let mut g = start(
+            &["beat", "beat-slow"],
+            &beating(),
+            channel::identities_agree,
+        )
+        .unwrap();
+        g.broadcast(&Msg::Ping(1)).unwrap();
+        let r: Vec<Msg> = g.recv_all(Duration::from_secs(20)).unwrap();
+        assert_eq!(r.len(), 2);
+        // SIGSTOP of rank 1 while idle: the group fails naming it, within the timeout + a bit
+        let pid = g.pids()[1];
+        unsafe {
+            libc::kill(pid as i32, libc::SIGSTOP);
+        }
+        let t = Instant::now();
+        let err = loop {
+            if let Err(e) = g.check_health() {
+                break e;
+            }
+            assert!(t.elapsed() < Duration::from_secs(10), "no failure");
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        assert!(
+            matches!(&err, RankError::HeartbeatLost { rank: 1, silent, .. }
+                if *silent > Duration::from_millis(1500)),
+            "{err}"
+        );
+        assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+        assert!(
+            err.to_string().contains("TP rank 1 sent no heartbeat"),
+            "{err}"
+        );
+        // a stopped rank dies by SIGKILL after the grace period
+        g.shutdown(Duration::from_millis(300));
+        assert!(!alive(pid), "the stopped rank was left behind");
+    }
+
+    #[test]
+    fn a_straggler_is_blamed_once_another_rank_has_answered() {
+        let mut g = start(
+            &["beat", "beat-silent"],
+            &beating(),
+            channel::identities_agree,
+        )
+        .unwrap();
+        g.broadcast(&Msg::Ping(1)).unwrap();
+        let t = Instant::now();
+        let err = g
+            .recv_all_within::<Msg>(Duration::from_secs(30), Some(Duration::from_millis(700)))
+            .unwrap_err();
+        assert!(
+            matches!(
+                &err,
+                RankError::Straggler {
+                    rank: 1,
+                    first: 0,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+        // with no answer at all, the straggler deadline does not apply
+        let mut g = start(
+            &["beat-silent", "beat-silent"],
+            &beating(),
+            channel::identities_agree,
+        )
+        .unwrap();
+        g.broadcast(&Msg::Ping(1)).unwrap();
+        let err = g
+            .recv_all_within::<Msg>(
+                Duration::from_millis(1200),
+                Some(Duration::from_millis(100)),
+            )
+            .unwrap_err();
+        assert!(matches!(&err, RankError::Timeout { .. }), "{err}");
     }
 
     #[test]

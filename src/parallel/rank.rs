@@ -14,7 +14,7 @@ use super::shard;
 use crate::engine::step::{MemoryStats, StepResult, Worker};
 use crate::mlx::{self, distributed::GroupBackend};
 use crate::model_dir::ModelDir;
-use crate::models::{self, LoadFormat, Transformer};
+use crate::models::{self, LoadFormat, Model};
 
 /// Environment variable with a rank's MLX memory limit in bytes (emulation).
 pub const MEMORY_LIMIT_VAR: &str = "MLXCEL_RANK_MEMORY_LIMIT";
@@ -67,6 +67,10 @@ pub fn run(args: &RankArgs) -> Result<()> {
             chan.rank()
         );
     }
+    // from its own thread, which touches no MLX state: the driver hears this rank
+    // while it loads or runs a long step, and not once it is stopped or frozen
+    chan.start_heartbeat()
+        .context("starting the heartbeat thread")?;
     let result = serve(args, rank, &dir, &mut chan);
     if let Err(e) = &result {
         let _ = chan.send(&FromRank::Error(format!("rank {rank}: {e:#}")));
@@ -101,7 +105,7 @@ fn serve(args: &RankArgs, rank: usize, dir: &ModelDir, chan: &mut RankChannel) -
     let plan = shard::plan(&cfg, args.tp_size, rank)?;
     let t0 = Instant::now();
     let src = models::weight_source(dir, args.load_format, &cfg)?;
-    let model = Transformer::load_shard(&cfg, src.as_ref(), &plan, group, |_, _| {})?;
+    let model = Model::load_shard(&cfg, src.as_ref(), &plan, group, |_, _| {})?;
     let load_seconds = t0.elapsed().as_secs_f64();
     let bytes_read = src.bytes_read();
     let report = RankReport {

@@ -10,7 +10,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 
 use crate::model_dir::ModelDir;
-use crate::models::{self, demo, LoadFormat, Transformer};
+use crate::models::{self, demo, LoadFormat, Model};
 use crate::parallel::driver::{TpBackend, TpOptions};
 use crate::tokenizer::Tokenizer;
 
@@ -69,7 +69,7 @@ impl TpArgs {
 /// A model folder and its parsed parts, loaded on this (the MLX) thread.
 pub struct LoadedModel {
     pub dir: ModelDir,
-    pub model: Transformer,
+    pub model: Model,
     pub tokenizer: Tokenizer,
     pub ctx_size: usize,
 }
@@ -202,7 +202,7 @@ pub fn check_single_device_memory(
 }
 
 /// Load an opened model's weights on this thread, with a progress bar for big models.
-pub fn load_weights(args: &ModelArgs, m: &OpenedModel) -> Result<Transformer> {
+pub fn load_weights(args: &ModelArgs, m: &OpenedModel) -> Result<Model> {
     let (dir, cfg) = (&m.dir, &m.cfg);
     let big = cfg.num_parameters() > 500_000_000 && std::io::stderr().is_terminal();
     let bar = big.then(|| {

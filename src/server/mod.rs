@@ -14,6 +14,10 @@
 //! minutes; past that the server exits non-zero with the reason). The server
 //! process itself does no GPU work then.
 //!
+//! Connections are served by [`http`] (hyper with header, body and idle
+//! timeouts and `--max-connections`); prompts are bounded before they are
+//! tokenized (see [`routes`]).
+//!
 //! See `docs/server.md` for the endpoints, parameters, flags and metrics.
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
@@ -36,6 +40,7 @@ use crate::runtime::{load_weights, open_model, ModelArgs, OpenedModel, TpArgs};
 use crate::tokenizer::Tokenizer;
 
 pub mod error;
+pub mod http;
 pub mod metrics;
 pub mod openai;
 pub mod routes;
@@ -77,6 +82,19 @@ pub struct ServeArgs {
     /// With --tp-size: restarts of a failed rank group allowed within 10 minutes; one more failure makes the server exit non-zero.
     #[arg(long, default_value_t = 3)]
     pub max_restarts: usize,
+    /// Seconds a client has to send a whole request head (from its first byte; from
+    /// the accept for a connection's first request); then the connection is closed.
+    #[arg(long, default_value_t = 10.0)]
+    pub header_timeout: f64,
+    /// Seconds a client has to send a whole request body; then 408.
+    #[arg(long, default_value_t = 30.0)]
+    pub body_timeout: f64,
+    /// Seconds a keep-alive connection may stay idle (no request in flight) before it is closed.
+    #[arg(long, default_value_t = 60.0)]
+    pub idle_timeout: f64,
+    /// Connections served at once; up to 64 more get /health and /metrics only, and past those new connections are closed.
+    #[arg(long, default_value_t = 1024)]
+    pub max_connections: usize,
     /// Read every decode step back before building the next (by default, while only
     /// sequences that decode are running, step t+1 is queued on the device before
     /// step t's tokens are read and streamed; same tokens).
@@ -222,6 +240,20 @@ pub struct ModelInfo {
     pub tokenizer: Tokenizer,
     pub ctx_size: usize,
     pub vocab_size: usize,
+    /// Bytes of the longest token's text (a prompt of `ctx_size × this` bytes cannot fit).
+    pub max_token_bytes: usize,
+}
+
+/// The length in bytes of the longest token text of `tok` (UTF-8 of the token
+/// strings, which is at least the bytes each covers: byte-level and
+/// SentencePiece vocabularies spell a byte with one or more characters).
+pub fn max_token_bytes(tok: &Tokenizer) -> usize {
+    (0..tok.vocab_size() as u32)
+        .filter_map(|id| tok.id_to_token(id))
+        .map(|t| t.len())
+        .max()
+        .unwrap_or(1)
+        .max(1)
 }
 
 /// Metrics and health, fed by the scheduler on the engine thread.
@@ -416,6 +448,7 @@ fn engine_main(
         tokenizer: m.tokenizer.clone(),
         ctx_size: m.ctx_size,
         vocab_size: m.cfg.vocab_size,
+        max_token_bytes: max_token_bytes(&m.tokenizer),
     }));
     let local = !args.tp.uses_ranks();
     let mut exec = match start_executor(&args, &m, &metrics) {
@@ -554,6 +587,18 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     if args.prefill_chunk == 0 {
         bail!("--prefill-chunk must be at least 1");
     }
+    if args.max_connections == 0 {
+        bail!("--max-connections must be at least 1");
+    }
+    for (flag, v) in [
+        ("--header-timeout", args.header_timeout),
+        ("--body-timeout", args.body_timeout),
+        ("--idle-timeout", args.idle_timeout),
+    ] {
+        if !(v.is_finite() && v > 0.0) {
+            bail!("{flag} must be a positive number of seconds (got {v})");
+        }
+    }
     let api_key = args.api_key.clone().filter(|k| !k.is_empty());
     let (cmd_tx, cmd_rx) = mpsc::channel();
     let engine = Arc::new(Engine::new(cmd_tx, args.parallel, args.max_queue));
@@ -589,6 +634,8 @@ pub fn run(args: &ServeArgs) -> Result<()> {
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs())
             .unwrap_or(0),
+        body_timeout: Duration::from_secs_f64(args.body_timeout),
+        tokenizing: tokio::sync::Semaphore::new(workers.min(4)),
     });
     let result = rt.block_on(serve(args, state, notes_rx));
     engine.set_stopping();
@@ -666,14 +713,18 @@ async fn serve(
             let _ = stop_tx.send(true);
         });
     }
-    let app = routes::router(state.clone());
-    let graceful = {
-        let mut rx = stop_rx.clone();
-        async move {
-            let _ = rx.wait_for(|v| *v).await;
-        }
+    let limits = http::Limits {
+        header_timeout: Duration::from_secs_f64(args.header_timeout),
+        idle_timeout: Duration::from_secs_f64(args.idle_timeout),
+        max_connections: args.max_connections,
     };
-    let server = axum::serve(listener, app).with_graceful_shutdown(graceful);
+    let server = http::serve(
+        listener,
+        routes::router(state.clone()),
+        routes::overflow_router(state.clone()),
+        limits,
+        stop_rx.clone(),
+    );
     let deadline = {
         let mut rx = stop_rx.clone();
         let engine = state.engine.clone();
@@ -687,7 +738,7 @@ async fn serve(
         }
     };
     tokio::select! {
-        r = async { server.await } => r.context("serving HTTP")?,
+        _ = server => {}
         _ = deadline => tracing::warn!("connections still open after the shutdown timeout; closing them"),
     }
     if let Some(msg) = failure.lock().ok().and_then(|f| f.clone()) {

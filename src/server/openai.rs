@@ -141,7 +141,7 @@ pub fn parse(api: Api, body: &Value) -> Result<GenRequest, ApiError> {
         )));
     };
     let f = Fields(obj);
-    refuse_unsupported(api, &f)?;
+    refuse_unsupported(&f)?;
     let model = f.string("model")?.map(str::to_string);
     let prompt = match api {
         Api::Chat => PromptInput::Chat(parse_messages(obj.get("messages"))?),
@@ -284,24 +284,23 @@ pub fn parse(api: Api, body: &Value) -> Result<GenRequest, ApiError> {
 }
 
 /// 400 for fields that ask for what this server does not do.
-fn refuse_unsupported(api: Api, f: &Fields) -> Result<(), ApiError> {
+fn refuse_unsupported(f: &Fields) -> Result<(), ApiError> {
     if let Some(n) = f.int("n")? {
         if n != 1 {
             return Err(ApiError::unsupported("n", "n other than 1"));
         }
     }
-    if api == Api::Completions {
-        if let Some(n) = f.int("best_of")? {
-            if n != 1 {
-                return Err(ApiError::unsupported("best_of", "best_of other than 1"));
-            }
+    // refused on both endpoints: ignored, they would answer something else than was asked
+    if let Some(n) = f.int("best_of")? {
+        if n != 1 {
+            return Err(ApiError::unsupported("best_of", "best_of other than 1"));
         }
-        if f.bool("echo")?.unwrap_or(false) {
-            return Err(ApiError::unsupported("echo", "echo"));
-        }
-        if f.string("suffix")?.is_some_and(|s| !s.is_empty()) {
-            return Err(ApiError::unsupported("suffix", "suffix"));
-        }
+    }
+    if f.bool("echo")?.unwrap_or(false) {
+        return Err(ApiError::unsupported("echo", "echo"));
+    }
+    if f.string("suffix")?.is_some_and(|s| !s.is_empty()) {
+        return Err(ApiError::unsupported("suffix", "suffix"));
     }
     match f.get("logit_bias") {
         None => {}
@@ -753,6 +752,9 @@ mod tests {
             "temperature"
         );
         assert_eq!(bad(json!({"messages": m, "n": 2})), "n");
+        assert_eq!(bad(json!({"messages": m, "best_of": 3})), "best_of");
+        assert_eq!(bad(json!({"messages": m, "echo": true})), "echo");
+        assert_eq!(bad(json!({"messages": m, "suffix": "x"})), "suffix");
         assert_eq!(
             bad(json!({"messages": m, "tools": [{"type": "function"}]})),
             "tools"

@@ -2,11 +2,12 @@
 //! fallbacks that keep every error in OpenAI's JSON shape.
 use std::convert::Infallible;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use axum::body::Body;
+use axum::extract::rejection::PathRejection;
 use axum::extract::{Path, Request, State};
-use axum::http::{header, HeaderMap, StatusCode};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -19,6 +20,7 @@ use super::metrics::Metrics;
 use super::openai::{self, Api, Envelope, GenRequest, PromptInput};
 use super::{Engine, EventReceiver, ModelInfo, BODY_LIMIT};
 use crate::engine::scheduler::{Event, Request as EngineRequest, TokenInfo};
+use crate::tokenizer::Tokenizer;
 
 pub struct AppState {
     pub engine: Arc<Engine>,
@@ -27,7 +29,18 @@ pub struct AppState {
     pub api_key: Option<String>,
     /// Server start (unix seconds), the `created` of the model.
     pub created: u64,
+    /// `--body-timeout`: a request body must arrive whole within this.
+    pub body_timeout: Duration,
+    /// Bounds the tokenizer work running at once (see [`tokenize`]).
+    pub tokenizing: tokio::sync::Semaphore,
 }
+
+/// More request headers than this get a JSON 431.
+pub const MAX_HEADERS: usize = 100;
+/// A request head (names and values of all headers) over this many bytes gets a JSON 431.
+pub const MAX_HEADER_BYTES: usize = 64 << 10;
+/// Bodies at least this large hand the freed memory back to the OS after the request.
+const TRIM_AFTER_BYTES: usize = 1 << 20;
 
 type St = State<Arc<AppState>>;
 
@@ -44,8 +57,94 @@ pub fn router(state: Arc<AppState>) -> Router {
         .merge(v1)
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
+        .layer(middleware::map_response(json_errors))
+        .layer(middleware::from_fn(header_limits))
         .layer(middleware::from_fn_with_state(state.clone(), count))
         .with_state(state)
+}
+
+/// The routes of a connection over `--max-connections`: `/health` and
+/// `/metrics`; anything else gets 503, and every response closes the connection.
+pub fn overflow_router(state: Arc<AppState>) -> Router {
+    Router::new()
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .fallback(too_many_connections)
+        .layer(middleware::map_response(json_errors))
+        .layer(middleware::map_response(close_connection))
+        .layer(middleware::from_fn_with_state(state.clone(), count))
+        .with_state(state)
+}
+
+async fn too_many_connections() -> ApiError {
+    ApiError::unavailable(
+        "too many connections (--max-connections): only /health and /metrics are served on this one",
+    )
+    .with_code("too_many_connections")
+}
+
+async fn close_connection(mut resp: Response) -> Response {
+    resp.headers_mut()
+        .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    resp
+}
+
+/// 431 as JSON for heads hyper accepted but that are over this server's limits.
+async fn header_limits(req: Request, next: Next) -> Response {
+    let h = req.headers();
+    let bytes: usize = h.iter().map(|(k, v)| k.as_str().len() + v.len() + 4).sum();
+    if h.len() > MAX_HEADERS || bytes > MAX_HEADER_BYTES {
+        return ApiError::new(
+            StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            "invalid_request_error",
+            format!(
+                "the request has {} headers of {bytes} bytes; the limits are {MAX_HEADERS} headers and {MAX_HEADER_BYTES} bytes",
+                h.len()
+            ),
+        )
+        .with_code("request_header_fields_too_large")
+        .into_response();
+    }
+    next.run(req).await
+}
+
+/// Every error response in OpenAI's JSON shape: a response of the framework's
+/// own (a rejection's plain text, say) is rewritten with its text as the message.
+async fn json_errors(resp: Response) -> Response {
+    let status = resp.status();
+    if !(status.is_client_error() || status.is_server_error()) {
+        return resp;
+    }
+    let is_json = resp
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("application/json"));
+    if is_json {
+        return resp;
+    }
+    let (parts, body) = resp.into_parts();
+    let text = axum::body::to_bytes(body, 4096)
+        .await
+        .map(|b| String::from_utf8_lossy(&b).trim().to_string())
+        .unwrap_or_default();
+    let message = if text.is_empty() {
+        status.canonical_reason().unwrap_or("error").to_string()
+    } else {
+        text
+    };
+    let kind = if status.is_server_error() {
+        "server_error"
+    } else {
+        "invalid_request_error"
+    };
+    let mut out = ApiError::new(status, kind, message).into_response();
+    for (k, v) in &parts.headers {
+        if k != header::CONTENT_TYPE && k != header::CONTENT_LENGTH {
+            out.headers_mut().insert(k.clone(), v.clone());
+        }
+    }
+    out
 }
 
 /// The route a path belongs to (bounded label values for metrics).
@@ -153,7 +252,15 @@ async fn models(State(st): St) -> Response {
     json_response(json!({"object": "list", "data": [model_card(&st)]}))
 }
 
-async fn model(State(st): St, Path(id): Path<String>) -> Response {
+async fn model(State(st): St, id: Result<Path<String>, PathRejection>) -> Response {
+    let id = match id {
+        Ok(Path(id)) => id,
+        Err(e) => {
+            return ApiError::bad_request(format!("the model id in the path is not valid: {e}"))
+                .with_code("invalid_path")
+                .into_response()
+        }
+    };
     if id == st.model.name {
         json_response(model_card(&st))
     } else {
@@ -176,17 +283,33 @@ fn json_response(v: Value) -> Response {
 async fn chat(State(st): St, req: Request) -> Response {
     generate(st, req, Api::Chat)
         .await
-        .unwrap_or_else(IntoResponse::into_response)
+        .unwrap_or_else(error_response)
 }
 
 async fn completions(State(st): St, req: Request) -> Response {
     generate(st, req, Api::Completions)
         .await
-        .unwrap_or_else(IntoResponse::into_response)
+        .unwrap_or_else(error_response)
 }
 
-/// The body as JSON: content type, size limit (413) and syntax (400).
-async fn read_json(req: Request) -> Result<Value, ApiError> {
+/// An error as a response; one that leaves the body unread (408, 413) closes the connection.
+fn error_response(e: ApiError) -> Response {
+    let close = matches!(
+        e.status,
+        StatusCode::REQUEST_TIMEOUT | StatusCode::PAYLOAD_TOO_LARGE
+    );
+    let mut r = e.into_response();
+    if close {
+        r.headers_mut()
+            .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    }
+    r
+}
+
+/// The body: content type (415), size limit (413) and `--body-timeout` (408).
+/// It is gathered in one buffer as it arrives (each chunk freed once copied),
+/// so the JSON parse can borrow its strings.
+async fn read_body(req: Request, timeout: Duration) -> Result<Vec<u8>, ApiError> {
     check_content_type(req.headers())?;
     let declared = req
         .headers()
@@ -196,23 +319,149 @@ async fn read_json(req: Request) -> Result<Value, ApiError> {
     if declared.is_some_and(|n| n > BODY_LIMIT as u64) {
         return Err(ApiError::too_large(BODY_LIMIT));
     }
-    let bytes = axum::body::to_bytes(req.into_body(), BODY_LIMIT)
-        .await
-        .map_err(|e| {
-            // http-body-util's LengthLimitError: "length limit exceeded"
-            if e.to_string().contains("length limit") {
-                ApiError::too_large(BODY_LIMIT)
-            } else {
-                ApiError::bad_request(format!("reading the request body: {e}"))
-            }
-        })?;
+    let capacity = declared.unwrap_or(0) as usize;
+    let bytes = match tokio::time::timeout(timeout, gather(req.into_body(), capacity)).await {
+        Ok(r) => r?,
+        Err(_) => {
+            return Err(ApiError::new(
+                StatusCode::REQUEST_TIMEOUT,
+                "invalid_request_error",
+                format!(
+                    "the request body did not arrive whole within {} s (--body-timeout)",
+                    timeout.as_secs_f64()
+                ),
+            )
+            .with_code("request_timeout"))
+        }
+    };
     if bytes.is_empty() {
         return Err(ApiError::bad_request(
             "the request body is empty; send a JSON object",
         ));
     }
-    serde_json::from_slice(&bytes)
+    Ok(bytes)
+}
+
+async fn gather(body: Body, capacity: usize) -> Result<Vec<u8>, ApiError> {
+    use http_body_util::BodyExt;
+    let mut body = body;
+    let mut out = Vec::with_capacity(capacity);
+    while let Some(frame) = body.frame().await {
+        let frame =
+            frame.map_err(|e| ApiError::bad_request(format!("reading the request body: {e}")))?;
+        if let Ok(data) = frame.into_data() {
+            if out.len() + data.len() > BODY_LIMIT {
+                return Err(ApiError::too_large(BODY_LIMIT));
+            }
+            out.extend_from_slice(&data);
+        }
+    }
+    Ok(out)
+}
+
+fn parse_json(bytes: &[u8]) -> Result<Value, ApiError> {
+    serde_json::from_slice(bytes)
         .map_err(|e| ApiError::bad_request(format!("the request body is not valid JSON: {e}")))
+}
+
+/// The bytes of text in a JSON value, found without keeping a copy: a string's
+/// length, the sum over a list, and over the `text` fields of an object (a
+/// chat content part); 0 for anything else.
+struct TextLen(usize);
+
+impl<'de> serde::Deserialize<'de> for TextLen {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<TextLen, D::Error> {
+        use serde::de::{IgnoredAny, MapAccess, SeqAccess, Visitor};
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = TextLen;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("any JSON value")
+            }
+            fn visit_str<E>(self, s: &str) -> Result<TextLen, E> {
+                Ok(TextLen(s.len()))
+            }
+            fn visit_bool<E>(self, _: bool) -> Result<TextLen, E> {
+                Ok(TextLen(0))
+            }
+            fn visit_i64<E>(self, _: i64) -> Result<TextLen, E> {
+                Ok(TextLen(0))
+            }
+            fn visit_u64<E>(self, _: u64) -> Result<TextLen, E> {
+                Ok(TextLen(0))
+            }
+            fn visit_f64<E>(self, _: f64) -> Result<TextLen, E> {
+                Ok(TextLen(0))
+            }
+            fn visit_unit<E>(self) -> Result<TextLen, E> {
+                Ok(TextLen(0))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut a: A) -> Result<TextLen, A::Error> {
+                let mut n = 0;
+                while let Some(TextLen(x)) = a.next_element()? {
+                    n += x;
+                }
+                Ok(TextLen(n))
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut a: A) -> Result<TextLen, A::Error> {
+                let mut n = 0;
+                while let Some(key) = a.next_key::<std::borrow::Cow<'de, str>>()? {
+                    if key == "text" {
+                        n += a.next_value::<TextLen>()?.0;
+                    } else {
+                        a.next_value::<IgnoredAny>()?;
+                    }
+                }
+                Ok(TextLen(n))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// Just the prompt text's size of a request body.
+#[derive(serde::Deserialize)]
+struct PromptView {
+    #[serde(default)]
+    messages: Option<Vec<MessageView>>,
+    #[serde(default)]
+    prompt: Option<TextLen>,
+}
+
+#[derive(serde::Deserialize)]
+struct MessageView {
+    #[serde(default)]
+    content: Option<TextLen>,
+}
+
+/// Bytes of prompt text in a raw body (`None` if its shape is not the usual
+/// one; the full parse says what is wrong then).
+fn raw_prompt_bytes(api: Api, body: &[u8]) -> Option<usize> {
+    let v: PromptView = serde_json::from_slice(body).ok()?;
+    match api {
+        Api::Chat => Some(
+            v.messages?
+                .iter()
+                .map(|m| m.content.as_ref().map_or(0, |c| c.0))
+                .sum(),
+        ),
+        Api::Completions => v.prompt.map(|p| p.0),
+    }
+}
+
+/// Hands memory freed by a large request back to the OS (glibc keeps freed
+/// heap pages otherwise, and RSS stays at the peak of the largest burst).
+async fn release_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        let _ = tokio::task::spawn_blocking(|| {
+            // SAFETY: malloc_trim only returns free memory to the OS.
+            unsafe {
+                libc::malloc_trim(0);
+            }
+        })
+        .await;
+    }
 }
 
 fn check_content_type(h: &HeaderMap) -> Result<(), ApiError> {
@@ -224,9 +473,11 @@ fn check_content_type(h: &HeaderMap) -> Result<(), ApiError> {
     if mime == "application/json" || (mime.starts_with("application/") && mime.ends_with("+json")) {
         Ok(())
     } else {
-        Err(ApiError::bad_request(format!(
-            "Content-Type must be application/json (got '{mime}')"
-        ))
+        Err(ApiError::new(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "invalid_request_error",
+            format!("Content-Type must be application/json (got '{mime}')"),
+        )
         .with_code("invalid_content_type"))
     }
 }
@@ -244,8 +495,36 @@ fn now_secs() -> u64 {
 
 async fn generate(st: Arc<AppState>, req: Request, api: Api) -> Result<Response, ApiError> {
     let arrived = Instant::now();
-    let body = read_json(req).await?;
+    let raw = read_body(req, st.body_timeout).await?;
+    let len = raw.len();
+    let r = generate_raw(st, raw, api, arrived).await;
+    if len >= TRIM_AFTER_BYTES {
+        release_memory().await;
+    }
+    r
+}
+
+async fn generate_raw(
+    st: Arc<AppState>,
+    raw: Vec<u8>,
+    api: Api,
+    arrived: Instant,
+) -> Result<Response, ApiError> {
+    // the cheap bound, before any copy of the prompt is made
+    if let Some(bytes) = raw_prompt_bytes(api, &raw) {
+        let (ctx, per_token) = (st.model.ctx_size, st.model.max_token_bytes.max(1));
+        if bytes >= ctx.saturating_mul(per_token) {
+            let param = match api {
+                Api::Chat => "messages",
+                Api::Completions => "prompt",
+            };
+            return Err(bytes_too_long(param, ctx, bytes, per_token));
+        }
+    }
+    let body = parse_json(&raw)?;
+    drop(raw);
     let g = openai::parse(api, &body)?;
+    drop(body);
     if let Some(m) = &g.model {
         if *m != st.model.name {
             return Err(model_not_found(m));
@@ -263,14 +542,11 @@ async fn generate(st: Arc<AppState>, req: Request, api: Api) -> Result<Response,
         ));
     }
     if prompt.len() >= ctx {
-        return Err(ApiError::invalid(
-            g.prompt_param(),
-            format!(
-                "this model's maximum context length is {ctx} tokens, but the prompt has {} tokens (at least one more is needed to generate)",
-                prompt.len()
-            ),
-        )
-        .with_code("context_length_exceeded"));
+        return Err(too_long(
+            &g,
+            ctx,
+            format!("the prompt has {} tokens", prompt.len()),
+        ));
     }
     let room = ctx - prompt.len();
     let max_tokens = match (g.max_tokens, api) {
@@ -309,22 +585,147 @@ async fn generate(st: Arc<AppState>, req: Request, api: Api) -> Result<Response,
     }
 }
 
+fn too_long(g: &GenRequest, ctx: usize, what: String) -> ApiError {
+    too_long_for(g.prompt_param(), ctx, what)
+}
+
+fn bytes_too_long(param: &str, ctx: usize, bytes: usize, per_token: usize) -> ApiError {
+    too_long_for(
+        param,
+        ctx,
+        format!(
+            "the prompt has {bytes} bytes of text, and no token of this tokenizer is longer than {per_token} bytes"
+        ),
+    )
+}
+
+fn too_long_for(param: &str, ctx: usize, what: String) -> ApiError {
+    ApiError::invalid(
+        param,
+        format!(
+            "this model's maximum context length is {ctx} tokens, but {what} (at least one more is needed to generate)"
+        ),
+    )
+    .with_code("context_length_exceeded")
+}
+
+/// Bytes of prompt text (of the messages' contents, for chat).
+fn prompt_bytes(p: &PromptInput) -> usize {
+    match p {
+        PromptInput::Chat(messages) => messages.iter().map(|m| m.content.len()).sum(),
+        PromptInput::Text(text) => text.len(),
+        PromptInput::Ids(_) => 0,
+    }
+}
+
+/// Texts longer than `ctx ×` this many bytes are first counted by prefixes
+/// (see [`surely_too_long`]).
+const PREFIX_BYTES_PER_TOKEN: usize = 4;
+/// Tokens a prefix cut before a space may have beyond the whole text's (none
+/// for the usual tokenizers; a margin all the same).
+const PREFIX_SLACK: usize = 8;
+
+/// Whether `text` alone surely has at least `ctx` tokens. It tokenizes prefixes
+/// of `ctx × 4` bytes (at least 64 KiB), then 4× longer each time, cut before a
+/// space: a prefix with `ctx + 8` tokens answers yes without tokenizing the rest.
+/// The tokenizer's memory (tens of bytes per byte of text) is then bounded by
+/// the context, not by the body.
+fn surely_too_long(tok: &Tokenizer, text: &str, ctx: usize) -> bool {
+    let mut n = ctx.saturating_mul(PREFIX_BYTES_PER_TOKEN).max(64 << 10);
+    while n < text.len() {
+        let cut = cut_before_space(text, n);
+        match tok.encode(&text[..cut], false) {
+            Ok(ids) if ids.len() >= ctx + PREFIX_SLACK => return true,
+            Ok(_) => {}
+            Err(_) => return false,
+        }
+        n = n.saturating_mul(4);
+    }
+    false
+}
+
+/// A cut at most `n` bytes into `text`, on a char boundary and, if there is one in
+/// the 4 KiB before, just before a space.
+fn cut_before_space(text: &str, n: usize) -> usize {
+    let mut i = n.min(text.len());
+    while !text.is_char_boundary(i) {
+        i -= 1;
+    }
+    let from = i.saturating_sub(4096);
+    match text.as_bytes()[from..i].iter().rposition(|&b| b == b' ') {
+        Some(j) if from + j > 0 => from + j,
+        _ => i,
+    }
+}
+
 /// Prompt ids: chat template or plain text (tokenized off the async workers), or ids.
+///
+/// Bounded work: a prompt whose text cannot fit the context at
+/// `max_token_bytes` bytes per token is refused before any tokenizing; long
+/// texts are counted by prefixes first ([`surely_too_long`]); and at most a
+/// few prompts are tokenized at once (`AppState::tokenizing`).
 async fn tokenize(st: &AppState, g: &GenRequest) -> Result<Vec<u32>, ApiError> {
     let param = g.prompt_param();
+    let ctx = st.model.ctx_size;
+    let bytes = prompt_bytes(&g.prompt);
+    let per_token = st.model.max_token_bytes.max(1);
+    if bytes >= ctx.saturating_mul(per_token) {
+        return Err(bytes_too_long(param, ctx, bytes, per_token));
+    }
     let ids = match &g.prompt {
-        PromptInput::Ids(ids) => ids.clone(),
+        PromptInput::Ids(ids) => {
+            if ids.len() >= ctx {
+                return Err(too_long(
+                    g,
+                    ctx,
+                    format!("the prompt has {} tokens", ids.len()),
+                ));
+            }
+            ids.clone()
+        }
         p => {
+            let _permit = st
+                .tokenizing
+                .acquire()
+                .await
+                .map_err(|e| ApiError::internal(format!("tokenizer queue: {e}")))?;
             let tok = st.model.tokenizer.clone();
             let p = p.clone();
-            tokio::task::spawn_blocking(move || match p {
-                PromptInput::Chat(messages) => tok.encode_chat(&messages, true),
-                PromptInput::Text(text) => tok.encode(&text, true),
-                PromptInput::Ids(ids) => Ok(ids),
+            let long = ctx.saturating_mul(PREFIX_BYTES_PER_TOKEN);
+            let r = tokio::task::spawn_blocking(move || {
+                let texts: Vec<&str> = match &p {
+                    PromptInput::Chat(messages) => {
+                        messages.iter().map(|m| m.content.as_str()).collect()
+                    }
+                    PromptInput::Text(text) => vec![text.as_str()],
+                    PromptInput::Ids(_) => vec![],
+                };
+                if texts
+                    .iter()
+                    .any(|t| t.len() > long && surely_too_long(&tok, t, ctx))
+                {
+                    return Ok(None);
+                }
+                match p {
+                    PromptInput::Chat(messages) => tok.encode_chat(&messages, true),
+                    PromptInput::Text(text) => tok.encode(&text, true),
+                    PromptInput::Ids(ids) => Ok(ids),
+                }
+                .map(Some)
             })
             .await
             .map_err(|e| ApiError::internal(format!("tokenizer task: {e}")))?
-            .map_err(|e| ApiError::invalid(param, e.to_string()))?
+            .map_err(|e| ApiError::invalid(param, e.to_string()))?;
+            match r {
+                Some(ids) => ids,
+                None => {
+                    return Err(too_long(
+                        g,
+                        ctx,
+                        format!("a prefix of the prompt already has more than {ctx} tokens"),
+                    ))
+                }
+            }
         }
     };
     let vocab = st.model.vocab_size;
@@ -515,6 +916,53 @@ fn stream_response(st: Arc<AppState>, g: GenRequest, env: Envelope, rx: EventRec
 mod tests {
     use super::*;
 
+    #[tokio::test]
+    async fn framework_errors_become_json() {
+        let plain = (
+            StatusCode::UNPROCESSABLE_ENTITY,
+            [(header::CONTENT_TYPE, "text/plain")],
+            "Failed to deserialize",
+        )
+            .into_response();
+        let r = json_errors(plain).await;
+        assert_eq!(r.status(), StatusCode::UNPROCESSABLE_ENTITY);
+        assert_eq!(r.headers()[header::CONTENT_TYPE], "application/json");
+        let body = axum::body::to_bytes(r.into_body(), 4096).await.unwrap();
+        let v: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(v["error"]["message"], "Failed to deserialize");
+        assert_eq!(v["error"]["type"], "invalid_request_error");
+        // an empty 5xx gets its reason; a success is left alone
+        let r = json_errors(StatusCode::BAD_GATEWAY.into_response()).await;
+        let body = axum::body::to_bytes(r.into_body(), 4096).await.unwrap();
+        let v: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(v["error"]["message"], "Bad Gateway");
+        assert_eq!(v["error"]["type"], "server_error");
+        let ok = json_errors("hi".into_response()).await;
+        assert_eq!(ok.status(), StatusCode::OK);
+    }
+
+    #[test]
+    fn prompt_bytes_of_raw_bodies() {
+        let chat = br#"{"model": "m", "messages": [{"role": "system", "content": "ab\n"},
+            {"role": "user", "content": [{"type": "text", "text": "xyz"}, {"type": "text", "text": "\u00e9"}]}],
+            "max_tokens": 3}"#;
+        assert_eq!(raw_prompt_bytes(Api::Chat, chat), Some(3 + 3 + 2));
+        assert_eq!(raw_prompt_bytes(Api::Completions, chat), None);
+        assert_eq!(
+            raw_prompt_bytes(Api::Completions, br#"{"prompt": ["hello"]}"#),
+            Some(5)
+        );
+        assert_eq!(
+            raw_prompt_bytes(Api::Completions, br#"{"prompt": [1, 2, 3]}"#),
+            Some(0)
+        );
+        assert_eq!(raw_prompt_bytes(Api::Chat, br#"{"messages": "hi"}"#), None);
+        assert_eq!(raw_prompt_bytes(Api::Chat, b"{\"messages\": [}"), None);
+        assert_eq!(cut_before_space("ab cd ef", 7), 5);
+        assert_eq!(cut_before_space("abcdef", 4), 4);
+        assert_eq!(cut_before_space("aé", 2), 1);
+    }
+
     #[test]
     fn content_types() {
         let mut h = HeaderMap::new();
@@ -527,7 +975,7 @@ mod tests {
         h.insert(header::CONTENT_TYPE, "text/plain".parse().unwrap());
         assert_eq!(
             check_content_type(&h).unwrap_err().status,
-            StatusCode::BAD_REQUEST
+            StatusCode::UNSUPPORTED_MEDIA_TYPE
         );
         assert_eq!(route_label("/v1/models/x"), "/v1/models/{id}");
         assert_eq!(route_label("/nope"), "other");

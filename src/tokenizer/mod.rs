@@ -10,7 +10,9 @@
 
 pub mod chat;
 pub mod gguf;
+pub mod reasoning;
 pub mod stream;
+pub mod tool_calls;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

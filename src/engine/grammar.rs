@@ -1,0 +1,330 @@
+//! Constrained decoding: a grammar per sequence (a JSON schema, any JSON object, a regular
+//! expression or a Lark grammar), turned into the set of tokens allowed at each step by
+//! llguidance, the engine vLLM, SGLang and llama.cpp use.
+//!
+//! [`GrammarVocab`] is built once per tokenizer (every token's bytes, as llguidance needs
+//! them); [`GrammarMatcher`] follows one sequence: [`GrammarMatcher::allowed`] gives the
+//! mask for the next token, [`GrammarMatcher::accept`] advances it by the sampled token.
+//! [`apply_masks`] applies the masks of a batch to its logits before sampling.
+use std::sync::Arc;
+
+use llguidance::api::TopLevelGrammar;
+use llguidance::toktrie::{ApproximateTokEnv, TokEnv, TokRxInfo, TokTrie};
+use llguidance::{Matcher, ParserFactory};
+use serde_json::Value;
+
+use crate::mlx::{self, Array};
+
+/// Errors from building a vocabulary or a grammar.
+#[derive(Debug, thiserror::Error)]
+pub enum GrammarError {
+    #[error("tokenizer for constrained decoding: {0}")]
+    Vocab(String),
+    /// The grammar itself is invalid (a bad JSON schema, regex or Lark text): the message
+    /// names what was wrong.
+    #[error("invalid {kind}: {msg}")]
+    Invalid { kind: &'static str, msg: String },
+    #[error("constrained decoding: {0}")]
+    Matcher(String),
+    #[error(transparent)]
+    Mlx(#[from] mlx::MlxError),
+}
+
+/// What a sequence's output must match.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Constraint {
+    /// `response_format: {"type": "json_object"}`: any JSON object.
+    JsonObject,
+    /// `response_format: {"type": "json_schema", …}`: JSON valid against the schema.
+    JsonSchema(Value),
+    /// A regular expression over the whole output.
+    Regex(String),
+    /// A Lark grammar (llguidance's dialect).
+    Lark(String),
+}
+
+impl Constraint {
+    fn kind(&self) -> &'static str {
+        match self {
+            Constraint::JsonObject | Constraint::JsonSchema(_) => "JSON schema",
+            Constraint::Regex(_) => "regular expression",
+            Constraint::Lark(_) => "Lark grammar",
+        }
+    }
+
+    fn grammar(&self) -> TopLevelGrammar {
+        match self {
+            Constraint::JsonObject => {
+                TopLevelGrammar::from_json_schema(serde_json::json!({"type": "object"}))
+            }
+            Constraint::JsonSchema(s) => TopLevelGrammar::from_json_schema(s.clone()),
+            Constraint::Regex(r) => TopLevelGrammar::from_regex(r),
+            Constraint::Lark(l) => TopLevelGrammar::from_lark(l.clone()),
+        }
+    }
+}
+
+/// A tokenizer's vocabulary as llguidance sees it, shared by every matcher.
+#[derive(Clone)]
+pub struct GrammarVocab {
+    factory: Arc<ParserFactory>,
+    /// The model's vocabulary size (the logits' last axis); may exceed the tokenizer's.
+    vocab_size: usize,
+}
+
+impl GrammarVocab {
+    /// From the tokenizer's `tokenizer.json` content (byte-level BPE, or SentencePiece-style
+    /// with byte fallback), the model's vocabulary size and its end-of-sequence ids.
+    pub fn new(
+        tokenizer_json: &Value,
+        vocab_size: usize,
+        eos: &[u32],
+    ) -> Result<GrammarVocab, GrammarError> {
+        let mut words = llguidance::token_bytes_from_tokenizer_json(tokenizer_json)
+            .map_err(|e| GrammarError::Vocab(e.to_string()))?;
+        if words.len() > vocab_size {
+            return Err(GrammarError::Vocab(format!(
+                "the tokenizer has {} tokens, more than the model's vocab_size {vocab_size}",
+                words.len()
+            )));
+        }
+        // ids past the tokenizer's (padding rows of the embedding) never match anything
+        words.resize(vocab_size, vec![]);
+        let first_eos = *eos
+            .first()
+            .ok_or_else(|| GrammarError::Vocab("the model has no end-of-sequence token".into()))?;
+        let trie = TokTrie::from(&TokRxInfo::new(vocab_size as u32, first_eos), &words)
+            .with_eos_tokens(eos);
+        let env: TokEnv = Arc::new(ApproximateTokEnv::new(trie));
+        let mut factory =
+            ParserFactory::new_simple(&env).map_err(|e| GrammarError::Vocab(e.to_string()))?;
+        factory.quiet();
+        Ok(GrammarVocab {
+            factory: Arc::new(factory),
+            vocab_size,
+        })
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.vocab_size
+    }
+
+    /// Check a constraint without keeping a matcher (for request validation).
+    pub fn check(&self, c: &Constraint) -> Result<(), GrammarError> {
+        GrammarMatcher::new(self, c).map(drop)
+    }
+}
+
+/// One sequence's position in its grammar.
+pub struct GrammarMatcher {
+    m: Matcher,
+    vocab_size: usize,
+}
+
+impl GrammarMatcher {
+    pub fn new(vocab: &GrammarVocab, c: &Constraint) -> Result<GrammarMatcher, GrammarError> {
+        let parser =
+            vocab
+                .factory
+                .create_parser(c.grammar())
+                .map_err(|e| GrammarError::Invalid {
+                    kind: c.kind(),
+                    msg: e.to_string(),
+                })?;
+        let m = Matcher::new(Ok(parser));
+        if let Some(e) = m.get_error() {
+            return Err(GrammarError::Invalid {
+                kind: c.kind(),
+                msg: e,
+            });
+        }
+        Ok(GrammarMatcher {
+            m,
+            vocab_size: vocab.vocab_size,
+        })
+    }
+
+    /// The tokens allowed next, as a bit set: bit `t % 32` of word `t / 32` (end-of-sequence
+    /// ids are allowed once the output is complete).
+    pub fn allowed(&mut self) -> Result<Vec<u32>, GrammarError> {
+        let v = self
+            .m
+            .compute_mask_or_eos()
+            .map_err(|e| GrammarError::Matcher(e.to_string()))?;
+        let mut words = v.as_slice().to_vec();
+        words.resize(self.vocab_size.div_ceil(32), 0);
+        Ok(words)
+    }
+
+    /// Advance by the sampled token.
+    pub fn accept(&mut self, token: u32) -> Result<(), GrammarError> {
+        self.m
+            .consume_token(token)
+            .map_err(|e| GrammarError::Matcher(e.to_string()))
+    }
+
+    /// The grammar is complete and nothing more may follow (only end-of-sequence).
+    pub fn is_finished(&self) -> bool {
+        self.m.is_stopped()
+    }
+}
+
+/// Logits `[B, V]` with every token a row's mask does not allow set to −∞; rows whose mask
+/// is `None` are unchanged.
+pub fn apply_masks(logits: &Array, masks: &[Option<&[u32]>]) -> Result<Array, GrammarError> {
+    let shape = logits.shape();
+    let (b, v) = (shape[0] as usize, shape[1] as usize);
+    if masks.len() != b || masks.iter().all(Option::is_none) {
+        if masks.len() != b {
+            return Err(GrammarError::Matcher(format!(
+                "{} masks for {b} rows",
+                masks.len()
+            )));
+        }
+        return Ok(logits.clone());
+    }
+    let mut allowed = vec![true; b * v];
+    for (row, m) in masks.iter().enumerate() {
+        let Some(m) = m else { continue };
+        for (t, a) in allowed[row * v..(row + 1) * v].iter_mut().enumerate() {
+            *a = m.get(t / 32).is_some_and(|w| w >> (t % 32) & 1 == 1);
+        }
+    }
+    let keep = Array::from_slice(&allowed, &[b as i32, v as i32])?;
+    let neg = Array::full(&[], f32::NEG_INFINITY, logits.dtype())?;
+    Ok(mlx::where_(&keep, logits, &neg)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    fn fixture_vocab() -> (GrammarVocab, tokenizers::Tokenizer, u32) {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama3");
+        let text = std::fs::read_to_string(dir.join("tokenizer.json")).unwrap();
+        let json: Value = serde_json::from_str(&text).unwrap();
+        let tok: tokenizers::Tokenizer = text.parse().unwrap();
+        let eos = tok.token_to_id("<|eot_id|>").unwrap();
+        (GrammarVocab::new(&json, 400, &[eos]).unwrap(), tok, eos)
+    }
+
+    /// Random walks through the grammar (uniform over the allowed tokens) always end in
+    /// output the grammar accepts.
+    fn walk(c: &Constraint, seed: u64) -> String {
+        let (vocab, tok, eos) = fixture_vocab();
+        let mut m = GrammarMatcher::new(&vocab, c).unwrap();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let mut ids = Vec::new();
+        for _ in 0..400 {
+            let mask = m.allowed().unwrap();
+            let ok: Vec<u32> = (0..400u32)
+                .filter(|&t| mask[t as usize / 32] >> (t % 32) & 1 == 1)
+                .collect();
+            assert!(!ok.is_empty());
+            assert!(ok.iter().all(|&t| t < 384), "padding ids are never allowed");
+            // prefer ending once allowed, so that walks terminate
+            let t = if ok.contains(&eos) && rng.random_bool(0.3) {
+                eos
+            } else {
+                ok[rng.random_range(0..ok.len())]
+            };
+            if t == eos {
+                return tok.decode(&ids, false).unwrap();
+            }
+            m.accept(t).unwrap();
+            ids.push(t);
+        }
+        panic!("no end after 400 tokens: {:?}", tok.decode(&ids, false));
+    }
+
+    #[test]
+    fn json_schema_walks_give_valid_json() {
+        let schema = serde_json::json!({
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "maxLength": 6},
+                "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                "ok": {"type": "boolean"}
+            },
+            "required": ["name", "age"],
+            "additionalProperties": false
+        });
+        let c = Constraint::JsonSchema(schema);
+        for seed in 0..10 {
+            let text = walk(&c, seed);
+            let v: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
+            let o = v.as_object().unwrap();
+            assert!(o["name"].as_str().unwrap().chars().count() <= 6, "{text}");
+            let age = o["age"].as_i64().unwrap();
+            assert!((0..=120).contains(&age), "{text}");
+            assert!(
+                o.keys()
+                    .all(|k| ["name", "age", "ok"].contains(&k.as_str())),
+                "{text}"
+            );
+        }
+    }
+
+    #[test]
+    fn regex_walks_match() {
+        for seed in 0..5 {
+            let text = walk(&Constraint::Regex("(yes|no), [0-9]{2}".into()), seed);
+            let (word, num) = text.split_once(", ").unwrap();
+            assert!(["yes", "no"].contains(&word) && num.len() == 2, "{text}");
+            assert!(num.chars().all(|c| c.is_ascii_digit()), "{text}");
+        }
+    }
+
+    /// json_object (unbounded, so no random walk): a JSON object's tokens are each allowed
+    /// in turn and then the end; text that does not start an object is not.
+    #[test]
+    fn json_object_follows_an_object() {
+        let (vocab, tok, eos) = fixture_vocab();
+        let allowed = |m: &mut GrammarMatcher, t: u32| {
+            m.allowed().unwrap()[t as usize / 32] >> (t % 32) & 1 == 1
+        };
+        let ids = tok
+            .encode(r#"{"fox": [1, 2], "dog": null}"#, false)
+            .unwrap();
+        let mut m = GrammarMatcher::new(&vocab, &Constraint::JsonObject).unwrap();
+        for &t in ids.get_ids() {
+            assert!(allowed(&mut m, t), "token {t} refused");
+            m.accept(t).unwrap();
+        }
+        assert!(allowed(&mut m, eos));
+        let mut m = GrammarMatcher::new(&vocab, &Constraint::JsonObject).unwrap();
+        let hello = tok.encode("Hello", false).unwrap();
+        assert!(!allowed(&mut m, hello.get_ids()[0]));
+        assert!(!allowed(&mut m, eos), "an empty output is not an object");
+    }
+
+    #[test]
+    fn bad_grammars_are_errors_naming_the_kind() {
+        let (vocab, _, _) = fixture_vocab();
+        let e = vocab
+            .check(&Constraint::JsonSchema(
+                serde_json::json!({"type": "no-such-type"}),
+            ))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("JSON schema"), "{e}");
+        let e = vocab
+            .check(&Constraint::Regex("(unclosed".into()))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("regular expression"), "{e}");
+    }
+
+    #[test]
+    fn masks_apply_per_row() {
+        let logits = Array::from_slice(&[1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0], &[2, 3]).unwrap();
+        let only_first = [0b001u32];
+        let out = apply_masks(&logits, &[Some(&only_first), None]).unwrap();
+        let v = out.to_vec::<f32>().unwrap();
+        assert_eq!(v[0], 1.0);
+        assert!(v[1].is_infinite() && v[2].is_infinite());
+        assert_eq!(&v[3..], &[4.0, 5.0, 6.0]);
+        assert!(apply_masks(&logits, &[None]).is_err());
+    }
+}
