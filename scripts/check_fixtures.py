@@ -33,7 +33,7 @@ def main():
             continue
         ref = json.load(open(ref_path))
         for k, p in enumerate(ref["prompts"][:limit]):
-            out = subprocess.run([exe, "generate", "-m", os.path.join(fixtures, fam), "-p", p["text"], "-n", str(n),
+            out = subprocess.run([exe, "generate", "-m", os.path.join(fixtures, fam), "--raw", "-p", p["text"], "-n", str(n),
                                   "--ignore-eos", "--json", *extra], capture_output=True, text=True)
             if out.returncode != 0:
                 print(f"{fam}[{k}]: FAILED to run: {out.stderr.strip()[-400:]}")

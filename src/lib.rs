@@ -1,6 +1,8 @@
 //! mlxcel: LLM inference over MLX, with tensor parallelism across the GPUs of one node.
 pub mod cli;
+pub mod default_model;
 pub mod engine;
+pub mod gguf;
 pub mod kernels;
 pub mod mlx;
 pub mod model_dir;

@@ -7,6 +7,11 @@
 //! `~/.cache/huggingface/hub`), at `models--org--name/snapshots/<rev>/` with `<rev>` from
 //! `refs/main` when present, else the only / most recently modified snapshot. Nothing is
 //! downloaded.
+//!
+//! A GGUF model is accepted too: `-m PATH.gguf`, the first part of a split GGUF
+//! (`*-00001-of-0000N.gguf`), or a folder without `config.json` holding one GGUF model.
+//! Its [`ModelDir`] has `root` = `config` = the (first) `.gguf` file and `weights` = its
+//! parts; [`ModelDir::read_config`] builds `config.json` from the GGUF metadata.
 
 use std::collections::BTreeSet;
 use std::ffi::OsString;
@@ -21,7 +26,7 @@ pub enum ModelDirError {
         tried.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
     )]
     NotFound { arg: String, tried: Vec<PathBuf> },
-    #[error("{} is not a folder; -m/--model takes a model folder or an org/name repo id", .0.display())]
+    #[error("{} is not a folder or a .gguf file; -m/--model takes a model folder, a GGUF file or an org/name repo id", .0.display())]
     NotADirectory(PathBuf),
     #[error(
         "{} has no snapshots (no folder under {}); the download is incomplete: download the model again",
@@ -44,6 +49,14 @@ pub enum ModelDirError {
     },
     #[error("{} is not a valid safetensors index: {message}", .0.display(), message = .1)]
     BadIndex(PathBuf, String),
+    #[error("{} holds {n} GGUF models ({names}); pass one of them with -m", dir.display())]
+    SeveralGguf {
+        dir: PathBuf,
+        n: usize,
+        names: String,
+    },
+    #[error(transparent)]
+    Gguf(#[from] crate::gguf::GgufError),
     #[error("cannot read {}: {source}", path.display())]
     Io {
         path: PathBuf,
@@ -87,14 +100,26 @@ impl ModelDir {
     /// Opens a model folder: checks `config.json` and lists the weight files.
     pub fn open(dir: &Path) -> Result<ModelDir, ModelDirError> {
         let mut md = Self::open_config_only(dir)?;
+        if md.is_gguf() {
+            return Ok(md);
+        }
         let (weights, index) = list_weights(&md.root)?;
         md.weights = weights;
         md.index = index;
         Ok(md)
     }
 
-    /// Opens a model folder requiring only `config.json`.
+    /// Opens a model folder requiring only `config.json` (a GGUF model: its parts).
     pub fn open_config_only(dir: &Path) -> Result<ModelDir, ModelDirError> {
+        if let Some(first) = gguf_first_part(dir)? {
+            let weights = crate::gguf::split_parts(&first)?;
+            return Ok(ModelDir {
+                root: first.clone(),
+                config: first,
+                weights,
+                index: None,
+            });
+        }
         if !dir.is_dir() {
             return Err(if dir.exists() {
                 ModelDirError::NotADirectory(dir.to_path_buf())
@@ -117,8 +142,16 @@ impl ModelDir {
         })
     }
 
-    /// Reads and parses `config.json`.
+    /// Whether this is a GGUF model (see the module docs).
+    pub fn is_gguf(&self) -> bool {
+        crate::gguf::is_gguf(&self.config) && self.config.is_file()
+    }
+
+    /// Reads and parses `config.json` (a GGUF model: made from its metadata).
     pub fn read_config(&self) -> Result<serde_json::Value, ModelDirError> {
+        if self.is_gguf() {
+            return Ok(crate::gguf::GgufModel::open(&self.config)?.config_json()?);
+        }
         let text = std::fs::read_to_string(&self.config).map_err(|source| ModelDirError::Io {
             path: self.config.clone(),
             source,
@@ -166,10 +199,52 @@ fn is_repo_id(arg: &str) -> bool {
             .all(|p| !p.is_empty() && *p != "." && *p != ".." && !p.contains('\\'))
 }
 
+/// The GGUF file to open for `path`: itself if it is a `.gguf` file, or the one GGUF model
+/// (single file or first part of a split one) of a folder without `config.json`.
+fn gguf_first_part(path: &Path) -> Result<Option<PathBuf>, ModelDirError> {
+    if path.is_file() && crate::gguf::is_gguf(path) {
+        return Ok(Some(path.to_path_buf()));
+    }
+    if !path.is_dir() || path.join(CONFIG_FILE).is_file() {
+        return Ok(None);
+    }
+    let entries = std::fs::read_dir(path).map_err(|source| ModelDirError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let mut firsts: Vec<PathBuf> = entries
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.is_file() && crate::gguf::is_gguf(p))
+        .filter(|p| {
+            // parts after the first of a split model are opened through the first
+            let n = p
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            !n.contains("-of-") || n.contains("-00001-of-")
+        })
+        .collect();
+    firsts.sort();
+    match firsts.len() {
+        0 => Ok(None),
+        1 => Ok(firsts.pop()),
+        n => Err(ModelDirError::SeveralGguf {
+            dir: path.to_path_buf(),
+            n,
+            names: firsts
+                .iter()
+                .filter_map(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
+                .collect::<Vec<_>>()
+                .join(", "),
+        }),
+    }
+}
+
 fn find_root(arg: &str, cache: Option<&Path>) -> Result<PathBuf, ModelDirError> {
     let direct = PathBuf::from(arg);
     if direct.exists() {
-        return if direct.is_dir() {
+        return if direct.is_dir() || crate::gguf::is_gguf(&direct) {
             Ok(direct)
         } else {
             Err(ModelDirError::NotADirectory(direct))

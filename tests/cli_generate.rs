@@ -35,9 +35,9 @@ fn last_json(out: &Output) -> Value {
 }
 
 #[test]
-fn no_arguments_uses_the_demo_model_and_prints_stats() {
+fn demo_model_writes_itself_and_prints_stats() {
     let cache = tmp("demo");
-    let out = mlxcel(&["generate", "-n", "12"], &cache);
+    let out = mlxcel(&["generate", "-m", "demo", "-n", "12"], &cache);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),
@@ -52,7 +52,9 @@ fn no_arguments_uses_the_demo_model_and_prints_stats() {
     assert!(cache.join("demo-llama-v2/model.safetensors").is_file());
     // the demo model is written deterministically: a second fresh cache gives the same bytes
     let cache2 = tmp("demo2");
-    assert!(mlxcel(&["generate", "-n", "1"], &cache2).status.success());
+    assert!(mlxcel(&["generate", "-m", "demo", "-n", "1"], &cache2)
+        .status
+        .success());
     let a = std::fs::read(cache.join("demo-llama-v2/model.safetensors")).unwrap();
     let b = std::fs::read(cache2.join("demo-llama-v2/model.safetensors")).unwrap();
     assert!(a == b, "demo weights differ between two fresh writes");
@@ -64,7 +66,7 @@ fn json_output_seeds_and_context_limit() {
     let m = fixture("llama3");
     let m = m.to_str().unwrap();
     let run = |extra: &[&str]| {
-        let mut args = vec!["generate", "-m", m, "--json"];
+        let mut args = vec!["generate", "-m", m, "--json", "--raw"];
         args.extend_from_slice(extra);
         let out = mlxcel(&args, &cache);
         assert!(
@@ -170,6 +172,7 @@ fn stop_strings_end_generation_and_are_not_printed() {
             "generate",
             "-m",
             m,
+            "--raw",
             "-p",
             "Hello",
             "-n",
@@ -189,6 +192,7 @@ fn stop_strings_end_generation_and_are_not_printed() {
             "generate",
             "-m",
             m,
+            "--raw",
             "-p",
             "Hello",
             "-n",

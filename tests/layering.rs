@@ -24,8 +24,10 @@ use std::path::{Path, PathBuf};
 const LAYERS: &[(&str, u32)] = &[
     ("mlx", 0),
     ("kernels", 1),
+    ("gguf", 1),
     ("tokenizer", 2),
     ("model_dir", 2),
+    ("default_model", 2),
     ("models", 3),
     ("engine", 4),
     ("parallel", 5),

@@ -178,6 +178,8 @@ fn start_long_generation(
     let mut cmd = mlxcel();
     cmd.args([
         "generate",
+        "-m",
+        "demo",
         "--tp-size",
         "2",
         "--tp-emulate",
@@ -518,6 +520,7 @@ fn one_rank_over_ring_runs_and_matches_one_process() {
                 "--ignore-eos",
                 "--temp",
                 "0",
+                "--raw",
                 "-p",
                 "hello",
                 "--json",

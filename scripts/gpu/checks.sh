@@ -16,10 +16,10 @@ all)
   if [ "$ngpu" -ge 2 ]; then
     step "fixtures, --tp-size 2 (NCCL)"; python3 scripts/check_fixtures.py $B -n 12 --prompts 1 --tp-size 2
     step "NCCL transport with per-rank CUDA_VISIBLE_DEVICES (NCCL_DEBUG=INFO)"
-    NCCL_DEBUG=INFO $B generate --tp-size 2 -n 8 --ignore-eos 2>&1 | grep -E "NCCL INFO (Channel|Connected|.*via (P2P|SHM|NET))|P2P|SHM" | head -20
-    step "--devices 1,0"; $B generate --tp-size 2 --devices 1,0 -n 4 --ignore-eos 2>&1 | grep -E "rank [01] \(pid"
+    NCCL_DEBUG=INFO $B generate -m demo --tp-size 2 -n 8 --ignore-eos 2>&1 | grep -E "NCCL INFO (Channel|Connected|.*via (P2P|SHM|NET))|P2P|SHM" | head -20
+    step "--devices 1,0"; $B generate -m demo --tp-size 2 --devices 1,0 -n 4 --ignore-eos 2>&1 | grep -E "rank [01] \(pid"
   fi
-  step "demo generate, one GPU"; $B generate -n 24
+  step "demo generate, one GPU"; $B generate -m demo -n 24
   ;;
 fixtures)
   step "fixtures vs references, one GPU"

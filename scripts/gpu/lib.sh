@@ -14,7 +14,7 @@ ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
 step() { echo; echo "=== $(date +%T) $*"; }
 
 # the demo model's tokenizer (written by the first generate), for the random checkpoints
-demo_tokenizer() { [ -f "$TOK/tokenizer.json" ] || $B generate -n 1 >/dev/null 2>&1; }
+demo_tokenizer() { [ -f "$TOK/tokenizer.json" ] || $B generate -m demo -n 1 >/dev/null 2>&1; }
 
 # 8B-shape checkpoints: bf16 written with random weights, 4-bit g64 converted by mlx-lm
 ckpt() {

@@ -28,7 +28,7 @@ smi() { nvidia-smi --query-gpu=index,memory.used,memory.total --format=csv,nohea
 nvidia-smi --query-gpu=timestamp,index,memory.used --format=csv,noheader -lms 1000 > "$OUT/smi-$call.csv" &
 sampler=$!
 trap 'kill $sampler 2>/dev/null' EXIT
-[ -f "$TOK/tokenizer.json" ] || $B generate -n 1 >/dev/null 2>&1
+[ -f "$TOK/tokenizer.json" ] || $B generate -m demo -n 1 >/dev/null 2>&1
 cfg() { [ -f "$CK/$2/config.json" ] || python3 scripts/make_random_checkpoint.py --shape "$1" --out "$CK/$2" --tokenizer-from "$TOK" --config-only; }
 cfg llama3-8b c8b; cfg llama3-70b c70b; cfg llama3-90b c90b
 if ! python3 -c "import openai" 2>/dev/null; then

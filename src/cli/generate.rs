@@ -1,7 +1,7 @@
 //! `mlxcel generate`: run a model on one prompt, stream the text, print stats.
 use std::io::Write;
 
-use anyhow::Result;
+use anyhow::{bail, Result};
 use clap::Args;
 
 use crate::engine::generate::{generate, GenerateOptions, Generation};
@@ -9,20 +9,35 @@ use crate::engine::sampler::SamplingParams;
 use crate::engine::step::{Executor, LocalExecutor};
 use crate::parallel::driver::TpExecutor;
 use crate::runtime::{check_single_device_memory, load_weights, open_model, ModelArgs, TpArgs};
-use crate::tokenizer::chat::ChatMessage;
+use crate::tokenizer::{chat::ChatMessage, Tokenizer};
 
 #[derive(Debug, Args)]
 pub struct GenerateArgs {
     #[command(flatten)]
     pub model: ModelArgs,
-    /// The prompt.
-    #[arg(short = 'p', long, default_value = "The meaning of life is")]
-    pub prompt: String,
-    /// Wrap the prompt as a user message in the model's chat template.
-    #[arg(long)]
+    /// The prompt. Default: a chat question ("What is the capital of France?"), or "The
+    /// meaning of life is" with --raw.
+    #[arg(short = 'p', long)]
+    pub prompt: Option<String>,
+    /// Wrap the prompt as a user message in the model's chat template (the default for a
+    /// model that has one; an error for one that has none).
+    #[arg(
+        long,
+        visible_alias = "conversation",
+        alias = "cnv",
+        conflicts_with = "raw"
+    )]
     pub chat: bool,
-    /// System message for --chat.
-    #[arg(long, requires = "chat")]
+    /// Plain text completion: the prompt as it is, no chat template.
+    #[arg(
+        long,
+        visible_alias = "ignore-chat-template",
+        alias = "no-conversation",
+        alias = "no-cnv"
+    )]
+    pub raw: bool,
+    /// System message for the chat template.
+    #[arg(long, conflicts_with = "raw")]
     pub system: Option<String>,
     /// Maximum new tokens.
     #[arg(short = 'n', long = "max-tokens", default_value_t = 128)]
@@ -80,16 +95,7 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
         .validate()
         .map_err(|e| anyhow::anyhow!("invalid sampling option: {e}"))?;
     let m = open_model(&args.model)?;
-    let prompt_ids = if args.chat {
-        let mut messages = Vec::new();
-        if let Some(s) = &args.system {
-            messages.push(ChatMessage::new("system", s.clone()));
-        }
-        messages.push(ChatMessage::new("user", args.prompt.clone()));
-        m.tokenizer.encode_chat(&messages, true)?
-    } else {
-        m.tokenizer.encode(&args.prompt, true)?
-    };
+    let prompt_ids = prompt_ids(args, &m.tokenizer)?;
     let opts = GenerateOptions {
         max_tokens: args.max_tokens,
         stop: args.stop.clone(),
@@ -143,6 +149,32 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
         writeln!(stdout, "{}", stats_line(&g))?;
     }
     Ok(())
+}
+
+/// The default chat question of `generate` without `-p`.
+pub const DEFAULT_QUESTION: &str = "What is the capital of France?";
+/// The default completion prompt of `generate --raw` without `-p`.
+pub const DEFAULT_RAW_PROMPT: &str = "The meaning of life is";
+
+/// The prompt's token ids: the chat template (default where the model has one, required with
+/// --chat) or, with --raw or no template, the text as it is.
+pub fn prompt_ids(args: &GenerateArgs, tokenizer: &Tokenizer) -> Result<Vec<u32>> {
+    let chat = !args.raw && (args.chat || tokenizer.has_chat_template());
+    if chat {
+        let mut messages = Vec::new();
+        if let Some(s) = &args.system {
+            messages.push(ChatMessage::new("system", s.clone()));
+        }
+        let q = args.prompt.as_deref().unwrap_or(DEFAULT_QUESTION);
+        messages.push(ChatMessage::new("user", q));
+        Ok(tokenizer.encode_chat(&messages, true)?)
+    } else {
+        if args.system.is_some() {
+            bail!("--system needs a chat template, and this model has none");
+        }
+        let p = args.prompt.as_deref().unwrap_or(DEFAULT_RAW_PROMPT);
+        Ok(tokenizer.encode(p, true)?)
+    }
 }
 
 /// `prompt: N tokens, X tok/s | generated: M tokens, Y tok/s | peak memory: Z GB | finish: stop`

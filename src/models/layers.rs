@@ -68,7 +68,10 @@ impl Linear {
                 spec.name
             )));
         }
-        let quant = spec.quantization(|n| src.contains(n));
+        let quant = spec.quantization_stored(
+            |n| src.contains(n),
+            |n| src.info(n).ok().flatten().map(|i| i.shape),
+        );
         let reduce = reduce.filter(|_| matches!(spec.split, Split::Row(_)));
         let mut bias = None;
         let mut parts = Vec::with_capacity(3);
@@ -104,7 +107,12 @@ impl Linear {
         }
         let quants: Vec<_> = parts
             .iter()
-            .map(|p| p.quantization(|n| src.contains(n)))
+            .map(|p| {
+                p.quantization_stored(
+                    |n| src.contains(n),
+                    |n| src.info(n).ok().flatten().map(|i| i.shape),
+                )
+            })
             .collect();
         let quant = quants.first().copied().flatten();
         if quants.iter().any(|q| *q != quant) {

@@ -156,6 +156,33 @@ impl ParamSpec {
         }
     }
 
+    /// As [`ParamSpec::quantization`], with the bits and group size its stored tensors imply
+    /// where the checkpoint says (`shape_of(name)`: a tensor's stored shape): packed
+    /// `.weight` `[.., out, inp · bits / 32]`, `.scales` `[.., out, inp / group]`. A GGUF
+    /// sets them per tensor (SmolLM2: Q4_1 linears beside a Q8_0 embedding).
+    pub fn quantization_stored(
+        &self,
+        has: impl Fn(&str) -> bool,
+        shape_of: impl Fn(&str) -> Option<Vec<usize>>,
+    ) -> Option<QuantConfig> {
+        let q = self.quantization(has)?;
+        let (_, inp) = self.matrix();
+        let w = shape_of(&format!("{}.weight", self.name));
+        let sc = shape_of(&format!("{}.scales", self.name));
+        match (
+            w.as_deref().and_then(|w| w.last()),
+            sc.as_deref().and_then(|s| s.last()),
+        ) {
+            (Some(&wc), Some(&gc)) if inp > 0 && gc > 0 && (wc * 32) % inp == 0 => {
+                Some(QuantConfig {
+                    bits: (wc * 32 / inp) as i32,
+                    group_size: (inp / gc) as i32,
+                })
+            }
+            _ => Some(q),
+        }
+    }
+
     /// Elements of the float parameter (quantized weights counted as their float shape).
     pub fn num_parameters(&self) -> u64 {
         let (out, inp) = self.matrix();
@@ -303,7 +330,8 @@ impl Layout {
         let mut b = WeightBytes::default();
         for p in self.params() {
             let split = self.sharded && p.split != Split::Replicated;
-            for t in p.tensors(p.quantization(has)) {
+            let stored = |n: &str| catalog.and_then(|c| c.get(n)).map(|e| e.shape.clone());
+            for t in p.tensors(p.quantization_stored(has, stored)) {
                 let default = match t.kind {
                     TensorKind::Packed => Dtype::U32,
                     _ => float,

@@ -7,6 +7,7 @@
 pub mod blocks;
 pub mod config;
 pub mod demo;
+pub mod gguf;
 pub mod kv_cache;
 pub mod layers;
 pub mod layout;
@@ -101,6 +102,9 @@ pub fn weight_source(
     cfg: &ModelConfig,
 ) -> Result<Box<dyn WeightSource>, LoadError> {
     Ok(match format {
+        LoadFormat::Safetensors if dir.is_gguf() => {
+            Box::new(gguf::GgufSource::open(&dir.weights[0])?)
+        }
         LoadFormat::Safetensors => Box::new(SafetensorsSource::from_dir(dir)?),
         LoadFormat::Dummy => Box::new(DummySource::new(cfg.dtype, 0)),
     })

@@ -53,6 +53,8 @@ pub enum LoadError {
     IndexFile { path: PathBuf, file: String },
     #[error(transparent)]
     Mlx(#[from] MlxError),
+    #[error(transparent)]
+    Gguf(#[from] crate::gguf::GgufError),
 }
 
 /// What kind of tensor is asked for (dummy weights pick values by it).
@@ -391,8 +393,14 @@ pub fn index_map(index: &Path) -> Result<HashMap<String, String>, LoadError> {
         .collect())
 }
 
-/// Every tensor's dtype and shape in a model folder's checkpoint (headers only).
+/// Every tensor's dtype and shape in a model folder's checkpoint (headers only; a GGUF's
+/// tensors as they will be handed to MLX).
 pub fn catalog(dir: &ModelDir) -> Result<HashMap<String, TensorEntry>, LoadError> {
+    if dir.is_gguf() {
+        return Ok(super::gguf::catalog(&crate::gguf::GgufModel::open(
+            &dir.weights[0],
+        )?));
+    }
     let mut all = HashMap::new();
     for p in &dir.weights {
         all.extend(read_header(p)?);

