@@ -285,9 +285,11 @@ fn bad_model_folders_give_one_line_errors() {
     expect_error("model_type", "gpt_bigcode", |d| {
         edit_config(d, |v| v["model_type"] = "gpt_bigcode".into())
     });
-    expect_error("rope_dynamic", "`rope_parameters.rope_type` = \"dynamic\"", |d| {
-        edit_config(d, |v| v["rope_parameters"]["rope_type"] = "dynamic".into())
-    });
+    expect_error(
+        "rope_dynamic",
+        "`rope_parameters.rope_type` = \"dynamic\"",
+        |d| edit_config(d, |v| v["rope_parameters"]["rope_type"] = "dynamic".into()),
+    );
     expect_error("softcapping", "`final_logit_softcapping` = 30", |d| {
         edit_config(d, |v| v["final_logit_softcapping"] = 30.0.into())
     });

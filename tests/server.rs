@@ -746,7 +746,8 @@ fn bad_requests(tp: &[&str]) {
         (json!({"messages": m, "top_p": 0}), "top_p"),
         (json!({"messages": m, "stream": "yes"}), "stream"),
         (json!({"messages": m, "stop": [1]}), "stop"),
-        (json!({"messages": m, "n": 2}), "n"),
+        (json!({"messages": m, "n": 0}), "n"),
+        (json!({"messages": m, "n": 2, "best_of": 3}), "best_of"),
         (
             json!({"messages": m, "tools": [{"type": "function", "function": {"name": "f"}}]}),
             "tools",
@@ -754,8 +755,12 @@ fn bad_requests(tp: &[&str]) {
         (json!({"messages": m, "tool_choice": "auto"}), "tool_choice"),
         (json!({"messages": m, "logit_bias": {"1": 5}}), "logit_bias"),
         (
-            json!({"messages": m, "response_format": {"type": "json_object"}}),
-            "response_format",
+            json!({"messages": m, "response_format": {"type": "xml"}}),
+            "response_format.type",
+        ),
+        (
+            json!({"messages": m, "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}}),
+            "response_format.json_schema",
         ),
         (
             json!({"messages": m, "top_logprobs": 50, "logprobs": true}),
@@ -1954,7 +1959,6 @@ fn huge_prompts_are_refused_at_once_with_bounded_memory() {
 fn refused_fields_get_400_naming_the_field_on_both_endpoints() {
     let s = Server::start("llama3", &[], &[]);
     let refused: &[(&str, Value)] = &[
-        ("n", json!(2)),
         ("best_of", json!(3)),
         ("echo", json!(true)),
         ("suffix", json!("x")),
@@ -1966,7 +1970,6 @@ fn refused_fields_get_400_naming_the_field_on_both_endpoints() {
         ("functions", json!([{"name": "f"}])),
         ("tool_choice", json!("auto")),
         ("function_call", json!("auto")),
-        ("response_format", json!({"type": "json_object"})),
         ("audio", json!({"voice": "x"})),
         ("modalities", json!(["audio"])),
         ("prediction", json!({"type": "content", "content": "x"})),
@@ -2081,4 +2084,292 @@ fn tp_a_stopped_rank_is_named_within_10s_busy_and_idle() {
     );
     greedy_check(&s);
     assert_eq!(metric(&s.metrics(), "mlxcel:tp_restarts_total"), 2.0);
+}
+
+/// The bounded schema of the constrained-decoding tests: a colour from an enum, a
+/// small integer and an optional boolean, nothing else.
+fn colour_schema() -> Value {
+    json!({
+        "type": "object",
+        "properties": {
+            "colour": {"type": "string", "enum": ["red", "green", "blue"]},
+            "n": {"type": "integer", "minimum": 0, "maximum": 99},
+            "ok": {"type": "boolean"}
+        },
+        "required": ["colour", "n"],
+        "additionalProperties": false
+    })
+}
+
+/// `text` is JSON valid against [`colour_schema`] (checked by hand: enum, range, keys).
+fn assert_colour_json(text: &str) {
+    let v: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
+    let o = v
+        .as_object()
+        .unwrap_or_else(|| panic!("not an object: {text}"));
+    assert!(
+        ["red", "green", "blue"].contains(&o["colour"].as_str().unwrap()),
+        "{text}"
+    );
+    let n = o["n"].as_i64().unwrap_or_else(|| panic!("n: {text}"));
+    assert!((0..=99).contains(&n), "{text}");
+    if let Some(ok) = o.get("ok") {
+        assert!(ok.is_boolean(), "{text}");
+    }
+    assert!(
+        o.keys()
+            .all(|k| ["colour", "n", "ok"].contains(&k.as_str())),
+        "{text}"
+    );
+}
+
+/// 20 seeded `json_schema` requests at temperature 1 (both endpoints, half streamed),
+/// sent at once with unconstrained greedy requests in the same batches: every
+/// constrained one ends with `stop` and valid JSON; the greedy ones are unchanged.
+/// Returns the constrained outputs (for the tensor-parallel comparison).
+fn constrained_outputs(tp: &[&str]) -> Vec<String> {
+    let s = Server::start("llama3", &with(tp, &["--parallel", "6"]), &[]);
+    let rf = json!({"type": "json_schema",
+                    "json_schema": {"name": "colour", "strict": true, "schema": colour_schema()}});
+    let constrained = |i: usize| -> (&'static str, Value) {
+        let mut b = json!({"temperature": 1.0, "seed": i, "max_tokens": 64, "response_format": rf});
+        if i.is_multiple_of(2) {
+            b["messages"] = json!([{"role": "user", "content": format!("colour {i}?")}]);
+            ("/v1/chat/completions", b)
+        } else {
+            b["prompt"] = json!(format!("colour {i}:"));
+            ("/v1/completions", b)
+        }
+    };
+    let greedy = |i: usize| {
+        json!({"prompt": format!("the {i} dogs"), "max_tokens": 24, "temperature": 0,
+               "ignore_eos": true})
+    };
+    let alone: Vec<Value> = (0..4)
+        .map(|i| s.ok("/v1/completions", &greedy(i))["choices"][0]["text"].clone())
+        .collect();
+    let addr = s.addr.clone();
+    let post = move |path: &'static str, b: Value| {
+        let addr = addr.clone();
+        std::thread::spawn(move || {
+            let stream = b["stream"] == json!(true);
+            let r = http(
+                &addr,
+                "POST",
+                path,
+                &[("Content-Type", "application/json")],
+                Some(b.to_string().into_bytes()),
+            )
+            .unwrap();
+            assert_eq!(r.status, 200, "{}", r.text());
+            let chat = path.contains("chat");
+            if stream {
+                let (text, finish, _) = stream_text(&r, chat);
+                (text, finish)
+            } else {
+                let c = &r.json()["choices"][0];
+                let text = if chat {
+                    &c["message"]["content"]
+                } else {
+                    &c["text"]
+                };
+                (
+                    text.as_str().unwrap().to_string(),
+                    c["finish_reason"].as_str().unwrap().to_string(),
+                )
+            }
+        })
+    };
+    let handles: Vec<_> = (0..20)
+        .map(|i| {
+            let (path, mut b) = constrained(i);
+            if i % 4 >= 2 {
+                b["stream"] = json!(true);
+            }
+            post(path, b)
+        })
+        .collect();
+    let greedy_handles: Vec<_> = (0..4).map(|i| post("/v1/completions", greedy(i))).collect();
+    let mut outs = vec![];
+    for (i, h) in handles.into_iter().enumerate() {
+        let (text, finish) = h.join().unwrap();
+        assert_eq!(finish, "stop", "request {i}: {text:?}");
+        assert_colour_json(&text);
+        outs.push(text);
+    }
+    for (i, h) in greedy_handles.into_iter().enumerate() {
+        assert_eq!(json!(h.join().unwrap().0), alone[i], "greedy request {i}");
+    }
+    let distinct: std::collections::HashSet<&String> = outs.iter().collect();
+    assert!(distinct.len() > 1, "seeded samples all alike: {outs:?}");
+
+    // json_object: an object, on both endpoints
+    for (path, mut b) in [
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "hi"}]}),
+        ),
+        ("/v1/completions", json!({"prompt": "hi"})),
+    ] {
+        for seed in 0..3 {
+            b["temperature"] = json!(1.0);
+            b["seed"] = json!(seed);
+            b["max_tokens"] = json!(200);
+            b["response_format"] = json!({"type": "json_object"});
+            let r = s.ok(path, &b);
+            let c = &r["choices"][0];
+            let text = c["message"]["content"]
+                .as_str()
+                .or(c["text"].as_str())
+                .unwrap();
+            if c["finish_reason"] == "stop" {
+                let v: Value =
+                    serde_json::from_str(text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
+                assert!(v.is_object(), "{text}");
+            } else {
+                assert_eq!(c["finish_reason"], "length");
+                assert!(text.starts_with('{'), "{text}");
+            }
+        }
+    }
+    // a bad schema: 400 naming it, on both endpoints
+    for (path, mut b) in [
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "hi"}]}),
+        ),
+        ("/v1/completions", json!({"prompt": "hi"})),
+    ] {
+        b["response_format"] = json!({"type": "json_schema",
+            "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"type": "no-such-type"}}}}});
+        let e = assert_error(&s.post(path, &b), 400);
+        assert_eq!(e["param"], "response_format.json_schema", "{e}");
+        assert!(
+            e["message"].as_str().unwrap().contains("no-such-type"),
+            "{e}"
+        );
+    }
+    outs
+}
+
+#[test]
+fn json_schema_requests_give_valid_json_and_end_with_stop() {
+    constrained_outputs(&[]);
+}
+
+#[test]
+fn tp2_constrained_outputs_equal_the_single_device_server() {
+    assert_eq!(constrained_outputs(TP2), constrained_outputs(&[]));
+}
+
+/// The choices of a stream with `n` choices, by index: (text, finish_reason), and the usage.
+fn stream_choices(r: &Resp, chat: bool, n: usize) -> (Vec<(String, String)>, Option<Value>) {
+    assert_eq!(r.status, 200, "{}", r.text());
+    let events = r.sse();
+    assert_eq!(
+        events.last().map(String::as_str),
+        Some("[DONE]"),
+        "{events:?}"
+    );
+    let mut out = vec![(String::new(), String::new()); n];
+    let mut usage = None;
+    for e in &events[..events.len() - 1] {
+        let v: Value = serde_json::from_str(e).unwrap();
+        assert!(v.get("error").is_none(), "{v}");
+        let choices = v["choices"].as_array().unwrap();
+        if choices.is_empty() {
+            usage = Some(v["usage"].clone());
+            continue;
+        }
+        assert_eq!(choices.len(), 1, "{v}");
+        let c = &choices[0];
+        let i = c["index"].as_u64().unwrap() as usize;
+        let piece = if chat {
+            c["delta"]["content"].as_str()
+        } else {
+            c["text"].as_str()
+        };
+        assert!(
+            out[i].1.is_empty(),
+            "a chunk of choice {i} after its finish: {v}"
+        );
+        out[i].0.push_str(piece.unwrap_or(""));
+        if let Some(f) = c["finish_reason"].as_str() {
+            out[i].1 = f.to_string();
+        }
+    }
+    for (i, c) in out.iter().enumerate() {
+        assert!(!c.1.is_empty(), "choice {i} has no finish_reason");
+    }
+    (out, usage)
+}
+
+/// `n = 3` on both endpoints, streamed and not: 3 choices, choice i the output of the
+/// same request with `n = 1` and `seed + i` (so seeded choices differ), usage summed.
+#[test]
+fn n_choices_on_both_endpoints_streaming_and_not() {
+    let s = Server::start("llama3", &[], &[]);
+    for (path, base) in [
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "hi"}]}),
+        ),
+        ("/v1/completions", json!({"prompt": "the dog"})),
+    ] {
+        let chat = path.contains("chat");
+        let text_of = |c: &Value| {
+            if chat {
+                c["message"]["content"].as_str().unwrap().to_string()
+            } else {
+                c["text"].as_str().unwrap().to_string()
+            }
+        };
+        let mut b = base.clone();
+        b["temperature"] = json!(1.0);
+        b["max_tokens"] = json!(8);
+        b["ignore_eos"] = json!(true);
+        let single: Vec<(String, Value)> = (0..3)
+            .map(|i| {
+                let mut one = b.clone();
+                one["seed"] = json!(40 + i);
+                let r = s.ok(path, &one);
+                (text_of(&r["choices"][0]), r["usage"].clone())
+            })
+            .collect();
+        b["seed"] = json!(40);
+        b["n"] = json!(3);
+        let r = s.ok(path, &b);
+        let choices = r["choices"].as_array().unwrap();
+        assert_eq!(choices.len(), 3, "{r}");
+        for (i, c) in choices.iter().enumerate() {
+            assert_eq!(c["index"], i, "{r}");
+            assert_eq!(text_of(c), single[i].0, "{path} choice {i}");
+            assert_eq!(c["finish_reason"], "length");
+        }
+        assert_ne!(
+            single[0].0, single[1].0,
+            "{path}: seeds 40 and 41 gave the same text"
+        );
+        let prompt_tokens = single[0].1["prompt_tokens"].as_u64().unwrap();
+        assert_eq!(r["usage"]["prompt_tokens"], prompt_tokens);
+        assert_eq!(r["usage"]["completion_tokens"], 24);
+        b["stream"] = json!(true);
+        b["stream_options"] = json!({"include_usage": true});
+        let (streamed, usage) = stream_choices(&s.post(path, &b), chat, 3);
+        for (i, (text, finish)) in streamed.iter().enumerate() {
+            assert_eq!(*text, single[i].0, "{path} streamed choice {i}");
+            assert_eq!(finish, "length");
+        }
+        assert_eq!(usage.unwrap()["completion_tokens"], 24);
+    }
+    // n with a schema: every choice follows it
+    let r = s.ok(
+        "/v1/completions",
+        &json!({"prompt": "c", "n": 4, "temperature": 1.0, "seed": 7, "max_tokens": 64,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": colour_schema()}}}),
+    );
+    for c in r["choices"].as_array().unwrap() {
+        assert_eq!(c["finish_reason"], "stop", "{r}");
+        assert_colour_json(c["text"].as_str().unwrap());
+    }
 }

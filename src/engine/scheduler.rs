@@ -24,8 +24,9 @@ use serde::Serialize;
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::generate::FinishReason;
+use super::grammar::GrammarMatcher;
 use super::sampler::SamplingParams;
-use super::step::{Executor, SampledToken, SeqStart, SeqStep, StepError, StepPlan};
+use super::step::{Executor, SampledToken, SeqMask, SeqStart, SeqStep, StepError, StepPlan};
 use crate::tokenizer::stream::{StopMatcher, StreamDecoder};
 use crate::tokenizer::Tokenizer;
 
@@ -39,6 +40,9 @@ pub struct Request {
     pub stop: Vec<String>,
     pub ignore_eos: bool,
     pub skip_special_tokens: bool,
+    /// Constrained decoding (`response_format`): the output must follow this grammar. Its
+    /// mask goes with every step that samples the sequence; such steps are not pipelined.
+    pub grammar: Option<Box<GrammarMatcher>>,
     /// When the server received the request (queue time and TTFT count from here).
     pub arrived: Instant,
     pub events: UnboundedSender<Event>,
@@ -170,6 +174,11 @@ struct Seq {
 impl Seq {
     fn decoding(&self) -> bool {
         self.prefilled == self.req.prompt.len() && !self.generated.is_empty()
+    }
+    /// Whether its decode steps may be queued before the previous token is known: not
+    /// with a grammar (the mask depends on that token) or where the executor says no.
+    fn pipelinable(&self, exec: &dyn Executor) -> bool {
+        self.req.grammar.is_none() && exec.can_pipeline(self.id)
     }
     fn usage(&self) -> Usage {
         Usage {
@@ -456,6 +465,7 @@ impl Scheduler {
             in_plan.push((s.id, end == n));
             summary.prefill_tokens = end - s.prefilled;
         }
+        self.add_masks(&mut plan, &mut in_plan, obs);
         if plan.seqs.is_empty() && self.to_release.is_empty() {
             obs.step_done(self.running.len(), self.queue.len());
             return Ok(summary);
@@ -504,6 +514,44 @@ impl Scheduler {
         }
         obs.step_done(self.running.len(), self.queue.len());
         Ok(summary)
+    }
+
+    /// The token masks of the constrained sequences that sample in `plan`. A sequence
+    /// whose grammar fails is failed and taken out of the plan.
+    fn add_masks(
+        &mut self,
+        plan: &mut StepPlan,
+        in_plan: &mut Vec<(u64, bool)>,
+        obs: &dyn Observer,
+    ) {
+        let mut bad: Vec<(u64, String)> = Vec::new();
+        for st in plan.seqs.iter().filter(|s| s.sample) {
+            let Some(seq) = self.running.iter_mut().find(|s| s.id == st.seq_id) else {
+                continue;
+            };
+            let Some(g) = seq.req.grammar.as_mut() else {
+                continue;
+            };
+            match g.allowed() {
+                Ok(allowed) => plan.masks.push(SeqMask {
+                    seq_id: st.seq_id,
+                    allowed,
+                }),
+                Err(e) => bad.push((st.seq_id, e.to_string())),
+            }
+        }
+        for (id, message) in bad {
+            plan.seqs.retain(|s| s.seq_id != id);
+            in_plan.retain(|s| s.0 != id);
+            if let Some(idx) = self.running.iter().position(|s| s.id == id) {
+                let seq = self.running.remove(idx);
+                let _ = seq.req.events.send(Event::Error {
+                    kind: FailKind::Internal,
+                    message,
+                });
+                self.retire(seq, Outcome::Failed, obs);
+            }
+        }
     }
 
     /// A step failed with `e`: tell the observer (before any request hears of it, so
@@ -566,7 +614,7 @@ impl Scheduler {
     fn can_start_pipeline(&self, exec: &dyn Executor) -> bool {
         self.pipeline
             && self.decode_rows().is_some()
-            && self.running.iter().all(|s| exec.can_pipeline(s.id))
+            && self.running.iter().all(|s| s.pipelinable(exec))
             && self.all_may_continue()
     }
 
@@ -623,7 +671,7 @@ impl Scheduler {
             Some(queued) => {
                 let go_on = self.pipeline
                     && ids.as_ref() == Some(&queued)
-                    && self.running.iter().all(|s| exec.can_pipeline(s.id))
+                    && self.running.iter().all(|s| s.pipelinable(exec))
                     && self.all_may_continue();
                 summary.decode = queued.len();
                 (|| {
@@ -681,16 +729,32 @@ impl Scheduler {
         seq.last_token = Some(now);
         let token = tok.token;
         seq.generated.push(token);
+        let is_eos = self.eos.contains(&token);
+        let mut grammar_done = false;
+        if let Some(g) = seq.req.grammar.as_mut() {
+            // an end-of-sequence token ends the sequence without the grammar's say
+            // (its mask allows one only where the output is complete)
+            if !is_eos || seq.req.ignore_eos {
+                if let Err(e) = g.accept(token) {
+                    let _ = seq.req.events.send(Event::Error {
+                        kind: FailKind::Internal,
+                        message: e.to_string(),
+                    });
+                    return Some(Outcome::Failed);
+                }
+            }
+            grammar_done = g.is_finished();
+        }
         let mut text = String::new();
         let mut finish = None;
         let decoded: Result<(), String> = (|| {
-            if !seq.req.ignore_eos && self.eos.contains(&token) {
+            if !seq.req.ignore_eos && is_eos {
                 finish = Some(FinishReason::Stop);
             } else {
                 let delta = seq.decoder.push(token).map_err(|e| e.to_string())?;
                 let out = seq.stops.push(&delta);
                 text.push_str(&out.emit);
-                if out.stopped {
+                if out.stopped || grammar_done {
                     finish = Some(FinishReason::Stop);
                 }
             }
@@ -973,6 +1037,7 @@ mod tests {
                 stop: vec![],
                 ignore_eos: true,
                 skip_special_tokens: true,
+                grammar: None,
                 arrived: Instant::now(),
                 events: tx,
             },

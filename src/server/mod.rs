@@ -29,6 +29,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 
 use crate::cli::generate::{load_weights, open_model, ModelArgs, TpArgs};
+use crate::engine::grammar::GrammarVocab;
 use crate::engine::sampler::SamplingParams;
 use crate::engine::scheduler::{
     Command, Event, Observer, Outcome, Request, RunEnd, Scheduler, SchedulerConfig, Usage,
@@ -242,6 +243,28 @@ pub struct ModelInfo {
     pub vocab_size: usize,
     /// Bytes of the longest token's text (a prompt of `ctx_size × this` bytes cannot fit).
     pub max_token_bytes: usize,
+    /// The vocabulary for constrained decoding, built at the first request that needs it.
+    pub grammar: Arc<std::sync::OnceLock<Result<GrammarVocab, String>>>,
+}
+
+impl ModelInfo {
+    /// The vocabulary for constrained decoding (built once, on first use: it walks
+    /// every token); `Err` says why this tokenizer cannot have one.
+    pub fn grammar_vocab(&self) -> Result<&GrammarVocab, &str> {
+        self.grammar
+            .get_or_init(|| {
+                let json: serde_json::Value = self
+                    .tokenizer
+                    .inner()
+                    .to_string(false)
+                    .map_err(|e| e.to_string())
+                    .and_then(|t| serde_json::from_str(&t).map_err(|e| e.to_string()))?;
+                GrammarVocab::new(&json, self.vocab_size, self.tokenizer.eos_token_ids())
+                    .map_err(|e| e.to_string())
+            })
+            .as_ref()
+            .map_err(String::as_str)
+    }
 }
 
 /// The length in bytes of the longest token text of `tok` (UTF-8 of the token
@@ -449,6 +472,7 @@ fn engine_main(
         ctx_size: m.ctx_size,
         vocab_size: m.cfg.vocab_size,
         max_token_bytes: max_token_bytes(&m.tokenizer),
+        grammar: Default::default(),
     }));
     let local = !args.tp.uses_ranks();
     let mut exec = match start_executor(&args, &m, &metrics) {

@@ -3,11 +3,13 @@
 //! Requests are read field by field from a JSON object, so every error names
 //! the field (`param`) and says what was wrong. Unknown fields are ignored;
 //! known fields that ask for something this server does not do (`n > 1`,
-//! `tools`, `logit_bias`, ...) are refused with 400.
+//! `tools`, `logit_bias`, ...) are refused with 400. `response_format` becomes a
+//! [`Constraint`] for constrained decoding.
 use serde_json::{json, Map, Value};
 
 use super::error::ApiError;
 use crate::engine::generate::FinishReason;
+use crate::engine::grammar::Constraint;
 use crate::engine::sampler::{SamplingParams, MAX_TOP_LOGPROBS};
 use crate::engine::scheduler::{TokenInfo, Usage};
 use crate::tokenizer::chat::ChatMessage;
@@ -41,7 +43,14 @@ pub struct GenRequest {
     pub skip_special_tokens: bool,
     pub stream: bool,
     pub include_usage: bool,
+    /// `response_format` `json_object` / `json_schema`: what the output must match.
+    pub constraint: Option<Constraint>,
+    /// Choices to generate (`n`), each its own sequence.
+    pub n: usize,
 }
+
+/// Most choices (`n`) one request may ask for.
+pub const MAX_N: i64 = 16;
 
 impl GenRequest {
     /// The name of the prompt field (for errors).
@@ -280,20 +289,91 @@ pub fn parse(api: Api, body: &Value) -> Result<GenRequest, ApiError> {
         skip_special_tokens: f.bool("skip_special_tokens")?.unwrap_or(true),
         stream,
         include_usage,
+        constraint: parse_response_format(f.get("response_format"))?,
+        n: match f.int("n")?.unwrap_or(1) {
+            n @ 1..=MAX_N => n as usize,
+            n => {
+                return Err(ApiError::invalid(
+                    "n",
+                    format!("'n' must be between 1 and {MAX_N}, got {n}"),
+                ))
+            }
+        },
     })
+}
+
+/// `response_format`: `text` (no constraint), `json_object` or `json_schema`
+/// (`{"name", "schema", "strict", "description"}`; the schema is enforced whether or not
+/// `strict` is set). The schema itself is checked when the grammar is built.
+fn parse_response_format(v: Option<&Value>) -> Result<Option<Constraint>, ApiError> {
+    let o = match v {
+        None | Some(Value::Null) => return Ok(None),
+        Some(Value::Object(o)) => o,
+        Some(v) => return Err(Fields::wrong("response_format", "an object", v)),
+    };
+    let f = Fields(o);
+    let kind = f.string("type").map_err(|_| {
+        ApiError::invalid(
+            "response_format.type",
+            "'response_format.type' must be a string",
+        )
+    })?;
+    match kind {
+        None => Err(ApiError::invalid(
+            "response_format.type",
+            "'response_format' needs a 'type': \"text\", \"json_object\" or \"json_schema\"",
+        )),
+        Some("text") => Ok(None),
+        Some("json_object") => Ok(Some(Constraint::JsonObject)),
+        Some("json_schema") => {
+            let param = "response_format.json_schema";
+            let js = match o.get("json_schema") {
+                Some(Value::Object(js)) => js,
+                None => {
+                    return Err(ApiError::invalid(
+                        param,
+                        "'response_format' of type \"json_schema\" needs a 'json_schema' object",
+                    ))
+                }
+                Some(v) => return Err(Fields::wrong(param, "an object", v)),
+            };
+            let jf = Fields(js);
+            let wrong = |name: &str, what: &str| {
+                ApiError::invalid(
+                    format!("{param}.{name}"),
+                    format!("'{param}.{name}' must be {what}"),
+                )
+            };
+            jf.string("name").map_err(|_| wrong("name", "a string"))?;
+            jf.string("description")
+                .map_err(|_| wrong("description", "a string"))?;
+            jf.bool("strict").map_err(|_| wrong("strict", "a boolean"))?;
+            let schema = match js.get("schema") {
+                None => json!({}),
+                Some(s @ (Value::Object(_) | Value::Bool(_))) => s.clone(),
+                Some(_) => return Err(wrong("schema", "a JSON schema (an object)")),
+            };
+            Ok(Some(Constraint::JsonSchema(schema)))
+        }
+        Some(other) => Err(ApiError::invalid(
+            "response_format.type",
+            format!(
+                "'response_format.type' must be \"text\", \"json_object\" or \"json_schema\", got {other:?}"
+            ),
+        )),
+    }
 }
 
 /// 400 for fields that ask for what this server does not do.
 fn refuse_unsupported(f: &Fields) -> Result<(), ApiError> {
-    if let Some(n) = f.int("n")? {
-        if n != 1 {
-            return Err(ApiError::unsupported("n", "n other than 1"));
-        }
-    }
-    // refused on both endpoints: ignored, they would answer something else than was asked
-    if let Some(n) = f.int("best_of")? {
-        if n != 1 {
-            return Err(ApiError::unsupported("best_of", "best_of other than 1"));
+    // best_of > n (keep the n most likely of best_of) is not done; best_of = n is plain n
+    if let Some(b) = f.int("best_of")? {
+        let n = f.int("n")?.unwrap_or(1);
+        if b != 1 && b != n {
+            return Err(ApiError::unsupported(
+                "best_of",
+                "best_of other than 1 or n",
+            ));
         }
     }
     if f.bool("echo")?.unwrap_or(false) {
@@ -319,16 +399,6 @@ fn refuse_unsupported(f: &Fields) -> Result<(), ApiError> {
             None => {}
             Some(Value::String(s)) if s == "none" => {}
             Some(_) => return Err(ApiError::unsupported(name, "tool calling")),
-        }
-    }
-    match f.get("response_format") {
-        None => {}
-        Some(Value::Object(o)) if o.get("type").and_then(Value::as_str) == Some("text") => {}
-        Some(_) => {
-            return Err(ApiError::unsupported(
-                "response_format",
-                "a response_format other than {\"type\": \"text\"}",
-            ))
         }
     }
     match f.get("modalities") {
@@ -596,54 +666,56 @@ pub struct Envelope {
 }
 
 impl Envelope {
-    pub fn chat_response(
-        &self,
+    /// One choice of a chat response.
+    pub fn chat_choice(
+        index: usize,
         text: &str,
         finish: FinishReason,
-        usage: Usage,
         logprobs: Option<Vec<Value>>,
     ) -> Value {
         json!({
-            "id": self.id,
-            "object": "chat.completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": [{
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": logprobs.map(|c| json!({"content": c})),
-                "finish_reason": finish_str(finish),
-            }],
-            "usage": usage_json(usage),
+            "index": index,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": logprobs.map(|c| json!({"content": c})),
+            "finish_reason": finish_str(finish),
         })
     }
 
-    pub fn completion_response(
-        &self,
+    /// One choice of a completion response.
+    pub fn completion_choice(
+        index: usize,
         text: &str,
         finish: FinishReason,
-        usage: Usage,
         logprobs: Option<Value>,
     ) -> Value {
         json!({
+            "index": index,
+            "text": text,
+            "logprobs": logprobs,
+            "finish_reason": finish_str(finish),
+        })
+    }
+
+    /// A whole (not streamed) response with these choices.
+    pub fn response(&self, api: Api, choices: Vec<Value>, usage: Usage) -> Value {
+        json!({
             "id": self.id,
-            "object": "text_completion",
+            "object": match api {
+                Api::Chat => "chat.completion",
+                Api::Completions => "text_completion",
+            },
             "created": self.created,
             "model": self.model,
-            "choices": [{
-                "index": 0,
-                "text": text,
-                "logprobs": logprobs,
-                "finish_reason": finish_str(finish),
-            }],
+            "choices": choices,
             "usage": usage_json(usage),
         })
     }
 
-    /// A streaming chat chunk; `usage` is `Some(null)` in chunks of a stream with
-    /// `include_usage`, absent otherwise.
+    /// A streaming chat chunk of choice `index`; `usage` is `Some(null)` in chunks of a
+    /// stream with `include_usage`, absent otherwise.
     pub fn chat_chunk(
         &self,
+        index: usize,
         delta: Value,
         logprobs: Option<Value>,
         finish: Option<FinishReason>,
@@ -655,7 +727,7 @@ impl Envelope {
             "created": self.created,
             "model": self.model,
             "choices": [{
-                "index": 0,
+                "index": index,
                 "delta": delta,
                 "logprobs": logprobs,
                 "finish_reason": finish.map(finish_str),
@@ -669,6 +741,7 @@ impl Envelope {
 
     pub fn completion_chunk(
         &self,
+        index: usize,
         text: &str,
         logprobs: Option<Value>,
         finish: Option<FinishReason>,
@@ -680,7 +753,7 @@ impl Envelope {
             "created": self.created,
             "model": self.model,
             "choices": [{
-                "index": 0,
+                "index": index,
                 "text": text,
                 "logprobs": logprobs,
                 "finish_reason": finish.map(finish_str),
@@ -751,8 +824,12 @@ mod tests {
             bad(json!({"messages": m, "temperature": -1})),
             "temperature"
         );
-        assert_eq!(bad(json!({"messages": m, "n": 2})), "n");
+        assert_eq!(bad(json!({"messages": m, "n": 0})), "n");
+        assert_eq!(bad(json!({"messages": m, "n": 17})), "n");
         assert_eq!(bad(json!({"messages": m, "best_of": 3})), "best_of");
+        assert_eq!(bad(json!({"messages": m, "n": 2, "best_of": 3})), "best_of");
+        let r = p(Api::Chat, json!({"messages": m, "n": 3, "best_of": 3})).unwrap();
+        assert_eq!(r.n, 3);
         assert_eq!(bad(json!({"messages": m, "echo": true})), "echo");
         assert_eq!(bad(json!({"messages": m, "suffix": "x"})), "suffix");
         assert_eq!(
@@ -760,9 +837,31 @@ mod tests {
             "tools"
         );
         assert_eq!(
-            bad(json!({"messages": m, "response_format": {"type": "json_object"}})),
-            "response_format"
+            bad(json!({"messages": m, "response_format": {"type": "xml"}})),
+            "response_format.type"
         );
+        assert_eq!(
+            bad(json!({"messages": m, "response_format": {"type": "json_schema"}})),
+            "response_format.json_schema"
+        );
+        assert_eq!(
+            bad(
+                json!({"messages": m, "response_format": {"type": "json_schema", "json_schema": {"schema": 3}}})
+            ),
+            "response_format.json_schema.schema"
+        );
+        assert_eq!(
+            bad(
+                json!({"messages": m, "response_format": {"type": "json_schema", "json_schema": {"strict": "yes"}}})
+            ),
+            "response_format.json_schema.strict"
+        );
+        let r = p(
+            Api::Chat,
+            json!({"messages": m, "response_format": {"type": "json_object"}}),
+        )
+        .unwrap();
+        assert_eq!(r.constraint, Some(Constraint::JsonObject));
         assert_eq!(
             bad(json!({"messages": m, "top_logprobs": 2})),
             "top_logprobs"

@@ -19,7 +19,9 @@ use super::error::ApiError;
 use super::metrics::Metrics;
 use super::openai::{self, Api, Envelope, GenRequest, PromptInput};
 use super::{Engine, EventReceiver, ModelInfo, BODY_LIMIT};
-use crate::engine::scheduler::{Event, Request as EngineRequest, TokenInfo};
+use crate::engine::generate::FinishReason;
+use crate::engine::grammar::{Constraint, GrammarMatcher};
+use crate::engine::scheduler::{Event, Request as EngineRequest, TokenInfo, Usage};
 use crate::tokenizer::Tokenizer;
 
 pub struct AppState {
@@ -554,18 +556,31 @@ async fn generate_raw(
         (None, Api::Completions) => 16.min(room),
         (None, Api::Chat) => room,
     };
-    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let mut rxs = Vec::with_capacity(g.n);
     let prompt_len = prompt.len();
-    st.engine.submit(EngineRequest {
-        prompt,
-        params: g.params.clone(),
-        max_tokens,
-        stop: g.stop.clone(),
-        ignore_eos: g.ignore_eos,
-        skip_special_tokens: g.skip_special_tokens,
-        arrived,
-        events: tx,
-    })?;
+    for i in 0..g.n {
+        let grammar = match &g.constraint {
+            None => None,
+            Some(c) => Some(grammar_matcher(&st, c).await?),
+        };
+        let mut params = g.params.clone();
+        // choice i: seed + i, so seeded choices differ and each is reproducible
+        params.seed = params.seed.map(|s| s.wrapping_add(i as u64));
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        st.engine.submit(EngineRequest {
+            prompt: prompt.clone(),
+            params,
+            max_tokens,
+            stop: g.stop.clone(),
+            ignore_eos: g.ignore_eos,
+            skip_special_tokens: g.skip_special_tokens,
+            grammar,
+            arrived,
+            events: tx,
+        })?;
+        rxs.push(rx);
+    }
+    let rx = merge_choices(rxs);
     let env = Envelope {
         id: new_id(match api {
             Api::Chat => "chatcmpl",
@@ -575,14 +590,42 @@ async fn generate_raw(
         model: st.model.name.clone(),
     };
     tracing::debug!(
-        "{} submitted: {prompt_len} prompt tokens, max {max_tokens}",
-        env.id
+        "{} submitted: {prompt_len} prompt tokens, max {max_tokens}, {} choice(s)",
+        env.id,
+        g.n
     );
     if g.stream {
         Ok(stream_response(st, g, env, rx))
     } else {
         collect_response(&st, &g, &env, rx).await
     }
+}
+
+/// The matcher of a request's `response_format` (built off the async threads: the first
+/// one builds the vocabulary, and a large schema takes a while); a bad schema is a 400
+/// naming `response_format.json_schema`.
+async fn grammar_matcher(
+    st: &Arc<AppState>,
+    c: &Constraint,
+) -> Result<Box<GrammarMatcher>, ApiError> {
+    let param = match c {
+        Constraint::JsonSchema(_) => "response_format.json_schema",
+        _ => "response_format",
+    };
+    let (st, c) = (st.clone(), c.clone());
+    tokio::task::spawn_blocking(move || {
+        let vocab = st.model.grammar_vocab().map_err(|e| {
+            ApiError::invalid(
+                "response_format",
+                format!("constrained decoding is not available for this model's tokenizer: {e}"),
+            )
+        })?;
+        GrammarMatcher::new(vocab, &c)
+            .map(Box::new)
+            .map_err(|e| ApiError::invalid(param, format!("'{param}': {e}")))
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("grammar task: {e}")))?
 }
 
 fn too_long(g: &GenRequest, ctx: usize, what: String) -> ApiError {
@@ -738,66 +781,120 @@ async fn tokenize(st: &AppState, g: &GenRequest) -> Result<Vec<u32>, ApiError> {
     Ok(ids)
 }
 
+/// The events of every choice of a request, tagged with the choice's index. A task per
+/// choice forwards its events; when the receiver is dropped (the client left) the tasks
+/// end and drop their receivers, which the scheduler sees as a disconnect.
+type ChoiceEvents = tokio::sync::mpsc::UnboundedReceiver<(usize, Event)>;
+
+fn merge_choices(rxs: Vec<EventReceiver>) -> ChoiceEvents {
+    let (tx, merged) = tokio::sync::mpsc::unbounded_channel();
+    for (i, mut rx) in rxs.into_iter().enumerate() {
+        let tx = tx.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    ev = rx.recv() => match ev {
+                        Some(ev) => if tx.send((i, ev)).is_err() { break },
+                        None => break,
+                    },
+                    _ = tx.closed() => break,
+                }
+            }
+        });
+    }
+    merged
+}
+
+/// One choice being collected.
+#[derive(Default)]
+struct Choice {
+    text: String,
+    tokens: Vec<(TokenInfo, usize)>,
+    finish: Option<FinishReason>,
+}
+
 async fn collect_response(
     st: &AppState,
     g: &GenRequest,
     env: &Envelope,
-    mut rx: EventReceiver,
+    mut rx: ChoiceEvents,
 ) -> Result<Response, ApiError> {
-    let mut text = String::new();
-    let mut tokens: Vec<(TokenInfo, usize)> = Vec::new();
     let want_logprobs = g.params.logprobs;
-    loop {
+    let mut choices: Vec<Choice> = (0..g.n).map(|_| Choice::default()).collect();
+    let mut usage = Usage::default();
+    let mut left = g.n;
+    while left > 0 {
         match rx.recv().await {
-            Some(Event::Delta { text: t, token }) => {
+            Some((i, Event::Delta { text: t, token })) => {
+                let c = &mut choices[i];
                 if want_logprobs {
-                    tokens.push((token, text.chars().count()));
+                    c.tokens.push((token, c.text.chars().count()));
                 }
-                text.push_str(&t);
+                c.text.push_str(&t);
             }
-            Some(Event::Done {
-                finish_reason,
-                usage,
-            }) => {
-                let tok = &st.model.tokenizer;
-                let body = match g.api {
-                    Api::Chat => env.chat_response(
-                        &text,
-                        finish_reason,
-                        usage,
-                        want_logprobs.then(|| {
-                            tokens
-                                .iter()
-                                .map(|(t, _)| openai::chat_logprob(tok, t))
-                                .collect()
-                        }),
-                    ),
-                    Api::Completions => env.completion_response(
-                        &text,
-                        finish_reason,
-                        usage,
-                        want_logprobs.then(|| {
-                            openai::completion_logprobs(tok, &tokens, g.params.top_logprobs > 0)
-                        }),
-                    ),
-                };
-                return Ok(json_response(body));
+            Some((
+                i,
+                Event::Done {
+                    finish_reason,
+                    usage: u,
+                },
+            )) => {
+                choices[i].finish = Some(finish_reason);
+                usage.prompt_tokens = u.prompt_tokens;
+                usage.completion_tokens += u.completion_tokens;
+                left -= 1;
             }
-            Some(Event::Error { kind, message }) => return Err(ApiError::from_fail(kind, message)),
+            Some((_, Event::Error { kind, message })) => {
+                return Err(ApiError::from_fail(kind, message))
+            }
             None => return Err(ApiError::unavailable("the engine stopped")),
         }
     }
+    let tok = &st.model.tokenizer;
+    let body: Vec<Value> = choices
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let finish = c.finish.expect("every choice is done");
+            match g.api {
+                Api::Chat => Envelope::chat_choice(
+                    i,
+                    &c.text,
+                    finish,
+                    want_logprobs.then(|| {
+                        c.tokens
+                            .iter()
+                            .map(|(t, _)| openai::chat_logprob(tok, t))
+                            .collect()
+                    }),
+                ),
+                Api::Completions => Envelope::completion_choice(
+                    i,
+                    &c.text,
+                    finish,
+                    want_logprobs.then(|| {
+                        openai::completion_logprobs(tok, &c.tokens, g.params.top_logprobs > 0)
+                    }),
+                ),
+            }
+        })
+        .collect();
+    Ok(json_response(env.response(g.api, body, usage)))
 }
 
 struct SseState {
     st: Arc<AppState>,
     g: GenRequest,
     env: Envelope,
-    rx: EventReceiver,
-    started: bool,
+    rx: ChoiceEvents,
+    /// Chat: the choices whose first (role) chunk has been sent.
+    started: usize,
     done: bool,
-    /// Characters of completion text sent so far (completions `text_offset`).
-    sent_chars: usize,
+    /// Choices not finished yet.
+    left: usize,
+    usage: Usage,
+    /// Per choice, characters of completion text sent so far (completions `text_offset`).
+    sent_chars: Vec<usize>,
 }
 
 fn sse(v: &Value) -> String {
@@ -812,23 +909,23 @@ impl SseState {
         }
         let api = self.g.api;
         let usage_on = self.g.include_usage;
-        if !self.started {
-            self.started = true;
-            if api == Api::Chat {
-                let delta = json!({"role": "assistant", "content": ""});
-                return Some(sse(&self.env.chat_chunk(delta, None, None, usage_on)));
-            }
+        if api == Api::Chat && self.started < self.g.n {
+            let i = self.started;
+            self.started += 1;
+            let delta = json!({"role": "assistant", "content": ""});
+            return Some(sse(&self.env.chat_chunk(i, delta, None, None, usage_on)));
         }
         let want_logprobs = self.g.params.logprobs;
         loop {
             match self.rx.recv().await {
-                Some(Event::Delta { text, token }) => {
+                Some((i, Event::Delta { text, token })) => {
                     if text.is_empty() && !want_logprobs {
                         continue;
                     }
                     let tok = &self.st.model.tokenizer;
                     let chunk = match api {
                         Api::Chat => self.env.chat_chunk(
+                            i,
                             json!({"content": text}),
                             want_logprobs
                                 .then(|| json!({"content": [openai::chat_logprob(tok, &token)]})),
@@ -836,11 +933,12 @@ impl SseState {
                             usage_on,
                         ),
                         Api::Completions => self.env.completion_chunk(
+                            i,
                             &text,
                             want_logprobs.then(|| {
                                 openai::completion_logprobs(
                                     tok,
-                                    &[(token, self.sent_chars)],
+                                    &[(token, self.sent_chars[i])],
                                     self.g.params.top_logprobs > 0,
                                 )
                             }),
@@ -848,32 +946,40 @@ impl SseState {
                             usage_on,
                         ),
                     };
-                    self.sent_chars += text.chars().count();
+                    self.sent_chars[i] += text.chars().count();
                     return Some(sse(&chunk));
                 }
-                Some(Event::Done {
-                    finish_reason,
-                    usage,
-                }) => {
-                    self.done = true;
+                Some((
+                    i,
+                    Event::Done {
+                        finish_reason,
+                        usage,
+                    },
+                )) => {
+                    self.usage.prompt_tokens = usage.prompt_tokens;
+                    self.usage.completion_tokens += usage.completion_tokens;
+                    self.left -= 1;
                     let last = match api {
                         Api::Chat => {
                             self.env
-                                .chat_chunk(json!({}), None, Some(finish_reason), usage_on)
+                                .chat_chunk(i, json!({}), None, Some(finish_reason), usage_on)
                         }
                         Api::Completions => {
                             self.env
-                                .completion_chunk("", None, Some(finish_reason), usage_on)
+                                .completion_chunk(i, "", None, Some(finish_reason), usage_on)
                         }
                     };
                     let mut out = sse(&last);
-                    if usage_on {
-                        out.push_str(&sse(&self.env.usage_chunk(api, usage)));
+                    if self.left == 0 {
+                        self.done = true;
+                        if usage_on {
+                            out.push_str(&sse(&self.env.usage_chunk(api, self.usage)));
+                        }
+                        out.push_str("data: [DONE]\n\n");
                     }
-                    out.push_str("data: [DONE]\n\n");
                     return Some(out);
                 }
-                Some(Event::Error { kind, message }) => {
+                Some((_, Event::Error { kind, message })) => {
                     self.done = true;
                     let e = ApiError::from_fail(kind, message);
                     return Some(format!("{}data: [DONE]\n\n", sse(&e.body())));
@@ -888,15 +994,18 @@ impl SseState {
     }
 }
 
-fn stream_response(st: Arc<AppState>, g: GenRequest, env: Envelope, rx: EventReceiver) -> Response {
+fn stream_response(st: Arc<AppState>, g: GenRequest, env: Envelope, rx: ChoiceEvents) -> Response {
+    let n = g.n;
     let state = SseState {
         st,
         g,
         env,
         rx,
-        started: false,
+        started: 0,
         done: false,
-        sent_chars: 0,
+        left: n,
+        usage: Usage::default(),
+        sent_chars: vec![0; n],
     };
     let stream = futures_util::stream::unfold(state, |mut s| async move {
         s.next()
