@@ -749,11 +749,22 @@ fn bad_requests(tp: &[&str]) {
         (json!({"messages": m, "n": 0}), "n"),
         (json!({"messages": m, "n": 2, "best_of": 3}), "best_of"),
         (
-            json!({"messages": m, "tools": [{"type": "function", "function": {"name": "f"}}]}),
-            "tools",
+            json!({"messages": m, "tools": [{"type": "function", "function": {}}]}),
+            "tools[0].function.name",
         ),
-        (json!({"messages": m, "tool_choice": "auto"}), "tool_choice"),
-        (json!({"messages": m, "logit_bias": {"1": 5}}), "logit_bias"),
+        (
+            json!({"messages": m, "tool_choice": "required"}),
+            "tool_choice",
+        ),
+        (
+            json!({"messages": m, "logit_bias": {"1": 500}}),
+            "logit_bias",
+        ),
+        (json!({"messages": m, "logit_bias": {"x": 5}}), "logit_bias"),
+        (
+            json!({"messages": m, "logit_bias": {"100000": 5}}),
+            "logit_bias",
+        ),
         (
             json!({"messages": m, "response_format": {"type": "xml"}}),
             "response_format.type",
@@ -1962,13 +1973,7 @@ fn refused_fields_get_400_naming_the_field_on_both_endpoints() {
         ("best_of", json!(3)),
         ("echo", json!(true)),
         ("suffix", json!("x")),
-        ("logit_bias", json!({"1": 5})),
-        (
-            "tools",
-            json!([{"type": "function", "function": {"name": "f"}}]),
-        ),
         ("functions", json!([{"name": "f"}])),
-        ("tool_choice", json!("auto")),
         ("function_call", json!("auto")),
         ("audio", json!({"voice": "x"})),
         ("modalities", json!(["audio"])),
@@ -2004,14 +2009,32 @@ fn refused_fields_get_400_naming_the_field_on_both_endpoints() {
         body[field] = value;
         s.ok("/v1/chat/completions", &body);
     }
-    // in messages: tool roles, tool calls, image parts
+    // tools are for chat only
+    for (field, value) in [
+        (
+            "tools",
+            json!([{"type": "function", "function": {"name": "f"}}]),
+        ),
+        ("tool_choice", json!("auto")),
+    ] {
+        let mut body = json!({"prompt": "hi", "max_tokens": 1});
+        body[field] = value;
+        let e = assert_error(&s.post("/v1/completions", &body), 400);
+        assert_eq!(e["param"], field, "{body}: {e}");
+        assert_eq!(e["code"], "unsupported_parameter", "{body}: {e}");
+    }
+    // in messages: unknown roles, bad tool calls, image parts
     for (messages, param) in [
         (
-            json!([{"role": "tool", "content": "x"}]),
+            json!([{"role": "robot", "content": "x"}]),
             "messages[0].role",
         ),
         (
             json!([{"role": "assistant", "content": "x", "tool_calls": [{}]}]),
+            "messages[0].tool_calls[0].function.name",
+        ),
+        (
+            json!([{"role": "user", "content": "x", "tool_calls": []}]),
             "messages[0].tool_calls",
         ),
         (
@@ -2372,4 +2395,228 @@ fn n_choices_on_both_endpoints_streaming_and_not() {
         assert_eq!(c["finish_reason"], "stop", "{r}");
         assert_colour_json(c["text"].as_str().unwrap());
     }
+}
+
+fn weather_tools() -> Value {
+    json!([
+        {"type": "function", "function": {"name": "get_weather", "description": "the weather",
+          "parameters": {"type": "object", "properties": {
+              "city": {"type": "string", "enum": ["Paris", "Oslo"]},
+              "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+            "required": ["city", "days"], "additionalProperties": false}}},
+        {"type": "function", "function": {"name": "noop",
+          "parameters": {"type": "object", "properties": {}, "additionalProperties": false}}}
+    ])
+}
+
+/// A parsed call is one of [`weather_tools`] with arguments valid for it.
+fn assert_weather_call(call: &Value) {
+    assert_eq!(call["type"], "function", "{call}");
+    assert!(call["id"].as_str().is_some_and(|s| !s.is_empty()), "{call}");
+    let args: Value = serde_json::from_str(call["function"]["arguments"].as_str().unwrap())
+        .unwrap_or_else(|e| panic!("{call}: {e}"));
+    match call["function"]["name"].as_str().unwrap() {
+        "get_weather" => {
+            assert!(
+                ["Paris", "Oslo"].contains(&args["city"].as_str().unwrap()),
+                "{call}"
+            );
+            assert!((1..=7).contains(&args["days"].as_i64().unwrap()), "{call}");
+            assert_eq!(args.as_object().unwrap().len(), 2, "{call}");
+        }
+        "noop" => assert_eq!(args, json!({}), "{call}"),
+        other => panic!("unknown function {other}: {call}"),
+    }
+}
+
+/// Tools on the Qwen2 fixture (a Hermes template, random weights): `required` and named
+/// choices give parsed calls valid for the tools (streamed and not); the tools and a
+/// conversation with tool calls and results reach the template; `none` renders no tools.
+#[test]
+fn tool_choice_required_and_named_give_parsed_calls() {
+    let s = Server::start("qwen2", &[], &[]);
+    let tok = tokenizer("qwen2");
+    let user = json!([{"role": "user", "content": "weather in Oslo?"}]);
+    let base = |choice: Value, seed: u64| {
+        json!({"messages": user, "tools": weather_tools(), "tool_choice": choice,
+               "temperature": 1.0, "seed": seed, "max_tokens": 400})
+    };
+    for seed in 0..6 {
+        let r = s.ok("/v1/chat/completions", &base(json!("required"), seed));
+        let c = &r["choices"][0];
+        assert_eq!(c["finish_reason"], "tool_calls", "{r}");
+        assert!(c["message"]["content"].is_null(), "{r}");
+        let calls = c["message"]["tool_calls"].as_array().unwrap();
+        assert!(!calls.is_empty(), "{r}");
+        calls.iter().for_each(assert_weather_call);
+    }
+    let named = json!({"type": "function", "function": {"name": "get_weather"}});
+    for seed in 0..3 {
+        let r = s.ok("/v1/chat/completions", &base(named.clone(), seed));
+        let c = &r["choices"][0];
+        assert_eq!(c["finish_reason"], "tool_calls", "{r}");
+        let calls = c["message"]["tool_calls"].as_array().unwrap();
+        assert_eq!(calls.len(), 1, "{r}");
+        assert_eq!(calls[0]["function"]["name"], "get_weather", "{r}");
+        assert_weather_call(&calls[0]);
+    }
+    // streamed: the calls come as one delta.tool_calls chunk, with indexes, same calls
+    let mut b = base(json!("required"), 3);
+    let whole = s.ok("/v1/chat/completions", &b)["choices"][0]["message"]["tool_calls"].clone();
+    b["stream"] = json!(true);
+    let r = s.post("/v1/chat/completions", &b);
+    assert_eq!(r.status, 200, "{}", r.text());
+    let mut calls = vec![];
+    let mut finish = None;
+    for e in r.sse().iter().filter(|e| *e != "[DONE]") {
+        let v: Value = serde_json::from_str(e).unwrap();
+        let c = &v["choices"][0];
+        if let Some(tc) = c["delta"]["tool_calls"].as_array() {
+            calls.extend(tc.iter().cloned());
+        }
+        assert!(
+            c["delta"]["content"].as_str().unwrap_or("").is_empty(),
+            "{v}"
+        );
+        if let Some(f) = c["finish_reason"].as_str() {
+            finish = Some(f.to_string());
+        }
+    }
+    assert_eq!(finish.as_deref(), Some("tool_calls"));
+    let whole = whole.as_array().unwrap();
+    assert_eq!(calls.len(), whole.len());
+    for (k, (a, b)) in calls.iter().zip(whole).enumerate() {
+        assert_eq!(a["index"], k);
+        assert_eq!(a["function"], b["function"]);
+    }
+    // what the template got: tools rendered unless tool_choice is none; tool calls and
+    // results of earlier turns
+    let render = |messages: &[mlxcel::tokenizer::chat::ChatMessage], tools: Option<&Value>| {
+        let extra = tools.map_or(Value::Null, |t| json!({ "tools": t }));
+        let text = tok
+            .apply_chat_template_with(messages, true, &extra)
+            .unwrap();
+        (tok.encode(&text, false).unwrap().len(), text)
+    };
+    let user_msg = mlxcel::tokenizer::chat::ChatMessage::new("user", "weather in Oslo?");
+    let prompt_tokens =
+        |b: &Value| s.ok("/v1/chat/completions", b)["usage"]["prompt_tokens"].clone();
+    let mut b = base(json!("auto"), 0);
+    b["max_tokens"] = json!(2);
+    let tools = weather_tools();
+    let (with_tools, text) = render(std::slice::from_ref(&user_msg), Some(&tools));
+    assert!(
+        text.contains("get_weather") && text.contains("<tool_call>"),
+        "{text}"
+    );
+    assert_eq!(prompt_tokens(&b), with_tools);
+    b["tool_choice"] = json!("none");
+    let (without, _) = render(std::slice::from_ref(&user_msg), None);
+    assert!(without < with_tools);
+    assert_eq!(prompt_tokens(&b), without);
+    let conversation = json!([
+        {"role": "user", "content": "weather in Oslo?"},
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function",
+          "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\", \"days\": 2}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny, 21 C"}
+    ]);
+    let mut b = base(json!("auto"), 0);
+    b["messages"] = conversation;
+    b["max_tokens"] = json!(2);
+    let mut call = mlxcel::tokenizer::chat::ChatMessage::new("assistant", "");
+    call.fields.insert(
+        "tool_calls".into(),
+        json!([{"id": "c1", "type": "function",
+                "function": {"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}}]),
+    );
+    let mut result = mlxcel::tokenizer::chat::ChatMessage::new("tool", "sunny, 21 C");
+    result.fields.insert("tool_call_id".into(), json!("c1"));
+    let (n, text) = render(&[user_msg, call, result], Some(&tools));
+    assert!(
+        text.contains("\"city\": \"Oslo\"") && text.contains("sunny, 21 C"),
+        "{text}"
+    );
+    assert!(text.contains("<tool_response>"), "{text}");
+    assert_eq!(prompt_tokens(&b), n);
+}
+
+/// `tool_choice` `auto` parses the model's own tool-call format (Llama 3.1 JSON for the
+/// llama3 fixture, detected from its template). Random weights never write a call, so
+/// a `response_format` makes this one write `{"name": …, "parameters": …}`: the reply is
+/// parsed into `tool_calls`, streamed and not.
+#[test]
+fn tool_choice_auto_parses_the_templates_format() {
+    let s = Server::start("llama3", &[], &[]);
+    let schema = json!({"type": "object", "properties": {
+        "name": {"const": "get_weather"},
+        "parameters": {"type": "object", "properties": {
+            "city": {"type": "string", "enum": ["Paris", "Oslo"]},
+            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+          "required": ["city", "days"], "additionalProperties": false}},
+      "required": ["name", "parameters"], "additionalProperties": false});
+    let mut b = json!({"messages": [{"role": "user", "content": "weather?"}],
+        "tools": weather_tools(), "temperature": 1.0, "seed": 5, "max_tokens": 200,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "call", "schema": schema}}});
+    let r = s.ok("/v1/chat/completions", &b);
+    let c = &r["choices"][0];
+    assert_eq!(c["finish_reason"], "tool_calls", "{r}");
+    let calls = c["message"]["tool_calls"].as_array().unwrap();
+    assert_eq!(calls.len(), 1, "{r}");
+    assert_eq!(calls[0]["function"]["name"], "get_weather");
+    assert_weather_call(&calls[0]);
+    b["stream"] = json!(true);
+    let r = s.post("/v1/chat/completions", &b);
+    let mut streamed = vec![];
+    let mut content = String::new();
+    for e in r.sse().iter().filter(|e| *e != "[DONE]") {
+        let v: Value = serde_json::from_str(e).unwrap();
+        let d = &v["choices"][0]["delta"];
+        streamed.extend(d["tool_calls"].as_array().cloned().unwrap_or_default());
+        content.push_str(d["content"].as_str().unwrap_or(""));
+    }
+    assert_eq!(content, "", "no call markup in content deltas");
+    assert_eq!(streamed.len(), 1);
+    assert_eq!(streamed[0]["function"], calls[0]["function"]);
+    // without tools the same reply is content
+    b["stream"] = json!(false);
+    b["tools"] = json!([]);
+    let r = s.ok("/v1/chat/completions", &b);
+    assert_eq!(r["choices"][0]["finish_reason"], "stop", "{r}");
+    assert!(r["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .contains("get_weather"));
+}
+
+/// `logit_bias`: +100 on one token makes greedy decoding repeat it; -100 on the greedy
+/// first token makes the first token another (pipelined decode on: bias needs no host
+/// state between steps).
+#[test]
+fn logit_bias_moves_greedy_tokens() {
+    let s = Server::start("llama3", &[], &[]);
+    let tok = tokenizer("llama3");
+    let body = |prompt: Value, bias: Value| {
+        json!({"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": true,
+               "skip_special_tokens": false, "logit_bias": bias})
+    };
+    let text = |r: &Value| r["choices"][0]["text"].as_str().unwrap().to_string();
+    let forced = 300u32;
+    let r = s.ok(
+        "/v1/completions",
+        &body(json!("the dog"), json!({ forced.to_string(): 100 })),
+    );
+    assert_eq!(text(&r), tok.decode(&[forced; 6], false).unwrap(), "{r}");
+    // the greedy first token, then banned: the prompt plus the first token as ids
+    let prompt = tok.encode("the dog", true).unwrap();
+    let one = |bias: Value| {
+        let mut b = body(json!(prompt), bias);
+        b["max_tokens"] = json!(1);
+        text(&s.ok("/v1/completions", &b))
+    };
+    let first = one(json!({}));
+    let first_id = (0..tok.vocab_size() as u32)
+        .find(|&t| tok.decode(&[t], false).unwrap() == first)
+        .unwrap();
+    let banned = one(json!({ first_id.to_string(): -100 }));
+    assert_ne!(banned, first);
 }

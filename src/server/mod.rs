@@ -38,6 +38,7 @@ use crate::engine::step::{Executor, LocalExecutor, SeqStep, StepError, StepPlan,
 use crate::mlx;
 use crate::parallel::driver::TpExecutor;
 use crate::parallel::supervisor::{window_text, RestartBudget, RestartPolicy};
+use crate::tokenizer::tool_calls::ToolCallFormat;
 use crate::tokenizer::Tokenizer;
 
 pub mod error;
@@ -101,6 +102,10 @@ pub struct ServeArgs {
     /// step t's tokens are read and streamed; same tokens).
     #[arg(long)]
     pub no_pipeline: bool,
+    /// How the model writes tool calls: hermes (Qwen, Hermes), llama3_json or mistral
+    /// (default: what the chat template shows).
+    #[arg(long)]
+    pub tool_call_parser: Option<ToolCallFormat>,
     #[command(flatten)]
     pub tp: TpArgs,
 }
@@ -245,6 +250,25 @@ pub struct ModelInfo {
     pub max_token_bytes: usize,
     /// The vocabulary for constrained decoding, built at the first request that needs it.
     pub grammar: Arc<std::sync::OnceLock<Result<GrammarVocab, String>>>,
+    /// How the model writes tool calls: `--tool-call-parser`, or what the chat template
+    /// shows when it renders a tool; `None` when neither says.
+    pub tool_format: Option<ToolCallFormat>,
+}
+
+/// The tool-call format the chat template teaches: the markers it renders for a probe
+/// tool (Hermes `<tool_call>`, Mistral `[TOOL_CALLS]`, Llama 3.1's JSON `"parameters"`).
+fn detect_tool_format(tok: &Tokenizer) -> Option<ToolCallFormat> {
+    let tools = serde_json::json!({"tools": [{"type": "function", "function": {
+        "name": "probe", "description": "probe",
+        "parameters": {"type": "object", "properties": {"x": {"type": "string"}}}}}]});
+    let text = tok
+        .apply_chat_template_with(
+            &[crate::tokenizer::chat::ChatMessage::new("user", "x")],
+            true,
+            &tools,
+        )
+        .ok()?;
+    ToolCallFormat::detect(&text)
 }
 
 impl ModelInfo {
@@ -473,6 +497,9 @@ fn engine_main(
         vocab_size: m.cfg.vocab_size,
         max_token_bytes: max_token_bytes(&m.tokenizer),
         grammar: Default::default(),
+        tool_format: args
+            .tool_call_parser
+            .or_else(|| detect_tool_format(&m.tokenizer)),
     }));
     let local = !args.tp.uses_ranks();
     let mut exec = match start_executor(&args, &m, &metrics) {

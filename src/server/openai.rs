@@ -13,6 +13,7 @@ use crate::engine::grammar::Constraint;
 use crate::engine::sampler::{SamplingParams, MAX_TOP_LOGPROBS};
 use crate::engine::scheduler::{TokenInfo, Usage};
 use crate::tokenizer::chat::ChatMessage;
+use crate::tokenizer::tool_calls::ToolCall;
 use crate::tokenizer::Tokenizer;
 
 /// Which endpoint a request came to.
@@ -47,6 +48,221 @@ pub struct GenRequest {
     pub constraint: Option<Constraint>,
     /// Choices to generate (`n`), each its own sequence.
     pub n: usize,
+    /// Chat `tools` (function tools, as sent), rendered by the chat template.
+    pub tools: Vec<Value>,
+    pub tool_choice: ToolChoice,
+}
+
+/// `tool_choice`.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ToolChoice {
+    /// No tools, or `"none"`: the tools are not rendered and the output is plain content.
+    None,
+    /// `"auto"` (the default with tools): the model's tool-call text is parsed.
+    Auto,
+    /// `"required"`: the output is constrained to a list of one or more calls.
+    Required,
+    /// `{"type": "function", "function": {"name": …}}`: the output is one call of it.
+    Named(String),
+}
+
+/// `tools` and `tool_choice` (chat only). Each tool must be
+/// `{"type": "function", "function": {"name", "description"?, "parameters"?}}`.
+fn parse_tools(api: Api, f: &Fields) -> Result<(Vec<Value>, ToolChoice), ApiError> {
+    let tools: Vec<Value> = match f.get("tools") {
+        None => vec![],
+        Some(Value::Array(a)) => a.clone(),
+        Some(v) => return Err(Fields::wrong("tools", "an array of tools", v)),
+    };
+    if api == Api::Completions {
+        if !tools.is_empty() {
+            return Err(ApiError::unsupported("tools", "tools on /v1/completions"));
+        }
+        match f.get("tool_choice") {
+            None => {}
+            Some(Value::String(s)) if s == "none" => {}
+            Some(_) => {
+                return Err(ApiError::unsupported(
+                    "tool_choice",
+                    "tool_choice on /v1/completions",
+                ))
+            }
+        }
+    }
+    let mut names = Vec::with_capacity(tools.len());
+    for (i, t) in tools.iter().enumerate() {
+        let at = format!("tools[{i}]");
+        let Some(o) = t.as_object() else {
+            return Err(Fields::wrong(&at, "a tool object", t));
+        };
+        match o.get("type").and_then(Value::as_str) {
+            Some("function") => {}
+            _ => {
+                return Err(ApiError::invalid(
+                    format!("{at}.type"),
+                    format!("'{at}.type' must be \"function\""),
+                ))
+            }
+        }
+        let Some(func) = o.get("function").and_then(Value::as_object) else {
+            return Err(ApiError::invalid(
+                format!("{at}.function"),
+                format!("'{at}.function' must be an object"),
+            ));
+        };
+        let Some(name) = func
+            .get("name")
+            .and_then(Value::as_str)
+            .filter(|n| !n.is_empty())
+        else {
+            return Err(ApiError::invalid(
+                format!("{at}.function.name"),
+                format!("'{at}.function.name' must be a non-empty string"),
+            ));
+        };
+        match func.get("parameters") {
+            None | Some(Value::Null) | Some(Value::Object(_)) => {}
+            Some(v) => {
+                return Err(Fields::wrong(
+                    &format!("{at}.function.parameters"),
+                    "a JSON schema (an object)",
+                    v,
+                ))
+            }
+        }
+        names.push(name.to_string());
+    }
+    let choice = match f.get("tool_choice") {
+        None => {
+            if tools.is_empty() {
+                ToolChoice::None
+            } else {
+                ToolChoice::Auto
+            }
+        }
+        Some(Value::String(s)) => match s.as_str() {
+            "none" => ToolChoice::None,
+            "auto" => ToolChoice::Auto,
+            "required" => ToolChoice::Required,
+            other => {
+                return Err(ApiError::invalid(
+                    "tool_choice",
+                    format!("'tool_choice' must be \"none\", \"auto\", \"required\" or a named function, got {other:?}"),
+                ))
+            }
+        },
+        Some(Value::Object(o)) => {
+            let name = o
+                .get("function")
+                .and_then(|f| f.get("name"))
+                .and_then(Value::as_str);
+            match (o.get("type").and_then(Value::as_str), name) {
+                (Some("function"), Some(n)) => ToolChoice::Named(n.to_string()),
+                _ => {
+                    return Err(ApiError::invalid(
+                        "tool_choice",
+                        "a named 'tool_choice' must be {\"type\": \"function\", \"function\": {\"name\": ...}}",
+                    ))
+                }
+            }
+        }
+        Some(v) => return Err(Fields::wrong("tool_choice", "a string or an object", v)),
+    };
+    if tools.is_empty() && choice != ToolChoice::None && f.get("tool_choice").is_some() {
+        if choice == ToolChoice::Auto {
+            return Ok((tools, ToolChoice::None));
+        }
+        return Err(ApiError::invalid(
+            "tool_choice",
+            "'tool_choice' needs 'tools' to choose from",
+        ));
+    }
+    if let ToolChoice::Named(n) = &choice {
+        if !names.contains(n) {
+            return Err(ApiError::invalid(
+                "tool_choice",
+                format!("'tool_choice' names the function {n:?}, which is not in 'tools'"),
+            ));
+        }
+    }
+    Ok((tools, choice))
+}
+
+/// The constraint of `tool_choice` `required` (a JSON list of one or more
+/// `{"name", "arguments"}` calls of the tools) or named (one such call of that function).
+pub fn tool_constraint(tools: &[Value], choice: &ToolChoice) -> Option<Constraint> {
+    let call = |t: &Value| {
+        let f = &t["function"];
+        let params = match f.get("parameters") {
+            Some(p @ Value::Object(_)) => p.clone(),
+            _ => json!({"type": "object"}),
+        };
+        json!({
+            "type": "object",
+            "properties": {"name": {"const": f["name"]}, "arguments": params},
+            "required": ["name", "arguments"],
+            "additionalProperties": false
+        })
+    };
+    match choice {
+        ToolChoice::None | ToolChoice::Auto => None,
+        ToolChoice::Required => Some(Constraint::JsonSchema(json!({
+            "type": "array",
+            "minItems": 1,
+            "items": {"anyOf": tools.iter().map(call).collect::<Vec<_>>()}
+        }))),
+        ToolChoice::Named(n) => tools
+            .iter()
+            .find(|t| t["function"]["name"] == json!(n))
+            .map(|t| Constraint::JsonSchema(call(t))),
+    }
+}
+
+/// The calls in the output of a `required` / named `tool_choice` (its constraint's
+/// JSON: a list of calls, or one call); `None` when it is not complete JSON (cut short
+/// by `max_tokens`).
+pub fn forced_tool_calls(text: &str) -> Option<Vec<ToolCall>> {
+    let v: Value = serde_json::from_str(text).ok()?;
+    let calls = match v {
+        Value::Array(a) => a,
+        one @ Value::Object(_) => vec![one],
+        _ => return None,
+    };
+    calls
+        .into_iter()
+        .map(|c| {
+            Some(ToolCall {
+                name: c.get("name")?.as_str()?.to_string(),
+                arguments: c.get("arguments")?.to_string(),
+            })
+        })
+        .collect()
+}
+
+/// `tool_calls` of a message or delta: `[{"id", "type": "function", "function": {"name",
+/// "arguments"}}]`, with `index` in stream deltas.
+pub fn tool_calls_json(
+    calls: &[ToolCall],
+    first_index: Option<usize>,
+    ids: &mut impl FnMut() -> String,
+) -> Value {
+    Value::Array(
+        calls
+            .iter()
+            .enumerate()
+            .map(|(k, c)| {
+                let mut v = json!({
+                    "id": ids(),
+                    "type": "function",
+                    "function": {"name": c.name, "arguments": c.arguments},
+                });
+                if let Some(i) = first_index {
+                    v["index"] = json!(i + k);
+                }
+                v
+            })
+            .collect(),
+    )
 }
 
 /// Most choices (`n`) one request may ask for.
@@ -237,6 +453,7 @@ pub fn parse(api: Api, body: &Value) -> Result<GenRequest, ApiError> {
             }
         }
     }
+    params.logit_bias = parse_logit_bias(f.get("logit_bias"))?;
     if let Err(msg) = params.validate() {
         let param = msg.split_whitespace().next().unwrap_or("").to_string();
         return Err(ApiError::invalid(param, msg));
@@ -264,6 +481,17 @@ pub fn parse(api: Api, body: &Value) -> Result<GenRequest, ApiError> {
         }
         Some(v) => return Err(Fields::wrong("stop", "a string or a list of strings", v)),
     };
+    let (tools, tool_choice) = parse_tools(api, &f)?;
+    let mut constraint = parse_response_format(f.get("response_format"))?;
+    if let Some(c) = tool_constraint(&tools, &tool_choice) {
+        if constraint.is_some() {
+            return Err(ApiError::invalid(
+                "tool_choice",
+                "a 'required' or named 'tool_choice' cannot be combined with a JSON 'response_format'",
+            ));
+        }
+        constraint = Some(c);
+    }
     let stream = f.bool("stream")?.unwrap_or(false);
     let include_usage = match f.get("stream_options") {
         None => false,
@@ -289,7 +517,9 @@ pub fn parse(api: Api, body: &Value) -> Result<GenRequest, ApiError> {
         skip_special_tokens: f.bool("skip_special_tokens")?.unwrap_or(true),
         stream,
         include_usage,
-        constraint: parse_response_format(f.get("response_format"))?,
+        constraint,
+        tools,
+        tool_choice,
         n: match f.int("n")?.unwrap_or(1) {
             n @ 1..=MAX_N => n as usize,
             n => {
@@ -300,6 +530,44 @@ pub fn parse(api: Api, body: &Value) -> Result<GenRequest, ApiError> {
             }
         },
     })
+}
+
+/// `logit_bias`: `{"token id": bias}`, bias in [-100, 100] (ids are checked against the
+/// vocabulary later).
+fn parse_logit_bias(v: Option<&Value>) -> Result<Vec<(u32, f32)>, ApiError> {
+    let m = match v {
+        None => return Ok(vec![]),
+        Some(Value::Object(m)) => m,
+        Some(v) => {
+            return Err(Fields::wrong(
+                "logit_bias",
+                "an object of token id to bias",
+                v,
+            ))
+        }
+    };
+    let mut out = Vec::with_capacity(m.len());
+    for (k, b) in m {
+        let t: u32 = k.trim().parse().map_err(|_| {
+            ApiError::invalid(
+                "logit_bias",
+                format!("'logit_bias' keys must be token ids, got {k:?}"),
+            )
+        })?;
+        let b = b
+            .as_f64()
+            .filter(|b| (-100.0..=100.0).contains(b))
+            .ok_or_else(|| {
+                ApiError::invalid(
+                    "logit_bias",
+                    format!(
+                        "'logit_bias' values must be numbers in [-100, 100], got {b} for token {t}"
+                    ),
+                )
+            })?;
+        out.push((t, b as f32));
+    }
+    Ok(out)
 }
 
 /// `response_format`: `text` (no constraint), `json_object` or `json_schema`
@@ -382,23 +650,25 @@ fn refuse_unsupported(f: &Fields) -> Result<(), ApiError> {
     if f.string("suffix")?.is_some_and(|s| !s.is_empty()) {
         return Err(ApiError::unsupported("suffix", "suffix"));
     }
-    match f.get("logit_bias") {
+    // the legacy function-calling fields: use `tools` / `tool_choice`
+    match f.get("functions") {
         None => {}
-        Some(Value::Object(m)) if m.is_empty() => {}
-        Some(_) => return Err(ApiError::unsupported("logit_bias", "logit_bias")),
-    }
-    for name in ["tools", "functions"] {
-        match f.get(name) {
-            None => {}
-            Some(Value::Array(a)) if a.is_empty() => {}
-            Some(_) => return Err(ApiError::unsupported(name, "tool calling")),
+        Some(Value::Array(a)) if a.is_empty() => {}
+        Some(_) => {
+            return Err(ApiError::unsupported(
+                "functions",
+                "`functions` (use `tools`)",
+            ))
         }
     }
-    for name in ["tool_choice", "function_call"] {
-        match f.get(name) {
-            None => {}
-            Some(Value::String(s)) if s == "none" => {}
-            Some(_) => return Err(ApiError::unsupported(name, "tool calling")),
+    match f.get("function_call") {
+        None => {}
+        Some(Value::String(s)) if s == "none" => {}
+        Some(_) => {
+            return Err(ApiError::unsupported(
+                "function_call",
+                "`function_call` (use `tool_choice`)",
+            ))
         }
     }
     match f.get("modalities") {
@@ -450,22 +720,42 @@ fn parse_messages(v: Option<&Value>) -> Result<Vec<ChatMessage>, ApiError> {
             Some(v) => return Err(Fields::wrong(&format!("{at}.role"), "a string", v)),
         };
         let role = match role {
-            "system" | "user" | "assistant" => role,
+            "system" | "user" | "assistant" | "tool" => role,
             "developer" => "system",
             other => {
                 return Err(ApiError::invalid(
                     format!("{at}.role"),
                     format!(
-                        "'{at}.role' must be one of system, user, assistant (got '{other}'; tool messages are not supported)"
+                        "'{at}.role' must be one of system, user, assistant, tool (got '{other}')"
                     ),
                 ))
             }
         };
-        if o.get("tool_calls").is_some_and(|t| !t.is_null()) {
-            return Err(ApiError::unsupported(
-                &format!("{at}.tool_calls"),
-                "tool calling",
-            ));
+        let mut fields = Map::new();
+        match o.get("tool_calls") {
+            None | Some(Value::Null) => {}
+            Some(Value::Array(calls)) if role == "assistant" => {
+                fields.insert(
+                    "tool_calls".into(),
+                    Value::Array(message_tool_calls(&at, calls)?),
+                );
+            }
+            Some(Value::Array(_)) => {
+                return Err(ApiError::invalid(
+                    format!("{at}.tool_calls"),
+                    format!("'{at}.tool_calls' is only allowed in assistant messages"),
+                ))
+            }
+            Some(v) => return Err(Fields::wrong(&format!("{at}.tool_calls"), "an array", v)),
+        }
+        for key in ["tool_call_id", "name"] {
+            match o.get(key) {
+                None | Some(Value::Null) => {}
+                Some(Value::String(v)) => {
+                    fields.insert(key.into(), Value::String(v.clone()));
+                }
+                Some(v) => return Err(Fields::wrong(&format!("{at}.{key}"), "a string", v)),
+            }
         }
         let content = match o.get("content") {
             None | Some(Value::Null) if role == "assistant" => String::new(),
@@ -520,9 +810,54 @@ fn parse_messages(v: Option<&Value>) -> Result<Vec<ChatMessage>, ApiError> {
                 ))
             }
         };
-        out.push(ChatMessage::new(role, content));
+        let mut msg = ChatMessage::new(role, content);
+        msg.fields = fields;
+        out.push(msg);
     }
     Ok(out)
+}
+
+/// An assistant message's `tool_calls` for the chat template: each
+/// `{"id", "type": "function", "function": {"name", "arguments"}}`, with `arguments` (a
+/// JSON string in the API) turned into the object templates expect (kept as a string
+/// if it is not JSON).
+fn message_tool_calls(at: &str, calls: &[Value]) -> Result<Vec<Value>, ApiError> {
+    calls
+        .iter()
+        .enumerate()
+        .map(|(k, c)| {
+            let cat = format!("{at}.tool_calls[{k}]");
+            let name = c["function"]["name"].as_str().ok_or_else(|| {
+                ApiError::invalid(
+                    format!("{cat}.function.name"),
+                    format!("'{cat}.function.name' must be a string"),
+                )
+            })?;
+            let arguments = match &c["function"]["arguments"] {
+                Value::String(a) => serde_json::from_str::<Value>(a)
+                    .ok()
+                    .filter(Value::is_object)
+                    .unwrap_or_else(|| Value::String(a.clone())),
+                Value::Null => json!({}),
+                a @ Value::Object(_) => a.clone(),
+                v => {
+                    return Err(Fields::wrong(
+                        &format!("{cat}.function.arguments"),
+                        "a string",
+                        v,
+                    ))
+                }
+            };
+            let mut call = json!({
+                "type": "function",
+                "function": {"name": name, "arguments": arguments},
+            });
+            if let Some(id) = c.get("id").and_then(Value::as_str) {
+                call["id"] = json!(id);
+            }
+            Ok(call)
+        })
+        .collect()
 }
 
 fn parse_prompt(v: Option<&Value>) -> Result<PromptInput, ApiError> {
@@ -669,15 +1004,15 @@ impl Envelope {
     /// One choice of a chat response.
     pub fn chat_choice(
         index: usize,
-        text: &str,
-        finish: FinishReason,
+        message: Value,
+        finish: &str,
         logprobs: Option<Vec<Value>>,
     ) -> Value {
         json!({
             "index": index,
-            "message": {"role": "assistant", "content": text},
+            "message": message,
             "logprobs": logprobs.map(|c| json!({"content": c})),
-            "finish_reason": finish_str(finish),
+            "finish_reason": finish,
         })
     }
 
@@ -718,7 +1053,7 @@ impl Envelope {
         index: usize,
         delta: Value,
         logprobs: Option<Value>,
-        finish: Option<FinishReason>,
+        finish: Option<&str>,
         include_usage: bool,
     ) -> Value {
         let mut v = json!({
@@ -730,7 +1065,7 @@ impl Envelope {
                 "index": index,
                 "delta": delta,
                 "logprobs": logprobs,
-                "finish_reason": finish.map(finish_str),
+                "finish_reason": finish,
             }],
         });
         if include_usage {
@@ -834,8 +1169,41 @@ mod tests {
         assert_eq!(bad(json!({"messages": m, "suffix": "x"})), "suffix");
         assert_eq!(
             bad(json!({"messages": m, "tools": [{"type": "function"}]})),
-            "tools"
+            "tools[0].function"
         );
+        assert_eq!(
+            bad(
+                json!({"messages": m, "tools": [{"type": "function", "function": {"name": "f"}}],
+                       "tool_choice": {"type": "function", "function": {"name": "g"}}})
+            ),
+            "tool_choice"
+        );
+        assert_eq!(
+            bad(
+                json!({"messages": m, "tools": [{"type": "function", "function": {"name": "f"}}],
+                       "tool_choice": "required", "response_format": {"type": "json_object"}})
+            ),
+            "tool_choice"
+        );
+        let r = p(
+            Api::Chat,
+            json!({"messages": [
+                {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function",
+                  "function": {"name": "f", "arguments": "{\"x\": 1}"}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "2"}
+            ], "tools": [{"type": "function", "function": {"name": "f"}}]}),
+        )
+        .unwrap();
+        assert_eq!(r.tool_choice, ToolChoice::Auto);
+        let PromptInput::Chat(ms) = &r.prompt else {
+            panic!()
+        };
+        assert_eq!(
+            ms[0].fields["tool_calls"][0]["function"]["arguments"],
+            json!({"x": 1}),
+            "arguments become an object for the template"
+        );
+        assert_eq!(ms[1].fields["tool_call_id"], "c1");
         assert_eq!(
             bad(json!({"messages": m, "response_format": {"type": "xml"}})),
             "response_format.type"
@@ -869,7 +1237,7 @@ mod tests {
         assert_eq!(bad(json!({"messages": "hi"})), "messages");
         assert_eq!(bad(json!({})), "messages");
         assert_eq!(
-            bad(json!({"messages": [{"role": "tool", "content": "x"}]})),
+            bad(json!({"messages": [{"role": "robot", "content": "x"}]})),
             "messages[0].role"
         );
         assert_eq!(

@@ -17,11 +17,12 @@ use subtle::ConstantTimeEq;
 
 use super::error::ApiError;
 use super::metrics::Metrics;
-use super::openai::{self, Api, Envelope, GenRequest, PromptInput};
+use super::openai::{self, Api, Envelope, GenRequest, PromptInput, ToolChoice};
 use super::{Engine, EventReceiver, ModelInfo, BODY_LIMIT};
 use crate::engine::generate::FinishReason;
 use crate::engine::grammar::{Constraint, GrammarMatcher};
 use crate::engine::scheduler::{Event, Request as EngineRequest, TokenInfo, Usage};
+use crate::tokenizer::tool_calls::{ToolCallStream, ToolEvent};
 use crate::tokenizer::Tokenizer;
 
 pub struct AppState {
@@ -535,6 +536,26 @@ async fn generate_raw(
     if let Some(e) = st.engine.unavailable() {
         return Err(e);
     }
+    let vocab = st.model.vocab_size;
+    if let Some((t, _)) = g
+        .params
+        .logit_bias
+        .iter()
+        .find(|(t, _)| *t as usize >= vocab)
+    {
+        return Err(ApiError::invalid(
+            "logit_bias",
+            format!(
+                "'logit_bias' token id {t} is out of range (the vocabulary has {vocab} tokens)"
+            ),
+        ));
+    }
+    if g.tool_choice == ToolChoice::Auto && st.model.tool_format.is_none() {
+        return Err(ApiError::invalid(
+            "tool_choice",
+            "this model's chat template shows no tool-call format the server can parse; start the server with --tool-call-parser (hermes, llama3_json, mistral), or use tool_choice \"required\" or a named function",
+        ));
+    }
     let prompt = tokenize(&st, &g).await?;
     let ctx = st.model.ctx_size;
     if prompt.is_empty() {
@@ -734,6 +755,11 @@ async fn tokenize(st: &AppState, g: &GenRequest) -> Result<Vec<u32>, ApiError> {
                 .map_err(|e| ApiError::internal(format!("tokenizer queue: {e}")))?;
             let tok = st.model.tokenizer.clone();
             let p = p.clone();
+            let extra = if g.tool_choice == ToolChoice::None {
+                Value::Null
+            } else {
+                json!({"tools": g.tools})
+            };
             let long = ctx.saturating_mul(PREFIX_BYTES_PER_TOKEN);
             let r = tokio::task::spawn_blocking(move || {
                 let texts: Vec<&str> = match &p {
@@ -750,7 +776,9 @@ async fn tokenize(st: &AppState, g: &GenRequest) -> Result<Vec<u32>, ApiError> {
                     return Ok(None);
                 }
                 match p {
-                    PromptInput::Chat(messages) => tok.encode_chat(&messages, true),
+                    PromptInput::Chat(messages) => tok
+                        .apply_chat_template_with(&messages, true, &extra)
+                        .and_then(|text| tok.encode(&text, false)),
                     PromptInput::Text(text) => tok.encode(&text, true),
                     PromptInput::Ids(ids) => Ok(ids),
                 }
@@ -813,6 +841,40 @@ struct Choice {
     finish: Option<FinishReason>,
 }
 
+/// A chat choice's message and finish reason: with tools, the calls parsed out of the
+/// text (`auto`: the model's format; `required` / named: the constraint's JSON) go to
+/// `tool_calls`, and the reason is `tool_calls`.
+fn chat_message(
+    st: &AppState,
+    g: &GenRequest,
+    text: &str,
+    finish: FinishReason,
+) -> (Value, &'static str) {
+    let (content, calls) = match (&g.tool_choice, st.model.tool_format) {
+        (ToolChoice::Auto, Some(format)) => {
+            let p = format.parse(text);
+            (p.content, p.tool_calls)
+        }
+        (ToolChoice::Required | ToolChoice::Named(_), _) => match openai::forced_tool_calls(text) {
+            Some(calls) => (String::new(), calls),
+            None => (text.to_string(), vec![]),
+        },
+        _ => (text.to_string(), vec![]),
+    };
+    if calls.is_empty() {
+        return (
+            json!({"role": "assistant", "content": content}),
+            openai::finish_str(finish),
+        );
+    }
+    let content = (!content.trim().is_empty()).then_some(content);
+    let calls = openai::tool_calls_json(&calls, None, &mut || new_id("call"));
+    (
+        json!({"role": "assistant", "content": content, "tool_calls": calls}),
+        "tool_calls",
+    )
+}
+
 async fn collect_response(
     st: &AppState,
     g: &GenRequest,
@@ -857,17 +919,20 @@ async fn collect_response(
         .map(|(i, c)| {
             let finish = c.finish.expect("every choice is done");
             match g.api {
-                Api::Chat => Envelope::chat_choice(
-                    i,
-                    &c.text,
-                    finish,
-                    want_logprobs.then(|| {
-                        c.tokens
-                            .iter()
-                            .map(|(t, _)| openai::chat_logprob(tok, t))
-                            .collect()
-                    }),
-                ),
+                Api::Chat => {
+                    let (message, finish) = chat_message(st, g, &c.text, finish);
+                    Envelope::chat_choice(
+                        i,
+                        message,
+                        finish,
+                        want_logprobs.then(|| {
+                            c.tokens
+                                .iter()
+                                .map(|(t, _)| openai::chat_logprob(tok, t))
+                                .collect()
+                        }),
+                    )
+                }
                 Api::Completions => Envelope::completion_choice(
                     i,
                     &c.text,
@@ -895,6 +960,106 @@ struct SseState {
     usage: Usage,
     /// Per choice, characters of completion text sent so far (completions `text_offset`).
     sent_chars: Vec<usize>,
+    /// Per choice, the tool-call parsing of a chat stream with tools.
+    tools: Vec<ToolStream>,
+}
+
+/// How a streamed chat choice's text becomes deltas.
+enum ToolStream {
+    /// No tools: the text is content.
+    Plain,
+    /// `tool_choice` `auto`: the format's parser; content deltas never carry call markup,
+    /// each call is sent whole once its markup is complete. `calls`: sent so far.
+    Auto {
+        parser: ToolCallStream,
+        calls: usize,
+    },
+    /// `required` / named: the constraint's JSON, sent as calls at the end.
+    Forced(String),
+}
+
+impl SseState {
+    /// The delta chunks of `text` of chat choice `i` (`last`: its end, with the finish
+    /// reason), the first one carrying `logprobs`.
+    fn chat_deltas(
+        &mut self,
+        i: usize,
+        text: &str,
+        logprobs: Option<Value>,
+        last: Option<FinishReason>,
+    ) -> String {
+        let usage_on = self.g.include_usage;
+        let mut deltas: Vec<Value> = vec![];
+        let mut calls_sent = 0;
+        match &mut self.tools[i] {
+            ToolStream::Plain => {
+                if !text.is_empty() || logprobs.is_some() {
+                    deltas.push(json!({ "content": text }));
+                }
+            }
+            ToolStream::Auto { parser, calls } => {
+                let mut events = parser.push(text);
+                if last.is_some() {
+                    events.extend(parser.finish());
+                }
+                for e in events {
+                    match e {
+                        ToolEvent::Content(c) => deltas.push(json!({ "content": c })),
+                        ToolEvent::Call(c) => {
+                            let tc =
+                                openai::tool_calls_json(&[c], Some(*calls), &mut || new_id("call"));
+                            *calls += 1;
+                            deltas.push(json!({ "tool_calls": tc }));
+                        }
+                    }
+                }
+                calls_sent = *calls;
+            }
+            ToolStream::Forced(buf) => {
+                buf.push_str(text);
+                if last.is_some() {
+                    match openai::forced_tool_calls(buf) {
+                        Some(calls) => {
+                            calls_sent = calls.len();
+                            let tc =
+                                openai::tool_calls_json(&calls, Some(0), &mut || new_id("call"));
+                            deltas.push(json!({ "tool_calls": tc }));
+                        }
+                        None => deltas.push(json!({ "content": buf.clone() })),
+                    }
+                }
+            }
+        }
+        if deltas.is_empty() && logprobs.is_some() {
+            deltas.push(json!({}));
+        }
+        let mut out = String::new();
+        let mut logprobs = logprobs;
+        for d in deltas {
+            out.push_str(&sse(&self.env.chat_chunk(
+                i,
+                d,
+                logprobs.take(),
+                None,
+                usage_on,
+            )));
+        }
+        if let Some(f) = last {
+            let reason = if calls_sent > 0 {
+                "tool_calls"
+            } else {
+                openai::finish_str(f)
+            };
+            out.push_str(&sse(&self.env.chat_chunk(
+                i,
+                json!({}),
+                None,
+                Some(reason),
+                usage_on,
+            )));
+        }
+        out
+    }
 }
 
 fn sse(v: &Value) -> String {
@@ -923,15 +1088,17 @@ impl SseState {
                         continue;
                     }
                     let tok = &self.st.model.tokenizer;
+                    if api == Api::Chat {
+                        let lp = want_logprobs
+                            .then(|| json!({"content": [openai::chat_logprob(tok, &token)]}));
+                        let out = self.chat_deltas(i, &text, lp, None);
+                        if out.is_empty() {
+                            continue;
+                        }
+                        return Some(out);
+                    }
                     let chunk = match api {
-                        Api::Chat => self.env.chat_chunk(
-                            i,
-                            json!({"content": text}),
-                            want_logprobs
-                                .then(|| json!({"content": [openai::chat_logprob(tok, &token)]})),
-                            None,
-                            usage_on,
-                        ),
+                        Api::Chat => unreachable!("handled above"),
                         Api::Completions => self.env.completion_chunk(
                             i,
                             &text,
@@ -959,17 +1126,16 @@ impl SseState {
                     self.usage.prompt_tokens = usage.prompt_tokens;
                     self.usage.completion_tokens += usage.completion_tokens;
                     self.left -= 1;
-                    let last = match api {
-                        Api::Chat => {
-                            self.env
-                                .chat_chunk(i, json!({}), None, Some(finish_reason), usage_on)
-                        }
-                        Api::Completions => {
-                            self.env
-                                .completion_chunk(i, "", None, Some(finish_reason), usage_on)
-                        }
+                    let mut out = match api {
+                        Api::Chat => self.chat_deltas(i, "", None, Some(finish_reason)),
+                        Api::Completions => sse(&self.env.completion_chunk(
+                            i,
+                            "",
+                            None,
+                            Some(finish_reason),
+                            usage_on,
+                        )),
                     };
-                    let mut out = sse(&last);
                     if self.left == 0 {
                         self.done = true;
                         if usage_on {
@@ -997,8 +1163,6 @@ impl SseState {
 fn stream_response(st: Arc<AppState>, g: GenRequest, env: Envelope, rx: ChoiceEvents) -> Response {
     let n = g.n;
     let state = SseState {
-        st,
-        g,
         env,
         rx,
         started: 0,
@@ -1006,6 +1170,20 @@ fn stream_response(st: Arc<AppState>, g: GenRequest, env: Envelope, rx: ChoiceEv
         left: n,
         usage: Usage::default(),
         sent_chars: vec![0; n],
+        tools: (0..n)
+            .map(|_| match (&g.tool_choice, st.model.tool_format) {
+                (ToolChoice::Auto, Some(f)) => ToolStream::Auto {
+                    parser: ToolCallStream::new(f),
+                    calls: 0,
+                },
+                (ToolChoice::Required | ToolChoice::Named(_), _) => {
+                    ToolStream::Forced(String::new())
+                }
+                _ => ToolStream::Plain,
+            })
+            .collect(),
+        st,
+        g,
     };
     let stream = futures_util::stream::unfold(state, |mut s| async move {
         s.next()
