@@ -1338,4 +1338,99 @@ mod tests {
         assert_eq!(step_by_step[1].0.len(), 30);
         assert_eq!(step_by_step[5].0.len(), 6, "stops at the context size");
     }
+
+    /// A sequence with a grammar follows it (its tokens are masked at every step, batched
+    /// with an unconstrained one) and ends with `stop` when the grammar is complete; no
+    /// step is pipelined while it runs, and the other sequence's tokens are unchanged.
+    #[test]
+    fn constrained_sequences_follow_their_grammar_and_are_not_pipelined() {
+        use crate::engine::grammar::{Constraint, GrammarMatcher, GrammarVocab};
+        use crate::engine::step::LocalExecutor;
+        use crate::model_dir::ModelDir;
+        use crate::models::{self, LoadFormat};
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama3");
+        let tok = tokenizer();
+        let json: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("tokenizer.json")).unwrap())
+                .unwrap();
+        let md = ModelDir::open(&dir).unwrap();
+        let cfg: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap())
+                .unwrap();
+        let vocab_size = cfg["vocab_size"].as_u64().unwrap() as usize;
+        let vocab = GrammarVocab::new(&json, vocab_size, tok.eos_token_ids()).unwrap();
+        let alone = run_model(
+            &[(vec![7, 8, 9], 24, SamplingParams::default(), 0)],
+            true,
+            2,
+        )
+        .0;
+        for seed in 0..4 {
+            let mut exec = LocalExecutor::new(
+                models::load(&md, LoadFormat::Safetensors, |_, _| {})
+                    .unwrap()
+                    .model,
+                2,
+                96,
+            );
+            let mut s = Scheduler::new(
+                SchedulerConfig {
+                    slots: 2,
+                    ctx_size: 96,
+                    prefill_chunk: 4,
+                },
+                tokenizer(),
+            );
+            let (mut req, mut rx) = request(vec![1, 2, 3, 4, 5], 40);
+            req.ignore_eos = false;
+            req.params = SamplingParams {
+                temperature: 1.0,
+                seed: Some(seed),
+                ..SamplingParams::default()
+            };
+            let c = Constraint::Regex("(yes|no), [0-9]{2}".into());
+            req.grammar = Some(Box::new(GrammarMatcher::new(&vocab, &c).unwrap()));
+            s.submit(req, &NoObserver);
+            let (other, mut other_rx) = request(vec![7, 8, 9], 24);
+            s.submit(other, &NoObserver);
+            let mut events = vec![];
+            while s.has_work() {
+                s.step(&mut exec, &NoObserver).unwrap();
+                while let Ok(ev) = rx.try_recv() {
+                    events.push(ev);
+                }
+                if !matches!(events.last(), Some(Event::Done { .. })) {
+                    assert_eq!(s.pipelined_steps(), 0, "pipelined with a grammar running");
+                }
+            }
+            let text: String = events
+                .iter()
+                .filter_map(|e| match e {
+                    Event::Delta { text, .. } => Some(text.as_str()),
+                    _ => None,
+                })
+                .collect();
+            let (word, num) = text.split_once(", ").unwrap_or_else(|| panic!("{text:?}"));
+            assert!(["yes", "no"].contains(&word), "{text:?}");
+            assert!(
+                num.len() == 2 && num.chars().all(|c| c.is_ascii_digit()),
+                "{text:?}"
+            );
+            assert!(
+                matches!(
+                    events.last(),
+                    Some(Event::Done {
+                        finish_reason: FinishReason::Stop,
+                        ..
+                    })
+                ),
+                "{events:?}"
+            );
+            assert_eq!(
+                drain(&mut other_rx).0,
+                alone[0].0,
+                "the unconstrained sequence"
+            );
+        }
+    }
 }

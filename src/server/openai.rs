@@ -2,9 +2,9 @@
 //!
 //! Requests are read field by field from a JSON object, so every error names
 //! the field (`param`) and says what was wrong. Unknown fields are ignored;
-//! known fields that ask for something this server does not do (`n > 1`,
-//! `tools`, `logit_bias`, ...) are refused with 400. `response_format` becomes a
-//! [`Constraint`] for constrained decoding.
+//! known fields that ask for something this server does not do (`echo`, `suffix`,
+//! `best_of > n`, `functions`, audio, ...) are refused with 400. `response_format` and a
+//! `required` / named `tool_choice` become a [`Constraint`] for constrained decoding.
 use serde_json::{json, Map, Value};
 
 use super::error::ApiError;
