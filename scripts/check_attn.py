@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Check and time mlxcel's decode attention kernel (kernels/attn.cu) on a GPU box.
 
-Runs the kernel through MLX (`mx.fast.cuda_kernel`, launched as src/mlx/attn.rs does)
+Runs the kernel through MLX (`mx.fast.cuda_kernel`, launched as src/kernels/attn.rs does)
 on random bfloat16 inputs and compares it with softmax(q·kᵀ·scale)·v in float32
 (MLX's `fast.scaled_dot_product_attention` on float32 copies of the same values), for
 the 8B and 70B head shapes (and a 70B rank's under TP = 8), head_dim 64, GQA up to 8,
@@ -27,7 +27,7 @@ import time
 import mlx.core as mx
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-NSPLIT = int(os.environ.get("ATTN_NSPLIT", "32"))  # as src/mlx/attn.rs; other values: experiments
+NSPLIT = int(os.environ.get("ATTN_NSPLIT", "32"))  # as src/kernels/attn.rs; other values: experiments
 CTXS = tuple(int(c) for c in os.environ.get("ATTN_CTXS", "128,384,2048,8192,32768").split(","))
 
 
@@ -41,7 +41,7 @@ def kernel():
 def attn(k, q, pool, slots, pos, part, count, hq, hkv, d, scale):
     b = q.shape[0]
     g = hq // hkv
-    warps = g * int(os.environ.get("ATTN_TW", 0) or max(1, 16 // g))  # as src/mlx/attn.rs; ATTN_TW: tiles per round
+    warps = g * int(os.environ.get("ATTN_TW", 0) or max(1, 16 // g))  # as src/kernels/attn.rs; ATTN_TW: tiles per round
     sb = struct.unpack("<i", struct.pack("<f", scale * math.log2(math.e)))[0]
     return k(inputs=[q, pool, slots, pos, part, count],
              template=[("D", d), ("HQ", hq), ("HKV", hkv), ("NSPLIT", NSPLIT), ("WARPS", warps),

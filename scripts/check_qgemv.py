@@ -99,7 +99,7 @@ STREAM = os.environ.get("MLXCEL_QGEMV_STREAM", "1") != "0"  # as mlxcel: the str
 
 
 def stream_config(m, n, k, bits, group=64, pairs=False):
-    """ROWS, WPB and PG of the streaming M = 1 path, or None (src/mlx/qgemv.rs
+    """ROWS, WPB and PG of the streaming M = 1 path, or None (src/kernels/qgemv.rs
     `stream_config_for`); pairs: the epilogue needs an even ROWS (SwiGLU, RoPE)."""
     if not (STREAM and XQ and bits == 4 and m == 1 and k > STREAM_MIN_K and k % 32 == 0
             and k % group == 0 and MMA_MIN_M != 1):  # (MLXCEL_QGEMV_MMA=1: tensor cores at M = 1)
@@ -122,7 +122,7 @@ STREAM_BLOCKS = int(os.environ.get("MLXCEL_QGEMV_STREAM_BLOCKS", "264"))
 
 
 def launch_config(m, n, k, bits, group=64):
-    """ROWS, WPB and MMA as mlxcel picks them (src/mlx/qgemv.rs `launch_config_for`);
+    """ROWS, WPB and MMA as mlxcel picks them (src/kernels/qgemv.rs `launch_config_for`);
     `stream_config` may take M = 1 instead."""
     if (XQ and bits == 4 and group in (32, 64, 128) and MMA_MIN_M and m >= MMA_MIN_M
             and n % 16 == 0 and k % 128 == 0):

@@ -16,7 +16,7 @@ Modes (8B shapes, group 64; `--70b` adds the 70B shapes):
               path's launch at M ≤ 4 (the rounding kernel of x, `..._xq`, is timed on its own)
   --ms 2,4,8  the batch sizes (default 1, 2, 4, 8)
   --stalls    six launches (q/k/v, down at M = 1; q/k/v, o, down, gate/up at M = 8) for
-              ncu's sections (`gpu_session.sh session8 prof`)
+              ncu's sections (`scripts/gpu/kernels.sh sections`)
   --m1        4-bit M = 1 on the dp4a path: ROWS (4, 8, 16) × WPB (2, 4, 8)
   --stream    4-bit M = 1: the dp4a launch against the streaming path's ROWS (1, 2, 4) ×
               WPB (chunks of a row over 32 or 16 lanes) × PG blocks (`--pgs 264,396,...`)

@@ -1,10 +1,12 @@
 //! mlxcel: LLM inference over MLX, with tensor parallelism across the GPUs of one node.
 pub mod cli;
 pub mod engine;
+pub mod kernels;
 pub mod mlx;
 pub mod model_dir;
 pub mod models;
 pub mod parallel;
+pub mod runtime;
 pub mod server;
 pub mod tokenizer;
 

@@ -124,3 +124,48 @@ fn probe_device_prints_one_json_line() {
         assert!(v.get(key).is_some(), "{v}");
     }
 }
+
+/// A tuning knob with a bad value stops every binary at start-up, naming the variable;
+/// with `-v` a knob that differs from its default is logged.
+#[test]
+fn tuning_knobs_are_checked_at_start_up() {
+    for bin in [
+        env!("CARGO_BIN_EXE_mlxcel"),
+        env!("CARGO_BIN_EXE_mlxcel-server"),
+    ] {
+        // the server gets a folder that does not exist: were the knob not checked first,
+        // it would fail for that instead (and never start serving)
+        let args: &[&str] = if bin.ends_with("mlxcel") {
+            &["devices"]
+        } else {
+            &["-m", "/nonexistent/mlxcel-model", "--port", "0"]
+        };
+        let out = Command::new(bin)
+            .args(args)
+            .env_remove("RUST_LOG")
+            .env("MLXCEL_QGEMV_MMA", "9")
+            .output()
+            .expect("run the binary");
+        let err = text(&out.stderr);
+        assert!(
+            !out.status.success(),
+            "{bin} ran with MLXCEL_QGEMV_MMA=9: {err}"
+        );
+        assert!(
+            err.contains("MLXCEL_QGEMV_MMA") && err.contains("\"9\""),
+            "{err}"
+        );
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_mlxcel"))
+        .args(["-v", "devices"])
+        .env_remove("RUST_LOG")
+        .env("MLXCEL_ATTN", "0")
+        .output()
+        .expect("run mlxcel");
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("tuning knob MLXCEL_ATTN=0"),
+        "{}",
+        text(&out.stderr)
+    );
+}

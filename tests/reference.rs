@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use mlxcel::mlx::Dtype;
 use mlxcel::model_dir::ModelDir;
-use mlxcel::models::{self, LoadFormat, Logits, SeqInput};
+use mlxcel::models::{self, LoadFormat, Logits, SeqInput, StepInput};
 use mlxcel::tokenizer::Tokenizer;
 use serde_json::Value;
 
@@ -93,10 +93,10 @@ fn check_fixture_dir(name: &str, dir: &Path) {
         let out = model
             .forward(
                 &mut cache,
-                &[SeqInput {
+                StepInput::Host(&[SeqInput {
                     slot: 0,
                     tokens: &ids,
-                }],
+                }]),
                 Logits::All,
             )
             .unwrap();
@@ -136,10 +136,10 @@ fn check_fixture_dir(name: &str, dir: &Path) {
         let mut last = model
             .forward(
                 &mut cache,
-                &[SeqInput {
+                StepInput::Host(&[SeqInput {
                     slot: 0,
                     tokens: &ids,
-                }],
+                }]),
                 Logits::Last,
             )
             .unwrap();
@@ -156,10 +156,10 @@ fn check_fixture_dir(name: &str, dir: &Path) {
             last = model
                 .forward(
                     &mut cache,
-                    &[SeqInput {
+                    StepInput::Host(&[SeqInput {
                         slot: 0,
                         tokens: &[next],
-                    }],
+                    }]),
                     Logits::Last,
                 )
                 .unwrap();
@@ -258,16 +258,20 @@ fn batched_decode_equals_single() {
     for (p, n) in prompts.iter().zip(next) {
         let mut c = model.new_cache(1, 64);
         model
-            .forward(&mut c, &[SeqInput { slot: 0, tokens: p }], Logits::Last)
+            .forward(
+                &mut c,
+                StepInput::Host(&[SeqInput { slot: 0, tokens: p }]),
+                Logits::Last,
+            )
             .unwrap();
         single.push(
             model
                 .forward(
                     &mut c,
-                    &[SeqInput {
+                    StepInput::Host(&[SeqInput {
                         slot: 0,
                         tokens: &[n],
-                    }],
+                    }]),
                     Logits::Last,
                 )
                 .unwrap()
@@ -280,7 +284,11 @@ fn batched_decode_equals_single() {
         let mut c = model.new_cache(4, 64);
         for (p, &s) in prompts.iter().zip(&slots) {
             model
-                .forward(&mut c, &[SeqInput { slot: s, tokens: p }], Logits::Last)
+                .forward(
+                    &mut c,
+                    StepInput::Host(&[SeqInput { slot: s, tokens: p }]),
+                    Logits::Last,
+                )
                 .unwrap();
         }
         let step: Vec<SeqInput> = slots
@@ -291,7 +299,9 @@ fn batched_decode_equals_single() {
                 tokens: std::slice::from_ref(n),
             })
             .collect();
-        let batched = model.forward(&mut c, &step, Logits::Last).unwrap();
+        let batched = model
+            .forward(&mut c, StepInput::Host(&step), Logits::Last)
+            .unwrap();
         for (b, s) in batched.iter().zip(&single) {
             let d = b
                 .sub(s)
@@ -482,10 +492,10 @@ fn compiled_ops_trace_once() {
     let warm = model
         .forward(
             &mut cache,
-            &[SeqInput {
+            StepInput::Host(&[SeqInput {
                 slot: 0,
                 tokens: &[1, 2, 3],
-            }],
+            }]),
             Logits::Last,
         )
         .unwrap();
@@ -497,10 +507,10 @@ fn compiled_ops_trace_once() {
         let out = model
             .forward(
                 &mut cache,
-                &[SeqInput {
+                StepInput::Host(&[SeqInput {
                     slot: 0,
                     tokens: &[10 + t],
-                }],
+                }]),
                 Logits::Last,
             )
             .unwrap();
@@ -510,7 +520,11 @@ fn compiled_ops_trace_once() {
     for (slot, n) in [(1usize, 7usize), (2, 2)] {
         let p: Vec<u32> = (0..n as u32).map(|i| 20 + i).collect();
         let out = model
-            .forward(&mut cache, &[SeqInput { slot, tokens: &p }], Logits::Last)
+            .forward(
+                &mut cache,
+                StepInput::Host(&[SeqInput { slot, tokens: &p }]),
+                Logits::Last,
+            )
             .unwrap();
         out[0].eval().unwrap();
     }
@@ -520,8 +534,8 @@ fn compiled_ops_trace_once() {
             .map(|&slot| SeqInput { slot, tokens: &[5] })
             .collect();
         model
-            .forward_decode_rows(&mut cache, &inputs)
-            .unwrap()
+            .forward(&mut cache, StepInput::Host(&inputs), Logits::Rows)
+            .unwrap()[0]
             .eval()
             .unwrap();
     }

@@ -1473,7 +1473,8 @@ fn max_connections_keeps_health_answering() {
         .collect();
     std::thread::sleep(Duration::from_millis(300));
     let mut over = TcpStream::connect(&s.addr).unwrap();
-    assert!(closed_within(&mut over, Duration::from_secs(5)));
+    // closed at once; the margin is for a loaded machine, where the accept loop may run late
+    assert!(closed_within(&mut over, Duration::from_secs(20)));
     extra.clear();
     held.clear();
     // once they are gone, everything is served again

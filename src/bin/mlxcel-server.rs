@@ -25,8 +25,7 @@ fn main() -> ExitCode {
         mlxcel::cli::main()
     } else {
         let cli = ServerCli::parse();
-        mlxcel::cli::startup(cli.verbose);
-        mlxcel::server::run(&cli.serve)
+        mlxcel::cli::startup(cli.verbose).and_then(|()| mlxcel::server::run(&cli.serve))
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -11,10 +11,10 @@ use clap::Args;
 use rand::{Rng, SeedableRng};
 use serde_json::json;
 
-use super::generate::{check_single_device_memory, load_weights, open_model, ModelArgs};
 use crate::engine::generate::prefill;
 use crate::mlx::{self, Dtype};
-use crate::models::Logits;
+use crate::models::{Logits, StepInput};
+use crate::runtime::{check_single_device_memory, load_weights, open_model, ModelArgs};
 
 #[derive(Debug, Args)]
 pub struct BenchArgs {
@@ -61,7 +61,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     }
     let max_batch = args.decode_batch.iter().copied().max().unwrap_or(1).max(1);
     check_single_device_memory(&margs, &opened, max_batch, args.prefill_chunk)?;
-    let m = super::generate::LoadedModel {
+    let m = crate::runtime::LoadedModel {
         model: load_weights(&margs, &opened)?,
         dir: opened.dir,
         tokenizer: opened.tokenizer,
@@ -162,8 +162,8 @@ pub fn run(args: &BenchArgs) -> Result<()> {
 /// Greedy decode of `n` tokens after whatever is in slot 0, pipelined: step i+1 is
 /// queued before token i is read back.
 fn decode_loop(
-    model: &crate::models::Transformer,
-    cache: &mut crate::engine::kv_cache::KvCache,
+    model: &crate::models::Model,
+    cache: &mut crate::models::kv_cache::KvCache,
     n: usize,
 ) -> Result<HostTimes> {
     // re-feed a token stand-in: any valid id works for timing
@@ -172,7 +172,16 @@ fn decode_loop(
     let mut times = HostTimes::default();
     for _ in 0..n {
         let t0 = Instant::now();
-        let logits = model.forward_slot_ids(cache, 0, &y, Logits::Last)?;
+        let logits = model
+            .forward(
+                cache,
+                StepInput::Device {
+                    slots: &[0],
+                    ids: &y,
+                },
+                Logits::Last,
+            )?
+            .remove(0);
         let next = logits
             .argmax(-1, false)?
             .astype(Dtype::I32)?
@@ -220,8 +229,8 @@ impl HostTimes {
 /// Greedy decode of `n` steps of `b` sequences (slots `0..b`, one token each per
 /// step) as one graph per step, pipelined like [`decode_loop`].
 fn decode_batch_loop(
-    model: &crate::models::Transformer,
-    cache: &mut crate::engine::kv_cache::KvCache,
+    model: &crate::models::Model,
+    cache: &mut crate::models::kv_cache::KvCache,
     b: usize,
     n: usize,
 ) -> Result<()> {
@@ -229,7 +238,16 @@ fn decode_batch_loop(
     let mut y = mlx::Array::from_slice(&vec![1i32; b], &[b as i32, 1])?;
     let mut pending: Option<mlx::Array> = None;
     for _ in 0..n {
-        let logits = model.forward_decode_ids(cache, &slots, &y)?;
+        let logits = model
+            .forward(
+                cache,
+                StepInput::Device {
+                    slots: &slots,
+                    ids: &y,
+                },
+                Logits::Rows,
+            )?
+            .remove(0);
         let next = logits
             .argmax(-1, false)?
             .astype(Dtype::I32)?

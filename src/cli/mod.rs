@@ -70,7 +70,7 @@ pub enum Command {
 /// Entry point of the `mlxcel` binary.
 pub fn main() -> Result<()> {
     let cli = Cli::parse();
-    startup(cli.verbose);
+    startup(cli.verbose)?;
     match cli.command {
         Command::Generate(args) => generate::run(&args),
         Command::Bench(args) => bench::run(&args),
@@ -89,8 +89,9 @@ pub fn main() -> Result<()> {
     }
 }
 
-/// Logging, the CUDA device order and the `detected N GPUs` line; every binary calls it first.
-pub fn startup(verbose: u8) {
+/// Logging, the CUDA device order, the `detected N GPUs` line and the kernels' tuning
+/// knobs (a bad value is an error naming the variable); every binary calls it first.
+pub fn startup(verbose: u8) -> Result<()> {
     init_logging(verbose);
     prepare_cuda_env();
     tracing::info!(
@@ -99,6 +100,8 @@ pub fn startup(verbose: u8) {
         mlx::backend(),
         mlx::version()
     );
+    crate::kernels::knobs::check()?;
+    Ok(())
 }
 
 /// Logs go to stderr: `RUST_LOG` if set, else info (debug with -v, trace with -vv).
@@ -140,7 +143,7 @@ fn prepare_cuda_env() {
 /// `MLX_MAX_OPS_PER_BUFFER` kernels or `MLX_MAX_MB_PER_BUFFER` MB of inputs (30 and
 /// 400 on H100/H200). A decode step is hundreds of small kernels and the host is the
 /// bottleneck there; bigger graphs cost the host less per kernel. On H200, 4-bit 8B
-/// decode went from 229 to 290 tok/s with these values (docs/benchmarks.md). Set
+/// decode went from 229 to 290 tok/s with these values (docs/data/envsweep-h200-2026-11-29.txt). Set
 /// before MLX's first CUDA work (its encoder reads them once), unless already set.
 const CUDA_GRAPH_DEFAULTS: [(&str, &str); 2] = [
     ("MLX_MAX_OPS_PER_BUFFER", "100"),

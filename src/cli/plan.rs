@@ -6,12 +6,12 @@ use anyhow::{bail, Result};
 use clap::Args;
 use serde_json::json;
 
-use super::generate::{ctx_size_of, resolve_dir, ModelArgs, TpArgs};
 use crate::mlx::{self, Backend};
 use crate::models::{self, LoadFormat};
 use crate::parallel::placement;
 use crate::parallel::plan::{self, Budget, Placement, PlanInput};
 use crate::parallel::shard;
+use crate::runtime::{ctx_size_of, resolve_dir, ModelArgs, TpArgs};
 
 #[derive(Debug, Args)]
 pub struct PlanArgs {

@@ -10,11 +10,11 @@ use clap::Args;
 use rand::{Rng, SeedableRng};
 use serde_json::json;
 
-use super::generate::{load_weights, open_model, ModelArgs, TpArgs};
 use crate::engine::step::{Executor, LocalExecutor, SeqStart, SeqStep, StepPlan};
 use crate::mlx::Dtype;
 use crate::models::LoadFormat;
 use crate::parallel::driver::TpExecutor;
+use crate::runtime::{load_weights, open_model, ModelArgs, TpArgs};
 
 #[derive(Debug, Args)]
 pub struct TpParityArgs {

@@ -4,11 +4,11 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use super::kv_cache::KvCache;
 use super::sampler::SamplingParams;
 use super::step::{Executor, SeqStart, SeqStep, StepError, StepPlan};
 use crate::mlx::{self, Array};
-use crate::models::{ForwardError, Logits, SeqInput, Transformer};
+use crate::models::kv_cache::KvCache;
+use crate::models::{ForwardError, Logits, Model, SeqInput, StepInput};
 use crate::tokenizer::stream::{StopMatcher, StreamDecoder};
 use crate::tokenizer::{Tokenizer, TokenizerError};
 
@@ -89,7 +89,7 @@ pub struct Generation {
 /// Prefill `prompt` into `slot` in chunks directly on a model; return the last position's
 /// logits `[1, vocab]` (used by `bench`).
 pub fn prefill(
-    model: &Transformer,
+    model: &Model,
     cache: &mut KvCache,
     slot: usize,
     prompt: &[u32],
@@ -98,7 +98,11 @@ pub fn prefill(
     let chunk = chunk.max(1);
     let mut last = None;
     for part in prompt.chunks(chunk) {
-        let mut out = model.forward(cache, &[SeqInput { slot, tokens: part }], Logits::Last)?;
+        let mut out = model.forward(
+            cache,
+            StepInput::Host(&[SeqInput { slot, tokens: part }]),
+            Logits::Last,
+        )?;
         let logits = out.remove(0);
         logits.eval()?;
         last = Some(logits);

@@ -1,7 +1,6 @@
-//! Engine: KV cache, sampling, generation loop and scheduling (all on the MLX thread).
+//! Engine: sampling, generation loop and scheduling (all on the MLX thread).
 pub mod generate;
 pub mod grammar;
-pub mod kv_cache;
 pub mod sampler;
 pub mod scheduler;
 pub mod step;

@@ -10,10 +10,11 @@ use std::collections::HashMap;
 use serde::{Deserialize, Serialize};
 
 use super::grammar::apply_masks;
-use super::kv_cache::KvCache;
 use super::sampler::{sample_batch_lazy, LazySample, SamplingParams, SequenceSampler};
+use crate::kernels;
 use crate::mlx::{self, Array};
-use crate::models::{ForwardError, Logits, SeqInput, Transformer};
+use crate::models::kv_cache::KvCache;
+use crate::models::{ForwardError, Logits, Model, SeqInput, StepInput};
 
 /// First step of a sequence: reset its slot and set up its sampler.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -193,7 +194,7 @@ struct Queued {
 
 /// The model, its KV cache and per-sequence samplers, on the MLX thread.
 pub struct Worker {
-    pub model: Transformer,
+    pub model: Model,
     pub cache: KvCache,
     samplers: HashMap<u64, SequenceSampler>,
     /// Whether this worker samples (rank 0, or the only process).
@@ -203,7 +204,7 @@ pub struct Worker {
 }
 
 impl Worker {
-    pub fn new(model: Transformer, slots: usize, ctx_size: usize, sampling: bool) -> Worker {
+    pub fn new(model: Model, slots: usize, ctx_size: usize, sampling: bool) -> Worker {
         let cache = model.new_cache(slots, ctx_size);
         Worker {
             model,
@@ -215,7 +216,7 @@ impl Worker {
     }
 
     /// Run a decode step (then forget it) at each batch size up to one past the quantized
-    /// GEMV's [`mlx::qgemv::MAX_M`] (as far as the slots allow; larger batches run it on
+    /// GEMV's [`kernels::qgemv::MAX_M`] (as far as the slots allow; larger batches run it on
     /// row chunks of those sizes), and with more than one
     /// slot (a server) prompts of 2..=MAX_M tokens, on a GPU backend, so MLX compiles the
     /// run-time kernels of the decode path (mlxcel's GEMV is one per weight shape, batch
@@ -229,7 +230,7 @@ impl Worker {
             return Ok(());
         }
         let start = std::time::Instant::now();
-        let max_batch = self.cache.slots().min(mlx::qgemv::MAX_M + 1);
+        let max_batch = self.cache.slots().min(kernels::qgemv::MAX_M + 1);
         let mut phases = Vec::new();
         for b in 1..=max_batch {
             let slots: Vec<usize> = (0..b).collect();
@@ -237,10 +238,15 @@ impl Worker {
                 self.cache.reset(s);
             }
             let ids = Array::from_slice(&vec![0i32; b], &[b as i32, 1])?;
-            let logits = self
-                .model
-                .forward_decode_ids(&mut self.cache, &slots, &ids)?;
-            logits.argmax(-1, false)?.eval()?;
+            let logits = self.model.forward(
+                &mut self.cache,
+                StepInput::Device {
+                    slots: &slots,
+                    ids: &ids,
+                },
+                Logits::Rows,
+            )?;
+            logits[0].argmax(-1, false)?.eval()?;
             phases.push(format!(
                 "decode {b}: {:.1} s",
                 start.elapsed().as_secs_f64()
@@ -249,17 +255,22 @@ impl Worker {
         // prompts (or last prefill chunks) of 2..=MAX_M tokens take the kernel at M = T with
         // the norm as its own op
         let prompt_max = if self.cache.slots() > 1 {
-            mlx::qgemv::MAX_M.min(self.cache.max_capacity())
+            kernels::qgemv::MAX_M.min(self.cache.max_capacity())
         } else {
             1
         };
         for t in 2..=prompt_max {
             self.cache.reset(0);
             let ids = Array::from_slice(&vec![0i32; t], &[1, t as i32])?;
-            let logits = self
-                .model
-                .forward_slot_ids(&mut self.cache, 0, &ids, Logits::Last)?;
-            logits.argmax(-1, false)?.eval()?;
+            let logits = self.model.forward(
+                &mut self.cache,
+                StepInput::Device {
+                    slots: &[0],
+                    ids: &ids,
+                },
+                Logits::Last,
+            )?;
+            logits[0].argmax(-1, false)?.eval()?;
             phases.push(format!(
                 "prompt {t}: {:.1} s",
                 start.elapsed().as_secs_f64()
@@ -342,7 +353,15 @@ impl Worker {
         let slots: Vec<usize> = rows.iter().map(|r| r.1).collect();
         let logits = self
             .model
-            .forward_decode_ids(&mut self.cache, &slots, &ids)?;
+            .forward(
+                &mut self.cache,
+                StepInput::Device {
+                    slots: &slots,
+                    ids: &ids,
+                },
+                Logits::Rows,
+            )?
+            .remove(0);
         let sample = self.sample_lazy(&seq_ids, &logits)?;
         mlx::async_eval(&sample.arrays())?;
         self.queued.push_back(Queued { seq_ids, sample });
@@ -401,7 +420,10 @@ impl Worker {
             && plan.seqs.iter().all(|s| s.tokens.len() == 1 && s.sample);
         if pure_decode {
             // one graph, one `[B, vocab]` logits array straight into the sampler
-            let logits = self.model.forward_decode_rows(&mut self.cache, &inputs)?;
+            let logits = self
+                .model
+                .forward(&mut self.cache, StepInput::Host(&inputs), Logits::Rows)?
+                .remove(0);
             if !self.sampling {
                 logits.eval()?;
                 return Ok(StepResult::default());
@@ -413,7 +435,9 @@ impl Worker {
         } else {
             Logits::Last
         };
-        let logits = self.model.forward(&mut self.cache, &inputs, mode)?;
+        let logits = self
+            .model
+            .forward(&mut self.cache, StepInput::Host(&inputs), mode)?;
         let mut result = StepResult::default();
         if plan.return_logits {
             for l in &logits {
@@ -543,7 +567,7 @@ pub struct LocalExecutor {
 }
 
 impl LocalExecutor {
-    pub fn new(model: Transformer, slots: usize, ctx_size: usize) -> LocalExecutor {
+    pub fn new(model: Model, slots: usize, ctx_size: usize) -> LocalExecutor {
         LocalExecutor {
             worker: Worker::new(model, slots, ctx_size, true),
             ctx_size,

@@ -10,14 +10,12 @@
 //! engine thread); other threads talk to it over channels.
 
 mod array;
-pub mod attn;
 mod device;
 pub mod distributed;
 pub mod fast;
 mod ffi;
 pub mod memory;
 mod ops;
-pub mod qgemv;
 pub mod random;
 
 pub use array::{Array, Element};

@@ -1,5 +1,5 @@
-//! The runtime model configuration shared by the Llama-like families, and the
-//! dispatch from `config.json`'s `model_type` to each family's parser.
+//! The runtime model configuration shared by the Llama-like families; `config.json`'s
+//! `model_type` picks the family's parser ([`super::FAMILIES`]).
 //!
 //! A family parser reads its own `config.json` fields and refuses any feature
 //! it does not implement, naming the field (never silently ignoring it).
@@ -26,7 +26,7 @@ pub enum ConfigError {
     },
 }
 
-/// `model_type` values mlxcel can run.
+/// `model_type` values mlxcel can run (one per family in [`super::FAMILIES`]).
 pub const SUPPORTED: &[&str] = &["llama", "mistral", "qwen2", "qwen3"];
 
 /// MLX affine quantization of the checkpoint (`"quantization": {group_size, bits}`).
@@ -69,23 +69,16 @@ impl ModelConfig {
             .get("model_type")
             .and_then(Value::as_str)
             .ok_or(ConfigError::NoModelType)?;
-        match mt {
-            "llama" | "mistral" => super::llama::parse_config(v),
-            "qwen2" => super::qwen2::parse_config(v),
-            "qwen3" => super::qwen3::parse_config(v),
-            other => Err(ConfigError::UnknownModelType(other.to_string())),
+        match super::family(mt) {
+            Some(f) => (f.parse_config)(v),
+            None => Err(ConfigError::UnknownModelType(mt.to_string())),
         }
     }
 
-    /// Parameters (elements) in the model, counting quantized weights as their float shape.
+    /// Parameters (elements) in the model, counting quantized weights as their float
+    /// shape: the family's layout ([`super::layout`]) counted.
     pub fn num_parameters(&self) -> u64 {
-        let h = self.hidden_size as u64;
-        let q = (self.num_heads * self.head_dim) as u64;
-        let kv = (self.num_kv_heads * self.head_dim) as u64;
-        let i = self.intermediate_size as u64;
-        let per_layer = h * q * 2 + h * kv * 2 + 3 * h * i + 2 * h;
-        let emb = self.vocab_size as u64 * h;
-        per_layer * self.num_layers as u64 + emb * if self.tie_word_embeddings { 1 } else { 2 } + h
+        super::layout(self, &super::shard::ShardPlan::full(self)).num_parameters()
     }
 }
 

@@ -1,30 +1,18 @@
 //! Building blocks that model files call like single-device layers: linear
-//! (dense or MLX-affine-quantized), embedding, RMSNorm, rotary embedding.
-//! Each layer loads its own tensors by name, with shapes from the config.
-use std::ops::Range;
+//! (dense or MLX-affine-quantized), embedding, rotary embedding.
+//! Each layer loads its tensors from its parameter specs (`models::layout`).
 use std::rc::Rc;
 
+use crate::kernels::{self, qgemv::Epilogue};
 use crate::mlx::distributed::Group;
-use crate::mlx::qgemv::Epilogue;
 use crate::mlx::{self, fast, Array, Dtype};
 
+use super::blocks::norm::RmsNorm;
 use super::config::{ModelConfig, QuantConfig, RopeScaling};
-use super::weights::{LoadError, RowBlock, TensorKind, WeightSource};
+use super::layout::{ParamSpec, Split};
+use super::weights::{LoadError, RowBlock, WeightSource};
 
 pub type Result<T> = std::result::Result<T, LoadError>;
-
-/// How a linear layer is split across tensor-parallel ranks.
-#[derive(Clone, Default)]
-pub enum Shard {
-    /// The whole weight.
-    #[default]
-    Full,
-    /// Output rows `range` (column-parallel): no communication.
-    Column(Range<usize>),
-    /// Input columns `range` (row-parallel): partial sums are `all_sum`med over
-    /// `group`, then the bias is added once.
-    Row(Range<usize>, Rc<Group>),
-}
 
 enum Weight {
     Dense(Array),
@@ -36,8 +24,29 @@ enum Weight {
     },
 }
 
+impl Weight {
+    /// `[weight]`, or `[packed weight, scales, biases]` with `quant`.
+    fn from_parts(parts: Vec<Array>, quant: Option<QuantConfig>) -> Weight {
+        let mut it = parts.into_iter();
+        match (quant, it.next(), it.next(), it.next()) {
+            (Some(q), Some(w), Some(scales), Some(biases)) => Weight::Quantized {
+                w,
+                scales,
+                biases,
+                q,
+            },
+            (_, Some(w), ..) => Weight::Dense(w),
+            _ => unreachable!("a linear's tensors start with its weight"),
+        }
+    }
+}
+
+fn invalid(msg: String) -> LoadError {
+    LoadError::Mlx(mlx::MlxError::Invalid(msg))
+}
+
 /// `y = x Wᵀ (+ b)`, with W dense `[out, in]` or MLX affine-quantized, possibly one
-/// rank's shard of it (see [`Shard`]); model code calls it like a plain linear layer.
+/// rank's block of it (see [`Split`]); model code calls it like a plain linear layer.
 pub struct Linear {
     weight: Weight,
     bias: Option<Array>,
@@ -45,147 +54,88 @@ pub struct Linear {
 }
 
 impl Linear {
-    /// Load `{prefix}.weight` (and `.scales`/`.biases` when quantized, `.bias` when `bias`),
-    /// reading only this rank's part under `shard`.
-    #[allow(clippy::too_many_arguments)]
+    /// Load the tensors of `spec` ([`ParamSpec::tensors`]: `.weight`, and `.scales` /
+    /// `.biases` when quantized, `.bias`), reading only this rank's block of each; a
+    /// row-parallel spec's partial sums are `all_sum`med over `reduce` when given.
     pub fn load(
-        src: &WeightSource,
-        prefix: &str,
-        in_dim: usize,
-        out_dim: usize,
-        bias: bool,
-        quant: Option<QuantConfig>,
-        shard: Shard,
+        src: &dyn WeightSource,
+        spec: &ParamSpec,
+        reduce: Option<Rc<Group>>,
     ) -> Result<Linear> {
-        let (rows, cols, reduce) = match shard {
-            Shard::Full => (None, None, None),
-            Shard::Column(r) => (Some(r), None, None),
-            Shard::Row(c, g) => (None, Some(c), Some(g)),
-        };
-        let bias = if bias {
-            Some(src.load_block(
-                &format!("{prefix}.bias"),
-                &[out_dim],
-                rows.clone(),
-                None,
-                TensorKind::Float,
-            )?)
-        } else {
-            None
-        };
-        let weight = match quant {
-            Some(q) if src.contains(&format!("{prefix}.scales")) => {
-                let (bits, g) = (q.bits as usize, q.group_size as usize);
-                let packed = cols.clone().map(|c| c.start * bits / 32..c.end * bits / 32);
-                let groups = cols.clone().map(|c| c.start / g..c.end / g);
-                Weight::Quantized {
-                    w: src.load_block(
-                        &format!("{prefix}.weight"),
-                        &[out_dim, in_dim * bits / 32],
-                        rows.clone(),
-                        packed,
-                        TensorKind::Packed,
-                    )?,
-                    scales: src.load_block(
-                        &format!("{prefix}.scales"),
-                        &[out_dim, in_dim / g],
-                        rows.clone(),
-                        groups.clone(),
-                        TensorKind::Scales,
-                    )?,
-                    biases: src.load_block(
-                        &format!("{prefix}.biases"),
-                        &[out_dim, in_dim / g],
-                        rows,
-                        groups,
-                        TensorKind::QuantBiases,
-                    )?,
-                    q,
-                }
+        if let Split::Vocab(_) = spec.split {
+            return Err(invalid(format!(
+                "{}: vocab-parallel rows are not implemented",
+                spec.name
+            )));
+        }
+        let quant = spec.quantization(|n| src.contains(n));
+        let reduce = reduce.filter(|_| matches!(spec.split, Split::Row(_)));
+        let mut bias = None;
+        let mut parts = Vec::with_capacity(3);
+        for t in spec.tensors(quant) {
+            let a = src.load_block(&t.name, &t.shape, t.rows, t.cols, t.kind)?;
+            match t.suffix {
+                "bias" => bias = Some(a),
+                _ => parts.push(a),
             }
-            _ => Weight::Dense(src.load_block(
-                &format!("{prefix}.weight"),
-                &[out_dim, in_dim],
-                rows,
-                cols,
-                TensorKind::Float,
-            )?),
-        };
+        }
         Ok(Linear {
-            weight,
+            weight: Weight::from_parts(parts, quant),
             bias,
             reduce,
         })
     }
 
-    /// One linear computing several column-parallel (or full) linears side by side, so one
-    /// matmul replaces several; callers split the output. `parts` are `(prefix, out_dim,
-    /// shard)` with the same input, bias and quantization. Their weights (and scales/biases
-    /// when quantized, and output biases) are stacked along the output axis as they are
-    /// read, not concatenated afterwards.
-    pub fn load_merged(
-        src: &WeightSource,
-        parts: &[(&str, usize, Shard)],
-        in_dim: usize,
-        bias: bool,
-        quant: Option<QuantConfig>,
-    ) -> Result<Linear> {
-        let mut rows = Vec::with_capacity(parts.len());
-        for (prefix, _, shard) in parts {
-            rows.push(match shard {
-                Shard::Full => None,
-                Shard::Column(r) => Some(r.clone()),
-                Shard::Row(..) => {
-                    return Err(LoadError::Mlx(mlx::MlxError::Invalid(format!(
-                        "Linear::load_merged: {prefix} is row-parallel; only column-parallel \
-                         or whole linears can be merged"
-                    ))))
-                }
-            });
-        }
-        // the rows of tensor `suffix` of every part, shape [out_dim, width] (or [out_dim])
-        let stacked = |suffix: &str, width: Option<usize>, kind: TensorKind| {
-            let specs: Vec<RowBlock> = parts
-                .iter()
-                .zip(&rows)
-                .map(|((prefix, out, _), r)| {
-                    let shape = std::iter::once(*out).chain(width).collect();
-                    (format!("{prefix}.{suffix}"), shape, r.clone())
-                })
-                .collect();
-            src.load_concat(&specs, kind)
-        };
-        let bias = if bias {
-            Some(stacked("bias", None, TensorKind::Float)?)
-        } else {
-            None
-        };
-        let quantized = parts
+    /// One linear computing several column-parallel (or whole) linears side by side, so one
+    /// matmul replaces several; callers split the output. `parts` have the same input,
+    /// bias and quantization. Their weights (and scales/biases when quantized, and output
+    /// biases) are stacked along the output axis as they are read, not concatenated
+    /// afterwards.
+    pub fn load_merged(src: &dyn WeightSource, parts: &[&ParamSpec]) -> Result<Linear> {
+        if let Some(p) = parts
             .iter()
-            .filter(|(prefix, ..)| src.contains(&format!("{prefix}.scales")))
-            .count();
-        let weight = match quant {
-            Some(q) if quantized == parts.len() => {
-                let (bits, g) = (q.bits as usize, q.group_size as usize);
-                Weight::Quantized {
-                    w: stacked("weight", Some(in_dim * bits / 32), TensorKind::Packed)?,
-                    scales: stacked("scales", Some(in_dim / g), TensorKind::Scales)?,
-                    biases: stacked("biases", Some(in_dim / g), TensorKind::QuantBiases)?,
-                    q,
-                }
+            .find(|p| matches!(p.split, Split::Row(_) | Split::Vocab(_)))
+        {
+            return Err(invalid(format!(
+                "Linear::load_merged: {} is row- or vocab-parallel; only column-parallel \
+                 or whole linears can be merged",
+                p.name
+            )));
+        }
+        let quants: Vec<_> = parts
+            .iter()
+            .map(|p| p.quantization(|n| src.contains(n)))
+            .collect();
+        let quant = quants.first().copied().flatten();
+        if quants.iter().any(|q| *q != quant) {
+            return Err(invalid(format!(
+                "Linear::load_merged: {} of {} parts ({}) are quantized",
+                quants.iter().filter(|q| q.is_some()).count(),
+                parts.len(),
+                parts
+                    .iter()
+                    .map(|p| p.name.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )));
+        }
+        // tensor i of every part, stacked: the parts' tensors come in the same order
+        let tensors: Vec<_> = parts.iter().map(|p| p.tensors(quant)).collect();
+        let mut bias = None;
+        let mut stacked = Vec::with_capacity(3);
+        for i in 0..tensors.first().map_or(0, |t| t.len()) {
+            let blocks: Vec<RowBlock> = tensors
+                .iter()
+                .map(|t| (t[i].name.clone(), t[i].shape.clone(), t[i].rows.clone()))
+                .collect();
+            let a = src.load_concat(&blocks, tensors[0][i].kind)?;
+            match tensors[0][i].suffix {
+                "bias" => bias = Some(a),
+                _ => stacked.push(a),
             }
-            Some(_) if quantized > 0 => {
-                return Err(LoadError::Mlx(mlx::MlxError::Invalid(format!(
-                    "Linear::load_merged: {} of {} parts ({}) are quantized",
-                    quantized,
-                    parts.len(),
-                    parts.iter().map(|p| p.0).collect::<Vec<_>>().join(", ")
-                ))))
-            }
-            _ => Weight::Dense(stacked("weight", Some(in_dim), TensorKind::Float)?),
-        };
+        }
         Ok(Linear {
-            weight,
+            weight: Weight::from_parts(stacked, quant),
             bias,
             reduce: None,
         })
@@ -302,9 +252,9 @@ impl Linear {
         let fits = rope.dims as usize == head_dim
             && pos.size() == f.m
             && pos.dtype() == Dtype::I32
-            && mlx::qgemv::supports_rope(f.m, f.n, f.group, f.bits, nq, head_dim);
+            && kernels::qgemv::supports_rope(f.m, f.n, f.group, f.bits, nq, head_dim);
         fits.then(|| {
-            mlx::qgemv::qgemv_rope(
+            kernels::qgemv::qgemv_rope(
                 x,
                 f.w,
                 f.scales,
@@ -334,7 +284,7 @@ impl Linear {
         else {
             return None;
         };
-        if self.bias.is_some() || self.reduce.is_some() || !mlx::qgemv::enabled() {
+        if self.bias.is_some() || self.reduce.is_some() || !kernels::qgemv::enabled() {
             return None;
         }
         let (n, k) = (self.out_dim(), self.in_dim());
@@ -343,7 +293,7 @@ impl Linear {
         let norm_fits = norm.is_none_or(|n| n.weight.size() == k && n.weight.dtype() == x.dtype());
         let fits = norm_fits
             && m * k == x.size()
-            && mlx::qgemv::supports(m, n, k, group, bits, [x.dtype(), scales.dtype()]);
+            && kernels::qgemv::supports(m, n, k, group, bits, [x.dtype(), scales.dtype()]);
         fits.then_some(Fusable {
             w,
             scales,
@@ -369,11 +319,11 @@ impl Linear {
         let f = self.fusable(x, norm)?;
         let epi_fits = match epi {
             Epilogue::Residual(r) => r.dtype() == x.dtype() && r.size() == f.m * f.n,
-            Epilogue::SwiGlu => mlx::qgemv::supports_swiglu(f.m, f.n, f.group, f.bits),
+            Epilogue::SwiGlu => kernels::qgemv::supports_swiglu(f.m, f.n, f.group, f.bits),
             Epilogue::None => true,
         };
         epi_fits.then(|| {
-            mlx::qgemv::qgemv(
+            kernels::qgemv::qgemv(
                 x,
                 f.w,
                 f.scales,
@@ -437,12 +387,12 @@ fn quantized_forward(
     let n = w.dim(0) as usize;
     let m = x.size().checked_div(k).unwrap_or(0);
     let (group, bits) = (q.group_size as usize, q.bits as usize);
-    if mlx::qgemv::enabled()
-        && mlx::qgemv::supports(m, n, k, group, bits, [x.dtype(), scales.dtype()])
+    if kernels::qgemv::enabled()
+        && kernels::qgemv::supports(m, n, k, group, bits, [x.dtype(), scales.dtype()])
     {
         let mut shape = x.shape();
         *shape.last_mut().expect("x has a last axis") = n as i32;
-        return mlx::qgemv::qgemv(
+        return kernels::qgemv::qgemv(
             x,
             w,
             scales,
@@ -463,7 +413,7 @@ fn quantized_forward(
 /// `x · dequantize(w)ᵀ` as a dense GEMM. The dequantization is ordered after `x`
 /// exists, so MLX does not dequantize weights before their input is there; across
 /// layers the bound that matters on a GPU is the forward pass's layers in flight
-/// (`Transformer::forward_slot_ids`).
+/// (`Model::forward`, one slot's chunk).
 fn dequant_gemm(
     x: &Array,
     w: &Array,
@@ -481,15 +431,9 @@ pub struct Embedding {
 }
 
 impl Embedding {
-    pub fn load(
-        src: &WeightSource,
-        prefix: &str,
-        vocab: usize,
-        hidden: usize,
-        quant: Option<QuantConfig>,
-    ) -> Result<Self> {
+    pub fn load(src: &dyn WeightSource, spec: &ParamSpec) -> Result<Self> {
         Ok(Embedding {
-            table: Linear::load(src, prefix, hidden, vocab, false, quant, Shard::Full)?,
+            table: Linear::load(src, spec, None)?,
         })
     }
 
@@ -526,25 +470,6 @@ impl Embedding {
             Weight::Dense(w) => w.dtype(),
             Weight::Quantized { scales, .. } => scales.dtype(),
         }
-    }
-}
-
-/// RMSNorm with a learned scale.
-pub struct RmsNorm {
-    pub weight: Array,
-    pub eps: f32,
-}
-
-impl RmsNorm {
-    pub fn load(src: &WeightSource, name: &str, dim: usize, eps: f32) -> Result<Self> {
-        Ok(RmsNorm {
-            weight: src.load(name, &[dim], TensorKind::Norm)?,
-            eps,
-        })
-    }
-
-    pub fn forward(&self, x: &Array) -> mlx::Result<Array> {
-        fast::rms_norm(x, Some(&self.weight), self.eps)
     }
 }
 

@@ -1,8 +1,24 @@
-//! Llama 2/3/3.1/3.2 and Mistral (the same architecture): config parsing.
-//! The forward pass is the shared [`super::transformer`].
+//! Llama 2/3/3.1/3.2: its config (refusing what it does not implement), and its
+//! layout: the decoder of [`super::model`] with plain attention (no biases, no q/k norm)
+//! and a SwiGLU MLP.
 use serde_json::Value;
 
+use super::blocks::attention::AttentionOptions;
 use super::config::{parse_common, refuse_sliding_window, ConfigError, Fields, ModelConfig};
+use super::layout::Layout;
+use super::model::decoder_layout;
+use super::shard::ShardPlan;
+use super::Family;
+
+pub const FAMILY: Family = Family {
+    model_type: "llama",
+    parse_config,
+    layout,
+};
+
+pub fn layout(cfg: &ModelConfig, plan: &ShardPlan) -> Layout {
+    decoder_layout(cfg, plan, AttentionOptions::default())
+}
 
 pub fn parse_config(v: &Value) -> Result<ModelConfig, ConfigError> {
     let f = Fields(v);

@@ -1,19 +1,60 @@
-//! Model families. Each family file parses its `config.json` (refusing
-//! features it does not implement); the Llama-like ones share the forward pass
-//! in [`transformer`], built from the layers in [`layers`].
+//! Model families. One file per family (`llama.rs`, `mistral.rs`, `qwen2.rs`,
+//! `qwen3.rs`) holds its config parser (refusing features it does not implement) and
+//! its parameter layout (`layout.rs`: names, shapes, quantization and TP splits, read by
+//! the loader, the memory plan and the TP checks), made of the blocks in [`blocks`];
+//! every family runs the one decoder loop of [`model::Model`]. A new Llama-like family
+//! is one file and one line in [`FAMILIES`].
+pub mod blocks;
 pub mod config;
 pub mod demo;
+pub mod kv_cache;
 pub mod layers;
+pub mod layout;
 pub mod llama;
+pub mod mistral;
+pub mod model;
 pub mod qwen2;
 pub mod qwen3;
 pub mod rope;
-pub mod transformer;
+pub mod shard;
 pub mod weights;
 
 pub use config::{ConfigError, ModelConfig};
-pub use transformer::{ForwardError, Logits, SeqInput, Transformer};
-pub use weights::{LoadError, WeightSource};
+pub use layout::{Layout, ParamSpec, Split};
+pub use model::{ForwardError, Logits, Model, SeqInput, StepInput};
+
+/// A model family: the `model_type` it runs, its config parser and its layout.
+pub struct Family {
+    pub model_type: &'static str,
+    pub parse_config: fn(&serde_json::Value) -> Result<ModelConfig, ConfigError>,
+    /// The parameters of one rank under a shard plan.
+    pub layout: fn(&ModelConfig, &shard::ShardPlan) -> Layout,
+}
+
+/// Every family mlxcel runs.
+pub const FAMILIES: &[Family] = &[llama::FAMILY, mistral::FAMILY, qwen2::FAMILY, qwen3::FAMILY];
+
+/// The family of a `model_type`.
+pub fn family(model_type: &str) -> Option<&'static Family> {
+    FAMILIES.iter().find(|f| f.model_type == model_type)
+}
+
+/// The parameters rank `plan.rank` holds of a model of `cfg`, as its family lays them
+/// out. A config made in code with another `model_type` gets the Llama-like decoder
+/// with its `qkv_bias` / `qk_norm` flags.
+pub fn layout(cfg: &ModelConfig, plan: &shard::ShardPlan) -> Layout {
+    match family(&cfg.model_type) {
+        Some(f) => (f.layout)(cfg, plan),
+        None => {
+            let attn = blocks::attention::AttentionOptions {
+                qkv_bias: cfg.qkv_bias,
+                qk_norm: cfg.qk_norm,
+            };
+            model::decoder_layout(cfg, plan, attn)
+        }
+    }
+}
+pub use weights::{CastSource, DummySource, LoadError, SafetensorsSource, WeightSource};
 
 use crate::model_dir::{ModelDir, ModelDirError};
 
@@ -42,7 +83,7 @@ pub enum ModelError {
 
 /// A loaded model and what loading it cost.
 pub struct Loaded {
-    pub model: Transformer,
+    pub model: Model,
     pub bytes_read: u64,
     pub seconds: f64,
 }
@@ -50,6 +91,19 @@ pub struct Loaded {
 /// Parse the config of a model folder.
 pub fn read_config(dir: &ModelDir) -> Result<ModelConfig, ModelError> {
     Ok(ModelConfig::from_json(&dir.read_config()?)?)
+}
+
+/// The weights of the model in `dir` as `format` says: its checkpoint files, or dummy
+/// weights (seed 0) in the config's dtype.
+pub fn weight_source(
+    dir: &ModelDir,
+    format: LoadFormat,
+    cfg: &ModelConfig,
+) -> Result<Box<dyn WeightSource>, LoadError> {
+    Ok(match format {
+        LoadFormat::Safetensors => Box::new(SafetensorsSource::from_dir(dir)?),
+        LoadFormat::Dummy => Box::new(DummySource::new(cfg.dtype, 0)),
+    })
 }
 
 /// Load the model in `dir`; `progress(done, total)` is called per layer.
@@ -71,15 +125,12 @@ pub fn load_as(
 ) -> Result<Loaded, ModelError> {
     let cfg = read_config(dir)?;
     let t0 = std::time::Instant::now();
-    let src = match format {
-        LoadFormat::Safetensors => WeightSource::from_dir(dir)?,
-        LoadFormat::Dummy => WeightSource::dummy(cfg.dtype, 0)?,
-    };
+    let src = weight_source(dir, format, &cfg)?;
     let src = match dtype {
-        Some(d) => src.cast(d),
+        Some(d) => Box::new(CastSource::new(src, d)),
         None => src,
     };
-    let model = Transformer::load(&cfg, &src, progress)?;
+    let model = Model::load(&cfg, src.as_ref(), progress)?;
     Ok(Loaded {
         model,
         bytes_read: src.bytes_read(),

@@ -1,5 +1,6 @@
-//! Where weights come from: safetensors files or `--load-format dummy` (random
-//! values made on the device).
+//! Where weights come from: the [`WeightSource`] trait, and its sources —
+//! safetensors files ([`SafetensorsSource`]), `--load-format dummy` (random values
+//! made on the device, [`DummySource`]) and a cast of another source ([`CastSource`]).
 //!
 //! Checkpoint files are read with positioned reads (`pread`), never mapped: a
 //! tensor-parallel rank reads exactly its byte ranges — one range for a block of
@@ -353,27 +354,12 @@ impl SafetensorsSource {
         }
     }
 
-    fn contains(&self, name: &str) -> bool {
-        match &self.map {
-            Some(map) => map.contains_key(name),
-            None => self
-                .files
-                .iter()
-                .any(|f| f.get().is_some_and(|f| f.tensors.contains_key(name))),
-        }
-    }
-
     fn file_list(&self) -> String {
         self.paths
             .iter()
             .map(|p| p.display().to_string())
             .collect::<Vec<_>>()
             .join(", ")
-    }
-
-    /// Bytes copied out of checkpoint files so far.
-    pub fn bytes_read(&self) -> u64 {
-        self.bytes_read.get()
     }
 
     /// Files whose header has been read so far.
@@ -417,69 +403,132 @@ pub fn catalog(dir: &ModelDir) -> Result<HashMap<String, TensorEntry>, LoadError
 /// Rows of a tensor: its name, full shape and row range (all rows when `None`).
 pub type RowBlock = (String, Vec<usize>, Option<Range<usize>>);
 
-/// A source of named tensors.
-pub enum WeightSource {
-    Files(SafetensorsSource),
-    /// Random weights of the right shapes, made on the device from a seed.
-    Dummy {
-        dtype: Dtype,
-        seed: u64,
-    },
-    /// Another source with every float tensor cast to `dtype` (packed weights as they are).
-    Cast {
-        inner: Box<WeightSource>,
-        dtype: Dtype,
-    },
+/// What a source knows of one tensor before reading it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorInfo {
+    /// The stored shape (for packed quantized weights: the packed `uint32` shape).
+    pub shape: Vec<usize>,
+    /// The stored element type.
+    pub dtype: Dtype,
 }
 
-impl WeightSource {
-    /// Read every header of `paths` now (no index).
-    pub fn files(paths: &[PathBuf]) -> Result<WeightSource, LoadError> {
-        Ok(WeightSource::Files(SafetensorsSource::open(paths)?))
-    }
+/// A source of named tensors: the loader asks for tensors by their Hugging Face /
+/// mlx-community names (`model.layers.0.self_attn.q_proj.weight`) with the shape the
+/// config implies, and for blocks of them (a tensor-parallel rank's rows or columns).
+///
+/// A source must provide:
+/// - [`info`](WeightSource::info): whether a tensor exists, and its stored shape and
+///   dtype (the memory plan and the quantized/dense choice read it);
+/// - [`load_block`](WeightSource::load_block): the block `[rows, cols]` of a 1-D or 2-D
+///   tensor as an MLX array, reading no more than those bytes where it reads files,
+///   with an error naming the tensor when it is missing or its shape is not the one asked;
+/// - [`bytes_read`](WeightSource::bytes_read): bytes copied out of files so far.
+///
+/// [`load`](WeightSource::load), [`contains`](WeightSource::contains) and
+/// [`load_concat`](WeightSource::load_concat) have default implementations over those;
+/// a file-backed source overrides `load_concat` to read stacked blocks into one buffer.
+/// Implementations: [`SafetensorsSource`], [`DummySource`], [`CastSource`].
+pub trait WeightSource {
+    /// The stored shape and dtype of `name`; `None` when the source has no such tensor
+    /// (a source that makes tensors on demand answers `None`, and `contains` is true).
+    fn info(&self, name: &str) -> Result<Option<TensorInfo>, LoadError>;
 
-    /// A model folder's checkpoint: with an index, files are opened on first use.
-    pub fn from_dir(dir: &ModelDir) -> Result<WeightSource, LoadError> {
-        Ok(WeightSource::Files(match &dir.index {
-            Some(index) => SafetensorsSource::open_indexed(index, &dir.weights)?,
-            None => SafetensorsSource::open(&dir.weights)?,
-        }))
-    }
+    /// The block `[rows, cols]` of `name` (full shape `shape`, 1-D or 2-D; all rows or
+    /// columns when `None`), which must have that shape and be of kind `kind`.
+    fn load_block(
+        &self,
+        name: &str,
+        shape: &[usize],
+        rows: Option<Range<usize>>,
+        cols: Option<Range<usize>>,
+        kind: TensorKind,
+    ) -> Result<Array, LoadError>;
 
-    /// Random weights from config.json alone. Every block is drawn from its own key, made
-    /// of `seed`, the tensor's name and the block's rows and columns: a tensor every rank
-    /// holds whole (embeddings, `lm_head`) is the same on every rank, as TP needs (each
-    /// rank samples from its own replicated logits).
-    pub fn dummy(dtype: Dtype, seed: u64) -> Result<WeightSource, LoadError> {
-        Ok(WeightSource::Dummy { dtype, seed })
-    }
+    /// Bytes read from checkpoint files so far (0 for made-up weights).
+    fn bytes_read(&self) -> u64;
 
-    /// This source with its float tensors cast to `dtype` (e.g. an f32 reference of a bf16 model).
-    pub fn cast(self, dtype: Dtype) -> WeightSource {
-        WeightSource::Cast {
-            inner: Box::new(self),
-            dtype,
-        }
-    }
-
-    /// Whether the checkpoint has this tensor (dummy: whether it would make one).
-    pub fn contains(&self, name: &str) -> bool {
-        match self {
-            WeightSource::Files(s) => s.contains(name),
-            WeightSource::Dummy { .. } => true,
-            WeightSource::Cast { inner, .. } => inner.contains(name),
-        }
+    /// Whether the checkpoint has this tensor.
+    fn contains(&self, name: &str) -> bool {
+        self.info(name).is_ok_and(|i| i.is_some())
     }
 
     /// Load `name`, which must have `shape`. Float tensors keep their stored dtype.
-    pub fn load(&self, name: &str, shape: &[usize], kind: TensorKind) -> Result<Array, LoadError> {
+    fn load(&self, name: &str, shape: &[usize], kind: TensorKind) -> Result<Array, LoadError> {
         self.load_block(name, shape, None, None, kind)
     }
 
-    /// Load the block `[rows, cols]` of `name` (full shape `shape`, 1-D or 2-D): only those
-    /// bytes are read. A row range is one contiguous byte range; a column range is one
-    /// segment per row.
-    pub fn load_block(
+    /// Row blocks of several tensors stacked along the first axis, as one array: rows
+    /// `rows` (all when `None`) of each `(name, shape)`. By default one array per part,
+    /// concatenated.
+    fn load_concat(&self, parts: &[RowBlock], kind: TensorKind) -> Result<Array, LoadError> {
+        concat_blocks(self, parts, kind)
+    }
+}
+
+/// Each part loaded on its own, then concatenated (what [`WeightSource::load_concat`] does
+/// by default).
+fn concat_blocks<S: WeightSource + ?Sized>(
+    src: &S,
+    parts: &[RowBlock],
+    kind: TensorKind,
+) -> Result<Array, LoadError> {
+    let arrays = parts
+        .iter()
+        .map(|(name, shape, rows)| src.load_block(name, shape, rows.clone(), None, kind))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(mlx::concatenate(&arrays.iter().collect::<Vec<_>>(), 0)?)
+}
+
+/// The rows and columns of a block request, filled in, and the block's shape.
+fn block_bounds(
+    shape: &[usize],
+    rows: Option<Range<usize>>,
+    cols: Option<Range<usize>>,
+) -> (Range<usize>, Range<usize>, Vec<i32>) {
+    let rows = rows.unwrap_or(0..shape.first().copied().unwrap_or(1));
+    let cols = match shape.len() {
+        2 => cols.unwrap_or(0..shape[1]),
+        _ => 0..1,
+    };
+    let dims = if shape.len() == 2 {
+        vec![rows.len() as i32, cols.len() as i32]
+    } else {
+        vec![rows.len() as i32]
+    };
+    (rows, cols, dims)
+}
+
+impl SafetensorsSource {
+    /// A model folder's checkpoint: with an index, files are opened on first use.
+    pub fn from_dir(dir: &ModelDir) -> Result<SafetensorsSource, LoadError> {
+        match &dir.index {
+            Some(index) => SafetensorsSource::open_indexed(index, &dir.weights),
+            None => SafetensorsSource::open(&dir.weights),
+        }
+    }
+}
+
+impl WeightSource for SafetensorsSource {
+    fn info(&self, name: &str) -> Result<Option<TensorInfo>, LoadError> {
+        Ok(self.find(name)?.map(|(_, e)| TensorInfo {
+            shape: e.shape.clone(),
+            dtype: e.dtype,
+        }))
+    }
+
+    /// From the index alone where there is one (no file is opened).
+    fn contains(&self, name: &str) -> bool {
+        match &self.map {
+            Some(map) => map.contains_key(name),
+            None => self
+                .files
+                .iter()
+                .any(|f| f.get().is_some_and(|f| f.tensors.contains_key(name))),
+        }
+    }
+
+    /// A row range is one contiguous byte range; a column range is one segment per row.
+    fn load_block(
         &self,
         name: &str,
         shape: &[usize],
@@ -487,75 +536,40 @@ impl WeightSource {
         cols: Option<Range<usize>>,
         kind: TensorKind,
     ) -> Result<Array, LoadError> {
-        let rows = rows.unwrap_or(0..shape.first().copied().unwrap_or(1));
-        let cols = match shape.len() {
-            2 => cols.unwrap_or(0..shape[1]),
-            _ => 0..1,
-        };
-        let out_shape: Vec<usize> = if shape.len() == 2 {
-            vec![rows.len(), cols.len()]
-        } else {
-            vec![rows.len()]
-        };
-        let dims: Vec<i32> = out_shape.iter().map(|&d| d as i32).collect();
-        match self {
-            WeightSource::Files(src) => {
-                let mut buf = src.scratch.borrow_mut();
-                buf.clear();
-                let dtype = src.append_block(name, shape, rows, cols, kind, &mut buf)?;
-                let a = Array::from_bytes(&buf, &dims, dtype)?;
-                SafetensorsSource::trim_scratch(&mut buf);
-                Ok(a)
-            }
-            WeightSource::Dummy { dtype, seed } => {
-                let sub = mlx::random::key(block_seed(*seed, name, &rows, &cols))?;
-                let fan_in = *shape.last().unwrap_or(&1) as f32;
-                let a = match kind {
-                    TensorKind::Norm => Array::full(&dims, 1.0, *dtype)?,
-                    TensorKind::Float => {
-                        mlx::random::normal(&dims, *dtype, 0.0, fan_in.powf(-0.5), &sub)?
-                    }
-                    TensorKind::Packed => mlx::random::uniform(&dims, Dtype::F32, &sub)?
-                        .mul_scalar(4_294_967_040.0)?
-                        .astype(Dtype::U32)?,
-                    TensorKind::Scales => Array::full(&dims, 0.02, *dtype)?,
-                    TensorKind::QuantBiases => Array::full(&dims, -0.15, *dtype)?,
-                };
-                Ok(a)
-            }
-            WeightSource::Cast { inner, dtype } => {
-                let a = inner.load_block(name, shape, Some(rows), Some(cols), kind)?;
-                match kind {
-                    TensorKind::Packed => Ok(a),
-                    _ => Ok(a.astype(*dtype)?),
-                }
-            }
-        }
+        let (rows, cols, dims) = block_bounds(shape, rows, cols);
+        let mut buf = self.scratch.borrow_mut();
+        buf.clear();
+        let dtype = self.append_block(name, shape, rows, cols, kind, &mut buf)?;
+        let a = Array::from_bytes(&buf, &dims, dtype)?;
+        SafetensorsSource::trim_scratch(&mut buf);
+        Ok(a)
     }
 
-    /// Row blocks of several tensors stacked along the first axis, as one array: rows
-    /// `rows` (all when `None`) of each `(name, shape)`. From files, where the parts agree in
-    /// dtype and in their other dimensions, they are read straight into one buffer: one
-    /// copy and no concatenation afterwards (which would allocate and copy them again).
-    pub fn load_concat(&self, parts: &[RowBlock], kind: TensorKind) -> Result<Array, LoadError> {
-        let first = parts.first().filter(|p| !p.1.is_empty());
-        if let (WeightSource::Files(src), Some(first)) = (self, first) {
+    fn bytes_read(&self) -> u64 {
+        self.bytes_read.get()
+    }
+
+    /// Where the parts agree in dtype and in their other dimensions, they are read straight
+    /// into one buffer: one copy and no concatenation afterwards (which would allocate and
+    /// copy them again).
+    fn load_concat(&self, parts: &[RowBlock], kind: TensorKind) -> Result<Array, LoadError> {
+        if let Some(first) = parts.first().filter(|p| !p.1.is_empty()) {
             let tail = &first.1[1..];
-            let dtype_of = |name: &str| Ok::<_, LoadError>(src.find(name)?.map(|(_, e)| e.dtype));
+            let dtype_of = |name: &str| Ok::<_, LoadError>(self.find(name)?.map(|(_, e)| e.dtype));
             let first_dtype = dtype_of(&first.0)?;
             let mut alike = first_dtype.is_some();
             for (name, shape, _) in parts {
                 alike &= !shape.is_empty() && &shape[1..] == tail && dtype_of(name)? == first_dtype;
             }
             if let (true, Some(dtype)) = (alike, first_dtype) {
-                let mut buf = src.scratch.borrow_mut();
+                let mut buf = self.scratch.borrow_mut();
                 buf.clear();
                 let mut n_rows = 0;
                 for (name, shape, rows) in parts {
                     let rows = rows.clone().unwrap_or(0..shape[0]);
                     let cols = if shape.len() == 2 { 0..shape[1] } else { 0..1 };
                     n_rows += rows.len();
-                    src.append_block(name, shape, rows, cols, kind, &mut buf)?;
+                    self.append_block(name, shape, rows, cols, kind, &mut buf)?;
                 }
                 let dims: Vec<i32> = std::iter::once(n_rows)
                     .chain(tail.iter().copied())
@@ -566,21 +580,104 @@ impl WeightSource {
                 return Ok(a);
             }
         }
-        // dummy or cast weights, or parts that differ: one array each, concatenated
-        let arrays = parts
-            .iter()
-            .map(|(name, shape, rows)| self.load_block(name, shape, rows.clone(), None, kind))
-            .collect::<Result<Vec<_>, _>>()?;
-        Ok(mlx::concatenate(&arrays.iter().collect::<Vec<_>>(), 0)?)
+        // parts that differ: one array each, concatenated
+        concat_blocks(self, parts, kind)
+    }
+}
+
+/// Random weights of the right shapes from config.json alone, made on the device. Every
+/// block is drawn from its own key, made of `seed`, the tensor's name and the block's rows
+/// and columns: a tensor every rank holds whole (embeddings, `lm_head`) is the same on
+/// every rank, as TP needs (each rank samples from its own replicated logits).
+#[derive(Debug, Clone, Copy)]
+pub struct DummySource {
+    pub dtype: Dtype,
+    pub seed: u64,
+}
+
+impl DummySource {
+    pub fn new(dtype: Dtype, seed: u64) -> DummySource {
+        DummySource { dtype, seed }
+    }
+}
+
+impl WeightSource for DummySource {
+    /// Nothing is stored: every name is made on demand.
+    fn info(&self, _name: &str) -> Result<Option<TensorInfo>, LoadError> {
+        Ok(None)
     }
 
-    /// Bytes read from checkpoint files (0 for dummy weights).
-    pub fn bytes_read(&self) -> u64 {
-        match self {
-            WeightSource::Files(s) => s.bytes_read(),
-            WeightSource::Dummy { .. } => 0,
-            WeightSource::Cast { inner, .. } => inner.bytes_read(),
+    fn contains(&self, _name: &str) -> bool {
+        true
+    }
+
+    fn load_block(
+        &self,
+        name: &str,
+        shape: &[usize],
+        rows: Option<Range<usize>>,
+        cols: Option<Range<usize>>,
+        kind: TensorKind,
+    ) -> Result<Array, LoadError> {
+        let (rows, cols, dims) = block_bounds(shape, rows, cols);
+        let sub = mlx::random::key(block_seed(self.seed, name, &rows, &cols))?;
+        let fan_in = *shape.last().unwrap_or(&1) as f32;
+        let dtype = self.dtype;
+        Ok(match kind {
+            TensorKind::Norm => Array::full(&dims, 1.0, dtype)?,
+            TensorKind::Float => mlx::random::normal(&dims, dtype, 0.0, fan_in.powf(-0.5), &sub)?,
+            TensorKind::Packed => mlx::random::uniform(&dims, Dtype::F32, &sub)?
+                .mul_scalar(4_294_967_040.0)?
+                .astype(Dtype::U32)?,
+            TensorKind::Scales => Array::full(&dims, 0.02, dtype)?,
+            TensorKind::QuantBiases => Array::full(&dims, -0.15, dtype)?,
+        })
+    }
+
+    fn bytes_read(&self) -> u64 {
+        0
+    }
+}
+
+/// Another source with every float tensor cast to `dtype` (packed weights as they are),
+/// e.g. an f32 reference of a bf16 model.
+pub struct CastSource {
+    pub inner: Box<dyn WeightSource>,
+    pub dtype: Dtype,
+}
+
+impl CastSource {
+    pub fn new(inner: Box<dyn WeightSource>, dtype: Dtype) -> CastSource {
+        CastSource { inner, dtype }
+    }
+}
+
+impl WeightSource for CastSource {
+    fn info(&self, name: &str) -> Result<Option<TensorInfo>, LoadError> {
+        self.inner.info(name)
+    }
+
+    fn contains(&self, name: &str) -> bool {
+        self.inner.contains(name)
+    }
+
+    fn load_block(
+        &self,
+        name: &str,
+        shape: &[usize],
+        rows: Option<Range<usize>>,
+        cols: Option<Range<usize>>,
+        kind: TensorKind,
+    ) -> Result<Array, LoadError> {
+        let a = self.inner.load_block(name, shape, rows, cols, kind)?;
+        match kind {
+            TensorKind::Packed => Ok(a),
+            _ => Ok(a.astype(self.dtype)?),
         }
+    }
+
+    fn bytes_read(&self) -> u64 {
+        self.inner.bytes_read()
     }
 }
 
@@ -659,7 +756,6 @@ mod tests {
         let files = vec![dir.join("a.safetensors"), dir.join("b.safetensors")];
         let src = SafetensorsSource::open_indexed(&index, &files).unwrap();
         assert_eq!(src.files_opened(), 0);
-        let src = WeightSource::Files(src);
         assert!(src.contains("unused") && !src.contains("nope"));
         // columns 2..5 of rows 1..4
         let a = src
@@ -671,10 +767,10 @@ mod tests {
             .collect();
         assert_eq!(got, want);
         assert_eq!(src.bytes_read(), 3 * 3 * 4);
-        let WeightSource::Files(s) = &src else {
-            unreachable!()
-        };
-        assert_eq!(s.files_opened(), 1, "b.safetensors holds nothing needed");
+        assert_eq!(src.files_opened(), 1, "b.safetensors holds nothing needed");
+        let info = src.info("w").unwrap().unwrap();
+        assert_eq!((info.shape, info.dtype), (vec![6, 8], Dtype::F32));
+        assert!(src.info("nope").unwrap().is_none());
         let e = src.load("missing", &[1], TensorKind::Float).unwrap_err();
         assert!(e.to_string().contains("missing"), "{e}");
         let e = src.load("w", &[6, 9], TensorKind::Float).unwrap_err();
@@ -686,10 +782,10 @@ mod tests {
     fn dummy_blocks_depend_on_name_and_bounds_not_on_the_source() {
         // two sources stand for two ranks: a tensor both hold whole must be equal
         let (a, b) = (
-            WeightSource::dummy(Dtype::F32, 0).unwrap(),
-            WeightSource::dummy(Dtype::F32, 0).unwrap(),
+            DummySource::new(Dtype::F32, 0),
+            DummySource::new(Dtype::F32, 0),
         );
-        let load = |s: &WeightSource, name: &str, rows: Range<usize>| -> Vec<f32> {
+        let load = |s: &DummySource, name: &str, rows: Range<usize>| -> Vec<f32> {
             s.load_block(name, &[8, 4], Some(rows), None, TensorKind::Float)
                 .unwrap()
                 .to_vec()
@@ -701,18 +797,16 @@ mod tests {
         assert_ne!(whole, load(&a, "model.embed_tokens.weight", 0..8));
         // two ranks' blocks of a split tensor differ
         assert_ne!(load(&a, "w", 0..4), load(&b, "w", 4..8));
-        let other_seed = WeightSource::dummy(Dtype::F32, 1).unwrap();
+        let other_seed = DummySource::new(Dtype::F32, 1);
         assert_ne!(whole, load(&other_seed, "lm_head.weight", 0..8));
     }
 
     #[test]
     fn cast_source_converts_float_tensors_only() {
-        let src = WeightSource::dummy(Dtype::BF16, 3).unwrap();
+        let src = DummySource::new(Dtype::BF16, 3);
         let plain = src.load("w", &[4, 8], TensorKind::Float).unwrap();
         let packed = src.load("q", &[4, 2], TensorKind::Packed).unwrap();
-        let cast = WeightSource::dummy(Dtype::BF16, 3)
-            .unwrap()
-            .cast(Dtype::F32);
+        let cast = CastSource::new(Box::new(DummySource::new(Dtype::BF16, 3)), Dtype::F32);
         let w = cast.load("w", &[4, 8], TensorKind::Float).unwrap();
         assert_eq!((plain.dtype(), w.dtype()), (Dtype::BF16, Dtype::F32));
         let exact: Vec<f32> = plain.astype(Dtype::F32).unwrap().to_vec().unwrap();
@@ -734,7 +828,7 @@ mod tests {
         let b: Vec<f32> = (0..2 * 3).map(|i| 100.0 + i as f32).collect();
         let path = dir.join("m.safetensors");
         write(&path, &[("a", vec![4, 3], a), ("b", vec![2, 3], b)]);
-        let src = WeightSource::files(std::slice::from_ref(&path)).unwrap();
+        let src = SafetensorsSource::open(std::slice::from_ref(&path)).unwrap();
         let parts = vec![
             ("a".to_string(), vec![4, 3], Some(1..3)),
             ("b".to_string(), vec![2, 3], None),
@@ -745,7 +839,7 @@ mod tests {
         assert_eq!(got.to_vec::<f32>().unwrap(), want);
         assert_eq!(src.bytes_read(), 4 * 3 * 4, "only the blocks' bytes");
         // dummy weights take the concatenating path: same shape
-        let d = WeightSource::dummy(Dtype::F32, 0).unwrap();
+        let d = DummySource::new(Dtype::F32, 0);
         assert_eq!(
             d.load_concat(&parts, TensorKind::Float).unwrap().shape(),
             vec![4, 3]

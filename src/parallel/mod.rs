@@ -1,10 +1,12 @@
 //! Tensor parallelism across the GPUs of one node: one process per GPU.
 pub mod channel;
+pub mod child;
 pub mod driver;
 pub mod launcher;
 pub mod placement;
 pub mod plan;
 pub mod protocol;
 pub mod rank;
-pub mod shard;
+/// The shard plan lives with the models (their layout decides how they split).
+pub use crate::models::shard;
 pub mod supervisor;

@@ -35,7 +35,6 @@
 //! total memory, the CPU's `MemAvailable` (Linux; elsewhere the check is skipped),
 //! or [`DEVICE_MEMORY_VAR`] (bytes per device) to override — a testing knob.
 use std::collections::HashMap;
-use std::ops::Range;
 use std::path::Path;
 use std::time::Duration;
 
@@ -44,7 +43,7 @@ use serde::Serialize;
 use super::shard::{self, ShardError, ShardPlan};
 use crate::mlx::{self, Backend, Dtype};
 use crate::models::weights::TensorEntry;
-use crate::models::ModelConfig;
+use crate::models::{self, ModelConfig};
 
 /// Overrides every device's free memory (bytes) in the plan; for tests and for
 /// machines whose free memory the plan cannot see.
@@ -118,184 +117,15 @@ impl MemoryPlan {
     }
 }
 
-/// Walks the tensors of one rank as `Transformer::load_shard` loads them.
-struct Acc<'a> {
-    cfg: &'a ModelConfig,
-    catalog: Option<&'a HashMap<String, TensorEntry>>,
-    sharded: u64,
-    replicated: u64,
-    sharded_full: u64,
-}
-
-impl Acc<'_> {
-    fn dtype(&self, name: &str, default: Dtype) -> Dtype {
-        self.catalog
-            .and_then(|c| c.get(name))
-            .map(|e| e.dtype)
-            .unwrap_or(default)
-    }
-
-    /// A tensor of `full` elements of which this rank holds `block`.
-    fn add(&mut self, name: &str, full: usize, block: usize, split: bool, default: Dtype) {
-        let sz = self.dtype(name, default).size() as u64;
-        if split {
-            self.sharded += block as u64 * sz;
-            self.sharded_full += full as u64 * sz;
-        } else {
-            self.replicated += full as u64 * sz;
-        }
-    }
-
-    fn quantized(&self, prefix: &str) -> bool {
-        self.cfg.quantization.is_some()
-            && self
-                .catalog
-                .is_none_or(|c| c.contains_key(&format!("{prefix}.scales")))
-    }
-
-    /// As `Linear::load`: output rows `rows` (column-parallel) or input columns `cols`
-    /// (row-parallel) of `[out, in]`.
-    fn linear(
-        &mut self,
-        prefix: &str,
-        in_dim: usize,
-        out_dim: usize,
-        bias: bool,
-        rows: Option<Range<usize>>,
-        cols: Option<Range<usize>>,
-    ) {
-        let split = rows.is_some() || cols.is_some();
-        let r = rows.unwrap_or(0..out_dim).len();
-        let c = cols.unwrap_or(0..in_dim).len();
-        let float = self.cfg.dtype;
-        if bias {
-            self.add(&format!("{prefix}.bias"), out_dim, r, split, float);
-        }
-        if self.quantized(prefix) {
-            let q = self.cfg.quantization.expect("quantized");
-            let (bits, g) = (q.bits as usize, q.group_size as usize);
-            self.add(
-                &format!("{prefix}.weight"),
-                out_dim * in_dim * bits / 32,
-                r * c * bits / 32,
-                split,
-                Dtype::U32,
-            );
-            for t in ["scales", "biases"] {
-                self.add(
-                    &format!("{prefix}.{t}"),
-                    out_dim * in_dim / g,
-                    r * c / g,
-                    split,
-                    float,
-                );
-            }
-        } else {
-            self.add(
-                &format!("{prefix}.weight"),
-                out_dim * in_dim,
-                r * c,
-                split,
-                float,
-            );
-        }
-    }
-}
-
-/// Weight bytes of one rank: (sharded slice, replicated, whole-model sharded).
+/// Weight bytes of one rank: (sharded slice, replicated, whole-model sharded), from the
+/// family's layout ([`crate::models::layout`]), which is what the loader reads.
 fn weight_bytes(
     cfg: &ModelConfig,
     catalog: Option<&HashMap<String, TensorEntry>>,
     plan: &ShardPlan,
 ) -> (u64, u64, u64) {
-    let mut a = Acc {
-        cfg,
-        catalog,
-        sharded: 0,
-        replicated: 0,
-        sharded_full: 0,
-    };
-    let (h, hd) = (cfg.hidden_size, cfg.head_dim);
-    let (nh, nkv, inter) = (cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size);
-    // a single device holds everything whole: nothing is "split"
-    let col = |r: Range<usize>| plan.is_sharded().then_some(r);
-    let heads = |r: &Range<usize>| r.start * hd..r.end * hd;
-    a.linear("model.embed_tokens", h, cfg.vocab_size, false, None, None);
-    for i in 0..cfg.num_layers {
-        let p = format!("model.layers.{i}");
-        let at = |n: &str| format!("{p}.self_attn.{n}");
-        let b = cfg.qkv_bias;
-        a.linear(
-            &at("q_proj"),
-            h,
-            nh * hd,
-            b,
-            col(heads(&plan.q_heads)),
-            None,
-        );
-        a.linear(
-            &at("k_proj"),
-            h,
-            nkv * hd,
-            b,
-            col(heads(&plan.kv_heads)),
-            None,
-        );
-        a.linear(
-            &at("v_proj"),
-            h,
-            nkv * hd,
-            b,
-            col(heads(&plan.kv_heads)),
-            None,
-        );
-        a.linear(
-            &at("o_proj"),
-            nh * hd,
-            h,
-            false,
-            None,
-            col(heads(&plan.q_heads)),
-        );
-        if cfg.qk_norm {
-            for n in ["q_norm", "k_norm"] {
-                a.add(&format!("{}.weight", at(n)), hd, hd, false, cfg.dtype);
-            }
-        }
-        let m = |n: &str| format!("{p}.mlp.{n}");
-        a.linear(
-            &m("gate_proj"),
-            h,
-            inter,
-            false,
-            col(plan.intermediate.clone()),
-            None,
-        );
-        a.linear(
-            &m("up_proj"),
-            h,
-            inter,
-            false,
-            col(plan.intermediate.clone()),
-            None,
-        );
-        a.linear(
-            &m("down_proj"),
-            inter,
-            h,
-            false,
-            None,
-            col(plan.intermediate.clone()),
-        );
-        for n in ["input_layernorm", "post_attention_layernorm"] {
-            a.add(&format!("{p}.{n}.weight"), h, h, false, cfg.dtype);
-        }
-    }
-    a.add("model.norm.weight", h, h, false, cfg.dtype);
-    if !cfg.tie_word_embeddings {
-        a.linear("lm_head", h, cfg.vocab_size, false, None, None);
-    }
-    (a.sharded, a.replicated, a.sharded_full)
+    let b = models::layout(cfg, plan).weight_bytes(catalog, cfg.dtype);
+    (b.sharded, b.replicated, b.sharded_full)
 }
 
 /// Dtype of activations and the KV cache (the embedding's output dtype).
@@ -666,7 +496,7 @@ pub fn gpu_memory_via_child(program: Option<&Path>) -> Result<Vec<GpuMemory>, St
     };
     let mut cmd = std::process::Command::new(&exe);
     cmd.arg("_devices").env("RUST_LOG", "error");
-    let out = crate::cli::devices::run_with_timeout(cmd, Duration::from_secs(60))
+    let out = super::child::run_with_timeout(cmd, Duration::from_secs(60))
         .map_err(|e| format!("running `{} _devices`: {e:#}", exe.display()))?;
     if out.timed_out {
         return Err(format!(
@@ -853,6 +683,70 @@ mod tests {
                 })
                 .collect(),
         )
+    }
+
+    /// For every family's fixture and TP 1, 2 and 4, each rank's planned weight bytes are
+    /// exactly the bytes of the arrays the loader makes for that rank, and the bytes it
+    /// reads from the checkpoint; from the checkpoint (dtypes from its headers) and from
+    /// dummy weights (the config's dtype).
+    #[test]
+    fn plan_bytes_equal_what_the_loader_loads() {
+        use crate::model_dir::ModelDir;
+        use crate::models::{DummySource, Model, SafetensorsSource, WeightSource};
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+        let mut families = std::collections::BTreeSet::new();
+        let fixtures = [
+            "llama3",
+            "llama_gqa2_tied",
+            "llama_q4",
+            "mistral",
+            "qwen2",
+            "qwen3",
+        ];
+        for fixture in fixtures {
+            let md = ModelDir::open(&root.join(fixture)).unwrap();
+            let cfg = models::read_config(&md).unwrap();
+            families.insert(cfg.model_type.clone());
+            let catalog = models::weights::catalog(&md).unwrap();
+            for tp in [1, 2, 4] {
+                for checkpoint in [true, false] {
+                    let input = PlanInput {
+                        cfg: &cfg,
+                        catalog: checkpoint.then_some(&catalog),
+                        tp_size: tp,
+                        ctx_size: 64,
+                        slots: 1,
+                        prefill_chunk: 16,
+                        backend: Backend::Cpu,
+                    };
+                    let p = plan_memory(&input).unwrap();
+                    for r in 0..tp {
+                        let sp = match tp {
+                            1 => ShardPlan::full(&cfg),
+                            _ => shard::plan(&cfg, tp, r).unwrap(),
+                        };
+                        let src: Box<dyn WeightSource> = match checkpoint {
+                            true => Box::new(SafetensorsSource::from_dir(&md).unwrap()),
+                            false => Box::new(DummySource::new(cfg.dtype, 0)),
+                        };
+                        let m =
+                            Model::load_shard(&cfg, src.as_ref(), &sp, None, |_, _| {}).unwrap();
+                        let what = format!("{fixture}, tp {tp}, rank {r}, checkpoint {checkpoint}");
+                        assert_eq!(m.weight_bytes() as u64, p.ranks[r].weight_bytes, "{what}");
+                        if checkpoint {
+                            assert_eq!(src.bytes_read(), p.ranks[r].weight_bytes, "{what}");
+                        }
+                        if tp > 1 {
+                            assert!(p.ranks[r].sharded_bytes > 0, "{what}: nothing split");
+                        }
+                    }
+                }
+            }
+        }
+        assert_eq!(
+            families.into_iter().collect::<Vec<_>>(),
+            ["llama", "mistral", "qwen2", "qwen3"]
+        );
     }
 
     #[test]

@@ -14,7 +14,7 @@ use super::shard;
 use crate::engine::step::{MemoryStats, StepResult, Worker};
 use crate::mlx::{self, distributed::GroupBackend};
 use crate::model_dir::ModelDir;
-use crate::models::{self, LoadFormat, Transformer, WeightSource};
+use crate::models::{self, LoadFormat, Model};
 
 /// Environment variable with a rank's MLX memory limit in bytes (emulation).
 pub const MEMORY_LIMIT_VAR: &str = "MLXCEL_RANK_MEMORY_LIMIT";
@@ -104,11 +104,8 @@ fn serve(args: &RankArgs, rank: usize, dir: &ModelDir, chan: &mut RankChannel) -
     let cfg = models::read_config(dir)?;
     let plan = shard::plan(&cfg, args.tp_size, rank)?;
     let t0 = Instant::now();
-    let src = match args.load_format {
-        LoadFormat::Safetensors => WeightSource::from_dir(dir)?,
-        LoadFormat::Dummy => WeightSource::dummy(cfg.dtype, 0)?,
-    };
-    let model = Transformer::load_shard(&cfg, &src, &plan, group, |_, _| {})?;
+    let src = models::weight_source(dir, args.load_format, &cfg)?;
+    let model = Model::load_shard(&cfg, src.as_ref(), &plan, group, |_, _| {})?;
     let load_seconds = t0.elapsed().as_secs_f64();
     let bytes_read = src.bytes_read();
     let report = RankReport {

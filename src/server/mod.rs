@@ -28,7 +28,6 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 
-use crate::cli::generate::{load_weights, open_model, ModelArgs, TpArgs};
 use crate::engine::grammar::GrammarVocab;
 use crate::engine::sampler::SamplingParams;
 use crate::engine::scheduler::{
@@ -38,6 +37,7 @@ use crate::engine::step::{Executor, LocalExecutor, SeqStep, StepError, StepPlan,
 use crate::mlx;
 use crate::parallel::driver::TpExecutor;
 use crate::parallel::supervisor::{window_text, RestartBudget, RestartPolicy};
+use crate::runtime::{load_weights, open_model, ModelArgs, OpenedModel, TpArgs};
 use crate::tokenizer::tool_calls::ToolCallFormat;
 use crate::tokenizer::Tokenizer;
 
@@ -430,11 +430,11 @@ fn warm_up(exec: &mut dyn Executor, tokenizer: &Tokenizer) -> Result<(), StepErr
 /// Load the model (or launch and warm up the TP ranks) on the engine thread.
 fn start_executor(
     args: &ServeArgs,
-    m: &crate::cli::generate::OpenedModel,
+    m: &OpenedModel,
     metrics: &Arc<Metrics>,
 ) -> Result<Box<dyn Executor>> {
     let mut exec: Box<dyn Executor> = if !args.tp.uses_ranks() {
-        crate::cli::generate::check_single_device_memory(
+        crate::runtime::check_single_device_memory(
             &args.model,
             m,
             args.parallel,
@@ -579,7 +579,7 @@ struct Supervision {
 /// (the HTTP side has been told then).
 fn restart(
     args: &ServeArgs,
-    m: &crate::cli::generate::OpenedModel,
+    m: &OpenedModel,
     sched: &mut Scheduler,
     rx: &mpsc::Receiver<Command>,
     obs: &EngineObserver,

@@ -3,6 +3,7 @@
 //! per slot. A sequence owns a slot while it runs; the model writes its new keys/values
 //! at the slot's current length (one update when they come as one `[.., 2·kv_heads, ..]`
 //! array, as the fused q/k/v kernel writes them) and reads the prefix back as views.
+use crate::kernels;
 use crate::mlx::{self, Array, Dtype};
 
 /// Where a batched decode step writes and reads (see [`KvCache::batch_index`]).
@@ -49,7 +50,7 @@ pub struct KvCache {
     step: usize,
     dtype: Dtype,
     /// the decode attention kernel's scratch and the query heads it was made for
-    attn_scratch: Option<(usize, mlx::attn::Scratch)>,
+    attn_scratch: Option<(usize, kernels::attn::Scratch)>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -195,13 +196,13 @@ impl KvCache {
     /// another, as a step's layers do (each reads the previous one's output) and as
     /// separately evaluated steps do on one stream. Two batched forwards built into one
     /// graph without a dependency between them must not share it.
-    pub fn attn_scratch(&mut self, q_heads: usize) -> mlx::Result<&mlx::attn::Scratch> {
+    pub fn attn_scratch(&mut self, q_heads: usize) -> mlx::Result<&kernels::attn::Scratch> {
         if self
             .attn_scratch
             .as_ref()
             .is_none_or(|(q, _)| *q != q_heads)
         {
-            let s = mlx::attn::Scratch::new(self.slots, q_heads, self.kv_heads, self.head_dim)?;
+            let s = kernels::attn::Scratch::new(self.slots, q_heads, self.kv_heads, self.head_dim)?;
             self.attn_scratch = Some((q_heads, s));
         }
         Ok(&self.attn_scratch.as_ref().expect("set above").1)
@@ -255,7 +256,7 @@ impl KvCache {
     /// `positions`, built once per step and shared by every layer. Rows whose slots are
     /// consecutive form a run; each run reads the pool as one view (no copy of the cache).
     /// `with_runs = false` skips the runs and their masks (a step that attends with
-    /// `mlx::attn` needs neither).
+    /// `kernels::attn` needs neither).
     pub fn batch_index(
         &self,
         slots: &[usize],

@@ -1,5 +1,7 @@
-//! The shard plan: which slice of each weight a tensor-parallel rank holds,
-//! validated before any process is spawned.
+//! The shard plan: which heads and intermediate columns a tensor-parallel rank holds,
+//! validated before any process is spawned. Each family's layout
+//! ([`super::layout`]) turns the plan into every parameter's split; for the
+//! Llama-like decoder:
 //!
 //! | tensor | split |
 //! |---|---|
@@ -12,7 +14,8 @@
 //! `(in / N) % group_size == 0`.
 use std::ops::Range;
 
-use crate::models::ModelConfig;
+use super::config::ModelConfig;
+use super::layout::Split;
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum ShardError {
@@ -41,7 +44,7 @@ pub enum ShardError {
     )]
     QuantGroup {
         tp: usize,
-        what: &'static str,
+        what: String,
         per_rank: usize,
         group: usize,
         valid: String,
@@ -88,44 +91,78 @@ fn check(cfg: &ModelConfig, tp: usize) -> Result<(), ShardError> {
             .collect::<Vec<_>>()
             .join(", ")
     };
-    if tp == 0 {
-        return Err(ShardError::Zero);
-    }
-    if !cfg.num_heads.is_multiple_of(tp) {
-        return Err(ShardError::Heads {
+    match fits(cfg, tp) {
+        Ok(()) => Ok(()),
+        Err(Misfit::Zero) => Err(ShardError::Zero),
+        Err(Misfit::Heads) => Err(ShardError::Heads {
             tp,
             heads: cfg.num_heads,
             valid: valid(),
-        });
-    }
-    let kv = cfg.num_kv_heads;
-    if !kv.is_multiple_of(tp) && !tp.is_multiple_of(kv) {
-        return Err(ShardError::KvHeads {
+        }),
+        Err(Misfit::KvHeads) => Err(ShardError::KvHeads {
             tp,
-            kv,
+            kv: cfg.num_kv_heads,
             valid: valid(),
-        });
-    }
-    if !cfg.intermediate_size.is_multiple_of(tp) {
-        return Err(ShardError::Intermediate {
+        }),
+        Err(Misfit::Intermediate) => Err(ShardError::Intermediate {
             tp,
             inter: cfg.intermediate_size,
             valid: valid(),
-        });
+        }),
+        Err(Misfit::QuantGroup {
+            what,
+            per_rank,
+            group,
+        }) => Err(ShardError::QuantGroup {
+            tp,
+            what,
+            per_rank,
+            group,
+            valid: valid(),
+        }),
     }
-    if let Some(q) = cfg.quantization {
-        let g = q.group_size as usize;
-        for (what, cols) in [
-            ("o_proj", cfg.num_heads * cfg.head_dim / tp),
-            ("down_proj", cfg.intermediate_size / tp),
-        ] {
-            if cols % g != 0 {
-                return Err(ShardError::QuantGroup {
-                    tp,
-                    what,
-                    per_rank: cols,
+}
+
+/// Why a model does not split `tp` ways.
+enum Misfit {
+    Zero,
+    Heads,
+    KvHeads,
+    Intermediate,
+    QuantGroup {
+        what: String,
+        per_rank: usize,
+        group: usize,
+    },
+}
+
+/// Whether the model splits `tp` ways: whole q heads per rank, kv heads that divide
+/// or are divided by `tp`, whole intermediate columns, and every quantized row-parallel
+/// parameter of the family's layout ([`super::layout`]) with whole quantization groups
+/// per rank.
+fn fits(cfg: &ModelConfig, tp: usize) -> Result<(), Misfit> {
+    if tp == 0 {
+        return Err(Misfit::Zero);
+    }
+    if !cfg.num_heads.is_multiple_of(tp) {
+        return Err(Misfit::Heads);
+    }
+    let kv = cfg.num_kv_heads;
+    if !kv.is_multiple_of(tp) && !tp.is_multiple_of(kv) {
+        return Err(Misfit::KvHeads);
+    }
+    if !cfg.intermediate_size.is_multiple_of(tp) {
+        return Err(Misfit::Intermediate);
+    }
+    let layout = super::layout(cfg, &slices(cfg, tp, 0));
+    for p in layout.params() {
+        if let (Split::Row(cols), Some(q)) = (&p.split, p.quant) {
+            let g = q.group_size as usize;
+            if !cols.len().is_multiple_of(g) {
+                return Err(Misfit::QuantGroup {
+                    what: p.short_name().to_string(),
+                    per_rank: cols.len(),
                     group: g,
-                    valid: valid(),
                 });
             }
         }
@@ -135,18 +172,7 @@ fn check(cfg: &ModelConfig, tp: usize) -> Result<(), ShardError> {
 
 /// Tensor-parallel sizes up to `max` that this model can be split into.
 pub fn valid_sizes(cfg: &ModelConfig, max: usize) -> Vec<usize> {
-    (1..=max)
-        .filter(|&n| {
-            cfg.num_heads.is_multiple_of(n)
-                && (cfg.num_kv_heads.is_multiple_of(n) || n % cfg.num_kv_heads == 0)
-                && cfg.intermediate_size.is_multiple_of(n)
-                && cfg.quantization.is_none_or(|q| {
-                    let g = q.group_size as usize;
-                    (cfg.num_heads * cfg.head_dim / n).is_multiple_of(g)
-                        && (cfg.intermediate_size / n).is_multiple_of(g)
-                })
-        })
-        .collect()
+    (1..=max).filter(|&n| fits(cfg, n).is_ok()).collect()
 }
 
 /// Check that the model splits `tp` ways (before spawning anything).
@@ -157,6 +183,11 @@ pub fn validate(cfg: &ModelConfig, tp: usize) -> Result<(), ShardError> {
 /// The slice rank `rank` of `tp` holds.
 pub fn plan(cfg: &ModelConfig, tp: usize, rank: usize) -> Result<ShardPlan, ShardError> {
     check(cfg, tp)?;
+    Ok(slices(cfg, tp, rank))
+}
+
+/// [`plan`] without the checks (`tp` ≥ 1 dividing the heads as [`fits`] asks).
+fn slices(cfg: &ModelConfig, tp: usize, rank: usize) -> ShardPlan {
     let per = |n: usize| n / tp;
     let qh = per(cfg.num_heads);
     let kv_heads = if cfg.num_kv_heads.is_multiple_of(tp) {
@@ -167,13 +198,13 @@ pub fn plan(cfg: &ModelConfig, tp: usize, rank: usize) -> Result<ShardPlan, Shar
         h..h + 1
     };
     let inter = per(cfg.intermediate_size);
-    Ok(ShardPlan {
+    ShardPlan {
         rank,
         size: tp,
         q_heads: rank * qh..(rank + 1) * qh,
         kv_heads,
         intermediate: rank * inter..(rank + 1) * inter,
-    })
+    }
 }
 
 #[cfg(test)]
@@ -255,13 +286,13 @@ mod tests {
         let e = validate(&c, 8).unwrap_err();
         assert!(
             matches!(
-                e,
+                &e,
                 ShardError::QuantGroup {
-                    what: "o_proj",
+                    what,
                     per_rank: 32,
                     group: 64,
                     ..
-                }
+                } if what == "o_proj"
             ),
             "{e}"
         );

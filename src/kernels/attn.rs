@@ -5,9 +5,9 @@
 //! `MLXCEL_ATTN=0` turns it off.
 use std::sync::OnceLock;
 
-use super::fast::CudaKernel;
 use super::qgemv::{fnv1a32, header_for_mlx};
-use super::{Array, Backend, Dtype, MlxError, Result};
+use crate::mlx::fast::CudaKernel;
+use crate::mlx::{self, Array, Backend, Dtype, MlxError, Result};
 
 const SOURCE: &str = include_str!("../../kernels/attn.cu");
 
@@ -18,8 +18,8 @@ pub const NSPLIT: usize = 32;
 /// query heads per kv head, and not turned off.
 pub fn supported(q_heads: usize, kv_heads: usize, head_dim: usize, dtype: Dtype) -> bool {
     static OFF: OnceLock<bool> = OnceLock::new();
-    let off = *OFF.get_or_init(|| std::env::var_os("MLXCEL_ATTN").is_some_and(|v| v == "0"));
-    !off && super::backend() == Backend::Cuda
+    let off = *OFF.get_or_init(|| !super::knobs::get().attn);
+    !off && mlx::backend() == Backend::Cuda
         && dtype == Dtype::BF16
         && matches!(head_dim, 64 | 128)
         && kv_heads > 0
@@ -49,7 +49,7 @@ impl Scratch {
         let part = Array::zeros(&[n as i32], Dtype::F32)?;
         let count = Array::zeros(&[(slots * kv_heads) as i32], Dtype::I32)?;
         // materialised now: MLX's zeros is a fill op, and the kernel must get these buffers
-        super::eval(&[&part, &count])?;
+        mlx::eval(&[&part, &count])?;
         Ok(Scratch {
             part,
             count,
@@ -200,7 +200,7 @@ mod tests {
         assert!(!supported(64, 2, 128, Dtype::BF16));
         assert_eq!(
             supported(32, 8, 128, Dtype::BF16),
-            crate::mlx::backend() == Backend::Cuda
+            mlx::backend() == Backend::Cuda
         );
     }
 }

@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # The multi-GPU validation runs (docs/multi-gpu.md, "Measured"), on a box with >= 2 GPUs,
-# after `source /root/.mlxcel-gpu/env.sh`. Three calls, each under 10 minutes:
-#   bash scripts/multi_gpu.sh a   # placement (--devices), plans, a 90B dummy model served at TP=2
-#                                 # (openai client, kill -9 of a rank); writes the 8B and 15B
-#                                 # checkpoints and runs the 70B kernel check on GPU 1 meanwhile
-#   bash scripts/multi_gpu.sh b   # decode tok/s at batch 1 and 32: 8B TP=1/2, 70B TP=2
-#   bash scripts/multi_gpu.sh c   # teacher-forced parity 8B TP=2, 15B real-file load at TP=2
-#   bash scripts/multi_gpu.sh d   # 8B checkpoint; Nsight kernel times on GPU 1 meanwhile
-#   bash scripts/multi_gpu.sh e   # TP=2 pipelined vs step-by-step decode; parity against float32
-#   bash scripts/multi_gpu.sh f   # fixtures over NCCL; 4-bit TP=2; TP=2 servers at 1 and 32 streams
-#   bash scripts/multi_gpu.sh g   # (next) TP=2 step overhead: MLX graph settings, rank 0's host stacks
+# after `source /root/.mlxcel-gpu/env.sh`. Each call runs in under 10 minutes:
+#   bash scripts/gpu/multi-gpu.sh placement   # placement (--devices), plans, a 90B dummy model served at TP=2
+#                                             # (openai client, kill -9 of a rank); writes the 8B and 15B
+#                                             # checkpoints and runs the 70B kernel check on GPU 1 meanwhile
+#   bash scripts/gpu/multi-gpu.sh decode      # decode tok/s at batch 1 and 32: 8B TP=1/2, 70B TP=2
+#   bash scripts/gpu/multi-gpu.sh parity      # teacher-forced parity 8B TP=2, 15B real-file load at TP=2
+#   bash scripts/gpu/multi-gpu.sh ncu         # 8B checkpoint; Nsight kernel times on GPU 1 meanwhile
+#   bash scripts/gpu/multi-gpu.sh pipeline    # TP=2 pipelined vs step-by-step decode; parity against float32
+#   bash scripts/gpu/multi-gpu.sh servers     # fixtures over NCCL; 4-bit TP=2; TP=2 servers at 1 and 32 streams
+#   bash scripts/gpu/multi-gpu.sh tp-overhead # TP=2 step overhead: MLX graph settings, rank 0's host stacks
 # MLXCEL / MLXCEL_SERVER: binaries (default .gpu/bin); OUT: results; WHEELS: the openai
 # client's wheels (default .gpu/wheels). nvidia-smi memory is sampled every second into
 # $OUT/smi-<call>.csv; `mark` lines in the log give the phases' times.
@@ -21,7 +21,7 @@ CK=${CKPT_DIR:-/root/ckpt}
 TOK=${MLXCEL_CACHE:-/root/.mlxcel-cache}/demo-llama-v2
 export MLXCEL_CACHE=${MLXCEL_CACHE:-/root/.mlxcel-cache}
 mkdir -p "$OUT" "$CK"
-call=${1:-a}
+call=${1:-placement}
 step() { echo; echo "=== $(date +%T) $*"; }
 mark() { echo "mark $(date '+%Y/%m/%d %H:%M:%S') $*"; }
 smi() { nvidia-smi --query-gpu=index,memory.used,memory.total --format=csv,noheader; }
@@ -51,7 +51,7 @@ srv_bench() { python3 scripts/bench_server.py --port "$1" --concurrency "$2" --m
   tee "$OUT/bench-$1-$2.json" | python3 -c 'import json,sys; [print("streams", r["concurrency"], round(r["tokens_per_s"],1), "tok/s, inter-token p50", round(r["inter_token_s"]["p50"]*1e3,2), "ms") for r in json.load(sys.stdin)["results"]]'; }
 
 case "$call" in
-a)
+placement)
   step "GPUs"; nvidia-smi --query-gpu=index,name,memory.used,memory.total,pci.bus_id --format=csv
   $B devices; $B devices --check 2>&1 | tail -4
   step "run 6: one rank with --devices 1 (GPU 1 must fill, GPU 0 stay empty), then --devices 1,0"
@@ -82,9 +82,9 @@ a)
   fi
   step "background jobs"; wait $kc; tail -40 "$OUT/check-qgemv-70b-rest.txt"; wait $ck; tail -3 "$OUT/ckpt.log"
   ;;
-b)
+decode)
   # the 8B runs use dummy weights (same shapes and speed as a file; no checkpoint needed)
-  step "background: 8B and 15B checkpoints (for call c); on GPU 1: kernel check of the 8B o, gate/up, lm_head shapes, then Nsight times"
+  step "background: 8B and 15B checkpoints (for `parity`); on GPU 1: kernel check of the 8B o, gate/up, lm_head shapes, then Nsight times"
   ( [ -f "$CK/8b-bf16/config.json" ] || CUDA_VISIBLE_DEVICES=0 python3 scripts/make_random_checkpoint.py --shape llama3-8b --out "$CK/8b-bf16" --tokenizer-from "$TOK"
     [ -f "$CK/15b-bf16/config.json" ] || CUDA_VISIBLE_DEVICES=0 python3 scripts/make_random_checkpoint.py --shape llama-15b --out "$CK/15b-bf16" --tokenizer-from "$TOK" ) > "$OUT/ckpt.log" 2>&1 &
   ck=$!
@@ -110,7 +110,7 @@ b)
     echo "loaded: $(smi | tr '\n' ' ')"; srv_bench 8132 32 16 >/dev/null; srv_bench 8132 1 64; srv_bench 8132 32 64; unserve; }
   wait $ck; tail -2 "$OUT/ckpt.log"
   ;;
-c)
+parity)
   step "run 6: --devices 1,0 (rank 0 on the GPU of bus id 07)"
   $B generate -m "$CK/c8b" --load-format dummy --tp-size 2 --devices 1,0 -n 64 --ignore-eos -p hi 2>&1 | grep -E "rank [01] |generated:|error"
   step "run 2: tp-parity 8B bf16, TP=2 over NCCL, 256 teacher-forced positions"
@@ -123,7 +123,7 @@ c)
   $B plan -m "$CK/15b-bf16" --tp-size 2 2>&1 | tail -4
   $B generate -m "$CK/15b-bf16" --tp-size 2 -n 64 --ignore-eos -p hello 2>&1 | grep -E "rank [01] |generated:"
   ;;
-d)
+ncu)
   step "8B checkpoint (GPU 0) while Nsight times the 4-bit/8-bit GEMVs on GPU 1 (mlxcel's launch shapes)"
   ( [ -f "$CK/8b-bf16/config.json" ] || CUDA_VISIBLE_DEVICES=0 python3 scripts/make_random_checkpoint.py --shape llama3-8b --out "$CK/8b-bf16" --tokenizer-from "$TOK" ) > "$OUT/ckpt.log" 2>&1 &
   ck=$!
@@ -132,7 +132,7 @@ d)
   python3 scripts/prof_qgemv.py --parse "$OUT/ncu.txt" | tee "$OUT/ncu-parsed.txt"
   wait $ck; tail -1 "$OUT/ckpt.log"
   ;;
-e)
+pipeline)
   step "TP=2 decode, pipelined vs step by step, alternated (nothing else running)"
   for m in c8b c70b; do for r in 1 2; do for f in "" --no-pipeline; do
     echo "$m run $r ${f:-pipelined}: $($B generate -m "$CK/$m" --load-format dummy --tp-size 2 -n 128 --ignore-eos -p hello $f 2>&1 | gen_tps)"
@@ -142,7 +142,7 @@ e)
   step "run 2: tp-parity 8B bf16 TP=2 with a float32 reference (how far each run is from exact math)"
   timeout 300 $B tp-parity -m "$CK/8b-bf16" --tp-size 2 --steps 256 --f32-reference 2>/dev/null | tee "$OUT/tp-parity-8b-f32.json"
   ;;
-f)
+servers)
   step "fixtures over NCCL, TP=2 (every family, fused kernels on)"
   timeout 150 python3 scripts/check_fixtures.py $B -n 12 --prompts 1 --tp-size 2 2>&1 | tail -9
   python3 - "$CK" <<'PY'
@@ -162,7 +162,7 @@ PY
       srv_bench 8134 32 16 >/dev/null; echo "$m:"; srv_bench 8134 1 64; srv_bench 8134 32 64; unserve >/dev/null; }
   done
   ;;
-g)
+tp-overhead)
   # not yet run: where a TP=2 decode step's 5-8 ms go (8B: TP=1 takes 3-5 ms)
   # MLX captures each ncclAllReduce into its CUDA graph (a child graph when NCCL records more
   # than one node); NCCL may register each new buffer with its peers at capture
@@ -185,5 +185,6 @@ g)
   kill $g; wait $g 2>/dev/null
   python3 scripts/fold_stacks.py "$OUT/tp-rank0-stacks.txt" | head -40
   ;;
+*) echo "unknown: $call (placement, decode, parity, ncu, pipeline, servers, tp-overhead)" >&2; exit 2 ;;
 esac
 mark "end"

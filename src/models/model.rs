@@ -1,40 +1,29 @@
-//! The decoder forward pass shared by the Llama-like families (Llama, Mistral,
-//! Qwen2, Qwen3), written like single-device code: embedding → N × (attention
-//! + SwiGLU MLP, pre-norm, residual) → norm → lm_head.
+//! [`Model`]: the one decoder loop of every family (Llama, Mistral, Qwen2, Qwen3),
+//! written like single-device code: embedding → N × (attention block + MLP block,
+//! pre-norm, residual; `super::blocks`) → norm → lm_head. What each family loads is
+//! its layout ([`decoder_layout`] with the family's block choices).
 //!
 //! A forward step takes a batch of sequences, each with its KV-cache slot and
 //! new tokens; their positions are the slots' current lengths.
-use crate::engine::kv_cache::{BatchIndex, KvCache, KvError, NewKv};
-use crate::mlx::{self, fast, Array, Dtype};
-
-use super::config::ModelConfig;
-use super::layers::{Embedding, Linear, Result, RmsNorm, Rope, Shard};
-use super::weights::WeightSource;
-use crate::mlx::distributed::Group;
-use crate::parallel::shard::ShardPlan;
 use std::rc::Rc;
 
+use crate::kernels;
+use crate::mlx::distributed::Group;
+use crate::mlx::{self, fast, Array, Dtype};
+
+use super::blocks::attention::{Attention, AttentionLayout, AttentionOptions};
+use super::blocks::mlp::{Mlp, MlpLayout};
+use super::blocks::norm::RmsNorm;
+use super::config::ModelConfig;
+use super::kv_cache::{KvCache, KvError};
+use super::layers::{Embedding, Linear, Result, Rope};
+use super::layout::{LayerLayout, Layout, ParamSpec};
+use super::shard::ShardPlan;
+use super::weights::WeightSource;
+
 /// Inputs of at least this many tokens keep at most two layers in flight on a GPU
-/// (see `Transformer::forward_slot_ids`): a decode step must not wait inside itself.
+/// (see `Model::forward`, one slot's chunk): a decode step must not wait inside itself.
 const PREFILL_BOUND_MIN_ROWS: usize = 32;
-
-struct Attention {
-    /// q, k and v projections merged (this rank's whole heads of each): one matmul.
-    qkv_proj: Linear,
-    o_proj: Linear,
-    q_norm: Option<RmsNorm>,
-    k_norm: Option<RmsNorm>,
-    n_heads: i32,
-    n_kv_heads: i32,
-    head_dim: i32,
-    scale: f32,
-}
-
-struct Mlp {
-    /// gate and up projections merged (this rank's columns of each): one matmul.
-    gate_up_proj: Linear,
-    down_proj: Linear,
-}
 
 struct Block {
     input_layernorm: RmsNorm,
@@ -51,13 +40,28 @@ pub struct SeqInput<'a> {
     pub tokens: &'a [u32],
 }
 
-/// Which logits a step returns.
+/// The token ids of one forward step.
+#[derive(Debug, Clone, Copy)]
+pub enum StepInput<'a> {
+    /// Ids on the host, per sequence: one token is a decode row, more a prefill chunk.
+    /// Ids are range-checked.
+    Host(&'a [SeqInput<'a>]),
+    /// Ids already on the device (e.g. the previous step's samples), so that a decode loop
+    /// can queue step t+1 before it reads step t's tokens: `[B, 1]` int32, one decode row
+    /// for each of `slots`, or `[1, T]` for a chunk of one slot. Not range-checked.
+    Device { slots: &'a [usize], ids: &'a Array },
+}
+
+/// Which logits a step returns (float32, in input order).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Logits {
-    /// Only each sequence's last position: `[n_seqs, vocab]`.
+    /// Each sequence's last position: one `[1, vocab]` array per sequence.
     Last,
     /// Every position of every sequence (tests): one `[T, vocab]` per sequence.
     All,
+    /// Each sequence's last position as a single `[n_seqs, vocab]` array (row i for
+    /// sequence i, no per-row slicing): what a decode step hands its sampler.
+    Rows,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -70,9 +74,11 @@ pub enum ForwardError {
     BadToken { id: u32, vocab: usize },
     #[error("empty step: a sequence has no tokens")]
     Empty,
+    #[error("all-position logits need a single sequence when the ids are on the device")]
+    AllLogitsOfRows,
 }
 
-pub struct Transformer {
+pub struct Model {
     pub cfg: ModelConfig,
     /// KV heads held by this process (all, or this rank's shard).
     kv_heads: usize,
@@ -83,140 +89,50 @@ pub struct Transformer {
     rope: Rope,
 }
 
-impl Transformer {
+impl Model {
     /// Load every weight named as in the HF / mlx-community checkpoint.
     pub fn load(
         cfg: &ModelConfig,
-        src: &WeightSource,
+        src: &dyn WeightSource,
         progress: impl FnMut(usize, usize),
-    ) -> Result<Transformer> {
+    ) -> Result<Model> {
         Self::load_shard(cfg, src, &ShardPlan::full(cfg), None, progress)
     }
 
-    /// Load this rank's shard under `plan`; row-parallel layers reduce over `tp`.
+    /// Load this rank's shard under `plan`, as `cfg`'s family lays it out
+    /// ([`super::layout`]); row-parallel layers reduce over `tp`.
     pub fn load_shard(
         cfg: &ModelConfig,
-        src: &WeightSource,
+        src: &dyn WeightSource,
         plan: &ShardPlan,
         tp: Option<Rc<Group>>,
         mut progress: impl FnMut(usize, usize),
-    ) -> Result<Transformer> {
-        let tp = tp.filter(|_| plan.is_sharded());
-        let h = cfg.hidden_size;
-        let q = cfg.quantization;
-        let (nh, nkv, hd) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
+    ) -> Result<Model> {
+        let layout = super::layout(cfg, plan);
+        // with one rank nothing splits, whatever the layout's ranges say
+        let tp = tp.filter(|_| layout.sharded);
         let eps = cfg.rms_norm_eps;
-        let embed_tokens = Embedding::load(src, "model.embed_tokens", cfg.vocab_size, h, q)?;
-        let mut layers = Vec::with_capacity(cfg.num_layers);
-        for i in 0..cfg.num_layers {
-            let p = format!("model.layers.{i}");
-            let qk_norm = |name: &str| -> Result<Option<RmsNorm>> {
-                if cfg.qk_norm {
-                    Ok(Some(RmsNorm::load(
-                        src,
-                        &format!("{p}.self_attn.{name}.weight"),
-                        hd,
-                        eps,
-                    )?))
-                } else {
-                    Ok(None)
-                }
-            };
-            let heads = |r: &std::ops::Range<usize>| r.start * hd..r.end * hd;
-            let row = |cols: std::ops::Range<usize>| match &tp {
-                Some(g) => Shard::Row(cols, g.clone()),
-                None => Shard::Full,
-            };
-            let col = |rows: std::ops::Range<usize>| {
-                if tp.is_some() {
-                    Shard::Column(rows)
-                } else {
-                    Shard::Full
-                }
-            };
-            let (qh, kvh, inter) = (&plan.q_heads, &plan.kv_heads, plan.intermediate.clone());
-            let attn = |name: &str| format!("{p}.self_attn.{name}");
-            let self_attn = Attention {
-                qkv_proj: Linear::load_merged(
-                    src,
-                    &[
-                        (&attn("q_proj"), nh * hd, col(heads(qh))),
-                        (&attn("k_proj"), nkv * hd, col(heads(kvh))),
-                        (&attn("v_proj"), nkv * hd, col(heads(kvh))),
-                    ],
-                    h,
-                    cfg.qkv_bias,
-                    q,
-                )?,
-                o_proj: Linear::load(src, &attn("o_proj"), nh * hd, h, false, q, row(heads(qh)))?,
-                q_norm: qk_norm("q_norm")?,
-                k_norm: qk_norm("k_norm")?,
-                n_heads: qh.len() as i32,
-                n_kv_heads: kvh.len() as i32,
-                head_dim: hd as i32,
-                // YaRN scales q and k (cos and sin) by its attention factor: the logits take its square.
-                scale: (hd as f32).powf(-0.5) * cfg.rope.logit_scale(),
-            };
-            let i_sz = cfg.intermediate_size;
-            let mlp_name = |name: &str| format!("{p}.mlp.{name}");
-            let mlp = Mlp {
-                gate_up_proj: Linear::load_merged(
-                    src,
-                    &[
-                        (&mlp_name("gate_proj"), i_sz, col(inter.clone())),
-                        (&mlp_name("up_proj"), i_sz, col(inter.clone())),
-                    ],
-                    h,
-                    false,
-                    q,
-                )?,
-                down_proj: Linear::load(
-                    src,
-                    &mlp_name("down_proj"),
-                    i_sz,
-                    h,
-                    false,
-                    q,
-                    row(inter),
-                )?,
-            };
+        let embed_tokens = Embedding::load(src, &layout.embed_tokens)?;
+        let mut layers = Vec::with_capacity(layout.layers.len());
+        for (i, l) in layout.layers.iter().enumerate() {
             layers.push(Block {
-                input_layernorm: RmsNorm::load(
-                    src,
-                    &format!("{p}.input_layernorm.weight"),
-                    h,
-                    eps,
-                )?,
-                self_attn,
-                post_attention_layernorm: RmsNorm::load(
-                    src,
-                    &format!("{p}.post_attention_layernorm.weight"),
-                    h,
-                    eps,
-                )?,
-                mlp,
+                input_layernorm: RmsNorm::load(src, &l.input_layernorm, eps)?,
+                self_attn: Attention::load(src, &l.attn, cfg, plan, tp.clone())?,
+                post_attention_layernorm: RmsNorm::load(src, &l.post_attention_layernorm, eps)?,
+                mlp: Mlp::load(src, &l.mlp, tp.clone())?,
             });
             // materialise layer by layer so file pages and host copies are released early
             let arrays = layers.last().unwrap().arrays();
             mlx::eval(&arrays)?;
-            progress(i + 1, cfg.num_layers);
+            progress(i + 1, layout.layers.len());
         }
-        let norm = RmsNorm::load(src, "model.norm.weight", h, eps)?;
-        let lm_head = if cfg.tie_word_embeddings {
-            None
-        } else {
-            Some(Linear::load(
-                src,
-                "lm_head",
-                h,
-                cfg.vocab_size,
-                false,
-                q,
-                Shard::Full,
-            )?)
+        let norm = RmsNorm::load(src, &layout.norm, eps)?;
+        let lm_head = match &layout.lm_head {
+            None => None,
+            Some(spec) => Some(Linear::load(src, spec, None)?),
         };
         let kv_heads = plan.kv_heads.len();
-        let model = Transformer {
+        let model = Model {
             kv_heads,
             cfg: cfg.clone(),
             embed_tokens,
@@ -248,11 +164,11 @@ impl Transformer {
             .map_or(0, |b| b.self_attn.n_heads as usize)
     }
 
-    /// Whether decode steps run mlxcel's attention kernel (`mlx::attn`) here.
+    /// Whether decode steps run mlxcel's attention kernel (`kernels::attn`) here.
     fn attn_kernel_fits(&self) -> bool {
         self.layers.first().is_some_and(|b| {
             let a = &b.self_attn;
-            mlx::attn::supported(
+            kernels::attn::supported(
                 a.n_heads as usize,
                 a.n_kv_heads as usize,
                 a.head_dim as usize,
@@ -286,9 +202,38 @@ impl Transformer {
         all.iter().map(|a| a.nbytes()).sum()
     }
 
-    /// Run one step. Sequences with one token are batched together (decode);
-    /// longer ones (prefill chunks) run one at a time. Logits are float32, in input order.
+    /// Run one step: the model's one entry point. Host sequences with one token are batched
+    /// together (decode); longer ones (prefill chunks) run one at a time. With
+    /// [`Logits::Rows`] the result is one `[n_seqs, vocab]` array; otherwise one array per
+    /// sequence. Device ids of several slots are decode rows and give one `[B, vocab]` array
+    /// (`Logits::All` needs a single slot).
     pub fn forward(
+        &self,
+        cache: &mut KvCache,
+        input: StepInput<'_>,
+        mode: Logits,
+    ) -> std::result::Result<Vec<Array>, ForwardError> {
+        match (input, mode) {
+            (StepInput::Host(seqs), Logits::Rows) => {
+                Ok(vec![self.forward_decode_rows(cache, seqs)?])
+            }
+            (StepInput::Host(seqs), _) => self.forward_host(cache, seqs, mode),
+            (StepInput::Device { slots: [slot], ids }, _) => {
+                let mode = if mode == Logits::All {
+                    Logits::All
+                } else {
+                    Logits::Last
+                };
+                Ok(vec![self.forward_slot_ids(cache, *slot, ids, mode)?])
+            }
+            (StepInput::Device { .. }, Logits::All) => Err(ForwardError::AllLogitsOfRows),
+            (StepInput::Device { slots, ids }, _) => {
+                Ok(vec![self.forward_decode_ids(cache, slots, ids)?])
+            }
+        }
+    }
+
+    fn forward_host(
         &self,
         cache: &mut KvCache,
         seqs: &[SeqInput<'_>],
@@ -327,7 +272,7 @@ impl Transformer {
 
     /// A step of only single-token sequences (a decode step) as one `[n_seqs, vocab]` float32
     /// array, row i for sequence i: no per-row slicing.
-    pub fn forward_decode_rows(
+    fn forward_decode_rows(
         &self,
         cache: &mut KvCache,
         seqs: &[SeqInput<'_>],
@@ -368,7 +313,7 @@ impl Transformer {
 
     /// One sequence's step with its token ids already on the device (`[1, T]` int32), so a
     /// decode loop can queue step i+1 before reading token i. Ids are not range-checked here.
-    pub fn forward_slot_ids(
+    fn forward_slot_ids(
         &self,
         cache: &mut KvCache,
         slot: usize,
@@ -393,7 +338,7 @@ impl Transformer {
             let a = &block.self_attn;
             let (q, kv) = a.qkv(&h, &block.input_layernorm, 1, t, &self.rope, &offset)?;
             // one sequence reads its slot as views with MLX's attention: at batch 1 that
-            // beat mlxcel's kernel (`mlx::attn`, used for batched steps) on H200
+            // beat mlxcel's kernel (`kernels::attn`, used for batched steps) on H200
             let (kk, vv) = cache.write_and_read(li, s.slot, pos, &kv)?;
             let mask = if t > 1 {
                 fast::Mask::Causal
@@ -439,7 +384,7 @@ impl Transformer {
     /// already on the device (`[B, 1]` int32, e.g. the previous step's samples), so a
     /// decode loop can queue step t+1 before reading step t's tokens. Returns
     /// `[B, vocab]`. Ids are not range-checked here.
-    pub fn forward_decode_ids(
+    fn forward_decode_ids(
         &self,
         cache: &mut KvCache,
         slots: &[usize],
@@ -517,180 +462,45 @@ impl Transformer {
     }
 }
 
-impl Attention {
-    /// A batched decode step's attention with MLX's sdpa: per run of consecutive slots,
-    /// the KV pool read as a view and the run's mask.
-    fn attend_runs(
-        &self,
-        q: &Array,
-        cache: &KvCache,
-        layer: usize,
-        index: &BatchIndex,
-    ) -> mlx::Result<Array> {
-        let mut outs = Vec::with_capacity(index.runs.len());
-        for run in &index.runs {
-            let (kk, vv) = cache.read_run(layer, run)?;
-            let qr = if index.runs.len() == 1 {
-                q.clone()
-            } else {
-                q.slice_axis(0, run.rows.start as i32, run.rows.end as i32)?
-            };
-            outs.push(fast::sdpa(
-                &qr,
-                &kk,
-                &vv,
-                self.scale,
-                fast::Mask::Array(&run.mask),
-            )?);
-        }
-        if outs.len() == 1 {
-            return Ok(outs.pop().unwrap());
-        }
-        mlx::concatenate(&outs.iter().collect::<Vec<_>>(), 0)
-    }
-
-    /// A decode step's attention by mlxcel's kernel (`mlx::attn`): q `[B, heads, 1,
-    /// head_dim]` over the layer's `pool`, row b at slot `slots[b]` up to `pos[b]`.
-    fn decode_attention(
-        &self,
-        q: &Array,
-        pool: &Array,
-        slots: &Array,
-        pos: &Array,
-        scratch: &mlx::attn::Scratch,
-    ) -> mlx::Result<Array> {
-        mlx::attn::decode(
-            q,
-            pool,
-            slots,
-            pos,
-            scratch,
-            self.n_heads as usize,
-            self.n_kv_heads as usize,
-            self.head_dim as usize,
-            self.scale,
-        )
-    }
-
-    /// Project `norm(x)` to q/k/v `[B, heads, T, head_dim]`, with q/k norm and RoPE applied;
-    /// k and v come as one array when the fused kernel made them so.
-    fn qkv(
-        &self,
-        x: &Array,
-        norm: &RmsNorm,
-        b: i32,
-        t: i32,
-        rope: &Rope,
-        offset: &Array,
-    ) -> mlx::Result<(Array, NewKv)> {
-        let (nq, nkv) = (self.n_heads, self.n_kv_heads);
-        if t == 1 && self.q_norm.is_none() && self.k_norm.is_none() {
-            // one kernel: projection, norm, RoPE, and k/v laid out as the cache stores them
-            if let Some(r) = self.qkv_proj.forward_qkv_rope(
-                x,
-                Some(norm),
-                offset,
-                rope,
-                nq as usize,
-                self.head_dim as usize,
-            ) {
-                let (q, kv) = r?;
-                return Ok((q, NewKv::Merged(kv)));
-            }
-        }
-        if t == 1 {
-            // one position: [B, 1, heads·head_dim] is [B, heads, 1, head_dim] in memory, so
-            // the projection is produced in that shape and heads are sliced from it
-            let y = self.qkv_proj.forward_shaped(
-                x,
-                &[b, nq + 2 * nkv, 1, self.head_dim],
-                Some(norm),
-            )?;
-            if self.q_norm.is_none() && self.k_norm.is_none() {
-                // q and k are adjacent: one RoPE kernel for both, then split the heads
-                let qk = rope.forward(&y.slice_axis(1, 0, nq + nkv)?, offset)?;
-                let v = y.slice_axis(1, nq + nkv, nq + 2 * nkv)?;
-                let mut parts = mlx::split_sections(&qk, &[nq], 1)?.into_iter();
-                let (Some(q), Some(k)) = (parts.next(), parts.next()) else {
-                    return Err(mlx::MlxError::Invalid("qk split".into()));
-                };
-                return Ok((q, NewKv::Split(k, v)));
-            }
-            let mut parts = mlx::split_sections(&y, &[nq, nq + nkv], 1)?.into_iter();
-            let (Some(q), Some(k), Some(v)) = (parts.next(), parts.next(), parts.next()) else {
-                return Err(mlx::MlxError::Invalid("qkv split".into()));
-            };
-            let norm = |y: Array, n: &Option<RmsNorm>| match n {
-                Some(nm) => nm.forward(&y),
-                None => Ok(y),
-            };
-            let q = rope.forward(&norm(q, &self.q_norm)?, offset)?;
-            let k = rope.forward(&norm(k, &self.k_norm)?, offset)?;
-            return Ok((q, NewKv::Split(k, v)));
-        }
-        let heads = |y: Array, n: i32, norm: &Option<RmsNorm>| -> mlx::Result<Array> {
-            let y = y.reshape(&[b, t, n, self.head_dim])?;
-            let y = match norm {
-                Some(nm) => nm.forward(&y)?,
-                None => y,
-            };
-            y.transpose(&[0, 2, 1, 3])
-        };
-        let q_dim = nq * self.head_dim;
-        let kv_dim = nkv * self.head_dim;
-        let y = self.qkv_proj.forward(&norm.forward(x)?)?;
-        let mut parts = mlx::split_sections(&y, &[q_dim, q_dim + kv_dim], -1)?.into_iter();
-        let (Some(q), Some(k), Some(v)) = (parts.next(), parts.next(), parts.next()) else {
-            return Err(mlx::MlxError::Invalid("qkv split".into()));
-        };
-        let q = heads(q, nq, &self.q_norm)?;
-        let k = heads(k, nkv, &self.k_norm)?;
-        let v = heads(v, nkv, &None)?;
-        Ok((
-            rope.forward(&q, offset)?,
-            NewKv::Split(rope.forward(&k, offset)?, v),
-        ))
-    }
-
-    /// `res + o_proj(o)`: merge the heads of `o` (`[B, heads, T, head_dim]`) and project
-    /// back to the hidden size, added to the residual stream `res` (`[B, T, hidden]`).
-    fn out_residual(&self, o: &Array, res: &Array, b: i32, t: i32) -> mlx::Result<Array> {
-        if t == 1 {
-            // [B, heads, 1, head_dim] is already [B, 1, heads·head_dim] in memory
-            return self.o_proj.forward_residual(o, res);
-        }
-        let o = o
-            .transpose(&[0, 2, 1, 3])?
-            .reshape(&[b, t, self.n_heads * self.head_dim])?;
-        self.o_proj.forward_residual(&o, res)
-    }
-}
-
-impl Mlp {
-    /// `h + down(silu(gate(x)) · up(x))` with `x = norm(h)`
-    fn forward_residual(&self, h: &Array, norm: &RmsNorm) -> mlx::Result<Array> {
-        self.down_proj
-            .forward_residual(&self.gate_up_proj.forward_swiglu(h, Some(norm))?, h)
-    }
-}
-
 impl Block {
     fn arrays(&self) -> Vec<&Array> {
-        let a = &self.self_attn;
         let mut v: Vec<&Array> = vec![
             &self.input_layernorm.weight,
             &self.post_attention_layernorm.weight,
         ];
-        for l in [
-            &a.qkv_proj,
-            &a.o_proj,
-            &self.mlp.gate_up_proj,
-            &self.mlp.down_proj,
-        ] {
-            v.extend(l.arrays());
-        }
-        v.extend(a.q_norm.iter().map(|n| &n.weight));
-        v.extend(a.k_norm.iter().map(|n| &n.weight));
+        v.extend(self.self_attn.arrays());
+        v.extend(self.mlp.arrays());
         v
+    }
+}
+
+/// The layout of the Llama-like decoder (what [`Model`] loads): `model.embed_tokens`,
+/// `model.layers.{i}` of an attention block with `attn`'s choices and a SwiGLU MLP, each
+/// pre-normed (`input_layernorm`, `post_attention_layernorm`), `model.norm`, and
+/// `lm_head` unless tied; column/row splits of `plan`, quantized as the config says.
+pub fn decoder_layout(cfg: &ModelConfig, plan: &ShardPlan, attn: AttentionOptions) -> Layout {
+    let q = cfg.quantization;
+    let h = cfg.hidden_size;
+    let layers = (0..cfg.num_layers)
+        .map(|i| {
+            let p = format!("model.layers.{i}");
+            LayerLayout {
+                input_layernorm: ParamSpec::norm(format!("{p}.input_layernorm.weight"), h),
+                attn: AttentionLayout::new(&format!("{p}.self_attn"), cfg, plan, q, attn),
+                post_attention_layernorm: ParamSpec::norm(
+                    format!("{p}.post_attention_layernorm.weight"),
+                    h,
+                ),
+                mlp: MlpLayout::new(&format!("{p}.mlp"), cfg, plan.intermediate.clone(), q),
+            }
+        })
+        .collect();
+    Layout {
+        sharded: plan.is_sharded(),
+        embed_tokens: ParamSpec::embedding("model.embed_tokens", cfg.vocab_size, h).quantized(q),
+        layers,
+        norm: ParamSpec::norm("model.norm.weight", h),
+        lm_head: (!cfg.tie_word_embeddings)
+            .then(|| ParamSpec::linear("lm_head", cfg.vocab_size, h, false).quantized(q)),
     }
 }

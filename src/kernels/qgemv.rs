@@ -1,7 +1,8 @@
 //! mlxcel's quantized GEMV (`kernels/qgemv.cu`): `x · dequantize(w)ᵀ` for decode
 //! (batch ≤ [`MAX_M`] in one launch, up to [`MAX_CHUNKED_M`] in row chunks) on MLX's CUDA backend, where its one-token launches take
 //! 2.1–4.2× less time than MLX's own `quantized_matmul` and its tensor-core path
-//! 4.8× less at batch 8 (H200, 8B shapes; see docs/benchmarks.md). Elsewhere, and
+//! 4.8× less at batch 8 (H200, 8B shapes; docs/data/qgemv-ncu-launch-shapes-h200-2026-11-29.txt and
+//! docs/history/benchmarks-2026-11.md). Elsewhere, and
 //! for shapes it does not cover, callers keep `quantized_matmul`.
 //!
 //! The kernel source is embedded; `MLXCEL_QGEMV_SOURCE=path` loads another file
@@ -11,8 +12,9 @@
 use std::path::Path;
 use std::sync::OnceLock;
 
-use super::fast::CudaKernel;
-use super::{Array, Backend, Dtype, MlxError, Result};
+use super::{gpu, knobs};
+use crate::mlx::fast::CudaKernel;
+use crate::mlx::{self, Array, Backend, Dtype, MlxError, Result};
 
 /// Largest batch (rows of x) of one launch of the kernel: up to [`DP4A_MAX_M`] on every
 /// path, above it on the tensor-core path only (see [`supports`]); larger batches up to
@@ -97,16 +99,15 @@ pub fn split_source(text: &str) -> std::result::Result<Source, String> {
 }
 
 fn load_source() -> std::result::Result<Source, String> {
-    match std::env::var_os("MLXCEL_QGEMV_SOURCE") {
+    match &knobs::get().qgemv_source {
         Some(path) => {
-            let text = std::fs::read_to_string(&path).map_err(|e| {
+            let text = std::fs::read_to_string(path).map_err(|e| {
                 format!(
                     "MLXCEL_QGEMV_SOURCE={}: cannot read it: {e}",
-                    path.to_string_lossy()
+                    path.display()
                 )
             })?;
-            split_source(&text)
-                .map_err(|e| format!("MLXCEL_QGEMV_SOURCE={}: {e}", path.to_string_lossy()))
+            split_source(&text).map_err(|e| format!("MLXCEL_QGEMV_SOURCE={}: {e}", path.display()))
         }
         None => split_source(EMBEDDED).map_err(|e| format!("embedded kernels/qgemv.cu: {e}")),
     }
@@ -137,7 +138,7 @@ fn mlx_header() -> Result<&'static str> {
 /// `header` as a custom kernel named `name` passes it to MLX: an `#include` of it
 /// written to `<cache>/kernels/<name>.cuh` (see [`mlx_header`]), or itself.
 pub(crate) fn header_for_mlx(name: &str, header: &str) -> String {
-    if std::env::var_os("MLXCEL_KERNEL_INCLUDE").is_some_and(|v| v == "0") {
+    if !knobs::get().kernel_include {
         return header.to_string();
     }
     let dir = crate::cache_root().join("kernels");
@@ -204,16 +205,13 @@ fn source() -> Result<&'static Source> {
 /// `MLXCEL_QGEMV_XQ=0` keeps bf16 activations (float math, no tensor cores).
 pub fn int8_activations() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| std::env::var("MLXCEL_QGEMV_XQ").map_or(true, |v| v != "0"))
+    *ON.get_or_init(|| knobs::get().qgemv_xq)
 }
 
 /// Whether the kernel is used at all: MLX's CUDA backend and not `MLXCEL_QGEMV=0`.
 pub fn enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| {
-        super::backend() == Backend::Cuda
-            && std::env::var("MLXCEL_QGEMV").map_or(true, |v| v != "0")
-    })
+    *ON.get_or_init(|| mlx::backend() == Backend::Cuda && knobs::get().qgemv)
 }
 
 /// Whether the kernel covers `x [m, k] · w [n, k]ᵀ` with these bits, group and dtypes.
@@ -248,7 +246,7 @@ pub fn supports(
 }
 
 /// Largest batch the kernel takes at all: batches above [`MAX_M`] run it on row chunks
-/// ([`row_chunks`]), each reading the weights again. On H200 (Nsight, tenth session) MLX's
+/// ([`row_chunks`]), each reading the weights again. On H200 (Nsight, docs/data/qgemv-stream-h200-2026-11-30.txt) MLX's
 /// `quantized_matmul` (`qmm_sm80`) took 164 and 187 µs on the 8B down projection at 5 and 8
 /// rows where the kernel took 13.9 and 13.8, and a server's 4-bit decode steps at 32
 /// streams took 24-32 ms (p50 between tokens) against 4.5-5.6 ms at 8 (not measured since
@@ -260,7 +258,7 @@ pub const MAX_CHUNKED_M: usize = 32;
 /// Whether batches above [`MAX_M`] run in row chunks (`MLXCEL_QGEMV_CHUNKS`, default on).
 fn chunking() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| std::env::var("MLXCEL_QGEMV_CHUNKS").map_or(true, |v| v.trim() != "0"))
+    *ON.get_or_init(|| knobs::get().qgemv_chunks)
 }
 
 /// `m` rows as `(first row, rows)` chunks of at most [`MAX_M`], as few as that allows and
@@ -301,7 +299,7 @@ fn by_row_chunks(
     }
     parts
         .iter()
-        .map(|p| super::concatenate(&p.iter().collect::<Vec<_>>(), 0))
+        .map(|p| mlx::concatenate(&p.iter().collect::<Vec<_>>(), 0))
         .collect()
 }
 
@@ -330,7 +328,7 @@ fn launch(m: usize, n: usize, k: usize, group: usize, bits: usize, pairs: bool) 
 
 /// The streaming path's launch (M = 1, 4-bit with int8 activations, on a GPU with
 /// `cp.async`, compute capability ≥ 8.0; `MLXCEL_QGEMV_STREAM=0` turns it off, and
-/// `MLXCEL_QGEMV_STREAM_BLOCKS=n` sets its grid, default [`STREAM_BLOCKS`]). `pairs`: the
+/// `MLXCEL_QGEMV_STREAM_BLOCKS=n` sets its grid, default [`gpu::Gpu::streaming_grid`]). `pairs`: the
 /// epilogue takes pairs of rows (SwiGLU, RoPE), so rows per group must be even.
 pub fn stream_config(
     m: usize,
@@ -352,33 +350,21 @@ pub fn stream_config(
 fn stream_blocks() -> Option<usize> {
     static BLOCKS: OnceLock<Option<usize>> = OnceLock::new();
     *BLOCKS.get_or_init(|| {
-        let capable = super::backend() == Backend::Cuda
-            && super::device_info(0).is_ok_and(|d| sm_version(&d.architecture) >= Some(80));
-        if !capable || std::env::var("MLXCEL_QGEMV_STREAM").is_ok_and(|v| v.trim() == "0") {
+        let gpu = gpu::this_gpu();
+        let knobs = knobs::get();
+        if !gpu.has_cp_async() || !knobs.qgemv_stream {
             return None;
         }
-        let var = std::env::var("MLXCEL_QGEMV_STREAM_BLOCKS").ok();
-        Some(match var.as_deref().map(|v| v.trim().parse::<usize>()) {
-            None => STREAM_BLOCKS,
-            Some(Ok(b)) if (1..=65535).contains(&b) => b,
-            Some(_) => {
-                tracing::warn!(
-                    "MLXCEL_QGEMV_STREAM_BLOCKS={:?} is not a block count 1-65535; using {STREAM_BLOCKS}",
-                    var.unwrap_or_default()
-                );
-                STREAM_BLOCKS
-            }
-        })
+        Some(
+            knobs
+                .qgemv_stream_blocks
+                .unwrap_or_else(|| gpu.streaming_grid()),
+        )
     })
 }
 
-/// Blocks of the streaming path: 2 per SM of an H200 (132 SMs). Nsight, tenth session,
-/// the 8B down projection with 2 rows per group and 14 warps: 12.1-13.1 µs at 264 blocks,
-/// 14.9-15.2 at 396, 13.5-13.7 at 528 (the one-block-per-group launch: 14.4).
-pub const STREAM_BLOCKS: usize = 264;
-
 /// Shortest row the streaming path takes. At K = 4096 (8B q/k/v, o, gate/up, lm_head) the
-/// one-block-per-group launch won on every shape (Nsight, tenth session: q/k/v 6.5 against
+/// one-block-per-group launch won on every shape (Nsight, docs/data/qgemv-stream-h200-2026-11-30.txt: q/k/v 6.5 against
 /// 7.8-12.6 µs, o 5.8 against 6.6-9.7); on the 8B down projection (K = 14336) streaming
 /// won (12.1-13.6 against 14.4 µs).
 pub const STREAM_MIN_K: usize = 8192;
@@ -442,45 +428,20 @@ fn xq(bits: usize) -> bool {
 fn mma_min_m() -> Option<usize> {
     static MIN: OnceLock<Option<usize>> = OnceLock::new();
     *MIN.get_or_init(|| {
-        let capable = super::backend() == Backend::Cuda
-            && int8_activations()
-            && super::device_info(0).is_ok_and(|d| sm_version(&d.architecture) >= Some(80));
-        let choice = std::env::var("MLXCEL_QGEMV_MMA").ok();
-        if let Some(v) = choice.as_deref().filter(|v| !mma_var_valid(v)) {
-            tracing::warn!(
-                "MLXCEL_QGEMV_MMA={v:?} is neither 0 nor a batch size 1-{MAX_M}; \
-                 the tensor-core path starts at batch {MMA_MIN_M}"
-            );
-        }
-        mma_choice(capable, choice.as_deref())
+        let capable = int8_activations() && gpu::this_gpu().has_int8_mma();
+        mma_choice(capable, knobs::get().qgemv_mma)
     })
 }
 
-/// [`mma_min_m`] from whether the GPU can run it and `MLXCEL_QGEMV_MMA`.
-fn mma_choice(capable: bool, var: Option<&str>) -> Option<usize> {
-    match var.map(str::trim) {
+/// [`mma_min_m`] from whether the GPU can run it and `MLXCEL_QGEMV_MMA` (validated by
+/// [`knobs`]: 0 or a batch size 1–[`MAX_M`]).
+fn mma_choice(capable: bool, knob: Option<usize>) -> Option<usize> {
+    match knob {
         _ if !capable => None,
-        Some("0") => None,
-        Some(v) => match v.parse::<usize>() {
-            Ok(n) if (1..=MAX_M).contains(&n) => Some(n),
-            _ => Some(MMA_MIN_M),
-        },
+        Some(0) => None,
+        Some(n) => Some(n),
         None => Some(MMA_MIN_M),
     }
-}
-
-/// Whether `MLXCEL_QGEMV_MMA` holds 0 or a batch size the kernel covers.
-fn mma_var_valid(v: &str) -> bool {
-    v.trim().parse::<usize>().is_ok_and(|n| n <= MAX_M)
-}
-
-/// `sm_90` → 90 (MLX's device architecture string).
-fn sm_version(arch: &str) -> Option<u32> {
-    arch.trim()
-        .strip_prefix("sm_")?
-        .trim_end_matches(|c: char| c.is_ascii_alphabetic())
-        .parse()
-        .ok()
 }
 
 /// Smallest batch on the tensor-core path by default. On H200 (8B shapes) the path's
@@ -517,17 +478,17 @@ pub fn rows_per_block(m: usize, n: usize, group: usize, bits: usize) -> usize {
 /// Rows per block and warps per block.
 ///
 /// Tensor-core path (4-bit, int8 activations, group 32/64/128, `m ≥ mma_min`, n a
-/// multiple of 16, k of 128), from Nsight Compute timings on H200 (docs/benchmarks.md,
-/// eighth session): one 16-row tile per block and 8 warps splitting the row's steps of
+/// multiple of 16, k of 128), from Nsight Compute timings on H200
+/// (docs/data/qgemv-nsight-sections-h200-2026-11-29.txt): one 16-row tile per block and 8 warps splitting the row's steps of
 /// 128 values, 16 warps where a row has more than 64 steps (the 8B down projection: 14.1
 /// against 18.9 µs at M = 8); two tiles per block lost on every 8B shape once scales came
 /// in chunks. At least two steps per warp where the row has them.
 ///
-/// Otherwise, from Nsight Compute timings on H200 (docs/benchmarks.md): 4-bit M = 1
+/// Otherwise, from Nsight Compute timings on H200 (docs/data/qgemv-nsight-sections-h200-2026-11-29.txt): 4-bit M = 1
 /// with int8 activations ([`int8_activations`]) takes 8 rows and 4 warps for K ≤ 4096,
 /// else 16 rows and 8 warps, with half the rows (down to 4) while a thread would hold
 /// more than [`M1_LOADS`] weight loads: the best of 4/8/16 rows × 2/4/8 warps for every
-/// 8B and 70B shape but the 8B o projection (5.9 against 5.4 µs; eighth session);
+/// 8B and 70B shape but the 8B o projection (5.9 against 5.4 µs; docs/data/qgemv-nsight-sections-h200-2026-11-29.txt);
 /// with float math 2 rows (4 for the wide gate/up and lm_head) and 2 warps; 8-bit and
 /// M > 1 4 rows and 4 warps. A thread holds ROWS × (its chunks of a row) 16-byte weight
 /// loads in registers; above [`MAX_LOADS_PER_THREAD`] (a 70B down projection, K = 28672)
@@ -1142,8 +1103,8 @@ mod tests {
         // (as the RoPE entry point's q and kv), on MLX's CPU ops
         let (m, k, n) = (20usize, 64usize, 12usize);
         let rnd = |shape: &[i32], seed| {
-            let key = crate::mlx::random::key(seed).unwrap();
-            crate::mlx::random::normal(shape, Dtype::F32, 0.0, 1.0, &key).unwrap()
+            let key = mlx::random::key(seed).unwrap();
+            mlx::random::normal(shape, Dtype::F32, 0.0, 1.0, &key).unwrap()
         };
         let x = rnd(&[m as i32, k as i32], 1);
         let w = rnd(&[n as i32, k as i32], 2);
@@ -1325,19 +1286,11 @@ mod tests {
     #[test]
     fn tensor_core_path_choice() {
         assert_eq!(mma_choice(true, None), Some(MMA_MIN_M));
-        assert_eq!(mma_choice(true, Some("0")), None);
-        assert_eq!(mma_choice(true, Some("1")), Some(1));
-        assert_eq!(mma_choice(true, Some(" 8 ")), Some(8));
-        assert_eq!(mma_choice(true, Some("9")), Some(MMA_MIN_M)); // not a batch size
-        assert!(mma_var_valid("0") && mma_var_valid(" 8") && mma_var_valid("3"));
-        assert!(!mma_var_valid("9") && !mma_var_valid("on") && !mma_var_valid(""));
+        assert_eq!(mma_choice(true, Some(0)), None);
+        assert_eq!(mma_choice(true, Some(1)), Some(1));
+        assert_eq!(mma_choice(true, Some(8)), Some(8));
         assert_eq!(mma_choice(false, None), None);
-        assert_eq!(mma_choice(false, Some("1")), None); // the GPU cannot run it
-        assert_eq!(sm_version("sm_90"), Some(90));
-        assert_eq!(sm_version("sm_90a"), Some(90));
-        assert_eq!(sm_version("sm_75"), Some(75));
-        assert_eq!(sm_version("gfx90a"), None);
-        assert_eq!(sm_version(""), None);
+        assert_eq!(mma_choice(false, Some(1)), None); // the GPU cannot run it
     }
 
     #[test]
@@ -1354,7 +1307,7 @@ mod tests {
 
     #[test]
     fn not_used_off_cuda() {
-        if super::super::backend() != Backend::Cuda {
+        if mlx::backend() != Backend::Cuda {
             assert!(!enabled());
         }
     }

@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# Speed on a GPU box (8B shape, random weights; docs/benchmarks.md says which numbers each gives).
+#   bash scripts/gpu/bench.sh ckpt        # the 8B bf16 and 4-bit checkpoints under $CKPT_DIR
+#   bash scripts/gpu/bench.sh mlx-lm      # mlxcel bench and scripts/bench_mlx_lm.py, bf16 and 4-bit
+#   bash scripts/gpu/bench.sh side        # scripts/bench_side_by_side.py (4-bit, bf16), 4-bit without the GEMV kernel,
+#                                         # generate pipelined vs --no-pipeline
+#   bash scripts/gpu/bench.sh ab          # old vs new binary (MLXCEL_OLD vs MLXCEL) alternated: decode at batch 1
+#                                         # and 8 of 8B bf16 and 4-bit, RUNS (default 3) times each
+#   bash scripts/gpu/bench.sh knobs SETTING...   # 8B 4-bit decode (dummy weights) at batch 1 and BATCHES
+#                                         # (default 4,8) per setting, alternated RUNS (default 2) times;
+#                                         # e.g. `knobs MLXCEL_ATTN=0 X=1` (X=1: the defaults)
+#   bash scripts/gpu/bench.sh agree SETTING...   # greedy token ids of 8B 4-bit dummy weights per setting
+#   bash scripts/gpu/bench.sh long SETTING...    # decode after a 2048-token prompt per setting
+#   bash scripts/gpu/bench.sh peak        # prefill(2048) peak memory and batched decode 2/4/8, bf16 and 4-bit
+#   bash scripts/gpu/bench.sh envsweep    # decode under MLX's CUDA-graph settings (MODELS, default 8b-q4 8b-bf16)
+# Environment: see scripts/gpu/lib.sh.
+. "$(dirname "$0")/lib.sh"
+cmd=${1:-mlx-lm}; shift || true
+case "$cmd" in
+ckpt) ckpt ;;
+mlx-lm)
+  ckpt
+  for m in 8b-bf16 8b-q4; do
+    step "mlxcel bench $m"; $B bench -m "$CK/$m" --repeats 3 2>/dev/null | tee "$OUT/mlxcel-$m.json"
+    step "mlx-lm bench $m"; python3 scripts/bench_mlx_lm.py "$CK/$m" --repeats 3 | tee "$OUT/mlxlm-$m.json"
+  done
+  ;;
+side)
+  ckpt
+  step "mlxcel vs mlx-lm, same weights"
+  python3 scripts/bench_side_by_side.py --mlxcel $B "$CK/8b-q4" "$CK/8b-bf16" 2>/dev/null | tee "$OUT/side.txt"
+  step "mlxcel 4-bit without its GEMV kernel"
+  python3 scripts/bench_side_by_side.py --mlxcel $B --skip-mlx-lm --env MLXCEL_QGEMV=0 "$CK/8b-q4" 2>/dev/null | tee -a "$OUT/side.txt"
+  step "mlxcel generate: pipelined decode vs --no-pipeline"
+  for m in 8b-q4 8b-bf16; do for f in "" --no-pipeline; do
+    echo "$m $f: $($B generate -m "$CK/$m" -n 256 --ignore-eos -p hello $f 2>&1 | grep -o 'generated: .*tok/s')"; done; done
+  ;;
+ab)
+  # box-to-box spread is ±15%, so a change is judged against the old binary on the same box,
+  # alternating runs
+  ckpt
+  O=${MLXCEL_OLD:-$(dirname $B)/mlxcel-old}
+  step "decode, $O vs $B alternated, ${RUNS:-3} runs, batch 1 and ${BATCHES:-8}"
+  for m in ${MODELS:-8b-bf16 8b-q4}; do for r in $(seq ${RUNS:-3}); do for bin in $O $B; do
+    echo "$m $(basename $bin) run $r: $(B=$bin bench_line X=1 "$CK/$m" "${BATCHES:-8}")"
+  done; done; done 2>&1 | tee -a "$OUT/ab.txt"
+  ;;
+knobs)
+  [ $# -gt 0 ] || set -- X=1
+  step "decode 8B 4-bit (dummy weights): $*, alternated, batches ${BATCHES:-4,8}"
+  for r in $(seq ${RUNS:-2}); do q4decode "${BATCHES:-4,8}" "$@"; done 2>&1 | tee -a "$OUT/decode-knobs.txt"
+  ;;
+agree)
+  [ $# -gt 0 ] || set -- X=1
+  q4cfg
+  step "greedy tokens, 8B 4-bit dummy weights: $*"
+  for e in "$@"; do echo "[$e] $(env $e timeout 100 $B generate -m "$CK/c8b-q4" --load-format dummy -p "The capital of France is" -n 48 --ignore-eos --json 2>/dev/null | python3 -c 'import json,sys; print(json.load(sys.stdin)["generated_token_ids"])')"; done 2>&1 | tee -a "$OUT/agree.txt"
+  ;;
+long)
+  [ $# -gt 0 ] || set -- X=1
+  q4cfg
+  step "decode 8B 4-bit at 2048 positions: $*"
+  for e in "$@"; do
+    echo "[$e] $(env $e timeout 100 $B bench -m "$CK/c8b-q4" --load-format dummy --prompt-lens 2048 --decode-tokens 256 --repeats 1 2>/dev/null | tail -1 | python3 -c 'import json,sys; d=json.load(sys.stdin)["decode"]; print(round(d["tokens_per_second"],1), "tok/s", {k: round(v,3) for k,v in d["host_per_token"].items()})')"
+  done 2>&1 | tee -a "$OUT/decode-long.txt"
+  ;;
+peak)
+  ckpt
+  step "prefill(2048) peak memory and batched decode 2/4/8"
+  $B bench -m "$CK/8b-q4" --prompt-lens 2048 --decode-batch 2,4,8 --repeats 1 2>/dev/null | tee "$OUT/q4-bench.json"
+  $B bench -m "$CK/8b-bf16" --prompt-lens 2048 --decode-batch 2,4,8 --repeats 1 2>/dev/null | tee "$OUT/bf16-bench.json"
+  ;;
+envsweep)
+  # MLX's CUDA graph batching (MLX_MAX_OPS_PER_BUFFER / MLX_MAX_MB_PER_BUFFER; H100/H200
+  # default 30 ops / 400 MB per graph) and graphs off; decode only, host time split per token
+  ckpt
+  for m in ${MODELS:-8b-q4 8b-bf16}; do
+    # first: MLX's own H200 values; mlxcel's default is 100 / 4000 (src/cli/mod.rs)
+    for e in "MLX_MAX_OPS_PER_BUFFER=30 MLX_MAX_MB_PER_BUFFER=400" "MLX_USE_CUDA_GRAPHS=0" \
+             "MLX_MAX_OPS_PER_BUFFER=50 MLX_MAX_MB_PER_BUFFER=4000" "MLX_MAX_OPS_PER_BUFFER=100 MLX_MAX_MB_PER_BUFFER=4000" \
+             "MLX_MAX_OPS_PER_BUFFER=200 MLX_MAX_MB_PER_BUFFER=4000" "MLX_MAX_OPS_PER_BUFFER=100 MLX_MAX_MB_PER_BUFFER=1000"; do
+      r=$(env $e $B bench -m "$CK/$m" --prompt-lens 128 --decode-tokens 256 --repeats 2 2>/dev/null | tail -1)
+      echo "$m [$e] $(echo "$r" | python3 -c 'import json,sys; d=json.load(sys.stdin)["decode"]; print(round(d["tokens_per_second"],1), "tok/s", {k: round(v,3) for k,v in d["host_per_token"].items()})')"
+    done
+    [ -n "${SKIP_MLXLM:-}" ] || for e in "X=1" "MLX_MAX_OPS_PER_BUFFER=100 MLX_MAX_MB_PER_BUFFER=4000"; do
+      echo "mlx-lm $m [$e] $(env $e python3 scripts/bench_mlx_lm.py "$CK/$m" --prompt-lens 128 --decode-tokens 256 --repeats 2 | tail -1 | python3 -c 'import json,sys; print(round(json.load(sys.stdin)["decode"]["tokens_per_second"],1))') tok/s"
+    done
+  done 2>&1 | tee "$OUT/envsweep.txt"
+  ;;
+*) echo "unknown: $cmd (ckpt, mlx-lm, side, ab, knobs, agree, long, peak, envsweep)" >&2; exit 2 ;;
+esac

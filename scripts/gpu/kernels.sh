@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# mlxcel's CUDA kernels on a GPU box: correctness against MLX, and Nsight Compute times.
+#   bash scripts/gpu/kernels.sh check [FLAGS...]   # scripts/check_qgemv.py (e.g. --quick, --only 70B, --ms 1,5,8,
+#                                                  # --configs 4g32,4g128, --skip qkv,o); kernel vs dequantize + matmul
+#   bash scripts/gpu/kernels.sh ncu TAG [FLAGS...] # Nsight times of scripts/prof_qgemv.py (e.g. --defaults --ms 1,5,8;
+#                                                  # --mma --cfgs 16x8,16x16; --stream --pgs 264,396; --ceiling)
+#   bash scripts/gpu/kernels.sh sections           # Nsight sections (stalls, occupancy, memory) per GEMV, summarised
+#   bash scripts/gpu/kernels.sh attn               # scripts/check_attn.py and its Nsight times
+#   bash scripts/gpu/kernels.sh op-costs           # host time per MLX op (scripts/op_costs.py)
+# MLXCEL_QGEMV_SOURCE=FILE runs another kernel file (docs/tuning.md). Environment: scripts/gpu/lib.sh.
+. "$(dirname "$0")/lib.sh"
+cmd=${1:-check}; shift || true
+case "$cmd" in
+check)
+  step "check_qgemv.py $*"
+  timeout ${CHECK_S:-300} python3 scripts/check_qgemv.py "$@" 2>&1 | tee "$OUT/check-qgemv.txt" | grep -E "^\||Error|error|NO" | tail -80
+  ;;
+ncu)
+  tag=${1:?a tag for the output files}; shift
+  step "Nsight: prof_qgemv.py $*"; ncut "$tag" "$@"
+  ;;
+sections)
+  step "Nsight sections (raw metrics, csv): q/k/v, down at M = 1; q/k/v, o, down, gate/up at M = 8"
+  timeout ${NCU_S:-240} ncu --clock-control none -k regex:qgemv -c 16 --section SpeedOfLight \
+    --section LaunchStats --section Occupancy --section WarpStateStats --section SchedulerStats \
+    --section MemoryWorkloadAnalysis_Tables --section InstructionStats --page raw --csv \
+    python3 scripts/prof_qgemv.py --stalls > "$OUT/ncu-stalls.csv" 2> "$OUT/ncu-stalls.err"
+  echo "rc $? lines $(wc -l < "$OUT/ncu-stalls.csv")"; tail -3 "$OUT/ncu-stalls.err"
+  python3 scripts/ncu_summary.py "$OUT/ncu-stalls.csv" | tee "$OUT/ncu-stalls-summary.txt"
+  ;;
+attn)
+  step "decode attention kernel vs float32 reference and MLX's sdpa (scripts/check_attn.py)"
+  timeout 200 python3 scripts/check_attn.py 2>&1 | tee "$OUT/check-attn.txt"
+  step "GPU time per call (ncu)"
+  timeout 150 ncu --clock-control none --metrics gpu__time_duration.sum python3 scripts/check_attn.py --marks > "$OUT/ncu-attn.txt" 2>&1
+  python3 scripts/check_attn.py --parse "$OUT/ncu-attn.txt" | tee "$OUT/ncu-attn-parsed.txt"
+  ;;
+op-costs)
+  step "host cost per MLX op (scripts/op_costs.py)"
+  timeout 120 python3 scripts/op_costs.py 2>&1 | tee "$OUT/op-costs.txt"
+  ;;
+*) echo "unknown: $cmd (check, ncu, sections, attn, op-costs)" >&2; exit 2 ;;
+esac

@@ -1,0 +1,84 @@
+# Shared by the scripts/gpu/ entry points (sourced, not run). On a GPU box after
+# `source /root/.mlxcel-gpu/env.sh`. MLXCEL=path/to/mlxcel (default .gpu/bin/mlxcel),
+# MLXCEL_SERVER (default: mlxcel-server beside it), OUT=results folder (default ./gpu-out),
+# CKPT_DIR=checkpoints (default /root/ckpt).
+set -uo pipefail
+B=${MLXCEL:-.gpu/bin/mlxcel}
+S=${MLXCEL_SERVER:-$(dirname "$B")/mlxcel-server}
+OUT=${OUT:-./gpu-out}
+CK=${CKPT_DIR:-/root/ckpt}
+mkdir -p "$OUT" "$CK"
+export MLXCEL_CACHE=${MLXCEL_CACHE:-/root/.mlxcel-cache}
+TOK=$MLXCEL_CACHE/demo-llama-v2
+ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
+step() { echo; echo "=== $(date +%T) $*"; }
+
+# the demo model's tokenizer (written by the first generate), for the random checkpoints
+demo_tokenizer() { [ -f "$TOK/tokenizer.json" ] || $B generate -n 1 >/dev/null 2>&1; }
+
+# 8B-shape checkpoints: bf16 written with random weights, 4-bit g64 converted by mlx-lm
+ckpt() {
+  demo_tokenizer
+  [ -f "$CK/8b-bf16/config.json" ] ||
+    python3 scripts/make_random_checkpoint.py --shape llama3-8b --out "$CK/8b-bf16" --tokenizer-from "$TOK"
+  [ -f "$CK/8b-q4/config.json" ] ||
+    python3 -m mlx_lm convert --hf-path "$CK/8b-bf16" --mlx-path "$CK/8b-q4" -q --q-group-size 64 --q-bits 4 2>&1 | tail -1
+}
+
+# config.json of the 8B shape, bf16 (c8b) and 4-bit g64 (c8b-q4), for --load-format dummy
+q4cfg() {
+  [ -f "$CK/c8b-q4/config.json" ] && return
+  demo_tokenizer
+  python3 scripts/make_random_checkpoint.py --shape llama3-8b --out "$CK/c8b" \
+    --tokenizer-from "$TOK" --config-only && python3 - "$CK" <<'PY'
+import json, os, shutil, sys
+ck = sys.argv[1]; src, dst = f"{ck}/c8b", f"{ck}/c8b-q4"
+os.makedirs(dst, exist_ok=True)
+for f in os.listdir(src): shutil.copy(f"{src}/{f}", dst)
+c = json.load(open(f"{dst}/config.json")); c["quantization"] = {"group_size": 64, "bits": 4}
+json.dump(c, open(f"{dst}/config.json", "w"))
+PY
+}
+
+# one `mlxcel bench` line: decode tok/s at batch 1 and at the comma-separated batches, batch
+# 1's host time per token. bench_line ENV MODEL BATCHES [bench flags...]; ENV: VAR=value
+# settings for this run (X=1: none)
+bench_line() {
+  local e=$1 m=$2 batches=$3; shift 3
+  env $e timeout ${BENCH_S:-150} $B bench -m "$m" --prompt-lens 128 --decode-tokens 256 --decode-batch "$batches" \
+    --repeats 1 "$@" 2>/dev/null | tail -1 | python3 -c 'import json,sys; d=json.load(sys.stdin)
+print("b1", round(d["decode"]["tokens_per_second"],1), " ".join("b%d %.1f" % (x["batch"], x["tokens_per_second"]) for x in d["decode_batched"]), "tok/s; b1 host", {k: round(v,3) for k,v in d["decode"]["host_per_token"].items()})'
+}
+
+# decode of the 8B 4-bit config (dummy weights) once per environment setting (X=1: the
+# defaults), a line each: q4decode BATCHES SETTING...
+q4decode() {
+  local batches=$1 e; shift
+  q4cfg
+  for e in "$@"; do echo "[$e] $(bench_line "$e" "$CK/c8b-q4" "$batches" --load-format dummy)"; done
+}
+
+# Nsight Compute kernel times of scripts/prof_qgemv.py ($1: tag of the output files;
+# the rest: prof_qgemv.py's flags), parsed into a table
+ncut() {
+  local tag=$1; shift
+  timeout ${NCU_S:-200} ncu --clock-control none --metrics gpu__time_duration.sum -k regex:'qgemv|qmv|qmm|gemv|ceiling' \
+    python3 scripts/prof_qgemv.py "$@" > "$OUT/ncu-$tag.txt" 2>&1
+  python3 scripts/prof_qgemv.py --parse "$OUT/ncu-$tag.txt" | tee "$OUT/ncu-$tag-parsed.txt"
+}
+
+# start mlxcel-server in the background: serve MODEL PORT FLAGS...; waits for /health
+serve() {
+  local m=$1 port=$2; shift 2
+  $S -m "$m" --port "$port" "$@" > "$OUT/server-$port.log" 2>&1 &
+  spid=$!
+  for _ in $(seq 400); do curl -sf "localhost:$port/health" >/dev/null && break
+    kill -0 $spid 2>/dev/null || { echo "server exited:"; tail -5 "$OUT/server-$port.log"; return 1; }; sleep 1; done
+  grep -o "warmed up.*" "$OUT/server-$port.log" | head -1
+}
+unserve() { kill -TERM $spid; wait $spid; echo "server exit: $?"; }
+
+# scripts/bench_server.py summarised: bench_summary FILE.json
+bench_summary() {
+  python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); [print(r["concurrency"], "streams:", round(r["tokens_per_s"],1), "tok/s, ttft", round(r["ttft_s"]["mean"],3), "s, inter-token mean/p50/p90 ms", round(r["inter_token_s"]["mean"]*1e3,2), round(r["inter_token_s"]["p50"]*1e3,2), round(r["inter_token_s"]["p90"]*1e3,2)) for r in d["results"]]' "$1"
+}

@@ -1,0 +1,280 @@
+//! The tuning knobs of mlxcel's kernels: environment variables read once, in one
+//! place, validated (a bad value is an error naming the variable), and logged at
+//! debug level (`-v`) when they differ from the default. docs/tuning.md lists them
+//! with what each one is for.
+//!
+//! Every binary calls [`check`] at start-up, so a bad value stops it before any work;
+//! the kernels read [`get`]. Only tuning knobs live here: secrets (`MLXCEL_API_KEY`,
+//! the rank control secret), paths of the cache and test-only variables do not.
+use std::ffi::OsString;
+use std::path::PathBuf;
+use std::sync::OnceLock;
+
+/// The kernels' tuning choices, from the environment.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Knobs {
+    /// `MLXCEL_QGEMV`: use the quantized GEMV kernel on CUDA (`0`: MLX's kernels only).
+    pub qgemv: bool,
+    /// `MLXCEL_QGEMV_XQ`: 4-bit weights meet int8-rounded activations (`0`: bf16 math).
+    pub qgemv_xq: bool,
+    /// `MLXCEL_QGEMV_MMA`: smallest batch on the tensor-core path; `Some(0)` turns it
+    /// off, `None` keeps the default ([`super::qgemv::MMA_MIN_M`]).
+    pub qgemv_mma: Option<usize>,
+    /// `MLXCEL_QGEMV_CHUNKS`: batches above `MAX_M` run the kernel in row chunks.
+    pub qgemv_chunks: bool,
+    /// `MLXCEL_QGEMV_STREAM`: the streaming launch for long batch-1 rows.
+    pub qgemv_stream: bool,
+    /// `MLXCEL_QGEMV_STREAM_BLOCKS`: the streaming launch's grid (default: from the GPU).
+    pub qgemv_stream_blocks: Option<usize>,
+    /// `MLXCEL_QGEMV_SOURCE`: a kernel file read at run time instead of the embedded one.
+    pub qgemv_source: Option<PathBuf>,
+    /// `MLXCEL_KERNEL_INCLUDE`: pass kernel headers to MLX as an `#include` of a cached
+    /// file (`0`: inline).
+    pub kernel_include: bool,
+    /// `MLXCEL_ATTN`: mlxcel's decode attention kernel for batched steps on CUDA.
+    pub attn: bool,
+}
+
+impl Default for Knobs {
+    fn default() -> Self {
+        Knobs {
+            qgemv: true,
+            qgemv_xq: true,
+            qgemv_mma: None,
+            qgemv_chunks: true,
+            qgemv_stream: true,
+            qgemv_stream_blocks: None,
+            qgemv_source: None,
+            kernel_include: true,
+            attn: true,
+        }
+    }
+}
+
+/// The variables [`Knobs`] reads, in the order docs/tuning.md lists them.
+pub const VARS: &[&str] = &[
+    "MLXCEL_QGEMV",
+    "MLXCEL_QGEMV_XQ",
+    "MLXCEL_QGEMV_MMA",
+    "MLXCEL_QGEMV_CHUNKS",
+    "MLXCEL_QGEMV_STREAM",
+    "MLXCEL_QGEMV_STREAM_BLOCKS",
+    "MLXCEL_QGEMV_SOURCE",
+    "MLXCEL_KERNEL_INCLUDE",
+    "MLXCEL_ATTN",
+];
+
+/// A tuning variable with a value it cannot take.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("environment variable {var}={value:?}: {expected}")]
+pub struct KnobError {
+    pub var: &'static str,
+    pub value: String,
+    pub expected: String,
+}
+
+impl Knobs {
+    /// Parse the knobs from `get(name)` (the environment, or a test's map). Unset and
+    /// empty variables keep their defaults.
+    pub fn from_lookup(get: impl Fn(&str) -> Option<OsString>) -> Result<Knobs, KnobError> {
+        let mut k = Knobs::default();
+        let text = |var: &'static str| -> Result<Option<String>, KnobError> {
+            match get(var) {
+                None => Ok(None),
+                Some(v) => match v.into_string() {
+                    Ok(s) if s.trim().is_empty() => Ok(None),
+                    Ok(s) => Ok(Some(s.trim().to_string())),
+                    Err(v) => Err(KnobError {
+                        var,
+                        value: v.to_string_lossy().into_owned(),
+                        expected: "not valid UTF-8".into(),
+                    }),
+                },
+            }
+        };
+        let switch = |var: &'static str, default: bool| -> Result<bool, KnobError> {
+            match text(var)?.as_deref() {
+                None => Ok(default),
+                Some("0") => Ok(false),
+                Some("1") => Ok(true),
+                Some(v) => Err(KnobError {
+                    var,
+                    value: v.into(),
+                    expected: "expected 0 (off) or 1 (on)".into(),
+                }),
+            }
+        };
+        let number = |var: &'static str, range: std::ops::RangeInclusive<usize>, what: &str| {
+            match text(var)? {
+                None => Ok(None),
+                Some(v) => match v.parse::<usize>() {
+                    Ok(n) if range.contains(&n) => Ok(Some(n)),
+                    _ => Err(KnobError {
+                        var,
+                        value: v,
+                        expected: format!("expected {what} {}-{}", range.start(), range.end()),
+                    }),
+                },
+            }
+        };
+        k.qgemv = switch("MLXCEL_QGEMV", k.qgemv)?;
+        k.qgemv_xq = switch("MLXCEL_QGEMV_XQ", k.qgemv_xq)?;
+        k.qgemv_mma = number(
+            "MLXCEL_QGEMV_MMA",
+            0..=super::qgemv::MAX_M,
+            "0 (off) or the smallest batch on the tensor cores,",
+        )?;
+        k.qgemv_chunks = switch("MLXCEL_QGEMV_CHUNKS", k.qgemv_chunks)?;
+        k.qgemv_stream = switch("MLXCEL_QGEMV_STREAM", k.qgemv_stream)?;
+        k.qgemv_stream_blocks = number("MLXCEL_QGEMV_STREAM_BLOCKS", 1..=65535, "a block count")?;
+        k.qgemv_source = get("MLXCEL_QGEMV_SOURCE")
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from);
+        k.kernel_include = switch("MLXCEL_KERNEL_INCLUDE", k.kernel_include)?;
+        k.attn = switch("MLXCEL_ATTN", k.attn)?;
+        Ok(k)
+    }
+
+    /// `VAR=value` of every knob that differs from its default.
+    pub fn non_default(&self) -> Vec<String> {
+        let d = Knobs::default();
+        let mut out = Vec::new();
+        let mut switch = |var: &str, v: bool, dv: bool| {
+            if v != dv {
+                out.push(format!("{var}={}", u8::from(v)));
+            }
+        };
+        switch("MLXCEL_QGEMV", self.qgemv, d.qgemv);
+        switch("MLXCEL_QGEMV_XQ", self.qgemv_xq, d.qgemv_xq);
+        switch("MLXCEL_QGEMV_CHUNKS", self.qgemv_chunks, d.qgemv_chunks);
+        switch("MLXCEL_QGEMV_STREAM", self.qgemv_stream, d.qgemv_stream);
+        switch(
+            "MLXCEL_KERNEL_INCLUDE",
+            self.kernel_include,
+            d.kernel_include,
+        );
+        switch("MLXCEL_ATTN", self.attn, d.attn);
+        if let Some(n) = self.qgemv_mma {
+            out.push(format!("MLXCEL_QGEMV_MMA={n}"));
+        }
+        if let Some(n) = self.qgemv_stream_blocks {
+            out.push(format!("MLXCEL_QGEMV_STREAM_BLOCKS={n}"));
+        }
+        if let Some(p) = &self.qgemv_source {
+            out.push(format!("MLXCEL_QGEMV_SOURCE={}", p.display()));
+        }
+        out
+    }
+}
+
+fn parsed() -> &'static Result<Knobs, KnobError> {
+    static KNOBS: OnceLock<Result<Knobs, KnobError>> = OnceLock::new();
+    KNOBS.get_or_init(|| Knobs::from_lookup(|v| std::env::var_os(v)))
+}
+
+/// Parse the knobs (once) and log the non-default ones at debug level; a bad value is
+/// an error naming the variable. Binaries call it at start-up.
+pub fn check() -> Result<&'static Knobs, KnobError> {
+    let k = parsed().as_ref().map_err(Clone::clone)?;
+    for kv in k.non_default() {
+        tracing::debug!("tuning knob {kv}");
+    }
+    Ok(k)
+}
+
+/// The knobs the kernels run with. Where [`check`] was not called and a value is bad
+/// (library use), the defaults, with a warning once.
+pub fn get() -> &'static Knobs {
+    static DEFAULTS: OnceLock<Knobs> = OnceLock::new();
+    match parsed() {
+        Ok(k) => k,
+        Err(e) => DEFAULTS.get_or_init(|| {
+            tracing::warn!("{e}; using the default kernel settings");
+            Knobs::default()
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn parse(vars: &[(&str, &str)]) -> Result<Knobs, KnobError> {
+        let m: HashMap<String, OsString> = vars
+            .iter()
+            .map(|(k, v)| (k.to_string(), OsString::from(v)))
+            .collect();
+        Knobs::from_lookup(|k| m.get(k).cloned())
+    }
+
+    #[test]
+    fn unset_and_empty_keep_the_defaults() {
+        assert_eq!(parse(&[]).unwrap(), Knobs::default());
+        assert_eq!(parse(&[("MLXCEL_QGEMV", " ")]).unwrap(), Knobs::default());
+        assert!(Knobs::default().non_default().is_empty());
+    }
+
+    #[test]
+    fn values_are_parsed_and_listed() {
+        let k = parse(&[
+            ("MLXCEL_QGEMV", "0"),
+            ("MLXCEL_QGEMV_MMA", " 1 "),
+            ("MLXCEL_QGEMV_STREAM_BLOCKS", "396"),
+            ("MLXCEL_ATTN", "1"),
+            ("MLXCEL_QGEMV_SOURCE", "/tmp/k.cu"),
+        ])
+        .unwrap();
+        assert!(!k.qgemv && k.attn);
+        assert_eq!((k.qgemv_mma, k.qgemv_stream_blocks), (Some(1), Some(396)));
+        assert_eq!(
+            k.non_default(),
+            vec![
+                "MLXCEL_QGEMV=0",
+                "MLXCEL_QGEMV_MMA=1",
+                "MLXCEL_QGEMV_STREAM_BLOCKS=396",
+                "MLXCEL_QGEMV_SOURCE=/tmp/k.cu"
+            ]
+        );
+        assert_eq!(
+            parse(&[("MLXCEL_QGEMV_MMA", "0")]).unwrap().qgemv_mma,
+            Some(0)
+        );
+    }
+
+    #[test]
+    fn bad_values_name_the_variable() {
+        for (var, value) in [
+            ("MLXCEL_QGEMV", "off"),
+            ("MLXCEL_ATTN", "2"),
+            ("MLXCEL_QGEMV_MMA", "9"),
+            ("MLXCEL_QGEMV_MMA", "x"),
+            ("MLXCEL_QGEMV_STREAM_BLOCKS", "0"),
+            ("MLXCEL_QGEMV_STREAM_BLOCKS", "70000"),
+            ("MLXCEL_KERNEL_INCLUDE", "no"),
+        ] {
+            let e = parse(&[(var, value)]).unwrap_err();
+            assert_eq!(e.var, var);
+            let m = e.to_string();
+            assert!(m.contains(var) && m.contains(value), "{m}");
+        }
+    }
+
+    #[test]
+    fn every_listed_variable_is_read() {
+        // each variable, set to a value its parser refuses or that is not the default,
+        // changes the result: none is listed without being read
+        for var in VARS {
+            let v = if *var == "MLXCEL_QGEMV_SOURCE" {
+                "/x"
+            } else {
+                "bad"
+            };
+            let changed = match parse(&[(var, v)]) {
+                Err(e) => e.var == *var,
+                Ok(k) => k != Knobs::default(),
+            };
+            assert!(changed, "{var} is listed but not read");
+        }
+    }
+}

@@ -1,0 +1,12 @@
+//! mlxcel's own GPU kernels, launched through MLX's custom-kernel API: the Rust side
+//! of `kernels/*.cu` (which source, which template constants, which launch), above
+//! the safe MLX binding in [`crate::mlx`] and below the models that call them.
+//!
+//! - [`qgemv`]: the quantized GEMV of decode steps, with fused epilogues;
+//! - [`attn`]: the decode attention over the KV cache's pools;
+//! - [`gpu`]: the GPU the launch tables are keyed by (architecture, SM count);
+//! - [`knobs`]: every tuning environment variable, parsed and validated once.
+pub mod attn;
+pub mod gpu;
+pub mod knobs;
+pub mod qgemv;
