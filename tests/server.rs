@@ -324,36 +324,9 @@ fn stream_text(r: &Resp, chat: bool) -> (String, String, Option<Value>) {
     assert!(r
         .header("content-type")
         .is_some_and(|c| c.starts_with("text/event-stream")));
-    let events = r.sse();
-    assert_eq!(
-        events.last().map(String::as_str),
-        Some("[DONE]"),
-        "{events:?}"
-    );
-    let mut text = String::new();
-    let mut finish = None;
-    let mut usage = None;
-    for e in &events[..events.len() - 1] {
-        let v: Value = serde_json::from_str(e).unwrap();
-        assert!(v.get("error").is_none(), "{v}");
-        let choices = v["choices"].as_array().unwrap();
-        if choices.is_empty() {
-            usage = Some(v["usage"].clone());
-            continue;
-        }
-        let c = &choices[0];
-        let piece = if chat {
-            c["delta"]["content"].as_str()
-        } else {
-            c["text"].as_str()
-        };
-        text.push_str(piece.unwrap_or(""));
-        if let Some(f) = c["finish_reason"].as_str() {
-            assert!(finish.is_none(), "two finish reasons");
-            finish = Some(f.to_string());
-        }
-    }
-    (text, finish.expect("a finish_reason chunk"), usage)
+    let (mut choices, usage) = stream_choices(r, chat, 1);
+    let (text, finish) = choices.remove(0);
+    (text, finish, usage)
 }
 
 #[test]
@@ -2451,6 +2424,19 @@ fn tool_choice_required_and_named_give_parsed_calls() {
         assert!(!calls.is_empty(), "{r}");
         calls.iter().for_each(assert_weather_call);
     }
+    // parallel_tool_calls false: exactly one call; refused with auto
+    for seed in 0..3 {
+        let mut b = base(json!("required"), seed);
+        b["parallel_tool_calls"] = json!(false);
+        let r = s.ok("/v1/chat/completions", &b);
+        let calls = r["choices"][0]["message"]["tool_calls"].as_array().unwrap();
+        assert_eq!(calls.len(), 1, "{r}");
+        assert_weather_call(&calls[0]);
+    }
+    let mut b = base(json!("auto"), 0);
+    b["parallel_tool_calls"] = json!(false);
+    let e = assert_error(&s.post("/v1/chat/completions", &b), 400);
+    assert_eq!(e["param"], "parallel_tool_calls", "{e}");
     let named = json!({"type": "function", "function": {"name": "get_weather"}});
     for seed in 0..3 {
         let r = s.ok("/v1/chat/completions", &base(named.clone(), seed));
@@ -2620,4 +2606,56 @@ fn logit_bias_moves_greedy_tokens() {
         .unwrap();
     let banned = one(json!({ first_id.to_string(): -100 }));
     assert_ne!(banned, first);
+}
+
+/// Reasoning on the Qwen3 fixture (its template has `<think>` blocks): a reply with a
+/// block (forced with `guided_regex`: random weights write none) has it in
+/// `reasoning_content`, the rest in `content`, streamed and not; `chat_template_kwargs`
+/// reach the template.
+#[test]
+fn reasoning_content_is_split_off() {
+    let s = Server::start("qwen3", &[], &[]);
+    let mut b = json!({"messages": [{"role": "user", "content": "ok?"}], "temperature": 1.0,
+        "seed": 2, "max_tokens": 60, "guided_regex": "<think>[a-z ]{1,12}</think>\n\n(yes|no)"});
+    let r = s.ok("/v1/chat/completions", &b);
+    let m = &r["choices"][0]["message"];
+    assert_eq!(r["choices"][0]["finish_reason"], "stop", "{r}");
+    let thought = m["reasoning_content"]
+        .as_str()
+        .unwrap_or_else(|| panic!("{r}"));
+    assert!(
+        !thought.is_empty() && thought.chars().all(|c| c.is_ascii_lowercase() || c == ' '),
+        "{r}"
+    );
+    let content = m["content"].as_str().unwrap();
+    assert!(["yes", "no"].contains(&content), "{r}");
+    b["stream"] = json!(true);
+    let r = s.post("/v1/chat/completions", &b);
+    assert_eq!(r.status, 200);
+    let (mut sr, mut sc) = (String::new(), String::new());
+    for e in r.sse().iter().filter(|e| *e != "[DONE]") {
+        let v: Value = serde_json::from_str(e).unwrap();
+        let d = &v["choices"][0]["delta"];
+        sr.push_str(d["reasoning_content"].as_str().unwrap_or(""));
+        let c = d["content"].as_str().unwrap_or("");
+        assert!(!c.contains("think>"), "markup in content: {v}");
+        sc.push_str(c);
+    }
+    assert_eq!((sr.as_str(), sc.as_str()), (thought, content));
+    // chat_template_kwargs: enable_thinking false renders an empty block in the prompt
+    b["stream"] = json!(false);
+    b["max_tokens"] = json!(1);
+    b.as_object_mut().unwrap().remove("guided_regex");
+    let on = s.ok("/v1/chat/completions", &b)["usage"]["prompt_tokens"].clone();
+    b["chat_template_kwargs"] = json!({"enable_thinking": false});
+    let off = s.ok("/v1/chat/completions", &b)["usage"]["prompt_tokens"].clone();
+    assert!(off.as_u64() > on.as_u64(), "{on} {off}");
+    let e = assert_error(
+        &s.post(
+            "/v1/chat/completions",
+            &json!({"messages": [{"role": "user", "content": "x"}], "guided_regex": "(a"}),
+        ),
+        400,
+    );
+    assert_eq!(e["param"], "guided_regex", "{e}");
 }

@@ -253,6 +253,20 @@ pub struct ModelInfo {
     /// How the model writes tool calls: `--tool-call-parser`, or what the chat template
     /// shows when it renders a tool; `None` when neither says.
     pub tool_format: Option<ToolCallFormat>,
+    /// Whether the chat template uses `<think>` blocks: chat replies then have their
+    /// reasoning split off into `reasoning_content`.
+    pub reasoning: bool,
+}
+
+/// Whether the chat template uses `<think>` blocks: it renders an empty one for
+/// `enable_thinking: false` (Qwen3), or its generation prompt opens one (DeepSeek-R1).
+fn detect_reasoning(tok: &Tokenizer) -> bool {
+    let user = [crate::tokenizer::chat::ChatMessage::new("user", "x")];
+    let render = |vars: serde_json::Value| tok.apply_chat_template_with(&user, true, &vars).ok();
+    render(serde_json::json!({"enable_thinking": false}))
+        .is_some_and(|t| t.contains("<think>") && t.contains("</think>"))
+        || render(serde_json::Value::Null)
+            .is_some_and(|t| crate::tokenizer::reasoning::prompt_opens_reasoning(&t))
 }
 
 /// The tool-call format the chat template teaches: the markers it renders for a probe
@@ -500,6 +514,7 @@ fn engine_main(
         tool_format: args
             .tool_call_parser
             .or_else(|| detect_tool_format(&m.tokenizer)),
+        reasoning: detect_reasoning(&m.tokenizer),
     }));
     let local = !args.tp.uses_ranks();
     let mut exec = match start_executor(&args, &m, &metrics) {

@@ -44,13 +44,31 @@ pub struct GenRequest {
     pub skip_special_tokens: bool,
     pub stream: bool,
     pub include_usage: bool,
-    /// `response_format` `json_object` / `json_schema`: what the output must match.
+    /// `response_format` `json_object` / `json_schema`, a `required` / named
+    /// `tool_choice`, or `guided_regex`: what the output must match.
     pub constraint: Option<Constraint>,
+    /// The field the constraint came from (for errors about it).
+    pub constraint_param: &'static str,
     /// Choices to generate (`n`), each its own sequence.
     pub n: usize,
     /// Chat `tools` (function tools, as sent), rendered by the chat template.
     pub tools: Vec<Value>,
     pub tool_choice: ToolChoice,
+    /// vLLM's `chat_template_kwargs`: extra chat-template variables (e.g.
+    /// `{"enable_thinking": false}`).
+    pub chat_template_kwargs: Map<String, Value>,
+}
+
+impl GenRequest {
+    /// The extra chat-template variables: `chat_template_kwargs`, and `tools` unless
+    /// `tool_choice` is none.
+    pub fn template_vars(&self) -> Value {
+        let mut vars = self.chat_template_kwargs.clone();
+        if self.tool_choice != ToolChoice::None {
+            vars.insert("tools".into(), Value::Array(self.tools.clone()));
+        }
+        Value::Object(vars)
+    }
 }
 
 /// `tool_choice`.
@@ -62,6 +80,8 @@ pub enum ToolChoice {
     Auto,
     /// `"required"`: the output is constrained to a list of one or more calls.
     Required,
+    /// `"required"` with `parallel_tool_calls: false`: a list of exactly one call.
+    RequiredOne,
     /// `{"type": "function", "function": {"name": …}}`: the output is one call of it.
     Named(String),
 }
@@ -177,6 +197,18 @@ fn parse_tools(api: Api, f: &Fields) -> Result<(Vec<Value>, ToolChoice), ApiErro
             "'tool_choice' needs 'tools' to choose from",
         ));
     }
+    if f.bool("parallel_tool_calls")? == Some(false) {
+        match choice {
+            ToolChoice::Required => return Ok((tools, ToolChoice::RequiredOne)),
+            ToolChoice::Auto => {
+                return Err(ApiError::unsupported(
+                    "parallel_tool_calls",
+                    "parallel_tool_calls: false with tool_choice auto",
+                ))
+            }
+            _ => {}
+        }
+    }
     if let ToolChoice::Named(n) = &choice {
         if !names.contains(n) {
             return Err(ApiError::invalid(
@@ -206,11 +238,17 @@ pub fn tool_constraint(tools: &[Value], choice: &ToolChoice) -> Option<Constrain
     };
     match choice {
         ToolChoice::None | ToolChoice::Auto => None,
-        ToolChoice::Required => Some(Constraint::JsonSchema(json!({
-            "type": "array",
-            "minItems": 1,
-            "items": {"anyOf": tools.iter().map(call).collect::<Vec<_>>()}
-        }))),
+        ToolChoice::Required | ToolChoice::RequiredOne => {
+            let mut list = json!({
+                "type": "array",
+                "minItems": 1,
+                "items": {"anyOf": tools.iter().map(call).collect::<Vec<_>>()}
+            });
+            if *choice == ToolChoice::RequiredOne {
+                list["maxItems"] = json!(1);
+            }
+            Some(Constraint::JsonSchema(list))
+        }
         ToolChoice::Named(n) => tools
             .iter()
             .find(|t| t["function"]["name"] == json!(n))
@@ -483,7 +521,12 @@ pub fn parse(api: Api, body: &Value) -> Result<GenRequest, ApiError> {
     };
     let (tools, tool_choice) = parse_tools(api, &f)?;
     let mut constraint = parse_response_format(f.get("response_format"))?;
+    let mut constraint_param = match constraint {
+        Some(Constraint::JsonSchema(_)) => "response_format.json_schema",
+        _ => "response_format",
+    };
     if let Some(c) = tool_constraint(&tools, &tool_choice) {
+        constraint_param = "tools";
         if constraint.is_some() {
             return Err(ApiError::invalid(
                 "tool_choice",
@@ -492,6 +535,27 @@ pub fn parse(api: Api, body: &Value) -> Result<GenRequest, ApiError> {
         }
         constraint = Some(c);
     }
+    if let Some(r) = f.string("guided_regex")? {
+        if constraint.is_some() {
+            return Err(ApiError::invalid(
+                "guided_regex",
+                "'guided_regex' cannot be combined with a JSON 'response_format' or a 'required' or named 'tool_choice'",
+            ));
+        }
+        constraint = Some(Constraint::Regex(r.to_string()));
+        constraint_param = "guided_regex";
+    }
+    let chat_template_kwargs = match f.get("chat_template_kwargs") {
+        None => Map::new(),
+        Some(Value::Object(o)) if api == Api::Chat => o.clone(),
+        Some(Value::Object(_)) => {
+            return Err(ApiError::unsupported(
+                "chat_template_kwargs",
+                "chat_template_kwargs on /v1/completions",
+            ))
+        }
+        Some(v) => return Err(Fields::wrong("chat_template_kwargs", "an object", v)),
+    };
     let stream = f.bool("stream")?.unwrap_or(false);
     let include_usage = match f.get("stream_options") {
         None => false,
@@ -518,8 +582,10 @@ pub fn parse(api: Api, body: &Value) -> Result<GenRequest, ApiError> {
         stream,
         include_usage,
         constraint,
+        constraint_param,
         tools,
         tool_choice,
+        chat_template_kwargs,
         n: match f.int("n")?.unwrap_or(1) {
             n @ 1..=MAX_N => n as usize,
             n => {

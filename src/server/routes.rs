@@ -22,6 +22,9 @@ use super::{Engine, EventReceiver, ModelInfo, BODY_LIMIT};
 use crate::engine::generate::FinishReason;
 use crate::engine::grammar::{Constraint, GrammarMatcher};
 use crate::engine::scheduler::{Event, Request as EngineRequest, TokenInfo, Usage};
+use crate::tokenizer::reasoning::{
+    prompt_opens_reasoning, split_reasoning, ReasoningEvent, ReasoningStream,
+};
 use crate::tokenizer::tool_calls::{ToolCallStream, ToolEvent};
 use crate::tokenizer::Tokenizer;
 
@@ -556,7 +559,11 @@ async fn generate_raw(
             "this model's chat template shows no tool-call format the server can parse; start the server with --tool-call-parser (hermes, llama3_json, mistral), or use tool_choice \"required\" or a named function",
         ));
     }
-    let prompt = tokenize(&st, &g).await?;
+    let (prompt, opens_reasoning) = tokenize(&st, &g).await?;
+    // reasoning is split off chat replies of templates with `<think>` blocks
+    // (not of JSON: a `response_format` or forced tool call starts at the first token)
+    let json = g.constraint.is_some() && g.constraint_param != "guided_regex";
+    let reasoning = (g.api == Api::Chat && st.model.reasoning && !json).then_some(opens_reasoning);
     let ctx = st.model.ctx_size;
     if prompt.is_empty() {
         return Err(ApiError::invalid(
@@ -582,7 +589,7 @@ async fn generate_raw(
     for i in 0..g.n {
         let grammar = match &g.constraint {
             None => None,
-            Some(c) => Some(grammar_matcher(&st, c).await?),
+            Some(c) => Some(grammar_matcher(&st, c, g.constraint_param).await?),
         };
         let mut params = g.params.clone();
         // choice i: seed + i, so seeded choices differ and each is reproducible
@@ -616,28 +623,25 @@ async fn generate_raw(
         g.n
     );
     if g.stream {
-        Ok(stream_response(st, g, env, rx))
+        Ok(stream_response(st, g, env, rx, reasoning))
     } else {
-        collect_response(&st, &g, &env, rx).await
+        collect_response(&st, &g, &env, rx, reasoning).await
     }
 }
 
 /// The matcher of a request's `response_format` (built off the async threads: the first
 /// one builds the vocabulary, and a large schema takes a while); a bad schema is a 400
-/// naming `response_format.json_schema`.
+/// naming `param`, the field it came from (e.g. `response_format.json_schema`).
 async fn grammar_matcher(
     st: &Arc<AppState>,
     c: &Constraint,
+    param: &'static str,
 ) -> Result<Box<GrammarMatcher>, ApiError> {
-    let param = match c {
-        Constraint::JsonSchema(_) => "response_format.json_schema",
-        _ => "response_format",
-    };
     let (st, c) = (st.clone(), c.clone());
     tokio::task::spawn_blocking(move || {
         let vocab = st.model.grammar_vocab().map_err(|e| {
             ApiError::invalid(
-                "response_format",
+                param,
                 format!("constrained decoding is not available for this model's tokenizer: {e}"),
             )
         })?;
@@ -728,7 +732,9 @@ fn cut_before_space(text: &str, n: usize) -> usize {
 /// `max_token_bytes` bytes per token is refused before any tokenizing; long
 /// texts are counted by prefixes first ([`surely_too_long`]); and at most a
 /// few prompts are tokenized at once (`AppState::tokenizing`).
-async fn tokenize(st: &AppState, g: &GenRequest) -> Result<Vec<u32>, ApiError> {
+/// The prompt's token ids, and whether the rendered chat prompt leaves the model inside
+/// a `<think>` block (see [`prompt_opens_reasoning`]).
+async fn tokenize(st: &AppState, g: &GenRequest) -> Result<(Vec<u32>, bool), ApiError> {
     let param = g.prompt_param();
     let ctx = st.model.ctx_size;
     let bytes = prompt_bytes(&g.prompt);
@@ -745,7 +751,7 @@ async fn tokenize(st: &AppState, g: &GenRequest) -> Result<Vec<u32>, ApiError> {
                     format!("the prompt has {} tokens", ids.len()),
                 ));
             }
-            ids.clone()
+            (ids.clone(), false)
         }
         p => {
             let _permit = st
@@ -755,11 +761,7 @@ async fn tokenize(st: &AppState, g: &GenRequest) -> Result<Vec<u32>, ApiError> {
                 .map_err(|e| ApiError::internal(format!("tokenizer queue: {e}")))?;
             let tok = st.model.tokenizer.clone();
             let p = p.clone();
-            let extra = if g.tool_choice == ToolChoice::None {
-                Value::Null
-            } else {
-                json!({"tools": g.tools})
-            };
+            let extra = g.template_vars();
             let long = ctx.saturating_mul(PREFIX_BYTES_PER_TOKEN);
             let r = tokio::task::spawn_blocking(move || {
                 let texts: Vec<&str> = match &p {
@@ -778,9 +780,11 @@ async fn tokenize(st: &AppState, g: &GenRequest) -> Result<Vec<u32>, ApiError> {
                 match p {
                     PromptInput::Chat(messages) => tok
                         .apply_chat_template_with(&messages, true, &extra)
-                        .and_then(|text| tok.encode(&text, false)),
-                    PromptInput::Text(text) => tok.encode(&text, true),
-                    PromptInput::Ids(ids) => Ok(ids),
+                        .and_then(|text| {
+                            Ok((tok.encode(&text, false)?, prompt_opens_reasoning(&text)))
+                        }),
+                    PromptInput::Text(text) => tok.encode(&text, true).map(|ids| (ids, false)),
+                    PromptInput::Ids(ids) => Ok((ids, false)),
                 }
                 .map(Some)
             })
@@ -788,7 +792,7 @@ async fn tokenize(st: &AppState, g: &GenRequest) -> Result<Vec<u32>, ApiError> {
             .map_err(|e| ApiError::internal(format!("tokenizer task: {e}")))?
             .map_err(|e| ApiError::invalid(param, e.to_string()))?;
             match r {
-                Some(ids) => ids,
+                Some(r) => r,
                 None => {
                     return Err(too_long(
                         g,
@@ -799,6 +803,7 @@ async fn tokenize(st: &AppState, g: &GenRequest) -> Result<Vec<u32>, ApiError> {
             }
         }
     };
+    let (ids, opens_reasoning) = ids;
     let vocab = st.model.vocab_size;
     if let Some(&bad) = ids.iter().find(|&&t| t as usize >= vocab) {
         return Err(ApiError::invalid(
@@ -806,7 +811,7 @@ async fn tokenize(st: &AppState, g: &GenRequest) -> Result<Vec<u32>, ApiError> {
             format!("token id {bad} is out of range (the vocabulary has {vocab} tokens)"),
         ));
     }
-    Ok(ids)
+    Ok((ids, opens_reasoning))
 }
 
 /// The events of every choice of a request, tagged with the choice's index. A task per
@@ -841,10 +846,29 @@ struct Choice {
     finish: Option<FinishReason>,
 }
 
-/// A chat choice's message and finish reason: with tools, the calls parsed out of the
-/// text (`auto`: the model's format; `required` / named: the constraint's JSON) go to
-/// `tool_calls`, and the reason is `tool_calls`.
+/// A chat choice's message and finish reason: with `reasoning`, the `<think>` block goes
+/// to `reasoning_content`; with tools, the calls parsed out of the text (`auto`: the
+/// model's format; `required` / named: the constraint's JSON) go to `tool_calls`, and
+/// the reason is `tool_calls`.
 fn chat_message(
+    st: &AppState,
+    g: &GenRequest,
+    text: &str,
+    finish: FinishReason,
+    reasoning: Option<bool>,
+) -> (Value, &'static str) {
+    let (thought, text) = match reasoning {
+        Some(opened) => split_reasoning(text, opened),
+        None => (None, text.to_string()),
+    };
+    let (mut message, finish) = tool_message(st, g, &text, finish);
+    if let Some(r) = thought {
+        message["reasoning_content"] = json!(r);
+    }
+    (message, finish)
+}
+
+fn tool_message(
     st: &AppState,
     g: &GenRequest,
     text: &str,
@@ -855,10 +879,12 @@ fn chat_message(
             let p = format.parse(text);
             (p.content, p.tool_calls)
         }
-        (ToolChoice::Required | ToolChoice::Named(_), _) => match openai::forced_tool_calls(text) {
-            Some(calls) => (String::new(), calls),
-            None => (text.to_string(), vec![]),
-        },
+        (ToolChoice::Required | ToolChoice::RequiredOne | ToolChoice::Named(_), _) => {
+            match openai::forced_tool_calls(text) {
+                Some(calls) => (String::new(), calls),
+                None => (text.to_string(), vec![]),
+            }
+        }
         _ => (text.to_string(), vec![]),
     };
     if calls.is_empty() {
@@ -875,11 +901,13 @@ fn chat_message(
     )
 }
 
+/// `reasoning`: `Some(whether the prompt opened the block)` when reasoning is split off.
 async fn collect_response(
     st: &AppState,
     g: &GenRequest,
     env: &Envelope,
     mut rx: ChoiceEvents,
+    reasoning: Option<bool>,
 ) -> Result<Response, ApiError> {
     let want_logprobs = g.params.logprobs;
     let mut choices: Vec<Choice> = (0..g.n).map(|_| Choice::default()).collect();
@@ -920,7 +948,7 @@ async fn collect_response(
             let finish = c.finish.expect("every choice is done");
             match g.api {
                 Api::Chat => {
-                    let (message, finish) = chat_message(st, g, &c.text, finish);
+                    let (message, finish) = chat_message(st, g, &c.text, finish, reasoning);
                     Envelope::chat_choice(
                         i,
                         message,
@@ -962,6 +990,8 @@ struct SseState {
     sent_chars: Vec<usize>,
     /// Per choice, the tool-call parsing of a chat stream with tools.
     tools: Vec<ToolStream>,
+    /// Per choice, the `<think>` splitter of a chat stream with reasoning.
+    reasoning: Vec<Option<ReasoningStream>>,
 }
 
 /// How a streamed chat choice's text becomes deltas.
@@ -979,6 +1009,45 @@ enum ToolStream {
 }
 
 impl SseState {
+    /// The chunks of `text` of chat choice `i`: `reasoning_content` deltas for the
+    /// `<think>` block, the rest through [`SseState::chat_deltas`].
+    fn chat_pieces(
+        &mut self,
+        i: usize,
+        text: &str,
+        logprobs: Option<Value>,
+        last: Option<FinishReason>,
+    ) -> String {
+        let Some(rs) = self.reasoning[i].as_mut() else {
+            return self.chat_deltas(i, text, logprobs, last);
+        };
+        let mut pieces = rs.push(text);
+        if last.is_some() {
+            pieces.extend(rs.finish());
+        }
+        let usage_on = self.g.include_usage;
+        let mut logprobs = logprobs;
+        let mut out = String::new();
+        for p in pieces {
+            match p {
+                ReasoningEvent::Reasoning(r) => out.push_str(&sse(&self.env.chat_chunk(
+                    i,
+                    json!({ "reasoning_content": r }),
+                    logprobs.take(),
+                    None,
+                    usage_on,
+                ))),
+                ReasoningEvent::Content(c) => {
+                    out.push_str(&self.chat_deltas(i, &c, logprobs.take(), None))
+                }
+            }
+        }
+        if logprobs.is_some() || last.is_some() {
+            out.push_str(&self.chat_deltas(i, "", logprobs, last));
+        }
+        out
+    }
+
     /// The delta chunks of `text` of chat choice `i` (`last`: its end, with the finish
     /// reason), the first one carrying `logprobs`.
     fn chat_deltas(
@@ -1091,7 +1160,7 @@ impl SseState {
                     if api == Api::Chat {
                         let lp = want_logprobs
                             .then(|| json!({"content": [openai::chat_logprob(tok, &token)]}));
-                        let out = self.chat_deltas(i, &text, lp, None);
+                        let out = self.chat_pieces(i, &text, lp, None);
                         if out.is_empty() {
                             continue;
                         }
@@ -1127,7 +1196,7 @@ impl SseState {
                     self.usage.completion_tokens += usage.completion_tokens;
                     self.left -= 1;
                     let mut out = match api {
-                        Api::Chat => self.chat_deltas(i, "", None, Some(finish_reason)),
+                        Api::Chat => self.chat_pieces(i, "", None, Some(finish_reason)),
                         Api::Completions => sse(&self.env.completion_chunk(
                             i,
                             "",
@@ -1160,7 +1229,13 @@ impl SseState {
     }
 }
 
-fn stream_response(st: Arc<AppState>, g: GenRequest, env: Envelope, rx: ChoiceEvents) -> Response {
+fn stream_response(
+    st: Arc<AppState>,
+    g: GenRequest,
+    env: Envelope,
+    rx: ChoiceEvents,
+    reasoning: Option<bool>,
+) -> Response {
     let n = g.n;
     let state = SseState {
         env,
@@ -1176,11 +1251,14 @@ fn stream_response(st: Arc<AppState>, g: GenRequest, env: Envelope, rx: ChoiceEv
                     parser: ToolCallStream::new(f),
                     calls: 0,
                 },
-                (ToolChoice::Required | ToolChoice::Named(_), _) => {
+                (ToolChoice::Required | ToolChoice::RequiredOne | ToolChoice::Named(_), _) => {
                     ToolStream::Forced(String::new())
                 }
                 _ => ToolStream::Plain,
             })
+            .collect(),
+        reasoning: (0..n)
+            .map(|_| reasoning.map(ReasoningStream::new))
             .collect(),
         st,
         g,
