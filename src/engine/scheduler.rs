@@ -40,8 +40,9 @@ pub struct Request {
     pub stop: Vec<String>,
     pub ignore_eos: bool,
     pub skip_special_tokens: bool,
-    /// Constrained decoding (`response_format`): the output must follow this grammar. Its
-    /// mask goes with every step that samples the sequence; such steps are not pipelined.
+    /// Constrained decoding (a `response_format`, a forced tool call, `guided_regex`): the
+    /// output must follow this grammar. Its mask goes with every step that samples the
+    /// sequence; while it runs, decode steps are not pipelined.
     pub grammar: Option<Box<GrammarMatcher>>,
     /// When the server received the request (queue time and TTFT count from here).
     pub arrived: Instant,
