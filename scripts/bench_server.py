@@ -75,6 +75,8 @@ def one_request(args, model, seed):
         stream=True,
         stream_options={"include_usage": True},
     )
+    if args.response_format:
+        body["response_format"] = args.response_format
     conn = http.client.HTTPConnection(args.host, args.port, timeout=args.timeout)
     t0 = time.perf_counter()
     conn.request("POST", path, body=json.dumps(body), headers=headers(args))
@@ -164,7 +166,22 @@ def main():
     ap.add_argument("--prompt", default="Write a short story about a fox who learns to fly.")
     ap.add_argument("--chat", action="store_true", help="use /v1/chat/completions")
     ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument(
+        "--response-format",
+        default=None,
+        help="constrained decoding: json_object, or a file holding a JSON schema (sent as "
+        "json_schema); a constrained stream ends when its JSON is complete, so compare tokens/s",
+    )
     args = ap.parse_args()
+    if args.response_format == "json_object":
+        args.response_format = {"type": "json_object"}
+    elif args.response_format:
+        with open(args.response_format) as f:
+            schema = json.load(f)
+        args.response_format = {
+            "type": "json_schema",
+            "json_schema": {"name": "bench", "strict": True, "schema": schema},
+        }
     model = args.model or get_model(args)
     levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
     results = [run_level(args, model, c) for c in levels]
@@ -175,6 +192,7 @@ def main():
             "endpoint": "chat" if args.chat else "completions",
             "max_tokens": args.max_tokens,
             "rounds": args.rounds,
+            "response_format": args.response_format,
             "results": results,
         },
         sys.stdout,

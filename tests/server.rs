@@ -324,36 +324,9 @@ fn stream_text(r: &Resp, chat: bool) -> (String, String, Option<Value>) {
     assert!(r
         .header("content-type")
         .is_some_and(|c| c.starts_with("text/event-stream")));
-    let events = r.sse();
-    assert_eq!(
-        events.last().map(String::as_str),
-        Some("[DONE]"),
-        "{events:?}"
-    );
-    let mut text = String::new();
-    let mut finish = None;
-    let mut usage = None;
-    for e in &events[..events.len() - 1] {
-        let v: Value = serde_json::from_str(e).unwrap();
-        assert!(v.get("error").is_none(), "{v}");
-        let choices = v["choices"].as_array().unwrap();
-        if choices.is_empty() {
-            usage = Some(v["usage"].clone());
-            continue;
-        }
-        let c = &choices[0];
-        let piece = if chat {
-            c["delta"]["content"].as_str()
-        } else {
-            c["text"].as_str()
-        };
-        text.push_str(piece.unwrap_or(""));
-        if let Some(f) = c["finish_reason"].as_str() {
-            assert!(finish.is_none(), "two finish reasons");
-            finish = Some(f.to_string());
-        }
-    }
-    (text, finish.expect("a finish_reason chunk"), usage)
+    let (mut choices, usage) = stream_choices(r, chat, 1);
+    let (text, finish) = choices.remove(0);
+    (text, finish, usage)
 }
 
 #[test]
@@ -746,16 +719,32 @@ fn bad_requests(tp: &[&str]) {
         (json!({"messages": m, "top_p": 0}), "top_p"),
         (json!({"messages": m, "stream": "yes"}), "stream"),
         (json!({"messages": m, "stop": [1]}), "stop"),
-        (json!({"messages": m, "n": 2}), "n"),
+        (json!({"messages": m, "n": 0}), "n"),
+        (json!({"messages": m, "n": 2, "best_of": 3}), "best_of"),
         (
-            json!({"messages": m, "tools": [{"type": "function", "function": {"name": "f"}}]}),
-            "tools",
+            json!({"messages": m, "tools": [{"type": "function", "function": {}}]}),
+            "tools[0].function.name",
         ),
-        (json!({"messages": m, "tool_choice": "auto"}), "tool_choice"),
-        (json!({"messages": m, "logit_bias": {"1": 5}}), "logit_bias"),
         (
-            json!({"messages": m, "response_format": {"type": "json_object"}}),
-            "response_format",
+            json!({"messages": m, "tool_choice": "required"}),
+            "tool_choice",
+        ),
+        (
+            json!({"messages": m, "logit_bias": {"1": 500}}),
+            "logit_bias",
+        ),
+        (json!({"messages": m, "logit_bias": {"x": 5}}), "logit_bias"),
+        (
+            json!({"messages": m, "logit_bias": {"100000": 5}}),
+            "logit_bias",
+        ),
+        (
+            json!({"messages": m, "response_format": {"type": "xml"}}),
+            "response_format.type",
+        ),
+        (
+            json!({"messages": m, "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}}),
+            "response_format.json_schema",
         ),
         (
             json!({"messages": m, "top_logprobs": 50, "logprobs": true}),
@@ -1955,19 +1944,11 @@ fn huge_prompts_are_refused_at_once_with_bounded_memory() {
 fn refused_fields_get_400_naming_the_field_on_both_endpoints() {
     let s = Server::start("llama3", &[], &[]);
     let refused: &[(&str, Value)] = &[
-        ("n", json!(2)),
         ("best_of", json!(3)),
         ("echo", json!(true)),
         ("suffix", json!("x")),
-        ("logit_bias", json!({"1": 5})),
-        (
-            "tools",
-            json!([{"type": "function", "function": {"name": "f"}}]),
-        ),
         ("functions", json!([{"name": "f"}])),
-        ("tool_choice", json!("auto")),
         ("function_call", json!("auto")),
-        ("response_format", json!({"type": "json_object"})),
         ("audio", json!({"voice": "x"})),
         ("modalities", json!(["audio"])),
         ("prediction", json!({"type": "content", "content": "x"})),
@@ -2002,14 +1983,32 @@ fn refused_fields_get_400_naming_the_field_on_both_endpoints() {
         body[field] = value;
         s.ok("/v1/chat/completions", &body);
     }
-    // in messages: tool roles, tool calls, image parts
+    // tools are for chat only
+    for (field, value) in [
+        (
+            "tools",
+            json!([{"type": "function", "function": {"name": "f"}}]),
+        ),
+        ("tool_choice", json!("auto")),
+    ] {
+        let mut body = json!({"prompt": "hi", "max_tokens": 1});
+        body[field] = value;
+        let e = assert_error(&s.post("/v1/completions", &body), 400);
+        assert_eq!(e["param"], field, "{body}: {e}");
+        assert_eq!(e["code"], "unsupported_parameter", "{body}: {e}");
+    }
+    // in messages: unknown roles, bad tool calls, image parts
     for (messages, param) in [
         (
-            json!([{"role": "tool", "content": "x"}]),
+            json!([{"role": "robot", "content": "x"}]),
             "messages[0].role",
         ),
         (
             json!([{"role": "assistant", "content": "x", "tool_calls": [{}]}]),
+            "messages[0].tool_calls[0].function.name",
+        ),
+        (
+            json!([{"role": "user", "content": "x", "tool_calls": []}]),
             "messages[0].tool_calls",
         ),
         (
@@ -2082,4 +2081,581 @@ fn tp_a_stopped_rank_is_named_within_10s_busy_and_idle() {
     );
     greedy_check(&s);
     assert_eq!(metric(&s.metrics(), "mlxcel:tp_restarts_total"), 2.0);
+}
+
+/// The bounded schema of the constrained-decoding tests: a colour from an enum, a
+/// small integer and an optional boolean, nothing else.
+fn colour_schema() -> Value {
+    json!({
+        "type": "object",
+        "properties": {
+            "colour": {"type": "string", "enum": ["red", "green", "blue"]},
+            "n": {"type": "integer", "minimum": 0, "maximum": 99},
+            "ok": {"type": "boolean"}
+        },
+        "required": ["colour", "n"],
+        "additionalProperties": false
+    })
+}
+
+/// `text` is JSON valid against [`colour_schema`] (checked by hand: enum, range, keys).
+fn assert_colour_json(text: &str) {
+    let v: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
+    let o = v
+        .as_object()
+        .unwrap_or_else(|| panic!("not an object: {text}"));
+    assert!(
+        ["red", "green", "blue"].contains(&o["colour"].as_str().unwrap()),
+        "{text}"
+    );
+    let n = o["n"].as_i64().unwrap_or_else(|| panic!("n: {text}"));
+    assert!((0..=99).contains(&n), "{text}");
+    if let Some(ok) = o.get("ok") {
+        assert!(ok.is_boolean(), "{text}");
+    }
+    assert!(
+        o.keys()
+            .all(|k| ["colour", "n", "ok"].contains(&k.as_str())),
+        "{text}"
+    );
+}
+
+/// 20 seeded `json_schema` requests at temperature 1 (both endpoints, half streamed),
+/// sent at once with unconstrained greedy requests in the same batches: every
+/// constrained one ends with `stop` and valid JSON; the greedy ones are unchanged.
+/// Returns the constrained outputs (for the tensor-parallel comparison).
+fn constrained_outputs(tp: &[&str]) -> Vec<String> {
+    let s = Server::start("llama3", &with(tp, &["--parallel", "6"]), &[]);
+    let rf = json!({"type": "json_schema",
+                    "json_schema": {"name": "colour", "strict": true, "schema": colour_schema()}});
+    let constrained = |i: usize| -> (&'static str, Value) {
+        let mut b = json!({"temperature": 1.0, "seed": i, "max_tokens": 64, "response_format": rf});
+        if i.is_multiple_of(2) {
+            b["messages"] = json!([{"role": "user", "content": format!("colour {i}?")}]);
+            ("/v1/chat/completions", b)
+        } else {
+            b["prompt"] = json!(format!("colour {i}:"));
+            ("/v1/completions", b)
+        }
+    };
+    let greedy = |i: usize| {
+        json!({"prompt": format!("the {i} dogs"), "max_tokens": 24, "temperature": 0,
+               "ignore_eos": true})
+    };
+    let alone: Vec<Value> = (0..4)
+        .map(|i| s.ok("/v1/completions", &greedy(i))["choices"][0]["text"].clone())
+        .collect();
+    let addr = s.addr.clone();
+    let post = move |path: &'static str, b: Value| {
+        let addr = addr.clone();
+        std::thread::spawn(move || {
+            let stream = b["stream"] == json!(true);
+            let r = http(
+                &addr,
+                "POST",
+                path,
+                &[("Content-Type", "application/json")],
+                Some(b.to_string().into_bytes()),
+            )
+            .unwrap();
+            assert_eq!(r.status, 200, "{}", r.text());
+            let chat = path.contains("chat");
+            if stream {
+                let (text, finish, _) = stream_text(&r, chat);
+                (text, finish)
+            } else {
+                let c = &r.json()["choices"][0];
+                let text = if chat {
+                    &c["message"]["content"]
+                } else {
+                    &c["text"]
+                };
+                (
+                    text.as_str().unwrap().to_string(),
+                    c["finish_reason"].as_str().unwrap().to_string(),
+                )
+            }
+        })
+    };
+    let handles: Vec<_> = (0..20)
+        .map(|i| {
+            let (path, mut b) = constrained(i);
+            if i % 4 >= 2 {
+                b["stream"] = json!(true);
+            }
+            post(path, b)
+        })
+        .collect();
+    let greedy_handles: Vec<_> = (0..4).map(|i| post("/v1/completions", greedy(i))).collect();
+    let mut outs = vec![];
+    for (i, h) in handles.into_iter().enumerate() {
+        let (text, finish) = h.join().unwrap();
+        assert_eq!(finish, "stop", "request {i}: {text:?}");
+        assert_colour_json(&text);
+        outs.push(text);
+    }
+    for (i, h) in greedy_handles.into_iter().enumerate() {
+        assert_eq!(json!(h.join().unwrap().0), alone[i], "greedy request {i}");
+    }
+    let distinct: std::collections::HashSet<&String> = outs.iter().collect();
+    assert!(distinct.len() > 1, "seeded samples all alike: {outs:?}");
+
+    // json_object: an object, on both endpoints
+    for (path, mut b) in [
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "hi"}]}),
+        ),
+        ("/v1/completions", json!({"prompt": "hi"})),
+    ] {
+        for seed in 0..3 {
+            b["temperature"] = json!(1.0);
+            b["seed"] = json!(seed);
+            b["max_tokens"] = json!(200);
+            b["response_format"] = json!({"type": "json_object"});
+            let r = s.ok(path, &b);
+            let c = &r["choices"][0];
+            let text = c["message"]["content"]
+                .as_str()
+                .or(c["text"].as_str())
+                .unwrap();
+            if c["finish_reason"] == "stop" {
+                let v: Value =
+                    serde_json::from_str(text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
+                assert!(v.is_object(), "{text}");
+            } else {
+                assert_eq!(c["finish_reason"], "length");
+                assert!(text.starts_with('{'), "{text}");
+            }
+        }
+    }
+    // a bad schema: 400 naming it, on both endpoints
+    for (path, mut b) in [
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "hi"}]}),
+        ),
+        ("/v1/completions", json!({"prompt": "hi"})),
+    ] {
+        b["response_format"] = json!({"type": "json_schema",
+            "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"type": "no-such-type"}}}}});
+        let e = assert_error(&s.post(path, &b), 400);
+        assert_eq!(e["param"], "response_format.json_schema", "{e}");
+        assert!(
+            e["message"].as_str().unwrap().contains("no-such-type"),
+            "{e}"
+        );
+    }
+    outs
+}
+
+#[test]
+fn json_schema_requests_give_valid_json_and_end_with_stop() {
+    constrained_outputs(&[]);
+}
+
+#[test]
+fn tp2_constrained_outputs_equal_the_single_device_server() {
+    assert_eq!(constrained_outputs(TP2), constrained_outputs(&[]));
+}
+
+/// The choices of a stream with `n` choices, by index: (text, finish_reason), and the usage.
+fn stream_choices(r: &Resp, chat: bool, n: usize) -> (Vec<(String, String)>, Option<Value>) {
+    assert_eq!(r.status, 200, "{}", r.text());
+    let events = r.sse();
+    assert_eq!(
+        events.last().map(String::as_str),
+        Some("[DONE]"),
+        "{events:?}"
+    );
+    let mut out = vec![(String::new(), String::new()); n];
+    let mut usage = None;
+    for e in &events[..events.len() - 1] {
+        let v: Value = serde_json::from_str(e).unwrap();
+        assert!(v.get("error").is_none(), "{v}");
+        let choices = v["choices"].as_array().unwrap();
+        if choices.is_empty() {
+            usage = Some(v["usage"].clone());
+            continue;
+        }
+        assert_eq!(choices.len(), 1, "{v}");
+        let c = &choices[0];
+        let i = c["index"].as_u64().unwrap() as usize;
+        let piece = if chat {
+            c["delta"]["content"].as_str()
+        } else {
+            c["text"].as_str()
+        };
+        assert!(
+            out[i].1.is_empty(),
+            "a chunk of choice {i} after its finish: {v}"
+        );
+        out[i].0.push_str(piece.unwrap_or(""));
+        if let Some(f) = c["finish_reason"].as_str() {
+            out[i].1 = f.to_string();
+        }
+    }
+    for (i, c) in out.iter().enumerate() {
+        assert!(!c.1.is_empty(), "choice {i} has no finish_reason");
+    }
+    (out, usage)
+}
+
+/// `n = 3` on both endpoints, streamed and not: 3 choices, choice i the output of the
+/// same request with `n = 1` and `seed + i` (so seeded choices differ), usage summed.
+#[test]
+fn n_choices_on_both_endpoints_streaming_and_not() {
+    let s = Server::start("llama3", &[], &[]);
+    for (path, base) in [
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "hi"}]}),
+        ),
+        ("/v1/completions", json!({"prompt": "the dog"})),
+    ] {
+        let chat = path.contains("chat");
+        let text_of = |c: &Value| {
+            if chat {
+                c["message"]["content"].as_str().unwrap().to_string()
+            } else {
+                c["text"].as_str().unwrap().to_string()
+            }
+        };
+        let mut b = base.clone();
+        b["temperature"] = json!(1.0);
+        b["max_tokens"] = json!(8);
+        b["ignore_eos"] = json!(true);
+        let single: Vec<(String, Value)> = (0..3)
+            .map(|i| {
+                let mut one = b.clone();
+                one["seed"] = json!(40 + i);
+                let r = s.ok(path, &one);
+                (text_of(&r["choices"][0]), r["usage"].clone())
+            })
+            .collect();
+        b["seed"] = json!(40);
+        b["n"] = json!(3);
+        let r = s.ok(path, &b);
+        let choices = r["choices"].as_array().unwrap();
+        assert_eq!(choices.len(), 3, "{r}");
+        for (i, c) in choices.iter().enumerate() {
+            assert_eq!(c["index"], i, "{r}");
+            assert_eq!(text_of(c), single[i].0, "{path} choice {i}");
+            assert_eq!(c["finish_reason"], "length");
+        }
+        assert_ne!(
+            single[0].0, single[1].0,
+            "{path}: seeds 40 and 41 gave the same text"
+        );
+        let prompt_tokens = single[0].1["prompt_tokens"].as_u64().unwrap();
+        assert_eq!(r["usage"]["prompt_tokens"], prompt_tokens);
+        assert_eq!(r["usage"]["completion_tokens"], 24);
+        b["stream"] = json!(true);
+        b["stream_options"] = json!({"include_usage": true});
+        let (streamed, usage) = stream_choices(&s.post(path, &b), chat, 3);
+        for (i, (text, finish)) in streamed.iter().enumerate() {
+            assert_eq!(*text, single[i].0, "{path} streamed choice {i}");
+            assert_eq!(finish, "length");
+        }
+        assert_eq!(usage.unwrap()["completion_tokens"], 24);
+    }
+    // n with a schema: every choice follows it
+    let r = s.ok(
+        "/v1/completions",
+        &json!({"prompt": "c", "n": 4, "temperature": 1.0, "seed": 7, "max_tokens": 64,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": colour_schema()}}}),
+    );
+    for c in r["choices"].as_array().unwrap() {
+        assert_eq!(c["finish_reason"], "stop", "{r}");
+        assert_colour_json(c["text"].as_str().unwrap());
+    }
+}
+
+fn weather_tools() -> Value {
+    json!([
+        {"type": "function", "function": {"name": "get_weather", "description": "the weather",
+          "parameters": {"type": "object", "properties": {
+              "city": {"type": "string", "enum": ["Paris", "Oslo"]},
+              "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+            "required": ["city", "days"], "additionalProperties": false}}},
+        {"type": "function", "function": {"name": "noop",
+          "parameters": {"type": "object", "properties": {}, "additionalProperties": false}}}
+    ])
+}
+
+/// A parsed call is one of [`weather_tools`] with arguments valid for it.
+fn assert_weather_call(call: &Value) {
+    assert_eq!(call["type"], "function", "{call}");
+    assert!(call["id"].as_str().is_some_and(|s| !s.is_empty()), "{call}");
+    let args: Value = serde_json::from_str(call["function"]["arguments"].as_str().unwrap())
+        .unwrap_or_else(|e| panic!("{call}: {e}"));
+    match call["function"]["name"].as_str().unwrap() {
+        "get_weather" => {
+            assert!(
+                ["Paris", "Oslo"].contains(&args["city"].as_str().unwrap()),
+                "{call}"
+            );
+            assert!((1..=7).contains(&args["days"].as_i64().unwrap()), "{call}");
+            assert_eq!(args.as_object().unwrap().len(), 2, "{call}");
+        }
+        "noop" => assert_eq!(args, json!({}), "{call}"),
+        other => panic!("unknown function {other}: {call}"),
+    }
+}
+
+/// Tools on the Qwen2 fixture (a Hermes template, random weights): `required` and named
+/// choices give parsed calls valid for the tools (streamed and not); the tools and a
+/// conversation with tool calls and results reach the template; `none` renders no tools.
+#[test]
+fn tool_choice_required_and_named_give_parsed_calls() {
+    let s = Server::start("qwen2", &[], &[]);
+    let tok = tokenizer("qwen2");
+    let user = json!([{"role": "user", "content": "weather in Oslo?"}]);
+    let base = |choice: Value, seed: u64| {
+        json!({"messages": user, "tools": weather_tools(), "tool_choice": choice,
+               "temperature": 1.0, "seed": seed, "max_tokens": 400})
+    };
+    for seed in 0..6 {
+        let r = s.ok("/v1/chat/completions", &base(json!("required"), seed));
+        let c = &r["choices"][0];
+        assert_eq!(c["finish_reason"], "tool_calls", "{r}");
+        assert!(c["message"]["content"].is_null(), "{r}");
+        let calls = c["message"]["tool_calls"].as_array().unwrap();
+        assert!(!calls.is_empty(), "{r}");
+        calls.iter().for_each(assert_weather_call);
+    }
+    // parallel_tool_calls false: exactly one call; refused with auto
+    for seed in 0..3 {
+        let mut b = base(json!("required"), seed);
+        b["parallel_tool_calls"] = json!(false);
+        let r = s.ok("/v1/chat/completions", &b);
+        let calls = r["choices"][0]["message"]["tool_calls"].as_array().unwrap();
+        assert_eq!(calls.len(), 1, "{r}");
+        assert_weather_call(&calls[0]);
+    }
+    let mut b = base(json!("auto"), 0);
+    b["parallel_tool_calls"] = json!(false);
+    let e = assert_error(&s.post("/v1/chat/completions", &b), 400);
+    assert_eq!(e["param"], "parallel_tool_calls", "{e}");
+    let named = json!({"type": "function", "function": {"name": "get_weather"}});
+    for seed in 0..3 {
+        let r = s.ok("/v1/chat/completions", &base(named.clone(), seed));
+        let c = &r["choices"][0];
+        assert_eq!(c["finish_reason"], "tool_calls", "{r}");
+        let calls = c["message"]["tool_calls"].as_array().unwrap();
+        assert_eq!(calls.len(), 1, "{r}");
+        assert_eq!(calls[0]["function"]["name"], "get_weather", "{r}");
+        assert_weather_call(&calls[0]);
+    }
+    // streamed: the calls come as one delta.tool_calls chunk, with indexes, same calls
+    let mut b = base(json!("required"), 3);
+    let whole = s.ok("/v1/chat/completions", &b)["choices"][0]["message"]["tool_calls"].clone();
+    b["stream"] = json!(true);
+    let r = s.post("/v1/chat/completions", &b);
+    assert_eq!(r.status, 200, "{}", r.text());
+    let mut calls = vec![];
+    let mut finish = None;
+    for e in r.sse().iter().filter(|e| *e != "[DONE]") {
+        let v: Value = serde_json::from_str(e).unwrap();
+        let c = &v["choices"][0];
+        if let Some(tc) = c["delta"]["tool_calls"].as_array() {
+            calls.extend(tc.iter().cloned());
+        }
+        assert!(
+            c["delta"]["content"].as_str().unwrap_or("").is_empty(),
+            "{v}"
+        );
+        if let Some(f) = c["finish_reason"].as_str() {
+            finish = Some(f.to_string());
+        }
+    }
+    assert_eq!(finish.as_deref(), Some("tool_calls"));
+    let whole = whole.as_array().unwrap();
+    assert_eq!(calls.len(), whole.len());
+    for (k, (a, b)) in calls.iter().zip(whole).enumerate() {
+        assert_eq!(a["index"], k);
+        assert_eq!(a["function"], b["function"]);
+    }
+    // what the template got: tools rendered unless tool_choice is none; tool calls and
+    // results of earlier turns
+    let render = |messages: &[mlxcel::tokenizer::chat::ChatMessage], tools: Option<&Value>| {
+        let extra = tools.map_or(Value::Null, |t| json!({ "tools": t }));
+        let text = tok
+            .apply_chat_template_with(messages, true, &extra)
+            .unwrap();
+        (tok.encode(&text, false).unwrap().len(), text)
+    };
+    let user_msg = mlxcel::tokenizer::chat::ChatMessage::new("user", "weather in Oslo?");
+    let prompt_tokens =
+        |b: &Value| s.ok("/v1/chat/completions", b)["usage"]["prompt_tokens"].clone();
+    let mut b = base(json!("auto"), 0);
+    b["max_tokens"] = json!(2);
+    let tools = weather_tools();
+    let (with_tools, text) = render(std::slice::from_ref(&user_msg), Some(&tools));
+    assert!(
+        text.contains("get_weather") && text.contains("<tool_call>"),
+        "{text}"
+    );
+    assert_eq!(prompt_tokens(&b), with_tools);
+    b["tool_choice"] = json!("none");
+    let (without, _) = render(std::slice::from_ref(&user_msg), None);
+    assert!(without < with_tools);
+    assert_eq!(prompt_tokens(&b), without);
+    let conversation = json!([
+        {"role": "user", "content": "weather in Oslo?"},
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "c1", "type": "function",
+          "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\", \"days\": 2}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny, 21 C"}
+    ]);
+    let mut b = base(json!("auto"), 0);
+    b["messages"] = conversation;
+    b["max_tokens"] = json!(2);
+    let mut call = mlxcel::tokenizer::chat::ChatMessage::new("assistant", "");
+    call.fields.insert(
+        "tool_calls".into(),
+        json!([{"id": "c1", "type": "function",
+                "function": {"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}}]),
+    );
+    let mut result = mlxcel::tokenizer::chat::ChatMessage::new("tool", "sunny, 21 C");
+    result.fields.insert("tool_call_id".into(), json!("c1"));
+    let (n, text) = render(&[user_msg, call, result], Some(&tools));
+    assert!(
+        text.contains("\"city\": \"Oslo\"") && text.contains("sunny, 21 C"),
+        "{text}"
+    );
+    assert!(text.contains("<tool_response>"), "{text}");
+    assert_eq!(prompt_tokens(&b), n);
+}
+
+/// `tool_choice` `auto` parses the model's own tool-call format (Llama 3.1 JSON for the
+/// llama3 fixture, detected from its template). Random weights never write a call, so
+/// a `response_format` makes this one write `{"name": …, "parameters": …}`: the reply is
+/// parsed into `tool_calls`, streamed and not.
+#[test]
+fn tool_choice_auto_parses_the_templates_format() {
+    let s = Server::start("llama3", &[], &[]);
+    let schema = json!({"type": "object", "properties": {
+        "name": {"const": "get_weather"},
+        "parameters": {"type": "object", "properties": {
+            "city": {"type": "string", "enum": ["Paris", "Oslo"]},
+            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+          "required": ["city", "days"], "additionalProperties": false}},
+      "required": ["name", "parameters"], "additionalProperties": false});
+    let mut b = json!({"messages": [{"role": "user", "content": "weather?"}],
+        "tools": weather_tools(), "temperature": 1.0, "seed": 5, "max_tokens": 200,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "call", "schema": schema}}});
+    let r = s.ok("/v1/chat/completions", &b);
+    let c = &r["choices"][0];
+    assert_eq!(c["finish_reason"], "tool_calls", "{r}");
+    let calls = c["message"]["tool_calls"].as_array().unwrap();
+    assert_eq!(calls.len(), 1, "{r}");
+    assert_eq!(calls[0]["function"]["name"], "get_weather");
+    assert_weather_call(&calls[0]);
+    b["stream"] = json!(true);
+    let r = s.post("/v1/chat/completions", &b);
+    let mut streamed = vec![];
+    let mut content = String::new();
+    for e in r.sse().iter().filter(|e| *e != "[DONE]") {
+        let v: Value = serde_json::from_str(e).unwrap();
+        let d = &v["choices"][0]["delta"];
+        streamed.extend(d["tool_calls"].as_array().cloned().unwrap_or_default());
+        content.push_str(d["content"].as_str().unwrap_or(""));
+    }
+    assert_eq!(content, "", "no call markup in content deltas");
+    assert_eq!(streamed.len(), 1);
+    assert_eq!(streamed[0]["function"], calls[0]["function"]);
+    // without tools the same reply is content
+    b["stream"] = json!(false);
+    b["tools"] = json!([]);
+    let r = s.ok("/v1/chat/completions", &b);
+    assert_eq!(r["choices"][0]["finish_reason"], "stop", "{r}");
+    assert!(r["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .contains("get_weather"));
+}
+
+/// `logit_bias`: +100 on one token makes greedy decoding repeat it; -100 on the greedy
+/// first token makes the first token another (pipelined decode on: bias needs no host
+/// state between steps).
+#[test]
+fn logit_bias_moves_greedy_tokens() {
+    let s = Server::start("llama3", &[], &[]);
+    let tok = tokenizer("llama3");
+    let body = |prompt: Value, bias: Value| {
+        json!({"prompt": prompt, "max_tokens": 6, "temperature": 0, "ignore_eos": true,
+               "skip_special_tokens": false, "logit_bias": bias})
+    };
+    let text = |r: &Value| r["choices"][0]["text"].as_str().unwrap().to_string();
+    let forced = 300u32;
+    let r = s.ok(
+        "/v1/completions",
+        &body(json!("the dog"), json!({ forced.to_string(): 100 })),
+    );
+    assert_eq!(text(&r), tok.decode(&[forced; 6], false).unwrap(), "{r}");
+    // the greedy first token, then banned: the prompt plus the first token as ids
+    let prompt = tok.encode("the dog", true).unwrap();
+    let one = |bias: Value| {
+        let mut b = body(json!(prompt), bias);
+        b["max_tokens"] = json!(1);
+        text(&s.ok("/v1/completions", &b))
+    };
+    let first = one(json!({}));
+    let first_id = (0..tok.vocab_size() as u32)
+        .find(|&t| tok.decode(&[t], false).unwrap() == first)
+        .unwrap();
+    let banned = one(json!({ first_id.to_string(): -100 }));
+    assert_ne!(banned, first);
+}
+
+/// Reasoning on the Qwen3 fixture (its template has `<think>` blocks): a reply with a
+/// block (forced with `guided_regex`: random weights write none) has it in
+/// `reasoning_content`, the rest in `content`, streamed and not; `chat_template_kwargs`
+/// reach the template.
+#[test]
+fn reasoning_content_is_split_off() {
+    let s = Server::start("qwen3", &[], &[]);
+    let mut b = json!({"messages": [{"role": "user", "content": "ok?"}], "temperature": 1.0,
+        "seed": 2, "max_tokens": 60, "guided_regex": "<think>[a-z ]{1,12}</think>\n\n(yes|no)"});
+    let r = s.ok("/v1/chat/completions", &b);
+    let m = &r["choices"][0]["message"];
+    assert_eq!(r["choices"][0]["finish_reason"], "stop", "{r}");
+    let thought = m["reasoning_content"]
+        .as_str()
+        .unwrap_or_else(|| panic!("{r}"));
+    assert!(
+        !thought.is_empty() && thought.chars().all(|c| c.is_ascii_lowercase() || c == ' '),
+        "{r}"
+    );
+    let content = m["content"].as_str().unwrap();
+    assert!(["yes", "no"].contains(&content), "{r}");
+    b["stream"] = json!(true);
+    let r = s.post("/v1/chat/completions", &b);
+    assert_eq!(r.status, 200);
+    let (mut sr, mut sc) = (String::new(), String::new());
+    for e in r.sse().iter().filter(|e| *e != "[DONE]") {
+        let v: Value = serde_json::from_str(e).unwrap();
+        let d = &v["choices"][0]["delta"];
+        sr.push_str(d["reasoning_content"].as_str().unwrap_or(""));
+        let c = d["content"].as_str().unwrap_or("");
+        assert!(!c.contains("think>"), "markup in content: {v}");
+        sc.push_str(c);
+    }
+    assert_eq!((sr.as_str(), sc.as_str()), (thought, content));
+    // chat_template_kwargs: enable_thinking false renders an empty block in the prompt
+    b["stream"] = json!(false);
+    b["max_tokens"] = json!(1);
+    b.as_object_mut().unwrap().remove("guided_regex");
+    let on = s.ok("/v1/chat/completions", &b)["usage"]["prompt_tokens"].clone();
+    b["chat_template_kwargs"] = json!({"enable_thinking": false});
+    let off = s.ok("/v1/chat/completions", &b)["usage"]["prompt_tokens"].clone();
+    assert!(off.as_u64() > on.as_u64(), "{on} {off}");
+    let e = assert_error(
+        &s.post(
+            "/v1/chat/completions",
+            &json!({"messages": [{"role": "user", "content": "x"}], "guided_regex": "(a"}),
+        ),
+        400,
+    );
+    assert_eq!(e["param"], "guided_regex", "{e}");
 }

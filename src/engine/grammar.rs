@@ -55,13 +55,33 @@ impl Constraint {
     fn grammar(&self) -> TopLevelGrammar {
         match self {
             Constraint::JsonObject => {
-                TopLevelGrammar::from_json_schema(serde_json::json!({"type": "object"}))
+                TopLevelGrammar::from_json_schema(compact(serde_json::json!({"type": "object"})))
             }
-            Constraint::JsonSchema(s) => TopLevelGrammar::from_json_schema(s.clone()),
+            Constraint::JsonSchema(s) => TopLevelGrammar::from_json_schema(compact(s.clone())),
             Constraint::Regex(r) => TopLevelGrammar::from_regex(r),
             Constraint::Lark(l) => TopLevelGrammar::from_lark(l.clone()),
         }
     }
+}
+
+/// JSON laid out as `json.dumps` does (`", "` and `": "`, no other whitespace), unless
+/// the schema sets llguidance's own `x-guidance` options: flexible whitespace would let a
+/// model pad its output with blanks without bound.
+fn compact(schema: Value) -> Value {
+    let mut schema = match schema {
+        Value::Bool(true) => serde_json::json!({}),
+        s => s,
+    };
+    if let Some(o) = schema.as_object_mut() {
+        o.entry("x-guidance").or_insert_with(|| {
+            serde_json::json!({
+                "whitespace_flexible": false,
+                "item_separator": ", ",
+                "key_separator": ": "
+            })
+        });
+    }
+    schema
 }
 
 /// A tokenizer's vocabulary as llguidance sees it, shared by every matcher.
@@ -119,6 +139,15 @@ impl GrammarVocab {
 pub struct GrammarMatcher {
     m: Matcher,
     vocab_size: usize,
+}
+
+impl std::fmt::Debug for GrammarMatcher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GrammarMatcher")
+            .field("vocab_size", &self.vocab_size)
+            .field("finished", &self.is_finished())
+            .finish()
+    }
 }
 
 impl GrammarMatcher {

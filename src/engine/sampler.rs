@@ -71,6 +71,10 @@ pub struct SamplingParams {
     pub logprobs: bool,
     /// Also return this many most likely tokens with their log-probabilities (≤ 20; needs `logprobs`).
     pub top_logprobs: u32,
+    /// OpenAI `logit_bias`: `(token, bias)` added to the token's logit, bias in [-100, 100]
+    /// (after the penalties, before temperature).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 impl Default for SamplingParams {
@@ -86,6 +90,7 @@ impl Default for SamplingParams {
             seed: None,
             logprobs: false,
             top_logprobs: 0,
+            logit_bias: Vec::new(),
         }
     }
 }
@@ -125,6 +130,15 @@ impl SamplingParams {
         }
         if self.top_logprobs > 0 && !self.logprobs {
             return Err("top_logprobs requires logprobs = true".into());
+        }
+        if let Some(&(t, b)) = self
+            .logit_bias
+            .iter()
+            .find(|(_, b)| !(-100.0..=100.0).contains(b))
+        {
+            return Err(format!(
+                "logit_bias values must be in [-100, 100] (got {b} for token {t})"
+            ));
         }
         Ok(())
     }
@@ -197,17 +211,29 @@ impl SequenceSampler {
 
     /// `(token, divisor for positive / multiplier for negative logits, amount subtracted)`
     /// for every token this sequence penalises, below `vocab`.
+    /// `logit_bias` is folded in as a negative amount subtracted.
     fn penalty_entries(&self, vocab: u32) -> Vec<(u32, f32, f32)> {
         let p = &self.params;
-        if !p.has_penalties() {
-            return Vec::new();
+        let mut out: Vec<(u32, f32, f32)> = if p.has_penalties() {
+            let rep = p.repetition_penalty;
+            self.counts
+                .iter()
+                .filter(|&(&t, &c)| t < vocab && (rep != 1.0 || c > 0))
+                .map(|(&t, &c)| (t, rep, penalty_sub(p, c)))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        if !p.logit_bias.is_empty() {
+            let at: HashMap<u32, usize> = out.iter().enumerate().map(|(i, e)| (e.0, i)).collect();
+            for &(t, b) in p.logit_bias.iter().filter(|(t, _)| *t < vocab) {
+                match at.get(&t) {
+                    Some(&i) => out[i].2 -= b,
+                    None => out.push((t, 1.0, -b)),
+                }
+            }
         }
-        let rep = p.repetition_penalty;
-        self.counts
-            .iter()
-            .filter(|&(&t, &c)| t < vocab && (rep != 1.0 || c > 0))
-            .map(|(&t, &c)| (t, rep, penalty_sub(p, c)))
-            .collect()
+        out
     }
 }
 
@@ -497,7 +523,7 @@ pub fn sample_batch_lazy(logits: &Array, seqs: &mut [&mut SequenceSampler]) -> R
 
     let plain = |s: &SequenceSampler| {
         let p = &s.params;
-        p.is_greedy() && !p.logprobs && !p.has_penalties()
+        p.is_greedy() && !p.logprobs && !p.has_penalties() && p.logit_bias.is_empty()
     };
     if seqs.iter().all(|s| plain(s)) {
         return Ok(LazySample {
@@ -862,7 +888,12 @@ mod tests {
             repetition_penalty: 0.8,
             ..Default::default()
         };
-        let ps = [p1, p2, p3, SamplingParams::default()];
+        // logit_bias (ids past the vocabulary are ignored)
+        let p4 = SamplingParams {
+            logit_bias: vec![(9, 2.5), (20, -100.0), (1000, 5.0)],
+            ..Default::default()
+        };
+        let ps = [p1, p2, p3, p4, SamplingParams::default()];
         let mut seqs: Vec<_> = ps
             .iter()
             .map(|p| SequenceSampler::new(p.clone(), &prompt).unwrap())
@@ -887,6 +918,11 @@ mod tests {
                 }
                 *l -= p.presence_penalty * (count > 0) as u32 as f32
                     + p.frequency_penalty * count as f32;
+                for &(bt, b) in &p.logit_bias {
+                    if bt == t {
+                        *l += b;
+                    }
+                }
             }
         }
         assert_eq!(got, want);

@@ -24,8 +24,9 @@ use serde::Serialize;
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::generate::FinishReason;
+use super::grammar::GrammarMatcher;
 use super::sampler::SamplingParams;
-use super::step::{Executor, SampledToken, SeqStart, SeqStep, StepError, StepPlan};
+use super::step::{Executor, SampledToken, SeqMask, SeqStart, SeqStep, StepError, StepPlan};
 use crate::tokenizer::stream::{StopMatcher, StreamDecoder};
 use crate::tokenizer::Tokenizer;
 
@@ -39,6 +40,10 @@ pub struct Request {
     pub stop: Vec<String>,
     pub ignore_eos: bool,
     pub skip_special_tokens: bool,
+    /// Constrained decoding (a `response_format`, a forced tool call, `guided_regex`): the
+    /// output must follow this grammar. Its mask goes with every step that samples the
+    /// sequence; while it runs, decode steps are not pipelined.
+    pub grammar: Option<Box<GrammarMatcher>>,
     /// When the server received the request (queue time and TTFT count from here).
     pub arrived: Instant,
     pub events: UnboundedSender<Event>,
@@ -170,6 +175,11 @@ struct Seq {
 impl Seq {
     fn decoding(&self) -> bool {
         self.prefilled == self.req.prompt.len() && !self.generated.is_empty()
+    }
+    /// Whether its decode steps may be queued before the previous token is known: not
+    /// with a grammar (the mask depends on that token) or where the executor says no.
+    fn pipelinable(&self, exec: &dyn Executor) -> bool {
+        self.req.grammar.is_none() && exec.can_pipeline(self.id)
     }
     fn usage(&self) -> Usage {
         Usage {
@@ -456,6 +466,7 @@ impl Scheduler {
             in_plan.push((s.id, end == n));
             summary.prefill_tokens = end - s.prefilled;
         }
+        self.add_masks(&mut plan, &mut in_plan, obs);
         if plan.seqs.is_empty() && self.to_release.is_empty() {
             obs.step_done(self.running.len(), self.queue.len());
             return Ok(summary);
@@ -504,6 +515,44 @@ impl Scheduler {
         }
         obs.step_done(self.running.len(), self.queue.len());
         Ok(summary)
+    }
+
+    /// The token masks of the constrained sequences that sample in `plan`. A sequence
+    /// whose grammar fails is failed and taken out of the plan.
+    fn add_masks(
+        &mut self,
+        plan: &mut StepPlan,
+        in_plan: &mut Vec<(u64, bool)>,
+        obs: &dyn Observer,
+    ) {
+        let mut bad: Vec<(u64, String)> = Vec::new();
+        for st in plan.seqs.iter().filter(|s| s.sample) {
+            let Some(seq) = self.running.iter_mut().find(|s| s.id == st.seq_id) else {
+                continue;
+            };
+            let Some(g) = seq.req.grammar.as_mut() else {
+                continue;
+            };
+            match g.allowed() {
+                Ok(allowed) => plan.masks.push(SeqMask {
+                    seq_id: st.seq_id,
+                    allowed,
+                }),
+                Err(e) => bad.push((st.seq_id, e.to_string())),
+            }
+        }
+        for (id, message) in bad {
+            plan.seqs.retain(|s| s.seq_id != id);
+            in_plan.retain(|s| s.0 != id);
+            if let Some(idx) = self.running.iter().position(|s| s.id == id) {
+                let seq = self.running.remove(idx);
+                let _ = seq.req.events.send(Event::Error {
+                    kind: FailKind::Internal,
+                    message,
+                });
+                self.retire(seq, Outcome::Failed, obs);
+            }
+        }
     }
 
     /// A step failed with `e`: tell the observer (before any request hears of it, so
@@ -566,7 +615,7 @@ impl Scheduler {
     fn can_start_pipeline(&self, exec: &dyn Executor) -> bool {
         self.pipeline
             && self.decode_rows().is_some()
-            && self.running.iter().all(|s| exec.can_pipeline(s.id))
+            && self.running.iter().all(|s| s.pipelinable(exec))
             && self.all_may_continue()
     }
 
@@ -623,7 +672,7 @@ impl Scheduler {
             Some(queued) => {
                 let go_on = self.pipeline
                     && ids.as_ref() == Some(&queued)
-                    && self.running.iter().all(|s| exec.can_pipeline(s.id))
+                    && self.running.iter().all(|s| s.pipelinable(exec))
                     && self.all_may_continue();
                 summary.decode = queued.len();
                 (|| {
@@ -681,16 +730,32 @@ impl Scheduler {
         seq.last_token = Some(now);
         let token = tok.token;
         seq.generated.push(token);
+        let is_eos = self.eos.contains(&token);
+        let mut grammar_done = false;
+        if let Some(g) = seq.req.grammar.as_mut() {
+            // an end-of-sequence token ends the sequence without the grammar's say
+            // (its mask allows one only where the output is complete)
+            if !is_eos || seq.req.ignore_eos {
+                if let Err(e) = g.accept(token) {
+                    let _ = seq.req.events.send(Event::Error {
+                        kind: FailKind::Internal,
+                        message: e.to_string(),
+                    });
+                    return Some(Outcome::Failed);
+                }
+            }
+            grammar_done = g.is_finished();
+        }
         let mut text = String::new();
         let mut finish = None;
         let decoded: Result<(), String> = (|| {
-            if !seq.req.ignore_eos && self.eos.contains(&token) {
+            if !seq.req.ignore_eos && is_eos {
                 finish = Some(FinishReason::Stop);
             } else {
                 let delta = seq.decoder.push(token).map_err(|e| e.to_string())?;
                 let out = seq.stops.push(&delta);
                 text.push_str(&out.emit);
-                if out.stopped {
+                if out.stopped || grammar_done {
                     finish = Some(FinishReason::Stop);
                 }
             }
@@ -973,6 +1038,7 @@ mod tests {
                 stop: vec![],
                 ignore_eos: true,
                 skip_special_tokens: true,
+                grammar: None,
                 arrived: Instant::now(),
                 events: tx,
             },
@@ -1272,5 +1338,100 @@ mod tests {
         assert_eq!(step_by_step[0].0.len(), 12);
         assert_eq!(step_by_step[1].0.len(), 30);
         assert_eq!(step_by_step[5].0.len(), 6, "stops at the context size");
+    }
+
+    /// A sequence with a grammar follows it (its tokens are masked at every step, batched
+    /// with an unconstrained one) and ends with `stop` when the grammar is complete; no
+    /// step is pipelined while it runs, and the other sequence's tokens are unchanged.
+    #[test]
+    fn constrained_sequences_follow_their_grammar_and_are_not_pipelined() {
+        use crate::engine::grammar::{Constraint, GrammarMatcher, GrammarVocab};
+        use crate::engine::step::LocalExecutor;
+        use crate::model_dir::ModelDir;
+        use crate::models::{self, LoadFormat};
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama3");
+        let tok = tokenizer();
+        let json: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("tokenizer.json")).unwrap())
+                .unwrap();
+        let md = ModelDir::open(&dir).unwrap();
+        let cfg: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap())
+                .unwrap();
+        let vocab_size = cfg["vocab_size"].as_u64().unwrap() as usize;
+        let vocab = GrammarVocab::new(&json, vocab_size, tok.eos_token_ids()).unwrap();
+        let alone = run_model(
+            &[(vec![7, 8, 9], 24, SamplingParams::default(), 0)],
+            true,
+            2,
+        )
+        .0;
+        for seed in 0..4 {
+            let mut exec = LocalExecutor::new(
+                models::load(&md, LoadFormat::Safetensors, |_, _| {})
+                    .unwrap()
+                    .model,
+                2,
+                96,
+            );
+            let mut s = Scheduler::new(
+                SchedulerConfig {
+                    slots: 2,
+                    ctx_size: 96,
+                    prefill_chunk: 4,
+                },
+                tokenizer(),
+            );
+            let (mut req, mut rx) = request(vec![1, 2, 3, 4, 5], 40);
+            req.ignore_eos = false;
+            req.params = SamplingParams {
+                temperature: 1.0,
+                seed: Some(seed),
+                ..SamplingParams::default()
+            };
+            let c = Constraint::Regex("(yes|no), [0-9]{2}".into());
+            req.grammar = Some(Box::new(GrammarMatcher::new(&vocab, &c).unwrap()));
+            s.submit(req, &NoObserver);
+            let (other, mut other_rx) = request(vec![7, 8, 9], 24);
+            s.submit(other, &NoObserver);
+            let mut events = vec![];
+            while s.has_work() {
+                s.step(&mut exec, &NoObserver).unwrap();
+                while let Ok(ev) = rx.try_recv() {
+                    events.push(ev);
+                }
+                if !matches!(events.last(), Some(Event::Done { .. })) {
+                    assert_eq!(s.pipelined_steps(), 0, "pipelined with a grammar running");
+                }
+            }
+            let text: String = events
+                .iter()
+                .filter_map(|e| match e {
+                    Event::Delta { text, .. } => Some(text.as_str()),
+                    _ => None,
+                })
+                .collect();
+            let (word, num) = text.split_once(", ").unwrap_or_else(|| panic!("{text:?}"));
+            assert!(["yes", "no"].contains(&word), "{text:?}");
+            assert!(
+                num.len() == 2 && num.chars().all(|c| c.is_ascii_digit()),
+                "{text:?}"
+            );
+            assert!(
+                matches!(
+                    events.last(),
+                    Some(Event::Done {
+                        finish_reason: FinishReason::Stop,
+                        ..
+                    })
+                ),
+                "{events:?}"
+            );
+            assert_eq!(
+                drain(&mut other_rx).0,
+                alone[0].0,
+                "the unconstrained sequence"
+            );
+        }
     }
 }

@@ -9,6 +9,7 @@ use std::collections::HashMap;
 
 use serde::{Deserialize, Serialize};
 
+use super::grammar::apply_masks;
 use super::sampler::{sample_batch_lazy, LazySample, SamplingParams, SequenceSampler};
 use crate::kernels;
 use crate::mlx::{self, Array};
@@ -63,6 +64,18 @@ pub struct StepPlan {
     /// Return every position's logits (reference tests; large).
     #[serde(default)]
     pub return_logits: bool,
+    /// Token masks of constrained sequences that sample in this step (see
+    /// [`crate::engine::grammar`]): the driver computes them, every sampling rank
+    /// applies them, so the ranks draw the same tokens.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub masks: Vec<SeqMask>,
+}
+
+/// The tokens a constrained sequence may sample next: bit `t % 32` of word `t / 32`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SeqMask {
+    pub seq_id: u64,
+    pub allowed: Vec<u32>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -476,6 +489,20 @@ impl Worker {
         batch: Array,
     ) -> Result<StepResult, StepError> {
         let ids: Vec<u64> = rows.iter().map(|&i| plan.seqs[i].seq_id).collect();
+        let batch = if plan.masks.is_empty() {
+            batch
+        } else {
+            let masks: Vec<Option<&[u32]>> = ids
+                .iter()
+                .map(|id| {
+                    plan.masks
+                        .iter()
+                        .find(|m| m.seq_id == *id)
+                        .map(|m| m.allowed.as_slice())
+                })
+                .collect();
+            apply_masks(&batch, &masks).map_err(|e| StepError::Params(e.to_string()))?
+        };
         let sample = self.sample_lazy(&ids, &batch)?;
         Ok(StepResult {
             sampled: self.read_sampled(&ids, sample)?,

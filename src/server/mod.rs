@@ -28,6 +28,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 
+use crate::engine::grammar::GrammarVocab;
 use crate::engine::sampler::SamplingParams;
 use crate::engine::scheduler::{
     Command, Event, Observer, Outcome, Request, RunEnd, Scheduler, SchedulerConfig, Usage,
@@ -37,6 +38,7 @@ use crate::mlx;
 use crate::parallel::driver::TpExecutor;
 use crate::parallel::supervisor::{window_text, RestartBudget, RestartPolicy};
 use crate::runtime::{load_weights, open_model, ModelArgs, OpenedModel, TpArgs};
+use crate::tokenizer::tool_calls::ToolCallFormat;
 use crate::tokenizer::Tokenizer;
 
 pub mod error;
@@ -100,6 +102,10 @@ pub struct ServeArgs {
     /// step t's tokens are read and streamed; same tokens).
     #[arg(long)]
     pub no_pipeline: bool,
+    /// How the model writes tool calls: hermes (Qwen, Hermes), llama3_json or mistral
+    /// (default: what the chat template shows).
+    #[arg(long)]
+    pub tool_call_parser: Option<ToolCallFormat>,
     #[command(flatten)]
     pub tp: TpArgs,
 }
@@ -242,6 +248,61 @@ pub struct ModelInfo {
     pub vocab_size: usize,
     /// Bytes of the longest token's text (a prompt of `ctx_size × this` bytes cannot fit).
     pub max_token_bytes: usize,
+    /// The vocabulary for constrained decoding, built at the first request that needs it.
+    pub grammar: Arc<std::sync::OnceLock<Result<GrammarVocab, String>>>,
+    /// How the model writes tool calls: `--tool-call-parser`, or what the chat template
+    /// shows when it renders a tool; `None` when neither says.
+    pub tool_format: Option<ToolCallFormat>,
+    /// Whether the chat template uses `<think>` blocks: chat replies then have their
+    /// reasoning split off into `reasoning_content`.
+    pub reasoning: bool,
+}
+
+/// Whether the chat template uses `<think>` blocks: it renders an empty one for
+/// `enable_thinking: false` (Qwen3), or its generation prompt opens one (DeepSeek-R1).
+fn detect_reasoning(tok: &Tokenizer) -> bool {
+    let user = [crate::tokenizer::chat::ChatMessage::new("user", "x")];
+    let render = |vars: serde_json::Value| tok.apply_chat_template_with(&user, true, &vars).ok();
+    render(serde_json::json!({"enable_thinking": false}))
+        .is_some_and(|t| t.contains("<think>") && t.contains("</think>"))
+        || render(serde_json::Value::Null)
+            .is_some_and(|t| crate::tokenizer::reasoning::prompt_opens_reasoning(&t))
+}
+
+/// The tool-call format the chat template teaches: the markers it renders for a probe
+/// tool (Hermes `<tool_call>`, Mistral `[TOOL_CALLS]`, Llama 3.1's JSON `"parameters"`).
+fn detect_tool_format(tok: &Tokenizer) -> Option<ToolCallFormat> {
+    let tools = serde_json::json!({"tools": [{"type": "function", "function": {
+        "name": "probe", "description": "probe",
+        "parameters": {"type": "object", "properties": {"x": {"type": "string"}}}}}]});
+    let text = tok
+        .apply_chat_template_with(
+            &[crate::tokenizer::chat::ChatMessage::new("user", "x")],
+            true,
+            &tools,
+        )
+        .ok()?;
+    ToolCallFormat::detect(&text)
+}
+
+impl ModelInfo {
+    /// The vocabulary for constrained decoding (built once, on first use: it walks
+    /// every token); `Err` says why this tokenizer cannot have one.
+    pub fn grammar_vocab(&self) -> Result<&GrammarVocab, &str> {
+        self.grammar
+            .get_or_init(|| {
+                let json: serde_json::Value = self
+                    .tokenizer
+                    .inner()
+                    .to_string(false)
+                    .map_err(|e| e.to_string())
+                    .and_then(|t| serde_json::from_str(&t).map_err(|e| e.to_string()))?;
+                GrammarVocab::new(&json, self.vocab_size, self.tokenizer.eos_token_ids())
+                    .map_err(|e| e.to_string())
+            })
+            .as_ref()
+            .map_err(String::as_str)
+    }
 }
 
 /// The length in bytes of the longest token text of `tok` (UTF-8 of the token
@@ -449,6 +510,11 @@ fn engine_main(
         ctx_size: m.ctx_size,
         vocab_size: m.cfg.vocab_size,
         max_token_bytes: max_token_bytes(&m.tokenizer),
+        grammar: Default::default(),
+        tool_format: args
+            .tool_call_parser
+            .or_else(|| detect_tool_format(&m.tokenizer)),
+        reasoning: detect_reasoning(&m.tokenizer),
     }));
     let local = !args.tp.uses_ranks();
     let mut exec = match start_executor(&args, &m, &metrics) {

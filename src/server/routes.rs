@@ -17,9 +17,15 @@ use subtle::ConstantTimeEq;
 
 use super::error::ApiError;
 use super::metrics::Metrics;
-use super::openai::{self, Api, Envelope, GenRequest, PromptInput};
+use super::openai::{self, Api, Envelope, GenRequest, PromptInput, ToolChoice};
 use super::{Engine, EventReceiver, ModelInfo, BODY_LIMIT};
-use crate::engine::scheduler::{Event, Request as EngineRequest, TokenInfo};
+use crate::engine::generate::FinishReason;
+use crate::engine::grammar::{Constraint, GrammarMatcher};
+use crate::engine::scheduler::{Event, Request as EngineRequest, TokenInfo, Usage};
+use crate::tokenizer::reasoning::{
+    prompt_opens_reasoning, split_reasoning, ReasoningEvent, ReasoningStream,
+};
+use crate::tokenizer::tool_calls::{ToolCallStream, ToolEvent};
 use crate::tokenizer::Tokenizer;
 
 pub struct AppState {
@@ -533,7 +539,31 @@ async fn generate_raw(
     if let Some(e) = st.engine.unavailable() {
         return Err(e);
     }
-    let prompt = tokenize(&st, &g).await?;
+    let vocab = st.model.vocab_size;
+    if let Some((t, _)) = g
+        .params
+        .logit_bias
+        .iter()
+        .find(|(t, _)| *t as usize >= vocab)
+    {
+        return Err(ApiError::invalid(
+            "logit_bias",
+            format!(
+                "'logit_bias' token id {t} is out of range (the vocabulary has {vocab} tokens)"
+            ),
+        ));
+    }
+    if g.tool_choice == ToolChoice::Auto && st.model.tool_format.is_none() {
+        return Err(ApiError::invalid(
+            "tool_choice",
+            "this model's chat template shows no tool-call format the server can parse; start the server with --tool-call-parser (hermes, llama3_json, mistral), or use tool_choice \"required\" or a named function",
+        ));
+    }
+    let (prompt, opens_reasoning) = tokenize(&st, &g).await?;
+    // reasoning is split off chat replies of templates with `<think>` blocks
+    // (not of JSON: a `response_format` or forced tool call starts at the first token)
+    let json = g.constraint.is_some() && g.constraint_param != "guided_regex";
+    let reasoning = (g.api == Api::Chat && st.model.reasoning && !json).then_some(opens_reasoning);
     let ctx = st.model.ctx_size;
     if prompt.is_empty() {
         return Err(ApiError::invalid(
@@ -554,18 +584,31 @@ async fn generate_raw(
         (None, Api::Completions) => 16.min(room),
         (None, Api::Chat) => room,
     };
-    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let mut rxs = Vec::with_capacity(g.n);
     let prompt_len = prompt.len();
-    st.engine.submit(EngineRequest {
-        prompt,
-        params: g.params.clone(),
-        max_tokens,
-        stop: g.stop.clone(),
-        ignore_eos: g.ignore_eos,
-        skip_special_tokens: g.skip_special_tokens,
-        arrived,
-        events: tx,
-    })?;
+    for i in 0..g.n {
+        let grammar = match &g.constraint {
+            None => None,
+            Some(c) => Some(grammar_matcher(&st, c, g.constraint_param).await?),
+        };
+        let mut params = g.params.clone();
+        // choice i: seed + i, so seeded choices differ and each is reproducible
+        params.seed = params.seed.map(|s| s.wrapping_add(i as u64));
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        st.engine.submit(EngineRequest {
+            prompt: prompt.clone(),
+            params,
+            max_tokens,
+            stop: g.stop.clone(),
+            ignore_eos: g.ignore_eos,
+            skip_special_tokens: g.skip_special_tokens,
+            grammar,
+            arrived,
+            events: tx,
+        })?;
+        rxs.push(rx);
+    }
+    let rx = merge_choices(rxs);
     let env = Envelope {
         id: new_id(match api {
             Api::Chat => "chatcmpl",
@@ -575,14 +618,39 @@ async fn generate_raw(
         model: st.model.name.clone(),
     };
     tracing::debug!(
-        "{} submitted: {prompt_len} prompt tokens, max {max_tokens}",
-        env.id
+        "{} submitted: {prompt_len} prompt tokens, max {max_tokens}, {} choice(s)",
+        env.id,
+        g.n
     );
     if g.stream {
-        Ok(stream_response(st, g, env, rx))
+        Ok(stream_response(st, g, env, rx, reasoning))
     } else {
-        collect_response(&st, &g, &env, rx).await
+        collect_response(&st, &g, &env, rx, reasoning).await
     }
+}
+
+/// The matcher of a request's `response_format` (built off the async threads: the first
+/// one builds the vocabulary, and a large schema takes a while); a bad schema is a 400
+/// naming `param`, the field it came from (e.g. `response_format.json_schema`).
+async fn grammar_matcher(
+    st: &Arc<AppState>,
+    c: &Constraint,
+    param: &'static str,
+) -> Result<Box<GrammarMatcher>, ApiError> {
+    let (st, c) = (st.clone(), c.clone());
+    tokio::task::spawn_blocking(move || {
+        let vocab = st.model.grammar_vocab().map_err(|e| {
+            ApiError::invalid(
+                param,
+                format!("constrained decoding is not available for this model's tokenizer: {e}"),
+            )
+        })?;
+        GrammarMatcher::new(vocab, &c)
+            .map(Box::new)
+            .map_err(|e| ApiError::invalid(param, format!("'{param}': {e}")))
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("grammar task: {e}")))?
 }
 
 fn too_long(g: &GenRequest, ctx: usize, what: String) -> ApiError {
@@ -664,7 +732,9 @@ fn cut_before_space(text: &str, n: usize) -> usize {
 /// `max_token_bytes` bytes per token is refused before any tokenizing; long
 /// texts are counted by prefixes first ([`surely_too_long`]); and at most a
 /// few prompts are tokenized at once (`AppState::tokenizing`).
-async fn tokenize(st: &AppState, g: &GenRequest) -> Result<Vec<u32>, ApiError> {
+/// The prompt's token ids, and whether the rendered chat prompt leaves the model inside
+/// a `<think>` block (see [`prompt_opens_reasoning`]).
+async fn tokenize(st: &AppState, g: &GenRequest) -> Result<(Vec<u32>, bool), ApiError> {
     let param = g.prompt_param();
     let ctx = st.model.ctx_size;
     let bytes = prompt_bytes(&g.prompt);
@@ -681,7 +751,7 @@ async fn tokenize(st: &AppState, g: &GenRequest) -> Result<Vec<u32>, ApiError> {
                     format!("the prompt has {} tokens", ids.len()),
                 ));
             }
-            ids.clone()
+            (ids.clone(), false)
         }
         p => {
             let _permit = st
@@ -691,6 +761,7 @@ async fn tokenize(st: &AppState, g: &GenRequest) -> Result<Vec<u32>, ApiError> {
                 .map_err(|e| ApiError::internal(format!("tokenizer queue: {e}")))?;
             let tok = st.model.tokenizer.clone();
             let p = p.clone();
+            let extra = g.template_vars();
             let long = ctx.saturating_mul(PREFIX_BYTES_PER_TOKEN);
             let r = tokio::task::spawn_blocking(move || {
                 let texts: Vec<&str> = match &p {
@@ -707,9 +778,13 @@ async fn tokenize(st: &AppState, g: &GenRequest) -> Result<Vec<u32>, ApiError> {
                     return Ok(None);
                 }
                 match p {
-                    PromptInput::Chat(messages) => tok.encode_chat(&messages, true),
-                    PromptInput::Text(text) => tok.encode(&text, true),
-                    PromptInput::Ids(ids) => Ok(ids),
+                    PromptInput::Chat(messages) => tok
+                        .apply_chat_template_with(&messages, true, &extra)
+                        .and_then(|text| {
+                            Ok((tok.encode(&text, false)?, prompt_opens_reasoning(&text)))
+                        }),
+                    PromptInput::Text(text) => tok.encode(&text, true).map(|ids| (ids, false)),
+                    PromptInput::Ids(ids) => Ok((ids, false)),
                 }
                 .map(Some)
             })
@@ -717,7 +792,7 @@ async fn tokenize(st: &AppState, g: &GenRequest) -> Result<Vec<u32>, ApiError> {
             .map_err(|e| ApiError::internal(format!("tokenizer task: {e}")))?
             .map_err(|e| ApiError::invalid(param, e.to_string()))?;
             match r {
-                Some(ids) => ids,
+                Some(r) => r,
                 None => {
                     return Err(too_long(
                         g,
@@ -728,6 +803,7 @@ async fn tokenize(st: &AppState, g: &GenRequest) -> Result<Vec<u32>, ApiError> {
             }
         }
     };
+    let (ids, opens_reasoning) = ids;
     let vocab = st.model.vocab_size;
     if let Some(&bad) = ids.iter().find(|&&t| t as usize >= vocab) {
         return Err(ApiError::invalid(
@@ -735,69 +811,324 @@ async fn tokenize(st: &AppState, g: &GenRequest) -> Result<Vec<u32>, ApiError> {
             format!("token id {bad} is out of range (the vocabulary has {vocab} tokens)"),
         ));
     }
-    Ok(ids)
+    Ok((ids, opens_reasoning))
 }
 
+/// The events of every choice of a request, tagged with the choice's index. A task per
+/// choice forwards its events; when the receiver is dropped (the client left) the tasks
+/// end and drop their receivers, which the scheduler sees as a disconnect.
+type ChoiceEvents = tokio::sync::mpsc::UnboundedReceiver<(usize, Event)>;
+
+fn merge_choices(rxs: Vec<EventReceiver>) -> ChoiceEvents {
+    let (tx, merged) = tokio::sync::mpsc::unbounded_channel();
+    for (i, mut rx) in rxs.into_iter().enumerate() {
+        let tx = tx.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    ev = rx.recv() => match ev {
+                        Some(ev) => if tx.send((i, ev)).is_err() { break },
+                        None => break,
+                    },
+                    _ = tx.closed() => break,
+                }
+            }
+        });
+    }
+    merged
+}
+
+/// One choice being collected.
+#[derive(Default)]
+struct Choice {
+    text: String,
+    tokens: Vec<(TokenInfo, usize)>,
+    finish: Option<FinishReason>,
+}
+
+/// A chat choice's message and finish reason: with `reasoning`, the `<think>` block goes
+/// to `reasoning_content`; with tools, the calls parsed out of the text (`auto`: the
+/// model's format; `required` / named: the constraint's JSON) go to `tool_calls`, and
+/// the reason is `tool_calls`.
+fn chat_message(
+    st: &AppState,
+    g: &GenRequest,
+    text: &str,
+    finish: FinishReason,
+    reasoning: Option<bool>,
+) -> (Value, &'static str) {
+    let (thought, text) = match reasoning {
+        Some(opened) => split_reasoning(text, opened),
+        None => (None, text.to_string()),
+    };
+    let (mut message, finish) = tool_message(st, g, &text, finish);
+    if let Some(r) = thought {
+        message["reasoning_content"] = json!(r);
+    }
+    (message, finish)
+}
+
+fn tool_message(
+    st: &AppState,
+    g: &GenRequest,
+    text: &str,
+    finish: FinishReason,
+) -> (Value, &'static str) {
+    let (content, calls) = match (&g.tool_choice, st.model.tool_format) {
+        (ToolChoice::Auto, Some(format)) => {
+            let p = format.parse(text);
+            (p.content, p.tool_calls)
+        }
+        (ToolChoice::Required | ToolChoice::RequiredOne | ToolChoice::Named(_), _) => {
+            match openai::forced_tool_calls(text) {
+                Some(calls) => (String::new(), calls),
+                None => (text.to_string(), vec![]),
+            }
+        }
+        _ => (text.to_string(), vec![]),
+    };
+    if calls.is_empty() {
+        return (
+            json!({"role": "assistant", "content": content}),
+            openai::finish_str(finish),
+        );
+    }
+    let content = (!content.trim().is_empty()).then_some(content);
+    let calls = openai::tool_calls_json(&calls, None, &mut || new_id("call"));
+    (
+        json!({"role": "assistant", "content": content, "tool_calls": calls}),
+        "tool_calls",
+    )
+}
+
+/// `reasoning`: `Some(whether the prompt opened the block)` when reasoning is split off.
 async fn collect_response(
     st: &AppState,
     g: &GenRequest,
     env: &Envelope,
-    mut rx: EventReceiver,
+    mut rx: ChoiceEvents,
+    reasoning: Option<bool>,
 ) -> Result<Response, ApiError> {
-    let mut text = String::new();
-    let mut tokens: Vec<(TokenInfo, usize)> = Vec::new();
     let want_logprobs = g.params.logprobs;
-    loop {
+    let mut choices: Vec<Choice> = (0..g.n).map(|_| Choice::default()).collect();
+    let mut usage = Usage::default();
+    let mut left = g.n;
+    while left > 0 {
         match rx.recv().await {
-            Some(Event::Delta { text: t, token }) => {
+            Some((i, Event::Delta { text: t, token })) => {
+                let c = &mut choices[i];
                 if want_logprobs {
-                    tokens.push((token, text.chars().count()));
+                    c.tokens.push((token, c.text.chars().count()));
                 }
-                text.push_str(&t);
+                c.text.push_str(&t);
             }
-            Some(Event::Done {
-                finish_reason,
-                usage,
-            }) => {
-                let tok = &st.model.tokenizer;
-                let body = match g.api {
-                    Api::Chat => env.chat_response(
-                        &text,
-                        finish_reason,
-                        usage,
+            Some((
+                i,
+                Event::Done {
+                    finish_reason,
+                    usage: u,
+                },
+            )) => {
+                choices[i].finish = Some(finish_reason);
+                usage.prompt_tokens = u.prompt_tokens;
+                usage.completion_tokens += u.completion_tokens;
+                left -= 1;
+            }
+            Some((_, Event::Error { kind, message })) => {
+                return Err(ApiError::from_fail(kind, message))
+            }
+            None => return Err(ApiError::unavailable("the engine stopped")),
+        }
+    }
+    let tok = &st.model.tokenizer;
+    let body: Vec<Value> = choices
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let finish = c.finish.expect("every choice is done");
+            match g.api {
+                Api::Chat => {
+                    let (message, finish) = chat_message(st, g, &c.text, finish, reasoning);
+                    Envelope::chat_choice(
+                        i,
+                        message,
+                        finish,
                         want_logprobs.then(|| {
-                            tokens
+                            c.tokens
                                 .iter()
                                 .map(|(t, _)| openai::chat_logprob(tok, t))
                                 .collect()
                         }),
-                    ),
-                    Api::Completions => env.completion_response(
-                        &text,
-                        finish_reason,
-                        usage,
-                        want_logprobs.then(|| {
-                            openai::completion_logprobs(tok, &tokens, g.params.top_logprobs > 0)
-                        }),
-                    ),
-                };
-                return Ok(json_response(body));
+                    )
+                }
+                Api::Completions => Envelope::completion_choice(
+                    i,
+                    &c.text,
+                    finish,
+                    want_logprobs.then(|| {
+                        openai::completion_logprobs(tok, &c.tokens, g.params.top_logprobs > 0)
+                    }),
+                ),
             }
-            Some(Event::Error { kind, message }) => return Err(ApiError::from_fail(kind, message)),
-            None => return Err(ApiError::unavailable("the engine stopped")),
-        }
-    }
+        })
+        .collect();
+    Ok(json_response(env.response(g.api, body, usage)))
 }
 
 struct SseState {
     st: Arc<AppState>,
     g: GenRequest,
     env: Envelope,
-    rx: EventReceiver,
-    started: bool,
+    rx: ChoiceEvents,
+    /// Chat: the choices whose first (role) chunk has been sent.
+    started: usize,
     done: bool,
-    /// Characters of completion text sent so far (completions `text_offset`).
-    sent_chars: usize,
+    /// Choices not finished yet.
+    left: usize,
+    usage: Usage,
+    /// Per choice, characters of completion text sent so far (completions `text_offset`).
+    sent_chars: Vec<usize>,
+    /// Per choice, the tool-call parsing of a chat stream with tools.
+    tools: Vec<ToolStream>,
+    /// Per choice, the `<think>` splitter of a chat stream with reasoning.
+    reasoning: Vec<Option<ReasoningStream>>,
+}
+
+/// How a streamed chat choice's text becomes deltas.
+enum ToolStream {
+    /// No tools: the text is content.
+    Plain,
+    /// `tool_choice` `auto`: the format's parser; content deltas never carry call markup,
+    /// each call is sent whole once its markup is complete. `calls`: sent so far.
+    Auto {
+        parser: ToolCallStream,
+        calls: usize,
+    },
+    /// `required` / named: the constraint's JSON, sent as calls at the end.
+    Forced(String),
+}
+
+impl SseState {
+    /// The chunks of `text` of chat choice `i`: `reasoning_content` deltas for the
+    /// `<think>` block, the rest through [`SseState::chat_deltas`].
+    fn chat_pieces(
+        &mut self,
+        i: usize,
+        text: &str,
+        logprobs: Option<Value>,
+        last: Option<FinishReason>,
+    ) -> String {
+        let Some(rs) = self.reasoning[i].as_mut() else {
+            return self.chat_deltas(i, text, logprobs, last);
+        };
+        let mut pieces = rs.push(text);
+        if last.is_some() {
+            pieces.extend(rs.finish());
+        }
+        let usage_on = self.g.include_usage;
+        let mut logprobs = logprobs;
+        let mut out = String::new();
+        for p in pieces {
+            match p {
+                ReasoningEvent::Reasoning(r) => out.push_str(&sse(&self.env.chat_chunk(
+                    i,
+                    json!({ "reasoning_content": r }),
+                    logprobs.take(),
+                    None,
+                    usage_on,
+                ))),
+                ReasoningEvent::Content(c) => {
+                    out.push_str(&self.chat_deltas(i, &c, logprobs.take(), None))
+                }
+            }
+        }
+        if logprobs.is_some() || last.is_some() {
+            out.push_str(&self.chat_deltas(i, "", logprobs, last));
+        }
+        out
+    }
+
+    /// The delta chunks of `text` of chat choice `i` (`last`: its end, with the finish
+    /// reason), the first one carrying `logprobs`.
+    fn chat_deltas(
+        &mut self,
+        i: usize,
+        text: &str,
+        logprobs: Option<Value>,
+        last: Option<FinishReason>,
+    ) -> String {
+        let usage_on = self.g.include_usage;
+        let mut deltas: Vec<Value> = vec![];
+        let mut calls_sent = 0;
+        match &mut self.tools[i] {
+            ToolStream::Plain => {
+                if !text.is_empty() || logprobs.is_some() {
+                    deltas.push(json!({ "content": text }));
+                }
+            }
+            ToolStream::Auto { parser, calls } => {
+                let mut events = parser.push(text);
+                if last.is_some() {
+                    events.extend(parser.finish());
+                }
+                for e in events {
+                    match e {
+                        ToolEvent::Content(c) => deltas.push(json!({ "content": c })),
+                        ToolEvent::Call(c) => {
+                            let tc =
+                                openai::tool_calls_json(&[c], Some(*calls), &mut || new_id("call"));
+                            *calls += 1;
+                            deltas.push(json!({ "tool_calls": tc }));
+                        }
+                    }
+                }
+                calls_sent = *calls;
+            }
+            ToolStream::Forced(buf) => {
+                buf.push_str(text);
+                if last.is_some() {
+                    match openai::forced_tool_calls(buf) {
+                        Some(calls) => {
+                            calls_sent = calls.len();
+                            let tc =
+                                openai::tool_calls_json(&calls, Some(0), &mut || new_id("call"));
+                            deltas.push(json!({ "tool_calls": tc }));
+                        }
+                        None => deltas.push(json!({ "content": buf.clone() })),
+                    }
+                }
+            }
+        }
+        if deltas.is_empty() && logprobs.is_some() {
+            deltas.push(json!({}));
+        }
+        let mut out = String::new();
+        let mut logprobs = logprobs;
+        for d in deltas {
+            out.push_str(&sse(&self.env.chat_chunk(
+                i,
+                d,
+                logprobs.take(),
+                None,
+                usage_on,
+            )));
+        }
+        if let Some(f) = last {
+            let reason = if calls_sent > 0 {
+                "tool_calls"
+            } else {
+                openai::finish_str(f)
+            };
+            out.push_str(&sse(&self.env.chat_chunk(
+                i,
+                json!({}),
+                None,
+                Some(reason),
+                usage_on,
+            )));
+        }
+        out
+    }
 }
 
 fn sse(v: &Value) -> String {
@@ -812,35 +1143,38 @@ impl SseState {
         }
         let api = self.g.api;
         let usage_on = self.g.include_usage;
-        if !self.started {
-            self.started = true;
-            if api == Api::Chat {
-                let delta = json!({"role": "assistant", "content": ""});
-                return Some(sse(&self.env.chat_chunk(delta, None, None, usage_on)));
-            }
+        if api == Api::Chat && self.started < self.g.n {
+            let i = self.started;
+            self.started += 1;
+            let delta = json!({"role": "assistant", "content": ""});
+            return Some(sse(&self.env.chat_chunk(i, delta, None, None, usage_on)));
         }
         let want_logprobs = self.g.params.logprobs;
         loop {
             match self.rx.recv().await {
-                Some(Event::Delta { text, token }) => {
+                Some((i, Event::Delta { text, token })) => {
                     if text.is_empty() && !want_logprobs {
                         continue;
                     }
                     let tok = &self.st.model.tokenizer;
+                    if api == Api::Chat {
+                        let lp = want_logprobs
+                            .then(|| json!({"content": [openai::chat_logprob(tok, &token)]}));
+                        let out = self.chat_pieces(i, &text, lp, None);
+                        if out.is_empty() {
+                            continue;
+                        }
+                        return Some(out);
+                    }
                     let chunk = match api {
-                        Api::Chat => self.env.chat_chunk(
-                            json!({"content": text}),
-                            want_logprobs
-                                .then(|| json!({"content": [openai::chat_logprob(tok, &token)]})),
-                            None,
-                            usage_on,
-                        ),
+                        Api::Chat => unreachable!("handled above"),
                         Api::Completions => self.env.completion_chunk(
+                            i,
                             &text,
                             want_logprobs.then(|| {
                                 openai::completion_logprobs(
                                     tok,
-                                    &[(token, self.sent_chars)],
+                                    &[(token, self.sent_chars[i])],
                                     self.g.params.top_logprobs > 0,
                                 )
                             }),
@@ -848,32 +1182,39 @@ impl SseState {
                             usage_on,
                         ),
                     };
-                    self.sent_chars += text.chars().count();
+                    self.sent_chars[i] += text.chars().count();
                     return Some(sse(&chunk));
                 }
-                Some(Event::Done {
-                    finish_reason,
-                    usage,
-                }) => {
-                    self.done = true;
-                    let last = match api {
-                        Api::Chat => {
-                            self.env
-                                .chat_chunk(json!({}), None, Some(finish_reason), usage_on)
-                        }
-                        Api::Completions => {
-                            self.env
-                                .completion_chunk("", None, Some(finish_reason), usage_on)
-                        }
+                Some((
+                    i,
+                    Event::Done {
+                        finish_reason,
+                        usage,
+                    },
+                )) => {
+                    self.usage.prompt_tokens = usage.prompt_tokens;
+                    self.usage.completion_tokens += usage.completion_tokens;
+                    self.left -= 1;
+                    let mut out = match api {
+                        Api::Chat => self.chat_pieces(i, "", None, Some(finish_reason)),
+                        Api::Completions => sse(&self.env.completion_chunk(
+                            i,
+                            "",
+                            None,
+                            Some(finish_reason),
+                            usage_on,
+                        )),
                     };
-                    let mut out = sse(&last);
-                    if usage_on {
-                        out.push_str(&sse(&self.env.usage_chunk(api, usage)));
+                    if self.left == 0 {
+                        self.done = true;
+                        if usage_on {
+                            out.push_str(&sse(&self.env.usage_chunk(api, self.usage)));
+                        }
+                        out.push_str("data: [DONE]\n\n");
                     }
-                    out.push_str("data: [DONE]\n\n");
                     return Some(out);
                 }
-                Some(Event::Error { kind, message }) => {
+                Some((_, Event::Error { kind, message })) => {
                     self.done = true;
                     let e = ApiError::from_fail(kind, message);
                     return Some(format!("{}data: [DONE]\n\n", sse(&e.body())));
@@ -888,15 +1229,39 @@ impl SseState {
     }
 }
 
-fn stream_response(st: Arc<AppState>, g: GenRequest, env: Envelope, rx: EventReceiver) -> Response {
+fn stream_response(
+    st: Arc<AppState>,
+    g: GenRequest,
+    env: Envelope,
+    rx: ChoiceEvents,
+    reasoning: Option<bool>,
+) -> Response {
+    let n = g.n;
     let state = SseState {
-        st,
-        g,
         env,
         rx,
-        started: false,
+        started: 0,
         done: false,
-        sent_chars: 0,
+        left: n,
+        usage: Usage::default(),
+        sent_chars: vec![0; n],
+        tools: (0..n)
+            .map(|_| match (&g.tool_choice, st.model.tool_format) {
+                (ToolChoice::Auto, Some(f)) => ToolStream::Auto {
+                    parser: ToolCallStream::new(f),
+                    calls: 0,
+                },
+                (ToolChoice::Required | ToolChoice::RequiredOne | ToolChoice::Named(_), _) => {
+                    ToolStream::Forced(String::new())
+                }
+                _ => ToolStream::Plain,
+            })
+            .collect(),
+        reasoning: (0..n)
+            .map(|_| reasoning.map(ReasoningStream::new))
+            .collect(),
+        st,
+        g,
     };
     let stream = futures_util::stream::unfold(state, |mut s| async move {
         s.next()

@@ -38,7 +38,14 @@ pub struct ChatMessage {
     pub role: String,
     /// The message text.
     pub content: String,
+    /// The tool-calling fields a template may read ([`MESSAGE_FIELDS`]): an assistant
+    /// message's `tool_calls`, a tool result's `tool_call_id` and `name`.
+    #[serde(default, skip_serializing_if = "serde_json::Map::is_empty")]
+    pub fields: serde_json::Map<String, serde_json::Value>,
 }
+
+/// The message fields besides `role` and `content` passed to templates.
+pub const MESSAGE_FIELDS: [&str; 3] = ["tool_calls", "tool_call_id", "name"];
 
 impl ChatMessage {
     /// Builds a message from a role and its content.
@@ -46,6 +53,7 @@ impl ChatMessage {
         Self {
             role: role.into(),
             content: content.into(),
+            fields: serde_json::Map::new(),
         }
     }
 }
@@ -158,10 +166,16 @@ impl ChatTemplate {
         let msgs: Vec<Value> = messages
             .iter()
             .map(|m| {
-                Value::from_object(OrderedMap(vec![
+                let mut fields = vec![
                     ("role", Value::from(m.role.as_str())),
                     ("content", Value::from(m.content.as_str())),
-                ]))
+                ];
+                for key in MESSAGE_FIELDS {
+                    if let Some(v) = m.fields.get(key) {
+                        fields.push((key, Value::from_serialize(v)));
+                    }
+                }
+                Value::from_object(OrderedMap(fields))
             })
             .collect();
         ctx.insert("messages".into(), Value::from(msgs));
