@@ -53,16 +53,16 @@ decode() {
   need_model
   step "SmolLM2-135M-Instruct Q4_1 GGUF: decode at batch 1 and ${BATCHES:-8}, ${RUNS:-3} runs"
   for r in $(seq ${RUNS:-3}); do echo "run $r: $(bench_line X=1 "$G" "${BATCHES:-8}")"; done 2>&1 | tee -a "$OUT/gguf-decode.txt"
-  step "the same with float16 kept (MLX's quantized_matmul, no mlxcel GEMV kernel)"
-  echo "$(bench_line MLXCEL_GGUF_DTYPE=float16 "$G" "${BATCHES:-8}")" 2>&1 | tee -a "$OUT/gguf-decode.txt"
+  step "the same converted to bfloat16 (mlxcel's GEMV kernel; float16, the default, runs MLX's quantized_matmul)"
+  echo "$(bench_line MLXCEL_GGUF_DTYPE=bfloat16 "$G" "${BATCHES:-8}")" 2>&1 | tee -a "$OUT/gguf-decode.txt"
 }
 
 answer() {
   need_model
   step "mlxcel generate (no arguments: the default model answers the default question)"
   $B generate 2>&1 | tail -2 | tee "$OUT/gguf-answer.txt"
-  step "the same with GGUF's float16 scales kept (and float16 activations), and in float32"
-  for d in float16 float32; do echo "[$d] $(MLXCEL_GGUF_DTYPE=$d $B generate 2>&1 | tail -2 | tr '\n' ' ')"; done | tee -a "$OUT/gguf-answer.txt"
+  step "the same converted to bfloat16 (mlxcel's GEMV kernel), and in float32"
+  for d in bfloat16 float32; do echo "[$d] $(MLXCEL_GGUF_DTYPE=$d $B generate 2>&1 | tail -2 | tr '\n' ' ')"; done | tee -a "$OUT/gguf-answer.txt"
   step "mlxcel-server -m GGUF, one streamed answer"
   serve "$G" 8093 || return 1
   python3 - 8093 <<'PY' 2>&1 | tee -a "$OUT/gguf-answer.txt"
@@ -93,9 +93,10 @@ vs_mlx() {
   demo_tokenizer
   [ -f "$CK/g1b/model-q4_0.gguf" ] ||
     python3 scripts/make_test_gguf.py --out "$CK/g1b" --shape llama3-1b --tokenizer-from "$TOK"
-  step "1B shape, 4-bit group 32: Q4_0 GGUF (scales float16 -> bfloat16) vs MLX 4-bit (dummy), alternated"
+  step "1B shape, 4-bit group 32: Q4_0 GGUF (float16, the default; bfloat16, the GEMV kernel) vs MLX 4-bit (dummy), alternated"
   for r in $(seq ${RUNS:-3}); do
-    echo "gguf run $r: $(bench_line X=1 "$CK/g1b/model-q4_0.gguf" 8)"
+    echo "gguf-f16 run $r: $(bench_line X=1 "$CK/g1b/model-q4_0.gguf" 8)"
+    echo "gguf-bf16 run $r: $(bench_line MLXCEL_GGUF_DTYPE=bfloat16 "$CK/g1b/model-q4_0.gguf" 8)"
     echo "mlx4 run $r: $(bench_line X=1 "$CK/g1b-mlx4" 8 --load-format dummy)"
   done 2>&1 | tee -a "$OUT/gguf-vs-mlx4.txt"
 }

@@ -110,8 +110,11 @@ pub fn is_gguf(path: &Path) -> bool {
 }
 
 /// Float dtype in which GGUF tensors (floats, scales and biases) are handed to MLX:
-/// float32 on the CPU (exact, the reference path), bfloat16 on a GPU (what mlxcel's
-/// 4-bit GEMV kernel takes). `MLXCEL_GGUF_DTYPE=float16|bfloat16|float32` overrides.
+/// float32 on the CPU (exact, the reference path), float16 on a GPU (GGUF's own scale
+/// type, so the scales stay exact; MLX's `quantized_matmul` runs, since mlxcel's 4-bit
+/// GEMV kernel takes bfloat16 only). bfloat16 would reach the kernel, but rounding the
+/// scales and activations to it made SmolLM2-135M answer the default question wrongly on
+/// an H200 (docs/gguf.md). `MLXCEL_GGUF_DTYPE=float16|bfloat16|float32` overrides.
 pub fn float_dtype() -> Dtype {
     if let Some(d) = std::env::var("MLXCEL_GGUF_DTYPE")
         .ok()
@@ -122,7 +125,7 @@ pub fn float_dtype() -> Dtype {
     }
     match crate::mlx::backend() {
         crate::mlx::Backend::Cpu => Dtype::F32,
-        _ => Dtype::BF16,
+        _ => Dtype::F16,
     }
 }
 
