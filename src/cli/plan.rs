@@ -183,7 +183,10 @@ pub fn run(args: &PlanArgs) -> Result<()> {
             dir.root.display(),
             cfg.model_type,
             cfg.num_layers,
-            format!("{:?}", args.model.load_format).to_lowercase(),
+            match args.model.load_format {
+                LoadFormat::Safetensors if dir.is_gguf() => "gguf".to_string(),
+                f => format!("{f:?}").to_lowercase(),
+            },
             mem.kv_dtype
         );
         println!(
