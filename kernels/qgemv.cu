@@ -392,7 +392,7 @@ __device__ __forceinline__ void mlxcel_qgemv(const XT* x, const uint32_t* w, con
     // (GS = 128/G groups), for ROWS/16 tiles of 16 rows; lane (gq, t) holds rows gq and
     // gq + 8 of each tile. A lane loads 16 bytes of each of its rows per step, the 4
     // lanes of a row 64 contiguous bytes (with one group of 64 4-bit values, 32 bytes,
-    // per row and load, the sixth session's version took 1.3-1.6× the time at M = 8),
+    // per row and load, an earlier version took 1.3-1.6× the time at M = 8),
     // then the lanes of a row exchange words so that each holds
     // WPT words of every group of the step: lane t holds group q's words
     //   G = 128: 4t … 4t + 3 (no exchange)

@@ -147,14 +147,15 @@ impl TensorInfo {
         self.dims.iter().rev().map(|&d| d as usize).collect()
     }
 
+    /// Elements (saturating: a crafted header cannot wrap it round to a small number).
     pub fn numel(&self) -> u64 {
-        self.dims.iter().product()
+        self.dims.iter().fold(1u64, |n, &d| n.saturating_mul(d))
     }
 
-    /// Bytes in the file (`None` for an unknown type).
+    /// Bytes in the file (`None` for an unknown type or a size past `u64`).
     pub fn nbytes(&self) -> Option<u64> {
         let (vals, bytes) = self.ty.block()?;
-        Some(self.numel() / vals as u64 * bytes as u64)
+        (self.numel() / vals as u64).checked_mul(bytes as u64)
     }
 }
 
@@ -302,10 +303,16 @@ impl GgufFile {
             let t = TensorInfo {
                 dims,
                 ty,
-                start: data + offset,
+                start: data.saturating_add(offset),
             };
+            if t.ty.block().is_some() && t.nbytes().is_none() {
+                return Err(GgufError::Corrupt {
+                    path: path.to_path_buf(),
+                    msg: format!("tensor `{name}` has an impossible size {:?}", t.dims),
+                });
+            }
             if let Some(n) = t.nbytes() {
-                if t.start + n > len {
+                if t.start.saturating_add(n) > len {
                     return Err(GgufError::Corrupt {
                         path: path.to_path_buf(),
                         msg: format!("tensor `{name}` ends past the end of the file (truncated?)"),
@@ -428,4 +435,47 @@ pub fn write(
         out.extend(bytes);
     }
     std::fs::write(path, out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A header whose tensor sizes overflow u64 (or point past the file) is refused, not
+    /// wrapped round to a small size that passes the bounds check.
+    #[test]
+    fn impossible_tensor_sizes_are_refused() {
+        let dir = std::env::temp_dir().join(format!("mlxcel-gguf-size-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        for (i, dims) in [[1u64 << 40, 1 << 40], [1 << 62, 8], [1 << 20, 1 << 20]]
+            .iter()
+            .enumerate()
+        {
+            let mut b = Vec::new();
+            b.extend_from_slice(b"GGUF");
+            b.extend_from_slice(&3u32.to_le_bytes());
+            b.extend_from_slice(&1u64.to_le_bytes()); // tensors
+            b.extend_from_slice(&0u64.to_le_bytes()); // metadata entries
+            b.extend_from_slice(&1u64.to_le_bytes());
+            b.push(b'w');
+            b.extend_from_slice(&2u32.to_le_bytes());
+            for d in dims {
+                b.extend_from_slice(&d.to_le_bytes());
+            }
+            b.extend_from_slice(&0u32.to_le_bytes()); // F32
+            b.extend_from_slice(&0u64.to_le_bytes()); // offset
+            b.resize(b.len().next_multiple_of(32) + 64, 0);
+            let p = dir.join(format!("t{i}.gguf"));
+            std::fs::write(&p, &b).unwrap();
+            let e = GgufFile::open(&p)
+                .err()
+                .expect("accepted an impossible tensor size");
+            let msg = e.to_string();
+            assert!(
+                msg.contains("impossible size") || msg.contains("past the end"),
+                "{dims:?}: {msg}"
+            );
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }
