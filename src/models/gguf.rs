@@ -188,10 +188,43 @@ impl GgufSource {
         Ok((buf, b0 * bv))
     }
 
-    /// Load the block `[rows, cols]` of the HF-named tensor `name` of full shape `shape`,
-    /// as `WeightSource::load_block` (columns of packed weights in uint32 words, of scales
-    /// and biases in groups).
-    fn read_block(
+    fn affine(
+        &self,
+        gname: &str,
+        pi: usize,
+        t: &TensorInfo,
+        rows: Range<usize>,
+        vals: Range<usize>,
+        hd: Option<usize>,
+    ) -> Result<quant::Affine, LoadError> {
+        if !vals.start.is_multiple_of(quant::GROUP) || !vals.end.is_multiple_of(quant::GROUP) {
+            return Err(self.err(
+                gname,
+                format!("columns {vals:?} do not cut at 32-value groups"),
+            ));
+        }
+        let (buf, first) = self.read_rows(gname, pi, t, rows.clone(), vals.clone())?;
+        let mut a =
+            quant::rows_affine(t.ty, &buf, rows.len(), vals.start - first..vals.end - first);
+        if let Some(hd) = hd {
+            let words = a.packed.len() / rows.len().max(1);
+            let groups = a.scales.len() / rows.len().max(1);
+            unpermute(&mut a.packed, words, hd);
+            unpermute(&mut a.scales, groups, hd);
+            unpermute(&mut a.biases, groups, hd);
+        }
+        Ok(a)
+    }
+}
+
+impl WeightSource for GgufSource {
+    fn info(&self, name: &str) -> Result<Option<TensorInfo2>, LoadError> {
+        Ok(self.info_of(name))
+    }
+
+    /// The block `[rows, cols]` of the HF-named tensor `name` of full shape `shape`
+    /// (columns of packed weights in uint32 words, of scales and biases in groups).
+    fn load_block(
         &self,
         name: &str,
         shape: &[usize],
@@ -307,51 +340,6 @@ impl GgufSource {
             TensorKind::Packed => unreachable!("handled above"),
             _ => a.astype(self.float)?,
         })
-    }
-
-    fn affine(
-        &self,
-        gname: &str,
-        pi: usize,
-        t: &TensorInfo,
-        rows: Range<usize>,
-        vals: Range<usize>,
-        hd: Option<usize>,
-    ) -> Result<quant::Affine, LoadError> {
-        if !vals.start.is_multiple_of(quant::GROUP) || !vals.end.is_multiple_of(quant::GROUP) {
-            return Err(self.err(
-                gname,
-                format!("columns {vals:?} do not cut at 32-value groups"),
-            ));
-        }
-        let (buf, first) = self.read_rows(gname, pi, t, rows.clone(), vals.clone())?;
-        let mut a =
-            quant::rows_affine(t.ty, &buf, rows.len(), vals.start - first..vals.end - first);
-        if let Some(hd) = hd {
-            let words = a.packed.len() / rows.len().max(1);
-            let groups = a.scales.len() / rows.len().max(1);
-            unpermute(&mut a.packed, words, hd);
-            unpermute(&mut a.scales, groups, hd);
-            unpermute(&mut a.biases, groups, hd);
-        }
-        Ok(a)
-    }
-}
-
-impl WeightSource for GgufSource {
-    fn info(&self, name: &str) -> Result<Option<TensorInfo2>, LoadError> {
-        Ok(self.info_of(name))
-    }
-
-    fn load_block(
-        &self,
-        name: &str,
-        shape: &[usize],
-        rows: Option<Range<usize>>,
-        cols: Option<Range<usize>>,
-        kind: TensorKind,
-    ) -> Result<Array, LoadError> {
-        self.read_block(name, shape, rows, cols, kind)
     }
 
     fn bytes_read(&self) -> u64 {
