@@ -2200,6 +2200,20 @@ fn constrained_outputs(tp: &[&str]) -> Vec<String> {
     let distinct: std::collections::HashSet<&String> = outs.iter().collect();
     assert!(distinct.len() > 1, "seeded samples all alike: {outs:?}");
 
+    // a constrained request alone decodes pipelined (its masks are computed while the
+    // device runs each step; with --tp-size they reach every rank), same output
+    let pipelined = || metric(&s.metrics(), "mlxcel:pipelined_decode_steps_total");
+    let before = pipelined();
+    let (path, b) = constrained(0);
+    let c = &s.ok(path, &b)["choices"][0];
+    assert_eq!(c["finish_reason"], "stop", "{c}");
+    assert_eq!(c["message"]["content"].as_str().unwrap(), outs[0]);
+    let steps = pipelined() - before;
+    assert!(
+        steps >= 3.0,
+        "{steps} pipelined steps for a constrained request"
+    );
+
     // json_object: an object, on both endpoints
     for (path, mut b) in [
         (

@@ -42,7 +42,8 @@ pub struct Request {
     pub skip_special_tokens: bool,
     /// Constrained decoding (a `response_format`, a forced tool call, `guided_regex`): the
     /// output must follow this grammar. Its mask goes with every step that samples the
-    /// sequence; while it runs, decode steps are not pipelined.
+    /// sequence; in pipelined decode it is computed while the device runs the step's
+    /// forward pass.
     pub grammar: Option<Box<GrammarMatcher>>,
     /// When the server received the request (queue time and TTFT count from here).
     pub arrived: Instant,
@@ -124,6 +125,10 @@ pub trait Observer {
     fn finished(&self, _outcome: Outcome, _usage: Usage, _e2e_seconds: f64) {}
     /// After every step (and when the engine goes idle).
     fn step_done(&self, _running: usize, _waiting: usize) {}
+    /// A step prefilled `tokens` prompt tokens.
+    fn prefilled(&self, _tokens: usize) {}
+    /// A decode step ran pipelined (queued before the previous step's tokens were read).
+    fn decode_pipelined(&self) {}
     /// A step failed; `fatal` when the executor is unusable from now on. Called
     /// before the requests of that step are failed.
     fn engine_error(&self, _error: &StepError, _fatal: bool) {}
@@ -176,10 +181,10 @@ impl Seq {
     fn decoding(&self) -> bool {
         self.prefilled == self.req.prompt.len() && !self.generated.is_empty()
     }
-    /// Whether its decode steps may be queued before the previous token is known: not
-    /// with a grammar (the mask depends on that token) or where the executor says no.
+    /// Whether its decode steps may be queued before the previous token is known (with
+    /// a grammar, the step's sampling waits for the mask computed from that token).
     fn pipelinable(&self, exec: &dyn Executor) -> bool {
-        self.req.grammar.is_none() && exec.can_pipeline(self.id)
+        exec.can_pipeline(self.id)
     }
     fn usage(&self) -> Usage {
         Usage {
@@ -213,6 +218,8 @@ pub struct Scheduler {
     /// Pipelined decode: the rows (sequence ids) of the step queued on the executor
     /// whose tokens are not read yet.
     inflight: Option<Vec<u64>>,
+    /// Whether that step's sampling waits for its masks ([`Executor::sample_queued`]).
+    inflight_unsampled: bool,
     /// Whether to pipeline pure-decode steps where the executor can.
     pipeline: bool,
     /// Decode steps run pipelined so far.
@@ -239,6 +246,7 @@ impl Scheduler {
             to_release: Vec::new(),
             broken: None,
             inflight: None,
+            inflight_unsampled: false,
             pipeline: true,
             pipelined_steps: 0,
         }
@@ -320,6 +328,7 @@ impl Scheduler {
         );
         self.to_release.clear();
         self.inflight = None;
+        self.inflight_unsampled = false;
         self.broken = Some(message);
     }
 
@@ -467,6 +476,9 @@ impl Scheduler {
             summary.prefill_tokens = end - s.prefilled;
         }
         self.add_masks(&mut plan, &mut in_plan, obs);
+        if summary.prefill_tokens > 0 {
+            obs.prefilled(summary.prefill_tokens);
+        }
         if plan.seqs.is_empty() && self.to_release.is_empty() {
             obs.step_done(self.running.len(), self.queue.len());
             return Ok(summary);
@@ -525,25 +537,42 @@ impl Scheduler {
         in_plan: &mut Vec<(u64, bool)>,
         obs: &dyn Observer,
     ) {
+        let sampling: Vec<u64> = plan
+            .seqs
+            .iter()
+            .filter(|s| s.sample)
+            .map(|s| s.seq_id)
+            .collect();
+        let (masks, bad) = self.grammar_masks(&sampling, obs);
+        plan.masks = masks;
+        for id in bad {
+            plan.seqs.retain(|s| s.seq_id != id);
+            in_plan.retain(|s| s.0 != id);
+        }
+    }
+
+    /// The token masks of the running constrained sequences among `ids`, and the ids of
+    /// those whose grammar failed (they are failed and retired).
+    fn grammar_masks(&mut self, ids: &[u64], obs: &dyn Observer) -> (Vec<SeqMask>, Vec<u64>) {
+        let mut masks = Vec::new();
         let mut bad: Vec<(u64, String)> = Vec::new();
-        for st in plan.seqs.iter().filter(|s| s.sample) {
-            let Some(seq) = self.running.iter_mut().find(|s| s.id == st.seq_id) else {
+        for &id in ids {
+            let Some(seq) = self.running.iter_mut().find(|s| s.id == id) else {
                 continue;
             };
             let Some(g) = seq.req.grammar.as_mut() else {
                 continue;
             };
             match g.allowed() {
-                Ok(allowed) => plan.masks.push(SeqMask {
-                    seq_id: st.seq_id,
+                Ok(allowed) => masks.push(SeqMask {
+                    seq_id: id,
                     allowed,
                 }),
-                Err(e) => bad.push((st.seq_id, e.to_string())),
+                Err(e) => bad.push((id, e.to_string())),
             }
         }
+        let mut failed = Vec::with_capacity(bad.len());
         for (id, message) in bad {
-            plan.seqs.retain(|s| s.seq_id != id);
-            in_plan.retain(|s| s.0 != id);
             if let Some(idx) = self.running.iter().position(|s| s.id == id) {
                 let seq = self.running.remove(idx);
                 let _ = seq.req.events.send(Event::Error {
@@ -552,7 +581,9 @@ impl Scheduler {
                 });
                 self.retire(seq, Outcome::Failed, obs);
             }
+            failed.push(id);
         }
+        (masks, failed)
     }
 
     /// A step failed with `e`: tell the observer (before any request hears of it, so
@@ -626,6 +657,12 @@ impl Scheduler {
     /// queue C from B's tokens; read B. Otherwise B is read and the pipeline ends
     /// (tokens of sequences that ended meanwhile are dropped; their slots' extra KV
     /// entries are overwritten when the slot is reused).
+    ///
+    /// With a constrained sequence in the rows, a step's sampling needs its masks, which
+    /// need the previous step's tokens: each step's forward pass is queued alone
+    /// ([`Executor::queue_forward`]), and the masks are computed on the host while the
+    /// device runs it (B's masks from A's tokens, just delivered), then its sampling is
+    /// queued ([`Executor::sample_queued`]), then C's forward, then B is read.
     fn step_pipelined(
         &mut self,
         exec: &mut dyn Executor,
@@ -653,8 +690,10 @@ impl Scheduler {
                         *s.generated.last().expect("decoding has a token")
                     })
                     .collect();
+                let masked = self.running.iter().any(|s| s.req.grammar.is_some());
                 exec.discard_queued();
                 let release = std::mem::take(&mut self.to_release);
+                let ids = ids.clone().expect("checked by can_start_pipeline");
                 (|| {
                     if !release.is_empty() {
                         exec.execute(&StepPlan {
@@ -662,23 +701,50 @@ impl Scheduler {
                             ..Default::default()
                         })?;
                     }
-                    exec.queue_decode(&rows, Some(&tokens))?;
-                    exec.queue_decode(&ahead(&rows), None)?;
-                    self.inflight = ids.clone();
+                    if masked {
+                        exec.queue_forward(&rows, Some(&tokens))?;
+                        // the masks, while the device runs the forward pass
+                        let (masks, bad) = self.grammar_masks(&ids, obs);
+                        exec.sample_queued(&masks)?;
+                        if bad.is_empty() {
+                            exec.queue_forward(&ahead(&rows), None)?;
+                            self.inflight = Some(ids.clone());
+                            self.inflight_unsampled = true;
+                        }
+                    } else {
+                        exec.queue_decode(&rows, Some(&tokens))?;
+                        exec.queue_decode(&ahead(&rows), None)?;
+                        self.inflight = Some(ids.clone());
+                        self.inflight_unsampled = false;
+                    }
                     exec.take_sampled()
                 })()
                 .inspect_err(|_| self.to_release.extend(release))
             }
             Some(queued) => {
-                let go_on = self.pipeline
-                    && ids.as_ref() == Some(&queued)
-                    && self.running.iter().all(|s| s.pipelinable(exec))
-                    && self.all_may_continue();
                 summary.decode = queued.len();
                 (|| {
+                    if std::mem::take(&mut self.inflight_unsampled) {
+                        // the masks of the step in flight (from the tokens delivered
+                        // last), while the device runs its forward pass
+                        let (masks, _) = self.grammar_masks(&queued, obs);
+                        exec.sample_queued(&masks)?;
+                    }
+                    let rows = self.decode_rows();
+                    let ids: Option<Vec<u64>> =
+                        rows.as_ref().map(|r| r.iter().map(|x| x.0).collect());
+                    let go_on = self.pipeline
+                        && ids.as_ref() == Some(&queued)
+                        && self.running.iter().all(|s| s.pipelinable(exec))
+                        && self.all_may_continue();
                     if go_on {
                         let rows = rows.as_ref().expect("same rows as queued");
-                        exec.queue_decode(&ahead(rows), None)?;
+                        if self.running.iter().any(|s| s.req.grammar.is_some()) {
+                            exec.queue_forward(&ahead(rows), None)?;
+                            self.inflight_unsampled = true;
+                        } else {
+                            exec.queue_decode(&ahead(rows), None)?;
+                        }
                         self.inflight = Some(queued.clone());
                     }
                     exec.take_sampled()
@@ -690,11 +756,13 @@ impl Scheduler {
             Err(e) => {
                 exec.discard_queued();
                 self.inflight = None;
+                self.inflight_unsampled = false;
                 self.fail_step(&step_ids, &e, obs);
                 return Err(e);
             }
         };
         self.pipelined_steps += 1;
+        obs.decode_pipelined();
         let now = Instant::now();
         for tok in sampled {
             // sequences that ended (or whose client left) since the step was queued
@@ -896,6 +964,7 @@ impl Scheduler {
         // a new executor has no sequences to release, nor queued steps
         self.to_release.clear();
         self.inflight = None;
+        self.inflight_unsampled = false;
         RunEnd::ExecutorFailed(message)
     }
 
@@ -1341,10 +1410,11 @@ mod tests {
     }
 
     /// A sequence with a grammar follows it (its tokens are masked at every step, batched
-    /// with an unconstrained one) and ends with `stop` when the grammar is complete; no
-    /// step is pipelined while it runs, and the other sequence's tokens are unchanged.
+    /// with an unconstrained one) and ends with `stop` when the grammar is complete; its
+    /// decode steps are pipelined (masks computed while the forward pass runs) with the
+    /// same tokens as step by step, and the other sequence's tokens are unchanged.
     #[test]
-    fn constrained_sequences_follow_their_grammar_and_are_not_pipelined() {
+    fn constrained_sequences_follow_their_grammar_pipelined_or_not() {
         use crate::engine::grammar::{Constraint, GrammarMatcher, GrammarVocab};
         use crate::engine::step::LocalExecutor;
         use crate::model_dir::ModelDir;
@@ -1366,7 +1436,8 @@ mod tests {
             2,
         )
         .0;
-        for seed in 0..4 {
+        // one constrained and one free sequence: (constrained events, free tokens, pipelined steps)
+        let run = |seed: u64, pipeline: bool| {
             let mut exec = LocalExecutor::new(
                 models::load(&md, LoadFormat::Safetensors, |_, _| {})
                     .unwrap()
@@ -1382,6 +1453,7 @@ mod tests {
                 },
                 tokenizer(),
             );
+            s.set_pipeline(pipeline);
             let (mut req, mut rx) = request(vec![1, 2, 3, 4, 5], 40);
             req.ignore_eos = false;
             req.params = SamplingParams {
@@ -1395,15 +1467,22 @@ mod tests {
             let (other, mut other_rx) = request(vec![7, 8, 9], 24);
             s.submit(other, &NoObserver);
             let mut events = vec![];
+            // pipelined steps until the constrained sequence ended
+            let mut pipelined = 0;
             while s.has_work() {
                 s.step(&mut exec, &NoObserver).unwrap();
                 while let Ok(ev) = rx.try_recv() {
+                    if matches!(ev, Event::Done { .. }) {
+                        pipelined = s.pipelined_steps();
+                    }
                     events.push(ev);
                 }
-                if !matches!(events.last(), Some(Event::Done { .. })) {
-                    assert_eq!(s.pipelined_steps(), 0, "pipelined with a grammar running");
-                }
             }
+            (events, drain(&mut other_rx).0, pipelined)
+        };
+        for seed in 0..4 {
+            let (events, other, none) = run(seed, false);
+            assert_eq!(none, 0);
             let text: String = events
                 .iter()
                 .filter_map(|e| match e {
@@ -1427,10 +1506,14 @@ mod tests {
                 ),
                 "{events:?}"
             );
-            assert_eq!(
-                drain(&mut other_rx).0,
-                alone[0].0,
-                "the unconstrained sequence"
+            assert_eq!(other, alone[0].0, "the unconstrained sequence");
+            let (p_events, p_other, n) = run(seed, true);
+            assert_eq!(p_events, events, "seed {seed}: pipelined");
+            assert_eq!(p_other, other, "seed {seed}: pipelined, the free sequence");
+            // the constrained sequence's decode steps (after both prompts) were pipelined
+            assert!(
+                n >= 2,
+                "seed {seed}: only {n} steps were pipelined with the grammar"
             );
         }
     }

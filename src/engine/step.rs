@@ -178,6 +178,22 @@ pub trait Executor {
     ) -> Result<(), StepError> {
         Err(StepError::NotPipelined(rows.first().map_or(0, |r| r.0)))
     }
+    /// Like [`Executor::queue_decode`], but the step's sampling waits for
+    /// [`Executor::sample_queued`]: the forward pass is queued and evaluated
+    /// asynchronously, so the host computes the step's token masks (which depend on
+    /// the tokens of the step before, read meanwhile) while the device runs it.
+    fn queue_forward(
+        &mut self,
+        rows: &[(u64, usize, usize)],
+        _tokens: Option<&[u32]>,
+    ) -> Result<(), StepError> {
+        Err(StepError::NotPipelined(rows.first().map_or(0, |r| r.0)))
+    }
+    /// Sample the newest step queued by [`Executor::queue_forward`], with `masks` applied
+    /// to the rows of constrained sequences (rows without one sample unmasked).
+    fn sample_queued(&mut self, _masks: &[SeqMask]) -> Result<(), StepError> {
+        Err(StepError::Rank("no forward step queued".into()))
+    }
     /// The tokens of the oldest queued decode step, in its row order (waits for it).
     fn take_sampled(&mut self) -> Result<Vec<SampledToken>, StepError> {
         Err(StepError::Rank("no decode step queued".into()))
@@ -186,10 +202,17 @@ pub trait Executor {
     fn discard_queued(&mut self) {}
 }
 
-/// A decode step queued by [`Worker::queue_decode`].
+/// A decode step queued by [`Worker::queue_decode`] or [`Worker::queue_forward`].
 struct Queued {
     seq_ids: Vec<u64>,
-    sample: LazySample,
+    stage: Stage,
+}
+
+enum Stage {
+    /// Forward pass queued; its `[B, vocab]` logits wait for their masks.
+    Logits(Array),
+    /// Sampling queued.
+    Sampled(LazySample),
 }
 
 /// The model, its KV cache and per-sequence samplers, on the MLX thread.
@@ -302,6 +325,47 @@ impl Worker {
         rows: &[(u64, usize, usize)],
         tokens: Option<&[u32]>,
     ) -> Result<(), StepError> {
+        self.queue_step(rows, tokens, true)
+    }
+
+    /// See [`Executor::queue_forward`].
+    pub fn queue_forward(
+        &mut self,
+        rows: &[(u64, usize, usize)],
+        tokens: Option<&[u32]>,
+    ) -> Result<(), StepError> {
+        self.queue_step(rows, tokens, false)
+    }
+
+    /// See [`Executor::sample_queued`].
+    pub fn sample_queued(&mut self, masks: &[SeqMask]) -> Result<(), StepError> {
+        let q = self
+            .queued
+            .pop_back()
+            .ok_or_else(|| StepError::Rank("no forward step queued".into()))?;
+        let Stage::Logits(logits) = q.stage else {
+            self.queued.push_back(q);
+            return Err(StepError::Rank(
+                "the newest queued step is sampled already".into(),
+            ));
+        };
+        let logits = masked(&logits, &q.seq_ids, masks)?;
+        let sample = self.sample_lazy(&q.seq_ids, &logits)?;
+        mlx::async_eval(&sample.arrays())?;
+        self.queued.push_back(Queued {
+            seq_ids: q.seq_ids,
+            stage: Stage::Sampled(sample),
+        });
+        Ok(())
+    }
+
+    /// Queue the forward pass of one decode step, and its sampling with `sample`.
+    fn queue_step(
+        &mut self,
+        rows: &[(u64, usize, usize)],
+        tokens: Option<&[u32]>,
+        sample: bool,
+    ) -> Result<(), StepError> {
         if rows.is_empty() {
             return Err(StepError::Rank("pipelined decode: an empty step".into()));
         }
@@ -344,10 +408,12 @@ impl Worker {
                             "pipelined decode of {seq_ids:?}: the last queued step has other rows"
                         ))
                     })?;
-                prev.sample
-                    .tokens()
-                    .astype(mlx::Dtype::I32)?
-                    .reshape(&[b, 1])?
+                let Stage::Sampled(prev) = &prev.stage else {
+                    return Err(StepError::Rank(format!(
+                        "pipelined decode of {seq_ids:?}: the last queued step is not sampled"
+                    )));
+                };
+                prev.tokens().astype(mlx::Dtype::I32)?.reshape(&[b, 1])?
             }
         };
         let slots: Vec<usize> = rows.iter().map(|r| r.1).collect();
@@ -362,9 +428,15 @@ impl Worker {
                 Logits::Rows,
             )?
             .remove(0);
-        let sample = self.sample_lazy(&seq_ids, &logits)?;
-        mlx::async_eval(&sample.arrays())?;
-        self.queued.push_back(Queued { seq_ids, sample });
+        let stage = if sample {
+            let sample = self.sample_lazy(&seq_ids, &logits)?;
+            mlx::async_eval(&sample.arrays())?;
+            Stage::Sampled(sample)
+        } else {
+            mlx::async_eval(&[&logits])?;
+            Stage::Logits(logits)
+        };
+        self.queued.push_back(Queued { seq_ids, stage });
         Ok(())
     }
 
@@ -374,7 +446,12 @@ impl Worker {
             .queued
             .pop_front()
             .ok_or_else(|| StepError::Rank("no decode step queued".into()))?;
-        self.read_sampled(&q.seq_ids, q.sample)
+        match q.stage {
+            Stage::Sampled(sample) => self.read_sampled(&q.seq_ids, sample),
+            Stage::Logits(_) => Err(StepError::Rank(
+                "the oldest queued step was never sampled".into(),
+            )),
+        }
     }
 
     /// See [`Executor::discard_queued`]. The cache keeps the discarded steps'
@@ -489,20 +566,7 @@ impl Worker {
         batch: Array,
     ) -> Result<StepResult, StepError> {
         let ids: Vec<u64> = rows.iter().map(|&i| plan.seqs[i].seq_id).collect();
-        let batch = if plan.masks.is_empty() {
-            batch
-        } else {
-            let masks: Vec<Option<&[u32]>> = ids
-                .iter()
-                .map(|id| {
-                    plan.masks
-                        .iter()
-                        .find(|m| m.seq_id == *id)
-                        .map(|m| m.allowed.as_slice())
-                })
-                .collect();
-            apply_masks(&batch, &masks).map_err(|e| StepError::Params(e.to_string()))?
-        };
+        let batch = masked(&batch, &ids, &plan.masks)?;
         let sample = self.sample_lazy(&ids, &batch)?;
         Ok(StepResult {
             sampled: self.read_sampled(&ids, sample)?,
@@ -560,6 +624,24 @@ impl Worker {
     }
 }
 
+/// `logits` (`[B, vocab]`, row k for sequence `ids[k]`) with each sequence's mask in
+/// `masks` applied (unchanged without masks).
+fn masked(logits: &Array, ids: &[u64], masks: &[SeqMask]) -> Result<Array, StepError> {
+    if masks.is_empty() {
+        return Ok(logits.clone());
+    }
+    let rows: Vec<Option<&[u32]>> = ids
+        .iter()
+        .map(|id| {
+            masks
+                .iter()
+                .find(|m| m.seq_id == *id)
+                .map(|m| m.allowed.as_slice())
+        })
+        .collect();
+    apply_masks(logits, &rows).map_err(|e| StepError::Params(e.to_string()))
+}
+
 /// Executor that runs the worker in this process.
 pub struct LocalExecutor {
     pub worker: Worker,
@@ -600,6 +682,16 @@ impl Executor for LocalExecutor {
         tokens: Option<&[u32]>,
     ) -> Result<(), StepError> {
         self.worker.queue_decode(rows, tokens)
+    }
+    fn queue_forward(
+        &mut self,
+        rows: &[(u64, usize, usize)],
+        tokens: Option<&[u32]>,
+    ) -> Result<(), StepError> {
+        self.worker.queue_forward(rows, tokens)
+    }
+    fn sample_queued(&mut self, masks: &[SeqMask]) -> Result<(), StepError> {
+        self.worker.sample_queued(masks)
     }
     fn take_sampled(&mut self) -> Result<Vec<SampledToken>, StepError> {
         self.worker.take_sampled()

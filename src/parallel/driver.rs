@@ -15,7 +15,9 @@ use super::plan::{self, DoesNotFit, GpuMemory, Placement, PlanInput};
 use super::protocol::{FromRank, Identity, RankReport, ToRank};
 use super::rank::MEMORY_LIMIT_VAR;
 use super::shard::{self, ShardError};
-use crate::engine::step::{Executor, MemoryStats, SampledToken, StepError, StepPlan, StepResult};
+use crate::engine::step::{
+    Executor, MemoryStats, SampledToken, SeqMask, StepError, StepPlan, StepResult,
+};
 use crate::mlx::{self, distributed::GroupBackend};
 use crate::model_dir::ModelDir;
 use crate::models::{self, LoadFormat, ModelError};
@@ -156,6 +158,22 @@ fn visible_gpus() -> usize {
 }
 
 impl TpExecutor {
+    /// Broadcast a queued decode step `msg` of `rows` (no reply).
+    fn queue_msg(&mut self, rows: &[(u64, usize, usize)], msg: ToRank) -> Result<(), StepError> {
+        if let Some(msg) = &self.failed {
+            return Err(StepError::Rank(format!(
+                "the TP group has failed earlier: {msg}"
+            )));
+        }
+        if let Some(&(id, _, _)) = rows.iter().find(|r| !self.can_pipeline(r.0)) {
+            return Err(StepError::NotPipelined(id));
+        }
+        if let Err(e) = self.group.broadcast(&msg) {
+            return Err(self.fail(e.to_string()));
+        }
+        self.queued += 1;
+        Ok(())
+    }
     /// Validate, spawn, handshake, load: returns once every rank is ready.
     pub fn launch(dir: &ModelDir, opts: TpOptions) -> Result<TpExecutor, LaunchError> {
         let n = opts.tp_size;
@@ -555,22 +573,40 @@ impl Executor for TpExecutor {
         rows: &[(u64, usize, usize)],
         tokens: Option<&[u32]>,
     ) -> Result<(), StepError> {
+        let msg = ToRank::QueueDecode {
+            rows: rows.to_vec(),
+            tokens: tokens.map(<[u32]>::to_vec),
+        };
+        self.queue_msg(rows, msg)
+    }
+
+    fn queue_forward(
+        &mut self,
+        rows: &[(u64, usize, usize)],
+        tokens: Option<&[u32]>,
+    ) -> Result<(), StepError> {
+        let msg = ToRank::QueueForward {
+            rows: rows.to_vec(),
+            tokens: tokens.map(<[u32]>::to_vec),
+        };
+        self.queue_msg(rows, msg)
+    }
+
+    fn sample_queued(&mut self, masks: &[SeqMask]) -> Result<(), StepError> {
         if let Some(msg) = &self.failed {
             return Err(StepError::Rank(format!(
                 "the TP group has failed earlier: {msg}"
             )));
         }
-        if let Some(&(id, _, _)) = rows.iter().find(|r| !self.can_pipeline(r.0)) {
-            return Err(StepError::NotPipelined(id));
+        if self.queued == 0 {
+            return Err(StepError::Rank("no forward step queued".into()));
         }
-        let msg = ToRank::QueueDecode {
-            rows: rows.to_vec(),
-            tokens: tokens.map(<[u32]>::to_vec),
+        let msg = ToRank::SampleQueued {
+            masks: masks.to_vec(),
         };
         if let Err(e) = self.group.broadcast(&msg) {
             return Err(self.fail(e.to_string()));
         }
-        self.queued += 1;
         Ok(())
     }
 

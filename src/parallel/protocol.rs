@@ -1,7 +1,7 @@
 //! Messages between the driver and its rank processes over the control channel.
 use serde::{Deserialize, Serialize};
 
-use crate::engine::step::{SampledToken, StepPlan, StepResult};
+use crate::engine::step::{SampledToken, SeqMask, StepPlan, StepResult};
 
 /// Driver → rank.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -16,6 +16,17 @@ pub enum ToRank {
         rows: Vec<(u64, usize, usize)>,
         tokens: Option<Vec<u32>>,
     },
+    /// Queue the forward pass of a pipelined decode step whose sampling waits for
+    /// `SampleQueued` (`Executor::queue_forward`; no reply), same rows and tokens as
+    /// `QueueDecode`.
+    QueueForward {
+        rows: Vec<(u64, usize, usize)>,
+        tokens: Option<Vec<u32>>,
+    },
+    /// Sample the newest `QueueForward` step with these token masks
+    /// (`Executor::sample_queued`; no reply): every rank applies them, so every rank
+    /// draws the same tokens.
+    SampleQueued { masks: Vec<SeqMask> },
     /// Read the oldest queued decode step's tokens and reply with them.
     TakeSampled,
     /// Drop queued decode steps (no reply).

@@ -170,6 +170,12 @@ fn serve(args: &RankArgs, rank: usize, dir: &ModelDir, chan: &mut RankChannel) -
                     .queue_decode(&rows, tokens.as_deref())
                     .with_context(|| format!("rank {rank}: queuing a decode step failed"))?
             }
+            ToRank::QueueForward { rows, tokens } => worker
+                .queue_forward(&rows, tokens.as_deref())
+                .with_context(|| format!("rank {rank}: queuing a forward step failed"))?,
+            ToRank::SampleQueued { masks } => worker
+                .sample_queued(&masks)
+                .with_context(|| format!("rank {rank}: sampling a queued step failed"))?,
             ToRank::TakeSampled => {
                 let toks = worker
                     .take_sampled()

@@ -93,6 +93,10 @@ pub struct Metrics {
     pub running: AtomicU64,
     pub waiting: AtomicU64,
     pub prompt_tokens: AtomicU64,
+    /// Prompt tokens run through the model (a prompt shared by `n` choices counts once).
+    pub prefill_tokens: AtomicU64,
+    /// Decode steps queued before the previous step's tokens were read.
+    pub pipelined_steps: AtomicU64,
     pub generation_tokens: AtomicU64,
     pub success_stop: AtomicU64,
     pub success_length: AtomicU64,
@@ -126,6 +130,8 @@ impl Metrics {
             running: AtomicU64::new(0),
             waiting: AtomicU64::new(0),
             prompt_tokens: AtomicU64::new(0),
+            prefill_tokens: AtomicU64::new(0),
+            pipelined_steps: AtomicU64::new(0),
             generation_tokens: AtomicU64::new(0),
             success_stop: AtomicU64::new(0),
             success_length: AtomicU64::new(0),
@@ -235,6 +241,20 @@ impl Metrics {
             "counter",
             "Prompt tokens prefilled.",
             ld(&self.prompt_tokens),
+        );
+        g(
+            &mut out,
+            "mlxcel:prefill_tokens_total",
+            "counter",
+            "Prompt tokens run through the model (the choices of an n > 1 request share one prefill).",
+            ld(&self.prefill_tokens),
+        );
+        g(
+            &mut out,
+            "mlxcel:pipelined_decode_steps_total",
+            "counter",
+            "Decode steps queued on the device before the previous step's tokens were read (constrained ones too: their masks are computed while the step runs).",
+            ld(&self.pipelined_steps),
         );
         g(
             &mut out,

@@ -33,7 +33,9 @@ use crate::engine::sampler::SamplingParams;
 use crate::engine::scheduler::{
     Command, Event, Observer, Outcome, Request, RunEnd, Scheduler, SchedulerConfig, Usage,
 };
-use crate::engine::step::{Executor, LocalExecutor, SeqStep, StepError, StepPlan, StepResult};
+use crate::engine::step::{
+    Executor, LocalExecutor, SampledToken, SeqMask, SeqStep, StepError, StepPlan, StepResult,
+};
 use crate::mlx;
 use crate::parallel::driver::TpExecutor;
 use crate::parallel::supervisor::{window_text, RestartBudget, RestartPolicy};
@@ -360,6 +362,14 @@ impl Observer for EngineObserver {
             publish_memory(m);
         }
     }
+    fn prefilled(&self, tokens: usize) {
+        self.metrics
+            .prefill_tokens
+            .fetch_add(tokens as u64, Ordering::Relaxed);
+    }
+    fn decode_pipelined(&self) {
+        self.metrics.pipelined_steps.fetch_add(1, Ordering::Relaxed);
+    }
     fn engine_error(&self, _error: &StepError, _fatal: bool) {
         self.metrics.engine_errors.fetch_add(1, Ordering::Relaxed);
     }
@@ -392,6 +402,32 @@ impl Executor for ServedTp {
     }
     fn peak_memory(&self) -> u64 {
         self.exec.peak_memory()
+    }
+    fn can_pipeline(&self, seq_id: u64) -> bool {
+        self.exec.can_pipeline(seq_id)
+    }
+    fn queue_decode(
+        &mut self,
+        rows: &[(u64, usize, usize)],
+        tokens: Option<&[u32]>,
+    ) -> Result<(), StepError> {
+        self.exec.queue_decode(rows, tokens)
+    }
+    fn queue_forward(
+        &mut self,
+        rows: &[(u64, usize, usize)],
+        tokens: Option<&[u32]>,
+    ) -> Result<(), StepError> {
+        self.exec.queue_forward(rows, tokens)
+    }
+    fn sample_queued(&mut self, masks: &[SeqMask]) -> Result<(), StepError> {
+        self.exec.sample_queued(masks)
+    }
+    fn take_sampled(&mut self) -> Result<Vec<SampledToken>, StepError> {
+        self.exec.take_sampled()
+    }
+    fn discard_queued(&mut self) {
+        self.exec.discard_queued()
     }
 }
 
