@@ -2316,10 +2316,21 @@ fn stream_choices(r: &Resp, chat: bool, n: usize) -> (Vec<(String, String)>, Opt
 }
 
 /// `n = 3` on both endpoints, streamed and not: 3 choices, choice i the output of the
-/// same request with `n = 1` and `seed + i` (so seeded choices differ), usage summed.
+/// same request with `n = 1` and `seed + i` (so seeded choices differ), usage summed,
+/// and the prompt prefilled once for the 3 choices.
 #[test]
 fn n_choices_on_both_endpoints_streaming_and_not() {
-    let s = Server::start("llama3", &[], &[]);
+    n_choices(&[]);
+}
+
+#[test]
+fn tp2_n_choices_on_both_endpoints_streaming_and_not() {
+    n_choices(TP2);
+}
+
+fn n_choices(tp: &[&str]) {
+    let s = Server::start("llama3", &with(tp, &[]), &[]);
+    let prefilled = || metric(&s.metrics(), "mlxcel:prefill_tokens_total");
     for (path, base) in [
         (
             "/v1/chat/completions",
@@ -2349,7 +2360,14 @@ fn n_choices_on_both_endpoints_streaming_and_not() {
             .collect();
         b["seed"] = json!(40);
         b["n"] = json!(3);
+        let before = prefilled();
         let r = s.ok(path, &b);
+        let prompt_tokens = single[0].1["prompt_tokens"].as_u64().unwrap();
+        assert_eq!(
+            prefilled() - before,
+            prompt_tokens as f64,
+            "{path}: the 3 choices share one prefill"
+        );
         let choices = r["choices"].as_array().unwrap();
         assert_eq!(choices.len(), 3, "{r}");
         for (i, c) in choices.iter().enumerate() {
@@ -2361,7 +2379,6 @@ fn n_choices_on_both_endpoints_streaming_and_not() {
             single[0].0, single[1].0,
             "{path}: seeds 40 and 41 gave the same text"
         );
-        let prompt_tokens = single[0].1["prompt_tokens"].as_u64().unwrap();
         assert_eq!(r["usage"]["prompt_tokens"], prompt_tokens);
         assert_eq!(r["usage"]["completion_tokens"], 24);
         b["stream"] = json!(true);

@@ -26,7 +26,7 @@ use tokio::sync::mpsc::UnboundedSender;
 use super::generate::FinishReason;
 use super::grammar::GrammarMatcher;
 use super::sampler::SamplingParams;
-use super::step::{Executor, SampledToken, SeqMask, SeqStart, SeqStep, StepError, StepPlan};
+use super::step::{Executor, Fork, SampledToken, SeqMask, SeqStart, SeqStep, StepError, StepPlan};
 use crate::tokenizer::stream::{StopMatcher, StreamDecoder};
 use crate::tokenizer::Tokenizer;
 
@@ -98,6 +98,9 @@ pub enum Event {
 #[derive(Debug)]
 pub enum Command {
     Submit(Box<Request>),
+    /// Requests with one prompt (the choices of an `n` > 1 request): queued together,
+    /// they share one prefill where they are admitted in the same step.
+    SubmitGroup(Vec<Request>),
     /// Fail every queued and running request with this message (e.g. shutdown timeout).
     CancelAll(String),
     /// Cancel everything and return from [`Scheduler::run`].
@@ -175,6 +178,11 @@ struct Seq {
     decoder: StreamDecoder,
     stops: StopMatcher,
     last_token: Option<Instant>,
+    /// The prefill group of its request ([`Command::SubmitGroup`]).
+    group: Option<u64>,
+    /// The sequence whose prefill it shares (it gets a copy of its KV cache and its
+    /// first token is sampled from the same logits); it is not prefilled itself.
+    follows: Option<u64>,
 }
 
 impl Seq {
@@ -207,7 +215,9 @@ pub struct Scheduler {
     cfg: SchedulerConfig,
     tokenizer: Tokenizer,
     eos: Vec<u32>,
-    queue: VecDeque<Request>,
+    /// Queued requests, each with its prefill group.
+    queue: VecDeque<(Request, Option<u64>)>,
+    next_group: u64,
     /// Running sequences in admission order.
     running: Vec<Seq>,
     free_slots: Vec<usize>,
@@ -240,6 +250,7 @@ impl Scheduler {
             tokenizer,
             eos,
             queue: VecDeque::new(),
+            next_group: 1,
             running: Vec::new(),
             free_slots: (0..slots).rev().collect(),
             next_id: 1,
@@ -295,12 +306,28 @@ impl Scheduler {
             fail(req, FailKind::Unavailable, msg, obs);
             return;
         }
-        self.queue.push_back(req);
+        self.queue.push_back((req, None));
+    }
+
+    /// Queue requests with one prompt so that they share its prefill (see
+    /// [`Command::SubmitGroup`]).
+    pub fn submit_group(&mut self, reqs: Vec<Request>, obs: &dyn Observer) {
+        if reqs.len() < 2 || self.broken.is_some() {
+            for req in reqs {
+                self.submit(req, obs);
+            }
+            return;
+        }
+        let group = self.next_group;
+        self.next_group += 1;
+        for req in reqs {
+            self.queue.push_back((req, Some(group)));
+        }
     }
 
     /// Fail every queued and running request.
     pub fn fail_all(&mut self, kind: FailKind, message: &str, obs: &dyn Observer) {
-        for req in self.queue.drain(..) {
+        for (req, _) in self.queue.drain(..) {
             fail(req, kind, message.to_string(), obs);
         }
         for seq in std::mem::take(&mut self.running) {
@@ -335,7 +362,7 @@ impl Scheduler {
     /// Drop requests whose client is gone.
     fn drop_disconnected(&mut self, obs: &dyn Observer) {
         let queue = std::mem::take(&mut self.queue);
-        for req in queue {
+        for (req, group) in queue {
             if req.events.is_closed() {
                 obs.finished(
                     Outcome::Aborted,
@@ -346,7 +373,7 @@ impl Scheduler {
                     req.arrived.elapsed().as_secs_f64(),
                 );
             } else {
-                self.queue.push_back(req);
+                self.queue.push_back((req, group));
             }
         }
         let mut i = 0;
@@ -363,6 +390,12 @@ impl Scheduler {
 
     /// Give a finished sequence's slot back and release it in the next plan.
     fn retire(&mut self, seq: Seq, outcome: Outcome, obs: &dyn Observer) {
+        // sequences waiting for its prefill prefill themselves
+        for s in self.running.iter_mut() {
+            if s.follows == Some(seq.id) {
+                s.follows = None;
+            }
+        }
         self.to_release.push(seq.id);
         self.free_slots.push(seq.slot);
         obs.finished(
@@ -374,7 +407,7 @@ impl Scheduler {
 
     fn admit(&mut self, obs: &dyn Observer) {
         while !self.free_slots.is_empty() {
-            let Some(req) = self.queue.pop_front() else {
+            let Some((req, group)) = self.queue.pop_front() else {
                 break;
             };
             let ctx = self.cfg.ctx_size;
@@ -405,6 +438,18 @@ impl Scheduler {
             obs.admitted(req.arrived.elapsed().as_secs_f64());
             let decoder = StreamDecoder::new(&self.tokenizer, req.skip_special_tokens);
             let stops = StopMatcher::new(req.stop.clone());
+            // share the prefill of a sequence of its group that has not started one
+            let follows = group.and_then(|g| {
+                self.running
+                    .iter()
+                    .find(|s| {
+                        s.group == Some(g)
+                            && s.follows.is_none()
+                            && s.prefilled == 0
+                            && s.req.prompt == req.prompt
+                    })
+                    .map(|s| s.id)
+            });
             self.running.push(Seq {
                 id,
                 slot,
@@ -414,6 +459,8 @@ impl Scheduler {
                 decoder,
                 stops,
                 last_token: None,
+                group,
+                follows,
             });
         }
     }
@@ -457,7 +504,7 @@ impl Scheduler {
         if let Some(s) = self
             .running
             .iter()
-            .find(|s| s.prefilled < s.req.prompt.len())
+            .find(|s| s.prefilled < s.req.prompt.len() && s.follows.is_none())
         {
             let n = s.req.prompt.len();
             let end = (s.prefilled + self.cfg.prefill_chunk).min(n);
@@ -474,6 +521,20 @@ impl Scheduler {
             });
             in_plan.push((s.id, end == n));
             summary.prefill_tokens = end - s.prefilled;
+            if end == n {
+                for f in self.running.iter().filter(|f| f.follows == Some(s.id)) {
+                    plan.forks.push(Fork {
+                        from: s.id,
+                        seq_id: f.id,
+                        slot: f.slot,
+                        start: SeqStart {
+                            params: f.req.params.clone(),
+                            prompt: f.req.prompt.clone(),
+                        },
+                    });
+                    in_plan.push((f.id, true));
+                }
+            }
         }
         self.add_masks(&mut plan, &mut in_plan, obs);
         if summary.prefill_tokens > 0 {
@@ -502,7 +563,10 @@ impl Scheduler {
                 continue;
             };
             let seq = &mut self.running[idx];
-            if !seq.decoding() {
+            if seq.follows.take().is_some() {
+                // a fork: its cache holds the whole prompt now
+                seq.prefilled = seq.req.prompt.len();
+            } else if !seq.decoding() {
                 let n = seq.req.prompt.len();
                 seq.prefilled = (seq.prefilled + self.cfg.prefill_chunk).min(n);
             }
@@ -542,12 +606,22 @@ impl Scheduler {
             .iter()
             .filter(|s| s.sample)
             .map(|s| s.seq_id)
+            .chain(plan.forks.iter().map(|f| f.seq_id))
             .collect();
         let (masks, bad) = self.grammar_masks(&sampling, obs);
         plan.masks = masks;
         for id in bad {
             plan.seqs.retain(|s| s.seq_id != id);
             in_plan.retain(|s| s.0 != id);
+            // its forks (un-followed by `retire`) prefill themselves later
+            let forks: Vec<u64> = plan
+                .forks
+                .iter()
+                .filter(|f| f.from == id || f.seq_id == id)
+                .map(|f| f.seq_id)
+                .collect();
+            plan.forks.retain(|f| !forks.contains(&f.seq_id));
+            in_plan.retain(|s| !forks.contains(&s.0));
         }
     }
 
@@ -679,6 +753,19 @@ impl Scheduler {
                 .map(|&(id, slot, pos)| (id, slot, pos + 1))
                 .collect()
         };
+        if let Some(queued) = &self.inflight {
+            if !queued
+                .iter()
+                .any(|id| self.running.iter().any(|s| s.id == *id))
+            {
+                // every sequence of the step in flight has ended: nobody wants its tokens
+                exec.discard_queued();
+                self.inflight = None;
+                self.inflight_unsampled = false;
+                obs.step_done(self.running.len(), self.queue.len());
+                return Ok(StepSummary::default());
+            }
+        }
         let step_ids: Vec<u64> = self.inflight.clone().or(ids.clone()).unwrap_or_default();
         let result: Result<Vec<SampledToken>, StepError> = match self.inflight.take() {
             None => {
@@ -924,6 +1011,7 @@ impl Scheduler {
                 };
                 match cmd {
                     Command::Submit(req) => self.submit(*req, obs),
+                    Command::SubmitGroup(reqs) => self.submit_group(reqs, obs),
                     Command::CancelAll(msg) => self.fail_all(FailKind::Unavailable, &msg, obs),
                     Command::Shutdown => {
                         self.fail_all(FailKind::Unavailable, "the server is shutting down", obs);
@@ -981,6 +1069,11 @@ impl Scheduler {
             match rx.try_recv() {
                 Ok(Command::Submit(req)) => {
                     fail(*req, FailKind::Unavailable, message.to_string(), obs)
+                }
+                Ok(Command::SubmitGroup(reqs)) => {
+                    for req in reqs {
+                        fail(req, FailKind::Unavailable, message.to_string(), obs)
+                    }
                 }
                 Ok(Command::CancelAll(msg)) => self.fail_all(FailKind::Unavailable, &msg, obs),
                 Ok(Command::Shutdown) | Err(TryRecvError::Disconnected) => {
@@ -1407,6 +1500,116 @@ mod tests {
         assert_eq!(step_by_step[0].0.len(), 12);
         assert_eq!(step_by_step[1].0.len(), 30);
         assert_eq!(step_by_step[5].0.len(), 6, "stops at the context size");
+    }
+
+    /// Counts the prompt tokens prefilled.
+    #[derive(Default)]
+    struct PrefillCount(std::cell::Cell<usize>);
+    impl Observer for PrefillCount {
+        fn prefilled(&self, tokens: usize) {
+            self.0.set(self.0.get() + tokens);
+        }
+    }
+
+    /// A group of requests with one prompt (the choices of `n` > 1) prefills it once: the
+    /// other choices get a copy of its KV cache and sample their first tokens from the
+    /// same logits with their own seeds, and every choice's tokens equal those of the
+    /// same request alone (prefill in several chunks; a grammar on every choice; one
+    /// choice that arrives after the others started only prefills itself).
+    #[test]
+    fn a_group_shares_one_prefill_with_the_tokens_of_each_request_alone() {
+        use crate::engine::grammar::{Constraint, GrammarMatcher, GrammarVocab};
+        use crate::engine::step::LocalExecutor;
+        use crate::model_dir::ModelDir;
+        use crate::models::{self, LoadFormat};
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama3");
+        let md = ModelDir::open(&dir).unwrap();
+        let json: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("tokenizer.json")).unwrap())
+                .unwrap();
+        let cfg: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap())
+                .unwrap();
+        let vocab_size = cfg["vocab_size"].as_u64().unwrap() as usize;
+        let vocab = GrammarVocab::new(&json, vocab_size, tokenizer().eos_token_ids()).unwrap();
+        let prompt: Vec<u32> = (0..11).map(|i| 5 + 3 * i).collect();
+        let make = |seed: u64, grammar: bool| {
+            let (mut req, rx) = request(prompt.clone(), 10);
+            req.params = SamplingParams {
+                temperature: 1.0,
+                seed: Some(seed),
+                ..SamplingParams::default()
+            };
+            if grammar {
+                req.ignore_eos = false;
+                let c = Constraint::Regex("(yes|no|maybe), [0-9]{3}".into());
+                req.grammar = Some(Box::new(GrammarMatcher::new(&vocab, &c).unwrap()));
+            }
+            (req, rx)
+        };
+        // groups of `n` (and `late` more submitted after the first step): tokens per
+        // request, prompt tokens prefilled
+        let run = |n: usize, late: usize, grammar: bool, pipeline: bool| {
+            let model = models::load(&md, LoadFormat::Safetensors, |_, _| {})
+                .unwrap()
+                .model;
+            let mut exec = LocalExecutor::new(model, 4, 64);
+            let mut s = Scheduler::new(
+                SchedulerConfig {
+                    slots: 4,
+                    ctx_size: 64,
+                    prefill_chunk: 4,
+                },
+                tokenizer(),
+            );
+            s.set_pipeline(pipeline);
+            let obs = PrefillCount::default();
+            let (reqs, mut rxs): (Vec<_>, Vec<_>) =
+                (0..n).map(|i| make(40 + i as u64, grammar)).unzip();
+            s.submit_group(reqs, &obs);
+            s.step(&mut exec, &obs).unwrap();
+            for i in 0..late {
+                let (req, rx) = make(40 + (n + i) as u64, grammar);
+                s.submit(req, &obs);
+                rxs.push(rx);
+            }
+            while s.has_work() {
+                s.step(&mut exec, &obs).unwrap();
+            }
+            let toks: Vec<Vec<u32>> = rxs.iter_mut().map(|rx| drain(rx).0).collect();
+            (toks, obs.0.get())
+        };
+        for grammar in [false, true] {
+            let alone: Vec<Vec<u32>> = (0..4)
+                .map(|i| {
+                    let (req, mut rx) = make(40 + i, grammar);
+                    let model = models::load(&md, LoadFormat::Safetensors, |_, _| {})
+                        .unwrap()
+                        .model;
+                    let mut exec = LocalExecutor::new(model, 1, 64);
+                    let mut s = Scheduler::new(
+                        SchedulerConfig {
+                            slots: 1,
+                            ctx_size: 64,
+                            prefill_chunk: 4,
+                        },
+                        tokenizer(),
+                    );
+                    s.submit(req, &NoObserver);
+                    while s.has_work() {
+                        s.step(&mut exec, &NoObserver).unwrap();
+                    }
+                    drain(&mut rx).0
+                })
+                .collect();
+            assert_ne!(alone[0], alone[1], "seeds 40 and 41 gave the same tokens");
+            for pipeline in [false, true] {
+                let (toks, prefilled) = run(3, 1, grammar, pipeline);
+                assert_eq!(toks, alone, "grammar {grammar}, pipeline {pipeline}");
+                // the group's prompt once, the late request's once more
+                assert_eq!(prefilled, 2 * prompt.len(), "grammar {grammar}");
+            }
+        }
     }
 
     /// A sequence with a grammar follows it (its tokens are masked at every step, batched

@@ -69,6 +69,22 @@ pub struct StepPlan {
     /// applies them, so the ranks draw the same tokens.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub masks: Vec<SeqMask>,
+    /// Sequences that share the prompt of a sequence in this step (the other choices of
+    /// an `n` > 1 request): after the step, each gets a copy of its KV-cache prefix
+    /// ([`KvCache::copy_prefix`]) and samples its first token from the same logits
+    /// with its own sampler.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub forks: Vec<Fork>,
+}
+
+/// A sequence started from another one's prefill (see [`StepPlan::forks`]).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Fork {
+    /// The sequence of the plan whose last prompt chunk (sampled) this one shares.
+    pub from: u64,
+    pub seq_id: u64,
+    pub slot: usize,
+    pub start: SeqStart,
 }
 
 /// The tokens a constrained sequence may sample next: bit `t % 32` of word `t / 32`.
@@ -128,6 +144,8 @@ pub enum StepError {
     },
     #[error("step plan: sequence {0} samples without a sampler (no `start`)")]
     NoSampler(u64),
+    #[error("step plan: fork {seq_id} shares sequence {from}, which does not sample in the step")]
+    BadFork { seq_id: u64, from: u64 },
     #[error("sequence {0} cannot be decoded pipelined here (not started, a sampler with penalties, or an executor without pipelining)")]
     NotPipelined(u64),
     #[error("sampling parameters: {0}")]
@@ -484,6 +502,20 @@ impl Worker {
                 });
             }
         }
+        for f in &plan.forks {
+            self.cache.check_slot(f.slot).map_err(ForwardError::from)?;
+            if !plan.seqs.iter().any(|s| s.seq_id == f.from && s.sample) {
+                return Err(StepError::BadFork {
+                    seq_id: f.seq_id,
+                    from: f.from,
+                });
+            }
+            if self.sampling {
+                let sampler = SequenceSampler::new(f.start.params.clone(), &f.start.prompt)
+                    .map_err(|e| StepError::Params(e.to_string()))?;
+                self.samplers.insert(f.seq_id, sampler);
+            }
+        }
         let inputs: Vec<SeqInput> = plan
             .seqs
             .iter()
@@ -493,6 +525,7 @@ impl Worker {
             })
             .collect();
         let pure_decode = !plan.return_logits
+            && plan.forks.is_empty()
             && plan.seqs.len() > 1
             && plan.seqs.iter().all(|s| s.tokens.len() == 1 && s.sample);
         if pure_decode {
@@ -505,7 +538,8 @@ impl Worker {
                 logits.eval()?;
                 return Ok(StepResult::default());
             }
-            return self.sample_rows(plan, &(0..plan.seqs.len()).collect::<Vec<_>>(), logits);
+            let ids: Vec<u64> = plan.seqs.iter().map(|s| s.seq_id).collect();
+            return self.sample_rows(plan, ids, logits);
         }
         let mode = if plan.return_logits {
             Logits::All
@@ -515,6 +549,17 @@ impl Worker {
         let logits = self
             .model
             .forward(&mut self.cache, StepInput::Host(&inputs), mode)?;
+        // every rank copies the shared prefixes (the same evaluations in the same order)
+        for f in &plan.forks {
+            let s = plan
+                .seqs
+                .iter()
+                .find(|s| s.seq_id == f.from)
+                .expect("checked above");
+            self.cache
+                .copy_prefix(s.slot, f.slot, s.pos + s.tokens.len())
+                .map_err(ForwardError::from)?;
+        }
         let mut result = StepResult::default();
         if plan.return_logits {
             for l in &logits {
@@ -532,7 +577,7 @@ impl Worker {
             mlx::eval(&logits.iter().collect::<Vec<_>>())?;
             return Ok(result);
         }
-        if rows.len() > 1 || plan.seqs.len() > 1 {
+        if rows.len() > 1 || plan.seqs.len() > 1 || !plan.forks.is_empty() {
             // Evaluate the whole step the way the non-sampling TP ranks do
             // (above) before sampling: the sampled rows alone would leave a
             // prefill chunk that does not sample unevaluated, or order the
@@ -540,7 +585,7 @@ impl Worker {
             // (all_sum) in different orders deadlock.
             mlx::eval(&logits.iter().collect::<Vec<_>>())?;
         }
-        let last: Vec<Array> = rows
+        let mut last: Vec<Array> = rows
             .iter()
             .map(|&i| {
                 let l = &logits[i];
@@ -548,24 +593,34 @@ impl Worker {
                 l.slice_axis(0, t - 1, t)
             })
             .collect::<mlx::Result<_>>()?;
+        let mut ids: Vec<u64> = rows.iter().map(|&i| plan.seqs[i].seq_id).collect();
+        // each fork samples from the row of the sequence it shares
+        for f in &plan.forks {
+            let k = ids
+                .iter()
+                .position(|&id| id == f.from)
+                .expect("checked above");
+            last.push(last[k].clone());
+            ids.push(f.seq_id);
+        }
         let batch = if last.len() == 1 {
             last[0].clone()
         } else {
             mlx::concatenate(&last.iter().collect::<Vec<_>>(), 0)?
         };
-        let mut out = self.sample_rows(plan, &rows, batch)?;
+        let mut out = self.sample_rows(plan, ids, batch)?;
         out.logits = result.logits;
         Ok(out)
     }
 
-    /// Sample one token for each sequence `rows[k]` of `plan` from row k of `batch` (`[n, vocab]`).
+    /// Sample one token for each sequence `ids[k]` from row k of `batch` (`[n, vocab]`),
+    /// with the masks of `plan`.
     fn sample_rows(
         &mut self,
         plan: &StepPlan,
-        rows: &[usize],
+        ids: Vec<u64>,
         batch: Array,
     ) -> Result<StepResult, StepError> {
-        let ids: Vec<u64> = rows.iter().map(|&i| plan.seqs[i].seq_id).collect();
         let batch = masked(&batch, &ids, &plan.masks)?;
         let sample = self.sample_lazy(&ids, &batch)?;
         Ok(StepResult {

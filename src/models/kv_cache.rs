@@ -59,6 +59,12 @@ pub enum KvError {
     ContextFull { needed: usize, max: usize },
     #[error("slot {slot} out of range: the cache has {slots} slot(s)")]
     BadSlot { slot: usize, slots: usize },
+    #[error("slot {slot} holds {held} positions, fewer than the {len} to copy")]
+    ShortPrefix {
+        slot: usize,
+        held: usize,
+        len: usize,
+    },
     #[error(transparent)]
     Mlx(#[from] mlx::MlxError),
 }
@@ -327,6 +333,44 @@ impl KvCache {
         ))
     }
 
+    /// Make slot `dst` hold the first `len` positions of slot `src` (its length becomes
+    /// `len`), so sequences with one prompt share its prefill: the choices of an `n` > 1
+    /// request prefill the prompt once and each continues from a copy. Here it copies
+    /// (one update per layer pool, after the copied rows are made contiguous and
+    /// evaluated, so the update is done in place); a paged cache implements it as block
+    /// sharing: `dst`'s block table points at `src`'s full blocks (reference counted),
+    /// and only a partly filled last block is copied (or shared copy-on-write).
+    pub fn copy_prefix(&mut self, src: usize, dst: usize, len: usize) -> Result<(), KvError> {
+        self.check_slot(src)?;
+        self.check_slot(dst)?;
+        if len > self.lens[src] {
+            return Err(KvError::ShortPrefix {
+                slot: src,
+                held: self.lens[src],
+                len,
+            });
+        }
+        if src != dst && len > 0 {
+            let (h2, d) = (2 * self.kv_heads as i32, self.head_dim as i32);
+            let (s, t, l) = (src as i32, dst as i32, len as i32);
+            let ones = [1, 1, 1, 1];
+            let rows: Vec<Array> = self
+                .kv
+                .iter()
+                .map(|pool| {
+                    pool.slice(&[s, 0, 0, 0], &[s + 1, h2, l, d], &ones)?
+                        .contiguous()
+                })
+                .collect::<mlx::Result<_>>()?;
+            mlx::eval(&rows.iter().collect::<Vec<_>>())?;
+            for (pool, r) in self.kv.iter_mut().zip(&rows) {
+                *pool = pool.slice_update(r, &[t, 0, 0, 0], &[t + 1, h2, l, d], &ones)?;
+            }
+        }
+        self.lens[dst] = len;
+        Ok(())
+    }
+
     /// Bytes held by the pools.
     pub fn nbytes(&self) -> usize {
         self.kv.iter().map(|a| a.nbytes()).sum()
@@ -345,6 +389,37 @@ mod tests {
 
     fn read(a: &Array) -> Vec<f32> {
         a.to_vec::<f32>().unwrap()
+    }
+
+    /// `copy_prefix` gives the destination slot the source's first positions and
+    /// length, leaves the other slots alone, and refuses more than the source holds.
+    #[test]
+    fn copy_prefix_copies_the_first_positions() {
+        let (h, d) = (2i32, 4i32);
+        let mut c = KvCache::new(2, 3, h as usize, d as usize, Dtype::F32, 64);
+        c.reserve(2, 8).unwrap();
+        for layer in 0..2 {
+            let kv = values(&[1, 2 * h, 5, d], 10.0 * layer as f32);
+            c.write(layer, 0, 0, &NewKv::Merged(kv)).unwrap();
+        }
+        c.advance(0, 5);
+        c.copy_prefix(0, 2, 4).unwrap();
+        assert_eq!(c.len(2), 4);
+        let idx = c.batch_index(&[0, 1, 2], &[3, 3, 3], true).unwrap();
+        for layer in 0..2 {
+            let (k, v) = c.read_run(layer, &idx.runs[0]).unwrap();
+            let (k, v) = (read(&k), read(&v));
+            let row = (h * 4 * d) as usize;
+            assert_eq!(k[..row], k[2 * row..], "layer {layer} keys");
+            assert_eq!(v[..row], v[2 * row..], "layer {layer} values");
+            assert!(k[row..2 * row].iter().all(|&x| x == 0.0));
+            assert_eq!(k[0], 10.0 * layer as f32);
+        }
+        assert!(matches!(
+            c.copy_prefix(0, 1, 6),
+            Err(KvError::ShortPrefix { held: 5, .. })
+        ));
+        assert!(c.copy_prefix(0, 3, 1).is_err());
     }
 
     /// A step that attends with the kernel gets the rows' slots and no runs (no masks).

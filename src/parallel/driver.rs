@@ -512,16 +512,18 @@ impl Executor for TpExecutor {
         for id in &plan.release {
             self.penalised.remove(id);
         }
-        for s in &mut plan.seqs {
-            if let Some(start) = &mut s.start {
-                // every rank samples, and pipelined decode feeds each rank its own
-                // samples: they must draw from one random stream
-                if start.params.seed.is_none() {
-                    start.params.seed = Some(rand::random::<u64>());
-                }
-                self.penalised
-                    .insert(s.seq_id, start.params.has_penalties());
+        let starts = plan
+            .seqs
+            .iter_mut()
+            .filter_map(|s| Some((s.seq_id, s.start.as_mut()?)))
+            .chain(plan.forks.iter_mut().map(|f| (f.seq_id, &mut f.start)));
+        for (seq_id, start) in starts {
+            // every rank samples, and pipelined decode feeds each rank its own
+            // samples: they must draw from one random stream
+            if start.params.seed.is_none() {
+                start.params.seed = Some(rand::random::<u64>());
             }
+            self.penalised.insert(seq_id, start.params.has_penalties());
         }
         if let Err(e) = self.group.broadcast(&ToRank::Step(plan)) {
             return Err(self.fail(e.to_string()));

@@ -218,14 +218,21 @@ impl Engine {
 
     /// Queue a request: 503 unless ready, 429 when `--parallel + --max-queue` are in.
     pub fn submit(&self, req: Request) -> Result<(), ApiError> {
+        self.submit_all(vec![req])
+    }
+
+    /// Queue requests with one prompt (the choices of an `n` > 1 request) together, so
+    /// that they share one prefill; all or none (429 when they do not all fit).
+    pub fn submit_all(&self, mut reqs: Vec<Request>) -> Result<(), ApiError> {
         if let Some(e) = self.unavailable() {
             return Err(e);
         }
         let cap = self.parallel + self.max_queue;
+        let k = reqs.len();
         let admitted = self
             .in_system
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                (n < cap).then_some(n + 1)
+                (n + k <= cap).then_some(n + k)
             });
         if admitted.is_err() {
             return Err(ApiError::busy(format!(
@@ -233,8 +240,13 @@ impl Engine {
                 self.parallel, self.max_queue, self.max_queue
             )));
         }
-        if !self.send(Command::Submit(Box::new(req))) {
-            self.in_system.fetch_sub(1, Ordering::AcqRel);
+        let cmd = if k == 1 {
+            Command::Submit(Box::new(reqs.remove(0)))
+        } else {
+            Command::SubmitGroup(reqs)
+        };
+        if !self.send(cmd) {
+            self.in_system.fetch_sub(k, Ordering::AcqRel);
             return Err(ApiError::unavailable("the engine has stopped"));
         }
         Ok(())

@@ -585,6 +585,7 @@ async fn generate_raw(
         (None, Api::Chat) => room,
     };
     let mut rxs = Vec::with_capacity(g.n);
+    let mut reqs = Vec::with_capacity(g.n);
     let prompt_len = prompt.len();
     for i in 0..g.n {
         let grammar = match &g.constraint {
@@ -595,7 +596,7 @@ async fn generate_raw(
         // choice i: seed + i, so seeded choices differ and each is reproducible
         params.seed = params.seed.map(|s| s.wrapping_add(i as u64));
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        st.engine.submit(EngineRequest {
+        reqs.push(EngineRequest {
             prompt: prompt.clone(),
             params,
             max_tokens,
@@ -605,9 +606,11 @@ async fn generate_raw(
             grammar,
             arrived,
             events: tx,
-        })?;
+        });
         rxs.push(rx);
     }
+    // the choices are queued together and share one prefill of the prompt
+    st.engine.submit_all(reqs)?;
     let rx = merge_choices(rxs);
     let env = Envelope {
         id: new_id(match api {
