@@ -2502,6 +2502,7 @@ fn tool_choice_required_and_named_give_parsed_calls() {
     }
     assert_eq!(finish.as_deref(), Some("tool_calls"));
     let whole = whole.as_array().unwrap();
+    let calls = accumulate_tool_calls(&calls);
     assert_eq!(calls.len(), whole.len());
     for (k, (a, b)) in calls.iter().zip(whole).enumerate() {
         assert_eq!(a["index"], k);
@@ -2558,6 +2559,29 @@ fn tool_choice_required_and_named_give_parsed_calls() {
     assert_eq!(prompt_tokens(&b), n);
 }
 
+/// Streamed `delta.tool_calls` accumulated as the openai client does: a delta with a
+/// new `index` starts a call (id, type, name), later ones append to its fields' text.
+fn accumulate_tool_calls(deltas: &[Value]) -> Vec<Value> {
+    let mut calls: Vec<Value> = vec![];
+    for d in deltas {
+        let i = d["index"]
+            .as_u64()
+            .unwrap_or_else(|| panic!("no index: {d}")) as usize;
+        if i == calls.len() {
+            calls.push(json!({"index": i, "id": d["id"], "type": d["type"],
+                              "function": {"name": "", "arguments": ""}}));
+        }
+        assert!(i < calls.len(), "index {i} skips one: {deltas:?}");
+        for key in ["name", "arguments"] {
+            if let Some(piece) = d["function"][key].as_str() {
+                let f = &mut calls[i]["function"][key];
+                *f = json!(format!("{}{piece}", f.as_str().unwrap()));
+            }
+        }
+    }
+    calls
+}
+
 /// `tool_choice` `auto` parses the model's own tool-call format (Llama 3.1 JSON for the
 /// llama3 fixture, detected from its template). Random weights never write a call, so
 /// a `response_format` makes this one write `{"name": …, "parameters": …}`: the reply is
@@ -2593,8 +2617,17 @@ fn tool_choice_auto_parses_the_templates_format() {
         content.push_str(d["content"].as_str().unwrap_or(""));
     }
     assert_eq!(content, "", "no call markup in content deltas");
-    assert_eq!(streamed.len(), 1);
-    assert_eq!(streamed[0]["function"], calls[0]["function"]);
+    // OpenAI style: the first chunk has the id, type and name, the others pieces of
+    // the arguments; accumulated as the openai client does, the non-streamed call
+    assert!(streamed.len() > 3, "{streamed:?}");
+    assert!(streamed[0]["id"].is_string() && streamed[0]["type"] == "function");
+    assert_eq!(streamed[0]["function"]["name"], "get_weather");
+    assert!(streamed[1..]
+        .iter()
+        .all(|d| d.get("id").is_none() && d["function"].get("name").is_none()));
+    let acc = accumulate_tool_calls(&streamed);
+    assert_eq!(acc.len(), 1);
+    assert_eq!(acc[0]["function"], calls[0]["function"]);
     // without tools the same reply is content
     b["stream"] = json!(false);
     b["tools"] = json!([]);

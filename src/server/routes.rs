@@ -1002,7 +1002,8 @@ enum ToolStream {
     /// No tools: the text is content.
     Plain,
     /// `tool_choice` `auto`: the format's parser; content deltas never carry call markup,
-    /// each call is sent whole once its markup is complete. `calls`: sent so far.
+    /// each call is streamed (its name, then its arguments in pieces) or, where its
+    /// markup does not stream, sent whole once complete. `calls`: started so far.
     Auto {
         parser: ToolCallStream,
         calls: usize,
@@ -1083,6 +1084,24 @@ impl SseState {
                             *calls += 1;
                             deltas.push(json!({ "tool_calls": tc }));
                         }
+                        // OpenAI's streamed call: id, type and name first, then the
+                        // arguments in pieces, every chunk with the call's index
+                        ToolEvent::CallStart(name) => {
+                            deltas.push(json!({ "tool_calls": [{
+                                "index": *calls,
+                                "id": new_id("call"),
+                                "type": "function",
+                                "function": {"name": name, "arguments": ""},
+                            }]}));
+                            *calls += 1;
+                        }
+                        ToolEvent::CallArgs(a) => {
+                            deltas.push(json!({ "tool_calls": [{
+                                "index": calls.saturating_sub(1),
+                                "function": {"arguments": a},
+                            }]}));
+                        }
+                        ToolEvent::CallEnd => {}
                     }
                 }
                 calls_sent = *calls;
