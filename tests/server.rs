@@ -2273,6 +2273,71 @@ fn tp2_constrained_outputs_equal_the_single_device_server() {
     assert_eq!(constrained_outputs(TP2), constrained_outputs(&[]));
 }
 
+/// `json_schema` on the built-in real model (SmolLM2-135M-Instruct, its 49k-token
+/// vocabulary, fetched into the cache on first use): the reply is JSON valid against the
+/// schema (checked by hand: types, enum, range, pattern, required and no other keys) and
+/// ends with `stop`, streamed and not, and the constrained decode steps run pipelined.
+#[test]
+fn json_schema_on_the_default_model_gives_valid_json() {
+    let path = mlxcel::default_model::ensure().unwrap_or_else(|e| panic!("{e}"));
+    let s = Server::start(path.to_str().unwrap(), &["--ctx-size", "1024"], &[]);
+    let schema = json!({
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "pattern": "^[A-Z][a-z]{1,11}$"},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "city": {"type": "string", "enum": ["Paris", "London", "Tokyo"]},
+            "pets": {"type": "array", "items": {"type": "string", "enum": ["cat", "dog"]},
+                     "maxItems": 2}
+        },
+        "required": ["name", "age", "city"],
+        "additionalProperties": false
+    });
+    let check = |text: &str| {
+        let v: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{text:?}: {e}"));
+        let o = v.as_object().unwrap_or_else(|| panic!("{text}"));
+        let name = o["name"].as_str().unwrap_or_else(|| panic!("{text}"));
+        assert!(
+            (2..=12).contains(&name.len())
+                && name.chars().next().unwrap().is_ascii_uppercase()
+                && name.chars().skip(1).all(|c| c.is_ascii_lowercase()),
+            "{text}"
+        );
+        assert!((0..=120).contains(&o["age"].as_i64().unwrap()), "{text}");
+        assert!(
+            ["Paris", "London", "Tokyo"].contains(&o["city"].as_str().unwrap()),
+            "{text}"
+        );
+        if let Some(p) = o.get("pets") {
+            let p = p.as_array().unwrap();
+            assert!(p.len() <= 2, "{text}");
+            assert!(p.iter().all(|x| x == "cat" || x == "dog"), "{text}");
+        }
+        assert!(
+            o.keys()
+                .all(|k| ["name", "age", "city", "pets"].contains(&k.as_str())),
+            "{text}"
+        );
+    };
+    let mut b = json!({
+        "messages": [{"role": "user", "content": "Describe a person as JSON: name, age, city."}],
+        "temperature": 0.7, "seed": 3, "max_tokens": 120,
+        "response_format": {"type": "json_schema",
+                            "json_schema": {"name": "person", "strict": true, "schema": schema}}
+    });
+    let before = metric(&s.metrics(), "mlxcel:pipelined_decode_steps_total");
+    let r = s.ok("/v1/chat/completions", &b);
+    let c = &r["choices"][0];
+    assert_eq!(c["finish_reason"], "stop", "{r}");
+    let text = c["message"]["content"].as_str().unwrap();
+    check(text);
+    assert!(metric(&s.metrics(), "mlxcel:pipelined_decode_steps_total") - before >= 5.0);
+    b["stream"] = json!(true);
+    let (streamed, finish, _) = stream_text(&s.post("/v1/chat/completions", &b), true);
+    assert_eq!(finish, "stop");
+    assert_eq!(streamed, text, "streamed");
+}
+
 /// The choices of a stream with `n` choices, by index: (text, finish_reason), and the usage.
 fn stream_choices(r: &Resp, chat: bool, n: usize) -> (Vec<(String, String)>, Option<Value>) {
     assert_eq!(r.status, 200, "{}", r.text());
