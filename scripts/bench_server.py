@@ -10,6 +10,13 @@ Standard library only (http.client + threads). Example:
 
     mlxcel-server -m ~/models/Qwen2.5-0.5B-Instruct --parallel 32 &
     python3 scripts/bench_server.py --port 8080 --concurrency 1,8,32 --max-tokens 128
+
+With `--response-format` (`json_object`, or a file holding a JSON schema, e.g.
+scripts/bench_schema.json), each level runs twice, unconstrained and then constrained,
+and `comparison` gives the constrained/unconstrained ratios of the generation
+throughput and of the decode rate (streams / mean inter-token time), with the server's
+pipelined decode steps in each run (`mlxcel:pipelined_decode_steps_total`).
+`--no-compare` runs the constrained requests only.
 """
 import argparse
 import http.client
@@ -58,7 +65,7 @@ def get_model(args):
     return json.loads(body)["data"][0]["id"]
 
 
-def one_request(args, model, seed):
+def one_request(args, model, seed, response_format=None):
     """One streaming completion; returns (ttft, inter-token gaps, completion tokens)."""
     if args.chat:
         path = "/v1/chat/completions"
@@ -75,8 +82,8 @@ def one_request(args, model, seed):
         stream=True,
         stream_options={"include_usage": True},
     )
-    if args.response_format:
-        body["response_format"] = args.response_format
+    if response_format:
+        body["response_format"] = response_format
     conn = http.client.HTTPConnection(args.host, args.port, timeout=args.timeout)
     t0 = time.perf_counter()
     conn.request("POST", path, body=json.dumps(body), headers=headers(args))
@@ -115,7 +122,22 @@ def one_request(args, model, seed):
     return ttft, gaps, tokens
 
 
-def run_level(args, model, concurrency):
+def server_counter(args, name):
+    """A counter of the server's /metrics (None when it has no such page or line)."""
+    try:
+        conn = http.client.HTTPConnection(args.host, args.port, timeout=10)
+        conn.request("GET", "/metrics", headers=headers(args))
+        text = conn.getresponse().read().decode()
+        conn.close()
+    except (OSError, http.client.HTTPException):
+        return None
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return None
+
+
+def run_level(args, model, concurrency, response_format=None):
     ttfts, gaps, errors = [], [], []
     tokens = [0]
     lock = threading.Lock()
@@ -123,7 +145,7 @@ def run_level(args, model, concurrency):
     def worker(w):
         for r in range(args.rounds):
             try:
-                ttft, g, n = one_request(args, model, seed=1000 * w + r)
+                ttft, g, n = one_request(args, model, 1000 * w + r, response_format)
                 with lock:
                     if ttft is not None:
                         ttfts.append(ttft)
@@ -134,12 +156,15 @@ def run_level(args, model, concurrency):
                     errors.append(str(e))
 
     threads = [threading.Thread(target=worker, args=(w,)) for w in range(concurrency)]
+    pipelined0 = server_counter(args, PIPELINED)
     t0 = time.perf_counter()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
+    pipelined1 = server_counter(args, PIPELINED)
+    mean_gap = statistics.fmean(gaps) if gaps else None
     return {
         "concurrency": concurrency,
         "requests": concurrency * args.rounds,
@@ -150,7 +175,17 @@ def run_level(args, model, concurrency):
         "tokens_per_s": tokens[0] / wall if wall > 0 else 0.0,
         "ttft_s": summary(ttfts),
         "inter_token_s": summary(gaps),
+        # the streams' decode rate: each stream gets a token every mean gap
+        "decode_tokens_per_s": concurrency / mean_gap if mean_gap else None,
+        "pipelined_steps": None if pipelined0 is None or pipelined1 is None else pipelined1 - pipelined0,
     }
+
+
+PIPELINED = "mlxcel:pipelined_decode_steps_total"
+
+
+def ratio(a, b):
+    return a / b if a is not None and b else None
 
 
 def main():
@@ -170,8 +205,14 @@ def main():
         "--response-format",
         default=None,
         help="constrained decoding: json_object, or a file holding a JSON schema (sent as "
-        "json_schema); a constrained stream ends when its JSON is complete, so compare tokens/s",
+        "json_schema); each level runs unconstrained and constrained, side by side (a "
+        "constrained stream ends when its JSON is complete, so compare rates, not times)",
     )
+    ap.add_argument("--no-compare", action="store_true",
+                    help="with --response-format: the constrained runs only")
+    ap.add_argument("--warmup", type=int, default=0,
+                    help="tokens per stream of one unmeasured round at each level and mode first "
+                    "(kernel compilation, the grammar's first use); 0: none")
     args = ap.parse_args()
     if args.response_format == "json_object":
         args.response_format = {"type": "json_object"}
@@ -184,7 +225,36 @@ def main():
         }
     model = args.model or get_model(args)
     levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
-    results = [run_level(args, model, c) for c in levels]
+    rf = args.response_format
+    modes = [None] if not rf else [rf] if args.no_compare else [None, rf]
+    if args.warmup > 0:
+        warm = argparse.Namespace(**vars(args))
+        warm.rounds, warm.max_tokens = 1, args.warmup
+        for c in levels:
+            for m in modes:
+                run_level(warm, model, c, m)
+    runs = {id(m): [] for m in modes}
+    for c in levels:
+        # the modes alternate at each level, so drift hits both alike
+        for m in modes:
+            runs[id(m)].append(run_level(args, model, c, m))
+    results = runs[id(modes[0])]
+    extra = {}
+    if rf and not args.no_compare:
+        constrained = runs[id(rf)]
+        extra["constrained_results"] = constrained
+        extra["comparison"] = [
+            {
+                "concurrency": u["concurrency"],
+                "tokens_per_s": [u["tokens_per_s"], k["tokens_per_s"]],
+                "decode_tokens_per_s": [u["decode_tokens_per_s"], k["decode_tokens_per_s"]],
+                "ratio_tokens_per_s": ratio(k["tokens_per_s"], u["tokens_per_s"]),
+                "ratio_decode": ratio(k["decode_tokens_per_s"], u["decode_tokens_per_s"]),
+                "pipelined_steps": [u["pipelined_steps"], k["pipelined_steps"]],
+                "errors": [u["errors"], k["errors"]],
+            }
+            for u, k in zip(results, constrained)
+        ]
     json.dump(
         {
             "server": f"http://{args.host}:{args.port}",
@@ -192,8 +262,9 @@ def main():
             "endpoint": "chat" if args.chat else "completions",
             "max_tokens": args.max_tokens,
             "rounds": args.rounds,
-            "response_format": args.response_format,
+            "response_format": rf,
             "results": results,
+            **extra,
         },
         sys.stdout,
         indent=2,

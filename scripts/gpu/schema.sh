@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Constrained decoding speed on a GPU box: decode tok/s with a JSON schema
+# (scripts/bench_schema.json) vs unconstrained, side by side at 1 and 32 streams, on the
+# default model (SmolLM2-135M-Instruct Q4_1 GGUF: a real 49k-token vocabulary, so the
+# masks cost what they do in use). Target (docs/server.md): constrained >= 90% of
+# unconstrained at both levels.
+#   bash scripts/gpu/schema.sh bench      # --parallel 32: scripts/bench_server.py --response-format, RUNS (2) runs
+#   bash scripts/gpu/schema.sh nopipe     # the same once with --no-pipeline (masks between steps, for reference)
+#   bash scripts/gpu/schema.sh all        # bench, nopipe
+# The model must be staged first (no network on the box): scripts/gpu/gguf.sh's header
+# (stage here, send .gpu/g1 then .gpu/g2). Environment: see scripts/gpu/lib.sh;
+# MAX_TOKENS (256) tokens per request, LEVELS (1,32).
+. "$(dirname "$0")/lib.sh"
+G=$MLXCEL_CACHE/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf
+[ -f "$G" ] || { echo "no $G: stage it with scripts/gpu/gguf.sh (see its header)"; exit 3; }
+cmd=${1:-all}; shift || true
+
+# one side-by-side run against the server on PORT: compare TAG PORT
+compare() {
+  local tag=$1 port=$2
+  timeout ${BENCH_S:-400} python3 scripts/bench_server.py --port "$port" --chat \
+    --concurrency "${LEVELS:-1,32}" --rounds 2 --max-tokens "${MAX_TOKENS:-256}" --warmup 16 \
+    --response-format scripts/bench_schema.json > "$OUT/schema-$tag.json" || { echo "bench failed"; return 1; }
+  python3 - "$OUT/schema-$tag.json" <<'PY' | tee -a "$OUT/schema.txt"
+import json, sys
+d = json.load(open(sys.argv[1]))
+for c in d["comparison"]:
+    (u, k), (du, dk) = c["tokens_per_s"], c["decode_tokens_per_s"]
+    print(f'{c["concurrency"]:>3} streams: unconstrained {u:8.1f} tok/s (decode {du:8.1f}), '
+          f'schema {k:8.1f} tok/s (decode {dk:8.1f}); ratio {c["ratio_tokens_per_s"]:.3f}, '
+          f'decode ratio {c["ratio_decode"]:.3f}; pipelined steps {c["pipelined_steps"]}; errors {c["errors"]}')
+PY
+}
+
+bench() {
+  serve "$G" 8131 --parallel 32 --ctx-size 2048 || return 1
+  for r in $(seq ${RUNS:-2}); do step "schema vs unconstrained, run $r"; echo "[pipelined, run $r]" >> "$OUT/schema.txt"; compare "run$r" 8131; done
+  unserve
+}
+
+nopipe() {
+  serve "$G" 8132 --parallel 32 --ctx-size 2048 --no-pipeline || return 1
+  step "schema vs unconstrained, --no-pipeline"; echo "[--no-pipeline]" >> "$OUT/schema.txt"; compare nopipe 8132
+  unserve
+}
+
+case "$cmd" in
+bench) bench ;;
+nopipe) nopipe ;;
+all) bench; nopipe ;;
+*) echo "unknown subcommand $cmd (see the header)"; exit 2 ;;
+esac
