@@ -24,7 +24,7 @@ use serde::Serialize;
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::generate::FinishReason;
-use super::grammar::GrammarMatcher;
+use super::grammar::{allowed_all, GrammarMatcher};
 use super::sampler::SamplingParams;
 use super::step::{Executor, Fork, SampledToken, SeqMask, SeqStart, SeqStep, StepError, StepPlan};
 use crate::tokenizer::stream::{StopMatcher, StreamDecoder};
@@ -630,14 +630,15 @@ impl Scheduler {
     fn grammar_masks(&mut self, ids: &[u64], obs: &dyn Observer) -> (Vec<SeqMask>, Vec<u64>) {
         let mut masks = Vec::new();
         let mut bad: Vec<(u64, String)> = Vec::new();
-        for &id in ids {
-            let Some(seq) = self.running.iter_mut().find(|s| s.id == id) else {
-                continue;
-            };
-            let Some(g) = seq.req.grammar.as_mut() else {
-                continue;
-            };
-            match g.allowed() {
+        let (seq_ids, mut matchers): (Vec<u64>, Vec<&mut GrammarMatcher>) = self
+            .running
+            .iter_mut()
+            .filter(|s| ids.contains(&s.id))
+            .filter_map(|s| Some((s.id, s.req.grammar.as_deref_mut()?)))
+            .unzip();
+        // the masks of several sequences are computed on several threads
+        for (id, r) in seq_ids.into_iter().zip(allowed_all(&mut matchers)) {
+            match r {
                 Ok(allowed) => masks.push(SeqMask {
                     seq_id: id,
                     allowed,
