@@ -1503,6 +1503,28 @@ mod tests {
         assert_eq!(step_by_step[5].0.len(), 6, "stops at the context size");
     }
 
+    /// The llama3 fixture model on a local executor and a scheduler for it (prefill
+    /// chunks of 4 tokens).
+    fn fixture_engine(
+        slots: usize,
+        ctx_size: usize,
+    ) -> (crate::engine::step::LocalExecutor, Scheduler) {
+        use crate::model_dir::ModelDir;
+        use crate::models::{self, LoadFormat};
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama3");
+        let md = ModelDir::open(&dir).unwrap();
+        let model = models::load(&md, LoadFormat::Safetensors, |_, _| {})
+            .unwrap()
+            .model;
+        let exec = crate::engine::step::LocalExecutor::new(model, slots, ctx_size);
+        let cfg = SchedulerConfig {
+            slots,
+            ctx_size,
+            prefill_chunk: 4,
+        };
+        (exec, Scheduler::new(cfg, tokenizer()))
+    }
+
     /// Counts the prompt tokens prefilled.
     #[derive(Default)]
     struct PrefillCount(std::cell::Cell<usize>);
@@ -1520,11 +1542,7 @@ mod tests {
     #[test]
     fn a_group_shares_one_prefill_with_the_tokens_of_each_request_alone() {
         use crate::engine::grammar::{Constraint, GrammarMatcher, GrammarVocab};
-        use crate::engine::step::LocalExecutor;
-        use crate::model_dir::ModelDir;
-        use crate::models::{self, LoadFormat};
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama3");
-        let md = ModelDir::open(&dir).unwrap();
         let json: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(dir.join("tokenizer.json")).unwrap())
                 .unwrap();
@@ -1551,18 +1569,7 @@ mod tests {
         // groups of `n` (and `late` more submitted after the first step): tokens per
         // request, prompt tokens prefilled
         let run = |n: usize, late: usize, grammar: bool, pipeline: bool| {
-            let model = models::load(&md, LoadFormat::Safetensors, |_, _| {})
-                .unwrap()
-                .model;
-            let mut exec = LocalExecutor::new(model, 4, 64);
-            let mut s = Scheduler::new(
-                SchedulerConfig {
-                    slots: 4,
-                    ctx_size: 64,
-                    prefill_chunk: 4,
-                },
-                tokenizer(),
-            );
+            let (mut exec, mut s) = fixture_engine(4, 64);
             s.set_pipeline(pipeline);
             let obs = PrefillCount::default();
             let (reqs, mut rxs): (Vec<_>, Vec<_>) =
@@ -1584,18 +1591,7 @@ mod tests {
             let alone: Vec<Vec<u32>> = (0..4)
                 .map(|i| {
                     let (req, mut rx) = make(40 + i, grammar);
-                    let model = models::load(&md, LoadFormat::Safetensors, |_, _| {})
-                        .unwrap()
-                        .model;
-                    let mut exec = LocalExecutor::new(model, 1, 64);
-                    let mut s = Scheduler::new(
-                        SchedulerConfig {
-                            slots: 1,
-                            ctx_size: 64,
-                            prefill_chunk: 4,
-                        },
-                        tokenizer(),
-                    );
+                    let (mut exec, mut s) = fixture_engine(1, 64);
                     s.submit(req, &NoObserver);
                     while s.has_work() {
                         s.step(&mut exec, &NoObserver).unwrap();
