@@ -223,8 +223,8 @@ impl Worker {
     /// size and fused epilogue) at start-up rather than while requests stream: a server
     /// on H200 stalled 34 s when 8 streams first met batch sizes 2–8. With one slot
     /// (`mlxcel generate`) the prompt's kernels compile at its first use, which costs the
-    /// same once, so only decode is warmed. MLX keeps the PTX on disk (`MLX_PTX_CACHE_DIR`),
-    /// which makes later starts quicker. A no-op on the CPU.
+    /// same once, so only decode is warmed. Compiled variants are kept in the cache folder
+    /// ([`kernels::cache`]), which makes later starts quicker. A no-op on the CPU.
     pub fn warm_up(&mut self) -> Result<(), StepError> {
         if mlx::backend() == mlx::Backend::Cpu || self.cache.slots() == 0 {
             return Ok(());
@@ -280,9 +280,10 @@ impl Worker {
             self.cache.reset(s);
         }
         tracing::info!(
-            "decode kernels warmed up (batch 1..={max_batch}) in {:.2} s (cumulative: {})",
+            "decode kernels warmed up (batch 1..={max_batch}) in {:.2} s (cumulative: {}){}",
             start.elapsed().as_secs_f64(),
-            phases.join(", ")
+            phases.join(", "),
+            kernels::cache::summary().map_or(String::new(), |s| format!("; {s}"))
         );
         Ok(())
     }

@@ -36,6 +36,8 @@ pub struct Knobs {
     pub kernel_include: bool,
     /// `MLXCEL_ATTN`: mlxcel's decode attention kernel for batched steps on CUDA.
     pub attn: bool,
+    /// `MLXCEL_KERNEL_CACHE`: keep compiled kernels in the cache folder between runs.
+    pub kernel_cache: bool,
 }
 
 impl Default for Knobs {
@@ -51,6 +53,7 @@ impl Default for Knobs {
             qgemv_source: None,
             kernel_include: true,
             attn: true,
+            kernel_cache: true,
         }
     }
 }
@@ -67,6 +70,7 @@ pub const VARS: &[&str] = &[
     "MLXCEL_QGEMV_SOURCE",
     "MLXCEL_KERNEL_INCLUDE",
     "MLXCEL_ATTN",
+    "MLXCEL_KERNEL_CACHE",
 ];
 
 /// A tuning variable with a value it cannot take.
@@ -138,6 +142,7 @@ impl Knobs {
             .map(PathBuf::from);
         k.kernel_include = switch("MLXCEL_KERNEL_INCLUDE", k.kernel_include)?;
         k.attn = switch("MLXCEL_ATTN", k.attn)?;
+        k.kernel_cache = switch("MLXCEL_KERNEL_CACHE", k.kernel_cache)?;
         Ok(k)
     }
 
@@ -161,6 +166,7 @@ impl Knobs {
             d.kernel_include,
         );
         switch("MLXCEL_ATTN", self.attn, d.attn);
+        switch("MLXCEL_KERNEL_CACHE", self.kernel_cache, d.kernel_cache);
         if let Some(n) = self.qgemv_mma {
             out.push(format!("MLXCEL_QGEMV_MMA={n}"));
         }

@@ -186,7 +186,7 @@ impl CudaKernel<'_> {
             shapes.extend_from_slice(s);
             ndims.push(s.len() as i32);
         }
-        ArrayList(ffi::cuda_kernel(
+        let out = ArrayList(ffi::cuda_kernel(
             self.name,
             self.input_names,
             self.output_names,
@@ -202,6 +202,18 @@ impl CudaKernel<'_> {
             &grid,
             &threadgroup,
         )?)
-        .into_vec()
+        .into_vec()?;
+        if let (Some(_), Some(first)) = (super::kernel_cache::get(), out.first()) {
+            let key = super::kernel_cache::launch_key(
+                self.name,
+                inputs.iter().map(|a| a.dtype()),
+                out.len(),
+                out_dtype,
+                template_values,
+                tdtype,
+            );
+            super::kernel_cache::note_variant(key, first);
+        }
+        Ok(out)
     }
 }
