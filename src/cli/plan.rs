@@ -60,6 +60,7 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         slots: args.parallel,
         prefill_chunk: args.prefill_chunk,
         backend,
+        vocab_parallel: crate::kernels::knobs::get().vocab_parallel,
     };
     let mem = plan::plan_memory(&input)?;
     let gpus = mlx::gpu_device_count();

@@ -33,6 +33,10 @@ pub struct Knobs {
     pub kernel_include: bool,
     /// `MLXCEL_ATTN`: mlxcel's decode attention kernel for batched steps on CUDA.
     pub attn: bool,
+    /// `MLXCEL_VOCAB_PARALLEL`: under tensor parallelism each rank holds its rows of the
+    /// vocabulary (embedding, lm_head) and the logits are gathered (`0`: every rank
+    /// holds both whole).
+    pub vocab_parallel: bool,
 }
 
 impl Default for Knobs {
@@ -47,6 +51,7 @@ impl Default for Knobs {
             qgemv_source: None,
             kernel_include: true,
             attn: true,
+            vocab_parallel: true,
         }
     }
 }
@@ -62,6 +67,7 @@ pub const VARS: &[&str] = &[
     "MLXCEL_QGEMV_SOURCE",
     "MLXCEL_KERNEL_INCLUDE",
     "MLXCEL_ATTN",
+    "MLXCEL_VOCAB_PARALLEL",
 ];
 
 /// A tuning variable with a value it cannot take.
@@ -132,6 +138,7 @@ impl Knobs {
             .map(PathBuf::from);
         k.kernel_include = switch("MLXCEL_KERNEL_INCLUDE", k.kernel_include)?;
         k.attn = switch("MLXCEL_ATTN", k.attn)?;
+        k.vocab_parallel = switch("MLXCEL_VOCAB_PARALLEL", k.vocab_parallel)?;
         Ok(k)
     }
 
@@ -154,6 +161,11 @@ impl Knobs {
             d.kernel_include,
         );
         switch("MLXCEL_ATTN", self.attn, d.attn);
+        switch(
+            "MLXCEL_VOCAB_PARALLEL",
+            self.vocab_parallel,
+            d.vocab_parallel,
+        );
         if let Some(n) = self.qgemv_mma {
             out.push(format!("MLXCEL_QGEMV_MMA={n}"));
         }
