@@ -250,7 +250,7 @@ fn tp3_emulated_equals_one_process_and_ranks_read_their_share() {
         assert!(err <= 0.01, "rank {rank}: read {read}, plan {want}");
         sum += read;
     }
-    // split tensors are read once in all; replicated ones (embedding, norms) by every rank
+    // split tensors are read once in all; replicated ones (norms) by every rank
     assert!(sum > planned_read(&g, &cfg, 1, 0));
 
     // `plan` (headers only) gives each rank the weight bytes it then holds: Q4_1 linears,

@@ -394,6 +394,8 @@ fn plan_command_and_refusal_before_spawning() {
     assert_eq!(ranks.len(), 2);
     let split = two["sharded_total_bytes"].as_u64().unwrap();
     let replicated = two["replicated_total_bytes"].as_u64().unwrap();
+    // the embedding and lm_head split by vocabulary rows: 384 over 2 ranks
+    assert_eq!(two["vocab_rows_per_rank"], 192, "{two}");
     for r in ranks {
         assert_eq!(r["weight_bytes"].as_u64().unwrap(), split / 2 + replicated);
         assert!(r["kv_bytes"].as_u64().unwrap() > 0 && r["margin_bytes"].as_u64().unwrap() > 0);

@@ -105,6 +105,9 @@ pub struct MemoryPlan {
     pub sharded_total_bytes: u64,
     /// Bytes of the tensors every rank holds whole.
     pub replicated_total_bytes: u64,
+    /// Vocabulary rows of the embedding and lm_head per rank (⌈vocab / N⌉; the last rank
+    /// may hold fewer) when they are vocab-parallel; `None`: replicated.
+    pub vocab_rows_per_rank: Option<usize>,
     pub ranks: Vec<RankMemory>,
 }
 
@@ -160,6 +163,7 @@ pub fn plan_memory(input: &PlanInput<'_>) -> Result<MemoryPlan, ShardError> {
     let mut ranks = Vec::with_capacity(n);
     let mut sharded_total = 0;
     let mut replicated_total = 0;
+    let mut vocab_rows_per_rank = None;
     for r in 0..n {
         let sp = if n == 1 {
             ShardPlan::full(cfg)
@@ -167,6 +171,7 @@ pub fn plan_memory(input: &PlanInput<'_>) -> Result<MemoryPlan, ShardError> {
             shard::plan_with(cfg, n, r, input.vocab_parallel)?
         };
         let (sharded, replicated, full) = weight_bytes(cfg, input.catalog, &sp);
+        vocab_rows_per_rank = sp.vocab.as_ref().map(|v| v.per_rank);
         sharded_total = full;
         replicated_total = replicated;
         let hd = cfg.head_dim as u64;
@@ -220,6 +225,7 @@ pub fn plan_memory(input: &PlanInput<'_>) -> Result<MemoryPlan, ShardError> {
         kv_dtype: act.name().to_string(),
         sharded_total_bytes: sharded_total,
         replicated_total_bytes: replicated_total,
+        vocab_rows_per_rank,
         ranks,
     })
 }
@@ -817,6 +823,10 @@ mod tests {
             .unwrap()
         };
         let (split, whole) = (plan(true, &cfg), plan(false, &cfg));
+        assert_eq!(
+            (split.vocab_rows_per_rank, whole.vocab_rows_per_rank),
+            (Some(16032), None)
+        );
         let table = 128256u64 * 8192 * 2; // one of embedding, lm_head: 2.10 GB
         let norms = (2 * 80 + 1) * 8192 * 2;
         for (s, w) in split.ranks.iter().zip(&whole.ranks) {
