@@ -60,6 +60,7 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         slots: args.parallel,
         prefill_chunk: args.prefill_chunk,
         backend,
+        vocab_parallel: crate::kernels::knobs::get().vocab_parallel,
     };
     let mem = plan::plan_memory(&input)?;
     let gpus = mlx::gpu_device_count();
@@ -166,6 +167,7 @@ pub fn run(args: &PlanArgs) -> Result<()> {
             "kv_dtype": mem.kv_dtype,
             "sharded_total_bytes": mem.sharded_total_bytes,
             "replicated_total_bytes": mem.replicated_total_bytes,
+            "vocab_rows_per_rank": mem.vocab_rows_per_rank,
             "total_bytes": mem.sum_total(),
             "ranks": ranks,
             "shared_device": shared_free.map(|d| json!({"device": d.label, "free_bytes": d.free_bytes, "source": d.source})),
@@ -196,9 +198,14 @@ pub fn run(args: &PlanArgs) -> Result<()> {
             args.prefill_chunk
         );
         println!(
-            "split tensors {} in all, replicated {} per rank",
+            "split tensors {} in all, replicated {} per rank; embedding and lm_head {}",
             gb(mem.sharded_total_bytes),
-            gb(mem.replicated_total_bytes)
+            gb(mem.replicated_total_bytes),
+            match mem.vocab_rows_per_rank {
+                Some(r) => format!("vocab-parallel, {r} of {} rows per rank", cfg.vocab_size),
+                None if n > 1 => "replicated".to_string(),
+                None => "whole".to_string(),
+            }
         );
         println!(
             "{:<5} {:<12} {:>10} {:>10} {:>10} {:>10} {:>10}",

@@ -38,6 +38,10 @@ pub struct Knobs {
     pub attn: bool,
     /// `MLXCEL_KERNEL_CACHE`: keep compiled kernels in the cache folder between runs.
     pub kernel_cache: bool,
+    /// `MLXCEL_VOCAB_PARALLEL`: under tensor parallelism each rank holds its rows of the
+    /// vocabulary (embedding, lm_head) and the logits are gathered (`0`: every rank
+    /// holds both whole).
+    pub vocab_parallel: bool,
 }
 
 impl Default for Knobs {
@@ -54,6 +58,7 @@ impl Default for Knobs {
             kernel_include: true,
             attn: true,
             kernel_cache: true,
+            vocab_parallel: true,
         }
     }
 }
@@ -71,6 +76,7 @@ pub const VARS: &[&str] = &[
     "MLXCEL_KERNEL_INCLUDE",
     "MLXCEL_ATTN",
     "MLXCEL_KERNEL_CACHE",
+    "MLXCEL_VOCAB_PARALLEL",
 ];
 
 /// A tuning variable with a value it cannot take.
@@ -143,6 +149,7 @@ impl Knobs {
         k.kernel_include = switch("MLXCEL_KERNEL_INCLUDE", k.kernel_include)?;
         k.attn = switch("MLXCEL_ATTN", k.attn)?;
         k.kernel_cache = switch("MLXCEL_KERNEL_CACHE", k.kernel_cache)?;
+        k.vocab_parallel = switch("MLXCEL_VOCAB_PARALLEL", k.vocab_parallel)?;
         Ok(k)
     }
 
@@ -167,6 +174,11 @@ impl Knobs {
         );
         switch("MLXCEL_ATTN", self.attn, d.attn);
         switch("MLXCEL_KERNEL_CACHE", self.kernel_cache, d.kernel_cache);
+        switch(
+            "MLXCEL_VOCAB_PARALLEL",
+            self.vocab_parallel,
+            d.vocab_parallel,
+        );
         if let Some(n) = self.qgemv_mma {
             out.push(format!("MLXCEL_QGEMV_MMA={n}"));
         }

@@ -16,8 +16,8 @@ use super::blocks::mlp::{Mlp, MlpLayout};
 use super::blocks::norm::RmsNorm;
 use super::config::ModelConfig;
 use super::kv_cache::{KvCache, KvError};
-use super::layers::{Embedding, Linear, Result, Rope};
-use super::layout::{LayerLayout, Layout, ParamSpec};
+use super::layers::{Embedding, Linear, Result, Rope, VocabRows};
+use super::layout::{LayerLayout, Layout, ParamSpec, Split};
 use super::shard::ShardPlan;
 use super::weights::WeightSource;
 
@@ -86,6 +86,8 @@ pub struct Model {
     layers: Vec<Block>,
     norm: RmsNorm,
     lm_head: Option<Linear>,
+    /// This rank's vocabulary rows when the embedding and lm_head are vocab-parallel.
+    vocab: Option<VocabRows>,
     rope: Rope,
 }
 
@@ -113,6 +115,7 @@ impl Model {
         let tp = tp.filter(|_| layout.sharded);
         let eps = cfg.rms_norm_eps;
         let embed_tokens = Embedding::load(src, &layout.embed_tokens)?;
+        let vocab = vocab_rows(&layout, plan, &embed_tokens, tp.clone())?;
         let mut layers = Vec::with_capacity(layout.layers.len());
         for (i, l) in layout.layers.iter().enumerate() {
             layers.push(Block {
@@ -139,6 +142,7 @@ impl Model {
             layers,
             norm,
             lm_head,
+            vocab,
             rope: Rope::new(cfg)?,
         };
         let rest: Vec<&Array> = model
@@ -326,7 +330,7 @@ impl Model {
         let s = SeqInput { slot, tokens: &[] };
         let pos = cache.len(s.slot);
         let offset = Array::scalar_i32(pos as i32)?;
-        let mut h = self.embed_tokens.forward(ids)?;
+        let mut h = self.embed(ids)?;
         // On a GPU the host encodes a long input's layers far ahead of the device, and a
         // temporary is only freed once the device is done with it, so without a bound every
         // layer's temporaries are alive at once: activations, and for a quantized model each
@@ -426,7 +430,7 @@ impl Model {
             true => Some(cache.attn_scratch(self.q_heads())?.clone()),
             false => None,
         };
-        let mut h = self.embed_tokens.forward(ids)?;
+        let mut h = self.embed(ids)?;
         for (li, block) in self.layers.iter().enumerate() {
             let a = &block.self_attn;
             let (q, kv) = a.qkv(&h, &block.input_layernorm, b, 1, &self.rope, &offset)?;
@@ -449,16 +453,35 @@ impl Model {
         Ok(self.head(&h)?.reshape(&[b, self.cfg.vocab_size as i32])?)
     }
 
-    /// Float32 logits of the final norm of `h` (the norm fused into the GEMV when it runs).
+    /// The embedding of `ids`: a table lookup, or this rank's part of it summed over the
+    /// ranks (vocab-parallel).
+    fn embed(&self, ids: &Array) -> mlx::Result<Array> {
+        match &self.vocab {
+            Some(v) => v.embed(&self.embed_tokens, ids),
+            None => self.embed_tokens.forward(ids),
+        }
+    }
+
+    /// Float32 logits of the final norm of `h` (the norm fused into the GEMV when it runs);
+    /// vocab-parallel, this rank's columns gathered with the others' into `[rows, vocab]`.
     fn head(&self, h: &Array) -> mlx::Result<Array> {
         let lin = match &self.lm_head {
             Some(l) => l,
             None => self.embed_tokens.as_linear(),
         };
-        let mut shape = h.shape();
-        *shape.last_mut().expect("h has a last axis") = lin.out_dim() as i32;
-        lin.forward_shaped(h, &shape, Some(&self.norm))?
-            .astype(Dtype::F32)
+        let logits = match &self.vocab {
+            Some(v) => {
+                let rows = h.size() / lin.in_dim();
+                let local = lin.forward_shaped(h, &v.local_shape(rows), Some(&self.norm))?;
+                v.gather(&local)?
+            }
+            None => {
+                let mut shape = h.shape();
+                *shape.last_mut().expect("h has a last axis") = lin.out_dim() as i32;
+                lin.forward_shaped(h, &shape, Some(&self.norm))?
+            }
+        };
+        logits.astype(Dtype::F32)
     }
 }
 
@@ -474,10 +497,43 @@ impl Block {
     }
 }
 
+/// The vocab-parallel tables of a rank whose layout splits the embedding by vocabulary
+/// rows (`plan.vocab`); the lm_head, when not tied, must split the same way.
+fn vocab_rows(
+    layout: &Layout,
+    plan: &ShardPlan,
+    table: &Embedding,
+    tp: Option<Rc<Group>>,
+) -> Result<Option<VocabRows>> {
+    let invalid = |msg: String| super::weights::LoadError::Mlx(mlx::MlxError::Invalid(msg));
+    let split = &layout.embed_tokens.split;
+    if let Some(head) = &layout.lm_head {
+        if head.split != *split {
+            return Err(invalid(format!(
+                "{} splits as {:?} but {} as {split:?}: the lm_head and the embedding must \
+                 split the vocabulary alike",
+                head.name, head.split, layout.embed_tokens.name
+            )));
+        }
+    }
+    match (split, &plan.vocab) {
+        (Split::Vocab(rows), Some(shard)) if *rows == shard.rows => {
+            Ok(Some(VocabRows::new(shard, table.out_dtype(), tp)?))
+        }
+        (Split::Vocab(rows), _) => Err(invalid(format!(
+            "{}: vocabulary rows {rows:?} are not the shard plan's ({:?})",
+            layout.embed_tokens.name,
+            plan.vocab.as_ref().map(|v| &v.rows)
+        ))),
+        _ => Ok(None),
+    }
+}
+
 /// The layout of the Llama-like decoder (what [`Model`] loads): `model.embed_tokens`,
 /// `model.layers.{i}` of an attention block with `attn`'s choices and a SwiGLU MLP, each
 /// pre-normed (`input_layernorm`, `post_attention_layernorm`), `model.norm`, and
-/// `lm_head` unless tied; column/row splits of `plan`, quantized as the config says.
+/// `lm_head` unless tied; column/row/vocabulary splits of `plan`, quantized as the config
+/// says.
 pub fn decoder_layout(cfg: &ModelConfig, plan: &ShardPlan, attn: AttentionOptions) -> Layout {
     let q = cfg.quantization;
     let h = cfg.hidden_size;
@@ -497,10 +553,15 @@ pub fn decoder_layout(cfg: &ModelConfig, plan: &ShardPlan, attn: AttentionOption
         .collect();
     Layout {
         sharded: plan.is_sharded(),
-        embed_tokens: ParamSpec::embedding("model.embed_tokens", cfg.vocab_size, h).quantized(q),
+        embed_tokens: ParamSpec::embedding("model.embed_tokens", cfg.vocab_size, h)
+            .quantized(q)
+            .split(plan.vocab_split()),
         layers,
         norm: ParamSpec::norm("model.norm.weight", h),
-        lm_head: (!cfg.tie_word_embeddings)
-            .then(|| ParamSpec::linear("lm_head", cfg.vocab_size, h, false).quantized(q)),
+        lm_head: (!cfg.tie_word_embeddings).then(|| {
+            ParamSpec::linear("lm_head", cfg.vocab_size, h, false)
+                .quantized(q)
+                .split(plan.vocab_split())
+        }),
     }
 }

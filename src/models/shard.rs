@@ -7,11 +7,14 @@
 //! |---|---|
 //! | q/k/v, gate/up | column (output rows), whole heads per rank |
 //! | o_proj, down_proj | row (input columns), then `all_sum`, then bias once |
-//! | embeddings, lm_head, norms | replicated |
+//! | embed_tokens, lm_head | vocab-parallel (rows of the vocabulary, [`VocabShard`]) |
+//! | norms | replicated |
 //! | KV heads when N > n_kv | replicated: rank r holds kv head ⌊r·n_kv/N⌋ |
 //!
 //! Quantized weights split weight/scales/biases together; a row split needs
-//! `(in / N) % group_size == 0`.
+//! `(in / N) % group_size == 0`. A vocabulary split takes whole rows, so it fits any
+//! quantization; with `MLXCEL_VOCAB_PARALLEL=0` (or a vocabulary too small to give
+//! every rank a row) the embedding and lm_head are replicated.
 use std::ops::Range;
 
 use super::config::ModelConfig;
@@ -64,6 +67,43 @@ pub struct ShardPlan {
     pub kv_heads: Range<usize>,
     /// Columns of gate/up (rows of down's input) of this rank.
     pub intermediate: Range<usize>,
+    /// Vocabulary rows of this rank's embedding and lm_head (`None`: both replicated).
+    pub vocab: Option<VocabShard>,
+}
+
+/// A vocab-parallel rank's rows of the vocabulary. Rank r holds rows
+/// `r · per_rank .. min((r + 1) · per_rank, vocab)`: every rank but the last ones holds
+/// `per_rank`, so the logits every rank computes, padded to `per_rank` columns and
+/// gathered in rank order, are the whole vocabulary followed by the padding.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VocabShard {
+    /// This rank's rows.
+    pub rows: Range<usize>,
+    /// ⌈vocab / size⌉: the columns of every rank's logits.
+    pub per_rank: usize,
+    /// The whole vocabulary.
+    pub vocab: usize,
+}
+
+impl VocabShard {
+    /// Rank `rank` of `size` of a vocabulary of `vocab` rows; `None` when one rank holds
+    /// everything, or when the last rank would hold no row (a vocabulary smaller than
+    /// about `size²`), where the rows are replicated instead.
+    pub fn of(vocab: usize, size: usize, rank: usize) -> Option<VocabShard> {
+        if size <= 1 || rank >= size {
+            return None;
+        }
+        let per_rank = vocab.div_ceil(size);
+        if (size - 1) * per_rank >= vocab {
+            return None;
+        }
+        let start = rank * per_rank;
+        Some(VocabShard {
+            rows: start..(start + per_rank).min(vocab),
+            per_rank,
+            vocab,
+        })
+    }
 }
 
 impl ShardPlan {
@@ -75,11 +115,20 @@ impl ShardPlan {
             q_heads: 0..cfg.num_heads,
             kv_heads: 0..cfg.num_kv_heads,
             intermediate: 0..cfg.intermediate_size,
+            vocab: None,
         }
     }
 
     pub fn is_sharded(&self) -> bool {
         self.size > 1
+    }
+
+    /// How the embedding and lm_head split under this plan.
+    pub fn vocab_split(&self) -> Split {
+        match &self.vocab {
+            Some(v) => Split::Vocab(v.rows.clone()),
+            None => Split::Replicated,
+        }
     }
 }
 
@@ -154,7 +203,7 @@ fn fits(cfg: &ModelConfig, tp: usize) -> Result<(), Misfit> {
     if !cfg.intermediate_size.is_multiple_of(tp) {
         return Err(Misfit::Intermediate);
     }
-    let layout = super::layout(cfg, &slices(cfg, tp, 0));
+    let layout = super::layout(cfg, &slices(cfg, tp, 0, false));
     for p in layout.params() {
         if let (Split::Row(cols), Some(q)) = (&p.split, p.quant) {
             let g = q.group_size as usize;
@@ -180,14 +229,25 @@ pub fn validate(cfg: &ModelConfig, tp: usize) -> Result<(), ShardError> {
     check(cfg, tp)
 }
 
-/// The slice rank `rank` of `tp` holds.
+/// The slice rank `rank` of `tp` holds, with the vocabulary split as
+/// `MLXCEL_VOCAB_PARALLEL` says ([`crate::kernels::knobs`]).
 pub fn plan(cfg: &ModelConfig, tp: usize, rank: usize) -> Result<ShardPlan, ShardError> {
-    check(cfg, tp)?;
-    Ok(slices(cfg, tp, rank))
+    plan_with(cfg, tp, rank, crate::kernels::knobs::get().vocab_parallel)
 }
 
-/// [`plan`] without the checks (`tp` ≥ 1 dividing the heads as [`fits`] asks).
-fn slices(cfg: &ModelConfig, tp: usize, rank: usize) -> ShardPlan {
+/// [`plan`] with the vocabulary split (`vocab_parallel`) or replicated.
+pub fn plan_with(
+    cfg: &ModelConfig,
+    tp: usize,
+    rank: usize,
+    vocab_parallel: bool,
+) -> Result<ShardPlan, ShardError> {
+    check(cfg, tp)?;
+    Ok(slices(cfg, tp, rank, vocab_parallel))
+}
+
+/// [`plan_with`] without the checks (`tp` ≥ 1 dividing the heads as [`fits`] asks).
+fn slices(cfg: &ModelConfig, tp: usize, rank: usize, vocab_parallel: bool) -> ShardPlan {
     let per = |n: usize| n / tp;
     let qh = per(cfg.num_heads);
     let kv_heads = if cfg.num_kv_heads.is_multiple_of(tp) {
@@ -204,6 +264,7 @@ fn slices(cfg: &ModelConfig, tp: usize, rank: usize) -> ShardPlan {
         q_heads: rank * qh..(rank + 1) * qh,
         kv_heads,
         intermediate: rank * inter..(rank + 1) * inter,
+        vocab: VocabShard::of(cfg.vocab_size, tp, rank).filter(|_| vocab_parallel),
     }
 }
 
@@ -276,6 +337,47 @@ mod tests {
             Err(ShardError::KvHeads { tp: 6, kv: 4, .. })
         ));
         assert!(matches!(validate(&c, 0), Err(ShardError::Zero)));
+    }
+
+    #[test]
+    fn vocabulary_rows_cover_the_vocabulary_once() {
+        for (vocab, n) in [
+            (100, 2),
+            (100, 4),
+            (101, 4),
+            (128256, 8),
+            (49152, 3),
+            (37, 5),
+        ] {
+            let shards: Vec<VocabShard> = (0..n)
+                .map(|r| VocabShard::of(vocab, n, r).unwrap())
+                .collect();
+            let mut next = 0;
+            for s in &shards {
+                assert_eq!(
+                    (s.rows.start, s.per_rank, s.vocab),
+                    (next, vocab.div_ceil(n), vocab)
+                );
+                assert!(!s.rows.is_empty() && s.rows.len() <= s.per_rank);
+                next = s.rows.end;
+            }
+            assert_eq!(next, vocab, "{vocab} over {n}");
+        }
+        // 9 rows over 4 ranks of 3 would leave the last one none: replicated
+        assert_eq!(VocabShard::of(9, 4, 0), None);
+        assert_eq!(VocabShard::of(100, 1, 0), None);
+        let c = cfg(8, 2, 256, Some(64));
+        let p = plan_with(&c, 4, 3, true).unwrap();
+        assert_eq!(p.vocab_split(), Split::Vocab(75..100));
+        assert_eq!(
+            plan_with(&c, 4, 3, false).unwrap().vocab_split(),
+            Split::Replicated
+        );
+        assert_eq!(ShardPlan::full(&c).vocab, None);
+        // the layout splits the embedding and lm_head alike, whole rows of a quantized one
+        let l = crate::models::layout(&c, &p);
+        assert_eq!(l.embed_tokens.split, Split::Vocab(75..100));
+        assert_eq!(l.lm_head.unwrap().split, Split::Vocab(75..100));
     }
 
     #[test]

@@ -36,6 +36,8 @@ pub struct TpOptions {
     pub backend: TpBackend,
     /// Run all ranks on the one device there is, over ring.
     pub emulate: bool,
+    /// Split the embedding and lm_head by vocabulary rows (default: `MLXCEL_VOCAB_PARALLEL`).
+    pub vocab_parallel: bool,
     /// Rank r → this process's GPU entry `devices[r]` (default 0..N).
     pub devices: Option<Vec<usize>>,
     pub load_format: LoadFormat,
@@ -75,6 +77,7 @@ impl TpOptions {
             tp_size,
             backend: TpBackend::Auto,
             emulate: false,
+            vocab_parallel: crate::kernels::knobs::get().vocab_parallel,
             devices: None,
             load_format: LoadFormat::Safetensors,
             ctx_size,
@@ -311,6 +314,8 @@ impl TpExecutor {
             n.to_string(),
             "--backend".into(),
             backend.name().into(),
+            "--vocab-parallel".into(),
+            opts.vocab_parallel.to_string(),
         ];
         let config_bytes = std::fs::read(&dir.config)
             .map_err(|e| LaunchError::Io(format!("{}: {e}", dir.config.display())))?;
@@ -448,6 +453,7 @@ fn check_memory(
         slots: opts.slots,
         prefill_chunk: opts.prefill_chunk,
         backend: mlx::backend(),
+        vocab_parallel: opts.vocab_parallel,
     };
     let mem = plan::plan_memory(&input)?;
     let place = Placement {

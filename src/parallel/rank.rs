@@ -35,6 +35,9 @@ pub struct RankArgs {
     /// nccl or ring.
     #[arg(long)]
     pub backend: GroupBackend,
+    /// Split the embedding and lm_head by vocabulary rows (the driver decides).
+    #[arg(long, action = clap::ArgAction::Set)]
+    pub vocab_parallel: bool,
 }
 
 fn env_usize(name: &str) -> Result<usize> {
@@ -102,7 +105,7 @@ fn serve(args: &RankArgs, rank: usize, dir: &ModelDir, chan: &mut RankChannel) -
         Some(Rc::new(group))
     };
     let cfg = models::read_config(dir)?;
-    let plan = shard::plan(&cfg, args.tp_size, rank)?;
+    let plan = shard::plan_with(&cfg, args.tp_size, rank, args.vocab_parallel)?;
     let t0 = Instant::now();
     let src = models::weight_source(dir, args.load_format, &cfg)?;
     let model = Model::load_shard(&cfg, src.as_ref(), &plan, group, |_, _| {})?;
@@ -138,7 +141,8 @@ fn serve(args: &RankArgs, rank: usize, dir: &ModelDir, chan: &mut RankChannel) -
         peak_rss_bytes: super::plan::peak_rss_bytes(),
     };
     drop(src);
-    // every rank samples (identically: replicated logits, seeds set by the driver), so
+    // every rank samples (identically: replicated or gathered logits, seeds set by the
+    // driver), so
     // pipelined decode steps can take their input tokens from the rank's own device
     let mut worker = Worker::new(model, args.slots, args.ctx_size, true);
     // every rank reaches this point after loading and runs the same step (with its

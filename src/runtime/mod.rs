@@ -187,6 +187,7 @@ pub fn check_single_device_memory(
         slots,
         prefill_chunk,
         backend: crate::mlx::backend(),
+        vocab_parallel: false,
     };
     let mem = plan::plan_memory(&input)?;
     let place = Placement {
