@@ -12,6 +12,11 @@
 //!
 //! Quantized weights split weight/scales/biases together; a row split needs
 //! `(in / N) % group_size == 0`.
+//!
+//! MoE blocks (`super::blocks::moe`): by default every expert's gate/up split by
+//! columns and down by rows over its `moe_intermediate_size`, like the dense MLP; with
+//! `--enable-expert-parallel` each rank holds `num_experts / N` whole experts. The
+//! router is replicated; the shared expert (Qwen2-MoE) splits like a dense MLP.
 use std::ops::Range;
 
 use super::config::ModelConfig;
@@ -40,7 +45,7 @@ pub enum ShardError {
         valid: String,
     },
     #[error(
-        "--tp-size {tp}: the row-parallel {what} would get {per_rank} input columns per rank, not a multiple of the quantization group_size {group} (valid sizes: {valid})"
+        "--tp-size {tp}: the row-parallel {what} would get {per_rank} input columns per rank, not a multiple of the quantization group_size {group} (valid sizes: {valid}){hint}"
     )]
     QuantGroup {
         tp: usize,
@@ -48,6 +53,16 @@ pub enum ShardError {
         per_rank: usize,
         group: usize,
         valid: String,
+        /// For a MoE expert projection: the expert-parallel alternative and its sizes.
+        hint: String,
+    },
+    #[error("--tp-size {tp}: {field} {size} is not divisible by it (valid sizes: {valid}){hint}")]
+    Experts {
+        tp: usize,
+        field: &'static str,
+        size: usize,
+        valid: String,
+        hint: String,
     },
     #[error("--tp-size must be at least 1")]
     Zero,
@@ -64,6 +79,9 @@ pub struct ShardPlan {
     pub kv_heads: Range<usize>,
     /// Columns of gate/up (rows of down's input) of this rank.
     pub intermediate: Range<usize>,
+    /// MoE layers: whole experts per rank (`--enable-expert-parallel`) instead of a slice
+    /// of every expert's intermediate dimension.
+    pub expert_parallel: bool,
 }
 
 impl ShardPlan {
@@ -75,6 +93,7 @@ impl ShardPlan {
             q_heads: 0..cfg.num_heads,
             kv_heads: 0..cfg.num_kv_heads,
             intermediate: 0..cfg.intermediate_size,
+            expert_parallel: false,
         }
     }
 
@@ -83,15 +102,31 @@ impl ShardPlan {
     }
 }
 
-fn check(cfg: &ModelConfig, tp: usize) -> Result<(), ShardError> {
-    let valid = || {
-        valid_sizes(cfg, 64)
-            .iter()
-            .map(|n| n.to_string())
-            .collect::<Vec<_>>()
-            .join(", ")
+fn list(sizes: &[usize]) -> String {
+    sizes
+        .iter()
+        .map(|n| n.to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+fn check(cfg: &ModelConfig, tp: usize, ep: bool) -> Result<(), ShardError> {
+    let valid = || list(&valid_sizes_with(cfg, 64, ep));
+    // a MoE model refused one way may split the other way
+    let hint = || {
+        match (&cfg.moe, ep) {
+        (None, _) => String::new(),
+        (Some(_), false) => format!(
+            "; or hold whole experts per rank with --enable-expert-parallel (valid sizes with it: {})",
+            list(&valid_sizes_with(cfg, 64, true))
+        ),
+        (Some(_), true) => format!(
+            "; or without --enable-expert-parallel (valid sizes: {})",
+            list(&valid_sizes_with(cfg, 64, false))
+        ),
+    }
     };
-    match fits(cfg, tp) {
+    match fits(cfg, tp, ep) {
         Ok(()) => Ok(()),
         Err(Misfit::Zero) => Err(ShardError::Zero),
         Err(Misfit::Heads) => Err(ShardError::Heads {
@@ -113,12 +148,21 @@ fn check(cfg: &ModelConfig, tp: usize) -> Result<(), ShardError> {
             what,
             per_rank,
             group,
+            expert,
         }) => Err(ShardError::QuantGroup {
             tp,
             what,
             per_rank,
             group,
             valid: valid(),
+            hint: if expert { hint() } else { String::new() },
+        }),
+        Err(Misfit::Experts { field, size }) => Err(ShardError::Experts {
+            tp,
+            field,
+            size,
+            valid: valid(),
+            hint: hint(),
         }),
     }
 }
@@ -133,14 +177,21 @@ enum Misfit {
         what: String,
         per_rank: usize,
         group: usize,
+        /// A stacked MoE expert projection.
+        expert: bool,
+    },
+    Experts {
+        field: &'static str,
+        size: usize,
     },
 }
 
 /// Whether the model splits `tp` ways: whole q heads per rank, kv heads that divide
 /// or are divided by `tp`, whole intermediate columns, and every quantized row-parallel
 /// parameter of the family's layout ([`super::layout`]) with whole quantization groups
-/// per rank.
-fn fits(cfg: &ModelConfig, tp: usize) -> Result<(), Misfit> {
+/// per rank; for a MoE model, whole experts per rank (`ep`: expert parallel) or whole
+/// columns of every expert's (and the shared expert's) intermediate dimension.
+fn fits(cfg: &ModelConfig, tp: usize, ep: bool) -> Result<(), Misfit> {
     if tp == 0 {
         return Err(Misfit::Zero);
     }
@@ -154,7 +205,20 @@ fn fits(cfg: &ModelConfig, tp: usize) -> Result<(), Misfit> {
     if !cfg.intermediate_size.is_multiple_of(tp) {
         return Err(Misfit::Intermediate);
     }
-    let layout = super::layout(cfg, &slices(cfg, tp, 0));
+    if let Some(moe) = &cfg.moe {
+        let misfit = |field, size: usize| match size.is_multiple_of(tp) {
+            true => Ok(()),
+            false => Err(Misfit::Experts { field, size }),
+        };
+        match ep {
+            true => misfit("num_experts", moe.num_experts)?,
+            false => misfit("moe_intermediate_size", moe.expert_intermediate)?,
+        }
+        if let Some(s) = moe.shared_expert_intermediate {
+            misfit("shared_expert_intermediate_size", s)?;
+        }
+    }
+    let layout = super::layout(cfg, &slices(cfg, tp, 0, ep));
     for p in layout.params() {
         if let (Split::Row(cols), Some(q)) = (&p.split, p.quant) {
             let g = q.group_size as usize;
@@ -163,6 +227,7 @@ fn fits(cfg: &ModelConfig, tp: usize) -> Result<(), Misfit> {
                     what: p.short_name().to_string(),
                     per_rank: cols.len(),
                     group: g,
+                    expert: p.experts.is_some(),
                 });
             }
         }
@@ -172,22 +237,49 @@ fn fits(cfg: &ModelConfig, tp: usize) -> Result<(), Misfit> {
 
 /// Tensor-parallel sizes up to `max` that this model can be split into.
 pub fn valid_sizes(cfg: &ModelConfig, max: usize) -> Vec<usize> {
-    (1..=max).filter(|&n| fits(cfg, n).is_ok()).collect()
+    valid_sizes_with(cfg, max, false)
+}
+
+/// [`valid_sizes`] with MoE experts whole per rank when `expert_parallel`.
+pub fn valid_sizes_with(cfg: &ModelConfig, max: usize, expert_parallel: bool) -> Vec<usize> {
+    (1..=max)
+        .filter(|&n| fits(cfg, n, expert_parallel).is_ok())
+        .collect()
 }
 
 /// Check that the model splits `tp` ways (before spawning anything).
 pub fn validate(cfg: &ModelConfig, tp: usize) -> Result<(), ShardError> {
-    check(cfg, tp)
+    check(cfg, tp, false)
+}
+
+/// [`validate`] with MoE experts whole per rank when `expert_parallel`
+/// (`--enable-expert-parallel`).
+pub fn validate_with(
+    cfg: &ModelConfig,
+    tp: usize,
+    expert_parallel: bool,
+) -> Result<(), ShardError> {
+    check(cfg, tp, expert_parallel)
 }
 
 /// The slice rank `rank` of `tp` holds.
 pub fn plan(cfg: &ModelConfig, tp: usize, rank: usize) -> Result<ShardPlan, ShardError> {
-    check(cfg, tp)?;
-    Ok(slices(cfg, tp, rank))
+    plan_with(cfg, tp, rank, false)
+}
+
+/// [`plan`] with MoE experts whole per rank when `expert_parallel`.
+pub fn plan_with(
+    cfg: &ModelConfig,
+    tp: usize,
+    rank: usize,
+    expert_parallel: bool,
+) -> Result<ShardPlan, ShardError> {
+    check(cfg, tp, expert_parallel)?;
+    Ok(slices(cfg, tp, rank, expert_parallel))
 }
 
 /// [`plan`] without the checks (`tp` ≥ 1 dividing the heads as [`fits`] asks).
-fn slices(cfg: &ModelConfig, tp: usize, rank: usize) -> ShardPlan {
+fn slices(cfg: &ModelConfig, tp: usize, rank: usize, expert_parallel: bool) -> ShardPlan {
     let per = |n: usize| n / tp;
     let qh = per(cfg.num_heads);
     let kv_heads = if cfg.num_kv_heads.is_multiple_of(tp) {
@@ -204,6 +296,7 @@ fn slices(cfg: &ModelConfig, tp: usize, rank: usize) -> ShardPlan {
         q_heads: rank * qh..(rank + 1) * qh,
         kv_heads,
         intermediate: rank * inter..(rank + 1) * inter,
+        expert_parallel: expert_parallel && cfg.moe.is_some(),
     }
 }
 
@@ -235,6 +328,7 @@ mod tests {
             dtype: crate::mlx::Dtype::F32,
             eos_token_ids: vec![],
             bos_token_id: None,
+            moe: None,
         }
     }
 

@@ -39,6 +39,8 @@ pub struct TpOptions {
     /// Rank r → this process's GPU entry `devices[r]` (default 0..N).
     pub devices: Option<Vec<usize>>,
     pub load_format: LoadFormat,
+    /// MoE models: each rank holds whole experts (`--enable-expert-parallel`).
+    pub expert_parallel: bool,
     pub ctx_size: usize,
     pub slots: usize,
     /// Prompt tokens per prefill step (sizes the memory plan's working margin).
@@ -73,6 +75,7 @@ impl TpOptions {
         };
         TpOptions {
             tp_size,
+            expert_parallel: false,
             backend: TpBackend::Auto,
             emulate: false,
             devices: None,
@@ -160,7 +163,7 @@ impl TpExecutor {
     pub fn launch(dir: &ModelDir, opts: TpOptions) -> Result<TpExecutor, LaunchError> {
         let n = opts.tp_size;
         let cfg = models::read_config(dir)?;
-        shard::validate(&cfg, n)?;
+        shard::validate_with(&cfg, n, opts.expert_parallel)?;
         let backend_name = mlx::backend().to_string();
         let gpus = visible_gpus();
         let backend = match (opts.backend, opts.emulate) {
@@ -294,7 +297,7 @@ impl TpExecutor {
         {
             // nothing to do: no GPUs in this process's view
         }
-        let args: Vec<String> = vec![
+        let mut args: Vec<String> = vec![
             "_rank".into(),
             "--model".into(),
             dir.root.display().to_string(),
@@ -312,6 +315,9 @@ impl TpExecutor {
             "--backend".into(),
             backend.name().into(),
         ];
+        if opts.expert_parallel {
+            args.push("--enable-expert-parallel".into());
+        }
         let config_bytes = std::fs::read(&dir.config)
             .map_err(|e| LaunchError::Io(format!("{}: {e}", dir.config.display())))?;
         let weight_files = if opts.load_format == LoadFormat::Dummy {
@@ -449,7 +455,7 @@ fn check_memory(
         prefill_chunk: opts.prefill_chunk,
         backend: mlx::backend(),
     };
-    let mem = plan::plan_memory(&input)?;
+    let mem = plan::plan_memory_with(&input, opts.expert_parallel)?;
     let place = Placement {
         entries,
         shared: opts.emulate || gpus == 0,

@@ -146,9 +146,17 @@ pub fn activation_dtype(
 
 /// The memory plan of every rank (validates the split first).
 pub fn plan_memory(input: &PlanInput<'_>) -> Result<MemoryPlan, ShardError> {
+    plan_memory_with(input, false)
+}
+
+/// [`plan_memory`] with MoE experts whole per rank when `expert_parallel`.
+pub fn plan_memory_with(
+    input: &PlanInput<'_>,
+    expert_parallel: bool,
+) -> Result<MemoryPlan, ShardError> {
     let cfg = input.cfg;
     let n = input.tp_size;
-    shard::validate(cfg, n)?;
+    shard::validate_with(cfg, n, expert_parallel)?;
     let act = activation_dtype(cfg, input.catalog);
     let a = act.size() as u64;
     let ctx = input.ctx_size.max(1) as u64;
@@ -161,7 +169,7 @@ pub fn plan_memory(input: &PlanInput<'_>) -> Result<MemoryPlan, ShardError> {
         let sp = if n == 1 {
             ShardPlan::full(cfg)
         } else {
-            shard::plan(cfg, n, r)?
+            shard::plan_with(cfg, n, r, expert_parallel)?
         };
         let (sharded, replicated, full) = weight_bytes(cfg, input.catalog, &sp);
         sharded_total = full;
@@ -658,6 +666,7 @@ mod tests {
             dtype: Dtype::BF16,
             eos_token_ids: vec![],
             bos_token_id: None,
+            moe: None,
         }
     }
 

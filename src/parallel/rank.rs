@@ -35,6 +35,9 @@ pub struct RankArgs {
     /// nccl or ring.
     #[arg(long)]
     pub backend: GroupBackend,
+    /// MoE models: hold whole experts per rank.
+    #[arg(long)]
+    pub enable_expert_parallel: bool,
 }
 
 fn env_usize(name: &str) -> Result<usize> {
@@ -102,7 +105,7 @@ fn serve(args: &RankArgs, rank: usize, dir: &ModelDir, chan: &mut RankChannel) -
         Some(Rc::new(group))
     };
     let cfg = models::read_config(dir)?;
-    let plan = shard::plan(&cfg, args.tp_size, rank)?;
+    let plan = shard::plan_with(&cfg, args.tp_size, rank, args.enable_expert_parallel)?;
     let t0 = Instant::now();
     let src = models::weight_source(dir, args.load_format, &cfg)?;
     let model = Model::load_shard(&cfg, src.as_ref(), &plan, group, |_, _| {})?;
