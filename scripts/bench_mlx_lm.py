@@ -5,6 +5,15 @@ warm-up), and batch-1 greedy decode of T tokens after a C-token prompt using
 mlx-lm's own pipelined `generate_step`. Prints one JSON line.
 
     python3 scripts/bench_mlx_lm.py MODEL_DIR [--prompt-lens 512,2048] [--decode-tokens 128]
+    python3 scripts/bench_mlx_lm.py CONFIG_DIR --dummy [--decode-batch 8,32]
+
+--dummy builds the model of CONFIG_DIR/config.json in memory with mlx-lm's own random
+initialisation (no checkpoint: what `mlxcel bench --load-format dummy` compares with),
+cast to the config's torch_dtype and, when the config has a "quantization" entry,
+quantized with nn.quantize at its group size and bits (every layer alike, as mlxcel's
+dummy weights are). --decode-batch also times greedy decode of B sequences at once
+(the same prompt, one token each per step, the next step queued before the previous is
+read, as generate_step does).
 """
 import argparse
 import json
@@ -16,6 +25,49 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load_model
 
 
+def dummy_model(folder):
+    """mlx-lm's model of folder/config.json with random weights, built in memory."""
+    import mlx.nn as nn
+    from mlx_lm.utils import _get_classes
+
+    config = json.loads((folder / "config.json").read_text())
+    model_class, args_class = _get_classes(config=config)
+    model = model_class(args_class.from_dict(config))
+    dtype = {"bfloat16": mx.bfloat16, "float16": mx.float16, "float32": mx.float32}[
+        config.get("torch_dtype", config.get("dtype", "bfloat16"))
+    ]
+    model.set_dtype(dtype)
+    q = config.get("quantization")
+    if q:
+        nn.quantize(model, group_size=q["group_size"], bits=q["bits"])
+    # one tensor at a time: the float32 initial values of a large model never coexist
+    from mlx.utils import tree_flatten
+
+    for _, p in tree_flatten(model.parameters()):
+        mx.eval(p)
+    return model, config
+
+
+def batched_decode(model, vocab, batch, context, tokens, repeats):
+    """Greedy decode of `batch` sequences after the same `context`-token prompt."""
+    best = 1e9
+    for _ in range(repeats):
+        cache = make_prompt_cache(model)
+        prompt = mx.random.randint(0, vocab, (1, context))
+        prompt = mx.broadcast_to(prompt, (batch, context))
+        y = mx.argmax(model(prompt, cache=cache)[:, -1, :], axis=-1)
+        mx.eval(y)
+        t = time.perf_counter()
+        for _ in range(tokens):
+            nxt = mx.argmax(model(y[:, None], cache=cache)[:, -1, :], axis=-1)
+            mx.async_eval(nxt)
+            y = nxt
+        mx.eval(y)
+        best = min(best, time.perf_counter() - t)
+    return {"batch": batch, "tokens": tokens, "seconds": best,
+            "tokens_per_second": batch * tokens / best}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -23,9 +75,11 @@ def main():
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--decode-context", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--dummy", action="store_true", help="random weights from config.json alone")
+    ap.add_argument("--decode-batch", default="", help="also time batched decode at these batches")
     a = ap.parse_args()
     from pathlib import Path
-    model, config = load_model(Path(a.model))
+    model, config = dummy_model(Path(a.model)) if a.dummy else load_model(Path(a.model))
     vocab = config["vocab_size"]
     mx.random.seed(1234)
 
@@ -51,10 +105,13 @@ def main():
         for _ in range(a.decode_tokens):
             next(gen)
         best = min(best, time.perf_counter() - t)
+    batched = [batched_decode(model, vocab, int(b), a.decode_context, a.decode_tokens, a.repeats)
+               for b in a.decode_batch.split(",") if b]
     print(json.dumps({
-        "engine": "mlx-lm", "model": a.model, "prefill": rows,
+        "engine": "mlx-lm", "model": a.model, "dummy": a.dummy, "prefill": rows,
         "decode": {"batch": 1, "context": a.decode_context, "tokens": a.decode_tokens, "seconds": best,
                    "tokens_per_second": a.decode_tokens / best, "ms_per_token": best * 1e3 / a.decode_tokens},
+        "decode_batched": batched,
         "peak_memory_bytes": mx.get_peak_memory(),
     }))
 

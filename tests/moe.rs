@@ -271,7 +271,10 @@ fn check_tp(name: &str, sizes: &[usize], expert_parallel: bool) {
             backend: mlxcel::mlx::backend(),
         };
         let plan = mlxcel::parallel::plan::plan_memory_with(&input, expert_parallel).unwrap();
+        assert_eq!(tp.reports().len(), n, "{what}: one report per rank");
+        eprintln!("{what}: logits max-abs diff {diff:.2e}");
         for rep in tp.reports() {
+            eprintln!("{what}: {}", rep.summary());
             let want = plan.ranks[rep.rank].weight_bytes as f64;
             let got = rep.weight_bytes as f64;
             assert!(
@@ -328,4 +331,35 @@ fn quantized_split_breaking_the_group_is_refused_and_expert_parallel_runs() {
         "{e}"
     );
     check_tp("qwen3_moe_q4", &[2], true);
+}
+
+/// Qwen3-30B-A3B 4-bit (group 64): 768 / 8 = 96 columns of every expert's down_proj per
+/// rank breaks the group, so --tp-size 8 is refused naming the flag that works and the
+/// valid sizes either way; with whole experts per rank it splits.
+#[test]
+fn qwen3_30b_a3b_4bit_at_tp8_needs_expert_parallel() {
+    let cfg: Value = serde_json::json!({
+        "model_type": "qwen3_moe", "hidden_size": 2048, "num_hidden_layers": 48,
+        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+        "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128,
+        "num_experts_per_tok": 8, "norm_topk_prob": true, "vocab_size": 151936,
+        "rope_theta": 1e6, "torch_dtype": "bfloat16",
+        "quantization": {"group_size": 64, "bits": 4},
+    });
+    let cfg = models::ModelConfig::from_json(&cfg).unwrap();
+    let e = models::shard::validate(&cfg, 8).unwrap_err().to_string();
+    assert!(
+        e.contains("--tp-size 8")
+            && e.contains("96 input columns")
+            && e.contains("group_size 64")
+            && e.contains("valid sizes: 1, 2, 4)")
+            && e.contains("--enable-expert-parallel (valid sizes with it: 1, 2, 4, 8, 16, 32)"),
+        "{e}"
+    );
+    models::shard::validate_with(&cfg, 8, true).unwrap();
+    // 128 experts over 3 ranks do not split whole
+    let e = models::shard::validate_with(&cfg, 3, true)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("--tp-size 3"), "{e}");
 }

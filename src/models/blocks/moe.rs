@@ -37,6 +37,22 @@ use super::norm::RmsNorm;
 /// matmuls (mlx-lm's threshold).
 const SORT_MIN_PAIRS: usize = 64;
 
+/// On a GPU, quantized experts are dequantized (all of them, into a temporary) and
+/// multiplied with `gather_mm` from this many (token, expert) pairs per expert on
+/// average: MLX's CUDA `gather_qmm` is slow on long inputs, while a prefill chunk hits
+/// every expert anyway. `MLXCEL_MOE_DEQUANT=0` turns it off (to compare).
+const DEQUANT_MIN_PAIRS_PER_EXPERT: usize = 4;
+
+/// Whether long inputs dequantize quantized experts on a GPU (see
+/// [`DEQUANT_MIN_PAIRS_PER_EXPERT`]).
+fn dequant_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        mlx::backend() != mlx::Backend::Cpu
+            && std::env::var("MLXCEL_MOE_DEQUANT").map_or(true, |v| v != "0")
+    })
+}
+
 /// The parameters of one MoE block of one rank.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MoeLayout {
@@ -147,8 +163,10 @@ enum Stacked {
 }
 
 impl Stacked {
-    /// `x @ W[idx]ᵀ` for each index: x `[.., 1, in]` → `[.., 1, out]`.
-    fn apply(&self, x: &Array, idx: &Array, sorted: bool) -> mlx::Result<Array> {
+    /// `x @ W[idx]ᵀ` for each index: x `[.., 1, in]` → `[.., 1, out]`. With `dequant`,
+    /// quantized experts are dequantized first (ordered after x exists, so the temporary
+    /// is not made before its input is there) and multiplied as dense ones.
+    fn apply(&self, x: &Array, idx: &Array, sorted: bool, dequant: bool) -> mlx::Result<Array> {
         match self {
             Stacked::Dense(w) => fast::gather_mm(x, &w.transpose(&[0, 2, 1])?, idx, sorted),
             Stacked::Quantized {
@@ -156,7 +174,23 @@ impl Stacked {
                 scales,
                 biases,
                 q,
+            } if dequant => {
+                let wd = fast::dequantize(&w.depends_on(x)?, scales, biases, q.group_size, q.bits)?;
+                fast::gather_mm(x, &wd.transpose(&[0, 2, 1])?, idx, sorted)
+            }
+            Stacked::Quantized {
+                w,
+                scales,
+                biases,
+                q,
             } => fast::gather_qmm(x, w, scales, biases, idx, q.group_size, q.bits, sorted),
+        }
+    }
+
+    /// Experts held.
+    fn experts(&self) -> usize {
+        match self {
+            Stacked::Dense(w) | Stacked::Quantized { w, .. } => w.dim(0) as usize,
         }
     }
 
@@ -317,13 +351,18 @@ impl MoeBlock {
 
     /// `down(silu(gate(x)) · up(x))` of expert `idx` for each row: x `[.., 1, H]`.
     fn swiglu_experts(&self, x: &Array, idx: &Array, sorted: bool) -> mlx::Result<Array> {
-        let gu = self.gate_up.apply(x, idx, sorted)?;
+        let pairs = idx.size();
+        let dequant = sorted
+            && pairs >= DEQUANT_MIN_PAIRS_PER_EXPERT * self.gate_up.experts()
+            && dequant_enabled();
+        let gu = self.gate_up.apply(x, idx, sorted, dequant)?;
         let half = gu.dim(-1) / 2;
         let mut parts = mlx::split_sections(&gu, &[half], -1)?.into_iter();
         let (Some(g), Some(u)) = (parts.next(), parts.next()) else {
             return Err(mlx::MlxError::Invalid("expert gate/up split".into()));
         };
-        self.down.apply(&fast::swiglu(&g, &u)?, idx, sorted)
+        self.down
+            .apply(&fast::swiglu(&g, &u)?, idx, sorted, dequant)
     }
 }
 
@@ -458,4 +497,49 @@ fn load_experts(
         ));
     }
     Err(missing(layout, src))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The dequantize + `gather_mm` path (long inputs on a GPU) computes what `gather_qmm`
+    /// does, sorted or not.
+    #[test]
+    fn dequantized_experts_match_gather_qmm() {
+        let key = mlx::random::key(7).unwrap();
+        let w = mlx::random::normal(&[4, 16, 64], Dtype::F32, 0.0, 0.1, &key).unwrap();
+        let (qw, scales, biases) = fast::quantize(&w, 32, 4).unwrap();
+        let q = QuantConfig {
+            group_size: 32,
+            bits: 4,
+        };
+        let s = Stacked::Quantized {
+            w: qw,
+            scales,
+            biases,
+            q,
+        };
+        assert_eq!(s.experts(), 4);
+        let x = mlx::random::normal(
+            &[6, 1, 64],
+            Dtype::F32,
+            0.0,
+            1.0,
+            &mlx::random::key(8).unwrap(),
+        )
+        .unwrap();
+        let idx = Array::from_slice(&[0u32, 0, 1, 2, 3, 3], &[6]).unwrap();
+        for sorted in [false, true] {
+            let a: Vec<f32> = s.apply(&x, &idx, sorted, false).unwrap().to_vec().unwrap();
+            let b: Vec<f32> = s.apply(&x, &idx, sorted, true).unwrap().to_vec().unwrap();
+            assert_eq!(a.len(), 6 * 16);
+            let d = a
+                .iter()
+                .zip(&b)
+                .map(|(x, y)| (x - y).abs())
+                .fold(0.0, f32::max);
+            assert!(d < 1e-4, "sorted={sorted}: differ by {d}");
+        }
+    }
 }
