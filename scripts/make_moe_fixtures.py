@@ -7,8 +7,9 @@ scripts/requirements-fixtures.txt).
     /tmp/fixvenv/bin/python scripts/make_moe_fixtures.py --out /tmp/fx
 
 What is built (float32 unless said; every folder: config.json, model.safetensors,
-reference.json with the prompt ids and greedy tokens, reference.safetensors with the
-prompt's logits at every position):
+token_reference.json with the prompt ids and greedy tokens, token_reference.safetensors
+with the prompt's logits at every position; named apart from make_fixtures.py's
+tokenizer-based reference.json, which check_fixtures.py and --verify read):
   * qwen3_moe         transformers Qwen3MoeForCausalLM, 3 layers (layer 1 dense through
                       mlp_only_layers), 4 experts top-2, norm_topk_prob, the per-expert
                       layout save_pretrained writes (`mlp.experts.{e}.gate_proj.weight`).
@@ -225,10 +226,10 @@ def write_refs(
 ) -> None:
     save_file(
         {"prompt_logits": torch.from_numpy(np.ascontiguousarray(logits, dtype=np.float32))},
-        str(folder / "reference.safetensors"),
+        str(folder / "token_reference.safetensors"),
     )
     write_json(
-        folder / "reference.json",
+        folder / "token_reference.json",
         {
             "source": source,
             "seed": seed,

@@ -37,7 +37,7 @@ struct Reference {
 
 fn reference(dir: &Path) -> Reference {
     let j: Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap())
+        serde_json::from_str(&std::fs::read_to_string(dir.join("token_reference.json")).unwrap())
             .unwrap();
     let ints = |k: &str| -> Vec<u32> {
         j[k].as_array()
@@ -46,7 +46,7 @@ fn reference(dir: &Path) -> Reference {
             .map(|x| x.as_u64().unwrap() as u32)
             .collect()
     };
-    let bytes = std::fs::read(dir.join("reference.safetensors")).unwrap();
+    let bytes = std::fs::read(dir.join("token_reference.safetensors")).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     let t = st.tensor("prompt_logits").unwrap();
     let logits = t
