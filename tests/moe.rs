@@ -357,6 +357,21 @@ fn qwen3_30b_a3b_4bit_at_tp8_needs_expert_parallel() {
         "{e}"
     );
     models::shard::validate_with(&cfg, 8, true).unwrap();
+    // the plan's MoE working memory over a 512-token chunk (bf16): the pairs' rows, and
+    // two layers' dequantized gate/up stacks of the 128 experts
+    let full = models::shard::ShardPlan::full(&cfg);
+    let pairs = 512 * 8 * (2 * 2048 + 3 * 768) * 2;
+    let dequant = 2 * (2 * 128 * 768 * 2048) * 2;
+    assert_eq!(
+        models::blocks::moe::working_bytes(&cfg, &full, 512, 2),
+        pairs + dequant
+    );
+    // 8 ranks of 16 whole experts: each dequantizes its own
+    let ep = models::shard::plan_with(&cfg, 8, 3, true).unwrap();
+    assert_eq!(
+        models::blocks::moe::working_bytes(&cfg, &ep, 512, 2),
+        pairs + dequant / 8
+    );
     // 128 experts over 3 ranks do not split whole
     let e = models::shard::validate_with(&cfg, 3, true)
         .unwrap_err()

@@ -199,6 +199,7 @@ pub fn plan_memory_with(
             0
         };
         let margin = activations
+            + crate::models::blocks::moe::working_bytes(cfg, &sp, t, a)
             + scores
             + logits
             + kv_growth

@@ -53,6 +53,36 @@ fn dequant_enabled() -> bool {
     })
 }
 
+/// Working memory of a MoE model's forward pass over `rows` tokens on a rank of `plan`
+/// beyond a dense MLP's, in bytes of `act`-byte activations: the (token, expert) pairs'
+/// gathered inputs, gate/up, activation and down outputs (`rows · top_k · (2H + 3i)`), and
+/// for quantized experts the dequantized stack of a long input (see
+/// [`DEQUANT_MIN_PAIRS_PER_EXPERT`]): gate/up then down of every expert held, the
+/// gate/up part (two thirds) alive at once, for the two layers a prefill keeps in
+/// flight. The dequantized term is counted on every backend (it is the GPU's), so a plan
+/// made on a CPU machine holds for a GPU.
+pub fn working_bytes(
+    cfg: &ModelConfig,
+    plan: &super::super::shard::ShardPlan,
+    rows: u64,
+    act: u64,
+) -> u64 {
+    let Some(moe) = &cfg.moe else { return 0 };
+    let ep = plan.expert_parallel && plan.size > 1;
+    let n = plan.size.max(1);
+    let (e, i) = match ep {
+        true => (moe.num_experts / n, moe.expert_intermediate),
+        false => (moe.num_experts, moe.expert_intermediate / n),
+    };
+    let (e, i, h, k) = (e as u64, i as u64, cfg.hidden_size as u64, moe.top_k as u64);
+    let pairs = rows * k * (2 * h + 3 * i) * act;
+    let dequant = match cfg.quantization {
+        Some(_) if rows * k >= DEQUANT_MIN_PAIRS_PER_EXPERT as u64 * e => 2 * (2 * e * i * h) * act,
+        _ => 0,
+    };
+    pairs + dequant
+}
+
 /// The parameters of one MoE block of one rank.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MoeLayout {
