@@ -4,25 +4,18 @@
 //! renormalised.
 use serde_json::Value;
 
-use super::blocks::attention::AttentionOptions;
 use super::config::{
     check_top_k, parse_common, refuse_sliding_window, ConfigError, Fields, ModelConfig, MoeConfig,
     MoeNames,
 };
-use super::layout::Layout;
-use super::model::decoder_layout;
-use super::shard::ShardPlan;
 use super::Family;
 
 pub const FAMILY: Family = Family {
     model_type: "mixtral",
     parse_config,
-    layout,
+    // llama's attention; the MoE blocks come from the config (`cfg.moe`)
+    layout: super::llama::layout,
 };
-
-pub fn layout(cfg: &ModelConfig, plan: &ShardPlan) -> Layout {
-    decoder_layout(cfg, plan, AttentionOptions::default())
-}
 
 pub fn parse_config(v: &Value) -> Result<ModelConfig, ConfigError> {
     let f = Fields(v);

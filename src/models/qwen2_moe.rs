@@ -3,27 +3,16 @@
 //! shared expert scaled by `sigmoid(shared_expert_gate(x))`.
 use serde_json::Value;
 
-use super::blocks::attention::AttentionOptions;
 use super::config::ModelConfig;
 use super::config::{parse_common, parse_qwen_moe, refuse_sliding_window, ConfigError, Fields};
-use super::layout::Layout;
-use super::model::decoder_layout;
-use super::shard::ShardPlan;
 use super::Family;
 
 pub const FAMILY: Family = Family {
     model_type: "qwen2_moe",
     parse_config,
-    layout,
+    // qwen2's attention; the MoE blocks come from the config (`cfg.moe`)
+    layout: super::qwen2::layout,
 };
-
-pub fn layout(cfg: &ModelConfig, plan: &ShardPlan) -> Layout {
-    let attn = AttentionOptions {
-        qkv_bias: true,
-        qk_norm: false,
-    };
-    decoder_layout(cfg, plan, attn)
-}
 
 pub fn parse_config(v: &Value) -> Result<ModelConfig, ConfigError> {
     let f = Fields(v);

@@ -3,28 +3,17 @@
 //! `decoder_sparse_step` / `mlp_only_layers` make sparse, a dense MLP in the others.
 use serde_json::Value;
 
-use super::blocks::attention::AttentionOptions;
 use super::config::{
     parse_common, parse_qwen_moe, refuse_sliding_window, ConfigError, Fields, ModelConfig,
 };
-use super::layout::Layout;
-use super::model::decoder_layout;
-use super::shard::ShardPlan;
 use super::Family;
 
 pub const FAMILY: Family = Family {
     model_type: "qwen3_moe",
     parse_config,
-    layout,
+    // qwen3's attention; the MoE blocks come from the config (`cfg.moe`)
+    layout: super::qwen3::layout,
 };
-
-pub fn layout(cfg: &ModelConfig, plan: &ShardPlan) -> Layout {
-    let attn = AttentionOptions {
-        qkv_bias: false,
-        qk_norm: true,
-    };
-    decoder_layout(cfg, plan, attn)
-}
 
 pub fn parse_config(v: &Value) -> Result<ModelConfig, ConfigError> {
     let f = Fields(v);
