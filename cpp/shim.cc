@@ -614,6 +614,14 @@ ArrayPtr dequantize(const array& w, const array& scales, const array& biases, in
                     int32_t bits) {
   return wrap(mx::dequantize(w, scales, biases, group_size, bits));
 }
+ArrayPtr gather_mm(const array& a, const array& b, const array& rhs_indices, bool sorted) {
+  return wrap(mx::gather_mm(a, b, std::nullopt, rhs_indices, sorted));
+}
+ArrayPtr gather_qmm(const array& x, const array& w, const array& scales, const array& biases,
+                    const array& rhs_indices, int32_t group_size, int32_t bits, bool sorted) {
+  return wrap(mx::gather_qmm(x, w, scales, biases, std::nullopt, rhs_indices, true, group_size, bits,
+                             "affine", std::nullopt, sorted));
+}
 std::unique_ptr<ArrayVec> quantize(const array& w, int32_t group_size, int32_t bits) {
   auto out = std::make_unique<ArrayVec>();
   out->items = mx::quantize(w, group_size, bits);

@@ -177,6 +177,12 @@ ArrayPtr quantized_matmul(const array& x, const array& w, const array& scales, c
                           bool transpose, int32_t group_size, int32_t bits);
 ArrayPtr dequantize(const array& w, const array& scales, const array& biases, int32_t group_size,
                     int32_t bits);
+// Expert matmuls (MoE): `a @ b[rhs_indices]`, batched over the indices' shape
+// (`sorted`: the indices are sorted, which MLX exploits on a GPU).
+ArrayPtr gather_mm(const array& a, const array& b, const array& rhs_indices, bool sorted);
+// `x @ dequantize(w[rhs_indices])ᵀ` for stacked affine-quantized experts.
+ArrayPtr gather_qmm(const array& x, const array& w, const array& scales, const array& biases,
+                    const array& rhs_indices, int32_t group_size, int32_t bits, bool sorted);
 std::unique_ptr<ArrayVec> quantize(const array& w, int32_t group_size, int32_t bits);
 
 // ---- random ----

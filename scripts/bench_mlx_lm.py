@@ -11,6 +11,9 @@ With --random-weights the folder needs only config.json: the model is built in m
 (mlx-lm's model class with its own random initialisation, cast to the config's dtype,
 `nn.quantize`d when the config has "quantization"), as `mlxcel bench --load-format dummy`
 does, for shapes whose checkpoints the disk cannot hold (scripts/rank_proxies.py).
+--decode-batch also times greedy decode of B
+sequences at once (the same prompt, one token each per step, the next step queued before
+the previous is read, as generate_step does).
 """
 import argparse
 import json
@@ -44,6 +47,26 @@ def random_model(path):
     return model, config
 
 
+def batched_decode(model, vocab, batch, context, tokens, repeats):
+    """Greedy decode of `batch` sequences after the same `context`-token prompt."""
+    best = 1e9
+    for _ in range(repeats):
+        cache = make_prompt_cache(model)
+        prompt = mx.random.randint(0, vocab, (1, context))
+        prompt = mx.broadcast_to(prompt, (batch, context))
+        y = mx.argmax(model(prompt, cache=cache)[:, -1, :], axis=-1)
+        mx.eval(y)
+        t = time.perf_counter()
+        for _ in range(tokens):
+            nxt = mx.argmax(model(y[:, None], cache=cache)[:, -1, :], axis=-1)
+            mx.async_eval(nxt)
+            y = nxt
+        mx.eval(y)
+        best = min(best, time.perf_counter() - t)
+    return {"batch": batch, "tokens": tokens, "seconds": best,
+            "tokens_per_second": batch * tokens / best}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -53,6 +76,7 @@ def main():
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--random-weights", action="store_true",
                     help="build the model of MODEL/config.json in memory with random weights")
+    ap.add_argument("--decode-batch", default="", help="also time batched decode at these batches")
     a = ap.parse_args()
     from pathlib import Path
     model, config = random_model(Path(a.model)) if a.random_weights else load_model(Path(a.model))
@@ -81,11 +105,14 @@ def main():
         for _ in range(a.decode_tokens):
             next(gen)
         best = min(best, time.perf_counter() - t)
+    batched = [batched_decode(model, vocab, int(b), a.decode_context, a.decode_tokens, a.repeats)
+               for b in a.decode_batch.split(",") if b]
     print(json.dumps({
         "engine": "mlx-lm", "model": a.model, "random_weights": a.random_weights,
         "weights_gb": sum(v.nbytes for _, v in tree_flatten(model.parameters())) / 1e9, "prefill": rows,
         "decode": {"batch": 1, "context": a.decode_context, "tokens": a.decode_tokens, "seconds": best,
                    "tokens_per_second": a.decode_tokens / best, "ms_per_token": best * 1e3 / a.decode_tokens},
+        "decode_batched": batched,
         "peak_memory_bytes": mx.get_peak_memory(),
     }))
 

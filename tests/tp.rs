@@ -17,6 +17,9 @@ use mlxcel::models::{self, LoadFormat};
 use mlxcel::parallel::driver::{TpExecutor, TpOptions};
 use serde_json::Value;
 
+mod support;
+use support::run_plan;
+
 static SERIAL: Mutex<()> = Mutex::new(());
 
 fn serial() -> std::sync::MutexGuard<'static, ()> {
@@ -34,43 +37,6 @@ fn tp_options(n: usize) -> TpOptions {
     o.emulate = true;
     o.program = Some(PathBuf::from(env!("CARGO_BIN_EXE_mlxcel")));
     o
-}
-
-/// Prompt logits of every position, then greedy tokens, through an executor.
-fn run_plan(exec: &mut dyn Executor, prompt: &[u32], steps: usize) -> (Vec<f32>, Vec<u32>) {
-    let start = SeqStep::whole_prompt(1, 1, prompt, Default::default());
-    let r = exec
-        .execute(&StepPlan {
-            seqs: vec![start],
-            return_logits: true,
-            ..Default::default()
-        })
-        .unwrap();
-    let logits = r.logits[0].clone();
-    let mut tokens = vec![r.sampled[0].token];
-    for i in 1..steps {
-        let step = SeqStep {
-            seq_id: 1,
-            slot: 1,
-            pos: prompt.len() + i - 1,
-            tokens: vec![*tokens.last().unwrap()],
-            start: None,
-            sample: true,
-        };
-        let r = exec
-            .execute(&StepPlan {
-                seqs: vec![step],
-                ..Default::default()
-            })
-            .unwrap();
-        tokens.push(r.sampled[0].token);
-    }
-    exec.execute(&StepPlan {
-        release: vec![1],
-        ..Default::default()
-    })
-    .unwrap();
-    (logits, tokens)
 }
 
 fn check_family(name: &str, sizes: &[usize]) {

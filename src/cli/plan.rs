@@ -46,7 +46,8 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         bail!("--parallel must be at least 1");
     }
     let n = args.tp.tp_size;
-    shard::validate(&cfg, n)?;
+    let ep = args.tp.enable_expert_parallel;
+    shard::validate_with(&cfg, n, ep)?;
     let catalog = match args.model.load_format {
         LoadFormat::Safetensors => Some(models::weights::catalog(&dir)?),
         LoadFormat::Dummy => None,
@@ -62,7 +63,7 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         backend,
         vocab_parallel: crate::kernels::knobs::get().vocab_parallel,
     };
-    let mem = plan::plan_memory(&input)?;
+    let mem = plan::plan_memory_with(&input, ep)?;
     let gpus = mlx::gpu_device_count();
     let entries: Vec<usize> = match &args.tp.devices {
         Some(d) if d.len() != n => {
@@ -161,6 +162,7 @@ pub fn run(args: &PlanArgs) -> Result<()> {
             "backend": backend.to_string(),
             "tp_size": n,
             "tp_emulate": args.tp.tp_emulate,
+            "expert_parallel": ep,
             "ctx_size": ctx_size,
             "parallel": args.parallel,
             "prefill_chunk": args.prefill_chunk,

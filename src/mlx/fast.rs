@@ -119,6 +119,43 @@ pub fn quantized_matmul(
     )?))
 }
 
+/// `a @ b[rhs_indices]`: one matrix of the stacked `b` (`[E, K, N]`) per index, batched
+/// over the indices' shape broadcast with `a`'s batch axes (MLX `gather_mm`; MoE experts).
+/// `sorted`: the indices are in ascending order (tokens sorted by expert).
+pub fn gather_mm(a: &Array, b: &Array, rhs_indices: &Array, sorted: bool) -> Result<Array> {
+    Ok(Array::from_ptr(ffi::gather_mm(
+        a.raw(),
+        b.raw(),
+        rhs_indices.raw(),
+        sorted,
+    )?))
+}
+
+/// [`gather_mm`] with `x @ dequantize(w[i])ᵀ` for stacked MLX affine-quantized experts
+/// (`w` `[E, N, K·bits/32]`, scales and biases `[E, N, K/group]`; MLX `gather_qmm`).
+#[allow(clippy::too_many_arguments)]
+pub fn gather_qmm(
+    x: &Array,
+    w: &Array,
+    scales: &Array,
+    biases: &Array,
+    rhs_indices: &Array,
+    group_size: i32,
+    bits: i32,
+    sorted: bool,
+) -> Result<Array> {
+    Ok(Array::from_ptr(ffi::gather_qmm(
+        x.raw(),
+        w.raw(),
+        scales.raw(),
+        biases.raw(),
+        rhs_indices.raw(),
+        group_size,
+        bits,
+        sorted,
+    )?))
+}
+
 /// Inverse of [`quantize`].
 pub fn dequantize(
     w: &Array,

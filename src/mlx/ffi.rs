@@ -334,6 +334,23 @@ pub(crate) mod ffi {
             group_size: i32,
             bits: i32,
         ) -> Result<UniquePtr<Array>>;
+        fn gather_mm(
+            a: &Array,
+            b: &Array,
+            rhs_indices: &Array,
+            sorted: bool,
+        ) -> Result<UniquePtr<Array>>;
+        #[allow(clippy::too_many_arguments)]
+        fn gather_qmm(
+            x: &Array,
+            w: &Array,
+            scales: &Array,
+            biases: &Array,
+            rhs_indices: &Array,
+            group_size: i32,
+            bits: i32,
+            sorted: bool,
+        ) -> Result<UniquePtr<Array>>;
         fn dequantize(
             w: &Array,
             scales: &Array,

@@ -13,11 +13,12 @@ use crate::mlx::{self, fast, Array, Dtype};
 
 use super::blocks::attention::{Attention, AttentionLayout, AttentionOptions};
 use super::blocks::mlp::{Mlp, MlpLayout};
+use super::blocks::moe::{MoeBlock, MoeLayout};
 use super::blocks::norm::RmsNorm;
 use super::config::ModelConfig;
 use super::kv_cache::{KvCache, KvError};
 use super::layers::{Embedding, Linear, Result, Rope, VocabRows};
-use super::layout::{LayerLayout, Layout, ParamSpec, Split};
+use super::layout::{FeedForwardLayout, LayerLayout, Layout, ParamSpec, Split};
 use super::shard::ShardPlan;
 use super::weights::WeightSource;
 
@@ -29,7 +30,45 @@ struct Block {
     input_layernorm: RmsNorm,
     self_attn: Attention,
     post_attention_layernorm: RmsNorm,
-    mlp: Mlp,
+    mlp: FeedForward,
+}
+
+/// A layer's feed-forward block.
+enum FeedForward {
+    Dense(Mlp),
+    Moe(Box<MoeBlock>),
+}
+
+impl FeedForward {
+    fn load(
+        src: &dyn WeightSource,
+        layout: &FeedForwardLayout,
+        cfg: &ModelConfig,
+        tp: Option<Rc<Group>>,
+    ) -> Result<FeedForward> {
+        Ok(match layout {
+            FeedForwardLayout::Dense(l) => FeedForward::Dense(Mlp::load(src, l, tp)?),
+            FeedForwardLayout::Moe(l) => {
+                let e = cfg.moe.as_ref().map_or(0, |m| m.num_experts);
+                FeedForward::Moe(Box::new(MoeBlock::load(src, l, e, tp)?))
+            }
+        })
+    }
+
+    /// `h + ffn(norm(h))`.
+    fn forward_residual(&self, h: &Array, norm: &RmsNorm) -> mlx::Result<Array> {
+        match self {
+            FeedForward::Dense(m) => m.forward_residual(h, norm),
+            FeedForward::Moe(m) => m.forward_residual(h, norm),
+        }
+    }
+
+    fn arrays(&self) -> Vec<&Array> {
+        match self {
+            FeedForward::Dense(m) => m.arrays(),
+            FeedForward::Moe(m) => m.arrays(),
+        }
+    }
 }
 
 /// One sequence's part of a forward step.
@@ -122,7 +161,7 @@ impl Model {
                 input_layernorm: RmsNorm::load(src, &l.input_layernorm, eps)?,
                 self_attn: Attention::load(src, &l.attn, cfg, plan, tp.clone())?,
                 post_attention_layernorm: RmsNorm::load(src, &l.post_attention_layernorm, eps)?,
-                mlp: Mlp::load(src, &l.mlp, tp.clone())?,
+                mlp: FeedForward::load(src, &l.mlp, cfg, tp.clone())?,
             });
             // materialise layer by layer so file pages and host copies are released early
             let arrays = layers.last().unwrap().arrays();
@@ -533,7 +572,8 @@ fn vocab_rows(
 /// `model.layers.{i}` of an attention block with `attn`'s choices and a SwiGLU MLP, each
 /// pre-normed (`input_layernorm`, `post_attention_layernorm`), `model.norm`, and
 /// `lm_head` unless tied; column/row/vocabulary splits of `plan`, quantized as the config
-/// says.
+/// says. A config with experts ([`ModelConfig::moe`]) gets a MoE block in its sparse
+/// layers.
 pub fn decoder_layout(cfg: &ModelConfig, plan: &ShardPlan, attn: AttentionOptions) -> Layout {
     let q = cfg.quantization;
     let h = cfg.hidden_size;
@@ -547,7 +587,21 @@ pub fn decoder_layout(cfg: &ModelConfig, plan: &ShardPlan, attn: AttentionOption
                     format!("{p}.post_attention_layernorm.weight"),
                     h,
                 ),
-                mlp: MlpLayout::new(&format!("{p}.mlp"), cfg, plan.intermediate.clone(), q),
+                mlp: match &cfg.moe {
+                    Some(moe) if moe.is_sparse(i) => FeedForwardLayout::Moe(MoeLayout::new(
+                        i,
+                        cfg,
+                        moe,
+                        (plan.rank, plan.size, plan.expert_parallel),
+                        q,
+                    )),
+                    _ => FeedForwardLayout::Dense(MlpLayout::new(
+                        &format!("{p}.mlp"),
+                        cfg,
+                        plan.intermediate.clone(),
+                        q,
+                    )),
+                },
             }
         })
         .collect();

@@ -15,6 +15,11 @@
 //! `(in / N) % group_size == 0`. A vocabulary split takes whole rows, so it fits any
 //! quantization; with `MLXCEL_VOCAB_PARALLEL=0` (or a vocabulary too small to give
 //! every rank a row) the embedding and lm_head are replicated.
+//!
+//! MoE blocks (`super::blocks::moe`): by default every expert's gate/up split by
+//! columns and down by rows over its `moe_intermediate_size`, like the dense MLP; with
+//! `--enable-expert-parallel` each rank holds `num_experts / N` whole experts. The
+//! router is replicated; the shared expert (Qwen2-MoE) splits like a dense MLP.
 use std::ops::Range;
 
 use super::config::ModelConfig;
@@ -43,7 +48,7 @@ pub enum ShardError {
         valid: String,
     },
     #[error(
-        "--tp-size {tp}: the row-parallel {what} would get {per_rank} input columns per rank, not a multiple of the quantization group_size {group} (valid sizes: {valid})"
+        "--tp-size {tp}: the row-parallel {what} would get {per_rank} input columns per rank, not a multiple of the quantization group_size {group} (valid sizes: {valid}){hint}"
     )]
     QuantGroup {
         tp: usize,
@@ -51,6 +56,16 @@ pub enum ShardError {
         per_rank: usize,
         group: usize,
         valid: String,
+        /// For a MoE expert projection: the expert-parallel alternative and its sizes.
+        hint: String,
+    },
+    #[error("--tp-size {tp}: {field} {size} is not divisible by it (valid sizes: {valid}){hint}")]
+    Experts {
+        tp: usize,
+        field: &'static str,
+        size: usize,
+        valid: String,
+        hint: String,
     },
     #[error("--tp-size must be at least 1")]
     Zero,
@@ -69,6 +84,9 @@ pub struct ShardPlan {
     pub intermediate: Range<usize>,
     /// Vocabulary rows of this rank's embedding and lm_head (`None`: both replicated).
     pub vocab: Option<VocabShard>,
+    /// MoE layers: whole experts per rank (`--enable-expert-parallel`) instead of a slice
+    /// of every expert's intermediate dimension.
+    pub expert_parallel: bool,
 }
 
 /// A vocab-parallel rank's rows of the vocabulary. Rank r holds rows
@@ -116,6 +134,7 @@ impl ShardPlan {
             kv_heads: 0..cfg.num_kv_heads,
             intermediate: 0..cfg.intermediate_size,
             vocab: None,
+            expert_parallel: false,
         }
     }
 
@@ -132,15 +151,31 @@ impl ShardPlan {
     }
 }
 
-fn check(cfg: &ModelConfig, tp: usize) -> Result<(), ShardError> {
-    let valid = || {
-        valid_sizes(cfg, 64)
-            .iter()
-            .map(|n| n.to_string())
-            .collect::<Vec<_>>()
-            .join(", ")
+fn list(sizes: &[usize]) -> String {
+    sizes
+        .iter()
+        .map(|n| n.to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+fn check(cfg: &ModelConfig, tp: usize, ep: bool) -> Result<(), ShardError> {
+    let valid = || list(&valid_sizes_with(cfg, 64, ep));
+    // a MoE model refused one way may split the other way
+    let hint = || {
+        match (&cfg.moe, ep) {
+        (None, _) => String::new(),
+        (Some(_), false) => format!(
+            "; or hold whole experts per rank with --enable-expert-parallel (valid sizes with it: {})",
+            list(&valid_sizes_with(cfg, 64, true))
+        ),
+        (Some(_), true) => format!(
+            "; or without --enable-expert-parallel (valid sizes: {})",
+            list(&valid_sizes_with(cfg, 64, false))
+        ),
+    }
     };
-    match fits(cfg, tp) {
+    match fits(cfg, tp, ep) {
         Ok(()) => Ok(()),
         Err(Misfit::Zero) => Err(ShardError::Zero),
         Err(Misfit::Heads) => Err(ShardError::Heads {
@@ -162,12 +197,21 @@ fn check(cfg: &ModelConfig, tp: usize) -> Result<(), ShardError> {
             what,
             per_rank,
             group,
+            expert,
         }) => Err(ShardError::QuantGroup {
             tp,
             what,
             per_rank,
             group,
             valid: valid(),
+            hint: if expert { hint() } else { String::new() },
+        }),
+        Err(Misfit::Experts { field, size }) => Err(ShardError::Experts {
+            tp,
+            field,
+            size,
+            valid: valid(),
+            hint: hint(),
         }),
     }
 }
@@ -182,14 +226,21 @@ enum Misfit {
         what: String,
         per_rank: usize,
         group: usize,
+        /// A stacked MoE expert projection.
+        expert: bool,
+    },
+    Experts {
+        field: &'static str,
+        size: usize,
     },
 }
 
 /// Whether the model splits `tp` ways: whole q heads per rank, kv heads that divide
 /// or are divided by `tp`, whole intermediate columns, and every quantized row-parallel
 /// parameter of the family's layout ([`super::layout`]) with whole quantization groups
-/// per rank.
-fn fits(cfg: &ModelConfig, tp: usize) -> Result<(), Misfit> {
+/// per rank; for a MoE model, whole experts per rank (`ep`: expert parallel) or whole
+/// columns of every expert's (and the shared expert's) intermediate dimension.
+fn fits(cfg: &ModelConfig, tp: usize, ep: bool) -> Result<(), Misfit> {
     if tp == 0 {
         return Err(Misfit::Zero);
     }
@@ -203,7 +254,31 @@ fn fits(cfg: &ModelConfig, tp: usize) -> Result<(), Misfit> {
     if !cfg.intermediate_size.is_multiple_of(tp) {
         return Err(Misfit::Intermediate);
     }
-    let layout = super::layout(cfg, &slices(cfg, tp, 0, false));
+    if let Some(moe) = &cfg.moe {
+        let misfit = |field, size: usize| match size.is_multiple_of(tp) {
+            true => Ok(()),
+            false => Err(Misfit::Experts { field, size }),
+        };
+        match ep {
+            true => misfit("num_experts", moe.num_experts)?,
+            false => misfit("moe_intermediate_size", moe.expert_intermediate)?,
+        }
+        if let Some(s) = moe.shared_expert_intermediate {
+            misfit("shared_expert_intermediate_size", s)?;
+        }
+    }
+    let layout = super::layout(
+        cfg,
+        &slices(
+            cfg,
+            tp,
+            0,
+            SplitOptions {
+                vocab_parallel: false,
+                expert_parallel: ep,
+            },
+        ),
+    );
     for p in layout.params() {
         if let (Split::Row(cols), Some(q)) = (&p.split, p.quant) {
             let g = q.group_size as usize;
@@ -212,6 +287,7 @@ fn fits(cfg: &ModelConfig, tp: usize) -> Result<(), Misfit> {
                     what: p.short_name().to_string(),
                     per_rank: cols.len(),
                     group: g,
+                    expert: p.experts.is_some(),
                 });
             }
         }
@@ -221,33 +297,68 @@ fn fits(cfg: &ModelConfig, tp: usize) -> Result<(), Misfit> {
 
 /// Tensor-parallel sizes up to `max` that this model can be split into.
 pub fn valid_sizes(cfg: &ModelConfig, max: usize) -> Vec<usize> {
-    (1..=max).filter(|&n| fits(cfg, n).is_ok()).collect()
+    valid_sizes_with(cfg, max, false)
+}
+
+/// [`valid_sizes`] with MoE experts whole per rank when `expert_parallel`.
+pub fn valid_sizes_with(cfg: &ModelConfig, max: usize, expert_parallel: bool) -> Vec<usize> {
+    (1..=max)
+        .filter(|&n| fits(cfg, n, expert_parallel).is_ok())
+        .collect()
 }
 
 /// Check that the model splits `tp` ways (before spawning anything).
 pub fn validate(cfg: &ModelConfig, tp: usize) -> Result<(), ShardError> {
-    check(cfg, tp)
+    check(cfg, tp, false)
+}
+
+/// [`validate`] with MoE experts whole per rank when `expert_parallel`
+/// (`--enable-expert-parallel`).
+pub fn validate_with(
+    cfg: &ModelConfig,
+    tp: usize,
+    expert_parallel: bool,
+) -> Result<(), ShardError> {
+    check(cfg, tp, expert_parallel)
 }
 
 /// The slice rank `rank` of `tp` holds, with the vocabulary split as
 /// `MLXCEL_VOCAB_PARALLEL` says ([`crate::kernels::knobs`]).
 pub fn plan(cfg: &ModelConfig, tp: usize, rank: usize) -> Result<ShardPlan, ShardError> {
-    plan_with(cfg, tp, rank, crate::kernels::knobs::get().vocab_parallel)
+    plan_with(
+        cfg,
+        tp,
+        rank,
+        SplitOptions {
+            vocab_parallel: crate::kernels::knobs::get().vocab_parallel,
+            expert_parallel: false,
+        },
+    )
 }
 
-/// [`plan`] with the vocabulary split (`vocab_parallel`) or replicated.
+/// The choices of how to split what may split more than one way.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SplitOptions {
+    /// Each rank holds its rows of the vocabulary (embedding, lm_head) instead of both
+    /// whole (`MLXCEL_VOCAB_PARALLEL`).
+    pub vocab_parallel: bool,
+    /// MoE layers hold whole experts per rank (`--enable-expert-parallel`).
+    pub expert_parallel: bool,
+}
+
+/// [`plan`] with the given split options.
 pub fn plan_with(
     cfg: &ModelConfig,
     tp: usize,
     rank: usize,
-    vocab_parallel: bool,
+    opts: SplitOptions,
 ) -> Result<ShardPlan, ShardError> {
-    check(cfg, tp)?;
-    Ok(slices(cfg, tp, rank, vocab_parallel))
+    check(cfg, tp, opts.expert_parallel)?;
+    Ok(slices(cfg, tp, rank, opts))
 }
 
 /// [`plan_with`] without the checks (`tp` ≥ 1 dividing the heads as [`fits`] asks).
-fn slices(cfg: &ModelConfig, tp: usize, rank: usize, vocab_parallel: bool) -> ShardPlan {
+fn slices(cfg: &ModelConfig, tp: usize, rank: usize, opts: SplitOptions) -> ShardPlan {
     let per = |n: usize| n / tp;
     let qh = per(cfg.num_heads);
     let kv_heads = if cfg.num_kv_heads.is_multiple_of(tp) {
@@ -264,7 +375,8 @@ fn slices(cfg: &ModelConfig, tp: usize, rank: usize, vocab_parallel: bool) -> Sh
         q_heads: rank * qh..(rank + 1) * qh,
         kv_heads,
         intermediate: rank * inter..(rank + 1) * inter,
-        vocab: VocabShard::of(cfg.vocab_size, tp, rank).filter(|_| vocab_parallel),
+        vocab: VocabShard::of(cfg.vocab_size, tp, rank).filter(|_| opts.vocab_parallel),
+        expert_parallel: opts.expert_parallel && cfg.moe.is_some(),
     }
 }
 
@@ -296,6 +408,7 @@ mod tests {
             dtype: crate::mlx::Dtype::F32,
             eos_token_ids: vec![],
             bos_token_id: None,
+            moe: None,
         }
     }
 
@@ -367,10 +480,21 @@ mod tests {
         assert_eq!(VocabShard::of(9, 4, 0), None);
         assert_eq!(VocabShard::of(100, 1, 0), None);
         let c = cfg(8, 2, 256, Some(64));
-        let p = plan_with(&c, 4, 3, true).unwrap();
+        let p = plan_with(
+            &c,
+            4,
+            3,
+            SplitOptions {
+                vocab_parallel: true,
+                ..Default::default()
+            },
+        )
+        .unwrap();
         assert_eq!(p.vocab_split(), Split::Vocab(75..100));
         assert_eq!(
-            plan_with(&c, 4, 3, false).unwrap().vocab_split(),
+            plan_with(&c, 4, 3, SplitOptions::default())
+                .unwrap()
+                .vocab_split(),
             Split::Replicated
         );
         assert_eq!(ShardPlan::full(&c).vocab, None);

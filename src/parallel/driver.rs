@@ -41,6 +41,8 @@ pub struct TpOptions {
     /// Rank r → this process's GPU entry `devices[r]` (default 0..N).
     pub devices: Option<Vec<usize>>,
     pub load_format: LoadFormat,
+    /// MoE models: each rank holds whole experts (`--enable-expert-parallel`).
+    pub expert_parallel: bool,
     pub ctx_size: usize,
     pub slots: usize,
     /// Prompt tokens per prefill step (sizes the memory plan's working margin).
@@ -75,6 +77,7 @@ impl TpOptions {
         };
         TpOptions {
             tp_size,
+            expert_parallel: false,
             backend: TpBackend::Auto,
             emulate: false,
             vocab_parallel: crate::kernels::knobs::get().vocab_parallel,
@@ -163,7 +166,7 @@ impl TpExecutor {
     pub fn launch(dir: &ModelDir, opts: TpOptions) -> Result<TpExecutor, LaunchError> {
         let n = opts.tp_size;
         let cfg = models::read_config(dir)?;
-        shard::validate(&cfg, n)?;
+        shard::validate_with(&cfg, n, opts.expert_parallel)?;
         let backend_name = mlx::backend().to_string();
         let gpus = visible_gpus();
         let backend = match (opts.backend, opts.emulate) {
@@ -297,7 +300,7 @@ impl TpExecutor {
         {
             // nothing to do: no GPUs in this process's view
         }
-        let args: Vec<String> = vec![
+        let mut args: Vec<String> = vec![
             "_rank".into(),
             "--model".into(),
             dir.root.display().to_string(),
@@ -317,6 +320,9 @@ impl TpExecutor {
             "--vocab-parallel".into(),
             opts.vocab_parallel.to_string(),
         ];
+        if opts.expert_parallel {
+            args.push("--enable-expert-parallel".into());
+        }
         let config_bytes = std::fs::read(&dir.config)
             .map_err(|e| LaunchError::Io(format!("{}: {e}", dir.config.display())))?;
         let weight_files = if opts.load_format == LoadFormat::Dummy {
@@ -455,7 +461,7 @@ fn check_memory(
         backend: mlx::backend(),
         vocab_parallel: opts.vocab_parallel,
     };
-    let mem = plan::plan_memory(&input)?;
+    let mem = plan::plan_memory_with(&input, opts.expert_parallel)?;
     let place = Placement {
         entries,
         shared: opts.emulate || gpus == 0,

@@ -152,9 +152,17 @@ pub fn activation_dtype(
 
 /// The memory plan of every rank (validates the split first).
 pub fn plan_memory(input: &PlanInput<'_>) -> Result<MemoryPlan, ShardError> {
+    plan_memory_with(input, false)
+}
+
+/// [`plan_memory`] with MoE experts whole per rank when `expert_parallel`.
+pub fn plan_memory_with(
+    input: &PlanInput<'_>,
+    expert_parallel: bool,
+) -> Result<MemoryPlan, ShardError> {
     let cfg = input.cfg;
     let n = input.tp_size;
-    shard::validate(cfg, n)?;
+    shard::validate_with(cfg, n, expert_parallel)?;
     let act = activation_dtype(cfg, input.catalog);
     let a = act.size() as u64;
     let ctx = input.ctx_size.max(1) as u64;
@@ -168,7 +176,15 @@ pub fn plan_memory(input: &PlanInput<'_>) -> Result<MemoryPlan, ShardError> {
         let sp = if n == 1 {
             ShardPlan::full(cfg)
         } else {
-            shard::plan_with(cfg, n, r, input.vocab_parallel)?
+            shard::plan_with(
+                cfg,
+                n,
+                r,
+                shard::SplitOptions {
+                    vocab_parallel: input.vocab_parallel,
+                    expert_parallel,
+                },
+            )?
         };
         let (sharded, replicated, full) = weight_bytes(cfg, input.catalog, &sp);
         vocab_rows_per_rank = sp.vocab.as_ref().map(|v| v.per_rank);
@@ -201,6 +217,7 @@ pub fn plan_memory(input: &PlanInput<'_>) -> Result<MemoryPlan, ShardError> {
             0
         };
         let margin = activations
+            + crate::models::blocks::moe::working_bytes(cfg, &sp, t, a)
             + scores
             + logits
             + kv_growth
@@ -669,6 +686,7 @@ mod tests {
             dtype: Dtype::BF16,
             eos_token_ids: vec![],
             bos_token_id: None,
+            moe: None,
         }
     }
 
@@ -739,7 +757,16 @@ mod tests {
                 for r in 0..tp {
                     let sp = match tp {
                         1 => ShardPlan::full(&cfg),
-                        _ => shard::plan_with(&cfg, tp, r, vocab_parallel).unwrap(),
+                        _ => shard::plan_with(
+                            &cfg,
+                            tp,
+                            r,
+                            shard::SplitOptions {
+                                vocab_parallel,
+                                expert_parallel: false,
+                            },
+                        )
+                        .unwrap(),
                     };
                     let src: Box<dyn WeightSource> = match checkpoint {
                         true => Box::new(SafetensorsSource::from_dir(&md).unwrap()),

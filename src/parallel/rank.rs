@@ -38,6 +38,9 @@ pub struct RankArgs {
     /// Split the embedding and lm_head by vocabulary rows (the driver decides).
     #[arg(long, action = clap::ArgAction::Set)]
     pub vocab_parallel: bool,
+    /// MoE models: hold whole experts per rank.
+    #[arg(long)]
+    pub enable_expert_parallel: bool,
 }
 
 fn env_usize(name: &str) -> Result<usize> {
@@ -105,7 +108,15 @@ fn serve(args: &RankArgs, rank: usize, dir: &ModelDir, chan: &mut RankChannel) -
         Some(Rc::new(group))
     };
     let cfg = models::read_config(dir)?;
-    let plan = shard::plan_with(&cfg, args.tp_size, rank, args.vocab_parallel)?;
+    let plan = shard::plan_with(
+        &cfg,
+        args.tp_size,
+        rank,
+        shard::SplitOptions {
+            vocab_parallel: args.vocab_parallel,
+            expert_parallel: args.enable_expert_parallel,
+        },
+    )?;
     let t0 = Instant::now();
     let src = models::weight_source(dir, args.load_format, &cfg)?;
     let model = Model::load_shard(&cfg, src.as_ref(), &plan, group, |_, _| {})?;

@@ -48,6 +48,10 @@ pub struct TpArgs {
     /// GPUs for ranks 0..N-1, e.g. `2,0` (indices into this process's visible GPUs).
     #[arg(long, value_delimiter = ',')]
     pub devices: Option<Vec<usize>>,
+    /// Mixture-of-experts models: each rank holds num_experts / N whole experts, instead
+    /// of 1/N of every expert's intermediate dimension.
+    #[arg(long)]
+    pub enable_expert_parallel: bool,
 }
 
 impl TpArgs {
@@ -62,6 +66,7 @@ impl TpArgs {
         o.emulate = self.tp_emulate;
         o.devices = self.devices.clone();
         o.load_format = load_format;
+        o.expert_parallel = self.enable_expert_parallel;
         o
     }
 }
