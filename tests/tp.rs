@@ -56,6 +56,8 @@ fn run_plan(exec: &mut dyn Executor, prompt: &[u32], steps: usize) -> (Vec<f32>,
             tokens: vec![*tokens.last().unwrap()],
             start: None,
             sample: true,
+            blocks: None,
+            restart: false,
         };
         let r = exec
             .execute(&StepPlan {

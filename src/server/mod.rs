@@ -25,6 +25,7 @@ use std::sync::mpsc::{self, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::models::kv_cache::KvConfig;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 
@@ -66,9 +67,18 @@ pub struct ServeArgs {
     /// Require `Authorization: Bearer KEY` on every /v1 route.
     #[arg(long, env = "MLXCEL_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
-    /// Sequences generated at once (KV-cache slots).
+    /// Most sequences running at once.
     #[arg(long, default_value_t = 8)]
     pub parallel: usize,
+    /// Tokens per block of the paged KV cache (the CUDA decode kernel needs a multiple of 32).
+    #[arg(long, default_value_t = crate::models::kv_cache::DEFAULT_BLOCK_SIZE)]
+    pub block_size: usize,
+    /// GB (10^9 bytes) of KV cache per rank (default: --parallel × --ctx-size tokens).
+    #[arg(long)]
+    pub kv_cache_gb: Option<f64>,
+    /// Turn off automatic prefix caching (sharing the KV blocks of equal prompt prefixes).
+    #[arg(long)]
+    pub no_enable_prefix_caching: bool,
     /// Requests that may wait for a slot; more get 429.
     #[arg(long, default_value_t = 64)]
     pub max_queue: usize,
@@ -349,6 +359,20 @@ impl Observer for EngineObserver {
             .in_system
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
     }
+    fn kv_blocks(&self, used: usize, total: usize) {
+        let m = &self.metrics;
+        m.kv_blocks_used.store(used as u64, Ordering::Relaxed);
+        m.kv_blocks_total.store(total as u64, Ordering::Relaxed);
+    }
+    fn prefix_cache(&self, queried: usize, hit: usize) {
+        let m = &self.metrics;
+        m.prefix_cache_queries
+            .fetch_add(queried as u64, Ordering::Relaxed);
+        m.prefix_cache_hits.fetch_add(hit as u64, Ordering::Relaxed);
+    }
+    fn preempted(&self) {
+        self.metrics.preemptions.fetch_add(1, Ordering::Relaxed);
+    }
     fn step_done(&self, running: usize, waiting: usize) {
         let m = &self.metrics;
         m.running.store(running as u64, Ordering::Relaxed);
@@ -441,6 +465,40 @@ fn warm_up(exec: &mut dyn Executor, tokenizer: &Tokenizer) -> Result<(), StepErr
     Ok(())
 }
 
+/// KV bytes per token on one rank of `tp` (bfloat16; kv heads split by whole heads).
+fn tp_kv_bytes_per_token(m: &OpenedModel, tp: usize) -> usize {
+    let kv_heads = m.cfg.num_kv_heads.div_ceil(tp.max(1));
+    m.cfg.num_layers * 2 * kv_heads * m.cfg.head_dim * 2
+}
+
+/// The KV pool of `--block-size` blocks: `--kv-cache-gb` of `per_token` bytes, or room
+/// for `--parallel` sequences of the whole context.
+fn kv_config(args: &ServeArgs, m: &OpenedModel, per_token: usize) -> Result<KvConfig> {
+    let bs = args.block_size;
+    if bs == 0 {
+        bail!("--block-size must be at least 1");
+    }
+    let Some(gb) = args.kv_cache_gb else {
+        return Ok(KvConfig::for_slots(args.parallel, m.ctx_size, bs));
+    };
+    if !(gb.is_finite() && gb > 0.0) {
+        bail!("--kv-cache-gb {gb}: must be a positive number");
+    }
+    let num_blocks = (gb * 1e9 / (per_token.max(1) * bs) as f64) as usize;
+    if num_blocks == 0 {
+        bail!("--kv-cache-gb {gb}: holds not one block of {bs} tokens ({per_token} bytes a token)");
+    }
+    tracing::info!(
+        "KV cache: {num_blocks} blocks of {bs} tokens ({} tokens, {gb} GB)",
+        num_blocks * bs
+    );
+    Ok(KvConfig {
+        block_size: bs,
+        num_blocks,
+        preallocate: true,
+    })
+}
+
 /// Load the model (or launch and warm up the TP ranks) on the engine thread.
 fn start_executor(
     args: &ServeArgs,
@@ -455,7 +513,8 @@ fn start_executor(
             args.prefill_chunk,
         )?;
         let model = load_weights(&args.model, m)?;
-        let mut local = LocalExecutor::new(model, args.parallel, m.ctx_size);
+        let kv = kv_config(args, m, model.kv_bytes_per_token())?;
+        let mut local = LocalExecutor::with_kv(model, args.parallel, m.ctx_size, kv);
         local.worker.warm_up()?;
         Box::new(local)
     } else {
@@ -463,6 +522,7 @@ fn start_executor(
             .tp
             .options(args.model.load_format, m.ctx_size, args.parallel);
         opts.prefill_chunk = args.prefill_chunk;
+        opts.kv = kv_config(args, m, tp_kv_bytes_per_token(m, args.tp.tp_size))?;
         // Ranks (and the ranks of every restart) run this very binary, even
         // if its file has been replaced or deleted since the server started.
         let this_exe = std::path::Path::new("/proc/self/exe");
@@ -535,6 +595,8 @@ fn engine_main(
             slots: exec.slots(),
             ctx_size: exec.ctx_size(),
             prefill_chunk: args.prefill_chunk,
+            kv: Some(exec.kv_pool()),
+            prefix_caching: !args.no_enable_prefix_caching,
         },
         m.tokenizer.clone(),
     );
