@@ -2691,6 +2691,13 @@ fn a_shared_prompt_prefix_is_prefilled_once() {
                 r.json()
             })
             .collect();
+        // the gauges are set after the step that sent the last token
+        wait_until(
+            "every block free",
+            Duration::from_secs(10),
+            || metric(&s.metrics(), "mlxcel:kv_blocks_used") == 0.0,
+            || s.metrics(),
+        );
         (out, s.metrics())
     };
     let (cached, m) = run(&["--ctx-size", "512", "--parallel", "2"]);
@@ -2712,11 +2719,65 @@ fn a_shared_prompt_prefix_is_prefilled_once() {
     assert_eq!(metric(&m, "vllm:prefix_cache_hits"), hit as f64);
     let asked = cached[0]["usage"]["prompt_tokens"].as_u64().unwrap() + prompt;
     assert_eq!(metric(&m, "vllm:prefix_cache_queries"), asked as f64);
-    assert_eq!(metric(&m, "mlxcel:kv_blocks_used"), 0.0);
     assert!(metric(&m, "mlxcel:kv_blocks_free") > 0.0);
     assert_eq!(metric(&m_off, "vllm:prefix_cache_hits"), 0.0);
     for (a, b) in cached.iter().zip(&plain) {
         assert_eq!(a["choices"][0]["text"], b["choices"][0]["text"]);
     }
     assert_eq!(usage(&plain[1], "cached_tokens"), 0);
+}
+
+/// A KV pool of a few blocks (`--kv-cache-gb`): a request whose prompt and max_tokens
+/// cannot fit the whole pool gets 400; concurrent requests that together overflow it
+/// are preempted and recomputed, each still gets the text it gets alone, and every
+/// block is free again at the end.
+#[test]
+fn a_small_kv_pool_preempts_and_refuses_what_cannot_fit() {
+    // the llama3 fixture holds 512 bytes of KV a token: 0.0001 GB is 6 blocks of 32
+    let s = Server::start(
+        "llama3",
+        &[
+            "--ctx-size",
+            "256",
+            "--parallel",
+            "4",
+            "--kv-cache-gb",
+            "0.0001",
+        ],
+        &[],
+    );
+    let body = |p: &str, n: u64| json!({"prompt": p, "max_tokens": n, "temperature": 0});
+    let r = s.post("/v1/completions", &body("hello there", 250));
+    let e = assert_error(&r, 400);
+    assert!(
+        e["message"].as_str().unwrap().contains("pool holds 192"),
+        "{e}"
+    );
+    let prompts: Vec<String> = (0..4)
+        .map(|i| format!("request {i}: tell me about the number {}", 7 * i))
+        .collect();
+    let alone: Vec<Value> = prompts
+        .iter()
+        .map(|p| s.post("/v1/completions", &body(p, 60)).json())
+        .collect();
+    let together: Vec<Value> = std::thread::scope(|scope| {
+        let hs: Vec<_> = prompts
+            .iter()
+            .map(|p| scope.spawn(|| s.post("/v1/completions", &body(p, 60)).json()))
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (a, b) in alone.iter().zip(&together) {
+        assert_eq!(a["choices"][0]["text"], b["choices"][0]["text"]);
+    }
+    // the gauges are set after the step that sent the last token
+    wait_until(
+        "every block free",
+        Duration::from_secs(10),
+        || metric(&s.metrics(), "mlxcel:kv_blocks_used") == 0.0,
+        || s.metrics(),
+    );
+    let m = s.metrics();
+    assert!(metric(&m, "vllm:num_preemptions") > 0.0, "{m}");
+    assert_eq!(metric(&m, "mlxcel:kv_blocks_free"), 6.0);
 }

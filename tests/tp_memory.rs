@@ -330,6 +330,7 @@ fn dummy_rank_weights_match_the_plan() {
             slots: 1,
             prefill_chunk: 512,
             backend: mlxcel::mlx::backend(),
+            kv_tokens: None,
         };
         let p = plan::plan_memory(&input).unwrap();
         let expected = p.sharded_total_bytes / n as u64 + p.replicated_total_bytes;

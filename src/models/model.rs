@@ -196,11 +196,6 @@ impl Model {
         )
     }
 
-    /// Bytes of KV per token in this process (all layers, keys and values).
-    pub fn kv_bytes_per_token(&self) -> usize {
-        self.cfg.num_layers * 2 * self.kv_heads * self.cfg.head_dim * self.activation_dtype().size()
-    }
-
     /// Bytes of all weights.
     pub fn weight_bytes(&self) -> usize {
         let mut all = self.embed_tokens.arrays();

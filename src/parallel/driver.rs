@@ -461,6 +461,10 @@ fn check_memory(
         slots: opts.slots,
         prefill_chunk: opts.prefill_chunk,
         backend: mlx::backend(),
+        kv_tokens: opts
+            .kv
+            .preallocate
+            .then_some(opts.kv.num_blocks * opts.kv.block_size),
     };
     let mem = plan::plan_memory(&input)?;
     let place = Placement {

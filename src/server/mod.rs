@@ -25,7 +25,6 @@ use std::sync::mpsc::{self, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::models::kv_cache::KvConfig;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 
@@ -70,12 +69,8 @@ pub struct ServeArgs {
     /// Most sequences running at once.
     #[arg(long, default_value_t = 8)]
     pub parallel: usize,
-    /// Tokens per block of the paged KV cache (the CUDA decode kernel needs a multiple of 32).
-    #[arg(long, default_value_t = crate::models::kv_cache::DEFAULT_BLOCK_SIZE)]
-    pub block_size: usize,
-    /// GB (10^9 bytes) of KV cache per rank (default: --parallel × --ctx-size tokens).
-    #[arg(long)]
-    pub kv_cache_gb: Option<f64>,
+    #[command(flatten)]
+    pub kv: crate::runtime::KvArgs,
     /// Turn off automatic prefix caching (sharing the KV blocks of equal prompt prefixes).
     #[arg(long)]
     pub no_enable_prefix_caching: bool,
@@ -465,55 +460,29 @@ fn warm_up(exec: &mut dyn Executor, tokenizer: &Tokenizer) -> Result<(), StepErr
     Ok(())
 }
 
-/// KV bytes per token on one rank of `tp` (bfloat16; kv heads split by whole heads).
-fn tp_kv_bytes_per_token(m: &OpenedModel, tp: usize) -> usize {
-    let kv_heads = m.cfg.num_kv_heads.div_ceil(tp.max(1));
-    m.cfg.num_layers * 2 * kv_heads * m.cfg.head_dim * 2
-}
-
-/// The KV pool of `--block-size` blocks: `--kv-cache-gb` of `per_token` bytes, or room
-/// for `--parallel` sequences of the whole context.
-fn kv_config(args: &ServeArgs, m: &OpenedModel, per_token: usize) -> Result<KvConfig> {
-    let bs = args.block_size;
-    if bs == 0 {
-        bail!("--block-size must be at least 1");
-    }
-    let Some(gb) = args.kv_cache_gb else {
-        return Ok(KvConfig::for_slots(args.parallel, m.ctx_size, bs));
-    };
-    if !(gb.is_finite() && gb > 0.0) {
-        bail!("--kv-cache-gb {gb}: must be a positive number");
-    }
-    let num_blocks = (gb * 1e9 / (per_token.max(1) * bs) as f64) as usize;
-    if num_blocks == 0 {
-        bail!("--kv-cache-gb {gb}: holds not one block of {bs} tokens ({per_token} bytes a token)");
-    }
-    tracing::info!(
-        "KV cache: {num_blocks} blocks of {bs} tokens ({} tokens, {gb} GB)",
-        num_blocks * bs
-    );
-    Ok(KvConfig {
-        block_size: bs,
-        num_blocks,
-        preallocate: true,
-    })
-}
-
 /// Load the model (or launch and warm up the TP ranks) on the engine thread.
 fn start_executor(
     args: &ServeArgs,
     m: &OpenedModel,
     metrics: &Arc<Metrics>,
 ) -> Result<Box<dyn Executor>> {
+    let kv = crate::runtime::kv_config(
+        &args.kv,
+        &args.model,
+        m,
+        &args.tp,
+        args.parallel,
+        args.prefill_chunk,
+    )?;
     let mut exec: Box<dyn Executor> = if !args.tp.uses_ranks() {
         crate::runtime::check_single_device_memory(
             &args.model,
             m,
             args.parallel,
             args.prefill_chunk,
+            kv.preallocate.then_some(kv.num_blocks * kv.block_size),
         )?;
         let model = load_weights(&args.model, m)?;
-        let kv = kv_config(args, m, model.kv_bytes_per_token())?;
         let mut local = LocalExecutor::with_kv(model, args.parallel, m.ctx_size, kv);
         local.worker.warm_up()?;
         Box::new(local)
@@ -522,7 +491,7 @@ fn start_executor(
             .tp
             .options(args.model.load_format, m.ctx_size, args.parallel);
         opts.prefill_chunk = args.prefill_chunk;
-        opts.kv = kv_config(args, m, tp_kv_bytes_per_token(m, args.tp.tp_size))?;
+        opts.kv = kv;
         // Ranks (and the ranks of every restart) run this very binary, even
         // if its file has been replaced or deleted since the server started.
         let this_exe = std::path::Path::new("/proc/self/exe");
