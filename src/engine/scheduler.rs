@@ -1517,6 +1517,9 @@ mod tests {
             matches!(&end, RunEnd::ExecutorFailed(m) if m.contains("rank 1")),
             "{end:?}"
         );
+        // the failed executor's pool is gone: no block is held, none is cached
+        assert_eq!(s.blocks_used(), 0);
+        assert_eq!(s.blocks.available(), s.blocks.num_blocks());
         let (toks, last) = drain(&mut rx);
         assert!(!toks.is_empty());
         assert!(
