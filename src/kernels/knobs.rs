@@ -15,8 +15,11 @@ use std::sync::OnceLock;
 pub struct Knobs {
     /// `MLXCEL_QGEMV`: use the quantized GEMV kernel on CUDA (`0`: MLX's kernels only).
     pub qgemv: bool,
-    /// `MLXCEL_QGEMV_XQ`: 4-bit weights meet int8-rounded activations (`0`: bf16 math).
+    /// `MLXCEL_QGEMV_XQ`: 4-bit weights meet int8-rounded activations (`0`: float math).
     pub qgemv_xq: bool,
+    /// `MLXCEL_QGEMV_F16`: the GEMV kernel for float16 activations and scales too (`0`:
+    /// bfloat16 only, float16 goes to MLX's kernels).
+    pub qgemv_f16: bool,
     /// `MLXCEL_QGEMV_MMA`: smallest batch on the tensor-core path; `Some(0)` turns it
     /// off, `None` keeps the default ([`super::qgemv::MMA_MIN_M`]).
     pub qgemv_mma: Option<usize>,
@@ -40,6 +43,7 @@ impl Default for Knobs {
         Knobs {
             qgemv: true,
             qgemv_xq: true,
+            qgemv_f16: true,
             qgemv_mma: None,
             qgemv_chunks: true,
             qgemv_stream: true,
@@ -55,6 +59,7 @@ impl Default for Knobs {
 pub const VARS: &[&str] = &[
     "MLXCEL_QGEMV",
     "MLXCEL_QGEMV_XQ",
+    "MLXCEL_QGEMV_F16",
     "MLXCEL_QGEMV_MMA",
     "MLXCEL_QGEMV_CHUNKS",
     "MLXCEL_QGEMV_STREAM",
@@ -119,6 +124,7 @@ impl Knobs {
         };
         k.qgemv = switch("MLXCEL_QGEMV", k.qgemv)?;
         k.qgemv_xq = switch("MLXCEL_QGEMV_XQ", k.qgemv_xq)?;
+        k.qgemv_f16 = switch("MLXCEL_QGEMV_F16", k.qgemv_f16)?;
         k.qgemv_mma = number(
             "MLXCEL_QGEMV_MMA",
             0..=super::qgemv::MAX_M,
@@ -146,6 +152,7 @@ impl Knobs {
         };
         switch("MLXCEL_QGEMV", self.qgemv, d.qgemv);
         switch("MLXCEL_QGEMV_XQ", self.qgemv_xq, d.qgemv_xq);
+        switch("MLXCEL_QGEMV_F16", self.qgemv_f16, d.qgemv_f16);
         switch("MLXCEL_QGEMV_CHUNKS", self.qgemv_chunks, d.qgemv_chunks);
         switch("MLXCEL_QGEMV_STREAM", self.qgemv_stream, d.qgemv_stream);
         switch(
