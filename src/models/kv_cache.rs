@@ -535,3 +535,129 @@ impl KvCache {
         self.kv.iter().map(|a| a.nbytes()).sum()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn values(shape: &[i32], from: f32) -> Array {
+        let n: i32 = shape.iter().product();
+        let v: Vec<f32> = (0..n).map(|i| from + i as f32).collect();
+        Array::from_slice(&v, shape).unwrap()
+    }
+
+    fn read(a: &Array) -> Vec<f32> {
+        a.to_vec::<f32>().unwrap()
+    }
+
+    /// A sequence written through a table of scattered blocks reads back what a run of
+    /// blocks holds (prompt, then a decode step), merged and split writes alike; a
+    /// batched step's gather and mask give each row its own positions; the pool grows
+    /// only to the highest block used.
+    #[test]
+    fn scattered_blocks_read_back_like_a_run() {
+        let (layers, h, d, bs) = (2usize, 2i32, 4i32, 4usize);
+        let kv = KvConfig {
+            block_size: bs,
+            num_blocks: 8,
+            preallocate: false,
+        };
+        let mut run = KvCache::new(layers, 2, h as usize, d as usize, Dtype::F32, 32, kv);
+        let mut scat = KvCache::new(layers, 2, h as usize, d as usize, Dtype::F32, 32, kv);
+        run.restart(0, 0, Some(&[2, 3]));
+        scat.restart(1, 0, Some(&[5, 0]));
+        // a 6-token prompt: split into layer 1, merged into layer 0
+        let k = values(&[1, h, 6, d], 0.0);
+        let v = values(&[1, h, 6, d], 100.0);
+        let merged = mlx::concatenate(&[&k, &v], 1).unwrap();
+        let mut got = vec![];
+        for (c, slot) in [(&mut run, 0), (&mut scat, 1)] {
+            c.prepare(layers, &[(slot, 6)]).unwrap();
+            let rows = c.seq_rows(slot, 0, 6).unwrap();
+            assert_eq!(rows.is_run(), slot == 0);
+            let (k1, v1) = c
+                .write_and_read(1, &rows, &NewKv::Split(k.clone(), v.clone()))
+                .unwrap();
+            let (k0, v0) = c
+                .write_and_read(0, &rows, &NewKv::Merged(merged.clone()))
+                .unwrap();
+            got.push([read(&k1), read(&v1), read(&k0), read(&v0)]);
+            c.advance(slot, 6);
+        }
+        assert_eq!(got[0], got[1]);
+        assert_eq!(got[0][0], read(&k));
+        assert_eq!(got[0][3], read(&v));
+        // the pools grow in steps of 256 positions, at most the pool's 8 blocks
+        assert_eq!(scat.nbytes(), layers * 8 * bs * 2 * (h * d) as usize * 4);
+        // slot 0 shares slot 1's first block (a cached prefix) and writes positions 4..6
+        // into its own block 4; then a batched decode step of both at position 6
+        scat.restart(0, 4, Some(&[5, 4]));
+        scat.prepare(layers, &[(0, 6)]).unwrap();
+        let rows = scat.seq_rows(0, 4, 2).unwrap();
+        let tail = |a: &Array| a.slice_axis(2, 4, 6).unwrap();
+        scat.write(1, &rows, &NewKv::Split(tail(&k), tail(&v)))
+            .unwrap();
+        scat.advance(0, 2);
+        let k1 = values(&[2, h, 1, d], 1000.0);
+        let v1 = values(&[2, h, 1, d], 2000.0);
+        scat.prepare(layers, &[(0, 7), (1, 7)]).unwrap();
+        let idx = scat.batch_index(&[1, 0], &[6, 6], false).unwrap();
+        scat.write_batch(1, &idx, &NewKv::Split(k1.clone(), v1.clone()))
+            .unwrap();
+        let (kk, vv, mask) = scat.read_batch(1, &idx).unwrap();
+        assert_eq!(kk.shape(), vec![2, h, 7, d]);
+        let (kk, vv) = (read(&kk), read(&vv));
+        let (row, head) = ((h * 7 * d) as usize, (7 * d) as usize);
+        // both rows: the prompt's 6 positions, then their own new one
+        for r in 0..2 {
+            for hh in 0..h as usize {
+                let at = r * row + hh * head;
+                assert_eq!(
+                    kk[at..at + 6 * d as usize],
+                    read(&k)[hh * 6 * d as usize..(hh + 1) * 6 * d as usize]
+                );
+                assert_eq!(
+                    kk[at + 6 * d as usize],
+                    1000.0 + ((r * h as usize + hh) * d as usize) as f32
+                );
+                assert_eq!(
+                    vv[at + 6 * d as usize],
+                    2000.0 + ((r * h as usize + hh) * d as usize) as f32
+                );
+            }
+        }
+        assert_eq!(
+            mask.astype(Dtype::I32).unwrap().to_vec::<i32>().unwrap(),
+            vec![1; 14]
+        );
+        let t = scat.batch_index(&[1, 0], &[6, 1], true).unwrap();
+        assert_eq!(
+            t.table().unwrap().to_vec::<i32>().unwrap(),
+            vec![5, 0, 5, 0]
+        );
+        // a position past the table has no block; past the context, no room
+        assert!(matches!(
+            scat.prepare(layers, &[(1, 9)]),
+            Err(KvError::NoBlock { .. })
+        ));
+        assert!(matches!(
+            scat.prepare(layers, &[(1, 33)]),
+            Err(KvError::ContextFull { .. })
+        ));
+    }
+
+    /// Without a table a slot owns the blocks j·slots + slot: one slot's positions are
+    /// one run.
+    #[test]
+    fn fixed_blocks_interleave_slots() {
+        let kv = KvConfig::for_slots(3, 64, 16);
+        assert_eq!(kv.num_blocks, 12);
+        let mut c = KvCache::new(1, 3, 1, 2, Dtype::F32, 64, kv);
+        c.prepare(1, &[(2, 40)]).unwrap();
+        let idx = c.batch_index(&[2], &[39], true).unwrap();
+        assert_eq!(idx.table().unwrap().to_vec::<i32>().unwrap(), vec![2, 5, 8]);
+        assert!(!c.seq_rows(2, 0, 40).unwrap().is_run());
+        let one = KvCache::new(1, 1, 1, 2, Dtype::F32, 64, KvConfig::for_slots(1, 64, 16));
+        assert!(one.seq_rows(0, 0, 64).unwrap().is_run());
+    }
+}
