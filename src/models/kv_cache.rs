@@ -551,9 +551,9 @@ mod tests {
     }
 
     /// A sequence written through a table of scattered blocks reads back what a run of
-    /// blocks holds (prompt, then a decode step), merged and split writes alike; a
-    /// batched step's gather and mask give each row its own positions; the pool grows
-    /// only to the highest block used.
+    /// blocks holds, merged and split writes alike; a sequence sharing its first block
+    /// (a cached prefix) reads it with its own; a batched step's gather and mask give
+    /// each row its own positions, and the kernel's tables its blocks.
     #[test]
     fn scattered_blocks_read_back_like_a_run() {
         let (layers, h, d, bs) = (2usize, 2i32, 4i32, 4usize);
