@@ -194,6 +194,9 @@ struct Seq {
     prefill_end: usize,
     /// Its block table.
     blocks: Vec<u32>,
+    /// Blocks of its table the executor has (tables only grow while a sequence runs,
+    /// so a step sends the table only when it grew, or at a restart).
+    sent_blocks: usize,
     /// Keys of its leading full blocks offered to the prefix cache so far.
     keys: Vec<u64>,
     /// Its next step (re)starts its slot (first step, or after a preemption).
@@ -219,6 +222,10 @@ impl Seq {
         } else {
             self.prefilled
         }
+    }
+    /// Its table for a step: when the executor's copy is not current.
+    fn table_to_send(&self) -> Option<Vec<u32>> {
+        (self.restart || self.sent_blocks != self.blocks.len()).then(|| self.blocks.clone())
     }
     /// Its tokens `a..b` (prompt, then generated).
     fn tokens(&self, a: usize, b: usize) -> Vec<u32> {
@@ -540,6 +547,7 @@ impl Scheduler {
                 restart: true,
                 started: false,
                 cached_tokens: cached,
+                sent_blocks: 0,
                 generated: Vec::new(),
                 decoder,
                 stops,
@@ -690,6 +698,7 @@ impl Scheduler {
                     );
                 }
                 out.push((s.slot, s.blocks.clone()));
+                s.sent_blocks = s.blocks.len();
             }
         }
         out
@@ -732,7 +741,7 @@ impl Scheduler {
                 tokens: vec![last],
                 start: None,
                 sample: true,
-                blocks: Some(s.blocks.clone()),
+                blocks: s.table_to_send(),
                 restart: s.restart,
             });
             in_plan.push((s.id, true, None));
@@ -752,7 +761,7 @@ impl Scheduler {
                     prompt: s.req.prompt.clone(),
                 }),
                 sample,
-                blocks: Some(s.blocks.clone()),
+                blocks: s.table_to_send(),
                 restart: s.restart,
             });
             in_plan.push((s.id, sample, Some(end)));
@@ -784,6 +793,7 @@ impl Scheduler {
             let seq = &mut self.running[idx];
             seq.restart = false;
             seq.started = true;
+            seq.sent_blocks = seq.blocks.len();
             if let Some(end) = chunk_end {
                 seq.prefilled = end;
             }
@@ -1256,6 +1266,8 @@ mod tests {
         slots: usize,
         ctx: usize,
         lens: Vec<usize>,
+        /// each slot's block table as last sent
+        tables: Vec<Vec<u32>>,
         pool: Vec<u32>,
         bs: usize,
         live: HashMap<u64, usize>,
@@ -1274,6 +1286,7 @@ mod tests {
                 slots,
                 ctx,
                 lens: vec![0; slots],
+                tables: vec![Vec::new(); slots],
                 pool: vec![0; bs * blocks],
                 bs,
                 live: HashMap::new(),
@@ -1309,10 +1322,21 @@ mod tests {
                     self.live.insert(s.seq_id, s.slot);
                 }
                 assert_eq!(self.live.get(&s.seq_id), Some(&s.slot), "seq without start");
-                let table = s.blocks.as_ref().expect("a block table");
                 if s.start.is_some() || s.restart {
                     self.lens[s.slot] = s.pos;
+                    self.tables[s.slot] = s.blocks.clone().expect("a restart sends its table");
+                } else if let Some(t) = &s.blocks {
+                    assert!(
+                        t.starts_with(&self.tables[s.slot]),
+                        "a running sequence's table only grows"
+                    );
+                    self.tables[s.slot] = t.clone();
                 }
+                let table = &self.tables[s.slot];
+                assert!(
+                    table.len() * bs >= s.pos + s.tokens.len(),
+                    "the table does not cover the step"
+                );
                 assert_eq!(self.lens[s.slot], s.pos, "position mismatch");
                 let row = |p: usize| table[p / bs] as usize * bs + p % bs;
                 for (k, &t) in s.tokens.iter().enumerate() {
