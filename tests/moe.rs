@@ -236,6 +236,7 @@ fn check_tp(name: &str, sizes: &[usize], expert_parallel: bool) {
             prefill_chunk: 512,
             backend: mlxcel::mlx::backend(),
             vocab_parallel: true,
+            kv_tokens: None,
         };
         let plan = mlxcel::parallel::plan::plan_memory_with(&input, expert_parallel).unwrap();
         assert_eq!(tp.reports().len(), n, "{what}: one report per rank");

@@ -631,6 +631,8 @@ fn sample_everything(exec: &mut dyn Executor, vocab: usize) -> (Vec<Vec<u32>>, V
             tokens: vec![tok],
             start: None,
             sample: true,
+            blocks: None,
+            restart: false,
         };
         let r = exec
             .execute(&StepPlan {

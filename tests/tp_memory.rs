@@ -333,6 +333,7 @@ fn dummy_rank_weights_match_the_plan() {
             prefill_chunk: 512,
             backend: mlxcel::mlx::backend(),
             vocab_parallel: true,
+            kv_tokens: None,
         };
         let p = plan::plan_memory(&input).unwrap();
         let expected = p.sharded_total_bytes / n as u64 + p.replicated_total_bytes;

@@ -11,7 +11,7 @@ use crate::models::{self, LoadFormat};
 use crate::parallel::placement;
 use crate::parallel::plan::{self, Budget, Placement, PlanInput};
 use crate::parallel::shard;
-use crate::runtime::{ctx_size_of, resolve_dir, ModelArgs, TpArgs};
+use crate::runtime::{ctx_size_of, resolve_dir, KvArgs, ModelArgs, TpArgs};
 
 #[derive(Debug, Args)]
 pub struct PlanArgs {
@@ -25,6 +25,8 @@ pub struct PlanArgs {
     pub prefill_chunk: usize,
     #[command(flatten)]
     pub tp: TpArgs,
+    #[command(flatten)]
+    pub kv: KvArgs,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -62,8 +64,8 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         prefill_chunk: args.prefill_chunk,
         backend,
         vocab_parallel: crate::kernels::knobs::get().vocab_parallel,
+        kv_tokens: None,
     };
-    let mem = plan::plan_memory_with(&input, ep)?;
     let gpus = mlx::gpu_device_count();
     let entries: Vec<usize> = match &args.tp.devices {
         Some(d) if d.len() != n => {
@@ -95,6 +97,41 @@ pub fn run(args: &PlanArgs) -> Result<()> {
             None
         }
     };
+    // the paged KV cache: tokens that fit as `serve` would size its pool
+    let per_token = plan::kv_bytes_per_token(&input)?.max(1);
+    let bs = args.kv.block_size.max(1) as u64;
+    let kv_fit: Option<(u64, String)> = if let Some(gb) = args.kv.kv_cache_gb {
+        Some((
+            (gb * 1e9 / per_token as f64) as u64,
+            format!("--kv-cache-gb {gb}"),
+        ))
+    } else {
+        let fraction = args.kv.gpu_memory_utilization.or((!shared).then_some(0.9));
+        let device = match (&budget, shared) {
+            (Some(Budget::Shared(d)), true) => Some(d.free_bytes),
+            (_, false) => plan::gpu_memory_via_child(None).ok().and_then(|g| {
+                entries
+                    .iter()
+                    .filter_map(|&e| g.get(e).map(|x| x.total_bytes))
+                    .min()
+            }),
+            _ => None,
+        };
+        match (fraction, device) {
+            (Some(f), Some(d)) => Some((
+                plan::kv_tokens_fit(&input, d, f, shared)?,
+                format!("--gpu-memory-utilization {f}"),
+            )),
+            _ => None,
+        }
+    }
+    .map(|(t, how)| (t / bs * bs, how));
+    // a pool sized by memory is allocated at once: the plan holds it
+    let input = PlanInput {
+        kv_tokens: kv_fit.as_ref().map(|k| k.0 as usize),
+        ..input
+    };
+    let mem = plan::plan_memory_with(&input, ep)?;
     let verdict = budget.as_ref().map(|b| plan::check_fit(&input, &mem, b));
     let device_of = |r: usize| -> (String, Option<String>) {
         if backend != Backend::Cuda {
@@ -178,6 +215,10 @@ pub fn run(args: &PlanArgs) -> Result<()> {
             "message": message,
             "smallest_fitting_tp_size": smallest,
             "max_ctx_size": max_ctx,
+            "kv_bytes_per_token": per_token,
+            "block_size": bs,
+            "kv_tokens_fit": kv_fit.as_ref().map(|k| k.0),
+            "kv_tokens_fit_by": kv_fit.as_ref().map(|k| k.1.clone()),
             "notes": notes,
         });
         println!("{out}");
@@ -238,6 +279,19 @@ pub fn run(args: &PlanArgs) -> Result<()> {
                 gb(d.free_bytes),
                 d.source
             );
+        }
+        match &kv_fit {
+            Some((tokens, how)) => println!(
+                "paged KV cache ({per_token} bytes a token, blocks of {bs}): {tokens} tokens fit per \
+                 rank with {how} = {:.1} sequences of --ctx-size {ctx_size}, or {} of 512 tokens",
+                *tokens as f64 / ctx_size.max(1) as f64,
+                tokens / 512
+            ),
+            None => println!(
+                "paged KV cache ({per_token} bytes a token, blocks of {bs}): --parallel × --ctx-size \
+                 = {} tokens (give --kv-cache-gb or --gpu-memory-utilization to size it by memory)",
+                args.parallel * ctx_size
+            ),
         }
         for note in &notes {
             println!("note: {note}");

@@ -1,7 +1,9 @@
 //! Step plans and the worker that executes them.
 //!
 //! A step plan says, for each sequence in the step, its id, KV-cache slot,
-//! position and new tokens, and whether to sample after it. The same plan is
+//! position, block table (the driver owns the paged KV cache's block tables; each
+//! rank holds its heads' part of every block) and new tokens, and whether to sample
+//! after it. The same plan is
 //! executed by the single-process engine and by every tensor-parallel rank,
 //! so every rank issues the same collectives in the same order; ranks never
 //! decide anything on their own. Only the sampling rank (0) returns tokens.
@@ -13,7 +15,7 @@ use super::grammar::apply_masks;
 use super::sampler::{sample_batch_lazy, LazySample, SamplingParams, SequenceSampler};
 use crate::kernels;
 use crate::mlx::{self, Array};
-use crate::models::kv_cache::KvCache;
+use crate::models::kv_cache::{KvCache, KvConfig, DEFAULT_BLOCK_SIZE};
 use crate::models::{ForwardError, Logits, Model, SeqInput, StepInput};
 
 /// First step of a sequence: reset its slot and set up its sampler.
@@ -35,6 +37,16 @@ pub struct SeqStep {
     pub start: Option<SeqStart>,
     /// Sample a token after this step (last prefill chunk, or decode).
     pub sample: bool,
+    /// The sequence's block table in the paged KV cache, covering positions
+    /// `0..pos + tokens.len()`; `None`: the slot's fixed blocks (see
+    /// [`crate::models::kv_cache`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub blocks: Option<Vec<u32>>,
+    /// The sequence (re)starts here with its first `pos` positions already in its
+    /// blocks (a cached prefix, or recomputation after preemption) and keeps its
+    /// sampler; `start` implies it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub restart: bool,
 }
 
 impl SeqStep {
@@ -51,6 +63,8 @@ impl SeqStep {
                 prompt: prompt.to_vec(),
             }),
             sample: true,
+            blocks: None,
+            restart: false,
         }
     }
 }
@@ -141,13 +155,28 @@ pub enum StepError {
     Rank(String),
 }
 
+/// The blocks of an executor's paged KV cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KvPool {
+    pub block_size: usize,
+    pub num_blocks: usize,
+}
+
 /// Executes step plans: the single-process engine, or the driver of N ranks.
 pub trait Executor {
     fn execute(&mut self, plan: &StepPlan) -> Result<StepResult, StepError>;
     /// Maximum tokens per sequence.
     fn ctx_size(&self) -> usize;
-    /// Number of KV-cache slots.
+    /// Most sequences at once (KV-cache slots).
     fn slots(&self) -> usize;
+    /// The paged KV cache's pool, whose block tables the scheduler keeps. The default:
+    /// every slot's whole context in blocks of [`DEFAULT_BLOCK_SIZE`].
+    fn kv_pool(&self) -> KvPool {
+        KvPool {
+            block_size: DEFAULT_BLOCK_SIZE,
+            num_blocks: self.slots() * self.ctx_size().div_ceil(DEFAULT_BLOCK_SIZE),
+        }
+    }
     /// Whether the executor is still usable, checked without waiting (the
     /// scheduler calls it while idle). `Err` ([`StepError::Rank`]) means it is not.
     fn check_health(&mut self) -> Result<(), StepError> {
@@ -171,10 +200,14 @@ pub trait Executor {
     /// still on the device. The step is evaluated asynchronously;
     /// [`Executor::take_sampled`] reads the oldest queued step's tokens. So step
     /// t+1 runs on the device while the host reads, detokenizes and streams step t.
+    ///
+    /// `tables` updates slots' block tables first (`(slot, table)`, the table covering
+    /// the row's position), as a plan's [`SeqStep::blocks`] would.
     fn queue_decode(
         &mut self,
         rows: &[(u64, usize, usize)],
         _tokens: Option<&[u32]>,
+        _tables: &[(usize, Vec<u32>)],
     ) -> Result<(), StepError> {
         Err(StepError::NotPipelined(rows.first().map_or(0, |r| r.0)))
     }
@@ -204,8 +237,15 @@ pub struct Worker {
 }
 
 impl Worker {
-    pub fn new(model: Model, slots: usize, ctx_size: usize, sampling: bool) -> Worker {
-        let cache = model.new_cache(slots, ctx_size);
+    /// A worker of `slots` sequences of `ctx_size` tokens over a KV pool of `kv`.
+    pub fn new(
+        model: Model,
+        slots: usize,
+        ctx_size: usize,
+        kv: KvConfig,
+        sampling: bool,
+    ) -> Worker {
+        let cache = model.new_paged_cache(slots, ctx_size, kv);
         Worker {
             model,
             cache,
@@ -302,9 +342,14 @@ impl Worker {
         &mut self,
         rows: &[(u64, usize, usize)],
         tokens: Option<&[u32]>,
+        tables: &[(usize, Vec<u32>)],
     ) -> Result<(), StepError> {
         if rows.is_empty() {
             return Err(StepError::Rank("pipelined decode: an empty step".into()));
+        }
+        for (slot, table) in tables {
+            self.cache.check_slot(*slot).map_err(ForwardError::from)?;
+            self.cache.set_table(*slot, table);
         }
         for &(seq_id, slot, pos) in rows {
             if !self.can_pipeline(seq_id) {
@@ -390,8 +435,12 @@ impl Worker {
         }
         for s in &plan.seqs {
             self.cache.check_slot(s.slot).map_err(ForwardError::from)?;
+            if s.start.is_some() || s.restart {
+                self.cache.restart(s.slot, s.pos, s.blocks.as_deref());
+            } else if let Some(blocks) = &s.blocks {
+                self.cache.set_table(s.slot, blocks);
+            }
             if let Some(start) = &s.start {
-                self.cache.reset(s.slot);
                 if self.sampling {
                     let sampler = SequenceSampler::new(start.params.clone(), &start.prompt)
                         .map_err(|e| StepError::Params(e.to_string()))?;
@@ -568,9 +617,16 @@ pub struct LocalExecutor {
 }
 
 impl LocalExecutor {
+    /// Room for `slots` sequences of `ctx_size` tokens.
     pub fn new(model: Model, slots: usize, ctx_size: usize) -> LocalExecutor {
+        let kv = KvConfig::for_slots(slots, ctx_size, DEFAULT_BLOCK_SIZE);
+        LocalExecutor::with_kv(model, slots, ctx_size, kv)
+    }
+
+    /// At most `slots` sequences of `ctx_size` tokens over a KV pool of `kv`.
+    pub fn with_kv(model: Model, slots: usize, ctx_size: usize, kv: KvConfig) -> LocalExecutor {
         LocalExecutor {
-            worker: Worker::new(model, slots, ctx_size, true),
+            worker: Worker::new(model, slots, ctx_size, kv, true),
             ctx_size,
         }
     }
@@ -586,6 +642,12 @@ impl Executor for LocalExecutor {
     fn slots(&self) -> usize {
         self.worker.cache.slots()
     }
+    fn kv_pool(&self) -> KvPool {
+        KvPool {
+            block_size: self.worker.cache.block_size(),
+            num_blocks: self.worker.cache.num_blocks(),
+        }
+    }
     fn reset_peak_memory(&mut self) {
         mlx::memory::reset_peak();
     }
@@ -599,8 +661,9 @@ impl Executor for LocalExecutor {
         &mut self,
         rows: &[(u64, usize, usize)],
         tokens: Option<&[u32]>,
+        tables: &[(usize, Vec<u32>)],
     ) -> Result<(), StepError> {
-        self.worker.queue_decode(rows, tokens)
+        self.worker.queue_decode(rows, tokens, tables)
     }
     fn take_sampled(&mut self) -> Result<Vec<SampledToken>, StepError> {
         self.worker.take_sampled()

@@ -16,7 +16,7 @@ use super::blocks::mlp::{Mlp, MlpLayout};
 use super::blocks::moe::{MoeBlock, MoeLayout};
 use super::blocks::norm::RmsNorm;
 use super::config::ModelConfig;
-use super::kv_cache::{KvCache, KvError};
+use super::kv_cache::{self, KvCache, KvConfig, KvError};
 use super::layers::{Embedding, Linear, Result, Rope, VocabRows};
 use super::layout::{FeedForwardLayout, LayerLayout, Layout, ParamSpec, Split};
 use super::shard::ShardPlan;
@@ -220,8 +220,14 @@ impl Model {
         })
     }
 
-    /// A KV cache for this model.
+    /// A KV cache for this model: room for `slots` sequences of `max_len` tokens.
     pub fn new_cache(&self, slots: usize, max_len: usize) -> KvCache {
+        let kv = KvConfig::for_slots(slots, max_len, kv_cache::DEFAULT_BLOCK_SIZE);
+        self.new_paged_cache(slots, max_len, kv)
+    }
+
+    /// A KV cache for this model over a block pool of `kv`.
+    pub fn new_paged_cache(&self, slots: usize, max_len: usize, kv: KvConfig) -> KvCache {
         KvCache::new(
             self.cfg.num_layers,
             slots,
@@ -229,6 +235,7 @@ impl Model {
             self.cfg.head_dim,
             self.activation_dtype(),
             max_len,
+            kv,
         )
     }
 
@@ -283,7 +290,7 @@ impl Model {
         mode: Logits,
     ) -> std::result::Result<Vec<Array>, ForwardError> {
         let vocab = self.cfg.vocab_size;
-        let mut needed = 0;
+        let mut needs = Vec::with_capacity(seqs.len());
         for s in seqs {
             cache.check_slot(s.slot)?;
             if s.tokens.is_empty() {
@@ -292,9 +299,9 @@ impl Model {
             if let Some(&id) = s.tokens.iter().find(|&&t| t as usize >= vocab) {
                 return Err(ForwardError::BadToken { id, vocab });
             }
-            needed = needed.max(cache.len(s.slot) + s.tokens.len());
+            needs.push((s.slot, cache.len(s.slot) + s.tokens.len()));
         }
-        cache.reserve(self.layers.len(), needed)?;
+        cache.prepare(self.layers.len(), &needs)?;
         let mut out: Vec<Option<Array>> = vec![None; seqs.len()];
         let decode: Vec<usize> = (0..seqs.len())
             .filter(|&i| seqs[i].tokens.len() == 1)
@@ -321,7 +328,7 @@ impl Model {
         seqs: &[SeqInput<'_>],
     ) -> std::result::Result<Array, ForwardError> {
         let vocab = self.cfg.vocab_size;
-        let mut needed = 0;
+        let mut needs = Vec::with_capacity(seqs.len());
         for s in seqs {
             cache.check_slot(s.slot)?;
             if s.tokens.len() != 1 {
@@ -333,9 +340,9 @@ impl Model {
                     vocab,
                 });
             }
-            needed = needed.max(cache.len(s.slot) + 1);
+            needs.push((s.slot, cache.len(s.slot) + 1));
         }
-        cache.reserve(self.layers.len(), needed)?;
+        cache.prepare(self.layers.len(), &needs)?;
         if seqs.len() == 1 {
             return self.forward_one(cache, &seqs[0], Logits::Last);
         }
@@ -365,9 +372,16 @@ impl Model {
     ) -> std::result::Result<Array, ForwardError> {
         cache.check_slot(slot)?;
         let t = ids.dim(1);
-        cache.reserve(self.layers.len(), cache.len(slot) + t as usize)?;
-        let s = SeqInput { slot, tokens: &[] };
-        let pos = cache.len(s.slot);
+        let pos = cache.len(slot);
+        cache.prepare(self.layers.len(), &[(slot, pos + t as usize)])?;
+        let rows = cache.seq_rows(slot, pos, t as usize)?;
+        if t == 1 && !rows.is_run() {
+            // one token over scattered blocks: the batched decode path reads through the
+            // block table (the kernel, or a gather)
+            return Ok(self
+                .forward_decode_batch_ids(cache, &[slot], ids)?
+                .reshape(&[-1, self.cfg.vocab_size as i32])?);
+        }
         let offset = Array::scalar_i32(pos as i32)?;
         let mut h = self.embed(ids)?;
         // On a GPU the host encodes a long input's layers far ahead of the device, and a
@@ -380,9 +394,11 @@ impl Model {
         for (li, block) in self.layers.iter().enumerate() {
             let a = &block.self_attn;
             let (q, kv) = a.qkv(&h, &block.input_layernorm, 1, t, &self.rope, &offset)?;
-            // one sequence reads its slot as views with MLX's attention: at batch 1 that
-            // beat mlxcel's kernel (`kernels::attn`, used for batched steps) on H200
-            let (kk, vv) = cache.write_and_read(li, s.slot, pos, &kv)?;
+            // one sequence whose blocks are one run of rows reads them as views with MLX's
+            // attention: at batch 1 that beat mlxcel's kernel (`kernels::attn`, used for
+            // batched steps) on H200; scattered blocks (a prefill after a cached prefix)
+            // are gathered
+            let (kk, vv) = cache.write_and_read(li, &rows, &kv)?;
             let mask = if t > 1 {
                 fast::Mask::Causal
             } else {
@@ -400,7 +416,7 @@ impl Model {
                 }
             }
         }
-        cache.advance(s.slot, t as usize);
+        cache.advance(slot, t as usize);
         let h = if mode == Logits::Last {
             h.slice_axis(1, t - 1, t)?
         } else {
@@ -436,12 +452,12 @@ impl Model {
         if slots.is_empty() {
             return Err(ForwardError::Empty);
         }
-        let mut needed = 0;
+        let mut needs = Vec::with_capacity(slots.len());
         for &s in slots {
             cache.check_slot(s)?;
-            needed = needed.max(cache.len(s) + 1);
+            needs.push((s, cache.len(s) + 1));
         }
-        cache.reserve(self.layers.len(), needed)?;
+        cache.prepare(self.layers.len(), &needs)?;
         if slots.len() == 1 {
             let logits = self.forward_slot_ids(cache, slots[0], ids, Logits::Last)?;
             return Ok(logits.reshape(&[1, self.cfg.vocab_size as i32])?);
@@ -460,11 +476,13 @@ impl Model {
         let positions: Vec<usize> = slots.iter().map(|&s| cache.len(s)).collect();
         let pos_i32: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
         let offset = Array::from_slice(&pos_i32, &[b])?;
-        // mlxcel's attention kernel: one op per layer whatever the rows' slots and lengths
-        // (MLX's needs views, a mask and an op per run of consecutive slots); 8B 4-bit on
-        // H200, batch 8: 2,111-2,517 tok/s with it, 1,612-1,731 without
-        let kernel = self.attn_kernel_fits();
-        let index = cache.batch_index(&slots, &positions, !kernel)?;
+        // mlxcel's attention kernel: one op per layer whatever the rows' blocks and
+        // lengths, read through their block tables (MLX's needs a gather and a mask);
+        // 8B 4-bit on H200, batch 8: 2,111-2,517 tok/s with it, 1,612-1,731 without
+        let needs: Vec<(usize, usize)> = slots.iter().map(|&s| (s, cache.len(s) + 1)).collect();
+        cache.prepare(self.layers.len(), &needs)?;
+        let kernel = self.attn_kernel_fits() && kernels::attn::block_size_fits(cache.block_size());
+        let index = cache.batch_index(&slots, &positions, kernel)?;
         let scratch = match kernel {
             true => Some(cache.attn_scratch(self.q_heads())?.clone()),
             false => None,
@@ -476,10 +494,15 @@ impl Model {
             cache.write_batch(li, &index, &kv)?;
             let o = match &scratch {
                 // every row its own slot and length, in one kernel
-                Some(scratch) => {
-                    a.decode_attention(&q, cache.pool(li), index.slot_array(), &offset, scratch)?
-                }
-                None => a.attend_runs(&q, cache, li, &index)?,
+                Some(scratch) => a.decode_attention(
+                    &q,
+                    cache.pool(li),
+                    index.table().expect("made for the kernel"),
+                    &offset,
+                    scratch,
+                    cache.block_size(),
+                )?,
+                None => a.attend_gathered(&q, cache, li, &index)?,
             };
             h = a.out_residual(&o, &h, b, 1)?;
             h = block

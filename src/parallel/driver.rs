@@ -15,9 +15,12 @@ use super::plan::{self, DoesNotFit, GpuMemory, Placement, PlanInput};
 use super::protocol::{FromRank, Identity, RankReport, ToRank};
 use super::rank::MEMORY_LIMIT_VAR;
 use super::shard::{self, ShardError};
-use crate::engine::step::{Executor, MemoryStats, SampledToken, StepError, StepPlan, StepResult};
+use crate::engine::step::{
+    Executor, KvPool, MemoryStats, SampledToken, StepError, StepPlan, StepResult,
+};
 use crate::mlx::{self, distributed::GroupBackend};
 use crate::model_dir::ModelDir;
+use crate::models::kv_cache::{KvConfig, DEFAULT_BLOCK_SIZE};
 use crate::models::{self, LoadFormat, ModelError};
 
 /// `--tp-backend`.
@@ -45,6 +48,8 @@ pub struct TpOptions {
     pub expert_parallel: bool,
     pub ctx_size: usize,
     pub slots: usize,
+    /// The paged KV cache's pool (every rank holds its kv heads of each block).
+    pub kv: KvConfig,
     /// Prompt tokens per prefill step (sizes the memory plan's working margin).
     pub prefill_chunk: usize,
     /// The binary to run as ranks (default: this executable).
@@ -85,6 +90,7 @@ impl TpOptions {
             load_format: LoadFormat::Safetensors,
             ctx_size,
             slots,
+            kv: KvConfig::for_slots(slots, ctx_size, DEFAULT_BLOCK_SIZE),
             prefill_chunk: 512,
             program: None,
             load_timeout: secs("MLXCEL_TP_LOAD_TIMEOUT", 1800),
@@ -313,6 +319,10 @@ impl TpExecutor {
             opts.ctx_size.to_string(),
             "--slots".into(),
             opts.slots.to_string(),
+            "--block-size".into(),
+            opts.kv.block_size.to_string(),
+            "--kv-blocks".into(),
+            opts.kv.num_blocks.to_string(),
             "--tp-size".into(),
             n.to_string(),
             "--backend".into(),
@@ -322,6 +332,9 @@ impl TpExecutor {
         ];
         if opts.expert_parallel {
             args.push("--enable-expert-parallel".into());
+        }
+        if opts.kv.preallocate {
+            args.push("--kv-preallocate".into());
         }
         let config_bytes = std::fs::read(&dir.config)
             .map_err(|e| LaunchError::Io(format!("{}: {e}", dir.config.display())))?;
@@ -460,6 +473,10 @@ fn check_memory(
         prefill_chunk: opts.prefill_chunk,
         backend: mlx::backend(),
         vocab_parallel: opts.vocab_parallel,
+        kv_tokens: opts
+            .kv
+            .preallocate
+            .then_some(opts.kv.num_blocks * opts.kv.block_size),
     };
     let mem = plan::plan_memory_with(&input, opts.expert_parallel)?;
     let place = Placement {
@@ -566,6 +583,7 @@ impl Executor for TpExecutor {
         &mut self,
         rows: &[(u64, usize, usize)],
         tokens: Option<&[u32]>,
+        tables: &[(usize, Vec<u32>)],
     ) -> Result<(), StepError> {
         if let Some(msg) = &self.failed {
             return Err(StepError::Rank(format!(
@@ -578,6 +596,7 @@ impl Executor for TpExecutor {
         let msg = ToRank::QueueDecode {
             rows: rows.to_vec(),
             tokens: tokens.map(<[u32]>::to_vec),
+            tables: tables.to_vec(),
         };
         if let Err(e) = self.group.broadcast(&msg) {
             return Err(self.fail(e.to_string()));
@@ -648,6 +667,13 @@ impl Executor for TpExecutor {
 
     fn slots(&self) -> usize {
         self.opts.slots
+    }
+
+    fn kv_pool(&self) -> KvPool {
+        KvPool {
+            block_size: self.opts.kv.block_size,
+            num_blocks: self.opts.kv.num_blocks,
+        }
     }
 
     /// Takes in what the ranks sent meanwhile without waiting: a rank that has

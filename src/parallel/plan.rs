@@ -8,8 +8,9 @@
 //!   column/row-split tensors contribute their slice, replicated ones (embeddings,
 //!   lm_head, norms) their whole size. Dtypes come from the safetensors headers
 //!   (dummy weights: `config.json`'s dtype; packed quantized weights: uint32).
-//! - **KV cache**: `layers × 2 × slots × kv_heads_per_rank × ctx × head_dim ×
-//!   dtype size` (the cache grows to `--ctx-size` per slot).
+//! - **KV cache**: `layers × 2 × tokens × kv_heads_per_rank × head_dim × dtype size`,
+//!   tokens the paged pool's (`--kv-cache-gb`, `--gpu-memory-utilization`) or by default
+//!   `slots × ctx` (the pool grows to that);
 //! - **working margin**, with `T = min(prefill_chunk, ctx) + slots − 1` tokens per
 //!   step and `a` the activation dtype's size:
 //!   - activations `2 · T · (4·hidden + q_r + 2·kv_r + 3·inter_r) · a` (the residual,
@@ -76,6 +77,9 @@ pub struct PlanInput<'a> {
     /// Whether the embedding and lm_head split by vocabulary rows
     /// ([`crate::models::shard::VocabShard`]) rather than being replicated.
     pub vocab_parallel: bool,
+    /// Tokens of the KV pool, allocated at once (`--kv-cache-gb`,
+    /// `--gpu-memory-utilization`); `None`: `slots × ctx`, grown as used.
+    pub kv_tokens: Option<usize>,
 }
 
 /// One rank's share, in bytes.
@@ -194,7 +198,8 @@ pub fn plan_memory_with(
         let kvh = sp.kv_heads.len() as u64;
         let qh = sp.q_heads.len() as u64;
         let layers = cfg.num_layers as u64;
-        let kv = layers * 2 * slots * kvh * ctx * hd * a;
+        let kv_tokens = input.kv_tokens.map_or(slots * ctx, |t| t as u64);
+        let kv = layers * 2 * kv_tokens * kvh * hd * a;
         let activations = 2
             * t
             * (4 * cfg.hidden_size as u64
@@ -208,7 +213,11 @@ pub fn plan_memory_with(
             0
         };
         let logits = slots * cfg.vocab_size as u64 * (8 + a);
-        let kv_growth = kv / layers.max(1);
+        // a pool allocated at once never grows
+        let kv_growth = match input.kv_tokens {
+            Some(_) => 0,
+            None => kv / layers.max(1),
+        };
         // this rank's rows of the embedding (all of them, replicated)
         let vocab_rows = sp.vocab.as_ref().map_or(cfg.vocab_size, |v| v.rows.len());
         let dummy_draw = if input.catalog.is_none() {
@@ -244,6 +253,44 @@ pub fn plan_memory_with(
         replicated_total_bytes: replicated_total,
         vocab_rows_per_rank,
         ranks,
+    })
+}
+
+/// KV bytes per token on the rank that needs the most (its kv heads, all layers).
+pub fn kv_bytes_per_token(input: &PlanInput<'_>) -> Result<u64, ShardError> {
+    let one = PlanInput {
+        kv_tokens: Some(1),
+        ..*input
+    };
+    Ok(plan_memory(&one)?
+        .ranks
+        .iter()
+        .map(|r| r.kv_bytes)
+        .max()
+        .unwrap_or(0))
+}
+
+/// Tokens of KV that fit when each rank may use `fraction` of `device_bytes` (its
+/// device's memory; ranks sharing one device: the whole device's, shared) for its
+/// weights, KV pool and working margin.
+pub fn kv_tokens_fit(
+    input: &PlanInput<'_>,
+    device_bytes: u64,
+    fraction: f64,
+    shared: bool,
+) -> Result<u64, ShardError> {
+    let none = PlanInput {
+        kv_tokens: Some(0),
+        ..*input
+    };
+    let base = plan_memory(&none)?;
+    let per_token = kv_bytes_per_token(input)?.max(1);
+    let budget = (device_bytes as f64 * fraction) as u64;
+    Ok(if shared {
+        let ranks = base.ranks.len().max(1) as u64;
+        budget.saturating_sub(base.sum_total()) / (per_token * ranks)
+    } else {
+        budget.saturating_sub(base.max_rank_total()) / per_token
     })
 }
 
@@ -700,6 +747,7 @@ mod tests {
             prefill_chunk: 512,
             backend: Backend::Cuda,
             vocab_parallel: true,
+            kv_tokens: None,
         }
     }
 
@@ -752,6 +800,7 @@ mod tests {
                     prefill_chunk: 16,
                     backend: Backend::Cpu,
                     vocab_parallel,
+                    kv_tokens: None,
                 };
                 let p = plan_memory(&input).unwrap();
                 for r in 0..tp {

@@ -15,6 +15,9 @@ pub enum ToRank {
     QueueDecode {
         rows: Vec<(u64, usize, usize)>,
         tokens: Option<Vec<u32>>,
+        /// Block tables `(slot, table)` to set first (the driver's, grown since).
+        #[serde(default)]
+        tables: Vec<(usize, Vec<u32>)>,
     },
     /// Read the oldest queued decode step's tokens and reply with them.
     TakeSampled,

@@ -14,6 +14,7 @@ use super::shard;
 use crate::engine::step::{MemoryStats, StepResult, Worker};
 use crate::mlx::{self, distributed::GroupBackend};
 use crate::model_dir::ModelDir;
+use crate::models::kv_cache::KvConfig;
 use crate::models::{self, LoadFormat, Model};
 
 /// Environment variable with a rank's MLX memory limit in bytes (emulation).
@@ -30,6 +31,15 @@ pub struct RankArgs {
     pub ctx_size: usize,
     #[arg(long)]
     pub slots: usize,
+    /// Tokens per KV block.
+    #[arg(long)]
+    pub block_size: usize,
+    /// Blocks in the KV pool (this rank holds its kv heads of each).
+    #[arg(long)]
+    pub kv_blocks: usize,
+    /// Allocate the whole KV pool at the first step.
+    #[arg(long)]
+    pub kv_preallocate: bool,
     #[arg(long)]
     pub tp_size: usize,
     /// nccl or ring.
@@ -155,7 +165,12 @@ fn serve(args: &RankArgs, rank: usize, dir: &ModelDir, chan: &mut RankChannel) -
     // every rank samples (identically: replicated or gathered logits, seeds set by the
     // driver), so
     // pipelined decode steps can take their input tokens from the rank's own device
-    let mut worker = Worker::new(model, args.slots, args.ctx_size, true);
+    let kv = KvConfig {
+        block_size: args.block_size,
+        num_blocks: args.kv_blocks,
+        preallocate: args.kv_preallocate,
+    };
+    let mut worker = Worker::new(model, args.slots, args.ctx_size, kv, true);
     // every rank reaches this point after loading and runs the same step (with its
     // all-reduces) on a GPU, so the run-time kernels compile before the first request
     worker
@@ -180,11 +195,13 @@ fn serve(args: &RankArgs, rank: usize, dir: &ModelDir, chan: &mut RankChannel) -
                 reply.memory = Some(MemoryStats::now());
                 chan.send(&FromRank::Step(reply))?;
             }
-            ToRank::QueueDecode { rows, tokens } => {
-                worker
-                    .queue_decode(&rows, tokens.as_deref())
-                    .with_context(|| format!("rank {rank}: queuing a decode step failed"))?
-            }
+            ToRank::QueueDecode {
+                rows,
+                tokens,
+                tables,
+            } => worker
+                .queue_decode(&rows, tokens.as_deref(), &tables)
+                .with_context(|| format!("rank {rank}: queuing a decode step failed"))?,
             ToRank::TakeSampled => {
                 let toks = worker
                     .take_sampled()

@@ -21,6 +21,8 @@ pub fn run_plan(exec: &mut dyn Executor, prompt: &[u32], steps: usize) -> (Vec<f
             tokens: vec![*tokens.last().unwrap()],
             start: None,
             sample: true,
+            blocks: None,
+            restart: false,
         };
         let r = exec
             .execute(&StepPlan {
