@@ -2,11 +2,15 @@
 #include "mlxcel/cpp/shim.h"
 
 #include <cstring>
+#include <dlfcn.h>
+#include <functional>
+#include <mutex>
 #include <sstream>
 #include <stdexcept>
 #include <unordered_map>
 
 #include "mlxcel/src/mlx/ffi.rs.h"
+#include "mlx/fast_primitives.h"
 
 namespace mx = mlx::core;
 
@@ -93,6 +97,11 @@ uint64_t info_size(const std::unordered_map<std::string, std::variant<std::strin
 
 // ---- version, devices, streams ----
 rust::String mlx_version() { return rust::String(mx::version()); }
+rust::String mlx_library_path() {
+  Dl_info info;
+  if (dladdr(reinterpret_cast<void*>(&mx::version), &info) && info.dli_fname) return rust::String(info.dli_fname);
+  return rust::String();
+}
 
 rust::String backend_name() {
   if (mx::cu::is_available()) return "cuda";
@@ -400,6 +409,152 @@ ArrayPtr swiglu(const array& gate, const array& up) {
   return wrap(fn({gate, up})[0]);
 }
 
+// ---- compiled-kernel cache support ----
+KernelIdentity kernel_identity(const array& out) {
+  if (!out.has_primitive() || std::string(out.primitive().name()) != "CustomKernel") {
+    throw std::invalid_argument("kernel_identity: the array is not the output of a custom kernel");
+  }
+  const auto& k = static_cast<const mx::fast::CustomKernel&>(out.primitive());
+  const auto st = k.state();
+  const std::string& name = std::get<0>(st);
+  const std::string& source = std::get<1>(st);
+  // as MLX's CustomKernel::eval_gpu names the module it compiles (and caches on disk)
+  std::ostringstream module;
+  module << name << "_" << std::hex << std::hash<std::string>{}(source);
+  KernelIdentity id;
+  id.kernel_name = rust::String(name);
+  id.module_name = rust::String(module.str());
+  id.source = rust::String(source);
+  return id;
+}
+
+namespace {
+// NVRTC's C API, declared here (no CUDA headers at build time); nvrtcProgram is a pointer.
+using nvrtcProgram = void*;
+struct Nvrtc {
+  void* handle = nullptr;
+  std::string path;
+  int (*version)(int*, int*) = nullptr;
+  int (*create)(nvrtcProgram*, const char*, const char*, int, const char* const*, const char* const*) = nullptr;
+  int (*destroy)(nvrtcProgram*) = nullptr;
+  int (*add_name)(nvrtcProgram, const char*) = nullptr;
+  int (*compile)(nvrtcProgram, int, const char* const*) = nullptr;
+  int (*log_size)(nvrtcProgram, size_t*) = nullptr;
+  int (*log)(nvrtcProgram, char*) = nullptr;
+  int (*lowered)(nvrtcProgram, const char*, const char**) = nullptr;
+  int (*cubin_size)(nvrtcProgram, size_t*) = nullptr;
+  int (*cubin)(nvrtcProgram, char*) = nullptr;
+  int (*ptx_size)(nvrtcProgram, size_t*) = nullptr;
+  int (*ptx)(nvrtcProgram, char*) = nullptr;
+  const char* (*error_string)(int) = nullptr;
+};
+
+const Nvrtc& nvrtc(const std::string& library) {
+  static std::mutex mu;
+  static std::unordered_map<std::string, Nvrtc> loaded;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = loaded.find(library);
+  if (it != loaded.end()) return it->second;
+  Nvrtc n;
+  std::vector<std::string> names;
+  if (!library.empty()) {
+    names.push_back(library);
+  } else {
+    names = {"libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"};
+  }
+  for (const auto& name : names) {
+    // the one MLX's CUDA library already loaded first, then the loader's search path
+    n.handle = dlopen(name.c_str(), RTLD_NOW | RTLD_NOLOAD);
+    if (!n.handle) n.handle = dlopen(name.c_str(), RTLD_NOW);
+    if (n.handle) break;
+  }
+  if (n.handle) {
+    auto sym = [&](auto& f, const char* s) { f = reinterpret_cast<std::decay_t<decltype(f)>>(dlsym(n.handle, s)); };
+    sym(n.version, "nvrtcVersion");
+    sym(n.create, "nvrtcCreateProgram");
+    sym(n.destroy, "nvrtcDestroyProgram");
+    sym(n.add_name, "nvrtcAddNameExpression");
+    sym(n.compile, "nvrtcCompileProgram");
+    sym(n.log_size, "nvrtcGetProgramLogSize");
+    sym(n.log, "nvrtcGetProgramLog");
+    sym(n.lowered, "nvrtcGetLoweredName");
+    sym(n.cubin_size, "nvrtcGetCUBINSize");
+    sym(n.cubin, "nvrtcGetCUBIN");
+    sym(n.ptx_size, "nvrtcGetPTXSize");
+    sym(n.ptx, "nvrtcGetPTX");
+    sym(n.error_string, "nvrtcGetErrorString");
+    void* any = reinterpret_cast<void*>(n.version);
+    Dl_info info;
+    if (any && dladdr(any, &info) && info.dli_fname) n.path = info.dli_fname;
+    if (!(n.version && n.create && n.destroy && n.add_name && n.compile && n.log_size && n.log &&
+          n.lowered && n.cubin_size && n.cubin && n.ptx_size && n.ptx && n.error_string)) {
+      n.handle = nullptr;  // (an unrelated library of that name: treated as absent)
+    }
+  }
+  return loaded.emplace(library, n).first->second;
+}
+
+const Nvrtc& nvrtc_or_throw(rust::Str library) {
+  const auto& n = nvrtc(std::string(library));
+  if (!n.handle) {
+    throw std::runtime_error(library.empty() ? std::string("NVRTC (libnvrtc.so.13/.12) is not loadable")
+                                             : "NVRTC library " + std::string(library) + " is not loadable");
+  }
+  return n;
+}
+
+void nvrtc_check(const Nvrtc& n, int rc, const char* what) {
+  if (rc != 0) throw std::runtime_error(std::string(what) + " failed: " + n.error_string(rc));
+}
+}  // namespace
+
+int32_t nvrtc_version(rust::Str library) {
+  const auto& n = nvrtc_or_throw(library);
+  int major = 0, minor = 0;
+  nvrtc_check(n, n.version(&major, &minor), "nvrtcVersion");
+  return major * 1000 + minor * 10;
+}
+
+rust::String nvrtc_library_path(rust::Str library) { return rust::String(nvrtc_or_throw(library).path); }
+
+NvrtcOutput nvrtc_compile(rust::Str library, rust::Str source, rust::Str file,
+                          rust::Slice<const rust::String> names, rust::Slice<const rust::String> options,
+                          bool cubin) {
+  const auto& n = nvrtc_or_throw(library);
+  std::string src(source), fname(file);
+  nvrtcProgram prog = nullptr;
+  nvrtc_check(n, n.create(&prog, src.c_str(), fname.c_str(), 0, nullptr, nullptr), "nvrtcCreateProgram");
+  std::unique_ptr<nvrtcProgram, std::function<void(nvrtcProgram*)>> guard(&prog, [&n](nvrtcProgram* p) { n.destroy(p); });
+  std::vector<std::string> exprs;
+  for (const auto& nm : names) exprs.emplace_back(std::string(nm));
+  for (const auto& e : exprs) nvrtc_check(n, n.add_name(prog, e.c_str()), "nvrtcAddNameExpression");
+  std::vector<std::string> opts;
+  for (const auto& o : options) opts.emplace_back(std::string(o));
+  std::vector<const char*> args;
+  for (const auto& o : opts) args.push_back(o.c_str());
+  int rc = n.compile(prog, int(args.size()), args.data());
+  if (rc != 0) {
+    size_t size = 0;
+    n.log_size(prog, &size);
+    std::string log(size, '\0');
+    if (size) n.log(prog, log.data());
+    throw std::runtime_error(std::string("nvrtcCompileProgram failed: ") + n.error_string(rc) + "\n" + log);
+  }
+  NvrtcOutput out;
+  for (const auto& e : exprs) {
+    const char* low = nullptr;
+    nvrtc_check(n, n.lowered(prog, e.c_str(), &low), "nvrtcGetLoweredName");
+    out.lowered.push_back(rust::String(low ? low : ""));
+  }
+  size_t size = 0;
+  nvrtc_check(n, cubin ? n.cubin_size(prog, &size) : n.ptx_size(prog, &size), "nvrtcGetCUBINSize");
+  std::vector<char> bin(size);
+  if (size) nvrtc_check(n, cubin ? n.cubin(prog, bin.data()) : n.ptx(prog, bin.data()), "nvrtcGetCUBIN");
+  out.binary.reserve(size);
+  for (char c : bin) out.binary.push_back(static_cast<uint8_t>(c));
+  return out;
+}
+
 // ---- custom kernels ----
 std::unique_ptr<ArrayVec> cuda_kernel(rust::Str name, rust::Slice<const rust::String> input_names,
                                       rust::Slice<const rust::String> output_names, rust::Str source,
@@ -458,6 +613,14 @@ ArrayPtr quantized_matmul(const array& x, const array& w, const array& scales, c
 ArrayPtr dequantize(const array& w, const array& scales, const array& biases, int32_t group_size,
                     int32_t bits) {
   return wrap(mx::dequantize(w, scales, biases, group_size, bits));
+}
+ArrayPtr gather_mm(const array& a, const array& b, const array& rhs_indices, bool sorted) {
+  return wrap(mx::gather_mm(a, b, std::nullopt, rhs_indices, sorted));
+}
+ArrayPtr gather_qmm(const array& x, const array& w, const array& scales, const array& biases,
+                    const array& rhs_indices, int32_t group_size, int32_t bits, bool sorted) {
+  return wrap(mx::gather_qmm(x, w, scales, biases, std::nullopt, rhs_indices, true, group_size, bits,
+                             "affine", std::nullopt, sorted));
 }
 std::unique_ptr<ArrayVec> quantize(const array& w, int32_t group_size, int32_t bits) {
   auto out = std::make_unique<ArrayVec>();

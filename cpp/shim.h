@@ -33,12 +33,15 @@ enum class UnaryOp : uint8_t;
 enum class BinaryOp : uint8_t;
 enum class ReduceOp : uint8_t;
 struct DeviceInfo;
+struct KernelIdentity;
+struct NvrtcOutput;
 struct StreamRef;
 
 using ArrayPtr = std::unique_ptr<array>;
 
 // ---- version, devices, streams ----
 rust::String mlx_version();
+rust::String mlx_library_path();
 rust::String backend_name();
 int32_t gpu_device_count();
 DeviceInfo gpu_device_info(int32_t index);
@@ -146,6 +149,14 @@ ArrayPtr swiglu(const array& gate, const array& up);
 uint64_t compile_traces();
 
 // ---- custom kernels ----
+// The name, generated source and module name of the custom kernel computing `out`.
+KernelIdentity kernel_identity(const array& out);
+// NVRTC, loaded at run time (dlopen): version, path, and one compilation.
+int32_t nvrtc_version(rust::Str library);
+rust::String nvrtc_library_path(rust::Str library);
+NvrtcOutput nvrtc_compile(rust::Str library, rust::Str source, rust::Str file,
+                          rust::Slice<const rust::String> names, rust::Slice<const rust::String> options,
+                          bool cubin);
 // A run-time compiled CUDA kernel (`fast::cuda_kernel`): `source` is the kernel body,
 // `header` device code before it; template ints (`tnames[i] = tvals[i]`) become
 // constexpr ints in the body and `T` names `tdtype`. Outputs `output_names[i]` have
@@ -166,6 +177,12 @@ ArrayPtr quantized_matmul(const array& x, const array& w, const array& scales, c
                           bool transpose, int32_t group_size, int32_t bits);
 ArrayPtr dequantize(const array& w, const array& scales, const array& biases, int32_t group_size,
                     int32_t bits);
+// Expert matmuls (MoE): `a @ b[rhs_indices]`, batched over the indices' shape
+// (`sorted`: the indices are sorted, which MLX exploits on a GPU).
+ArrayPtr gather_mm(const array& a, const array& b, const array& rhs_indices, bool sorted);
+// `x @ dequantize(w[rhs_indices])ᵀ` for stacked affine-quantized experts.
+ArrayPtr gather_qmm(const array& x, const array& w, const array& scales, const array& biases,
+                    const array& rhs_indices, int32_t group_size, int32_t bits, bool sorted);
 std::unique_ptr<ArrayVec> quantize(const array& w, int32_t group_size, int32_t bits);
 
 // ---- random ----

@@ -1,19 +1,22 @@
-// mlxcel: attention of a decode step (one new token per sequence) over the KV pool.
+// mlxcel: attention of a decode step (one new token per sequence) over the paged KV pool.
 //
 //   q     T [B, HQ, 1, D]              the step's query heads (RoPE applied)
-//   pool  T [slots, 2·HKV, cap, D]     the layer's KV pool: key heads, then value heads
-//   slots int32 [B]                    batch row b reads slot slots[b]
+//   pool  T [1, 2·HKV, cap, D]         the layer's KV pool: key heads, then value heads;
+//                                      the cap rows are cap / BS blocks of BS rows
+//   table int32 [B, NB]                row b's block table: its position p is pool row
+//                                      table[b, p / BS]·BS + p % BS
 //   pos   int32 [B] (or a scalar, B = 1)  row b attends to positions 0 ..= pos[b] (the
 //                                      new token's keys/values already written there)
 //   part  float32, count int32         scratch (below); count starts, and ends, all zero
 //   out   T [B, HQ, 1, D]              softmax(q·kᵀ·scale)·v per head
 // T is bfloat16; D is 64 or 128; query head j reads key/value head j / (HQ/HKV) (GQA).
 // Compiled at run time by MLX (`fast::cuda_kernel`); template constants D, HQ, HKV,
-// NSPLIT, WARPS, SCALE_BITS (the bits of the float scale·log2(e)).
+// NSPLIT, WARPS, BS (tokens per block, a multiple of 32), SCALE_BITS (the bits of the
+// float scale·log2(e)).
 //
 // One op replaces MLX's two views of the pool and `fast::scaled_dot_product_attention`
 // (which took 6-8 µs of GPU time per layer at 384 positions on H200), and the batch
-// rows may read any slots at any lengths, so a batched step needs no masks.
+// rows may read any blocks at any lengths, so a batched step needs no gather and no masks.
 //
 // Work split: a block of WARPS = G·TW warps (G = HQ/HKV) per (row b, kv head h, split
 // s): blockIdx.x = (b·HKV + h)·NSPLIT + s. Warp w takes query head w % G of the block's
@@ -49,10 +52,10 @@ __device__ __forceinline__ void mlxcel_prefetch_l1(const void* p) {
 template <int DPL> struct mlxcel_vword { using type = uint32_t; };
 template <> struct mlxcel_vword<4> { using type = uint2; };
 
-template <int D, int HQ, int HKV, int NSPLIT, int WARPS, int SCALE_BITS>
+template <int D, int HQ, int HKV, int NSPLIT, int WARPS, int BS, int SCALE_BITS>
 __device__ void mlxcel_attn_decode(const __nv_bfloat16* q, const __nv_bfloat16* pool,
-                                   const int32_t* slots, const int32_t* pos, const float* part_in,
-                                   const int32_t* count_in, __nv_bfloat16* out, int cap) {
+                                   const int32_t* table, const int32_t* pos, const float* part_in,
+                                   const int32_t* count_in, __nv_bfloat16* out, int cap, int nb) {
   constexpr int G = HQ / HKV;
   constexpr int TW = WARPS / G;  // tiles in flight: warp w takes query head w % G of tile w / G
   constexpr int CHUNK = 32 * TW;  // positions a block takes per round
@@ -61,6 +64,7 @@ __device__ void mlxcel_attn_decode(const __nv_bfloat16* q, const __nv_bfloat16* 
   static_assert(D == 64 || D == 128, "head_dim 64 or 128");
   static_assert(HQ % HKV == 0 && G <= 16, "1-16 query heads per kv head");
   static_assert(WARPS % G == 0 && TW >= 1 && NSPLIT >= 1 && WARPS * D <= 8192);
+  static_assert(BS >= 32 && BS % 32 == 0, "blocks of whole 32-position tiles");
   const float NEG_INF = -__int_as_float(0x7f800000);
   const unsigned FULL = 0xffffffffu;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -87,8 +91,9 @@ __device__ void mlxcel_attn_decode(const __nv_bfloat16* q, const __nv_bfloat16* 
     sq[i / D][i % D] = float(q[(size_t(b) * HQ + size_t(h) * G) * D + i]) * qs;
   __syncthreads();
 
-  const size_t kbase = (size_t(slots[b]) * 2 * HKV + h) * size_t(cap) * D;
+  const size_t kbase = size_t(h) * size_t(cap) * D;
   const size_t vbase = kbase + size_t(HKV) * cap * D;
+  const int32_t* btab = table + size_t(b) * nb;
   float m = NEG_INF, l = 0.f, acc[DPL];
 #pragma unroll
   for (int i = 0; i < DPL; ++i) acc[i] = 0.f;
@@ -96,7 +101,10 @@ __device__ void mlxcel_attn_decode(const __nv_bfloat16* q, const __nv_bfloat16* 
   // range so that every load is in bounds and can be issued early (clamped rows weigh 0)
   using VW = typename mlxcel_vword<DPL>::type;
   const VW* vcol = reinterpret_cast<const VW*>(pool + vbase + lane * DPL);
-  auto vrow = [&](int t0, int j) { return vcol[size_t(min(t0 + j, p1 - 1)) * (D / DPL)]; };
+  // (rb: a tile's pool row minus its position, see below)
+  auto vrow = [&](long long rb, int t0, int j) {
+    return vcol[size_t(rb + min(t0 + j, p1 - 1)) * (D / DPL)];
+  };
   auto add_rows = [&](const VW (&vw)[16], int j0, float e) {
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
@@ -115,8 +123,12 @@ __device__ void mlxcel_attn_decode(const __nv_bfloat16* q, const __nv_bfloat16* 
     const int t0 = base + 32 * tw;  // this warp's tile (may be past p1: empty)
     const int p = t0 + lane;
     const bool ok = p < p1;
+    // t0 is a multiple of 32 and a block holds whole tiles, so the tile's (clamped)
+    // positions x lie in one block: pool row rb + x
+    const int tc = min(t0, p1 - 1);
+    const long long rb = (long long)btab[tc / BS] * BS + tc % BS - tc;
     // the tile's key and value rows into L1 in one round trip: lane l asks for row t0 + l
-    const size_t row = size_t(min(p, p1 - 1)) * D;
+    const size_t row = size_t(rb + min(p, p1 - 1)) * D;
 #pragma unroll
     for (int off = 0; off < D; off += 64) {
       mlxcel_prefetch_l1(pool + kbase + row + off);
@@ -129,7 +141,7 @@ __device__ void mlxcel_attn_decode(const __nv_bfloat16* q, const __nv_bfloat16* 
 #pragma unroll
     for (int c = 0; c < KC; ++c) kw[c] = kr[c];
 #pragma unroll
-    for (int j = 0; j < 16; ++j) va[j] = vrow(t0, j);
+    for (int j = 0; j < 16; ++j) va[j] = vrow(rb, t0, j);
     float sc = 0.f;
 #pragma unroll
     for (int c = 0; c < KC; ++c) {
@@ -141,7 +153,7 @@ __device__ void mlxcel_attn_decode(const __nv_bfloat16* q, const __nv_bfloat16* 
       }
     }
 #pragma unroll
-    for (int j = 0; j < 16; ++j) vb[j] = vrow(t0, 16 + j);
+    for (int j = 0; j < 16; ++j) vb[j] = vrow(rb, t0, 16 + j);
     float mt = ok ? sc : NEG_INF;
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) mt = fmaxf(mt, __shfl_xor_sync(FULL, mt, o));
@@ -211,5 +223,5 @@ __device__ void mlxcel_attn_decode(const __nv_bfloat16* q, const __nv_bfloat16* 
   if (threadIdx.x == 0) atomicExch(count, 0);
 }
 // @@body
-  mlxcel_attn_decode<D, HQ, HKV, NSPLIT, WARPS, SCALE_BITS>(
-      q, pool, slots, pos, part, count, out, pool_shape[2]);
+  mlxcel_attn_decode<D, HQ, HKV, NSPLIT, WARPS, BS, SCALE_BITS>(
+      q, pool, table, pos, part, count, out, pool_shape[2], table_shape[1]);

@@ -4,9 +4,9 @@
 //   w      uint32 [N, K·BITS/32]  value j of word i is bits [BITS·j, BITS·(j+1)) of it, k = i·32/BITS + j
 //   scales T      [N, K/G]
 //   biases T      [N, K/G]        w[n, k] = q · scale + bias
-// x and y are T (bfloat16). Compiled at run time by MLX (`fast::cuda_kernel`,
-// nvrtc); template constants: M, N, K, G, BITS, ROWS, WPB, EPI, NORM, EPS_BITS,
-// XQ, MMA, PG (and HD, NQ for the RoPE entry point).
+// x and y are T (bfloat16 or float16, the dtype of the scales and biases too). Compiled
+// at run time by MLX (`fast::cuda_kernel`, nvrtc); template constants: M, N, K, G, BITS,
+// ROWS, WPB, EPI, NORM, EPS_BITS, XQ, MMA, PG (and HD, NQ for the RoPE entry point).
 //
 // EPI picks what is written (each saves the decode step a separate MLX op):
 //   0: y[M, N]   = x·Wᵀ
@@ -100,16 +100,36 @@ __device__ __forceinline__ float mlxcel_qval(uint32_t u) {
   return __uint_as_float((m & (((1u << BITS) - 1u) << to)) | 0x3F800000u);
 }
 
-// 8 bfloat16 (one 16-byte load) to floats: a bf16 is the top half of an f32.
-__device__ __forceinline__ void mlxcel_bf16x8(const uint4 v, float* f) {
-  f[0] = __uint_as_float(v.x << 16);
-  f[1] = __uint_as_float(v.x & 0xFFFF0000u);
-  f[2] = __uint_as_float(v.y << 16);
-  f[3] = __uint_as_float(v.y & 0xFFFF0000u);
-  f[4] = __uint_as_float(v.z << 16);
-  f[5] = __uint_as_float(v.z & 0xFFFF0000u);
-  f[6] = __uint_as_float(v.w << 16);
-  f[7] = __uint_as_float(v.w & 0xFFFF0000u);
+// 16-bit floats (T: bfloat16 or float16; MLX names them __nv_bfloat16 and __half) from
+// their bits, picked by overload on a null T pointer: a bfloat16 is the top half of an
+// f32, a float16 goes through the hardware conversion.
+__device__ __forceinline__ float mlxcel_f16bits(uint32_t h, const __nv_bfloat16*) {
+  return __uint_as_float(h << 16);
+}
+__device__ __forceinline__ float mlxcel_f16bits(uint32_t h, const __half*) {
+  return __half2float(__ushort_as_half(static_cast<unsigned short>(h)));
+}
+// the low and the high 16-bit value of a 32-bit word as floats
+template <typename T>
+__device__ __forceinline__ float mlxcel_lo(uint32_t u) {
+  return mlxcel_f16bits(u & 0xFFFFu, static_cast<const T*>(nullptr));
+}
+template <typename T>
+__device__ __forceinline__ float mlxcel_hi(uint32_t u) {
+  return mlxcel_f16bits(u >> 16, static_cast<const T*>(nullptr));
+}
+
+// 8 values of T (one 16-byte load) to floats
+template <typename T>
+__device__ __forceinline__ void mlxcel_h8(const uint4 v, float* f) {
+  f[0] = mlxcel_lo<T>(v.x);
+  f[1] = mlxcel_hi<T>(v.x);
+  f[2] = mlxcel_lo<T>(v.y);
+  f[3] = mlxcel_hi<T>(v.y);
+  f[4] = mlxcel_lo<T>(v.z);
+  f[5] = mlxcel_hi<T>(v.z);
+  f[6] = mlxcel_lo<T>(v.w);
+  f[7] = mlxcel_hi<T>(v.w);
 }
 
 // max(a, b) that returns NaN when either is NaN (fmaxf drops it), so a NaN in x
@@ -434,7 +454,7 @@ __device__ __forceinline__ void mlxcel_qgemv(const XT* x, const uint32_t* w, con
     }
     const T* sbp = lane < 16 ? scales : biases;
     uint4 wb[ST][TILES][2];                      // the step's 16 bytes of each row
-    uint32_t scw[CB][TILES][CW];                 // chunks of scales or biases (bf16 pairs)
+    uint32_t scw[CB][TILES][CW];                 // chunks of scales or biases (pairs of T)
     constexpr int SBW = GS > 1 ? GS / 2 : 1;
     uint32_t xfb[ST][GS][2 * WPT];               // B fragments (pairs: even, odd values)
     float4 cb[ST][GS];                           // (dq, dq·Σ xq) of rows 2t and 2t + 1
@@ -492,7 +512,7 @@ __device__ __forceinline__ void mlxcel_qgemv(const XT* x, const uint32_t* w, con
       const int src = gq + 8 * h;
       const uint32_t(&c)[CW] = scw[(j / CS) % CB][i];
       const int p = j % CS;
-      if constexpr (GS == 1) {  // one bf16 per step: half p % 2 of word p / 2
+      if constexpr (GS == 1) {  // one T per step: half p % 2 of word p / 2
         const uint32_t sv = __shfl_sync(0xFFFFFFFFu, c[p / 2], src);
         const uint32_t bv = __shfl_sync(0xFFFFFFFFu, c[p / 2], src + 16);
         sw[0] = (p & 1) ? (sv >> 16) | (bv & 0xFFFF0000u) : (sv & 0xFFFFu) | (bv << 16);
@@ -505,15 +525,15 @@ __device__ __forceinline__ void mlxcel_qgemv(const XT* x, const uint32_t* w, con
         }
       }
     };
-    // scale (s) and bias (b) of group q of a step as floats (bf16 is the top half of an f32)
+    // scale (s) and bias (b) of group q of a step as floats
     auto scale_of = [&](const uint32_t (&sw)[SBW], const uint32_t (&bw)[SBW], int q, float& s, float& b) {
       if constexpr (GS == 1) {
-        s = __uint_as_float(sw[0] << 16);
-        b = __uint_as_float(sw[0] & 0xFFFF0000u);
+        s = mlxcel_lo<T>(sw[0]);
+        b = mlxcel_hi<T>(sw[0]);
       } else {
         const uint32_t su = sw[q / 2], bu = bw[q / 2];
-        s = __uint_as_float((q & 1) ? (su & 0xFFFF0000u) : (su << 16));
-        b = __uint_as_float((q & 1) ? (bu & 0xFFFF0000u) : (bu << 16));
+        s = (q & 1) ? mlxcel_hi<T>(su) : mlxcel_lo<T>(su);
+        b = (q & 1) ? mlxcel_hi<T>(bu) : mlxcel_lo<T>(bu);
       }
     };
     float acc[TILES][4];
@@ -638,9 +658,9 @@ __device__ __forceinline__ void mlxcel_qgemv(const XT* x, const uint32_t* w, con
     constexpr int STAGES = FREE / STAGE < 4 ? FREE / STAGE : 4;
     static_assert(STAGES >= 2, "qgemv: streaming needs two stages of ROWS·ITERS·TPB chunks in 48 KB");
     __shared__ uint4 wsm[STAGES][SLOTS][TPB];
-    // (scales and biases are copied as the 32-bit word holding the chunk's bf16: their
+    // (scales and biases are copied as the 32-bit word holding the chunk's T: their
     // arrays start 4-byte aligned, as MLX allocates them)
-    __shared__ uint32_t ssm[STAGES][SLOTS][TPB];  // the bf16 pair holding the chunk's scale
+    __shared__ uint32_t ssm[STAGES][SLOTS][TPB];  // the pair of T holding the chunk's scale
     __shared__ uint32_t bsm[STAGES][SLOTS][TPB];  // … and bias
     const uint4* wv = reinterpret_cast<const uint4*>(w);
     const uint32_t* s32 = reinterpret_cast<const uint32_t*>(scales);
@@ -656,7 +676,7 @@ __device__ __forceinline__ void mlxcel_qgemv(const XT* x, const uint32_t* w, con
 #pragma unroll
       for (int v = 0; v < 4; ++v) {
         if (in) {
-          mlxcel_bf16x8(xv[c * 4 + v], xs + 8 * v);
+          mlxcel_h8<T>(xv[c * 4 + v], xs + 8 * v);
         } else {
 #pragma unroll
           for (int j = 0; j < 8; ++j) {
@@ -668,7 +688,7 @@ __device__ __forceinline__ void mlxcel_qgemv(const XT* x, const uint32_t* w, con
         float gs[32];
 #pragma unroll
         for (int v = 0; v < 4; ++v) {
-          mlxcel_bf16x8(in ? nv[c * 4 + v] : make_uint4(0u, 0u, 0u, 0u), gs + 8 * v);
+          mlxcel_h8<T>(in ? nv[c * 4 + v] : make_uint4(0u, 0u, 0u, 0u), gs + 8 * v);
         }
 #pragma unroll
         for (int j = 0; j < 32; ++j) {
@@ -736,8 +756,8 @@ __device__ __forceinline__ void mlxcel_qgemv(const XT* x, const uint32_t* w, con
           const bool hi = ((size_t(row_in(grp, r)) * GPR + g) & 1) != 0;
           const uint32_t su = ssm[st][it * ROWS + r][tid];
           const uint32_t bu = bsm[st][it * ROWS + r][tid];
-          const float sc = __uint_as_float(hi ? (su & 0xFFFF0000u) : (su << 16));
-          const float bi = __uint_as_float(hi ? (bu & 0xFFFF0000u) : (bu << 16));
+          const float sc = hi ? mlxcel_hi<T>(su) : mlxcel_lo<T>(su);
+          const float bi = hi ? mlxcel_hi<T>(bu) : mlxcel_lo<T>(bu);
           const uint32_t ws[4] = {qv.x, qv.y, qv.z, qv.w};
           int D = 0;
 #pragma unroll
@@ -811,7 +831,7 @@ __device__ __forceinline__ void mlxcel_qgemv(const XT* x, const uint32_t* w, con
       if constexpr (NORM) {
 #pragma unroll
         for (int v = 0; v < VPC / 8; ++v) {
-          mlxcel_bf16x8(nv[k0 / 8 + v], gs + 8 * v);
+          mlxcel_h8<T>(nv[k0 / 8 + v], gs + 8 * v);
         }
       }
 #pragma unroll
@@ -819,7 +839,7 @@ __device__ __forceinline__ void mlxcel_qgemv(const XT* x, const uint32_t* w, con
         float xs[VPC];
 #pragma unroll
         for (int v = 0; v < VPC / 8; ++v) {
-          mlxcel_bf16x8(xv[(size_t(m) * K + k0) / 8 + v], xs + 8 * v);
+          mlxcel_h8<T>(xv[(size_t(m) * K + k0) / 8 + v], xs + 8 * v);
         }
         if constexpr (NORM) {
 #pragma unroll
@@ -935,7 +955,7 @@ __device__ __forceinline__ void mlxcel_round_x(const T* x, const T* nw, uint32_t
     float ss = 0.f;
     for (int j = tid; j < WPR; j += XQ_TPB) {
       float xs[8];
-      mlxcel_bf16x8(xv[j], xs);
+      mlxcel_h8<T>(xv[j], xs);
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
         ss = fmaf(xs[e], xs[e], ss);
@@ -958,10 +978,10 @@ __device__ __forceinline__ void mlxcel_round_x(const T* x, const T* nw, uint32_t
   }
   float xs[8];
   if (in) {
-    mlxcel_bf16x8(xv[i], xs);
+    mlxcel_h8<T>(xv[i], xs);
     if constexpr (NORM) {
       float gs[8];
-      mlxcel_bf16x8(reinterpret_cast<const uint4*>(nw)[i], gs);
+      mlxcel_h8<T>(reinterpret_cast<const uint4*>(nw)[i], gs);
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
         xs[e] *= gs[e];

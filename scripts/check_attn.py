@@ -2,14 +2,18 @@
 """Check and time mlxcel's decode attention kernel (kernels/attn.cu) on a GPU box.
 
 Runs the kernel through MLX (`mx.fast.cuda_kernel`, launched as src/kernels/attn.rs does)
-on random bfloat16 inputs and compares it with softmax(q·kᵀ·scale)·v in float32
-(MLX's `fast.scaled_dot_product_attention` on float32 copies of the same values), for
+on random bfloat16 inputs in a paged pool (blocks of ATTN_BS tokens, default 32, each
+sequence's blocks in shuffled order, read through its block table) and compares it with
+softmax(q·kᵀ·scale)·v in float32 (MLX's `fast.scaled_dot_product_attention` on float32
+copies of the same values, gathered through the table), for
 the 8B and 70B head shapes (and a 70B rank's under TP = 8), head_dim 64, GQA up to 8,
-batch rows reading other slots at other lengths, one to 32 splits. Each case runs
+batch rows reading other sequences (and two rows one sequence) at other lengths, one to
+32 splits. Each case runs
 twice (a count the merge failed to reset would change the second result) and the
 counts must be zero afterwards. Prints max |error| / max |reference| for the kernel
-and for MLX's bfloat16 sdpa on views of the pool (what mlxcel ran before), then times
-both at batch 1 (a chain of calls, GPU time per call).
+and for MLX's bfloat16 sdpa on the gathered values, then times both at batch 1 (a chain
+of calls, GPU time per call; the kernel over blocks in order and shuffled, sdpa on views
+of a run of rows as mlxcel's batch-1 path reads it).
 
     python3 scripts/check_attn.py [--quick]
     ncu --clock-control none --metrics gpu__time_duration.sum python3 scripts/check_attn.py --marks > ncu.txt
@@ -19,6 +23,7 @@ import argparse
 import math
 import os
 import pathlib
+import random
 import re
 import struct
 import sys
@@ -28,24 +33,25 @@ import mlx.core as mx
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 NSPLIT = int(os.environ.get("ATTN_NSPLIT", "32"))  # as src/kernels/attn.rs; other values: experiments
+BS = int(os.environ.get("ATTN_BS", "32"))  # tokens per KV block (--block-size; a multiple of 32)
 CTXS = tuple(int(c) for c in os.environ.get("ATTN_CTXS", "128,384,2048,8192,32768").split(","))
 
 
 def kernel():
     text = pathlib.Path(os.environ.get("ATTN_SRC", ROOT / "kernels" / "attn.cu")).read_text()
     header, body = text.split("// @@header\n", 1)[1].split("// @@body\n", 1)
-    return mx.fast.cuda_kernel(name="mlxcel_attn_check_" + hex(hash(text) & 0xffffffff)[2:], input_names=["q", "pool", "slots", "pos", "part", "count"],
+    return mx.fast.cuda_kernel(name="mlxcel_attn_check_" + hex(hash(text) & 0xffffffff)[2:], input_names=["q", "pool", "table", "pos", "part", "count"],
                                output_names=["out"], source=body, header=header)
 
 
-def attn(k, q, pool, slots, pos, part, count, hq, hkv, d, scale):
+def attn(k, q, pool, table, pos, part, count, hq, hkv, d, scale):
     b = q.shape[0]
     g = hq // hkv
     warps = g * int(os.environ.get("ATTN_TW", 0) or max(1, 16 // g))  # as src/kernels/attn.rs; ATTN_TW: tiles per round
     sb = struct.unpack("<i", struct.pack("<f", scale * math.log2(math.e)))[0]
-    return k(inputs=[q, pool, slots, pos, part, count],
+    return k(inputs=[q, pool, table, pos, part, count],
              template=[("D", d), ("HQ", hq), ("HKV", hkv), ("NSPLIT", NSPLIT), ("WARPS", warps),
-                       ("SCALE_BITS", sb)],
+                       ("BS", BS), ("SCALE_BITS", sb)],
              grid=(b * hkv * NSPLIT * 32 * warps, 1, 1), threadgroup=(32 * warps, 1, 1),
              output_shapes=[(b, hq, 1, d)], output_dtypes=[mx.bfloat16])[0]
 
@@ -61,23 +67,41 @@ def rel(a, ref):
     return (mx.abs(a.astype(mx.float32) - ref).max() / mx.abs(ref).max()).item()
 
 
+def paged_pool(seqs, cap, hkv, d, shuffle=True, seed=0):
+    """A pool of `seqs` sequences' blocks of BS tokens (cap positions each), in
+    shuffled order: ([1, 2·hkv, blocks·BS, d] bfloat16, per sequence its block table)."""
+    nb = -(-cap // BS)
+    order = list(range(seqs * nb))
+    if shuffle:
+        random.Random(seed).shuffle(order)
+    pool = mx.random.normal((1, 2 * hkv, seqs * nb * BS, d)).astype(mx.bfloat16)
+    return pool, [order[s * nb:(s + 1) * nb] for s in range(seqs)]
+
+
+def rows_of(table, p):
+    """Pool rows of positions 0..=p through a block table."""
+    return mx.array([table[i // BS] * BS + i % BS for i in range(p + 1)], dtype=mx.int32)
+
+
 def check(k, name, hq, hkv, d, rows, cap, slots_n=4, seed=0):
-    """rows: [(slot, pos)]; row b attends to positions 0..=pos of its slot."""
+    """rows: [(sequence, pos)]; row b attends to positions 0..=pos of its sequence,
+    read through the sequence's (shuffled) block table."""
     mx.random.seed(seed)
     b = len(rows)
-    pool = mx.random.normal((slots_n, 2 * hkv, cap, d)).astype(mx.bfloat16)
+    pool, tables = paged_pool(slots_n, cap, hkv, d, seed=seed)
     q = (2 * mx.random.normal((b, hq, 1, d))).astype(mx.bfloat16)
-    slots = mx.array([r[0] for r in rows], dtype=mx.int32)
+    table = mx.array([tables[r[0]] for r in rows], dtype=mx.int32)
     pos = mx.array([r[1] for r in rows], dtype=mx.int32)
-    part, count = scratch(slots_n, hq, hkv, d)
+    part, count = scratch(max(slots_n, b), hq, hkv, d)
     scale = d ** -0.5
     outs = []
     for _ in range(2):
-        outs.append(attn(k, q, pool, slots, pos, part, count, hq, hkv, d, scale))
+        outs.append(attn(k, q, pool, table, pos, part, count, hq, hkv, d, scale))
         mx.eval(outs[-1])
     refs, sdpa = [], []
     for i, (s, p) in enumerate(rows):
-        kk, vv = pool[s:s + 1, :hkv, :p + 1], pool[s:s + 1, hkv:, :p + 1]
+        kv = pool[:, :, rows_of(tables[s], p)]  # what mlxcel's gather path reads
+        kk, vv = kv[:, :hkv], kv[:, hkv:]
         refs.append(mx.fast.scaled_dot_product_attention(q[i:i + 1].astype(mx.float32), kk.astype(mx.float32),
                                                          vv.astype(mx.float32), scale=scale))
         sdpa.append(mx.fast.scaled_dot_product_attention(q[i:i + 1], kk, vv, scale=scale))
@@ -94,16 +118,21 @@ def check(k, name, hq, hkv, d, rows, cap, slots_n=4, seed=0):
 
 def timing(k, hq, hkv, d, ctx, n=200, marks=False):
     """Wall time per call of a chain of n calls (host-bound for short contexts); with
-    marks, n = 3 calls each between marker lines, for `ncu` (see --parse)."""
-    pool = mx.random.normal((1, 2 * hkv, ctx + 256, d)).astype(mx.bfloat16)
+    marks, n = 3 calls each between marker lines, for `ncu` (see --parse). The kernel
+    reads one sequence's blocks in order ("run") and shuffled; MLX's sdpa reads the run
+    as views (what mlxcel's batch-1 path does for a sequence whose blocks are one run)."""
+    pool, (run,) = paged_pool(1, ctx + 256, hkv, d, shuffle=False)
+    _, (shuffled,) = paged_pool(1, ctx + 256, hkv, d, shuffle=True)
     q = mx.random.normal((1, hq, 1, d)).astype(mx.bfloat16)
-    slots, pos = mx.array([0], dtype=mx.int32), mx.array([ctx - 1], dtype=mx.int32)
+    t_run, t_shuf = mx.array([run], dtype=mx.int32), mx.array([shuffled], dtype=mx.int32)
+    pos = mx.array([ctx - 1], dtype=mx.int32)
     part, count = scratch(1, hq, hkv, d)
     kv_k, kv_v = pool[:, :hkv, :ctx], pool[:, hkv:, :ctx]
-    mx.eval(pool, q, slots, pos, kv_k, kv_v)
+    mx.eval(pool, q, t_run, t_shuf, pos, kv_k, kv_v)
     scale = d ** -0.5
     fns = {
-        "mlxcel": lambda y: attn(k, y, pool, slots, pos, part, count, hq, hkv, d, scale),
+        "mlxcel": lambda y: attn(k, y, pool, t_run, pos, part, count, hq, hkv, d, scale),
+        "mlxcel-shuffled": lambda y: attn(k, y, pool, t_shuf, pos, part, count, hq, hkv, d, scale),
         "sdpa": lambda y: mx.fast.scaled_dot_product_attention(y, kv_k, kv_v, scale=scale),
     }
     res = {}
@@ -125,7 +154,8 @@ def timing(k, hq, hkv, d, ctx, n=200, marks=False):
             best = min(best, (time.perf_counter() - t) / n * 1e6)
         res[name] = best
     if not marks:
-        print(f"| {hq}/{hkv}×{d} | {ctx} | {res['mlxcel']:.1f} | {res['sdpa']:.1f} |", flush=True)
+        print(f"| {hq}/{hkv}×{d} | {ctx} | {res['mlxcel']:.1f} | {res['mlxcel-shuffled']:.1f} | {res['sdpa']:.1f} |",
+              flush=True)
 
 
 def parse(path):
@@ -149,11 +179,11 @@ def parse(path):
     for i, us in enumerate(results):
         if seg_of.get(i):
             times.setdefault(seg_of[i], []).append(us)
-    print("| positions | mlxcel µs/call (GPU) | MLX sdpa µs/call (GPU, all its kernels) |")
-    print("|---|---|---|")
+    print("| positions | mlxcel µs/call (GPU, blocks in order) | mlxcel, shuffled blocks | MLX sdpa µs/call (GPU, all its kernels) |")
+    print("|---|---|---|---|")
     for ctx in sorted({int(c) for _, c in times}):
-        m, s = times.get(("mlxcel", str(ctx)), []), times.get(("sdpa", str(ctx)), [])
-        print(f"| {ctx} | {sum(m) / 3:.1f} | {sum(s) / 3:.1f} |")
+        m, sh, s = (times.get((f, str(ctx)), []) for f in ("mlxcel", "mlxcel-shuffled", "sdpa"))
+        print(f"| {ctx} | {sum(m) / 3:.1f} | {sum(sh) / 3:.1f} | {sum(s) / 3:.1f} |")
 
 
 def main():
@@ -169,7 +199,8 @@ def main():
         for ctx in CTXS:
             timing(k, 32, 8, 128, ctx, marks=True)
         return
-    print("| case | heads q/kv × d | rows (slot, last position) | kernel error | MLX bf16 sdpa error | "
+    print(f"blocks of {BS} tokens")
+    print("| case | heads q/kv × d | rows (sequence, last position) | kernel error | MLX bf16 sdpa error | "
           "run 2 = run 1 | counts left | ok |")
     print("|---|---|---|---|---|---|---|---|")
     cases = [
@@ -186,8 +217,8 @@ def main():
     if a.quick:
         cases = cases[:5]
     ok = all([check(k, *c) for c in cases])
-    print("\n| heads q/kv × d | positions | mlxcel µs/call (wall, chain) | MLX sdpa µs/call (views) |")
-    print("|---|---|---|---|")
+    print("\n| heads q/kv × d | positions | mlxcel µs/call (wall, chain) | mlxcel, shuffled blocks | MLX sdpa µs/call (views) |")
+    print("|---|---|---|---|---|")
     for ctx in CTXS:
         timing(k, 32, 8, 128, ctx)
     print("all ok" if ok else "SOME CHECKS FAILED")

@@ -34,12 +34,16 @@ SOURCE = ROOT / "kernels" / "qgemv.cu"
 
 SHAPES_8B = [(6144, 4096, "qkv"), (4096, 4096, "o"), (28672, 4096, "gate_up"),
              (4096, 14336, "down"), (128256, 4096, "lm_head")]
+# SmolLM2-135M (the default model, a GGUF: float16 on a GPU, groups of 32)
+SHAPES_SMOL = [(960, 576, "qkv"), (576, 576, "o"), (3072, 576, "gate_up"), (576, 1536, "down"),
+               (49152, 576, "lm_head")]
 SHAPES_70B = [(10240, 8192, "qkv"), (8192, 8192, "o"), (57344, 8192, "gate_up"),
               (8192, 28672, "down"), (128256, 8192, "lm_head")]
 
 
 ROPE_MARK = "// @@body_rope\n"
 XQ_MARK = "// @@body_xq\n"
+DT = mx.bfloat16  # activations, scales and biases (--dtype)
 ROUND_X = None  # the x-rounding kernel of the tensor-core path (make_kernel sets it)
 
 
@@ -164,7 +168,7 @@ def round_x(x, group, norm=None):
     bpr = -(-(k // 8) // XQ_TPB)
     return ROUND_X(
         inputs=[x, x if norm is None else norm[0]],
-        template=[("T", mx.bfloat16), ("M", m), ("K", k), ("G", group),
+        template=[("T", DT), ("M", m), ("K", k), ("G", group),
                   ("NORM", int(norm is not None)),
                   ("EPS_BITS", 0 if norm is None else struct.unpack("<i", struct.pack("<f", norm[1]))[0])],
         grid=(m * bpr * XQ_TPB, 1, 1),
@@ -199,7 +203,7 @@ def qgemv(kernel, x, w, s, b, group, bits, rows=None, wpb=None, res=None, swiglu
     xin = round_x(x, group, norm) if mma else x
     return kernel(
         inputs=[xin, w, s, b, x if res is None else res, x if norm is None else norm[0]],
-        template=[("T", mx.bfloat16), ("M", m), ("N", n), ("K", k), ("G", group),
+        template=[("T", DT), ("M", m), ("N", n), ("K", k), ("G", group),
                   ("BITS", bits), ("ROWS", rows), ("WPB", wpb), ("EPI", epi),
                   ("NORM", int(norm is not None)),
                   ("EPS_BITS", 0 if norm is None else
@@ -208,7 +212,7 @@ def qgemv(kernel, x, w, s, b, group, bits, rows=None, wpb=None, res=None, swiglu
         grid=((pg or n // rows) * 32 * wpb, 1, 1),
         threadgroup=(32 * wpb, 1, 1),
         output_shapes=[(m, n // 2 if swiglu else n)],
-        output_dtypes=[mx.bfloat16],
+        output_dtypes=[DT],
     )[0]
 
 
@@ -220,7 +224,7 @@ def qgemv_rope(kernel, x, w, s, b, group, bits, norm, pos, inv_freq, nq, hd):
     xin = round_x(x, group, norm) if mma else x
     return kernel(
         inputs=[xin, w, s, b, norm[0], pos, inv_freq],
-        template=[("T", mx.bfloat16), ("M", m), ("N", n), ("K", k), ("G", group),
+        template=[("T", DT), ("M", m), ("N", n), ("K", k), ("G", group),
                   ("BITS", bits), ("ROWS", rows), ("WPB", wpb), ("NORM", 1),
                   ("EPS_BITS", struct.unpack("<i", struct.pack("<f", norm[1]))[0]),
                   ("HD", hd), ("NQ", nq), ("XQ", int(XQ and bits == 4)), ("MMA", mma),
@@ -228,7 +232,7 @@ def qgemv_rope(kernel, x, w, s, b, group, bits, norm, pos, inv_freq, nq, hd):
         grid=((pg or n // rows) * 32 * wpb, 1, 1),
         threadgroup=(32 * wpb, 1, 1),
         output_shapes=[(m, nq, 1, hd), (m, n // hd - nq, 1, hd)],
-        output_dtypes=[mx.bfloat16, mx.bfloat16],
+        output_dtypes=[DT, DT],
     )
 
 
@@ -242,8 +246,8 @@ def check_rope(kernel, n, k, group, bits, ms, nq, hd=128, seed=0):
     inv_freq = mx.array([base ** (-2.0 * i / hd) for i in range(hd // 2)], dtype=mx.float32)
     rows = []
     for m in ms:
-        x = mx.random.normal((m, k)).astype(mx.bfloat16)
-        nw = (1 + 0.1 * mx.random.normal((k,))).astype(mx.bfloat16)
+        x = mx.random.normal((m, k)).astype(DT)
+        nw = (1 + 0.1 * mx.random.normal((k,))).astype(DT)
         pos = mx.array([7, 30000, 4095, 1, 0, 12, 999, 2][:m], dtype=mx.int32)
         xf = x.astype(mx.float32)
         xn = xf * mx.rsqrt(mx.mean(xf * xf, axis=-1, keepdims=True) + 1e-5) * nw.astype(mx.float32)
@@ -282,7 +286,7 @@ def rel_err(a, ref):
 
 def quantized(n, k, group, bits, seed):
     mx.random.seed(seed)
-    w = (mx.random.normal((n, k)) * 0.02).astype(mx.bfloat16)
+    w = (mx.random.normal((n, k)) * 0.02).astype(DT)
     wq, s, b = mx.quantize(w, group_size=group, bits=bits)
     mx.eval(wq, s, b)
     return wq, s, b
@@ -293,7 +297,7 @@ def check(kernel, n, k, group, bits, ms, seed=0):
     wd = mx.dequantize(wq, s, b, group_size=group, bits=bits).astype(mx.float32)
     rows = []
     for m in ms:
-        x = mx.random.normal((m, k)).astype(mx.bfloat16)
+        x = mx.random.normal((m, k)).astype(DT)
         ref = x.astype(mx.float32) @ wd.T
         ours = qgemv(kernel, x, wq, s, b, group, bits)
         qmm = mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=group, bits=bits)
@@ -302,7 +306,7 @@ def check(kernel, n, k, group, bits, ms, seed=0):
         ok = within(e_ours, e_qmm, bits)
         rows.append((m, "", e_ours, e_qmm, ok))
         # fused epilogues against the same ops done by MLX after quantized_matmul
-        res = mx.random.normal((m, n)).astype(mx.bfloat16)
+        res = mx.random.normal((m, n)).astype(DT)
         ref_res = res.astype(mx.float32) + ref
         e1 = rel_err(qgemv(kernel, x, wq, s, b, group, bits, res=res), ref_res)
         e1q = rel_err(res + qmm, ref_res)
@@ -315,7 +319,7 @@ def check(kernel, n, k, group, bits, ms, seed=0):
             e2q = rel_err(nn_silu(gq) * uq, ref_glu)
             rows.append((m, " swiglu", e2, e2q, within(e2, e2q, bits)))
         # RMSNorm of x in the kernel, against MLX's rms_norm then quantized_matmul
-        nw = (1 + 0.1 * mx.random.normal((k,))).astype(mx.bfloat16)
+        nw = (1 + 0.1 * mx.random.normal((k,))).astype(DT)
         xf = x.astype(mx.float32)
         xn = xf * mx.rsqrt(mx.mean(xf * xf, axis=-1, keepdims=True) + 1e-5) * nw.astype(mx.float32)
         ref_n = xn @ wd.T
@@ -347,7 +351,7 @@ def timing(kernel, n, k, group, bits, m, rows=None, wpb=None, budget=512e6):
     copies = max(2, math.ceil(budget / nbytes))
     ws = [(wq + i, s, b) for i in range(copies)]  # distinct weight buffers (uint32 + i)
     mx.eval(ws)
-    x = mx.random.normal((m, k)).astype(mx.bfloat16)
+    x = mx.random.normal((m, k)).astype(DT)
     ours = bench(lambda: [qgemv(kernel, x, w, s_, b_, group, bits, rows, wpb) for w, s_, b_ in ws])
     qmm = bench(lambda: [mx.quantized_matmul(x, w, s_, b_, transpose=True, group_size=group,
                                              bits=bits) for w, s_, b_ in ws])
@@ -358,7 +362,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--source", type=pathlib.Path, default=SOURCE)
     ap.add_argument("--quick", action="store_true", help="two 8B shapes, 4-bit g64 only")
-    ap.add_argument("--only", choices=["8B", "70B"], help="only this model's shapes")
+    ap.add_argument("--only", choices=["8B", "70B", "SmolLM2"], help="only this model's shapes")
+    ap.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16",
+                    help="activations, scales and biases (float16: GGUF models on a GPU)")
     ap.add_argument("--skip", default="", help="comma-separated shape names to leave out (e.g. qkv,o)")
     ap.add_argument("--time", action="store_true", help="also wall-clock timing (host-bound)")
     ap.add_argument("--ms", default="1,4", type=lambda v: tuple(int(i) for i in v.split(",")),
@@ -368,11 +374,14 @@ def main():
     ap.add_argument("--sweep", action="store_true",
                     help="only time launch shapes (ROWS × WPB) on the 8B shapes, to pick defaults")
     args = ap.parse_args()
+    global DT
+    DT = getattr(mx, args.dtype)
     if not mx.cuda.is_available():
         sys.exit("check_qgemv: needs MLX's CUDA backend")
     kernel, rope_kernel = make_kernel(args.source)
     shapes = [(6144, 4096, "8B qkv"), (4096, 14336, "8B down")] if args.quick else \
-        [(n, k, "8B " + t) for n, k, t in SHAPES_8B] + [(n, k, "70B " + t) for n, k, t in SHAPES_70B]
+        [(n, k, "8B " + t) for n, k, t in SHAPES_8B] + [(n, k, "70B " + t) for n, k, t in SHAPES_70B] + \
+        [(n, k, "SmolLM2 " + t) for n, k, t in SHAPES_SMOL]
     if args.only:
         shapes = [sh for sh in shapes if sh[2].startswith(args.only + " ")]
     skip = {t for t in args.skip.split(",") if t}
@@ -390,7 +399,9 @@ def main():
             if group != 64 and not name.endswith("qkv") and not args.configs:
                 continue
             found = check(kernel, n, k, group, bits, args.ms)
-            if name.endswith("qkv"):  # 32 (8B) or 64 (70B) query heads, 8 KV heads of 128
+            if name.startswith("SmolLM2") and name.endswith("qkv"):  # 9 query, 3 KV heads of 64
+                found += check_rope(rope_kernel, n, k, group, bits, args.ms, nq=9, hd=64)
+            elif name.endswith("qkv"):  # 32 (8B) or 64 (70B) query heads, 8 KV heads of 128
                 found += check_rope(rope_kernel, n, k, group, bits, args.ms, nq=n // 128 - 16)
             for m, epi, e1, e2, ok in found:
                 bad += not ok

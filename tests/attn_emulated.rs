@@ -1,27 +1,37 @@
 //! The decode attention kernel (`kernels/attn.cu`) run on the CPU (see `common`) and
-//! compared with softmax(q·kᵀ·scale)·v in double precision: GQA, rows reading other
-//! slots at other lengths, one and several splits (the last block merging them), run
-//! twice so that a count left non-zero by the first run would show in the second.
+//! compared with softmax(q·kᵀ·scale)·v in double precision: GQA, rows reading their
+//! positions through shuffled block tables at other lengths (two rows sharing one
+//! table), one and several splits (the last block merging them), run twice so that a
+//! count left non-zero by the first run would show in the second.
 use std::path::Path;
 
 mod common;
 use common::PRELUDE;
 
 const MAIN: &str = r#"
+#include <algorithm>
 int main() {
   using bf = __nv_bfloat16;
   constexpr int G = HQ / HKV;
   std::mt19937 rng(7);
   std::uniform_real_distribution<float> u(-1.f, 1.f);
-  const int slots_n = 3, cap = CAP;
-  std::vector<bf> q(B * HQ * D), pool(size_t(slots_n) * 2 * HKV * cap * D), out(B * HQ * D);
+  // three sequences of CAP positions each over a pool of their blocks in shuffled order
+  const int seqs_n = 3, nb = CAP / BS, blocks_n = seqs_n * nb, cap = blocks_n * BS;
+  std::vector<bf> q(B * HQ * D), pool(size_t(2) * HKV * cap * D), out(B * HQ * D);
   for (auto& v : q) v = bf(2.f * u(rng));
   for (auto& v : pool) v = bf(u(rng));
-  const int32_t slot_of[4] = {2, 0, 1, 2}, pos_of[4] = {POS0, POS1, POS2, POS3};
-  std::vector<int32_t> slots(slot_of, slot_of + B), pos(pos_of, pos_of + B);
+  std::vector<int32_t> perm(blocks_n);
+  for (int i = 0; i < blocks_n; ++i) perm[i] = i;
+  std::shuffle(perm.begin(), perm.end(), rng);
+  const int32_t seq_of[4] = {2, 0, 1, 2}, pos_of[4] = {POS0, POS1, POS2, POS3};
+  std::vector<int32_t> table(size_t(B) * nb), pos(pos_of, pos_of + B);
+  for (int b = 0; b < B; ++b)
+    for (int j = 0; j < nb; ++j) table[b * nb + j] = perm[seq_of[b] * nb + j];
+  const int table_shape[2] = {B, nb};
+  auto row_of = [&](int b, int p) { return size_t(table[b * nb + p / BS]) * BS + p % BS; };
   std::vector<float> part(size_t(B) * HKV * NSPLIT * G * (D + 2), NAN);
   std::vector<int32_t> count(B * HKV, 0);
-  const int pool_shape[4] = {slots_n, 2 * HKV, cap, D};
+  const int pool_shape[4] = {1, 2 * HKV, cap, D};
   constexpr int tpb = 32 * WARPS;
   blockDim.x = tpb;
   g_shfl.assign(tpb, 0.f);
@@ -36,8 +46,8 @@ int main() {
         ts.emplace_back([&, t] {
           threadIdx.x = t;
           blockIdx.x = blk;
-          kernel(q.data(), pool.data(), pool_shape, slots.data(), pos.data(), part.data(),
-                 count.data(), out.data());
+          kernel(q.data(), pool.data(), pool_shape, table.data(), table_shape, pos.data(),
+                 part.data(), count.data(), out.data());
         });
       for (auto& t : ts) t.join();
     }
@@ -49,20 +59,20 @@ int main() {
     for (int b = 0; b < B; ++b)
       for (int hq = 0; hq < HQ; ++hq) {
         const int h = hq / G, len = pos[b] + 1;
-        const bf* k = &pool[(size_t(slots[b]) * 2 * HKV + h) * cap * D];
-        const bf* v = &pool[(size_t(slots[b]) * 2 * HKV + HKV + h) * cap * D];
+        const bf* k = &pool[size_t(h) * cap * D];
+        const bf* v = &pool[size_t(HKV + h) * cap * D];
         std::vector<double> sc(len);
         double mx = -1e300, sum = 0;
         for (int p = 0; p < len; ++p) {
           double d = 0;
-          for (int i = 0; i < D; ++i) d += double(float(q[(b * HQ + hq) * D + i])) * double(float(k[p * D + i]));
+          for (int i = 0; i < D; ++i) d += double(float(q[(b * HQ + hq) * D + i])) * double(float(k[row_of(b, p) * D + i]));
           sc[p] = d * scale;
           mx = std::max(mx, sc[p]);
         }
         for (int p = 0; p < len; ++p) sum += (sc[p] = std::exp(sc[p] - mx));
         for (int i = 0; i < D; ++i) {
           double r = 0;
-          for (int p = 0; p < len; ++p) r += sc[p] / sum * double(float(v[p * D + i]));
+          for (int p = 0; p < len; ++p) r += sc[p] / sum * double(float(v[row_of(b, p) * D + i]));
           const double got = double(float(out[(b * HQ + hq) * D + i]));
           max_ref = std::fmax(max_ref, std::fabs(r));
           max_err = std::isnan(got) ? 1e300 : std::fmax(max_err, std::fabs(r - got));
@@ -76,7 +86,8 @@ int main() {
 "#;
 
 /// Compile and run the emulated kernel with template constants `consts` (B, HQ, HKV, D,
-/// NSPLIT, WARPS, CAP, the rows' positions POS0..POS3 and the softmax scale).
+/// NSPLIT, WARPS, BS, CAP (positions per sequence, a multiple of BS), the rows'
+/// positions POS0..POS3 and the softmax scale).
 fn run(tag: &str, consts: &[(&str, i64)], scale: f32) {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels/attn.cu");
     let text = std::fs::read_to_string(&path).unwrap();
@@ -92,12 +103,12 @@ fn run(tag: &str, consts: &[(&str, i64)], scale: f32) {
         "constexpr int SCALE_BITS = {};\n",
         scale_log2e.to_bits() as i32
     );
-    // the signature MLX generates for inputs q, pool (with its shape), slots, pos, part,
-    // count and output out
+    // the signature MLX generates for inputs q, pool (with its shape), table (with its
+    // shape), pos, part, count and output out
     src +=
         "void kernel(const __nv_bfloat16* q, const __nv_bfloat16* pool, const int* pool_shape,\n\
-            const int32_t* slots, const int32_t* pos, const float* part, const int32_t* count,\n\
-            __nv_bfloat16* out) {\n";
+            const int32_t* table, const int* table_shape, const int32_t* pos, const float* part,\n\
+            const int32_t* count, __nv_bfloat16* out) {\n";
     src += body;
     src += "\n}\n";
     src += MAIN;
@@ -116,6 +127,7 @@ fn decode_attention_matches_softmax_of_scores_times_values() {
             ("D", 128),
             ("NSPLIT", 4),
             ("WARPS", 8),
+            ("BS", 32),
             ("CAP", 128),
             ("POS0", 40),
             ("POS1", 0),
@@ -136,6 +148,7 @@ fn decode_attention_matches_softmax_of_scores_times_values() {
             ("D", 64),
             ("NSPLIT", 4),
             ("WARPS", 3),
+            ("BS", 64),
             ("CAP", 256),
             ("POS0", 0),
             ("POS1", 69),
@@ -155,6 +168,7 @@ fn decode_attention_matches_softmax_of_scores_times_values() {
             ("D", 128),
             ("NSPLIT", 32),
             ("WARPS", 16),
+            ("BS", 32),
             ("CAP", 320),
             ("POS0", 300),
             ("POS1", 0),
@@ -173,6 +187,7 @@ fn decode_attention_matches_softmax_of_scores_times_values() {
             ("D", 64),
             ("NSPLIT", 3),
             ("WARPS", 4),
+            ("BS", 160),
             ("CAP", 320),
             ("POS0", 149),
             ("POS1", 299),

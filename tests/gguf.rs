@@ -168,8 +168,8 @@ fn header_len(path: &Path) -> u64 {
 }
 
 /// What rank `rank` of `n` reads from the file under the shard plan: every tensor it
-/// holds whole, and its rows (column-parallel) or its columns in each row (row-parallel)
-/// of the split ones.
+/// holds whole, and its rows (column- and vocab-parallel) or its columns in each row
+/// (row-parallel) of the split ones.
 fn planned_read(m: &GgufModel, cfg: &models::ModelConfig, n: usize, rank: usize) -> u64 {
     let sp = shard::plan(cfg, n, rank).unwrap();
     let hd = cfg.head_dim;
@@ -180,7 +180,11 @@ fn planned_read(m: &GgufModel, cfg: &models::ModelConfig, n: usize, rank: usize)
         let rows = t.dims.get(1).copied().unwrap_or(1) as usize;
         let row_bytes = (cols / bv * bb) as u64;
         let field = name.split('.').nth(2).unwrap_or("");
+        let vocab_rows = sp.vocab.as_ref().map(|v| v.rows.len());
         let bytes = match field {
+            _ if name == "token_embd.weight" || name == "output.weight" => {
+                vocab_rows.unwrap_or(rows) as u64 * row_bytes
+            }
             "attn_q" => (sp.q_heads.len() * hd) as u64 * row_bytes,
             "attn_k" | "attn_v" => (sp.kv_heads.len() * hd) as u64 * row_bytes,
             "ffn_gate" | "ffn_up" => sp.intermediate.len() as u64 * row_bytes,
@@ -246,7 +250,7 @@ fn tp3_emulated_equals_one_process_and_ranks_read_their_share() {
         assert!(err <= 0.01, "rank {rank}: read {read}, plan {want}");
         sum += read;
     }
-    // split tensors are read once in all; replicated ones (embedding, norms) by every rank
+    // split tensors are read once in all; replicated ones (norms) by every rank
     assert!(sum > planned_read(&g, &cfg, 1, 0));
 
     // `plan` (headers only) gives each rank the weight bytes it then holds: Q4_1 linears,

@@ -11,7 +11,7 @@ use common::PRELUDE;
 
 const MAIN: &str = r#"
 int main() {
-  using bf = __nv_bfloat16;
+  using bf = T;  // bfloat16, or float16 with F16 = 1
   constexpr int VPW = 32 / BITS;
   std::mt19937 rng(1234);
   std::uniform_real_distribution<float> ux(-1.f, 1.f), us(0.001f, 0.02f), ub(-0.05f, 0.05f);
@@ -170,10 +170,16 @@ fn run(tag: &str, consts: &[(&str, usize)]) {
     let rope = consts.iter().any(|(n, _)| *n == "HD");
     // MMA = 1: x comes from the rounding kernel (`@@body_xq`), as uint32 words
     let mma = consts.contains(&("MMA", 1));
-    let xin = if mma { "uint32_t" } else { "__nv_bfloat16" };
+    // F16 = 1: float16 activations, scales and biases (T = __half), else bfloat16
+    let t = if consts.contains(&("F16", 1)) {
+        "__half"
+    } else {
+        "__nv_bfloat16"
+    };
+    let xin = if mma { "uint32_t" } else { t };
     let mut src = String::from(PRELUDE);
     src += &header;
-    src += "using T = __nv_bfloat16;\n";
+    src += &format!("using T = {t};\n");
     for (n, v) in consts {
         src += &format!("constexpr int {n} = {v};\n");
     }
@@ -194,24 +200,24 @@ fn run(tag: &str, consts: &[(&str, usize)]) {
         // the signature MLX generates for inputs x, w, scales, biases, nw, pos, inv_freq
         // and outputs q, kv
         src += &format!(
-            "void kernel(const {xin}* x, const uint32_t* w, const __nv_bfloat16* scales,\n\
-                const __nv_bfloat16* biases, const __nv_bfloat16* nw, const int32_t* pos,\n\
-                const float* inv_freq, __nv_bfloat16* q, __nv_bfloat16* kv) {{\n"
+            "void kernel(const {xin}* x, const uint32_t* w, const {t}* scales,\n\
+                const {t}* biases, const {t}* nw, const int32_t* pos,\n\
+                const float* inv_freq, {t}* q, {t}* kv) {{\n"
         );
         src += &body_rope;
     } else {
         // the signature MLX generates for inputs x, w, scales, biases, res, nw and output y
         src += &format!(
-            "void kernel(const {xin}* x, const uint32_t* w, const __nv_bfloat16* scales,\n\
-                const __nv_bfloat16* biases, const __nv_bfloat16* res, const __nv_bfloat16* nw,\n\
-                __nv_bfloat16* y) {{\n"
+            "void kernel(const {xin}* x, const uint32_t* w, const {t}* scales,\n\
+                const {t}* biases, const {t}* res, const {t}* nw,\n\
+                {t}* y) {{\n"
         );
         src += &body;
     }
     src += "\n}\n";
     if mma {
         // inputs x, nw and output xq
-        src += "void kernel_xq(const __nv_bfloat16* x, const __nv_bfloat16* nw, uint32_t* xq) {\n";
+        src += &format!("void kernel_xq(const {t}* x, const {t}* nw, uint32_t* xq) {{\n");
         src += &body_xq;
         src += "\n}\n";
     }
@@ -785,4 +791,60 @@ fn qgemv_streaming_matches() {
             ("PG", 5),
         ],
     );
+}
+
+#[test]
+fn qgemv_float16_matches() {
+    // float16 activations, scales and biases (T = __half: GGUF models on a GPU) on each
+    // path: float math (4- and 8-bit), int8 activations with dp4a and the norm, the
+    // tensor cores at groups 32, 64 and 128 (one scale per step read as half a word),
+    // the streaming launch and the RoPE entry point
+    let f16 = |mut c: Vec<(&'static str, usize)>| {
+        c.push(("F16", 1));
+        c
+    };
+    let plain = |m, n, k, g, bits, rows, wpb| {
+        vec![
+            ("M", m),
+            ("N", n),
+            ("K", k),
+            ("G", g),
+            ("BITS", bits),
+            ("ROWS", rows),
+            ("WPB", wpb),
+        ]
+    };
+    run("f16_4bit", &f16(plain(2, 8, 576, 32, 4, 2, 2)));
+    run("f16_8bit_res", &{
+        let mut c = f16(plain(3, 8, 1024, 32, 8, 4, 2));
+        c.push(("EPI", 1));
+        c
+    });
+    run("f16_xq_norm_swiglu", &{
+        let mut c = f16(plain(1, 16, 576, 32, 4, 4, 2));
+        c.extend_from_slice(&[("XQ", 1), ("EPI", 2), ("NORM", 1)]);
+        c
+    });
+    run("f16_mma_g32", &f16(mma(4, 32, 512, 32, 16, 2)));
+    run("f16_mma_g64_norm", &{
+        let mut c = f16(mma(8, 32, 1024, 64, 16, 2));
+        c.push(("NORM", 1));
+        c
+    });
+    run("f16_mma_g128_cs1", &f16(mma(2, 16, 384, 128, 16, 1)));
+    run("f16_stream", &{
+        let mut c = f16(plain(1, 16, 2048, 64, 4, 2, 2));
+        c.extend_from_slice(&[("EPI", 1), ("XQ", 1), ("PG", 3)]);
+        c
+    });
+    run("f16_rope_norm", &{
+        let mut c = f16(plain(2, 8 * 16, 512, 32, 4, 4, 2));
+        c.extend_from_slice(&[("NORM", 1), ("HD", 16), ("NQ", 4)]);
+        c
+    });
+    run("f16_mma_nan", &{
+        let mut c = f16(mma(2, 16, 256, 64, 16, 1));
+        c.push(("NAN_X", 1));
+        c
+    });
 }

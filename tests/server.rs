@@ -420,7 +420,15 @@ fn chat_and_completions(tp: &[&str]) {
         let (streamed, finish, usage) = stream_text(&r, chat);
         assert_eq!(streamed, text, "{path}: stream vs non-stream");
         assert_eq!(finish, "length");
-        assert_eq!(usage.unwrap(), full["usage"]);
+        // the same prompt again: its whole blocks now come from the prefix cache
+        let usage = usage.unwrap();
+        for k in ["prompt_tokens", "completion_tokens", "total_tokens"] {
+            assert_eq!(usage[k], full["usage"][k], "{k}");
+        }
+        assert!(
+            usage["prompt_tokens_details"]["cached_tokens"].as_u64()
+                >= full["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64()
+        );
         if chat {
             let first: Value = serde_json::from_str(&r.sse()[0]).unwrap();
             assert_eq!(first["object"], "chat.completion.chunk");
@@ -2428,9 +2436,13 @@ fn n_choices(tp: &[&str]) {
         let before = prefilled();
         let r = s.ok(path, &b);
         let prompt_tokens = single[0].1["prompt_tokens"].as_u64().unwrap();
+        // the single requests left the prompt's full blocks in the prefix cache
+        let cached = r["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap();
         assert_eq!(
             prefilled() - before,
-            prompt_tokens as f64,
+            (prompt_tokens - cached) as f64,
             "{path}: the 3 choices share one prefill"
         );
         let choices = r["choices"].as_array().unwrap();
@@ -2787,4 +2799,118 @@ fn reasoning_content_is_split_off() {
         400,
     );
     assert_eq!(e["param"], "guided_regex", "{e}");
+}
+
+/// A second request sharing a long prompt prefix prefills only the tokens after its
+/// cached blocks (its `cached_tokens` and the prefix-cache counters of /metrics say
+/// so), and its text is the one a server without prefix caching gives.
+#[test]
+fn a_shared_prompt_prefix_is_prefilled_once() {
+    let system = "You are a careful assistant who answers in short sentences. ".repeat(12);
+    let body = |q: &str| {
+        json!({
+            "prompt": format!("{system}Question: {q}"),
+            "max_tokens": 6,
+            "temperature": 0,
+        })
+    };
+    let run = |args: &[&str]| {
+        let s = Server::start("llama3", args, &[]);
+        let out: Vec<Value> = ["what is rust?", "and mlx?"]
+            .iter()
+            .map(|q| {
+                let r = s.post("/v1/completions", &body(q));
+                assert_eq!(r.status, 200, "{}", r.text());
+                r.json()
+            })
+            .collect();
+        // the gauges are set after the step that sent the last token
+        wait_until(
+            "every block free",
+            Duration::from_secs(10),
+            || metric(&s.metrics(), "mlxcel:kv_blocks_used") == 0.0,
+            || s.metrics(),
+        );
+        (out, s.metrics())
+    };
+    let (cached, m) = run(&["--ctx-size", "512", "--parallel", "2"]);
+    let (plain, m_off) = run(&[
+        "--ctx-size",
+        "512",
+        "--parallel",
+        "2",
+        "--no-enable-prefix-caching",
+    ]);
+    let usage = |v: &Value, k: &str| v["usage"]["prompt_tokens_details"][k].as_u64().unwrap();
+    let prompt = cached[1]["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert!(prompt > 150, "{prompt}");
+    assert_eq!(usage(&cached[0], "cached_tokens"), 0);
+    let hit = usage(&cached[1], "cached_tokens");
+    // whole blocks of 32 tokens, all but the tokens after the shared prefix
+    assert_eq!(hit % 32, 0);
+    assert!(hit + 40 >= prompt && hit < prompt, "{hit} of {prompt}");
+    assert_eq!(metric(&m, "vllm:prefix_cache_hits"), hit as f64);
+    let asked = cached[0]["usage"]["prompt_tokens"].as_u64().unwrap() + prompt;
+    assert_eq!(metric(&m, "vllm:prefix_cache_queries"), asked as f64);
+    assert!(metric(&m, "mlxcel:kv_blocks_free") > 0.0);
+    assert_eq!(metric(&m_off, "vllm:prefix_cache_hits"), 0.0);
+    for (a, b) in cached.iter().zip(&plain) {
+        assert_eq!(a["choices"][0]["text"], b["choices"][0]["text"]);
+    }
+    assert_eq!(usage(&plain[1], "cached_tokens"), 0);
+}
+
+/// A KV pool of a few blocks (`--kv-cache-gb`): a request whose prompt and max_tokens
+/// cannot fit the whole pool gets 400; concurrent requests that together overflow it
+/// are preempted and recomputed, each still gets the text it gets alone, and every
+/// block is free again at the end.
+#[test]
+fn a_small_kv_pool_preempts_and_refuses_what_cannot_fit() {
+    // the llama3 fixture holds 512 bytes of KV a token: 0.0001 GB is 6 blocks of 32
+    let s = Server::start(
+        "llama3",
+        &[
+            "--ctx-size",
+            "256",
+            "--parallel",
+            "4",
+            "--kv-cache-gb",
+            "0.0001",
+        ],
+        &[],
+    );
+    let body = |p: &str, n: u64| json!({"prompt": p, "max_tokens": n, "temperature": 0});
+    let r = s.post("/v1/completions", &body("hello there", 250));
+    let e = assert_error(&r, 400);
+    assert!(
+        e["message"].as_str().unwrap().contains("pool holds 192"),
+        "{e}"
+    );
+    let prompts: Vec<String> = (0..4)
+        .map(|i| format!("request {i}: tell me about the number {}", 7 * i))
+        .collect();
+    let alone: Vec<Value> = prompts
+        .iter()
+        .map(|p| s.post("/v1/completions", &body(p, 60)).json())
+        .collect();
+    let together: Vec<Value> = std::thread::scope(|scope| {
+        let hs: Vec<_> = prompts
+            .iter()
+            .map(|p| scope.spawn(|| s.post("/v1/completions", &body(p, 60)).json()))
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (a, b) in alone.iter().zip(&together) {
+        assert_eq!(a["choices"][0]["text"], b["choices"][0]["text"]);
+    }
+    // the gauges are set after the step that sent the last token
+    wait_until(
+        "every block free",
+        Duration::from_secs(10),
+        || metric(&s.metrics(), "mlxcel:kv_blocks_used") == 0.0,
+        || s.metrics(),
+    );
+    let m = s.metrics();
+    assert!(metric(&m, "vllm:num_preemptions") > 0.0, "{m}");
+    assert_eq!(metric(&m, "mlxcel:kv_blocks_free"), 6.0);
 }

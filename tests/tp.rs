@@ -17,6 +17,9 @@ use mlxcel::models::{self, LoadFormat};
 use mlxcel::parallel::driver::{TpExecutor, TpOptions};
 use serde_json::Value;
 
+mod support;
+use support::run_plan;
+
 static SERIAL: Mutex<()> = Mutex::new(());
 
 fn serial() -> std::sync::MutexGuard<'static, ()> {
@@ -34,43 +37,6 @@ fn tp_options(n: usize) -> TpOptions {
     o.emulate = true;
     o.program = Some(PathBuf::from(env!("CARGO_BIN_EXE_mlxcel")));
     o
-}
-
-/// Prompt logits of every position, then greedy tokens, through an executor.
-fn run_plan(exec: &mut dyn Executor, prompt: &[u32], steps: usize) -> (Vec<f32>, Vec<u32>) {
-    let start = SeqStep::whole_prompt(1, 1, prompt, Default::default());
-    let r = exec
-        .execute(&StepPlan {
-            seqs: vec![start],
-            return_logits: true,
-            ..Default::default()
-        })
-        .unwrap();
-    let logits = r.logits[0].clone();
-    let mut tokens = vec![r.sampled[0].token];
-    for i in 1..steps {
-        let step = SeqStep {
-            seq_id: 1,
-            slot: 1,
-            pos: prompt.len() + i - 1,
-            tokens: vec![*tokens.last().unwrap()],
-            start: None,
-            sample: true,
-        };
-        let r = exec
-            .execute(&StepPlan {
-                seqs: vec![step],
-                ..Default::default()
-            })
-            .unwrap();
-        tokens.push(r.sampled[0].token);
-    }
-    exec.execute(&StepPlan {
-        release: vec![1],
-        ..Default::default()
-    })
-    .unwrap();
-    (logits, tokens)
 }
 
 fn check_family(name: &str, sizes: &[usize]) {
@@ -538,4 +504,214 @@ fn one_rank_over_ring_runs_and_matches_one_process() {
     let one = run(&[]);
     assert!(!one.is_empty());
     assert_eq!(run(&["--tp-size", "1", "--tp-emulate"]), one);
+}
+
+/// A copy of fixture `name` with a vocabulary of `vocab` rows (the first rows of the
+/// embedding and lm_head, and of their scales and biases when quantized), so that it
+/// does not divide by the TP sizes: the uneven vocab-parallel split.
+fn with_vocab(name: &str, vocab: usize) -> PathBuf {
+    let src = fixture(name);
+    let dir = std::env::temp_dir().join(format!(
+        "mlxcel-vocab-{name}-{vocab}-{}",
+        std::process::id()
+    ));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut config: Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    config["vocab_size"] = vocab.into();
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut tensors: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
+    for (n, t) in st.tensors() {
+        let mut shape = t.shape().to_vec();
+        let mut data = t.data().to_vec();
+        if n.starts_with("model.embed_tokens.") || n.starts_with("lm_head.") {
+            data.truncate(data.len() / shape[0] * vocab);
+            shape[0] = vocab;
+        }
+        tensors.push((n, t.dtype(), shape, data));
+    }
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+        .iter()
+        .map(|(n, d, s, b)| {
+            (
+                n.clone(),
+                safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap(),
+            )
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
+    dir
+}
+
+/// A sampled token with its log-probabilities as bits, compared exactly.
+type Sample = (u64, u32, Option<u32>, Vec<(u32, u32)>);
+
+/// Two sequences with every sampling feature: seeded temperature sampling with top-k /
+/// top-p and min-p, repetition / presence / frequency penalties, logit_bias, logprobs
+/// with top_logprobs, and a constrained mask on the second; a prompt step returning
+/// every position's logits, then decode steps of both sequences together. Returns the
+/// prompt logits (as bits) and every sampled token.
+fn sample_everything(exec: &mut dyn Executor, vocab: usize) -> (Vec<Vec<u32>>, Vec<Sample>) {
+    use mlxcel::engine::sampler::SamplingParams;
+    use mlxcel::engine::step::SeqMask;
+    let first = SamplingParams {
+        temperature: 0.8,
+        top_k: 40,
+        top_p: 0.9,
+        repetition_penalty: 1.3,
+        presence_penalty: 0.5,
+        frequency_penalty: 0.4,
+        seed: Some(5),
+        logprobs: true,
+        top_logprobs: 5,
+        logit_bias: vec![(3, 5.0), (10, -100.0), (vocab as u32 - 1, 2.0)],
+        ..SamplingParams::default()
+    };
+    let second = SamplingParams {
+        temperature: 1.0,
+        min_p: 0.02,
+        seed: Some(9),
+        logprobs: true,
+        top_logprobs: 3,
+        ..SamplingParams::default()
+    };
+    // the second sequence may sample every third token, and the vocabulary's last ones
+    let allowed = |step: usize| -> Vec<u32> {
+        let mut words = vec![0u32; vocab.div_ceil(32)];
+        for t in (0..vocab).filter(|t| (t + step).is_multiple_of(3) || *t + 4 >= vocab) {
+            words[t / 32] |= 1 << (t % 32);
+        }
+        words
+    };
+    let p1: Vec<u32> = (0..9).map(|i| (i * 37 + 11) % vocab as u32).collect();
+    let p2: Vec<u32> = (0..5).map(|i| (i * 53 + 7) % vocab as u32).collect();
+    let bits = |r: &mlxcel::engine::step::StepResult| -> Vec<Sample> {
+        r.sampled
+            .iter()
+            .map(|s| {
+                let top = s.top_logprobs.iter().map(|&(t, l)| (t, l.to_bits()));
+                (
+                    s.seq_id,
+                    s.token,
+                    s.logprob.map(f32::to_bits),
+                    top.collect(),
+                )
+            })
+            .collect()
+    };
+    let r = exec
+        .execute(&StepPlan {
+            seqs: vec![
+                SeqStep::whole_prompt(1, 0, &p1, first),
+                SeqStep::whole_prompt(2, 1, &p2, second),
+            ],
+            return_logits: true,
+            masks: vec![SeqMask {
+                seq_id: 2,
+                allowed: allowed(0),
+            }],
+            ..Default::default()
+        })
+        .unwrap();
+    let logits = r
+        .logits
+        .iter()
+        .map(|l| l.iter().map(|x| x.to_bits()).collect())
+        .collect();
+    let mut samples = bits(&r);
+    let mut last = [r.sampled[0].token, r.sampled[1].token];
+    for step in 1..10 {
+        let seq = |id: u64, slot: usize, pos: usize, tok: u32| SeqStep {
+            seq_id: id,
+            slot,
+            pos,
+            tokens: vec![tok],
+            start: None,
+            sample: true,
+            blocks: None,
+            restart: false,
+        };
+        let r = exec
+            .execute(&StepPlan {
+                seqs: vec![
+                    seq(1, 0, p1.len() + step - 1, last[0]),
+                    seq(2, 1, p2.len() + step - 1, last[1]),
+                ],
+                masks: vec![SeqMask {
+                    seq_id: 2,
+                    allowed: allowed(step),
+                }],
+                ..Default::default()
+            })
+            .unwrap();
+        last = [r.sampled[0].token, r.sampled[1].token];
+        samples.extend(bits(&r));
+    }
+    exec.execute(&StepPlan {
+        release: vec![1, 2],
+        ..Default::default()
+    })
+    .unwrap();
+    (logits, samples)
+}
+
+/// Vocab-parallel embedding and lm_head (each rank its rows, lookups summed, logits
+/// gathered) sample exactly what replicated ones do, bit for bit: tokens, logprobs and
+/// top_logprobs, with penalties, logit_bias and constrained masks, for a dense untied
+/// model, a quantized one and a tied one, with a vocabulary that divides by the TP size
+/// and one that does not (381 rows: 191 + 190 at TP 2, 96 × 3 + 93 at TP 4); and each
+/// rank holds fewer weight bytes.
+#[test]
+fn vocab_parallel_samples_exactly_like_replicated_tp2_tp4() {
+    let _g = serial();
+    let models = [
+        (fixture("llama3"), 384),
+        (with_vocab("llama_q4", 381), 381),
+        (with_vocab("llama_gqa2_tied", 381), 381),
+    ];
+    for (dir, vocab) in &models {
+        let md = ModelDir::open(dir).unwrap();
+        for n in [2, 4] {
+            let run = |vocab_parallel: bool| {
+                let mut o = tp_options(n);
+                o.vocab_parallel = vocab_parallel;
+                let mut tp = TpExecutor::launch(&md, o).unwrap();
+                let out = sample_everything(&mut tp, *vocab);
+                let held: Vec<u64> = tp.reports().iter().map(|r| r.weight_bytes).collect();
+                tp.shutdown();
+                (out, held)
+            };
+            let what = format!("{} tp={n}", dir.display());
+            let (replicated, held_replicated) = run(false);
+            let (split, held_split) = run(true);
+            assert_eq!(replicated.1.len(), 20, "{what}");
+            // the first difference, not thousands of numbers
+            let differ = |a: &[Vec<u32>], b: &[Vec<u32>]| {
+                a.iter().zip(b).enumerate().find_map(|(s, (x, y))| {
+                    let i = x.iter().zip(y).position(|(p, q)| p != q);
+                    i.map(|i| (s, i, f32::from_bits(x[i]), f32::from_bits(y[i])))
+                })
+            };
+            let lens = |a: &[Vec<u32>]| a.iter().map(Vec::len).collect::<Vec<_>>();
+            assert_eq!(lens(&split.0), lens(&replicated.0), "{what}: prompt logits");
+            assert_eq!(
+                differ(&split.0, &replicated.0),
+                None,
+                "{what}: prompt logits (sequence, index, vocab-parallel, replicated)"
+            );
+            assert_eq!(split.1, replicated.1, "{what}: sampled tokens and logprobs");
+            for (r, (s, w)) in held_split.iter().zip(&held_replicated).enumerate() {
+                assert!(
+                    s < w,
+                    "{what} rank {r}: {s} weight bytes vocab-parallel, {w} replicated"
+                );
+            }
+        }
+    }
+    for (dir, _) in &models[1..] {
+        let _ = std::fs::remove_dir_all(dir);
+    }
 }

@@ -58,17 +58,18 @@ impl Shape {
         }
     }
 
-    /// (name, shape, split across ranks?) of every tensor.
+    /// (name, shape, split across ranks?) of every tensor (the embedding and lm_head by
+    /// vocabulary rows).
     fn tensors(&self) -> Vec<(String, Vec<usize>, bool)> {
         let (h, hd) = (self.hidden, self.hidden / self.heads);
         let mut v = vec![
             (
                 "model.embed_tokens.weight".to_string(),
                 vec![self.vocab, h],
-                false,
+                true,
             ),
             ("model.norm.weight".to_string(), vec![h], false),
-            ("lm_head.weight".to_string(), vec![self.vocab, h], false),
+            ("lm_head.weight".to_string(), vec![self.vocab, h], true),
         ];
         for i in 0..self.layers {
             let p = format!("model.layers.{i}");
@@ -190,6 +191,7 @@ impl Shape {
 fn options(n: usize, format: LoadFormat) -> TpOptions {
     let mut o = TpOptions::new(n, 256, 1);
     o.emulate = true;
+    o.vocab_parallel = true;
     o.load_format = format;
     o.program = Some(PathBuf::from(env!("CARGO_BIN_EXE_mlxcel")));
     o
@@ -330,6 +332,8 @@ fn dummy_rank_weights_match_the_plan() {
             slots: 1,
             prefill_chunk: 512,
             backend: mlxcel::mlx::backend(),
+            vocab_parallel: true,
+            kv_tokens: None,
         };
         let p = plan::plan_memory(&input).unwrap();
         let expected = p.sharded_total_bytes / n as u64 + p.replicated_total_bytes;
@@ -391,6 +395,8 @@ fn plan_command_and_refusal_before_spawning() {
     assert_eq!(ranks.len(), 2);
     let split = two["sharded_total_bytes"].as_u64().unwrap();
     let replicated = two["replicated_total_bytes"].as_u64().unwrap();
+    // the embedding and lm_head split by vocabulary rows: 384 over 2 ranks
+    assert_eq!(two["vocab_rows_per_rank"], 192, "{two}");
     for r in ranks {
         assert_eq!(r["weight_bytes"].as_u64().unwrap(), split / 2 + replicated);
         assert!(r["kv_bytes"].as_u64().unwrap() > 0 && r["margin_bytes"].as_u64().unwrap() > 0);

@@ -13,11 +13,13 @@
 #   bash scripts/gpu/bench.sh long SETTING...    # decode after a 2048-token prompt per setting
 #   bash scripts/gpu/bench.sh peak        # prefill(2048) peak memory and batched decode 2/4/8, bf16 and 4-bit
 #   bash scripts/gpu/bench.sh envsweep    # decode under MLX's CUDA-graph settings (MODELS, default 8b-q4 8b-bf16)
+#   bash scripts/gpu/bench.sh proxies [NAME...]  # the rank proxies, mlxcel beside mlx-lm (scripts/gpu/rank-proxies.sh)
 # Environment: see scripts/gpu/lib.sh.
 . "$(dirname "$0")/lib.sh"
 cmd=${1:-mlx-lm}; shift || true
 case "$cmd" in
 ckpt) ckpt ;;
+proxies) exec bash "$(dirname "$0")/rank-proxies.sh" "$@" ;;
 mlx-lm)
   ckpt
   for m in 8b-bf16 8b-q4; do

@@ -10,7 +10,8 @@
 #                                      # mlxcel-server to a standard-library client (/v1/chat/completions)
 #   bash scripts/gpu/gguf.sh vs-mlx    # one 1B shape: a Q4_0 GGUF (scripts/make_test_gguf.py) vs MLX 4-bit
 #                                      # group 32 (--load-format dummy), alternated RUNS times, batch 1 and 8
-#   bash scripts/gpu/gguf.sh all       # decode, answer, vs-mlx
+#   bash scripts/gpu/gguf.sh check     # the GEMV kernel in float16 on SmolLM2's shapes (scripts/check_qgemv.py)
+#   bash scripts/gpu/gguf.sh all       # check, decode, answer, vs-mlx
 # Environment: see scripts/gpu/lib.sh.
 if [ "${1:-}" = stage ]; then
   set -euo pipefail
@@ -53,16 +54,20 @@ decode() {
   need_model
   step "SmolLM2-135M-Instruct Q4_1 GGUF: decode at batch 1 and ${BATCHES:-8}, ${RUNS:-3} runs"
   for r in $(seq ${RUNS:-3}); do echo "run $r: $(bench_line X=1 "$G" "${BATCHES:-8}")"; done 2>&1 | tee -a "$OUT/gguf-decode.txt"
-  step "the same converted to bfloat16 (mlxcel's GEMV kernel; float16, the default, runs MLX's quantized_matmul)"
-  echo "$(bench_line MLXCEL_GGUF_DTYPE=bfloat16 "$G" "${BATCHES:-8}")" 2>&1 | tee -a "$OUT/gguf-decode.txt"
+  step "float16 (the default) with MLX's quantized_matmul instead of mlxcel's GEMV kernel, with float activations in the kernel, and converted to bfloat16"
+  for e in MLXCEL_QGEMV_F16=0 MLXCEL_QGEMV_XQ=0 MLXCEL_GGUF_DTYPE=bfloat16; do
+    echo "[$e] $(bench_line $e "$G" "${BATCHES:-8}")"
+  done 2>&1 | tee -a "$OUT/gguf-decode.txt"
 }
 
 answer() {
   need_model
   step "mlxcel generate (no arguments: the default model answers the default question)"
   $B generate 2>&1 | tail -2 | tee "$OUT/gguf-answer.txt"
-  step "the same converted to bfloat16 (mlxcel's GEMV kernel), and in float32"
-  for d in bfloat16 float32; do echo "[$d] $(MLXCEL_GGUF_DTYPE=$d $B generate 2>&1 | tail -2 | tr '\n' ' ')"; done | tee -a "$OUT/gguf-answer.txt"
+  step "the same with MLX's quantized_matmul, with float activations in the GEMV kernel, converted to bfloat16, and in float32"
+  for e in MLXCEL_QGEMV_F16=0 MLXCEL_QGEMV_XQ=0 MLXCEL_GGUF_DTYPE=bfloat16 MLXCEL_GGUF_DTYPE=float32; do
+    echo "[$e] $(env $e $B generate 2>&1 | tail -2 | tr '\n' ' ')"
+  done | tee -a "$OUT/gguf-answer.txt"
   step "mlxcel-server -m GGUF, one streamed answer"
   serve "$G" 8093 || return 1
   python3 - 8093 <<'PY' 2>&1 | tee -a "$OUT/gguf-answer.txt"
@@ -93,18 +98,25 @@ vs_mlx() {
   demo_tokenizer
   [ -f "$CK/g1b/model-q4_0.gguf" ] ||
     python3 scripts/make_test_gguf.py --out "$CK/g1b" --shape llama3-1b --tokenizer-from "$TOK"
-  step "1B shape, 4-bit group 32: Q4_0 GGUF (float16, the default; bfloat16, the GEMV kernel) vs MLX 4-bit (dummy), alternated"
+  step "1B shape, 4-bit group 32: Q4_0 GGUF (float16, the default; the same on MLX's quantized_matmul) vs MLX 4-bit (dummy), alternated"
   for r in $(seq ${RUNS:-3}); do
     echo "gguf-f16 run $r: $(bench_line X=1 "$CK/g1b/model-q4_0.gguf" 8)"
-    echo "gguf-bf16 run $r: $(bench_line MLXCEL_GGUF_DTYPE=bfloat16 "$CK/g1b/model-q4_0.gguf" 8)"
+    echo "gguf-f16-mlx-qmm run $r: $(bench_line MLXCEL_QGEMV_F16=0 "$CK/g1b/model-q4_0.gguf" 8)"
     echo "mlx4 run $r: $(bench_line X=1 "$CK/g1b-mlx4" 8 --load-format dummy)"
   done 2>&1 | tee -a "$OUT/gguf-vs-mlx4.txt"
 }
 
+check() {
+  step "check_qgemv.py --dtype float16: SmolLM2 shapes, 4/8-bit group 32, batch 1, 4, 8"
+  timeout ${CHECK_S:-300} python3 scripts/check_qgemv.py --dtype float16 --only SmolLM2 --configs 4g32,8g32 \
+    --ms 1,4,8 2>&1 | tee "$OUT/check-qgemv-f16.txt" | grep -E "^\||Error|error|NO" | tail -40
+}
+
 case "$cmd" in
+check) check ;;
 decode) decode ;;
 answer) answer ;;
 vs-mlx) vs_mlx ;;
-all) decode; answer; vs_mlx ;;
+all) check; decode; answer; vs_mlx ;;
 *) echo "unknown subcommand $cmd (see the header)"; exit 2 ;;
 esac

@@ -10,6 +10,10 @@
 #   bash scripts/gpu/multi-gpu.sh pipeline    # TP=2 pipelined vs step-by-step decode; parity against float32
 #   bash scripts/gpu/multi-gpu.sh servers     # fixtures over NCCL; 4-bit TP=2; TP=2 servers at 1 and 32 streams
 #   bash scripts/gpu/multi-gpu.sh tp-overhead # TP=2 step overhead: MLX graph settings, rank 0's host stacks
+#   bash scripts/gpu/multi-gpu.sh vocab       # vocab-parallel embedding/lm_head (default) vs replicated
+#                                             # (MLXCEL_VOCAB_PARALLEL=0): decode tok/s and rank weights of
+#                                             # 8B/70B at TP=2 (70B also at TP=4/8 when the GPUs are there),
+#                                             # seeded sampled tokens alike on the 8B checkpoint, tp-parity
 # MLXCEL / MLXCEL_SERVER: binaries (default .gpu/bin); OUT: results; WHEELS: the openai
 # client's wheels (default .gpu/wheels). nvidia-smi memory is sampled every second into
 # $OUT/smi-<call>.csv; `mark` lines in the log give the phases' times.
@@ -185,6 +189,28 @@ tp-overhead)
   kill $g; wait $g 2>/dev/null
   python3 scripts/fold_stacks.py "$OUT/tp-rank0-stacks.txt" | head -40
   ;;
-*) echo "unknown: $call (placement, decode, parity, ncu, pipeline, servers, tp-overhead)" >&2; exit 2 ;;
+vocab)
+  ngpu=$(nvidia-smi -L | wc -l)
+  sizes="2"; [ "$ngpu" -ge 4 ] && sizes="$sizes 4"; [ "$ngpu" -ge 8 ] && sizes="$sizes 8"
+  step "decode at batch 1 (generate, dummy weights): MLXCEL_VOCAB_PARALLEL=1 vs 0 alternated, ${RUNS:-2} runs"
+  for m in c8b c70b; do for n in $sizes; do
+    [ "$m" = c8b ] && [ "$n" != 2 ] && continue
+    for r in $(seq ${RUNS:-2}); do for v in 1 0; do
+      o=$(MLXCEL_VOCAB_PARALLEL=$v $B generate -m "$CK/$m" --load-format dummy --tp-size $n -n 256 --ignore-eos -p hello 2>&1)
+      echo "$m tp=$n vocab-parallel=$v run $r: $(echo "$o" | gen_tps); rank 0 $(echo "$o" | grep -o 'rank 0 (pid[^:]*: weights [0-9.]* GB' | grep -o 'weights.*')"
+    done; done
+  done; done 2>&1 | tee "$OUT/vocab-parallel-decode.txt"
+  [ -f "$CK/8b-bf16/config.json" ] || python3 scripts/make_random_checkpoint.py --shape llama3-8b --out "$CK/8b-bf16" --tokenizer-from "$TOK"
+  step "seeded sampling, 8B checkpoint TP=2: the same tokens vocab-parallel and replicated"
+  for v in 1 0; do
+    MLXCEL_VOCAB_PARALLEL=$v $B generate -m "$CK/8b-bf16" --tp-size 2 -n 64 --ignore-eos -p "The history of" \
+      --temp 0.8 --top-p 0.9 --seed 7 --json 2>/dev/null | tail -1 | python3 -c 'import json,sys; print(json.load(sys.stdin)["generated_token_ids"])' > "$OUT/vocab-parallel-tokens-$v.txt"
+  done
+  cmp -s "$OUT/vocab-parallel-tokens-1.txt" "$OUT/vocab-parallel-tokens-0.txt" && echo "tokens: identical" ||
+    { echo "tokens DIFFER:"; head -c 400 "$OUT"/vocab-parallel-tokens-*.txt; }
+  step "tp-parity 8B bf16, TP=2 vocab-parallel against one process, 256 positions"
+  timeout 300 $B tp-parity -m "$CK/8b-bf16" --tp-size 2 --steps 256 2>/dev/null | tee "$OUT/tp-parity-8b-vocab.json"
+  ;;
+*) echo "unknown: $call (placement, decode, parity, ncu, pipeline, servers, tp-overhead, vocab)" >&2; exit 2 ;;
 esac
 mark "end"

@@ -60,7 +60,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         anyhow::bail!("--decode-batch: batch sizes must be at least 1");
     }
     let max_batch = args.decode_batch.iter().copied().max().unwrap_or(1).max(1);
-    check_single_device_memory(&margs, &opened, max_batch, args.prefill_chunk)?;
+    check_single_device_memory(&margs, &opened, max_batch, args.prefill_chunk, None)?;
     let m = crate::runtime::LoadedModel {
         model: load_weights(&margs, &opened)?,
         dir: opened.dir,

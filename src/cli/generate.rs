@@ -111,7 +111,7 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
         opts.prefill_chunk = args.prefill_chunk;
         tp_exec.insert(TpExecutor::launch(&m.dir, opts)?)
     } else {
-        check_single_device_memory(&args.model, &m, 1, args.prefill_chunk)?;
+        check_single_device_memory(&args.model, &m, 1, args.prefill_chunk, None)?;
         let loaded = load_weights(&args.model, &m)?;
         let mut local = LocalExecutor::new(loaded, 1, m.ctx_size);
         local.worker.warm_up()?;

@@ -101,6 +101,7 @@ pub fn startup(verbose: u8) -> Result<()> {
         mlx::version()
     );
     crate::kernels::knobs::check()?;
+    crate::kernels::cache::init();
     Ok(())
 }
 

@@ -11,7 +11,7 @@ use crate::models::{self, LoadFormat};
 use crate::parallel::placement;
 use crate::parallel::plan::{self, Budget, Placement, PlanInput};
 use crate::parallel::shard;
-use crate::runtime::{ctx_size_of, resolve_dir, ModelArgs, TpArgs};
+use crate::runtime::{ctx_size_of, resolve_dir, KvArgs, ModelArgs, TpArgs};
 
 #[derive(Debug, Args)]
 pub struct PlanArgs {
@@ -25,6 +25,8 @@ pub struct PlanArgs {
     pub prefill_chunk: usize,
     #[command(flatten)]
     pub tp: TpArgs,
+    #[command(flatten)]
+    pub kv: KvArgs,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -46,7 +48,8 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         bail!("--parallel must be at least 1");
     }
     let n = args.tp.tp_size;
-    shard::validate(&cfg, n)?;
+    let ep = args.tp.enable_expert_parallel;
+    shard::validate_with(&cfg, n, ep)?;
     let catalog = match args.model.load_format {
         LoadFormat::Safetensors => Some(models::weights::catalog(&dir)?),
         LoadFormat::Dummy => None,
@@ -60,8 +63,9 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         slots: args.parallel,
         prefill_chunk: args.prefill_chunk,
         backend,
+        vocab_parallel: crate::kernels::knobs::get().vocab_parallel,
+        kv_tokens: None,
     };
-    let mem = plan::plan_memory(&input)?;
     let gpus = mlx::gpu_device_count();
     let entries: Vec<usize> = match &args.tp.devices {
         Some(d) if d.len() != n => {
@@ -93,6 +97,41 @@ pub fn run(args: &PlanArgs) -> Result<()> {
             None
         }
     };
+    // the paged KV cache: tokens that fit as `serve` would size its pool
+    let per_token = plan::kv_bytes_per_token(&input)?.max(1);
+    let bs = args.kv.block_size.max(1) as u64;
+    let kv_fit: Option<(u64, String)> = if let Some(gb) = args.kv.kv_cache_gb {
+        Some((
+            (gb * 1e9 / per_token as f64) as u64,
+            format!("--kv-cache-gb {gb}"),
+        ))
+    } else {
+        let fraction = args.kv.gpu_memory_utilization.or((!shared).then_some(0.9));
+        let device = match (&budget, shared) {
+            (Some(Budget::Shared(d)), true) => Some(d.free_bytes),
+            (_, false) => plan::gpu_memory_via_child(None).ok().and_then(|g| {
+                entries
+                    .iter()
+                    .filter_map(|&e| g.get(e).map(|x| x.total_bytes))
+                    .min()
+            }),
+            _ => None,
+        };
+        match (fraction, device) {
+            (Some(f), Some(d)) => Some((
+                plan::kv_tokens_fit(&input, d, f, shared)?,
+                format!("--gpu-memory-utilization {f}"),
+            )),
+            _ => None,
+        }
+    }
+    .map(|(t, how)| (t / bs * bs, how));
+    // a pool sized by memory is allocated at once: the plan holds it
+    let input = PlanInput {
+        kv_tokens: kv_fit.as_ref().map(|k| k.0 as usize),
+        ..input
+    };
+    let mem = plan::plan_memory_with(&input, ep)?;
     let verdict = budget.as_ref().map(|b| plan::check_fit(&input, &mem, b));
     let device_of = |r: usize| -> (String, Option<String>) {
         if backend != Backend::Cuda {
@@ -160,12 +199,14 @@ pub fn run(args: &PlanArgs) -> Result<()> {
             "backend": backend.to_string(),
             "tp_size": n,
             "tp_emulate": args.tp.tp_emulate,
+            "expert_parallel": ep,
             "ctx_size": ctx_size,
             "parallel": args.parallel,
             "prefill_chunk": args.prefill_chunk,
             "kv_dtype": mem.kv_dtype,
             "sharded_total_bytes": mem.sharded_total_bytes,
             "replicated_total_bytes": mem.replicated_total_bytes,
+            "vocab_rows_per_rank": mem.vocab_rows_per_rank,
             "total_bytes": mem.sum_total(),
             "ranks": ranks,
             "shared_device": shared_free.map(|d| json!({"device": d.label, "free_bytes": d.free_bytes, "source": d.source})),
@@ -174,6 +215,10 @@ pub fn run(args: &PlanArgs) -> Result<()> {
             "message": message,
             "smallest_fitting_tp_size": smallest,
             "max_ctx_size": max_ctx,
+            "kv_bytes_per_token": per_token,
+            "block_size": bs,
+            "kv_tokens_fit": kv_fit.as_ref().map(|k| k.0),
+            "kv_tokens_fit_by": kv_fit.as_ref().map(|k| k.1.clone()),
             "notes": notes,
         });
         println!("{out}");
@@ -196,9 +241,14 @@ pub fn run(args: &PlanArgs) -> Result<()> {
             args.prefill_chunk
         );
         println!(
-            "split tensors {} in all, replicated {} per rank",
+            "split tensors {} in all, replicated {} per rank; embedding and lm_head {}",
             gb(mem.sharded_total_bytes),
-            gb(mem.replicated_total_bytes)
+            gb(mem.replicated_total_bytes),
+            match mem.vocab_rows_per_rank {
+                Some(r) => format!("vocab-parallel, {r} of {} rows per rank", cfg.vocab_size),
+                None if n > 1 => "replicated".to_string(),
+                None => "whole".to_string(),
+            }
         );
         println!(
             "{:<5} {:<12} {:>10} {:>10} {:>10} {:>10} {:>10}",
@@ -229,6 +279,19 @@ pub fn run(args: &PlanArgs) -> Result<()> {
                 gb(d.free_bytes),
                 d.source
             );
+        }
+        match &kv_fit {
+            Some((tokens, how)) => println!(
+                "paged KV cache ({per_token} bytes a token, blocks of {bs}): {tokens} tokens fit per \
+                 rank with {how} = {:.1} sequences of --ctx-size {ctx_size}, or {} of 512 tokens",
+                *tokens as f64 / ctx_size.max(1) as f64,
+                tokens / 512
+            ),
+            None => println!(
+                "paged KV cache ({per_token} bytes a token, blocks of {bs}): --parallel × --ctx-size \
+                 = {} tokens (give --kv-cache-gb or --gpu-memory-utilization to size it by memory)",
+                args.parallel * ctx_size
+            ),
         }
         for note in &notes {
             println!("note: {note}");

@@ -67,6 +67,8 @@ fn all_logits(exec: &mut dyn Executor, tokens: &[u32], chunk: usize) -> Result<V
                 prompt: vec![],
             }),
             sample: false,
+            blocks: None,
+            restart: false,
         };
         let r = exec.execute(&StepPlan {
             seqs: vec![step],

@@ -157,6 +157,8 @@ pub fn generate(
                 prompt: prompt.to_vec(),
             }),
             sample: k + 1 == n_chunks,
+            blocks: None,
+            restart: false,
         };
         let r = exec.execute(&StepPlan {
             seqs: vec![step],
@@ -199,12 +201,12 @@ pub fn generate(
                 generated.len() + 1 < opts.max_tokens && prompt.len() + generated.len() + 1 < ctx;
             let next = (|| -> Result<u32, GenerateError> {
                 if queued == 0 {
-                    exec.queue_decode(&[(seq_id, slot, pos)], Some(&[token]))?;
+                    exec.queue_decode(&[(seq_id, slot, pos)], Some(&[token]), &[])?;
                     queued += 1;
                 }
                 // the step after it, fed with its token on the device, if that may be wanted
                 if more {
-                    exec.queue_decode(&[(seq_id, slot, pos + 1)], None)?;
+                    exec.queue_decode(&[(seq_id, slot, pos + 1)], None, &[])?;
                     queued += 1;
                 }
                 let t = exec.take_sampled()?.pop().map(|s| s.token);
@@ -228,6 +230,8 @@ pub fn generate(
             tokens: vec![token],
             start: None,
             sample: true,
+            blocks: None,
+            restart: false,
         };
         let r = exec.execute(&StepPlan {
             seqs: vec![step],

@@ -1,4 +1,5 @@
 //! Engine: sampling, generation loop and scheduling (all on the MLX thread).
+pub mod blocks;
 pub mod generate;
 pub mod grammar;
 pub mod sampler;

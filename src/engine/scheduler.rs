@@ -13,6 +13,20 @@
 //! Finished sequences are released in the next plan. A request whose event
 //! receiver is gone (the client disconnected) is dropped before the next step.
 //!
+//! The KV cache is paged: the scheduler owns the block tables ([`BlockManager`]) and
+//! sends them with every step. A request is admitted while a slot is free and the pool
+//! has blocks for its prompt (after the blocks its prompt finds in the prefix cache);
+//! sequences take blocks as they grow, and when none is left the newest running
+//! sequence is preempted: its blocks are freed, and it is recomputed (prompt and the
+//! tokens generated so far) before anything new is admitted, then continues its stream
+//! (a grammar's matcher stays as of the tokens generated, which the recomputation
+//! re-prefills without sampling).
+//!
+//! The choices of an `n` > 1 request ([`Command::SubmitGroup`]) share one prefill: the
+//! others follow the first and fork from it in the step of its prompt's last chunk,
+//! their tables sharing the prompt's full blocks (one more reference each) with a
+//! block of their own for a partly filled last one, whose rows the executor copies.
+//!
 //! Everything here is synchronous and owns no MLX state itself: the executor
 //! does. Events go back to the HTTP side over unbounded tokio channels (sending
 //! never blocks the engine).
@@ -23,10 +37,13 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 use tokio::sync::mpsc::UnboundedSender;
 
+use super::blocks::{block_key, BlockManager};
 use super::generate::FinishReason;
 use super::grammar::{allowed_all, GrammarMatcher};
 use super::sampler::SamplingParams;
-use super::step::{Executor, Fork, SampledToken, SeqMask, SeqStart, SeqStep, StepError, StepPlan};
+use super::step::{
+    Executor, Fork, KvPool, SampledToken, SeqMask, SeqStart, SeqStep, StepError, StepPlan,
+};
 use crate::tokenizer::stream::{StopMatcher, StreamDecoder};
 use crate::tokenizer::Tokenizer;
 
@@ -62,6 +79,8 @@ pub struct TokenInfo {
 pub struct Usage {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
+    /// Prompt tokens found in the prefix cache (not prefilled).
+    pub cached_tokens: usize,
 }
 
 /// Why a request failed.
@@ -132,6 +151,12 @@ pub trait Observer {
     fn prefilled(&self, _tokens: usize) {}
     /// A decode step ran pipelined (queued before the previous step's tokens were read).
     fn decode_pipelined(&self) {}
+    /// With every `step_done`: the KV pool's blocks held by sequences, and in all.
+    fn kv_blocks(&self, _used: usize, _total: usize) {}
+    /// A sequence looked up `queried` prompt tokens in the prefix cache and found `hit`.
+    fn prefix_cache(&self, _queried: usize, _hit: usize) {}
+    /// A running sequence was preempted (its blocks freed, to be recomputed).
+    fn preempted(&self) {}
     /// A step failed; `fatal` when the executor is unusable from now on. Called
     /// before the requests of that step are failed.
     fn engine_error(&self, _error: &StepError, _fatal: bool) {}
@@ -160,34 +185,78 @@ impl Observer for NoObserver {}
 
 #[derive(Debug, Clone)]
 pub struct SchedulerConfig {
-    /// Sequences decoding at once (KV-cache slots used).
+    /// Sequences running at once (KV-cache slots used).
     pub slots: usize,
     /// Tokens per sequence (prompt + generated).
     pub ctx_size: usize,
     /// Prompt tokens per prefill chunk.
     pub prefill_chunk: usize,
+    /// The executor's KV pool ([`Executor::kv_pool`]); `None`: every slot's whole context.
+    pub kv: Option<KvPool>,
+    /// Share full blocks of equal prefixes between sequences (`--no-enable-prefix-caching`
+    /// turns it off).
+    pub prefix_caching: bool,
 }
 
 struct Seq {
     id: u64,
     slot: usize,
     req: Request,
-    /// Prompt tokens already in the cache.
+    /// Positions whose keys and values the prefill phase has computed (or found cached).
     prefilled: usize,
+    /// Where the prefill phase ends: the prompt, or after a preemption every token but
+    /// the last generated one.
+    prefill_end: usize,
+    /// Its block table.
+    blocks: Vec<u32>,
+    /// Blocks of its table the executor has (tables only grow while a sequence runs,
+    /// so a step sends the table only when it grew, or at a restart).
+    sent_blocks: usize,
+    /// Keys of its leading full blocks offered to the prefix cache so far.
+    keys: Vec<u64>,
+    /// Its next step (re)starts its slot (first step, or after a preemption).
+    restart: bool,
+    /// Its sampler is set up on the executor (a step with `start` ran).
+    started: bool,
+    /// Prompt tokens found in the prefix cache.
+    cached_tokens: usize,
     generated: Vec<u32>,
     decoder: StreamDecoder,
     stops: StopMatcher,
     last_token: Option<Instant>,
     /// The prefill group of its request ([`Command::SubmitGroup`]).
     group: Option<u64>,
-    /// The sequence whose prefill it shares (it gets a copy of its KV cache and its
+    /// The sequence whose prefill it shares (it forks from it: its table shares the
+    /// prompt's full blocks, with its own copy of a partly filled last one, and its
     /// first token is sampled from the same logits); it is not prefilled itself.
     follows: Option<u64>,
 }
 
 impl Seq {
     fn decoding(&self) -> bool {
-        self.prefilled == self.req.prompt.len() && !self.generated.is_empty()
+        self.prefilled == self.prefill_end && !self.generated.is_empty()
+    }
+    /// Positions whose keys and values are in its blocks.
+    fn computed(&self) -> usize {
+        if self.decoding() {
+            self.req.prompt.len() + self.generated.len() - 1
+        } else {
+            self.prefilled
+        }
+    }
+    /// Its table for a step: when the executor's copy is not current.
+    fn table_to_send(&self) -> Option<Vec<u32>> {
+        (self.restart || self.sent_blocks != self.blocks.len()).then(|| self.blocks.clone())
+    }
+    /// Its tokens `a..b` (prompt, then generated).
+    fn tokens(&self, a: usize, b: usize) -> Vec<u32> {
+        let p = &self.req.prompt;
+        p.iter()
+            .chain(self.generated.iter())
+            .skip(a)
+            .take(b - a)
+            .copied()
+            .collect()
     }
     /// Whether its decode steps may be queued before the previous token is known (with
     /// a grammar, the step's sampling waits for the mask computed from that token).
@@ -198,6 +267,7 @@ impl Seq {
         Usage {
             prompt_tokens: self.req.prompt.len(),
             completion_tokens: self.generated.len(),
+            cached_tokens: self.cached_tokens,
         }
     }
 }
@@ -220,6 +290,12 @@ pub struct Scheduler {
     next_group: u64,
     /// Running sequences in admission order.
     running: Vec<Seq>,
+    /// Preempted sequences (oldest first): they keep their slots and are resumed
+    /// before anything new is admitted.
+    preempted: Vec<Seq>,
+    blocks: BlockManager,
+    /// Sequences preempted so far.
+    preemptions: u64,
     free_slots: Vec<usize>,
     next_id: u64,
     to_release: Vec<u64>,
@@ -245,6 +321,14 @@ impl Scheduler {
             ..cfg
         };
         let eos = tokenizer.eos_token_ids().to_vec();
+        let kv = cfg.kv.unwrap_or(KvPool {
+            block_size: crate::models::kv_cache::DEFAULT_BLOCK_SIZE,
+            num_blocks: slots
+                * cfg
+                    .ctx_size
+                    .div_ceil(crate::models::kv_cache::DEFAULT_BLOCK_SIZE),
+        });
+        let blocks = BlockManager::new(kv.num_blocks, kv.block_size, cfg.prefix_caching);
         Scheduler {
             cfg,
             tokenizer,
@@ -252,6 +336,9 @@ impl Scheduler {
             queue: VecDeque::new(),
             next_group: 1,
             running: Vec::new(),
+            preempted: Vec::new(),
+            blocks,
+            preemptions: 0,
             free_slots: (0..slots).rev().collect(),
             next_id: 1,
             to_release: Vec::new(),
@@ -283,6 +370,16 @@ impl Scheduler {
         self.running.len()
     }
 
+    /// Sequences preempted so far.
+    pub fn preemptions(&self) -> u64 {
+        self.preemptions
+    }
+
+    /// KV blocks held by sequences (cached blocks held by none do not count).
+    pub fn blocks_used(&self) -> usize {
+        self.blocks.used()
+    }
+
     pub fn waiting(&self) -> usize {
         self.queue.len()
     }
@@ -290,6 +387,7 @@ impl Scheduler {
     /// Whether a step has anything to do (sequences, queued requests or releases).
     pub fn has_work(&self) -> bool {
         !self.running.is_empty()
+            || !self.preempted.is_empty()
             || !self.queue.is_empty()
             || !self.to_release.is_empty()
             || self.inflight.is_some()
@@ -330,9 +428,12 @@ impl Scheduler {
         for (req, _) in self.queue.drain(..) {
             fail(req, kind, message.to_string(), obs);
         }
-        for seq in std::mem::take(&mut self.running) {
+        let mut seqs = std::mem::take(&mut self.running);
+        seqs.append(&mut self.preempted);
+        for mut seq in seqs {
             self.to_release.push(seq.id);
             self.free_slots.push(seq.slot);
+            self.blocks.release_all(&mut seq.blocks);
             let usage = seq.usage();
             let _ = seq.req.events.send(Event::Error {
                 kind,
@@ -368,7 +469,7 @@ impl Scheduler {
                     Outcome::Aborted,
                     Usage {
                         prompt_tokens: req.prompt.len(),
-                        completion_tokens: 0,
+                        ..Usage::default()
                     },
                     req.arrived.elapsed().as_secs_f64(),
                 );
@@ -386,18 +487,26 @@ impl Scheduler {
                 i += 1;
             }
         }
+        let mut i = 0;
+        while i < self.preempted.len() {
+            if self.preempted[i].req.events.is_closed() {
+                let seq = self.preempted.remove(i);
+                self.retire(seq, Outcome::Aborted, obs);
+            } else {
+                i += 1;
+            }
+        }
     }
 
     /// Give a finished sequence's slot back and release it in the next plan.
-    fn retire(&mut self, seq: Seq, outcome: Outcome, obs: &dyn Observer) {
-        // sequences waiting for its prefill prefill themselves
-        for s in self.running.iter_mut() {
-            if s.follows == Some(seq.id) {
-                s.follows = None;
-            }
-        }
+    fn retire(&mut self, mut seq: Seq, outcome: Outcome, obs: &dyn Observer) {
+        self.unfollow(seq.id);
         self.to_release.push(seq.id);
         self.free_slots.push(seq.slot);
+        if outcome != Outcome::Failed {
+            Self::register_blocks(&mut self.blocks, &mut seq);
+        }
+        self.blocks.release_all(&mut seq.blocks);
         obs.finished(
             outcome,
             seq.usage(),
@@ -406,6 +515,13 @@ impl Scheduler {
     }
 
     fn admit(&mut self, obs: &dyn Observer) {
+        // preempted sequences first, oldest first, each once its recomputation fits
+        while !self.preempted.is_empty() {
+            if !self.resume() {
+                return;
+            }
+        }
+        let bs = self.blocks.block_size();
         while !self.free_slots.is_empty() {
             let Some((req, group)) = self.queue.pop_front() else {
                 break;
@@ -423,12 +539,60 @@ impl Scheduler {
                 fail(req, FailKind::BadRequest, msg, obs);
                 continue;
             }
+            let pool = self.blocks.num_blocks() * bs;
+            let need = (req.prompt.len() + req.max_tokens).min(ctx);
+            if need > pool {
+                let msg = format!(
+                    "the prompt ({} tokens) and max_tokens ({}) need {need} tokens of KV \
+                     cache, but its pool holds {pool} (--kv-cache-gb, --gpu-memory-utilization)",
+                    req.prompt.len(),
+                    req.max_tokens
+                );
+                fail(req, FailKind::BadRequest, msg, obs);
+                continue;
+            }
             if let Err(e) = req.params.validate() {
                 fail(req, FailKind::BadRequest, e, obs);
                 continue;
             }
-            // the lowest free slot: running sequences stay packed at the start of the KV
-            // pool, so a decode step reads their caches as one view instead of a gather
+            // share the prefill of a sequence of its group that has not started one
+            let follows = group.and_then(|g| {
+                self.running
+                    .iter()
+                    .find(|s| {
+                        s.group == Some(g)
+                            && s.follows.is_none()
+                            && !s.started
+                            && s.req.prompt == req.prompt
+                    })
+                    .map(|s| s.id)
+            });
+            // whole blocks of the prompt in the prefix cache (its last token is always
+            // computed: it gives the first token's logits); a follower shares the full
+            // blocks of the sequence it follows instead, and takes them when it forks
+            let mut hit = match follows {
+                Some(_) => Vec::new(),
+                None => self.blocks.lookup(&req.prompt[..req.prompt.len() - 1]),
+            };
+            let have = match follows {
+                Some(_) => req.prompt.len() / bs,
+                None => hit.len(),
+            };
+            let lacking = self
+                .blocks
+                .blocks_for(req.prompt.len() + 1)
+                .saturating_sub(have);
+            if lacking > self.blocks.available() {
+                // wait for blocks
+                self.blocks.release_all(&mut hit);
+                self.queue.push_front((req, group));
+                break;
+            }
+            let cached = hit.len() * bs;
+            if follows.is_none() {
+                obs.prefix_cache(req.prompt.len(), cached);
+            }
+            // the lowest free slot (slots are the scratch rows of the attention kernel)
             let lowest = (0..self.free_slots.len())
                 .min_by_key(|&i| self.free_slots[i])
                 .expect("a free slot");
@@ -438,23 +602,19 @@ impl Scheduler {
             obs.admitted(req.arrived.elapsed().as_secs_f64());
             let decoder = StreamDecoder::new(&self.tokenizer, req.skip_special_tokens);
             let stops = StopMatcher::new(req.stop.clone());
-            // share the prefill of a sequence of its group that has not started one
-            let follows = group.and_then(|g| {
-                self.running
-                    .iter()
-                    .find(|s| {
-                        s.group == Some(g)
-                            && s.follows.is_none()
-                            && s.prefilled == 0
-                            && s.req.prompt == req.prompt
-                    })
-                    .map(|s| s.id)
-            });
+            let prefill_end = req.prompt.len();
             self.running.push(Seq {
                 id,
                 slot,
                 req,
-                prefilled: 0,
+                prefilled: cached,
+                prefill_end,
+                blocks: hit,
+                keys: Vec::new(),
+                restart: true,
+                started: false,
+                cached_tokens: cached,
+                sent_blocks: 0,
                 generated: Vec::new(),
                 decoder,
                 stops,
@@ -463,6 +623,209 @@ impl Scheduler {
                 follows,
             });
         }
+    }
+
+    /// Resume the oldest preempted sequence if the pool has blocks for its whole
+    /// recomputation (after what the prefix cache holds of it) and one more token.
+    fn resume(&mut self) -> bool {
+        let bs = self.blocks.block_size();
+        let s = &self.preempted[0];
+        let end = s.prefill_end;
+        // something must be computed to sample its first token
+        let limit = if s.generated.is_empty() { end - 1 } else { end };
+        let mut hit = self.blocks.lookup(&s.tokens(0, limit));
+        let lacking = self.blocks.blocks_for(end + 1).saturating_sub(hit.len());
+        if lacking > self.blocks.available() {
+            self.blocks.release_all(&mut hit);
+            return false;
+        }
+        let mut seq = self.preempted.remove(0);
+        seq.prefilled = (hit.len() * bs).min(end);
+        seq.blocks = hit;
+        seq.restart = true;
+        tracing::debug!(
+            "request {} resumed: {} of {end} positions cached",
+            seq.id,
+            seq.prefilled
+        );
+        self.running.push(seq);
+        true
+    }
+
+    /// Preempt running sequence `id`: free its blocks; it is recomputed when resumed.
+    fn preempt(&mut self, id: u64, obs: &dyn Observer) {
+        let Some(i) = self.running.iter().position(|s| s.id == id) else {
+            return;
+        };
+        self.unfollow(id);
+        let mut seq = self.running.remove(i);
+        self.blocks.release_all(&mut seq.blocks);
+        // recomputed on its own when resumed
+        seq.follows = None;
+        seq.keys.clear();
+        seq.prefilled = 0;
+        seq.prefill_end = match seq.generated.len() {
+            0 => seq.req.prompt.len(),
+            n => seq.req.prompt.len() + n - 1,
+        };
+        seq.restart = true;
+        self.preemptions += 1;
+        obs.preempted();
+        tracing::debug!("request {id} preempted (the KV pool is full)");
+        let at = self.preempted.partition_point(|s| s.id < id);
+        self.preempted.insert(at, seq);
+    }
+
+    /// Give sequence `id` blocks for `positions`, preempting the newest running
+    /// sequence while the pool has none (itself last). False if it was preempted.
+    fn grow(&mut self, id: u64, positions: usize, obs: &dyn Observer) -> bool {
+        let want = self.blocks.blocks_for(positions);
+        loop {
+            let Some(i) = self.running.iter().position(|s| s.id == id) else {
+                return false;
+            };
+            if self.running[i].blocks.len() >= want {
+                return true;
+            }
+            if let Some(b) = self.blocks.allocate() {
+                self.running[i].blocks.push(b);
+                continue;
+            }
+            let newest = self.running.iter().map(|s| s.id).max().expect("id runs");
+            self.preempt(newest, obs);
+        }
+    }
+
+    /// Blocks for this step: each decoding sequence's next position (oldest first),
+    /// then the prefill chunk's. Returns the chunk (sequence, end) if it has its blocks.
+    fn reserve_blocks(&mut self, obs: &dyn Observer) -> Option<(u64, usize)> {
+        let mut ids: Vec<u64> = self
+            .running
+            .iter()
+            .filter(|s| s.decoding())
+            .map(|s| s.id)
+            .collect();
+        ids.sort_unstable();
+        for id in ids {
+            let Some(s) = self.running.iter().find(|s| s.id == id) else {
+                continue;
+            };
+            let need = s.computed() + 1;
+            self.grow(id, need, obs);
+        }
+        let chunk = self.cfg.prefill_chunk;
+        let (id, end) = self
+            .running
+            .iter()
+            .find(|s| s.prefilled < s.prefill_end && s.follows.is_none())
+            .map(|s| (s.id, (s.prefilled + chunk).min(s.prefill_end)))?;
+        self.grow(id, end, obs).then_some((id, end))
+    }
+
+    /// Sequences waiting for `id`'s prefill prefill themselves.
+    fn unfollow(&mut self, id: u64) {
+        for s in self.running.iter_mut() {
+            if s.follows == Some(id) {
+                s.follows = None;
+            }
+        }
+    }
+
+    /// Block tables for the followers of `id`, whose prompt's last chunk (`end`, with
+    /// the blocks of the whole prompt) runs in this step: each shares the prompt's full
+    /// blocks (one more reference each) and takes a block of its own for a partly
+    /// filled last one, into which the executor copies its rows ([`Fork`]). A follower
+    /// for which the pool has no block left prefills itself later. Returns the followers
+    /// that fork.
+    fn fork_blocks(&mut self, id: u64, end: usize) -> Vec<u64> {
+        let bs = self.blocks.block_size();
+        let Some(leader) = self.running.iter().find(|s| s.id == id) else {
+            return Vec::new();
+        };
+        if end != leader.prefill_end || !leader.generated.is_empty() {
+            return Vec::new();
+        }
+        let shared = leader.blocks[..end / bs].to_vec();
+        let mut forks = Vec::new();
+        for f in self.running.iter_mut().filter(|f| f.follows == Some(id)) {
+            debug_assert!(f.blocks.is_empty(), "a follower holds no blocks");
+            let own = if end.is_multiple_of(bs) {
+                None
+            } else {
+                match self.blocks.allocate() {
+                    Some(b) => Some(b),
+                    None => {
+                        f.follows = None;
+                        continue;
+                    }
+                }
+            };
+            for &b in &shared {
+                self.blocks.share(b);
+            }
+            f.blocks = shared.iter().copied().chain(own).collect();
+            forks.push(f.id);
+        }
+        forks
+    }
+
+    /// Offer the sequence's newly full blocks to the prefix cache.
+    fn register_blocks(blocks: &mut BlockManager, s: &mut Seq) {
+        if !blocks.caching() {
+            return;
+        }
+        let bs = blocks.block_size();
+        let full = (s.computed() / bs).min(s.blocks.len());
+        while s.keys.len() < full {
+            let j = s.keys.len();
+            let key = block_key(s.keys.last().copied(), &s.tokens(j * bs, (j + 1) * bs));
+            blocks.register(s.blocks[j], key);
+            s.keys.push(key);
+        }
+    }
+
+    fn register_all(&mut self) {
+        for s in self.running.iter_mut() {
+            Self::register_blocks(&mut self.blocks, s);
+        }
+    }
+
+    /// Blocks the running sequences lack for two positions past their input (a
+    /// pipelined step and the one queued after it).
+    fn pipeline_shortfall(&self) -> usize {
+        self.running
+            .iter()
+            .map(|s| {
+                self.blocks
+                    .blocks_for(s.computed() + 2)
+                    .saturating_sub(s.blocks.len())
+            })
+            .sum()
+    }
+
+    /// Take the blocks of [`Scheduler::pipeline_shortfall`]; the tables that changed.
+    fn pipeline_tables(&mut self) -> Vec<(usize, Vec<u32>)> {
+        let mut out = Vec::new();
+        for s in self.running.iter_mut() {
+            let want = self.blocks.blocks_for(s.computed() + 2);
+            if s.blocks.len() < want {
+                while s.blocks.len() < want {
+                    s.blocks.push(
+                        self.blocks
+                            .allocate()
+                            .expect("checked by pipeline_shortfall"),
+                    );
+                }
+                out.push((s.slot, s.blocks.clone()));
+                s.sent_blocks = s.blocks.len();
+            }
+        }
+        out
+    }
+
+    fn report(&self, obs: &dyn Observer) {
+        obs.step_done(self.running.len(), self.queue.len() + self.preempted.len());
+        obs.kv_blocks(self.blocks.used(), self.blocks.num_blocks());
     }
 
     /// One step: drop disconnected clients, admit queued requests into free
@@ -479,61 +842,62 @@ impl Scheduler {
         if self.inflight.is_some() || self.can_start_pipeline(exec) {
             return self.step_pipelined(exec, obs);
         }
+        let chunk = self.reserve_blocks(obs);
         let mut plan = StepPlan::default();
         let mut summary = StepSummary::default();
-        // which running sequences are in the plan, and whether each samples
-        let mut in_plan: Vec<(u64, bool)> = Vec::new();
-        // decode rows in slot order (consecutive slots are read as one view)
+        // which running sequences are in the plan, whether each samples, and where a
+        // prefill chunk ends
+        let mut in_plan: Vec<(u64, bool, Option<usize>)> = Vec::new();
+        // decode rows in slot order
         let mut decoding: Vec<&Seq> = self.running.iter().filter(|s| s.decoding()).collect();
         decoding.sort_by_key(|s| s.slot);
         for s in decoding {
-            {
-                let last = *s.generated.last().expect("decoding has a token");
-                plan.seqs.push(SeqStep {
-                    seq_id: s.id,
-                    slot: s.slot,
-                    pos: s.req.prompt.len() + s.generated.len() - 1,
-                    tokens: vec![last],
-                    start: None,
-                    sample: true,
-                });
-                in_plan.push((s.id, true));
-                summary.decode += 1;
-            }
+            let last = *s.generated.last().expect("decoding has a token");
+            plan.seqs.push(SeqStep {
+                seq_id: s.id,
+                slot: s.slot,
+                pos: s.computed(),
+                tokens: vec![last],
+                start: None,
+                sample: true,
+                blocks: s.table_to_send(),
+                restart: s.restart,
+            });
+            in_plan.push((s.id, true, None));
+            summary.decode += 1;
         }
-        if let Some(s) = self
-            .running
-            .iter()
-            .find(|s| s.prefilled < s.req.prompt.len() && s.follows.is_none())
-        {
-            let n = s.req.prompt.len();
-            let end = (s.prefilled + self.cfg.prefill_chunk).min(n);
+        let forking = chunk.map_or(Vec::new(), |(id, end)| self.fork_blocks(id, end));
+        if let Some(s) = chunk.and_then(|(id, _)| self.running.iter().find(|s| s.id == id)) {
+            let end = chunk.expect("a chunk").1;
+            // the prompt's last chunk samples (a recomputation's never does)
+            let sample = end == s.prefill_end && s.generated.is_empty();
             plan.seqs.push(SeqStep {
                 seq_id: s.id,
                 slot: s.slot,
                 pos: s.prefilled,
-                tokens: s.req.prompt[s.prefilled..end].to_vec(),
-                start: (s.prefilled == 0).then(|| SeqStart {
+                tokens: s.tokens(s.prefilled, end),
+                start: (!s.started).then(|| SeqStart {
                     params: s.req.params.clone(),
                     prompt: s.req.prompt.clone(),
                 }),
-                sample: end == n,
+                sample,
+                blocks: s.table_to_send(),
+                restart: s.restart,
             });
-            in_plan.push((s.id, end == n));
+            in_plan.push((s.id, sample, Some(end)));
             summary.prefill_tokens = end - s.prefilled;
-            if end == n {
-                for f in self.running.iter().filter(|f| f.follows == Some(s.id)) {
-                    plan.forks.push(Fork {
-                        from: s.id,
-                        seq_id: f.id,
-                        slot: f.slot,
-                        start: SeqStart {
-                            params: f.req.params.clone(),
-                            prompt: f.req.prompt.clone(),
-                        },
-                    });
-                    in_plan.push((f.id, true));
-                }
+            for f in self.running.iter().filter(|f| forking.contains(&f.id)) {
+                plan.forks.push(Fork {
+                    from: s.id,
+                    seq_id: f.id,
+                    slot: f.slot,
+                    start: SeqStart {
+                        params: f.req.params.clone(),
+                        prompt: f.req.prompt.clone(),
+                    },
+                    blocks: f.blocks.clone(),
+                });
+                in_plan.push((f.id, true, Some(end)));
             }
         }
         self.add_masks(&mut plan, &mut in_plan, obs);
@@ -541,7 +905,7 @@ impl Scheduler {
             obs.prefilled(summary.prefill_tokens);
         }
         if plan.seqs.is_empty() && self.to_release.is_empty() {
-            obs.step_done(self.running.len(), self.queue.len());
+            self.report(obs);
             return Ok(summary);
         }
         plan.release = std::mem::take(&mut self.to_release);
@@ -550,7 +914,7 @@ impl Scheduler {
             Err(e) => {
                 // releasing twice is harmless; keep them for the next plan
                 self.to_release.extend(plan.release.iter().copied());
-                let ids: Vec<u64> = in_plan.iter().map(|&(id, _)| id).collect();
+                let ids: Vec<u64> = in_plan.iter().map(|&(id, ..)| id).collect();
                 self.fail_step(&ids, &e, obs);
                 return Err(e);
             }
@@ -558,18 +922,20 @@ impl Scheduler {
         let now = Instant::now();
         let mut sampled: HashMap<u64, SampledToken> =
             result.sampled.into_iter().map(|s| (s.seq_id, s)).collect();
-        for (id, samples) in in_plan {
+        for (id, samples, chunk_end) in in_plan {
             let Some(idx) = self.running.iter().position(|s| s.id == id) else {
                 continue;
             };
             let seq = &mut self.running[idx];
-            if seq.follows.take().is_some() {
-                // a fork: its cache holds the whole prompt now
-                seq.prefilled = seq.req.prompt.len();
-            } else if !seq.decoding() {
-                let n = seq.req.prompt.len();
-                seq.prefilled = (seq.prefilled + self.cfg.prefill_chunk).min(n);
+            // a fork's cache holds the whole prompt now
+            seq.follows = None;
+            seq.restart = false;
+            seq.started = true;
+            seq.sent_blocks = seq.blocks.len();
+            if let Some(end) = chunk_end {
+                seq.prefilled = end;
             }
+            Self::register_blocks(&mut self.blocks, seq);
             if !samples {
                 continue;
             }
@@ -589,7 +955,7 @@ impl Scheduler {
                 self.retire(seq, outcome, obs);
             }
         }
-        obs.step_done(self.running.len(), self.queue.len());
+        self.report(obs);
         Ok(summary)
     }
 
@@ -598,7 +964,7 @@ impl Scheduler {
     fn add_masks(
         &mut self,
         plan: &mut StepPlan,
-        in_plan: &mut Vec<(u64, bool)>,
+        in_plan: &mut Vec<(u64, bool, Option<usize>)>,
         obs: &dyn Observer,
     ) {
         let sampling: Vec<u64> = plan
@@ -613,7 +979,8 @@ impl Scheduler {
         for id in bad {
             plan.seqs.retain(|s| s.seq_id != id);
             in_plan.retain(|s| s.0 != id);
-            // its forks (un-followed by `retire`) prefill themselves later
+            // its forks (un-followed by `retire`) let go of the blocks they were to
+            // share and prefill themselves later
             let forks: Vec<u64> = plan
                 .forks
                 .iter()
@@ -622,6 +989,9 @@ impl Scheduler {
                 .collect();
             plan.forks.retain(|f| !forks.contains(&f.seq_id));
             in_plan.retain(|s| !forks.contains(&s.0));
+            for f in self.running.iter_mut().filter(|f| forks.contains(&f.id)) {
+                self.blocks.release_all(&mut f.blocks);
+            }
         }
     }
 
@@ -688,7 +1058,7 @@ impl Scheduler {
                 i += 1;
             }
         }
-        obs.step_done(self.running.len(), self.queue.len());
+        self.report(obs);
     }
 
     /// The decode rows `(seq_id, slot, input position)` of every running sequence, in
@@ -721,8 +1091,12 @@ impl Scheduler {
     fn can_start_pipeline(&self, exec: &dyn Executor) -> bool {
         self.pipeline
             && self.decode_rows().is_some()
-            && self.running.iter().all(|s| s.pipelinable(exec))
+            && self
+                .running
+                .iter()
+                .all(|s| s.pipelinable(exec) && !s.restart && s.started)
             && self.all_may_continue()
+            && self.pipeline_shortfall() <= self.blocks.available()
     }
 
     /// A pure-decode step, pipelined: the next step is queued on the device (fed with
@@ -763,7 +1137,7 @@ impl Scheduler {
                 exec.discard_queued();
                 self.inflight = None;
                 self.inflight_unsampled = false;
-                obs.step_done(self.running.len(), self.queue.len());
+                self.report(obs);
                 return Ok(StepSummary::default());
             }
         }
@@ -782,6 +1156,7 @@ impl Scheduler {
                 exec.discard_queued();
                 let release = std::mem::take(&mut self.to_release);
                 let ids = ids.clone().expect("checked by can_start_pipeline");
+                let tables = self.pipeline_tables();
                 (|| {
                     if !release.is_empty() {
                         exec.execute(&StepPlan {
@@ -790,18 +1165,18 @@ impl Scheduler {
                         })?;
                     }
                     if masked {
-                        exec.queue_forward(&rows, Some(&tokens))?;
+                        exec.queue_forward(&rows, Some(&tokens), &tables)?;
                         // the masks, while the device runs the forward pass
                         let (masks, bad) = self.grammar_masks(&ids, obs);
                         exec.sample_queued(&masks)?;
                         if bad.is_empty() {
-                            exec.queue_forward(&ahead(&rows), None)?;
+                            exec.queue_forward(&ahead(&rows), None, &[])?;
                             self.inflight = Some(ids.clone());
                             self.inflight_unsampled = true;
                         }
                     } else {
-                        exec.queue_decode(&rows, Some(&tokens))?;
-                        exec.queue_decode(&ahead(&rows), None)?;
+                        exec.queue_decode(&rows, Some(&tokens), &tables)?;
+                        exec.queue_decode(&ahead(&rows), None, &[])?;
                         self.inflight = Some(ids.clone());
                         self.inflight_unsampled = false;
                     }
@@ -824,14 +1199,16 @@ impl Scheduler {
                     let go_on = self.pipeline
                         && ids.as_ref() == Some(&queued)
                         && self.running.iter().all(|s| s.pipelinable(exec))
-                        && self.all_may_continue();
+                        && self.all_may_continue()
+                        && self.pipeline_shortfall() <= self.blocks.available();
                     if go_on {
                         let rows = rows.as_ref().expect("same rows as queued");
+                        let tables = self.pipeline_tables();
                         if self.running.iter().any(|s| s.req.grammar.is_some()) {
-                            exec.queue_forward(&ahead(rows), None)?;
+                            exec.queue_forward(&ahead(rows), None, &tables)?;
                             self.inflight_unsampled = true;
                         } else {
-                            exec.queue_decode(&ahead(rows), None)?;
+                            exec.queue_decode(&ahead(rows), None, &tables)?;
                         }
                         self.inflight = Some(queued.clone());
                     }
@@ -862,7 +1239,8 @@ impl Scheduler {
                 self.retire(seq, outcome, obs);
             }
         }
-        obs.step_done(self.running.len(), self.queue.len());
+        self.register_all();
+        self.report(obs);
         Ok(summary)
     }
 
@@ -1050,10 +1428,11 @@ impl Scheduler {
             &format!("the engine has failed: {message}"),
             obs,
         );
-        // a new executor has no sequences to release, nor queued steps
+        // a new executor has no sequences to release, nor queued steps, and an empty pool
         self.to_release.clear();
         self.inflight = None;
         self.inflight_unsampled = false;
+        self.blocks.reset();
         RunEnd::ExecutorFailed(message)
     }
 
@@ -1091,7 +1470,7 @@ impl Scheduler {
 fn fail(req: Request, kind: FailKind, message: String, obs: &dyn Observer) {
     let usage = Usage {
         prompt_tokens: req.prompt.len(),
-        completion_tokens: 0,
+        ..Usage::default()
     };
     let _ = req.events.send(Event::Error { kind, message });
     obs.finished(Outcome::Failed, usage, req.arrived.elapsed().as_secs_f64());
@@ -1104,13 +1483,18 @@ mod tests {
     use std::path::Path;
     use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
-    /// Checks each plan against its own model of the cache, and samples a
-    /// deterministic token: (sum of the sequence's cached tokens + pos) % 300 + 10.
+    /// Checks each plan against its own model of the paged cache (a token per pool
+    /// row, written through the plan's block tables), and samples a deterministic
+    /// token: (sum of the tokens read through the sequence's table + its length) % 300
+    /// + 10, so a wrong table, a wrongly shared block or a bad recomputation shows.
     struct FakeExec {
         slots: usize,
         ctx: usize,
         lens: Vec<usize>,
-        sums: Vec<u64>,
+        /// each slot's block table as last sent
+        tables: Vec<Vec<u32>>,
+        pool: Vec<u32>,
+        bs: usize,
         live: HashMap<u64, usize>,
         plans: Vec<StepPlan>,
         fail_at: Option<usize>,
@@ -1119,11 +1503,30 @@ mod tests {
 
     impl FakeExec {
         fn new(slots: usize, ctx: usize) -> FakeExec {
+            let bs = crate::models::kv_cache::DEFAULT_BLOCK_SIZE;
+            FakeExec::with_pool(slots, ctx, bs, slots * ctx.div_ceil(bs))
+        }
+        /// The token of the sequence in `slot`: from the tokens read through its table.
+        fn sample(&self, seq_id: u64, slot: usize) -> SampledToken {
+            let (table, len, bs) = (&self.tables[slot], self.lens[slot], self.bs);
+            let sum: u64 = (0..len)
+                .map(|p| self.pool[table[p / bs] as usize * bs + p % bs] as u64)
+                .sum();
+            SampledToken {
+                seq_id,
+                token: ((sum + len as u64) % 300 + 10) as u32,
+                logprob: Some(-0.5),
+                top_logprobs: vec![],
+            }
+        }
+        fn with_pool(slots: usize, ctx: usize, bs: usize, blocks: usize) -> FakeExec {
             FakeExec {
                 slots,
                 ctx,
                 lens: vec![0; slots],
-                sums: vec![0; slots],
+                tables: vec![Vec::new(); slots],
+                pool: vec![0; bs * blocks],
+                bs,
                 live: HashMap::new(),
                 plans: Vec::new(),
                 fail_at: None,
@@ -1136,6 +1539,12 @@ mod tests {
         fn peak_memory(&self) -> u64 {
             0
         }
+        fn kv_pool(&self) -> KvPool {
+            KvPool {
+                block_size: self.bs,
+                num_blocks: self.pool.len() / self.bs,
+            }
+        }
         fn execute(&mut self, plan: &StepPlan) -> Result<StepResult, StepError> {
             self.plans.push(plan.clone());
             if self.fail_at == Some(self.plans.len()) {
@@ -1145,26 +1554,65 @@ mod tests {
                 self.live.remove(id);
             }
             let mut out = StepResult::default();
+            let bs = self.bs;
             for s in &plan.seqs {
                 if s.start.is_some() {
-                    self.lens[s.slot] = 0;
-                    self.sums[s.slot] = 0;
                     self.live.insert(s.seq_id, s.slot);
                 }
                 assert_eq!(self.live.get(&s.seq_id), Some(&s.slot), "seq without start");
-                assert_eq!(self.lens[s.slot], s.pos, "position mismatch");
-                self.lens[s.slot] += s.tokens.len();
-                assert!(self.lens[s.slot] <= self.ctx, "context overflow");
-                self.sums[s.slot] += s.tokens.iter().map(|&t| t as u64).sum::<u64>();
-                if s.sample {
-                    let token = ((self.sums[s.slot] + self.lens[s.slot] as u64) % 300 + 10) as u32;
-                    out.sampled.push(SampledToken {
-                        seq_id: s.seq_id,
-                        token,
-                        logprob: Some(-0.5),
-                        top_logprobs: vec![],
-                    });
+                if s.start.is_some() || s.restart {
+                    self.lens[s.slot] = s.pos;
+                    self.tables[s.slot] = s.blocks.clone().expect("a restart sends its table");
+                } else if let Some(t) = &s.blocks {
+                    assert!(
+                        t.starts_with(&self.tables[s.slot]),
+                        "a running sequence's table only grows"
+                    );
+                    self.tables[s.slot] = t.clone();
                 }
+                let table = &self.tables[s.slot];
+                assert!(
+                    table.len() * bs >= s.pos + s.tokens.len(),
+                    "the table does not cover the step"
+                );
+                assert_eq!(self.lens[s.slot], s.pos, "position mismatch");
+                let row = |p: usize| table[p / bs] as usize * bs + p % bs;
+                for (k, &t) in s.tokens.iter().enumerate() {
+                    self.pool[row(s.pos + k)] = t;
+                }
+                self.lens[s.slot] += s.tokens.len();
+                let len = self.lens[s.slot];
+                assert!(len <= self.ctx, "context overflow");
+                if s.sample {
+                    out.sampled.push(self.sample(s.seq_id, s.slot));
+                }
+            }
+            for f in &plan.forks {
+                let from = plan
+                    .seqs
+                    .iter()
+                    .find(|s| s.seq_id == f.from && s.sample)
+                    .expect("a fork's sequence samples in the step");
+                let n = self.lens[from.slot];
+                let src = self.tables[from.slot].clone();
+                assert_eq!(f.blocks[..n / bs], src[..n / bs], "full blocks are shared");
+                assert_eq!(
+                    f.blocks.len(),
+                    n.div_ceil(bs),
+                    "the fork's table covers the prompt"
+                );
+                if !n.is_multiple_of(bs) {
+                    let (a, b) = (src[n / bs] as usize * bs, f.blocks[n / bs] as usize * bs);
+                    assert!(
+                        !src.contains(&f.blocks[n / bs]),
+                        "the last block is its own"
+                    );
+                    self.pool.copy_within(a..a + n % bs, b);
+                }
+                self.live.insert(f.seq_id, f.slot);
+                self.tables[f.slot] = f.blocks.clone();
+                self.lens[f.slot] = n;
+                out.sampled.push(self.sample(f.seq_id, f.slot));
             }
             Ok(out)
         }
@@ -1228,6 +1676,8 @@ mod tests {
                 slots: 1,
                 ctx_size: 64,
                 prefill_chunk: chunk,
+                kv: None,
+                prefix_caching: true,
             },
             tokenizer(),
         );
@@ -1255,6 +1705,8 @@ mod tests {
                 slots: 3,
                 ctx_size: 64,
                 prefill_chunk: 4,
+                kv: None,
+                prefix_caching: true,
             },
             tokenizer(),
         );
@@ -1306,6 +1758,8 @@ mod tests {
                 slots: 2,
                 ctx_size: 16,
                 prefill_chunk: 8,
+                kv: None,
+                prefix_caching: true,
             },
             tokenizer(),
         );
@@ -1345,6 +1799,9 @@ mod tests {
             matches!(&end, RunEnd::ExecutorFailed(m) if m.contains("rank 1")),
             "{end:?}"
         );
+        // the failed executor's pool is gone: no block is held, none is cached
+        assert_eq!(s.blocks_used(), 0);
+        assert_eq!(s.blocks.available(), s.blocks.num_blocks());
         let (toks, last) = drain(&mut rx);
         assert!(!toks.is_empty());
         assert!(
@@ -1412,6 +1869,20 @@ mod tests {
         pipeline: bool,
         slots: usize,
     ) -> (Vec<(Vec<u32>, String)>, u64) {
+        let (out, pipelined, _) = run_model_kv(reqs, pipeline, slots, None, true);
+        (out, pipelined)
+    }
+
+    /// [`run_model`] over a KV pool of `kv` (default: every slot's context), with or
+    /// without prefix caching; also the preemptions, and checks that no block is held
+    /// at the end.
+    fn run_model_kv(
+        reqs: &[(Vec<u32>, usize, SamplingParams, usize)],
+        pipeline: bool,
+        slots: usize,
+        kv: Option<crate::models::kv_cache::KvConfig>,
+        prefix_caching: bool,
+    ) -> (Vec<(Vec<u32>, String)>, u64, u64) {
         use crate::engine::step::LocalExecutor;
         use crate::model_dir::ModelDir;
         use crate::models::{self, LoadFormat};
@@ -1420,12 +1891,17 @@ mod tests {
         let model = models::load(&md, LoadFormat::Safetensors, |_, _| {})
             .unwrap()
             .model;
-        let mut exec = LocalExecutor::new(model, slots, 96);
+        let mut exec = match kv {
+            Some(kv) => LocalExecutor::with_kv(model, slots, 96, kv),
+            None => LocalExecutor::new(model, slots, 96),
+        };
         let mut s = Scheduler::new(
             SchedulerConfig {
                 slots,
                 ctx_size: 96,
                 prefill_chunk: 4,
+                kv: Some(exec.kv_pool()),
+                prefix_caching,
             },
             tokenizer(),
         );
@@ -1455,7 +1931,8 @@ mod tests {
                 (toks, format!("{last:?}"))
             })
             .collect();
-        (out, s.pipelined_steps())
+        assert_eq!(s.blocks_used(), 0, "blocks left held");
+        (out, s.pipelined_steps(), s.preemptions())
     }
 
     #[test]
@@ -1504,41 +1981,52 @@ mod tests {
     }
 
     /// The llama3 fixture model on a local executor and a scheduler for it (prefill
-    /// chunks of 4 tokens).
+    /// chunks of 4 tokens, KV blocks of `block_size` tokens, prefix caching or not).
     fn fixture_engine(
         slots: usize,
         ctx_size: usize,
+        block_size: usize,
+        prefix_caching: bool,
     ) -> (crate::engine::step::LocalExecutor, Scheduler) {
         use crate::model_dir::ModelDir;
+        use crate::models::kv_cache::KvConfig;
         use crate::models::{self, LoadFormat};
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama3");
         let md = ModelDir::open(&dir).unwrap();
         let model = models::load(&md, LoadFormat::Safetensors, |_, _| {})
             .unwrap()
             .model;
-        let exec = crate::engine::step::LocalExecutor::new(model, slots, ctx_size);
+        let kv = KvConfig::for_slots(slots, ctx_size, block_size);
+        let exec = crate::engine::step::LocalExecutor::with_kv(model, slots, ctx_size, kv);
         let cfg = SchedulerConfig {
             slots,
             ctx_size,
             prefill_chunk: 4,
+            kv: Some(exec.kv_pool()),
+            prefix_caching,
         };
         (exec, Scheduler::new(cfg, tokenizer()))
     }
 
-    /// Counts the prompt tokens prefilled.
+    /// Counts the prompt tokens prefilled, and those found in the prefix cache.
     #[derive(Default)]
-    struct PrefillCount(std::cell::Cell<usize>);
+    struct PrefillCount(std::cell::Cell<usize>, std::cell::Cell<usize>);
     impl Observer for PrefillCount {
         fn prefilled(&self, tokens: usize) {
             self.0.set(self.0.get() + tokens);
         }
+        fn prefix_cache(&self, _queried: usize, hit: usize) {
+            self.1.set(self.1.get() + hit);
+        }
     }
 
     /// A group of requests with one prompt (the choices of `n` > 1) prefills it once: the
-    /// other choices get a copy of its KV cache and sample their first tokens from the
-    /// same logits with their own seeds, and every choice's tokens equal those of the
-    /// same request alone (prefill in several chunks; a grammar on every choice; one
-    /// choice that arrives after the others started only prefills itself).
+    /// other choices share its full KV blocks, get a copy of its partly filled last one,
+    /// and sample their first tokens from the same logits with their own seeds, and
+    /// every choice's tokens equal those of the same request alone (prefill in several
+    /// chunks; a grammar on every choice; blocks of 32, 4 and 11 tokens: no full block,
+    /// two and a partial one, one full block only; one choice that arrives after the
+    /// others started only prefills itself, but for what it finds in the prefix cache).
     #[test]
     fn a_group_shares_one_prefill_with_the_tokens_of_each_request_alone() {
         use crate::engine::grammar::{Constraint, GrammarMatcher, GrammarVocab};
@@ -1568,8 +2056,8 @@ mod tests {
         };
         // groups of `n` (and `late` more submitted after the first step): tokens per
         // request, prompt tokens prefilled
-        let run = |n: usize, late: usize, grammar: bool, pipeline: bool| {
-            let (mut exec, mut s) = fixture_engine(4, 64);
+        let run = |n: usize, late: usize, grammar: bool, pipeline: bool, bs: usize| {
+            let (mut exec, mut s) = fixture_engine(4, 64, bs, bs != 32);
             s.set_pipeline(pipeline);
             let obs = PrefillCount::default();
             let (reqs, mut rxs): (Vec<_>, Vec<_>) =
@@ -1585,13 +2073,14 @@ mod tests {
                 s.step(&mut exec, &obs).unwrap();
             }
             let toks: Vec<Vec<u32>> = rxs.iter_mut().map(|rx| drain(rx).0).collect();
-            (toks, obs.0.get())
+            assert_eq!(s.blocks_used(), 0, "blocks left held");
+            (toks, obs.0.get(), obs.1.get())
         };
         for grammar in [false, true] {
             let alone: Vec<Vec<u32>> = (0..4)
                 .map(|i| {
                     let (req, mut rx) = make(40 + i, grammar);
-                    let (mut exec, mut s) = fixture_engine(1, 64);
+                    let (mut exec, mut s) = fixture_engine(1, 64, 32, false);
                     s.submit(req, &NoObserver);
                     while s.has_work() {
                         s.step(&mut exec, &NoObserver).unwrap();
@@ -1600,11 +2089,108 @@ mod tests {
                 })
                 .collect();
             assert_ne!(alone[0], alone[1], "seeds 40 and 41 gave the same tokens");
-            for pipeline in [false, true] {
-                let (toks, prefilled) = run(3, 1, grammar, pipeline);
-                assert_eq!(toks, alone, "grammar {grammar}, pipeline {pipeline}");
-                // the group's prompt once, the late request's once more
-                assert_eq!(prefilled, 2 * prompt.len(), "grammar {grammar}");
+            for (pipeline, bs) in [(false, 32), (true, 32), (false, 4), (true, 4), (true, 11)] {
+                let (toks, prefilled, cached) = run(3, 1, grammar, pipeline, bs);
+                let case = format!("grammar {grammar}, pipeline {pipeline}, blocks of {bs}");
+                assert_eq!(toks, alone, "{case}");
+                // the group's prompt once, the late request's once more (but for what it
+                // found in the prefix cache)
+                assert_eq!(prefilled + cached, 2 * prompt.len(), "{case}");
+            }
+        }
+    }
+
+    /// Constrained sequences over a pool too small for all of them: preempted ones are
+    /// recomputed (prompt and generated tokens) while their grammar stays as of the
+    /// tokens generated, so each gives the tokens of its request alone and ends with
+    /// `stop`, pipelined or not.
+    #[test]
+    fn constrained_sequences_survive_preemption() {
+        use crate::engine::grammar::{Constraint, GrammarMatcher, GrammarVocab};
+        use crate::engine::step::LocalExecutor;
+        use crate::model_dir::ModelDir;
+        use crate::models::kv_cache::KvConfig;
+        use crate::models::{self, LoadFormat};
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama3");
+        let json: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("tokenizer.json")).unwrap())
+                .unwrap();
+        let cfg: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap())
+                .unwrap();
+        let vocab_size = cfg["vocab_size"].as_u64().unwrap() as usize;
+        let vocab = GrammarVocab::new(&json, vocab_size, tokenizer().eos_token_ids()).unwrap();
+        let md = ModelDir::open(&dir).unwrap();
+        let make = |i: u32| {
+            let (mut req, rx) = request((0..6).map(|t| 11 + 5 * t + i).collect(), 40);
+            req.ignore_eos = false;
+            req.params = SamplingParams {
+                temperature: 1.0,
+                seed: Some(70 + i as u64),
+                ..SamplingParams::default()
+            };
+            let c = Constraint::Regex("(yes|no|maybe)(, [0-9]{3}){3}".into());
+            req.grammar = Some(Box::new(GrammarMatcher::new(&vocab, &c).unwrap()));
+            (req, rx)
+        };
+        // requests 0..n on `slots` slots over `kv`: tokens, last event; preemptions
+        let run = |n: u32, first: u32, slots: usize, kv: KvConfig, pipeline: bool| {
+            let model = models::load(&md, LoadFormat::Safetensors, |_, _| {})
+                .unwrap()
+                .model;
+            let mut exec = LocalExecutor::with_kv(model, slots, 64, kv);
+            let mut s = Scheduler::new(
+                SchedulerConfig {
+                    slots,
+                    ctx_size: 64,
+                    prefill_chunk: 4,
+                    kv: Some(exec.kv_pool()),
+                    prefix_caching: true,
+                },
+                tokenizer(),
+            );
+            s.set_pipeline(pipeline);
+            let mut rxs: Vec<_> = (first..first + n)
+                .map(|i| {
+                    let (req, rx) = make(i);
+                    s.submit(req, &NoObserver);
+                    rx
+                })
+                .collect();
+            while s.has_work() {
+                s.step(&mut exec, &NoObserver).unwrap();
+            }
+            assert_eq!(s.blocks_used(), 0, "blocks left held");
+            let out: Vec<_> = rxs.iter_mut().map(drain).collect();
+            (out, s.preemptions())
+        };
+        let roomy = KvConfig::for_slots(1, 64, 4);
+        let alone: Vec<_> = (0..3)
+            .map(|i| run(1, i, 1, roomy, false).0.remove(0))
+            .collect();
+        let tiny = KvConfig {
+            block_size: 4,
+            num_blocks: 12,
+            preallocate: false,
+        };
+        for pipeline in [false, true] {
+            let (got, preempted) = run(3, 0, 3, tiny, pipeline);
+            assert!(
+                preempted > 0,
+                "the pool never ran out (pipeline {pipeline})"
+            );
+            for (i, ((toks, last), (want, _))) in got.iter().zip(&alone).enumerate() {
+                assert_eq!(toks, want, "request {i} (pipeline {pipeline})");
+                assert!(
+                    matches!(
+                        last,
+                        Some(Event::Done {
+                            finish_reason: FinishReason::Stop,
+                            ..
+                        })
+                    ),
+                    "request {i}: {last:?}"
+                );
             }
         }
     }
@@ -1650,6 +2236,8 @@ mod tests {
                     slots: 2,
                     ctx_size: 96,
                     prefill_chunk: 4,
+                    kv: None,
+                    prefix_caching: true,
                 },
                 tokenizer(),
             );
@@ -1715,6 +2303,224 @@ mod tests {
                 n >= 2,
                 "seed {seed}: only {n} steps were pipelined with the grammar"
             );
+        }
+    }
+
+    /// A pool too small for every request at once: sequences are preempted and
+    /// recomputed, tokens are those of each request alone, and every block comes back
+    /// (also from a request cancelled while it ran); with and without prefix caching.
+    #[test]
+    fn a_tiny_pool_preempts_and_gives_the_same_tokens() {
+        // a shared 12-token prefix, then each request's own tokens
+        let prompts: Vec<Vec<u32>> = (0..6)
+            .map(|i| {
+                (0..12)
+                    .map(|t| t as u32 + 1)
+                    .chain((0..(3 + 5 * i)).map(|t| (t * 13 + i) as u32 % 300 + 1))
+                    .collect()
+            })
+            .collect();
+        let alone: Vec<Vec<u32>> = prompts
+            .iter()
+            .map(|p| run_alone(p.clone(), 10, 4))
+            .collect();
+        for caching in [false, true] {
+            // 14 blocks of 4 tokens: 56 positions for 3 slots of requests up to 50 long
+            let mut exec = FakeExec::with_pool(3, 64, 4, 14);
+            let mut s = Scheduler::new(
+                SchedulerConfig {
+                    slots: 3,
+                    ctx_size: 64,
+                    prefill_chunk: 4,
+                    kv: Some(exec.kv_pool()),
+                    prefix_caching: caching,
+                },
+                tokenizer(),
+            );
+            let mut rxs = vec![];
+            for p in &prompts {
+                let (req, rx) = request(p.clone(), 10);
+                s.submit(req, &NoObserver);
+                rxs.push(Some(rx));
+            }
+            // one more, cancelled once it has a few tokens
+            let (req, rx) = request((50..90).collect(), 10);
+            s.submit(req, &NoObserver);
+            let mut cancel = Some(rx);
+            let mut steps = 0;
+            while s.has_work() {
+                s.step(&mut exec, &NoObserver).unwrap();
+                assert!(s.running() <= 3);
+                assert!(s.blocks_used() <= 14);
+                if let Some(rx) = cancel.as_mut() {
+                    if drain(rx).0.len() + steps / 200 > 0 {
+                        cancel = None;
+                    }
+                }
+                steps += 1;
+                assert!(steps < 5000, "the scheduler does not finish");
+            }
+            assert!(s.preemptions() > 0, "the pool never ran out");
+            for (i, rx) in rxs.iter_mut().enumerate() {
+                let (toks, last) = drain(rx.as_mut().unwrap());
+                assert_eq!(toks, alone[i], "request {i} (caching {caching})");
+                assert!(matches!(last, Some(Event::Done { .. })), "{last:?}");
+            }
+            assert_eq!(s.blocks_used(), 0, "blocks leaked");
+            assert!(exec.live.is_empty(), "{:?}", exec.live);
+        }
+    }
+
+    /// Groups (the choices of `n` > 1) in a pool too small for everything at once: the
+    /// choices fork from one prefill (sharing its full blocks, each with its own last
+    /// block), sequences are preempted and recomputed, every choice's tokens are those
+    /// of its request alone, and every block comes back; with and without prefix
+    /// caching, and with a prompt of whole blocks only.
+    #[test]
+    fn groups_fork_in_a_tiny_pool_and_give_the_tokens_of_each_request_alone() {
+        for (caching, len) in [(false, 10), (true, 10), (true, 12)] {
+            let prompt = |g: u32| -> Vec<u32> { (0..len).map(|t| t * 7 + g + 1).collect() };
+            let alone: Vec<Vec<u32>> = (0..3).map(|g| run_alone(prompt(g), 12, 4)).collect();
+            // 16 blocks of 4 tokens for 4 slots of sequences up to 24 long
+            let mut exec = FakeExec::with_pool(4, 64, 4, 16);
+            let mut s = Scheduler::new(
+                SchedulerConfig {
+                    slots: 4,
+                    ctx_size: 64,
+                    prefill_chunk: 4,
+                    kv: Some(exec.kv_pool()),
+                    prefix_caching: caching,
+                },
+                tokenizer(),
+            );
+            // three groups of three choices
+            let mut rxs = vec![];
+            for g in 0..3 {
+                let (reqs, group_rxs): (Vec<_>, Vec<_>) =
+                    (0..3).map(|_| request(prompt(g), 12)).unzip();
+                s.submit_group(reqs, &NoObserver);
+                rxs.extend(group_rxs.into_iter().map(|rx| (g as usize, rx)));
+            }
+            let mut steps = 0;
+            while s.has_work() {
+                s.step(&mut exec, &NoObserver).unwrap();
+                assert!(s.blocks_used() <= 16);
+                steps += 1;
+                assert!(steps < 5000, "the scheduler does not finish");
+            }
+            let forks: usize = exec.plans.iter().map(|p| p.forks.len()).sum();
+            assert!(
+                forks > 0,
+                "no choice forked (caching {caching}, prompt {len})"
+            );
+            assert!(s.preemptions() > 0, "the pool never ran out");
+            for (i, (g, rx)) in rxs.iter_mut().enumerate() {
+                let (toks, last) = drain(rx);
+                assert_eq!(
+                    toks, alone[*g],
+                    "choice {i} (caching {caching}, prompt {len})"
+                );
+                assert!(matches!(last, Some(Event::Done { .. })), "{last:?}");
+            }
+            assert_eq!(s.blocks_used(), 0, "blocks leaked");
+            assert!(exec.live.is_empty(), "{:?}", exec.live);
+        }
+    }
+
+    /// A request whose prompt and max_tokens cannot fit the whole pool is refused at
+    /// admission; a second request sharing a long prefix prefills only what follows
+    /// its cached blocks, and says so in its usage.
+    #[test]
+    fn too_long_for_the_pool_is_refused_and_a_shared_prefix_is_not_prefilled_again() {
+        let mut exec = FakeExec::with_pool(2, 64, 4, 10);
+        let mut s = Scheduler::new(
+            SchedulerConfig {
+                slots: 2,
+                ctx_size: 64,
+                prefill_chunk: 8,
+                kv: Some(exec.kv_pool()),
+                prefix_caching: true,
+            },
+            tokenizer(),
+        );
+        let (req, mut rx) = request((1..=30).collect(), 11);
+        s.submit(req, &NoObserver);
+        s.step(&mut exec, &NoObserver).unwrap();
+        assert!(
+            matches!(rx.try_recv(), Ok(Event::Error { kind: FailKind::BadRequest, message }) if message.contains("holds 40")),
+        );
+        let system: Vec<u32> = (100..122).collect();
+        let mut outs = vec![];
+        for tail in [[7u32, 8], [9, 10]] {
+            let prompt: Vec<u32> = system.iter().chain(tail.iter()).copied().collect();
+            let (req, mut rx) = request(prompt.clone(), 3);
+            let first_plan = exec.plans.len();
+            s.submit(req, &NoObserver);
+            while s.has_work() {
+                s.step(&mut exec, &NoObserver).unwrap();
+            }
+            let (toks, last) = drain(&mut rx);
+            let Some(Event::Done { usage, .. }) = last else {
+                panic!("{last:?}")
+            };
+            let prefilled: usize = exec.plans[first_plan..]
+                .iter()
+                .flat_map(|p| p.seqs.iter())
+                .filter(|x| x.tokens.len() > 1 || x.start.is_some())
+                .map(|x| x.tokens.len())
+                .sum();
+            outs.push((toks, usage.cached_tokens, prefilled, prompt));
+        }
+        // the first prefills all 24; the second finds the 5 whole blocks (20 tokens)
+        assert_eq!((outs[0].1, outs[0].2), (0, 24));
+        assert_eq!((outs[1].1, outs[1].2), (20, 4));
+        // and its tokens are those of the request alone
+        assert_eq!(outs[1].0, run_alone(outs[1].3.clone(), 3, 8));
+        assert_eq!(s.blocks_used(), 0);
+    }
+
+    /// The fixture model over a pool of 16 blocks of 8 tokens (for 3 slots of up to 96
+    /// tokens): preemption and prefix caching give the greedy tokens of the default pool.
+    #[test]
+    fn the_model_gives_the_same_greedy_tokens_over_a_tiny_pool() {
+        let shared: Vec<u32> = (0..17).map(|i| 200 + i).collect();
+        let with = |tail: &[u32]| -> Vec<u32> { shared.iter().chain(tail).copied().collect() };
+        let reqs = vec![
+            (with(&[1, 2, 3]), 30, SamplingParams::default(), 0),
+            (with(&[7, 8]), 40, SamplingParams::default(), 0),
+            (vec![10, 11, 12, 13], 25, SamplingParams::default(), 2),
+            (with(&[20, 21]), 30, SamplingParams::default(), 5),
+            (
+                (0..60).map(|i| 40 + i as u32).collect(),
+                20,
+                SamplingParams::default(),
+                6,
+            ),
+        ];
+        let (want, _, _) = run_model_kv(&reqs, false, 3, None, false);
+        let tiny = crate::models::kv_cache::KvConfig {
+            block_size: 8,
+            num_blocks: 16,
+            preallocate: false,
+        };
+        for (pipeline, caching) in [(false, true), (true, true), (true, false)] {
+            let (got, _, preempted) = run_model_kv(&reqs, pipeline, 3, Some(tiny), caching);
+            assert!(preempted > 0, "the pool never ran out");
+            for (i, (a, b)) in want.iter().zip(&got).enumerate() {
+                assert!(!a.0.is_empty(), "request {i} produced nothing");
+                assert_eq!(
+                    a.0, b.0,
+                    "request {i} (pipeline {pipeline}, caching {caching})"
+                );
+                let reason = |d: &str| d.split("usage").next().unwrap_or("").to_string();
+                assert_eq!(reason(&a.1), reason(&b.1), "request {i}");
+            }
+            // the shared prefix's two whole blocks were found by the later requests
+            let hits = got
+                .iter()
+                .filter(|r| r.1.contains("cached_tokens: 16"))
+                .count();
+            assert_eq!(hits > 0, caching, "{got:?}");
         }
     }
 }

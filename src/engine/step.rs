@@ -1,7 +1,9 @@
 //! Step plans and the worker that executes them.
 //!
 //! A step plan says, for each sequence in the step, its id, KV-cache slot,
-//! position and new tokens, and whether to sample after it. The same plan is
+//! position, block table (the driver owns the paged KV cache's block tables; each
+//! rank holds its heads' part of every block) and new tokens, and whether to sample
+//! after it. The same plan is
 //! executed by the single-process engine and by every tensor-parallel rank,
 //! so every rank issues the same collectives in the same order; ranks never
 //! decide anything on their own. Only the sampling rank (0) returns tokens.
@@ -13,7 +15,7 @@ use super::grammar::apply_masks;
 use super::sampler::{sample_batch_lazy, LazySample, SamplingParams, SequenceSampler};
 use crate::kernels;
 use crate::mlx::{self, Array};
-use crate::models::kv_cache::KvCache;
+use crate::models::kv_cache::{KvCache, KvConfig, DEFAULT_BLOCK_SIZE};
 use crate::models::{ForwardError, Logits, Model, SeqInput, StepInput};
 
 /// First step of a sequence: reset its slot and set up its sampler.
@@ -35,6 +37,16 @@ pub struct SeqStep {
     pub start: Option<SeqStart>,
     /// Sample a token after this step (last prefill chunk, or decode).
     pub sample: bool,
+    /// The sequence's block table in the paged KV cache, covering positions
+    /// `0..pos + tokens.len()`; `None`: the slot's fixed blocks (see
+    /// [`crate::models::kv_cache`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub blocks: Option<Vec<u32>>,
+    /// The sequence (re)starts here with its first `pos` positions already in its
+    /// blocks (a cached prefix, or recomputation after preemption) and keeps its
+    /// sampler; `start` implies it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub restart: bool,
 }
 
 impl SeqStep {
@@ -51,6 +63,8 @@ impl SeqStep {
                 prompt: prompt.to_vec(),
             }),
             sample: true,
+            blocks: None,
+            restart: false,
         }
     }
 }
@@ -70,9 +84,10 @@ pub struct StepPlan {
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub masks: Vec<SeqMask>,
     /// Sequences that share the prompt of a sequence in this step (the other choices of
-    /// an `n` > 1 request): after the step, each gets a copy of its KV-cache prefix
-    /// ([`KvCache::copy_prefix`]) and samples its first token from the same logits
-    /// with its own sampler.
+    /// an `n` > 1 request): after the step, each starts with the prompt's positions
+    /// ([`KvCache::fork`]: its table shares the prompt's full blocks, and the rows of a
+    /// partly filled last block are copied into its own) and samples its first token
+    /// from the same logits with its own sampler.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub forks: Vec<Fork>,
 }
@@ -85,6 +100,9 @@ pub struct Fork {
     pub seq_id: u64,
     pub slot: usize,
     pub start: SeqStart,
+    /// Its block table, covering the prompt: the full blocks of `from`'s, then a block
+    /// of its own for a partly filled last one.
+    pub blocks: Vec<u32>,
 }
 
 /// The tokens a constrained sequence may sample next: bit `t % 32` of word `t / 32`.
@@ -159,13 +177,28 @@ pub enum StepError {
     Rank(String),
 }
 
+/// The blocks of an executor's paged KV cache.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KvPool {
+    pub block_size: usize,
+    pub num_blocks: usize,
+}
+
 /// Executes step plans: the single-process engine, or the driver of N ranks.
 pub trait Executor {
     fn execute(&mut self, plan: &StepPlan) -> Result<StepResult, StepError>;
     /// Maximum tokens per sequence.
     fn ctx_size(&self) -> usize;
-    /// Number of KV-cache slots.
+    /// Most sequences at once (KV-cache slots).
     fn slots(&self) -> usize;
+    /// The paged KV cache's pool, whose block tables the scheduler keeps. The default:
+    /// every slot's whole context in blocks of [`DEFAULT_BLOCK_SIZE`].
+    fn kv_pool(&self) -> KvPool {
+        KvPool {
+            block_size: DEFAULT_BLOCK_SIZE,
+            num_blocks: self.slots() * self.ctx_size().div_ceil(DEFAULT_BLOCK_SIZE),
+        }
+    }
     /// Whether the executor is still usable, checked without waiting (the
     /// scheduler calls it while idle). `Err` ([`StepError::Rank`]) means it is not.
     fn check_health(&mut self) -> Result<(), StepError> {
@@ -189,10 +222,14 @@ pub trait Executor {
     /// still on the device. The step is evaluated asynchronously;
     /// [`Executor::take_sampled`] reads the oldest queued step's tokens. So step
     /// t+1 runs on the device while the host reads, detokenizes and streams step t.
+    ///
+    /// `tables` updates slots' block tables first (`(slot, table)`, the table covering
+    /// the row's position), as a plan's [`SeqStep::blocks`] would.
     fn queue_decode(
         &mut self,
         rows: &[(u64, usize, usize)],
         _tokens: Option<&[u32]>,
+        _tables: &[(usize, Vec<u32>)],
     ) -> Result<(), StepError> {
         Err(StepError::NotPipelined(rows.first().map_or(0, |r| r.0)))
     }
@@ -204,6 +241,7 @@ pub trait Executor {
         &mut self,
         rows: &[(u64, usize, usize)],
         _tokens: Option<&[u32]>,
+        _tables: &[(usize, Vec<u32>)],
     ) -> Result<(), StepError> {
         Err(StepError::NotPipelined(rows.first().map_or(0, |r| r.0)))
     }
@@ -245,8 +283,15 @@ pub struct Worker {
 }
 
 impl Worker {
-    pub fn new(model: Model, slots: usize, ctx_size: usize, sampling: bool) -> Worker {
-        let cache = model.new_cache(slots, ctx_size);
+    /// A worker of `slots` sequences of `ctx_size` tokens over a KV pool of `kv`.
+    pub fn new(
+        model: Model,
+        slots: usize,
+        ctx_size: usize,
+        kv: KvConfig,
+        sampling: bool,
+    ) -> Worker {
+        let cache = model.new_paged_cache(slots, ctx_size, kv);
         Worker {
             model,
             cache,
@@ -264,8 +309,8 @@ impl Worker {
     /// size and fused epilogue) at start-up rather than while requests stream: a server
     /// on H200 stalled 34 s when 8 streams first met batch sizes 2–8. With one slot
     /// (`mlxcel generate`) the prompt's kernels compile at its first use, which costs the
-    /// same once, so only decode is warmed. MLX keeps the PTX on disk (`MLX_PTX_CACHE_DIR`),
-    /// which makes later starts quicker. A no-op on the CPU.
+    /// same once, so only decode is warmed. Compiled variants are kept in the cache folder
+    /// ([`kernels::cache`]), which makes later starts quicker. A no-op on the CPU.
     pub fn warm_up(&mut self) -> Result<(), StepError> {
         if mlx::backend() == mlx::Backend::Cpu || self.cache.slots() == 0 {
             return Ok(());
@@ -321,9 +366,10 @@ impl Worker {
             self.cache.reset(s);
         }
         tracing::info!(
-            "decode kernels warmed up (batch 1..={max_batch}) in {:.2} s (cumulative: {})",
+            "decode kernels warmed up (batch 1..={max_batch}) in {:.2} s (cumulative: {}){}",
             start.elapsed().as_secs_f64(),
-            phases.join(", ")
+            phases.join(", "),
+            kernels::cache::summary().map_or(String::new(), |s| format!("; {s}"))
         );
         Ok(())
     }
@@ -342,8 +388,9 @@ impl Worker {
         &mut self,
         rows: &[(u64, usize, usize)],
         tokens: Option<&[u32]>,
+        tables: &[(usize, Vec<u32>)],
     ) -> Result<(), StepError> {
-        self.queue_step(rows, tokens, true)
+        self.queue_step(rows, tokens, tables, true)
     }
 
     /// See [`Executor::queue_forward`].
@@ -351,8 +398,9 @@ impl Worker {
         &mut self,
         rows: &[(u64, usize, usize)],
         tokens: Option<&[u32]>,
+        tables: &[(usize, Vec<u32>)],
     ) -> Result<(), StepError> {
-        self.queue_step(rows, tokens, false)
+        self.queue_step(rows, tokens, tables, false)
     }
 
     /// See [`Executor::sample_queued`].
@@ -377,15 +425,21 @@ impl Worker {
         Ok(())
     }
 
-    /// Queue the forward pass of one decode step, and its sampling with `sample`.
+    /// Queue the forward pass of one decode step (after setting `tables`), and its
+    /// sampling with `sample`.
     fn queue_step(
         &mut self,
         rows: &[(u64, usize, usize)],
         tokens: Option<&[u32]>,
+        tables: &[(usize, Vec<u32>)],
         sample: bool,
     ) -> Result<(), StepError> {
         if rows.is_empty() {
             return Err(StepError::Rank("pipelined decode: an empty step".into()));
+        }
+        for (slot, table) in tables {
+            self.cache.check_slot(*slot).map_err(ForwardError::from)?;
+            self.cache.set_table(*slot, table);
         }
         for &(seq_id, slot, pos) in rows {
             if !self.can_pipeline(seq_id) {
@@ -484,8 +538,12 @@ impl Worker {
         }
         for s in &plan.seqs {
             self.cache.check_slot(s.slot).map_err(ForwardError::from)?;
+            if s.start.is_some() || s.restart {
+                self.cache.restart(s.slot, s.pos, s.blocks.as_deref());
+            } else if let Some(blocks) = &s.blocks {
+                self.cache.set_table(s.slot, blocks);
+            }
             if let Some(start) = &s.start {
-                self.cache.reset(s.slot);
                 if self.sampling {
                     let sampler = SequenceSampler::new(start.params.clone(), &start.prompt)
                         .map_err(|e| StepError::Params(e.to_string()))?;
@@ -549,7 +607,7 @@ impl Worker {
         let logits = self
             .model
             .forward(&mut self.cache, StepInput::Host(&inputs), mode)?;
-        // every rank copies the shared prefixes (the same evaluations in the same order)
+        // every rank starts the forks (the same evaluations in the same order)
         for f in &plan.forks {
             let s = plan
                 .seqs
@@ -557,7 +615,7 @@ impl Worker {
                 .find(|s| s.seq_id == f.from)
                 .expect("checked above");
             self.cache
-                .copy_prefix(s.slot, f.slot, s.pos + s.tokens.len())
+                .fork(s.slot, f.slot, s.pos + s.tokens.len(), &f.blocks)
                 .map_err(ForwardError::from)?;
         }
         let mut result = StepResult::default();
@@ -704,9 +762,16 @@ pub struct LocalExecutor {
 }
 
 impl LocalExecutor {
+    /// Room for `slots` sequences of `ctx_size` tokens.
     pub fn new(model: Model, slots: usize, ctx_size: usize) -> LocalExecutor {
+        let kv = KvConfig::for_slots(slots, ctx_size, DEFAULT_BLOCK_SIZE);
+        LocalExecutor::with_kv(model, slots, ctx_size, kv)
+    }
+
+    /// At most `slots` sequences of `ctx_size` tokens over a KV pool of `kv`.
+    pub fn with_kv(model: Model, slots: usize, ctx_size: usize, kv: KvConfig) -> LocalExecutor {
         LocalExecutor {
-            worker: Worker::new(model, slots, ctx_size, true),
+            worker: Worker::new(model, slots, ctx_size, kv, true),
             ctx_size,
         }
     }
@@ -722,6 +787,12 @@ impl Executor for LocalExecutor {
     fn slots(&self) -> usize {
         self.worker.cache.slots()
     }
+    fn kv_pool(&self) -> KvPool {
+        KvPool {
+            block_size: self.worker.cache.block_size(),
+            num_blocks: self.worker.cache.num_blocks(),
+        }
+    }
     fn reset_peak_memory(&mut self) {
         mlx::memory::reset_peak();
     }
@@ -735,15 +806,17 @@ impl Executor for LocalExecutor {
         &mut self,
         rows: &[(u64, usize, usize)],
         tokens: Option<&[u32]>,
+        tables: &[(usize, Vec<u32>)],
     ) -> Result<(), StepError> {
-        self.worker.queue_decode(rows, tokens)
+        self.worker.queue_decode(rows, tokens, tables)
     }
     fn queue_forward(
         &mut self,
         rows: &[(u64, usize, usize)],
         tokens: Option<&[u32]>,
+        tables: &[(usize, Vec<u32>)],
     ) -> Result<(), StepError> {
-        self.worker.queue_forward(rows, tokens)
+        self.worker.queue_forward(rows, tokens, tables)
     }
     fn sample_queued(&mut self, masks: &[SeqMask]) -> Result<(), StepError> {
         self.worker.sample_queued(masks)

@@ -111,10 +111,10 @@ pub fn is_gguf(path: &Path) -> bool {
 
 /// Float dtype in which GGUF tensors (floats, scales and biases) are handed to MLX:
 /// float32 on the CPU (exact, the reference path), float16 on a GPU (GGUF's own scale
-/// type, so the scales stay exact; MLX's `quantized_matmul` runs, since mlxcel's 4-bit
-/// GEMV kernel takes bfloat16 only). bfloat16 would reach the kernel, but rounding the
-/// scales and activations to it made SmolLM2-135M answer the default question wrongly on
-/// an H200 (docs/gguf.md). `MLXCEL_GGUF_DTYPE=float16|bfloat16|float32` overrides.
+/// type, so the scales stay exact; mlxcel's GEMV kernel takes float16 as it takes
+/// bfloat16). Rounding the scales and activations to bfloat16 instead made SmolLM2-135M
+/// answer the default question wrongly on an H200 (docs/gguf.md).
+/// `MLXCEL_GGUF_DTYPE=float16|bfloat16|float32` overrides.
 pub fn float_dtype() -> Dtype {
     if let Some(d) = std::env::var("MLXCEL_GGUF_DTYPE")
         .ok()

@@ -1,7 +1,7 @@
 //! Attention of a decode step over the KV pool as one MLX op: `kernels/attn.cu`, an MLX
-//! custom CUDA kernel (CUDA backend only; elsewhere callers keep MLX's views of the pool
-//! and `fast::sdpa`). It replaces those three ops per layer, reads each batch row's own
-//! slot up to its own position (no masks), and spreads long contexts over more blocks.
+//! custom CUDA kernel (CUDA backend only; elsewhere callers gather from the pool and use
+//! `fast::sdpa`). It reads each batch row's positions through its own block table up to
+//! its own position (no gather, no masks), and spreads long contexts over more blocks.
 //! `MLXCEL_ATTN=0` turns it off.
 use std::sync::OnceLock;
 
@@ -13,6 +13,21 @@ const SOURCE: &str = include_str!("../../kernels/attn.cu");
 
 /// At most this many blocks per (row, kv head).
 pub const NSPLIT: usize = 32;
+
+/// Whether the kernel reads a pool of `block_size`-token blocks: whole 32-position tiles
+/// per block.
+pub fn block_size_fits(block_size: usize) -> bool {
+    block_size > 0 && block_size.is_multiple_of(32)
+}
+
+/// The heads of one [`decode`] call and the pool's block size.
+#[derive(Debug, Clone, Copy)]
+pub struct Shape {
+    pub q_heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub block_size: usize,
+}
 
 /// Whether [`decode`] runs for these shapes: CUDA, bfloat16, head_dim 64 or 128, 1-16
 /// query heads per kv head, and not turned off.
@@ -72,46 +87,55 @@ fn warps(g: usize) -> usize {
 /// `KvCache::attn_scratch`).
 ///
 /// `softmax(q·kᵀ·scale)·v` for each batch row b of `q` (`[B, q_heads, 1, head_dim]`)
-/// over positions `0..=pos[b]` of slot `slots[b]` of `pool` (`[slots, 2·kv_heads, cap,
-/// head_dim]`, key heads then value heads, the new token already written); `slots` and
-/// `pos` int32 `[B]` (`pos` may be a scalar when B = 1). Returns `[B, q_heads, 1,
-/// head_dim]`. Check [`supported`] first.
-#[allow(clippy::too_many_arguments)]
+/// over positions `0..=pos[b]` of `pool` (`[1, 2·kv_heads, blocks·block_size,
+/// head_dim]`, key heads then value heads, the new token already written), position p
+/// of row b at block `table[b, p / block_size]`; `table` int32 `[B, max blocks]`, `pos`
+/// int32 `[B]` (or a scalar when B = 1). Returns `[B, q_heads, 1, head_dim]`. Check
+/// [`supported`] and [`block_size_fits`] first.
 pub fn decode(
     q: &Array,
     pool: &Array,
-    slots: &Array,
+    table: &Array,
     pos: &Array,
     scratch: &Scratch,
-    q_heads: usize,
-    kv_heads: usize,
-    head_dim: usize,
+    shape: Shape,
     scale: f32,
 ) -> Result<Array> {
+    let Shape {
+        q_heads,
+        kv_heads,
+        head_dim,
+        block_size,
+    } = shape;
     let b = q.dim(0) as usize;
     let ps = pool.shape();
+    let ts = table.shape();
     if ps.len() != 4
+        || ps[0] != 1
         || ps[1] as usize != 2 * kv_heads
         || ps[3] as usize != head_dim
+        || !block_size_fits(block_size)
+        || !(ps[2] as usize).is_multiple_of(block_size)
         || q.size() != b * q_heads * head_dim
-        || slots.size() != b
+        || ts.len() != 2
+        || ts[0] as usize != b
         || pos.size() != b
         || b > scratch.slots
         || (scratch.kv_heads, scratch.g, scratch.head_dim)
             != (kv_heads, q_heads / kv_heads.max(1), head_dim)
         || q.dtype() != Dtype::BF16
         || pool.dtype() != Dtype::BF16
-        || slots.dtype() != Dtype::I32
+        || table.dtype() != Dtype::I32
         || pos.dtype() != Dtype::I32
     {
         return Err(MlxError::Invalid(format!(
-            "attn::decode: q {:?} {:?}, pool {ps:?} {:?}, slots {:?}, pos {:?} do not fit \
+            "attn::decode: q {:?} {:?}, pool {ps:?} {:?}, table {ts:?}, pos {:?} do not fit \
              {q_heads} query and {kv_heads} kv heads of {head_dim} in bfloat16 with int32 \
-             slots/positions (scratch for {} rows, {} kv heads, {} query heads each, {})",
+             tables/positions in blocks of {block_size} (scratch for {} rows, {} kv heads, \
+             {} query heads each, {})",
             q.shape(),
             q.dtype(),
             pool.dtype(),
-            slots.shape(),
             pos.shape(),
             scratch.slots,
             scratch.kv_heads,
@@ -129,12 +153,12 @@ pub fn decode(
         let header = header_for_mlx(&name, header);
         (name, header, body.to_string())
     });
-    static NAMES: OnceLock<([String; 6], [String; 1], [String; 6])> = OnceLock::new();
+    static NAMES: OnceLock<([String; 6], [String; 1], [String; 7])> = OnceLock::new();
     let (inputs, outputs, tnames) = NAMES.get_or_init(|| {
         (
-            ["q", "pool", "slots", "pos", "part", "count"].map(String::from),
+            ["q", "pool", "table", "pos", "part", "count"].map(String::from),
             ["out".to_string()],
-            ["D", "HQ", "HKV", "NSPLIT", "WARPS", "SCALE_BITS"].map(String::from),
+            ["D", "HQ", "HKV", "NSPLIT", "WARPS", "BS", "SCALE_BITS"].map(String::from),
         )
     });
     let g = q_heads / kv_heads;
@@ -152,12 +176,13 @@ pub fn decode(
         kv_heads as i32,
         NSPLIT as i32,
         w as i32,
+        block_size as i32,
         (scale * std::f32::consts::LOG2_E).to_bits() as i32,
     ];
     let blocks = (b * kv_heads * NSPLIT) as i32;
     let threads = 32 * w as i32;
     let mut out = kernel.call(
-        &[q, pool, slots, pos, &scratch.part, &scratch.count],
+        &[q, pool, table, pos, &scratch.part, &scratch.count],
         &[&[b as i32, q_heads as i32, 1, head_dim as i32]],
         Dtype::BF16,
         tnames,
@@ -187,8 +212,14 @@ mod tests {
         let (_, rest) = SOURCE.split_once("// @@header\n").unwrap();
         let (header, body) = rest.split_once("// @@body\n").unwrap();
         assert!(header.contains("mlxcel_attn_decode"));
-        // MLX passes the pool's shape only when the body names it
-        assert!(body.contains("pool_shape"));
+        // MLX passes the pool's and the table's shapes only when the body names them
+        assert!(body.contains("pool_shape") && body.contains("table_shape"));
+    }
+
+    #[test]
+    fn blocks_hold_whole_tiles() {
+        assert!(block_size_fits(32) && block_size_fits(64) && block_size_fits(256));
+        assert!(!block_size_fits(16) && !block_size_fits(0) && !block_size_fits(48));
     }
 
     #[test]

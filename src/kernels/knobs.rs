@@ -15,8 +15,11 @@ use std::sync::OnceLock;
 pub struct Knobs {
     /// `MLXCEL_QGEMV`: use the quantized GEMV kernel on CUDA (`0`: MLX's kernels only).
     pub qgemv: bool,
-    /// `MLXCEL_QGEMV_XQ`: 4-bit weights meet int8-rounded activations (`0`: bf16 math).
+    /// `MLXCEL_QGEMV_XQ`: 4-bit weights meet int8-rounded activations (`0`: float math).
     pub qgemv_xq: bool,
+    /// `MLXCEL_QGEMV_F16`: the GEMV kernel for float16 activations and scales too (`0`:
+    /// bfloat16 only, float16 goes to MLX's kernels).
+    pub qgemv_f16: bool,
     /// `MLXCEL_QGEMV_MMA`: smallest batch on the tensor-core path; `Some(0)` turns it
     /// off, `None` keeps the default ([`super::qgemv::MMA_MIN_M`]).
     pub qgemv_mma: Option<usize>,
@@ -33,6 +36,12 @@ pub struct Knobs {
     pub kernel_include: bool,
     /// `MLXCEL_ATTN`: mlxcel's decode attention kernel for batched steps on CUDA.
     pub attn: bool,
+    /// `MLXCEL_KERNEL_CACHE`: keep compiled kernels in the cache folder between runs.
+    pub kernel_cache: bool,
+    /// `MLXCEL_VOCAB_PARALLEL`: under tensor parallelism each rank holds its rows of the
+    /// vocabulary (embedding, lm_head) and the logits are gathered (`0`: every rank
+    /// holds both whole).
+    pub vocab_parallel: bool,
 }
 
 impl Default for Knobs {
@@ -40,6 +49,7 @@ impl Default for Knobs {
         Knobs {
             qgemv: true,
             qgemv_xq: true,
+            qgemv_f16: true,
             qgemv_mma: None,
             qgemv_chunks: true,
             qgemv_stream: true,
@@ -47,6 +57,8 @@ impl Default for Knobs {
             qgemv_source: None,
             kernel_include: true,
             attn: true,
+            kernel_cache: true,
+            vocab_parallel: true,
         }
     }
 }
@@ -55,6 +67,7 @@ impl Default for Knobs {
 pub const VARS: &[&str] = &[
     "MLXCEL_QGEMV",
     "MLXCEL_QGEMV_XQ",
+    "MLXCEL_QGEMV_F16",
     "MLXCEL_QGEMV_MMA",
     "MLXCEL_QGEMV_CHUNKS",
     "MLXCEL_QGEMV_STREAM",
@@ -62,6 +75,8 @@ pub const VARS: &[&str] = &[
     "MLXCEL_QGEMV_SOURCE",
     "MLXCEL_KERNEL_INCLUDE",
     "MLXCEL_ATTN",
+    "MLXCEL_KERNEL_CACHE",
+    "MLXCEL_VOCAB_PARALLEL",
 ];
 
 /// A tuning variable with a value it cannot take.
@@ -119,6 +134,7 @@ impl Knobs {
         };
         k.qgemv = switch("MLXCEL_QGEMV", k.qgemv)?;
         k.qgemv_xq = switch("MLXCEL_QGEMV_XQ", k.qgemv_xq)?;
+        k.qgemv_f16 = switch("MLXCEL_QGEMV_F16", k.qgemv_f16)?;
         k.qgemv_mma = number(
             "MLXCEL_QGEMV_MMA",
             0..=super::qgemv::MAX_M,
@@ -132,6 +148,8 @@ impl Knobs {
             .map(PathBuf::from);
         k.kernel_include = switch("MLXCEL_KERNEL_INCLUDE", k.kernel_include)?;
         k.attn = switch("MLXCEL_ATTN", k.attn)?;
+        k.kernel_cache = switch("MLXCEL_KERNEL_CACHE", k.kernel_cache)?;
+        k.vocab_parallel = switch("MLXCEL_VOCAB_PARALLEL", k.vocab_parallel)?;
         Ok(k)
     }
 
@@ -146,6 +164,7 @@ impl Knobs {
         };
         switch("MLXCEL_QGEMV", self.qgemv, d.qgemv);
         switch("MLXCEL_QGEMV_XQ", self.qgemv_xq, d.qgemv_xq);
+        switch("MLXCEL_QGEMV_F16", self.qgemv_f16, d.qgemv_f16);
         switch("MLXCEL_QGEMV_CHUNKS", self.qgemv_chunks, d.qgemv_chunks);
         switch("MLXCEL_QGEMV_STREAM", self.qgemv_stream, d.qgemv_stream);
         switch(
@@ -154,6 +173,12 @@ impl Knobs {
             d.kernel_include,
         );
         switch("MLXCEL_ATTN", self.attn, d.attn);
+        switch("MLXCEL_KERNEL_CACHE", self.kernel_cache, d.kernel_cache);
+        switch(
+            "MLXCEL_VOCAB_PARALLEL",
+            self.vocab_parallel,
+            d.vocab_parallel,
+        );
         if let Some(n) = self.qgemv_mma {
             out.push(format!("MLXCEL_QGEMV_MMA={n}"));
         }

@@ -5,8 +5,10 @@
 //! - [`qgemv`]: the quantized GEMV of decode steps, with fused epilogues;
 //! - [`attn`]: the decode attention over the KV cache's pools;
 //! - [`gpu`]: the GPU the launch tables are keyed by (architecture, SM count);
-//! - [`knobs`]: every tuning environment variable, parsed and validated once.
+//! - [`knobs`]: every tuning environment variable, parsed and validated once;
+//! - [`cache`]: compiled kernels kept in the cache folder between runs.
 pub mod attn;
+pub mod cache;
 pub mod gpu;
 pub mod knobs;
 pub mod qgemv;

@@ -202,7 +202,7 @@ fn source() -> Result<&'static Source> {
 /// dp4a path, per group on the tensor-core path) and `dp4a` or int8 MMAs (template
 /// constant `XQ`): about 2.4× fewer instructions per weight than dequantizing to float,
 /// for a relative error of a few 1e-3 in the product (see `kernels/qgemv.cu`).
-/// `MLXCEL_QGEMV_XQ=0` keeps bf16 activations (float math, no tensor cores).
+/// `MLXCEL_QGEMV_XQ=0` keeps bf16/f16 activations (float math, no tensor cores).
 pub fn int8_activations() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
     *ON.get_or_init(|| knobs::get().qgemv_xq)
@@ -241,8 +241,18 @@ pub fn supports(
         && k.is_multiple_of(8)
         && group.is_multiple_of(vpc)
         && k.is_multiple_of(group)
-        && dtypes == [Dtype::BF16, Dtype::BF16]
+        && dtypes_supported(dtypes)
         && (m <= DP4A_MAX_M || launch_config(m, n, k, group, bits).mma)
+}
+
+/// Activation and scale dtypes the kernel takes: bfloat16, or float16 (the GGUF default on
+/// a GPU) unless `MLXCEL_QGEMV_F16=0`; both the same.
+fn dtypes_supported(dtypes: [Dtype; 2]) -> bool {
+    match dtypes {
+        [Dtype::BF16, Dtype::BF16] => true,
+        [Dtype::F16, Dtype::F16] => knobs::get().qgemv_f16,
+        _ => false,
+    }
 }
 
 /// Largest batch the kernel takes at all: batches above [`MAX_M`] run it on row chunks
@@ -1063,8 +1073,10 @@ mod tests {
         assert!(!supports(1, 4096, 4096, 16, 4, bf)); // group < 32 values per load
         assert!(supports(1, 4096, 4080, 16, 8, bf)); // 8-bit: 16 values per load
         assert!(!supports(1, 4096, 4104, 8, 8, bf)); // K not a multiple of 16
-        assert!(!supports(1, 4096, 4096, 64, 4, [Dtype::F16, Dtype::F16]));
+        assert!(supports(1, 4096, 4096, 64, 4, [Dtype::F16, Dtype::F16]));
+        assert!(!supports(1, 4096, 4096, 64, 4, [Dtype::BF16, Dtype::F16]));
         assert!(!supports(1, 4096, 4096, 64, 4, [Dtype::BF16, Dtype::F32]));
+        assert!(!supports(1, 4096, 4096, 64, 4, [Dtype::F32, Dtype::F32]));
     }
 
     /// (rows, wpb) of the dp4a/FMA path (no tensor cores), group 64.

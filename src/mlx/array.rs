@@ -128,11 +128,13 @@ impl Array {
 
     /// Evaluate this array (runs the graph that produces it).
     pub fn eval(&self) -> Result<()> {
+        super::kernel_cache::wait_pending();
         Ok(ffi::eval_one(self.raw())?)
     }
 
     /// The elements, row-major, as raw bytes (evaluates).
     pub fn to_bytes(&self) -> Result<Vec<u8>> {
+        super::kernel_cache::wait_pending();
         Ok(ffi::to_bytes(self.raw())?)
     }
 
@@ -169,6 +171,7 @@ impl Array {
 
     /// MLX's own printout of the array (evaluates).
     pub fn describe(&self) -> Result<String> {
+        super::kernel_cache::wait_pending();
         Ok(ffi::describe(self.raw())?)
     }
 }

@@ -43,6 +43,13 @@ pub fn version() -> String {
     ffi::mlx_version()
 }
 
+/// The file of the MLX library loaded in this process (`None` if the loader does not say).
+pub fn library_path() -> Option<std::path::PathBuf> {
+    Some(ffi::mlx_library_path())
+        .filter(|p| !p.is_empty())
+        .map(std::path::PathBuf::from)
+}
+
 /// Number of GPUs MLX can use in this process (0 on the CPU backend).
 pub fn gpu_device_count() -> usize {
     ffi::gpu_device_count().max(0) as usize

@@ -92,6 +92,24 @@ pub(crate) mod ffi {
         uuid: String,
     }
 
+    /// What a custom kernel's op carries (MLX's `CustomKernel::state`): the kernel's
+    /// name (`custom_kernel_<name><template constants>`), the full source MLX generated,
+    /// and the module name MLX caches it under (`<name>_<std::hash of the source>`).
+    #[derive(Debug, Clone, Default)]
+    struct KernelIdentity {
+        kernel_name: String,
+        module_name: String,
+        source: String,
+    }
+
+    /// One program compiled by NVRTC: the binary (a cubin, or PTX where NVRTC cannot
+    /// target the GPU) and the lowered names of the requested name expressions.
+    #[derive(Debug, Clone, Default)]
+    struct NvrtcOutput {
+        binary: Vec<u8>,
+        lowered: Vec<String>,
+    }
+
     /// An MLX stream: its index and the device it runs on.
     #[derive(Debug, Clone, Copy, PartialEq, Eq)]
     struct StreamRef {
@@ -110,6 +128,8 @@ pub(crate) mod ffi {
         type Group;
 
         fn mlx_version() -> String;
+        /// The file of the MLX library this process runs (empty if unknown).
+        fn mlx_library_path() -> String;
         fn backend_name() -> String;
         fn gpu_device_count() -> i32;
         fn gpu_device_info(index: i32) -> Result<DeviceInfo>;
@@ -269,6 +289,24 @@ pub(crate) mod ffi {
 
         fn swiglu(gate: &Array, up: &Array) -> Result<UniquePtr<Array>>;
         fn compile_traces() -> u64;
+        /// The identity of the custom kernel that computes `out` (an output of
+        /// [`cuda_kernel`]).
+        fn kernel_identity(out: &Array) -> Result<KernelIdentity>;
+        /// NVRTC's version as major·1000 + minor·10, or an error when the library
+        /// (`library`, else the one already loaded or on the loader's path) is absent.
+        fn nvrtc_version(library: &str) -> Result<i32>;
+        /// The path of the NVRTC library [`nvrtc_version`] found.
+        fn nvrtc_library_path(library: &str) -> Result<String>;
+        /// Compile `source` (named `file`) with NVRTC, options `options`; the lowered
+        /// names of `names` come back in order. An error carries NVRTC's log.
+        fn nvrtc_compile(
+            library: &str,
+            source: &str,
+            file: &str,
+            names: &[String],
+            options: &[String],
+            cubin: bool,
+        ) -> Result<NvrtcOutput>;
         #[allow(clippy::too_many_arguments)]
         fn cuda_kernel(
             name: &str,
@@ -295,6 +333,23 @@ pub(crate) mod ffi {
             transpose: bool,
             group_size: i32,
             bits: i32,
+        ) -> Result<UniquePtr<Array>>;
+        fn gather_mm(
+            a: &Array,
+            b: &Array,
+            rhs_indices: &Array,
+            sorted: bool,
+        ) -> Result<UniquePtr<Array>>;
+        #[allow(clippy::too_many_arguments)]
+        fn gather_qmm(
+            x: &Array,
+            w: &Array,
+            scales: &Array,
+            biases: &Array,
+            rhs_indices: &Array,
+            group_size: i32,
+            bits: i32,
+            sorted: bool,
         ) -> Result<UniquePtr<Array>>;
         fn dequantize(
             w: &Array,

@@ -14,14 +14,15 @@ mod device;
 pub mod distributed;
 pub mod fast;
 mod ffi;
+pub mod kernel_cache;
 pub mod memory;
 mod ops;
 pub mod random;
 
 pub use array::{Array, Element};
 pub use device::{
-    backend, device_info, gpu_device_count, new_stream_on_gpu, set_default_cpu, set_default_gpu,
-    set_default_stream, synchronize, version, Backend, DeviceInfo, Stream,
+    backend, device_info, gpu_device_count, library_path, new_stream_on_gpu, set_default_cpu,
+    set_default_gpu, set_default_stream, synchronize, version, Backend, DeviceInfo, Stream,
 };
 pub use ffi::ffi::Dtype;
 pub use ops::{async_eval, concatenate, eval, split_sections, stack, where_};

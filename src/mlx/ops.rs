@@ -305,12 +305,14 @@ pub fn split_sections(a: &Array, indices: &[i32], axis: i32) -> Result<Vec<Array
 
 /// Evaluate several arrays together (one graph walk).
 pub fn eval(arrays: &[&Array]) -> Result<()> {
+    super::kernel_cache::wait_pending();
     let list = ArrayList::new(arrays.iter().copied());
     Ok(ffi::eval_many(list.raw())?)
 }
 
 /// Start evaluating without waiting; a later `eval`/read waits for the result.
 pub fn async_eval(arrays: &[&Array]) -> Result<()> {
+    super::kernel_cache::wait_pending();
     let list = ArrayList::new(arrays.iter().copied());
     Ok(ffi::async_eval_many(list.raw())?)
 }

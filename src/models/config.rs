@@ -27,7 +27,15 @@ pub enum ConfigError {
 }
 
 /// `model_type` values mlxcel can run (one per family in [`super::FAMILIES`]).
-pub const SUPPORTED: &[&str] = &["llama", "mistral", "qwen2", "qwen3"];
+pub const SUPPORTED: &[&str] = &[
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "qwen2_moe",
+    "mixtral",
+];
 
 /// MLX affine quantization of the checkpoint (`"quantization": {group_size, bits}`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -60,6 +68,63 @@ pub struct ModelConfig {
     pub dtype: Dtype,
     pub eos_token_ids: Vec<u32>,
     pub bos_token_id: Option<u32>,
+    /// Mixture-of-experts feed-forward layers (`None`: every layer is a dense MLP).
+    pub moe: Option<MoeConfig>,
+}
+
+/// The routed experts of a mixture-of-experts family (Qwen3-MoE, Qwen2-MoE, Mixtral).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MoeConfig {
+    /// Experts per MoE layer (`num_experts`, Mixtral's `num_local_experts`).
+    pub num_experts: usize,
+    /// Experts each token is routed to (`num_experts_per_tok`).
+    pub top_k: usize,
+    /// Intermediate size of one expert (`moe_intermediate_size`; Mixtral's
+    /// `intermediate_size`).
+    pub expert_intermediate: usize,
+    /// Renormalise the top-k routing weights to sum to 1 (`norm_topk_prob`; always for Mixtral).
+    pub norm_topk_prob: bool,
+    /// Which layers are MoE (the others are dense MLPs of `intermediate_size`): layer i is
+    /// when it is not in `mlp_only_layers` and `(i + 1) % decoder_sparse_step == 0`.
+    pub sparse_layers: Vec<bool>,
+    /// A shared expert of this intermediate size beside the routed ones, scaled by
+    /// `sigmoid(shared_expert_gate(x))` (Qwen2-MoE).
+    pub shared_expert_intermediate: Option<usize>,
+    /// Where the weights sit in the checkpoint: the block's prefix under
+    /// `model.layers.{i}` (`mlp`, Mixtral's `block_sparse_moe`) and the per-expert names
+    /// of the gate, up and down projections (`gate_proj`…, Mixtral's `w1`, `w3`, `w2`).
+    pub names: MoeNames,
+}
+
+/// Checkpoint names of a MoE block ([`MoeConfig::names`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MoeNames {
+    pub block: &'static str,
+    pub gate: &'static str,
+    pub up: &'static str,
+    pub down: &'static str,
+}
+
+impl MoeNames {
+    pub const QWEN: MoeNames = MoeNames {
+        block: "mlp",
+        gate: "gate_proj",
+        up: "up_proj",
+        down: "down_proj",
+    };
+    pub const MIXTRAL: MoeNames = MoeNames {
+        block: "block_sparse_moe",
+        gate: "w1",
+        up: "w3",
+        down: "w2",
+    };
+}
+
+impl MoeConfig {
+    /// Whether layer `i` is a MoE layer.
+    pub fn is_sparse(&self, i: usize) -> bool {
+        self.sparse_layers.get(i).copied().unwrap_or(false)
+    }
 }
 
 impl ModelConfig {
@@ -205,11 +270,13 @@ pub(crate) fn parse_common(v: &Value) -> Result<ModelConfig, ConfigError> {
                 "only MLX affine quantization is implemented",
             )?;
             // mlx-lm's mixed recipes put per-layer settings (an object, or false) beside the defaults.
+            // (a MoE router's own bits and group, as mlx-lm's predicate gives
+            // `*.mlp.gate` 8 bits, are read from its stored shapes: accepted)
             if let Some((k, v)) = q
                 .as_object()
                 .into_iter()
                 .flatten()
-                .find(|(_, v)| v.is_object() || v.is_boolean())
+                .find(|(k, v)| (v.is_object() && !is_router(k)) || v.is_boolean())
             {
                 return Err(ConfigError::Unsupported {
                     field: format!("quantization.{k}"),
@@ -259,7 +326,85 @@ pub(crate) fn parse_common(v: &Value) -> Result<ModelConfig, ConfigError> {
         dtype,
         eos_token_ids: f.token_ids("eos_token_id"),
         bos_token_id: f.token_ids("bos_token_id").first().copied(),
+        moe: None,
     })
+}
+
+/// Whether a per-layer quantization key names a MoE router or shared-expert gate, whose
+/// bits and group size the loader reads from the stored shapes.
+fn is_router(key: &str) -> bool {
+    [".mlp.gate", ".block_sparse_moe.gate", ".shared_expert_gate"]
+        .iter()
+        .any(|s| key.ends_with(s))
+}
+
+/// The routed experts of a Qwen-style MoE config (`qwen3_moe`, `qwen2_moe`):
+/// `num_experts` (transformers 5 writes `num_local_experts`), `num_experts_per_tok`,
+/// `moe_intermediate_size`, `norm_topk_prob`, `decoder_sparse_step`, `mlp_only_layers`,
+/// and with `shared` the shared expert's `shared_expert_intermediate_size`.
+pub(crate) fn parse_qwen_moe(
+    v: &Value,
+    num_layers: usize,
+    shared: bool,
+) -> Result<MoeConfig, ConfigError> {
+    let f = Fields(v);
+    let num_experts = match f.opt_usize("num_experts")? {
+        Some(n) => n,
+        None => f
+            .usize("num_local_experts")
+            .map_err(|_| ConfigError::Field {
+                field: "num_experts".into(),
+                msg: "missing (nor is num_local_experts set)".into(),
+            })?,
+    };
+    let step = f.opt_usize("decoder_sparse_step")?.unwrap_or(1);
+    let dense: Vec<usize> = match f.get("mlp_only_layers") {
+        None => vec![],
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|x| {
+                x.as_u64()
+                    .map(|x| x as usize)
+                    .ok_or_else(|| ConfigError::Field {
+                        field: "mlp_only_layers".into(),
+                        msg: format!("expected layer indices, got {x}"),
+                    })
+            })
+            .collect::<Result<_, _>>()?,
+        Some(other) => {
+            return Err(ConfigError::Field {
+                field: "mlp_only_layers".into(),
+                msg: format!("expected a list of layer indices, got {other}"),
+            })
+        }
+    };
+    let sparse_layers = (0..num_layers)
+        .map(|i| !dense.contains(&i) && (i + 1) % step == 0)
+        .collect();
+    let moe = MoeConfig {
+        num_experts,
+        top_k: f.usize("num_experts_per_tok")?,
+        expert_intermediate: f.usize("moe_intermediate_size")?,
+        norm_topk_prob: f.bool_or("norm_topk_prob", false)?,
+        sparse_layers,
+        shared_expert_intermediate: match shared {
+            true => Some(f.usize("shared_expert_intermediate_size")?),
+            false => None,
+        },
+        names: MoeNames::QWEN,
+    };
+    check_top_k(moe)
+}
+
+/// Refuse more experts per token than there are.
+pub(crate) fn check_top_k(moe: MoeConfig) -> Result<MoeConfig, ConfigError> {
+    if moe.top_k > moe.num_experts {
+        return Err(ConfigError::Field {
+            field: "num_experts_per_tok".into(),
+            msg: format!("{} is more than the {} experts", moe.top_k, moe.num_experts),
+        });
+    }
+    Ok(moe)
 }
 
 /// Refuse the values of fields shared by the Llama-like families that change the math
@@ -433,9 +578,17 @@ mod tests {
                 "final_logit_softcapping": null,
             });
             let mut v = config(mt, extra);
-            if *mt == "mistral" || *mt == "llama" {
+            if *mt == "mistral" || *mt == "llama" || *mt == "mixtral" {
                 v.as_object_mut().unwrap().remove("use_sliding_window");
                 v.as_object_mut().unwrap().remove("max_window_layers");
+            }
+            if mt.ends_with("_moe") || *mt == "mixtral" {
+                let experts = json!({"num_experts": 4, "num_local_experts": 4,
+                    "num_experts_per_tok": 2, "moe_intermediate_size": 8,
+                    "shared_expert_intermediate_size": 16, "qkv_bias": true});
+                for (k, x) in experts.as_object().unwrap() {
+                    v[k] = x.clone();
+                }
             }
             let cfg = ModelConfig::from_json(&v).unwrap_or_else(|e| panic!("{mt}: {e}"));
             assert_eq!(cfg.rope.theta, 500000.0, "{mt}");

@@ -1,34 +1,75 @@
-//! Slot-based KV cache: per layer one pool `[slots, 2·kv_heads, capacity, head_dim]`
-//! holding a slot's key heads and then its value heads, grown in steps, with a length
-//! per slot. A sequence owns a slot while it runs; the model writes its new keys/values
-//! at the slot's current length (one update when they come as one `[.., 2·kv_heads, ..]`
-//! array, as the fused q/k/v kernel writes them) and reads the prefix back as views.
+//! Paged KV cache: per layer one pool `[1, 2·kv_heads, blocks·block_size, head_dim]`
+//! holding key heads and then value heads, its position axis cut into fixed-size blocks.
+//! A sequence's positions live in the blocks of its block table (position p at block
+//! `table[p / block_size]`, row `p % block_size`), so sequences take memory as they grow
+//! and may share blocks (a cached prompt prefix). The driver (the scheduler) owns the
+//! tables and sends them with each step; without a table (`mlxcel generate`, `bench`) a
+//! slot owns the fixed blocks `j·slots + slot`, which keeps one slot's positions in one
+//! run of rows. The model writes new keys/values at the rows of their positions (one
+//! update, or one scatter) and reads a sequence's prefix back as a view of the pool when
+//! its rows are one run, by a gather (`take`) otherwise; the decode kernel
+//! (`kernels::attn`) reads through the table itself.
 use crate::kernels;
 use crate::mlx::{self, Array, Dtype};
+
+/// Tokens per block unless configured: the decode kernel's tile is 32 positions, so a
+/// tile never straddles two blocks (see `kernels/attn.cu`).
+pub const DEFAULT_BLOCK_SIZE: usize = 32;
+
+/// Size of the block pool of each layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvConfig {
+    /// Tokens per block.
+    pub block_size: usize,
+    /// Blocks in the pool.
+    pub num_blocks: usize,
+    /// Allocate the whole pool at the first step (a pool sized by a memory budget);
+    /// otherwise it grows with the highest block used.
+    pub preallocate: bool,
+}
+
+impl KvConfig {
+    /// Room for `slots` sequences of `ctx` tokens each, grown as used.
+    pub fn for_slots(slots: usize, ctx: usize, block_size: usize) -> KvConfig {
+        let block_size = block_size.max(1);
+        KvConfig {
+            block_size,
+            num_blocks: slots.max(1) * ctx.div_ceil(block_size),
+            preallocate: false,
+        }
+    }
+}
 
 /// Where a batched decode step writes and reads (see [`KvCache::batch_index`]).
 pub struct BatchIndex {
     rows: usize,
-    slot_idx: Array,
-    pos_idx: Array,
-    /// Maximal runs of batch rows with consecutive slots.
-    pub runs: Vec<Run>,
+    /// pool row of each batch row's new token, int32 `[B]`
+    write_rows: Array,
+    /// block tables, int32 `[B, max blocks]` (for the decode kernel)
+    table: Option<Array>,
+    /// for MLX's attention: every row's pool rows, int32 `[B·L]`, its mask `[B, 1, 1, L]`, L
+    gather: Option<(Array, Array, usize)>,
 }
 
 impl BatchIndex {
-    /// The rows' slots, int32 `[B]`.
-    pub fn slot_array(&self) -> &Array {
-        &self.slot_idx
+    /// The rows' block tables, int32 `[B, max blocks]` (made when the kernel attends).
+    pub fn table(&self) -> Option<&Array> {
+        self.table.as_ref()
     }
 }
 
-/// Batch rows `rows` hold consecutive slots from `first_slot`; `mask` (`[n, 1, 1, max_len]`)
-/// hides each row's positions past its own length.
-pub struct Run {
-    pub rows: std::ops::Range<usize>,
-    first_slot: usize,
-    max_len: usize,
-    pub mask: Array,
+/// Where one sequence's step writes and reads (see [`KvCache::seq_rows`]).
+pub enum SeqRows {
+    /// Positions `0..pos+T` are pool rows `start..start+pos+T`: read as a view.
+    Run { start: usize, pos: usize, t: usize },
+    /// Scattered: the new positions' rows `[T]` and every position's rows `[pos+T]`.
+    Gather { write: Array, read: Array },
+}
+
+impl SeqRows {
+    pub fn is_run(&self) -> bool {
+        matches!(self, SeqRows::Run { .. })
+    }
 }
 
 /// A step's new keys and values (`[B, kv_heads, T, head_dim]` each), or both as one
@@ -38,16 +79,31 @@ pub enum NewKv {
     Merged(Array),
 }
 
+impl NewKv {
+    fn merged(&self) -> mlx::Result<Array> {
+        match self {
+            NewKv::Merged(kv) => Ok(kv.clone()),
+            NewKv::Split(k, v) => mlx::concatenate(&[k, v], 1),
+        }
+    }
+}
+
 pub struct KvCache {
     /// one pool per layer, keys and values
     kv: Vec<Array>,
     lens: Vec<usize>,
+    /// per slot its block table; `None`: the slot's fixed blocks
+    tables: Vec<Option<Vec<u32>>>,
     slots: usize,
     kv_heads: usize,
     head_dim: usize,
-    capacity: usize,
-    max_capacity: usize,
-    step: usize,
+    block_size: usize,
+    num_blocks: usize,
+    /// blocks the pools hold now
+    cap_blocks: usize,
+    /// blocks added at a time when the pools grow
+    grow_blocks: usize,
+    max_len: usize,
     dtype: Dtype,
     /// the decode attention kernel's scratch and the query heads it was made for
     attn_scratch: Option<(usize, kernels::attn::Scratch)>,
@@ -59,35 +115,59 @@ pub enum KvError {
     ContextFull { needed: usize, max: usize },
     #[error("slot {slot} out of range: the cache has {slots} slot(s)")]
     BadSlot { slot: usize, slots: usize },
-    #[error("slot {slot} holds {held} positions, fewer than the {len} to copy")]
+    #[error("slot {slot}: position {pos} has no block (its table has {blocks}; the pool has {pool} blocks)")]
+    NoBlock {
+        slot: usize,
+        pos: usize,
+        blocks: usize,
+        pool: usize,
+    },
+    #[error("slot {slot} holds {held} positions, fewer than the {len} to share")]
     ShortPrefix {
         slot: usize,
         held: usize,
         len: usize,
     },
+    #[error("a fork's block {block} is not slot {slot}'s (full blocks are shared)")]
+    NotShared { slot: usize, block: usize },
     #[error(transparent)]
     Mlx(#[from] mlx::MlxError),
 }
 
+fn i32_array(v: &[i32], shape: &[i32]) -> mlx::Result<Array> {
+    Array::from_slice(v, shape)
+}
+
 impl KvCache {
-    /// An empty cache; memory is allocated on first use, `step` positions at a time.
+    /// An empty cache of `slots` sequences of at most `max_len` tokens over the pool of
+    /// `kv`; memory is allocated on first use.
     pub fn new(
         layers: usize,
         slots: usize,
         kv_heads: usize,
         head_dim: usize,
         dtype: Dtype,
-        max_capacity: usize,
+        max_len: usize,
+        kv: KvConfig,
     ) -> Self {
+        let bs = kv.block_size.max(1);
+        let grow_blocks = if kv.preallocate {
+            kv.num_blocks
+        } else {
+            256usize.div_ceil(bs)
+        };
         KvCache {
             kv: Vec::with_capacity(layers),
             lens: vec![0; slots],
+            tables: vec![None; slots],
             slots,
             kv_heads,
             head_dim,
-            capacity: 0,
-            max_capacity,
-            step: 256,
+            block_size: bs,
+            num_blocks: kv.num_blocks,
+            cap_blocks: 0,
+            grow_blocks: grow_blocks.max(1),
+            max_len,
             dtype,
             attn_scratch: None,
         }
@@ -102,7 +182,15 @@ impl KvCache {
     }
 
     pub fn max_capacity(&self) -> usize {
-        self.max_capacity
+        self.max_len
+    }
+
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    pub fn num_blocks(&self) -> usize {
+        self.num_blocks
     }
 
     /// Tokens held for `slot`.
@@ -110,9 +198,25 @@ impl KvCache {
         self.lens[slot]
     }
 
-    /// Forget a slot's contents (the memory is reused).
+    /// Forget a slot's contents and table (the memory is reused).
     pub fn reset(&mut self, slot: usize) {
         self.lens[slot] = 0;
+        self.tables[slot] = None;
+    }
+
+    /// Start `slot` over with its first `pos` positions already in the blocks of `table`
+    /// (a cached prefix, or none).
+    pub fn restart(&mut self, slot: usize, pos: usize, table: Option<&[u32]>) {
+        self.lens[slot] = pos;
+        self.tables[slot] = table.map(<[u32]>::to_vec);
+    }
+
+    /// Set `slot`'s block table (the driver's, covering at least the step's positions).
+    pub fn set_table(&mut self, slot: usize, table: &[u32]) {
+        match &mut self.tables[slot] {
+            Some(t) if t.as_slice() == table => {}
+            t => *t = Some(table.to_vec()),
+        }
     }
 
     /// Record that `n` more tokens of `slot` were written (after all layers).
@@ -130,69 +234,198 @@ impl KvCache {
         Ok(())
     }
 
-    /// Make room for `needed` positions in every slot.
-    pub fn reserve(&mut self, layers: usize, needed: usize) -> Result<(), KvError> {
-        if needed > self.max_capacity {
-            return Err(KvError::ContextFull {
-                needed,
-                max: self.max_capacity,
-            });
+    /// Block `j` of `slot`.
+    fn block(&self, slot: usize, j: usize) -> Result<usize, KvError> {
+        let b = match &self.tables[slot] {
+            Some(t) => t.get(j).map(|&b| b as usize),
+            None => Some(j * self.slots + slot),
+        };
+        match b {
+            Some(b) if b < self.num_blocks => Ok(b),
+            _ => Err(KvError::NoBlock {
+                slot,
+                pos: j * self.block_size,
+                blocks: self.tables[slot].as_ref().map_or(0, Vec::len),
+                pool: self.num_blocks,
+            }),
         }
-        if needed <= self.capacity && self.kv.len() == layers {
-            return Ok(());
+    }
+
+    /// Pool rows of positions `from..to` of `slot`.
+    fn rows(&self, slot: usize, from: usize, to: usize) -> Result<Vec<i32>, KvError> {
+        let bs = self.block_size;
+        let mut out = Vec::with_capacity(to.saturating_sub(from));
+        let mut p = from;
+        while p < to {
+            let j = p / bs;
+            let b = self.block(slot, j)?;
+            let end = ((j + 1) * bs).min(to);
+            out.extend((p..end).map(|q| (b * bs + q % bs) as i32));
+            p = end;
         }
-        let new_cap = needed
-            .div_ceil(self.step)
-            .saturating_mul(self.step)
-            .min(self.max_capacity)
-            .max(needed);
-        let shape = [
-            self.slots as i32,
-            2 * self.kv_heads as i32,
-            new_cap as i32,
-            self.head_dim as i32,
-        ];
-        if self.kv.len() != layers {
-            self.kv = (0..layers)
-                .map(|_| Array::zeros(&shape, self.dtype))
-                .collect::<mlx::Result<_>>()?;
-        } else {
-            let extra = [
-                shape[0],
-                shape[1],
-                (new_cap - self.capacity) as i32,
-                shape[3],
-            ];
-            for pool in self.kv.iter_mut() {
-                let pad = Array::zeros(&extra, self.dtype)?;
-                *pool = mlx::concatenate(&[pool, &pad], 2)?;
+        Ok(out)
+    }
+
+    /// Make sure each `(slot, end)` has blocks for positions `0..end` within the context,
+    /// and the pools hold those blocks.
+    pub fn prepare(&mut self, layers: usize, needs: &[(usize, usize)]) -> Result<(), KvError> {
+        let mut top = 0;
+        for &(slot, end) in needs {
+            self.check_slot(slot)?;
+            if end > self.max_len {
+                return Err(KvError::ContextFull {
+                    needed: end,
+                    max: self.max_len,
+                });
+            }
+            for j in 0..end.div_ceil(self.block_size) {
+                top = top.max(self.block(slot, j)? + 1);
             }
         }
-        self.capacity = new_cap;
+        self.grow(layers, top)?;
         Ok(())
     }
 
-    /// Write `new` (one sequence, `T` positions) for `slot` at position `pos` of `layer`;
-    /// return the slot's keys and values for positions `0..pos+T` (`[1, kv_heads,
-    /// pos+T, head_dim]` each, views of the pool).
+    /// Grow the pools to hold blocks `0..top` (in steps, at most the whole pool).
+    fn grow(&mut self, layers: usize, top: usize) -> mlx::Result<()> {
+        if top <= self.cap_blocks && self.kv.len() == layers {
+            return Ok(());
+        }
+        let new_cap = top
+            .div_ceil(self.grow_blocks)
+            .saturating_mul(self.grow_blocks)
+            .min(self.num_blocks)
+            .max(top);
+        let shape = |blocks: usize| {
+            [
+                1,
+                2 * self.kv_heads as i32,
+                (blocks * self.block_size) as i32,
+                self.head_dim as i32,
+            ]
+        };
+        if self.kv.len() != layers {
+            self.kv = (0..layers)
+                .map(|_| Array::zeros(&shape(new_cap), self.dtype))
+                .collect::<mlx::Result<_>>()?;
+        } else {
+            for pool in self.kv.iter_mut() {
+                let pad = Array::zeros(&shape(new_cap - self.cap_blocks), self.dtype)?;
+                *pool = mlx::concatenate(&[pool, &pad], 2)?;
+            }
+        }
+        self.cap_blocks = new_cap;
+        Ok(())
+    }
+
+    /// Where one step of `t` positions from `pos` of `slot` writes and reads, built once
+    /// and shared by every layer (call [`KvCache::prepare`] first).
+    pub fn seq_rows(&self, slot: usize, pos: usize, t: usize) -> Result<SeqRows, KvError> {
+        let end = pos + t;
+        let first = self.block(slot, 0)?;
+        let mut run = true;
+        for j in 1..end.div_ceil(self.block_size) {
+            if self.block(slot, j)? != first + j {
+                run = false;
+                break;
+            }
+        }
+        if run {
+            return Ok(SeqRows::Run {
+                start: first * self.block_size,
+                pos,
+                t,
+            });
+        }
+        let read = self.rows(slot, 0, end)?;
+        Ok(SeqRows::Gather {
+            write: i32_array(&read[pos..], &[t as i32])?,
+            read: i32_array(&read, &[end as i32])?,
+        })
+    }
+
+    /// Write `new` (one sequence, `T` positions) at `rows` of `layer`.
+    pub fn write(&mut self, layer: usize, rows: &SeqRows, new: &NewKv) -> mlx::Result<()> {
+        let (h, d) = (self.kv_heads as i32, self.head_dim as i32);
+        let ones = [1, 1, 1, 1];
+        let pool = &mut self.kv[layer];
+        match rows {
+            SeqRows::Run { start, pos, t } => {
+                let p0 = (start + pos) as i32;
+                let p1 = p0 + *t as i32;
+                match new {
+                    NewKv::Merged(kv) => {
+                        *pool = pool.slice_update(
+                            &kv.astype(self.dtype)?,
+                            &[0, 0, p0, 0],
+                            &[1, 2 * h, p1, d],
+                            &ones,
+                        )?;
+                    }
+                    NewKv::Split(k, v) => {
+                        *pool = pool.slice_update(
+                            &k.astype(self.dtype)?,
+                            &[0, 0, p0, 0],
+                            &[1, h, p1, d],
+                            &ones,
+                        )?;
+                        *pool = pool.slice_update(
+                            &v.astype(self.dtype)?,
+                            &[0, h, p0, 0],
+                            &[1, 2 * h, p1, d],
+                            &ones,
+                        )?;
+                    }
+                }
+            }
+            SeqRows::Gather { write, .. } => {
+                // [1, 2H, T, D] → updates [T, 1, 2H, 1, D] at rows `write` of axis 2
+                let t = write.size() as i32;
+                let kv = new
+                    .merged()?
+                    .astype(self.dtype)?
+                    .transpose(&[2, 0, 1, 3])?
+                    .reshape(&[t, 1, 2 * h, 1, d])?;
+                *pool = pool.scatter(&[write], &kv, &[2])?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Write `new` (one sequence) at `rows` of `layer`; return its keys and values for
+    /// positions `0..pos+T` (`[1, kv_heads, pos+T, head_dim]` each): views of the pool
+    /// for a run of rows, gathered otherwise.
     pub fn write_and_read(
         &mut self,
         layer: usize,
-        slot: usize,
-        pos: usize,
+        rows: &SeqRows,
         new: &NewKv,
     ) -> mlx::Result<(Array, Array)> {
-        let p1 = self.write(layer, slot, pos, new)? as i32;
-        let (s, h, d) = (slot as i32, self.kv_heads as i32, self.head_dim as i32);
-        let ones = [1, 1, 1, 1];
+        self.write(layer, rows, new)?;
+        let (h, d) = (self.kv_heads as i32, self.head_dim as i32);
         let pool = &self.kv[layer];
-        Ok((
-            pool.slice(&[s, 0, 0, 0], &[s + 1, h, p1, d], &ones)?,
-            pool.slice(&[s, h, 0, 0], &[s + 1, 2 * h, p1, d], &ones)?,
-        ))
+        match rows {
+            SeqRows::Run { start, pos, t } => {
+                let (r0, r1) = (*start as i32, (start + pos + t) as i32);
+                let ones = [1, 1, 1, 1];
+                Ok((
+                    pool.slice(&[0, 0, r0, 0], &[1, h, r1, d], &ones)?,
+                    pool.slice(&[0, h, r0, 0], &[1, 2 * h, r1, d], &ones)?,
+                ))
+            }
+            SeqRows::Gather { read, .. } => {
+                let kv = pool.take(read, 2)?;
+                let l = read.size() as i32;
+                let ones = [1, 1, 1, 1];
+                Ok((
+                    kv.slice(&[0, 0, 0, 0], &[1, h, l, d], &ones)?,
+                    kv.slice(&[0, h, 0, 0], &[1, 2 * h, l, d], &ones)?,
+                ))
+            }
+        }
     }
 
-    /// The pool of `layer`, `[slots, 2·kv_heads, capacity, head_dim]` (key heads first).
+    /// The pool of `layer`, `[1, 2·kv_heads, blocks·block_size, head_dim]` (key heads first).
     pub fn pool(&self, layer: usize) -> &Array {
         &self.kv[layer]
     }
@@ -214,133 +447,111 @@ impl KvCache {
         Ok(&self.attn_scratch.as_ref().expect("set above").1)
     }
 
-    /// Write `new` (one sequence, `T` positions) for `slot` at position `pos` of `layer`
-    /// (one update of the pool); returns `pos + T`.
-    pub fn write(
-        &mut self,
-        layer: usize,
-        slot: usize,
-        pos: usize,
-        new: &NewKv,
-    ) -> mlx::Result<usize> {
-        let s = slot as i32;
-        let (h, d) = (self.kv_heads as i32, self.head_dim as i32);
-        let ones = [1, 1, 1, 1];
-        let t = match new {
-            NewKv::Split(k, _) | NewKv::Merged(k) => k.dim(2),
-        };
-        let (p0, p1) = (pos as i32, pos as i32 + t);
-        let pool = &mut self.kv[layer];
-        match new {
-            NewKv::Merged(kv) => {
-                *pool = pool.slice_update(
-                    &kv.astype(self.dtype)?,
-                    &[s, 0, p0, 0],
-                    &[s + 1, 2 * h, p1, d],
-                    &ones,
-                )?;
-            }
-            NewKv::Split(k, v) => {
-                *pool = pool.slice_update(
-                    &k.astype(self.dtype)?,
-                    &[s, 0, p0, 0],
-                    &[s + 1, h, p1, d],
-                    &ones,
-                )?;
-                *pool = pool.slice_update(
-                    &v.astype(self.dtype)?,
-                    &[s, h, p0, 0],
-                    &[s + 1, 2 * h, p1, d],
-                    &ones,
-                )?;
-            }
-        }
-        Ok(p1 as usize)
-    }
-
-    /// Index arrays and attention masks for a batched decode step over `slots` at
-    /// `positions`, built once per step and shared by every layer. Rows whose slots are
-    /// consecutive form a run; each run reads the pool as one view (no copy of the cache).
-    /// `with_runs = false` skips the runs and their masks (a step that attends with
-    /// `kernels::attn` needs neither).
+    /// Index arrays for a batched decode step over `slots` at `positions` (one new token
+    /// each), built once per step and shared by every layer: the rows the new tokens go
+    /// to, and either the block tables (`kernel`: the decode kernel reads through them)
+    /// or every row's pool rows and a mask hiding positions past its own length (MLX's
+    /// attention over a gather). Call [`KvCache::prepare`] first.
     pub fn batch_index(
         &self,
         slots: &[usize],
         positions: &[usize],
-        with_runs: bool,
-    ) -> mlx::Result<BatchIndex> {
-        let to_arr = |v: &[usize]| {
-            let v: Vec<i32> = v.iter().map(|&x| x as i32).collect();
-            Array::from_slice(&v, &[v.len() as i32])
-        };
-        let mut runs = Vec::new();
-        let mut start = 0;
-        // no rows to walk when the runs are not wanted
-        let ends = if with_runs { slots.len() } else { 0 };
-        for i in 1..=ends {
-            if i == slots.len() || slots[i] != slots[i - 1] + 1 {
-                let max_len = positions[start..i].iter().max().map_or(0, |&p| p + 1);
-                // row r attends to positions 0..=positions[r]
-                let lens: Vec<i32> = positions[start..i].iter().map(|&p| p as i32 + 1).collect();
-                let lens = Array::from_slice(&lens, &[lens.len() as i32, 1, 1, 1])?;
-                let mask = Array::arange(0.0, max_len as f64, 1.0, Dtype::I32)?
-                    .reshape(&[1, 1, 1, max_len as i32])?
-                    .lt(&lens)?;
-                runs.push(Run {
-                    rows: start..i,
-                    first_slot: slots[start],
-                    max_len,
-                    mask,
-                });
-                start = i;
+        kernel: bool,
+    ) -> Result<BatchIndex, KvError> {
+        let b = slots.len();
+        let bs = self.block_size;
+        let mut write = Vec::with_capacity(b);
+        for (&s, &p) in slots.iter().zip(positions) {
+            write.push((self.block(s, p / bs)? * bs + p % bs) as i32);
+        }
+        let (mut table, mut gather) = (None, None);
+        if kernel {
+            let width = positions.iter().map(|&p| p / bs + 1).max().unwrap_or(1);
+            let mut t = vec![0i32; b * width];
+            for (r, (&s, &p)) in slots.iter().zip(positions).enumerate() {
+                for j in 0..=p / bs {
+                    t[r * width + j] = self.block(s, j)? as i32;
+                }
             }
+            table = Some(i32_array(&t, &[b as i32, width as i32])?);
+        } else {
+            let l = positions.iter().max().map_or(0, |&p| p + 1);
+            let mut rows = Vec::with_capacity(b * l);
+            for (&s, &p) in slots.iter().zip(positions) {
+                let r = self.rows(s, 0, p + 1)?;
+                let pad = r[0];
+                rows.extend_from_slice(&r);
+                // positions past the row's own are masked; any row of the pool will do
+                rows.extend(std::iter::repeat_n(pad, l - r.len()));
+            }
+            let lens: Vec<i32> = positions.iter().map(|&p| p as i32 + 1).collect();
+            let lens = i32_array(&lens, &[b as i32, 1, 1, 1])?;
+            let mask = Array::arange(0.0, l as f64, 1.0, Dtype::I32)?
+                .reshape(&[1, 1, 1, l as i32])?
+                .lt(&lens)?;
+            gather = Some((i32_array(&rows, &[(b * l) as i32])?, mask, l));
         }
         Ok(BatchIndex {
-            rows: slots.len(),
-            slot_idx: to_arr(slots)?,
-            pos_idx: to_arr(positions)?,
-            runs,
+            rows: b,
+            write_rows: i32_array(&write, &[b as i32])?,
+            table,
+            gather,
         })
     }
 
     /// Batched decode: write one token per sequence (`[B, kv_heads, 1, head_dim]` keys and
-    /// values) at its position in its slot, with one scatter.
+    /// values) at its row, with one scatter.
     pub fn write_batch(&mut self, layer: usize, idx: &BatchIndex, new: &NewKv) -> mlx::Result<()> {
         let (h, d) = (self.kv_heads as i32, self.head_dim as i32);
-        let kv = match new {
-            NewKv::Merged(kv) => kv.clone(),
-            NewKv::Split(k, v) => mlx::concatenate(&[k, v], 1)?,
-        };
-        let kv = kv
+        let kv = new
+            .merged()?
             .astype(self.dtype)?
             .reshape(&[idx.rows as i32, 1, 2 * h, 1, d])?;
-        let at = [&idx.slot_idx, &idx.pos_idx];
-        self.kv[layer] = self.kv[layer].scatter(&at, &kv, &[0, 2])?;
+        self.kv[layer] = self.kv[layer].scatter(&[&idx.write_rows], &kv, &[2])?;
         Ok(())
     }
 
-    /// Keys and values of one run's slots, `[rows, kv_heads, max_len, head_dim]`: views of the pool.
-    pub fn read_run(&self, layer: usize, run: &Run) -> mlx::Result<(Array, Array)> {
-        let (h, d) = (self.kv_heads as i32, self.head_dim as i32);
-        let s0 = run.first_slot as i32;
-        let s1 = s0 + run.rows.len() as i32;
-        let len = run.max_len as i32;
+    /// Keys and values of every batch row, `[B, kv_heads, L, head_dim]`, gathered, with the
+    /// mask `[B, 1, 1, L]` of each row's positions (an index made without `kernel`).
+    pub fn read_batch(&self, layer: usize, idx: &BatchIndex) -> mlx::Result<(Array, Array, Array)> {
+        let Some((rows, mask, l)) = &idx.gather else {
+            return Err(mlx::MlxError::Invalid(
+                "read_batch: the index was made for the kernel".into(),
+            ));
+        };
+        let (h, d, b, l) = (
+            self.kv_heads as i32,
+            self.head_dim as i32,
+            idx.rows as i32,
+            *l as i32,
+        );
+        // [1, 2H, B·L, D] → [B, 2H, L, D]
+        let kv = self.kv[layer]
+            .take(rows, 2)?
+            .reshape(&[2 * h, b, l, d])?
+            .transpose(&[1, 0, 2, 3])?;
         let ones = [1, 1, 1, 1];
-        let pool = &self.kv[layer];
         Ok((
-            pool.slice(&[s0, 0, 0, 0], &[s1, h, len, d], &ones)?,
-            pool.slice(&[s0, h, 0, 0], &[s1, 2 * h, len, d], &ones)?,
+            kv.slice(&[0, 0, 0, 0], &[b, h, l, d], &ones)?,
+            kv.slice(&[0, h, 0, 0], &[b, 2 * h, l, d], &ones)?,
+            mask.clone(),
         ))
     }
 
-    /// Make slot `dst` hold the first `len` positions of slot `src` (its length becomes
-    /// `len`), so sequences with one prompt share its prefill: the choices of an `n` > 1
-    /// request prefill the prompt once and each continues from a copy. Here it copies
-    /// (one update per layer pool, after the copied rows are made contiguous and
-    /// evaluated, so the update is done in place); a paged cache implements it as block
-    /// sharing: `dst`'s block table points at `src`'s full blocks (reference counted),
-    /// and only a partly filled last block is copied (or shared copy-on-write).
-    pub fn copy_prefix(&mut self, src: usize, dst: usize, len: usize) -> Result<(), KvError> {
+    /// Start slot `dst` with the first `len` positions of slot `src` through `table`
+    /// (`dst`'s block table, covering `0..len`), so sequences with one prompt share its
+    /// prefill: the choices of an `n` > 1 request prefill the prompt once. The leading
+    /// full blocks of `table` are `src`'s own (shared read-only; the driver counts their
+    /// references); a partly filled last block is `dst`'s own, and its rows are copied
+    /// here from `src`'s (one update per layer pool, after the copied rows are made
+    /// contiguous and evaluated).
+    pub fn fork(
+        &mut self,
+        src: usize,
+        dst: usize,
+        len: usize,
+        table: &[u32],
+    ) -> Result<(), KvError> {
         self.check_slot(src)?;
         self.check_slot(dst)?;
         if len > self.lens[src] {
@@ -350,21 +561,38 @@ impl KvCache {
                 len,
             });
         }
-        if src != dst && len > 0 {
-            let (h2, d) = (2 * self.kv_heads as i32, self.head_dim as i32);
-            let (s, t, l) = (src as i32, dst as i32, len as i32);
-            let ones = [1, 1, 1, 1];
-            let rows: Vec<Array> = self
-                .kv
-                .iter()
-                .map(|pool| {
-                    pool.slice(&[s, 0, 0, 0], &[s + 1, h2, l, d], &ones)?
-                        .contiguous()
-                })
-                .collect::<mlx::Result<_>>()?;
-            mlx::eval(&rows.iter().collect::<Vec<_>>())?;
-            for (pool, r) in self.kv.iter_mut().zip(&rows) {
-                *pool = pool.slice_update(r, &[t, 0, 0, 0], &[t + 1, h2, l, d], &ones)?;
+        let bs = self.block_size;
+        let full = len / bs;
+        for j in 0..full {
+            if table.get(j).map(|&b| b as usize) != Some(self.block(src, j)?) {
+                return Err(KvError::NotShared {
+                    slot: src,
+                    block: j,
+                });
+            }
+        }
+        self.restart(dst, 0, Some(table));
+        let tail = len % bs;
+        if tail > 0 {
+            let layers = self.kv.len();
+            self.prepare(layers, &[(dst, len)])?;
+            let (from, to) = (self.block(src, full)?, self.block(dst, full)?);
+            if from != to {
+                let (h2, d) = (2 * self.kv_heads as i32, self.head_dim as i32);
+                let (f, t, r) = ((from * bs) as i32, (to * bs) as i32, tail as i32);
+                let ones = [1, 1, 1, 1];
+                let rows: Vec<Array> = self
+                    .kv
+                    .iter()
+                    .map(|pool| {
+                        pool.slice(&[0, 0, f, 0], &[1, h2, f + r, d], &ones)?
+                            .contiguous()
+                    })
+                    .collect::<mlx::Result<_>>()?;
+                mlx::eval(&rows.iter().collect::<Vec<_>>())?;
+                for (pool, rows) in self.kv.iter_mut().zip(&rows) {
+                    *pool = pool.slice_update(rows, &[0, 0, t, 0], &[1, h2, t + r, d], &ones)?;
+                }
             }
         }
         self.lens[dst] = len;
@@ -391,105 +619,176 @@ mod tests {
         a.to_vec::<f32>().unwrap()
     }
 
-    /// `copy_prefix` gives the destination slot the source's first positions and
-    /// length, leaves the other slots alone, and refuses more than the source holds.
+    /// A sequence written through a table of scattered blocks reads back what a run of
+    /// blocks holds, merged and split writes alike; a sequence sharing its first block
+    /// (a cached prefix) reads it with its own; a batched step's gather and mask give
+    /// each row its own positions, and the kernel's tables its blocks.
     #[test]
-    fn copy_prefix_copies_the_first_positions() {
-        let (h, d) = (2i32, 4i32);
-        let mut c = KvCache::new(2, 3, h as usize, d as usize, Dtype::F32, 64);
-        c.reserve(2, 8).unwrap();
-        for layer in 0..2 {
-            let kv = values(&[1, 2 * h, 5, d], 10.0 * layer as f32);
-            c.write(layer, 0, 0, &NewKv::Merged(kv)).unwrap();
+    fn scattered_blocks_read_back_like_a_run() {
+        let (layers, h, d, bs) = (2usize, 2i32, 4i32, 4usize);
+        let kv = KvConfig {
+            block_size: bs,
+            num_blocks: 8,
+            preallocate: false,
+        };
+        let mut run = KvCache::new(layers, 2, h as usize, d as usize, Dtype::F32, 32, kv);
+        let mut scat = KvCache::new(layers, 2, h as usize, d as usize, Dtype::F32, 32, kv);
+        run.restart(0, 0, Some(&[2, 3]));
+        scat.restart(1, 0, Some(&[5, 0]));
+        // a 6-token prompt: split into layer 1, merged into layer 0
+        let k = values(&[1, h, 6, d], 0.0);
+        let v = values(&[1, h, 6, d], 100.0);
+        let merged = mlx::concatenate(&[&k, &v], 1).unwrap();
+        let mut got = vec![];
+        for (c, slot) in [(&mut run, 0), (&mut scat, 1)] {
+            c.prepare(layers, &[(slot, 6)]).unwrap();
+            let rows = c.seq_rows(slot, 0, 6).unwrap();
+            assert_eq!(rows.is_run(), slot == 0);
+            let (k1, v1) = c
+                .write_and_read(1, &rows, &NewKv::Split(k.clone(), v.clone()))
+                .unwrap();
+            let (k0, v0) = c
+                .write_and_read(0, &rows, &NewKv::Merged(merged.clone()))
+                .unwrap();
+            got.push([read(&k1), read(&v1), read(&k0), read(&v0)]);
+            c.advance(slot, 6);
         }
-        c.advance(0, 5);
-        c.copy_prefix(0, 2, 4).unwrap();
-        assert_eq!(c.len(2), 4);
-        let idx = c.batch_index(&[0, 1, 2], &[3, 3, 3], true).unwrap();
-        for layer in 0..2 {
-            let (k, v) = c.read_run(layer, &idx.runs[0]).unwrap();
-            let (k, v) = (read(&k), read(&v));
-            let row = (h * 4 * d) as usize;
-            assert_eq!(k[..row], k[2 * row..], "layer {layer} keys");
-            assert_eq!(v[..row], v[2 * row..], "layer {layer} values");
-            assert!(k[row..2 * row].iter().all(|&x| x == 0.0));
-            assert_eq!(k[0], 10.0 * layer as f32);
-        }
-        assert!(matches!(
-            c.copy_prefix(0, 1, 6),
-            Err(KvError::ShortPrefix { held: 5, .. })
-        ));
-        assert!(c.copy_prefix(0, 3, 1).is_err());
-    }
-
-    /// A step that attends with the kernel gets the rows' slots and no runs (no masks).
-    #[test]
-    fn batch_index_without_runs_has_the_slots_only() {
-        let cache = KvCache::new(1, 4, 2, 4, Dtype::F32, 64);
-        let idx = cache.batch_index(&[3, 0, 1], &[5, 2, 7], false).unwrap();
-        assert!(idx.runs.is_empty());
-        assert_eq!(idx.slot_array().to_vec::<i32>().unwrap(), vec![3, 0, 1]);
-        let with = cache.batch_index(&[3, 0, 1], &[5, 2, 7], true).unwrap();
-        let rows: Vec<_> = with.runs.iter().map(|r| r.rows.clone()).collect();
-        assert_eq!(rows, vec![0..1, 1..3]);
-    }
-
-    /// Keys and values written as one `[.., 2·kv_heads, ..]` array (as the fused q/k/v
-    /// kernel writes them) and written separately read back the same, for one sequence
-    /// and for a batched decode step; the other slot is untouched.
-    #[test]
-    fn merged_and_split_writes_agree() {
-        let (layers, slots, h, d) = (2usize, 3usize, 2i32, 4i32);
-        let mut split = KvCache::new(layers, slots, h as usize, d as usize, Dtype::F32, 64);
-        let mut merged = KvCache::new(layers, slots, h as usize, d as usize, Dtype::F32, 64);
-        for c in [&mut split, &mut merged] {
-            c.reserve(layers, 8).unwrap();
-        }
-        // a 3-token prompt in slot 1 of layer 1
-        let k = values(&[1, h, 3, d], 0.0);
-        let v = values(&[1, h, 3, d], 100.0);
-        let kv = mlx::concatenate(&[&k, &v], 1).unwrap();
-        let (ks, vs) = split
-            .write_and_read(1, 1, 0, &NewKv::Split(k.clone(), v.clone()))
+        assert_eq!(got[0], got[1]);
+        assert_eq!(got[0][0], read(&k));
+        assert_eq!(got[0][3], read(&v));
+        // the pools grow in steps of 256 positions, at most the pool's 8 blocks
+        assert_eq!(scat.nbytes(), layers * 8 * bs * 2 * (h * d) as usize * 4);
+        // slot 0 shares slot 1's first block (a cached prefix) and writes positions 4..6
+        // into its own block 4; then a batched decode step of both at position 6
+        scat.restart(0, 4, Some(&[5, 4]));
+        scat.prepare(layers, &[(0, 6)]).unwrap();
+        let rows = scat.seq_rows(0, 4, 2).unwrap();
+        let tail = |a: &Array| a.slice_axis(2, 4, 6).unwrap();
+        scat.write(1, &rows, &NewKv::Split(tail(&k), tail(&v)))
             .unwrap();
-        let (km, vm) = merged.write_and_read(1, 1, 0, &NewKv::Merged(kv)).unwrap();
-        assert_eq!(read(&ks), read(&k));
-        assert_eq!(read(&vs), read(&v));
-        assert_eq!(read(&km), read(&k));
-        assert_eq!(read(&vm), read(&v));
-        for c in [&mut split, &mut merged] {
-            c.advance(1, 3);
-        }
-        // a batched decode step: slot 1 at position 3, slot 2 at position 0
+        scat.advance(0, 2);
         let k1 = values(&[2, h, 1, d], 1000.0);
         let v1 = values(&[2, h, 1, d], 2000.0);
-        let kv1 = mlx::concatenate(&[&k1, &v1], 1).unwrap();
-        let idx = split.batch_index(&[1, 2], &[3, 0], true).unwrap();
-        split
-            .write_batch(1, &idx, &NewKv::Split(k1.clone(), v1.clone()))
+        scat.prepare(layers, &[(0, 7), (1, 7)]).unwrap();
+        let idx = scat.batch_index(&[1, 0], &[6, 6], false).unwrap();
+        scat.write_batch(1, &idx, &NewKv::Split(k1.clone(), v1.clone()))
             .unwrap();
-        merged.write_batch(1, &idx, &NewKv::Merged(kv1)).unwrap();
-        let (ks, vs) = split.read_run(1, &idx.runs[0]).unwrap();
-        let (km, vm) = merged.read_run(1, &idx.runs[0]).unwrap();
-        assert_eq!(ks.shape(), vec![2, h, 4, d]);
-        assert_eq!(read(&ks), read(&km));
-        assert_eq!(read(&vs), read(&vm));
-        // slot 1: the prompt's keys then the new one; slot 2: the new one at position 0
-        let kk = read(&ks);
-        let (row, head) = ((h * 4 * d) as usize, (4 * d) as usize);
-        assert_eq!(kk[..3 * d as usize], read(&k)[..3 * d as usize]);
-        assert_eq!(kk[3 * d as usize], 1000.0);
-        assert_eq!(kk[row], 1000.0 + (h * d) as f32);
-        assert_eq!(read(&vs)[row + head], 2000.0 + ((h + 1) * d) as f32);
-        // slot 0 was never written
-        let idx0 = merged.batch_index(&[0], &[0], true).unwrap();
-        let (k0, v0) = merged.read_run(1, &idx0.runs[0]).unwrap();
-        assert!(read(&k0).iter().chain(read(&v0).iter()).all(|&x| x == 0.0));
-        assert_eq!(merged.nbytes(), split.nbytes());
-        // capacity grows in steps of 256 positions, capped at the 64 of the context
+        let (kk, vv, mask) = scat.read_batch(1, &idx).unwrap();
+        assert_eq!(kk.shape(), vec![2, h, 7, d]);
+        let (kk, vv) = (read(&kk), read(&vv));
+        let (row, head) = ((h * 7 * d) as usize, (7 * d) as usize);
+        // both rows: the prompt's 6 positions, then their own new one
+        for r in 0..2 {
+            for hh in 0..h as usize {
+                let at = r * row + hh * head;
+                assert_eq!(
+                    kk[at..at + 6 * d as usize],
+                    read(&k)[hh * 6 * d as usize..(hh + 1) * 6 * d as usize]
+                );
+                assert_eq!(
+                    kk[at + 6 * d as usize],
+                    1000.0 + ((r * h as usize + hh) * d as usize) as f32
+                );
+                assert_eq!(
+                    vv[at + 6 * d as usize],
+                    2000.0 + ((r * h as usize + hh) * d as usize) as f32
+                );
+            }
+        }
         assert_eq!(
-            split.nbytes(),
-            layers * slots * 2 * h as usize * 64 * d as usize * 4
+            mask.astype(Dtype::I32).unwrap().to_vec::<i32>().unwrap(),
+            vec![1; 14]
         );
+        let t = scat.batch_index(&[1, 0], &[6, 1], true).unwrap();
+        assert_eq!(
+            t.table().unwrap().to_vec::<i32>().unwrap(),
+            vec![5, 0, 5, 0]
+        );
+        // a position past the table has no block; past the context, no room
+        assert!(matches!(
+            scat.prepare(layers, &[(1, 9)]),
+            Err(KvError::NoBlock { .. })
+        ));
+        assert!(matches!(
+            scat.prepare(layers, &[(1, 33)]),
+            Err(KvError::ContextFull { .. })
+        ));
+    }
+
+    /// A fork shares the source's full blocks and gets a copy of the rows of its partly
+    /// filled last block: it reads the source's positions back, and what either writes
+    /// next does not show in the other; a table whose full blocks are not the source's,
+    /// or a prefix longer than the source, is refused.
+    #[test]
+    fn a_fork_shares_full_blocks_and_copies_the_last_partial_one() {
+        let (layers, h, d, bs) = (2usize, 2i32, 4i32, 4usize);
+        let kv = KvConfig {
+            block_size: bs,
+            num_blocks: 8,
+            preallocate: false,
+        };
+        let mut c = KvCache::new(layers, 2, h as usize, d as usize, Dtype::F32, 32, kv);
+        c.restart(0, 0, Some(&[2, 3]));
+        c.prepare(layers, &[(0, 6)]).unwrap();
+        let rows = c.seq_rows(0, 0, 6).unwrap();
+        for layer in 0..layers {
+            let kv = values(&[1, 2 * h, 6, d], 1000.0 * layer as f32);
+            c.write(layer, &rows, &NewKv::Merged(kv)).unwrap();
+        }
+        c.advance(0, 6);
+        assert!(matches!(
+            c.fork(0, 1, 6, &[4, 5]),
+            Err(KvError::NotShared { block: 0, .. })
+        ));
+        assert!(matches!(
+            c.fork(0, 1, 7, &[2, 5]),
+            Err(KvError::ShortPrefix { held: 6, .. })
+        ));
+        c.fork(0, 1, 6, &[2, 5]).unwrap();
+        assert_eq!(c.len(1), 6);
+        // both write their own position 6 (in their own last block), then read 0..7
+        let new = |from: f32| NewKv::Merged(values(&[1, 2 * h, 1, d], from));
+        let mut got = vec![];
+        for (slot, from) in [(0, -100.0), (1, -200.0)] {
+            c.prepare(layers, &[(slot, 7)]).unwrap();
+            let rows = c.seq_rows(slot, 6, 1).unwrap();
+            let mut per_layer = vec![];
+            for layer in 0..layers {
+                let (k, v) = c.write_and_read(layer, &rows, &new(from)).unwrap();
+                per_layer.push((read(&k), read(&v)));
+            }
+            got.push(per_layer);
+        }
+        let (pos, head) = (d as usize, (7 * d) as usize);
+        for (layer, (src, fork)) in got[0].iter().zip(&got[1]).enumerate() {
+            for hh in 0..h as usize {
+                let six = hh * head..hh * head + 6 * pos;
+                assert_eq!(
+                    src.0[six.clone()],
+                    fork.0[six.clone()],
+                    "layer {layer} keys"
+                );
+                assert_eq!(src.1[six.clone()], fork.1[six], "layer {layer} values");
+                let at = hh * head + 6 * pos;
+                assert_eq!(src.0[at], -100.0 + (hh * pos) as f32);
+                assert_eq!(fork.0[at], -200.0 + (hh * pos) as f32);
+            }
+            assert_eq!(fork.0[0], 1000.0 * layer as f32);
+        }
+    }
+
+    /// Without a table a slot owns the blocks j·slots + slot: one slot's positions are
+    /// one run.
+    #[test]
+    fn fixed_blocks_interleave_slots() {
+        let kv = KvConfig::for_slots(3, 64, 16);
+        assert_eq!(kv.num_blocks, 12);
+        let mut c = KvCache::new(1, 3, 1, 2, Dtype::F32, 64, kv);
+        c.prepare(1, &[(2, 40)]).unwrap();
+        let idx = c.batch_index(&[2], &[39], true).unwrap();
+        assert_eq!(idx.table().unwrap().to_vec::<i32>().unwrap(), vec![2, 5, 8]);
+        assert!(!c.seq_rows(2, 0, 40).unwrap().is_run());
+        let one = KvCache::new(1, 1, 1, 2, Dtype::F32, 64, KvConfig::for_slots(1, 64, 16));
+        assert!(one.seq_rows(0, 0, 64).unwrap().is_run());
     }
 }

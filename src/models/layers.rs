@@ -10,6 +10,7 @@ use crate::mlx::{self, fast, Array, Dtype};
 use super::blocks::norm::RmsNorm;
 use super::config::{ModelConfig, QuantConfig, RopeScaling};
 use super::layout::{ParamSpec, Split};
+use super::shard::VocabShard;
 use super::weights::{LoadError, RowBlock, WeightSource};
 
 pub type Result<T> = std::result::Result<T, LoadError>;
@@ -56,18 +57,14 @@ pub struct Linear {
 impl Linear {
     /// Load the tensors of `spec` ([`ParamSpec::tensors`]: `.weight`, and `.scales` /
     /// `.biases` when quantized, `.bias`), reading only this rank's block of each; a
-    /// row-parallel spec's partial sums are `all_sum`med over `reduce` when given.
+    /// row-parallel spec's partial sums are `all_sum`med over `reduce` when given. A
+    /// vocab-parallel spec loads its rows like a column-parallel one; [`VocabRows`]
+    /// gathers what they compute.
     pub fn load(
         src: &dyn WeightSource,
         spec: &ParamSpec,
         reduce: Option<Rc<Group>>,
     ) -> Result<Linear> {
-        if let Split::Vocab(_) = spec.split {
-            return Err(invalid(format!(
-                "{}: vocab-parallel rows are not implemented",
-                spec.name
-            )));
-        }
         let quant = spec.quantization_stored(
             |n| src.contains(n),
             |n| src.info(n).ok().flatten().map(|i| i.shape),
@@ -477,6 +474,103 @@ impl Embedding {
         match &self.table.weight {
             Weight::Dense(w) => w.dtype(),
             Weight::Quantized { scales, .. } => scales.dtype(),
+        }
+    }
+}
+
+/// What a vocab-parallel rank ([`VocabShard`]) needs beside its rows of the embedding and
+/// lm_head: its lookups are its rows for its own ids and zeros for the others' ids, summed
+/// over the group (exactly the replicated lookup: one rank adds a row, the others zeros);
+/// its logits (`[m, held]`) are gathered into the whole vocabulary's, column for column
+/// those of the replicated lm_head.
+pub struct VocabRows {
+    /// `[vocab]` int32: the row of this rank's table for each token id (0 for the ids of
+    /// other ranks, whose rows `own` zeroes).
+    local: Array,
+    /// `[vocab, 1]` of the table's output dtype: 1 for this rank's ids, 0 elsewhere.
+    own: Array,
+    /// Rows this rank holds.
+    held: usize,
+    shard: VocabShard,
+    group: Option<Rc<Group>>,
+}
+
+impl VocabRows {
+    /// The tables of `shard`, lookups in `dtype`, over `group` (`None`: the shard loads,
+    /// but its steps fail; the memory plan's tests load ranks without a group).
+    pub fn new(shard: &VocabShard, dtype: Dtype, group: Option<Rc<Group>>) -> mlx::Result<Self> {
+        let rows = &shard.rows;
+        let local: Vec<i32> = (0..shard.vocab)
+            .map(|t| {
+                if rows.contains(&t) {
+                    (t - rows.start) as i32
+                } else {
+                    0
+                }
+            })
+            .collect();
+        let own: Vec<f32> = (0..shard.vocab)
+            .map(|t| f32::from(u8::from(rows.contains(&t))))
+            .collect();
+        let n = shard.vocab as i32;
+        let v = VocabRows {
+            local: Array::from_slice(&local, &[n])?,
+            own: Array::from_slice(&own, &[n, 1])?.astype(dtype)?,
+            held: rows.len(),
+            shard: shard.clone(),
+            group,
+        };
+        mlx::eval(&[&v.local, &v.own])?;
+        Ok(v)
+    }
+
+    fn group(&self) -> mlx::Result<&Group> {
+        self.group.as_deref().ok_or_else(|| {
+            mlx::MlxError::Invalid(format!(
+                "vocab-parallel rows {:?} of {} without a tensor-parallel group",
+                self.shard.rows, self.shard.vocab
+            ))
+        })
+    }
+
+    /// The embedding of `ids` (any shape) from `table`, this rank's rows of it → `[..., hidden]`.
+    pub fn embed(&self, table: &Embedding, ids: &Array) -> mlx::Result<Array> {
+        let rows = table.forward(&self.local.take(ids, 0)?)?;
+        let own = self.own.take(ids, 0)?;
+        self.group()?.all_sum(&rows.mul(&own)?)
+    }
+
+    /// The shape this rank's logits are computed in for `rows` positions: `[rows, held]`.
+    pub fn local_shape(&self, rows: usize) -> [i32; 2] {
+        [rows as i32, self.held as i32]
+    }
+
+    /// The whole vocabulary's logits `[m, vocab]` from every rank's `local` (`[m, held]`):
+    /// padded to `per_rank` columns (the last ranks of an uneven split), gathered in rank
+    /// order (`[ranks · m, per_rank]`), laid out row by row and cut to the vocabulary.
+    pub fn gather(&self, local: &Array) -> mlx::Result<Array> {
+        let g = self.group()?;
+        let (m, per) = (local.dim(0), self.shard.per_rank as i32);
+        let local = match self.shard.per_rank - self.held {
+            0 => local.clone(),
+            pad => {
+                let zeros = Array::zeros(&[m, pad as i32], local.dtype())?;
+                mlx::concatenate(&[local, &zeros], 1)?
+            }
+        };
+        let all = g.all_gather(&local)?;
+        let n = g.size();
+        let wide = if m == 1 {
+            all.reshape(&[1, n * per])?
+        } else {
+            all.reshape(&[n, m, per])?
+                .transpose(&[1, 0, 2])?
+                .reshape(&[m, n * per])?
+        };
+        if (n * per) as usize > self.shard.vocab {
+            wide.slice_axis(1, 0, self.shard.vocab as i32)
+        } else {
+            Ok(wide)
         }
     }
 }

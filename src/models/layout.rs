@@ -28,6 +28,9 @@ pub enum Split {
     Row(Range<usize>),
     /// Vocabulary rows `rows` of this rank (vocab-parallel embedding or output projection).
     Vocab(Range<usize>),
+    /// Whole experts `experts` of a stacked MoE parameter (expert parallelism): the rank's
+    /// block of the leading axis; the block's output is `all_sum`med like a row split's.
+    Experts(Range<usize>),
 }
 
 /// What a parameter is, with its full (unsplit, unquantized) shape.
@@ -69,21 +72,27 @@ pub struct TensorBlock {
     /// This rank's rows and columns (`None`: all).
     pub rows: Option<Range<usize>>,
     pub cols: Option<Range<usize>>,
+    /// This rank's experts of a stacked tensor's leading axis (`None`: all).
+    pub experts: Option<Range<usize>>,
 }
 
 impl TensorBlock {
     /// Elements of the whole tensor and of this rank's block. Rows and columns are those of
-    /// the last two axes (of the last axis for a vector: a bias, a norm); leading axes
-    /// (stacked experts) are whole.
+    /// the last two axes (of the last axis for a vector: a bias, a norm); a leading axis
+    /// (stacked experts) is whole unless `experts` says.
     pub fn elements(&self) -> (usize, usize) {
         let full: usize = self.shape.iter().product();
         let vector = self.suffix == "bias" || self.kind == TensorKind::Norm;
         let n = self.shape.len();
         let len = |r: &Option<Range<usize>>, d: usize| r.as_ref().map_or(d, |r| r.len());
+        let lead = |dims: &[usize]| match (&self.experts, dims.split_first()) {
+            (Some(e), Some((_, rest))) => e.len() * rest.iter().product::<usize>(),
+            _ => dims.iter().product::<usize>(),
+        };
         let block = if vector || n < 2 {
-            self.shape[..n - 1].iter().product::<usize>() * len(&self.rows, self.shape[n - 1])
+            lead(&self.shape[..n - 1]) * len(&self.rows, self.shape[n - 1])
         } else {
-            self.shape[..n - 2].iter().product::<usize>()
+            lead(&self.shape[..n - 2])
                 * len(&self.rows, self.shape[n - 2])
                 * len(&self.cols, self.shape[n - 1])
         };
@@ -207,13 +216,18 @@ impl ParamSpec {
                 kind: TensorKind::Norm,
                 rows: None,
                 cols: None,
+                experts: None,
             }];
         }
         let (out, inp) = self.matrix();
         let (rows, cols) = match &self.split {
-            Split::Replicated => (None, None),
+            Split::Replicated | Split::Experts(_) => (None, None),
             Split::Column(r) | Split::Vocab(r) => (Some(r.clone()), None),
             Split::Row(c) => (None, Some(c.clone())),
+        };
+        let experts = match &self.split {
+            Split::Experts(e) => Some(e.clone()),
+            _ => None,
         };
         let block = |suffix: &'static str, shape: Vec<usize>, kind, cols: Option<Range<usize>>| {
             TensorBlock {
@@ -223,6 +237,7 @@ impl ParamSpec {
                 kind,
                 rows: rows.clone(),
                 cols,
+                experts: experts.clone(),
             }
         };
         let mut v = match quant {
@@ -278,7 +293,25 @@ pub struct LayerLayout {
     pub input_layernorm: ParamSpec,
     pub attn: super::blocks::attention::AttentionLayout,
     pub post_attention_layernorm: ParamSpec,
-    pub mlp: super::blocks::mlp::MlpLayout,
+    pub mlp: FeedForwardLayout,
+}
+
+/// A decoder layer's feed-forward block: a dense SwiGLU MLP or a mixture of experts.
+// built once per load or plan: the size difference does not matter
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FeedForwardLayout {
+    Dense(super::blocks::mlp::MlpLayout),
+    Moe(super::blocks::moe::MoeLayout),
+}
+
+impl FeedForwardLayout {
+    pub fn params(&self) -> Vec<&ParamSpec> {
+        match self {
+            FeedForwardLayout::Dense(m) => m.params(),
+            FeedForwardLayout::Moe(m) => m.params(),
+        }
+    }
 }
 
 impl LayerLayout {

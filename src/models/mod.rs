@@ -1,5 +1,5 @@
 //! Model families. One file per family (`llama.rs`, `mistral.rs`, `qwen2.rs`,
-//! `qwen3.rs`) holds its config parser (refusing features it does not implement) and
+//! `qwen3.rs`, and the mixture-of-experts `qwen3_moe.rs`, `qwen2_moe.rs`, `mixtral.rs`) holds its config parser (refusing features it does not implement) and
 //! its parameter layout (`layout.rs`: names, shapes, quantization and TP splits, read by
 //! the loader, the memory plan and the TP checks), made of the blocks in [`blocks`];
 //! every family runs the one decoder loop of [`model::Model`]. A new Llama-like family
@@ -13,9 +13,12 @@ pub mod layers;
 pub mod layout;
 pub mod llama;
 pub mod mistral;
+pub mod mixtral;
 pub mod model;
 pub mod qwen2;
+pub mod qwen2_moe;
 pub mod qwen3;
+pub mod qwen3_moe;
 pub mod rope;
 pub mod shard;
 pub mod weights;
@@ -33,7 +36,15 @@ pub struct Family {
 }
 
 /// Every family mlxcel runs.
-pub const FAMILIES: &[Family] = &[llama::FAMILY, mistral::FAMILY, qwen2::FAMILY, qwen3::FAMILY];
+pub const FAMILIES: &[Family] = &[
+    llama::FAMILY,
+    mistral::FAMILY,
+    qwen2::FAMILY,
+    qwen3::FAMILY,
+    qwen3_moe::FAMILY,
+    qwen2_moe::FAMILY,
+    mixtral::FAMILY,
+];
 
 /// The family of a `model_type`.
 pub fn family(model_type: &str) -> Option<&'static Family> {

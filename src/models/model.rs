@@ -13,11 +13,12 @@ use crate::mlx::{self, fast, Array, Dtype};
 
 use super::blocks::attention::{Attention, AttentionLayout, AttentionOptions};
 use super::blocks::mlp::{Mlp, MlpLayout};
+use super::blocks::moe::{MoeBlock, MoeLayout};
 use super::blocks::norm::RmsNorm;
 use super::config::ModelConfig;
-use super::kv_cache::{KvCache, KvError};
-use super::layers::{Embedding, Linear, Result, Rope};
-use super::layout::{LayerLayout, Layout, ParamSpec};
+use super::kv_cache::{self, KvCache, KvConfig, KvError};
+use super::layers::{Embedding, Linear, Result, Rope, VocabRows};
+use super::layout::{FeedForwardLayout, LayerLayout, Layout, ParamSpec, Split};
 use super::shard::ShardPlan;
 use super::weights::WeightSource;
 
@@ -29,7 +30,45 @@ struct Block {
     input_layernorm: RmsNorm,
     self_attn: Attention,
     post_attention_layernorm: RmsNorm,
-    mlp: Mlp,
+    mlp: FeedForward,
+}
+
+/// A layer's feed-forward block.
+enum FeedForward {
+    Dense(Mlp),
+    Moe(Box<MoeBlock>),
+}
+
+impl FeedForward {
+    fn load(
+        src: &dyn WeightSource,
+        layout: &FeedForwardLayout,
+        cfg: &ModelConfig,
+        tp: Option<Rc<Group>>,
+    ) -> Result<FeedForward> {
+        Ok(match layout {
+            FeedForwardLayout::Dense(l) => FeedForward::Dense(Mlp::load(src, l, tp)?),
+            FeedForwardLayout::Moe(l) => {
+                let e = cfg.moe.as_ref().map_or(0, |m| m.num_experts);
+                FeedForward::Moe(Box::new(MoeBlock::load(src, l, e, tp)?))
+            }
+        })
+    }
+
+    /// `h + ffn(norm(h))`.
+    fn forward_residual(&self, h: &Array, norm: &RmsNorm) -> mlx::Result<Array> {
+        match self {
+            FeedForward::Dense(m) => m.forward_residual(h, norm),
+            FeedForward::Moe(m) => m.forward_residual(h, norm),
+        }
+    }
+
+    fn arrays(&self) -> Vec<&Array> {
+        match self {
+            FeedForward::Dense(m) => m.arrays(),
+            FeedForward::Moe(m) => m.arrays(),
+        }
+    }
 }
 
 /// One sequence's part of a forward step.
@@ -86,6 +125,8 @@ pub struct Model {
     layers: Vec<Block>,
     norm: RmsNorm,
     lm_head: Option<Linear>,
+    /// This rank's vocabulary rows when the embedding and lm_head are vocab-parallel.
+    vocab: Option<VocabRows>,
     rope: Rope,
 }
 
@@ -113,13 +154,14 @@ impl Model {
         let tp = tp.filter(|_| layout.sharded);
         let eps = cfg.rms_norm_eps;
         let embed_tokens = Embedding::load(src, &layout.embed_tokens)?;
+        let vocab = vocab_rows(&layout, plan, &embed_tokens, tp.clone())?;
         let mut layers = Vec::with_capacity(layout.layers.len());
         for (i, l) in layout.layers.iter().enumerate() {
             layers.push(Block {
                 input_layernorm: RmsNorm::load(src, &l.input_layernorm, eps)?,
                 self_attn: Attention::load(src, &l.attn, cfg, plan, tp.clone())?,
                 post_attention_layernorm: RmsNorm::load(src, &l.post_attention_layernorm, eps)?,
-                mlp: Mlp::load(src, &l.mlp, tp.clone())?,
+                mlp: FeedForward::load(src, &l.mlp, cfg, tp.clone())?,
             });
             // materialise layer by layer so file pages and host copies are released early
             let arrays = layers.last().unwrap().arrays();
@@ -139,6 +181,7 @@ impl Model {
             layers,
             norm,
             lm_head,
+            vocab,
             rope: Rope::new(cfg)?,
         };
         let rest: Vec<&Array> = model
@@ -177,8 +220,14 @@ impl Model {
         })
     }
 
-    /// A KV cache for this model.
+    /// A KV cache for this model: room for `slots` sequences of `max_len` tokens.
     pub fn new_cache(&self, slots: usize, max_len: usize) -> KvCache {
+        let kv = KvConfig::for_slots(slots, max_len, kv_cache::DEFAULT_BLOCK_SIZE);
+        self.new_paged_cache(slots, max_len, kv)
+    }
+
+    /// A KV cache for this model over a block pool of `kv`.
+    pub fn new_paged_cache(&self, slots: usize, max_len: usize, kv: KvConfig) -> KvCache {
         KvCache::new(
             self.cfg.num_layers,
             slots,
@@ -186,6 +235,7 @@ impl Model {
             self.cfg.head_dim,
             self.activation_dtype(),
             max_len,
+            kv,
         )
     }
 
@@ -240,7 +290,7 @@ impl Model {
         mode: Logits,
     ) -> std::result::Result<Vec<Array>, ForwardError> {
         let vocab = self.cfg.vocab_size;
-        let mut needed = 0;
+        let mut needs = Vec::with_capacity(seqs.len());
         for s in seqs {
             cache.check_slot(s.slot)?;
             if s.tokens.is_empty() {
@@ -249,9 +299,9 @@ impl Model {
             if let Some(&id) = s.tokens.iter().find(|&&t| t as usize >= vocab) {
                 return Err(ForwardError::BadToken { id, vocab });
             }
-            needed = needed.max(cache.len(s.slot) + s.tokens.len());
+            needs.push((s.slot, cache.len(s.slot) + s.tokens.len()));
         }
-        cache.reserve(self.layers.len(), needed)?;
+        cache.prepare(self.layers.len(), &needs)?;
         let mut out: Vec<Option<Array>> = vec![None; seqs.len()];
         let decode: Vec<usize> = (0..seqs.len())
             .filter(|&i| seqs[i].tokens.len() == 1)
@@ -278,7 +328,7 @@ impl Model {
         seqs: &[SeqInput<'_>],
     ) -> std::result::Result<Array, ForwardError> {
         let vocab = self.cfg.vocab_size;
-        let mut needed = 0;
+        let mut needs = Vec::with_capacity(seqs.len());
         for s in seqs {
             cache.check_slot(s.slot)?;
             if s.tokens.len() != 1 {
@@ -290,9 +340,9 @@ impl Model {
                     vocab,
                 });
             }
-            needed = needed.max(cache.len(s.slot) + 1);
+            needs.push((s.slot, cache.len(s.slot) + 1));
         }
-        cache.reserve(self.layers.len(), needed)?;
+        cache.prepare(self.layers.len(), &needs)?;
         if seqs.len() == 1 {
             return self.forward_one(cache, &seqs[0], Logits::Last);
         }
@@ -322,11 +372,18 @@ impl Model {
     ) -> std::result::Result<Array, ForwardError> {
         cache.check_slot(slot)?;
         let t = ids.dim(1);
-        cache.reserve(self.layers.len(), cache.len(slot) + t as usize)?;
-        let s = SeqInput { slot, tokens: &[] };
-        let pos = cache.len(s.slot);
+        let pos = cache.len(slot);
+        cache.prepare(self.layers.len(), &[(slot, pos + t as usize)])?;
+        let rows = cache.seq_rows(slot, pos, t as usize)?;
+        if t == 1 && !rows.is_run() {
+            // one token over scattered blocks: the batched decode path reads through the
+            // block table (the kernel, or a gather)
+            return Ok(self
+                .forward_decode_batch_ids(cache, &[slot], ids)?
+                .reshape(&[-1, self.cfg.vocab_size as i32])?);
+        }
         let offset = Array::scalar_i32(pos as i32)?;
-        let mut h = self.embed_tokens.forward(ids)?;
+        let mut h = self.embed(ids)?;
         // On a GPU the host encodes a long input's layers far ahead of the device, and a
         // temporary is only freed once the device is done with it, so without a bound every
         // layer's temporaries are alive at once: activations, and for a quantized model each
@@ -337,9 +394,11 @@ impl Model {
         for (li, block) in self.layers.iter().enumerate() {
             let a = &block.self_attn;
             let (q, kv) = a.qkv(&h, &block.input_layernorm, 1, t, &self.rope, &offset)?;
-            // one sequence reads its slot as views with MLX's attention: at batch 1 that
-            // beat mlxcel's kernel (`kernels::attn`, used for batched steps) on H200
-            let (kk, vv) = cache.write_and_read(li, s.slot, pos, &kv)?;
+            // one sequence whose blocks are one run of rows reads them as views with MLX's
+            // attention: at batch 1 that beat mlxcel's kernel (`kernels::attn`, used for
+            // batched steps) on H200; scattered blocks (a prefill after a cached prefix)
+            // are gathered
+            let (kk, vv) = cache.write_and_read(li, &rows, &kv)?;
             let mask = if t > 1 {
                 fast::Mask::Causal
             } else {
@@ -357,7 +416,7 @@ impl Model {
                 }
             }
         }
-        cache.advance(s.slot, t as usize);
+        cache.advance(slot, t as usize);
         let h = if mode == Logits::Last {
             h.slice_axis(1, t - 1, t)?
         } else {
@@ -393,12 +452,12 @@ impl Model {
         if slots.is_empty() {
             return Err(ForwardError::Empty);
         }
-        let mut needed = 0;
+        let mut needs = Vec::with_capacity(slots.len());
         for &s in slots {
             cache.check_slot(s)?;
-            needed = needed.max(cache.len(s) + 1);
+            needs.push((s, cache.len(s) + 1));
         }
-        cache.reserve(self.layers.len(), needed)?;
+        cache.prepare(self.layers.len(), &needs)?;
         if slots.len() == 1 {
             let logits = self.forward_slot_ids(cache, slots[0], ids, Logits::Last)?;
             return Ok(logits.reshape(&[1, self.cfg.vocab_size as i32])?);
@@ -417,26 +476,33 @@ impl Model {
         let positions: Vec<usize> = slots.iter().map(|&s| cache.len(s)).collect();
         let pos_i32: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
         let offset = Array::from_slice(&pos_i32, &[b])?;
-        // mlxcel's attention kernel: one op per layer whatever the rows' slots and lengths
-        // (MLX's needs views, a mask and an op per run of consecutive slots); 8B 4-bit on
-        // H200, batch 8: 2,111-2,517 tok/s with it, 1,612-1,731 without
-        let kernel = self.attn_kernel_fits();
-        let index = cache.batch_index(&slots, &positions, !kernel)?;
+        // mlxcel's attention kernel: one op per layer whatever the rows' blocks and
+        // lengths, read through their block tables (MLX's needs a gather and a mask);
+        // 8B 4-bit on H200, batch 8: 2,111-2,517 tok/s with it, 1,612-1,731 without
+        let needs: Vec<(usize, usize)> = slots.iter().map(|&s| (s, cache.len(s) + 1)).collect();
+        cache.prepare(self.layers.len(), &needs)?;
+        let kernel = self.attn_kernel_fits() && kernels::attn::block_size_fits(cache.block_size());
+        let index = cache.batch_index(&slots, &positions, kernel)?;
         let scratch = match kernel {
             true => Some(cache.attn_scratch(self.q_heads())?.clone()),
             false => None,
         };
-        let mut h = self.embed_tokens.forward(ids)?;
+        let mut h = self.embed(ids)?;
         for (li, block) in self.layers.iter().enumerate() {
             let a = &block.self_attn;
             let (q, kv) = a.qkv(&h, &block.input_layernorm, b, 1, &self.rope, &offset)?;
             cache.write_batch(li, &index, &kv)?;
             let o = match &scratch {
                 // every row its own slot and length, in one kernel
-                Some(scratch) => {
-                    a.decode_attention(&q, cache.pool(li), index.slot_array(), &offset, scratch)?
-                }
-                None => a.attend_runs(&q, cache, li, &index)?,
+                Some(scratch) => a.decode_attention(
+                    &q,
+                    cache.pool(li),
+                    index.table().expect("made for the kernel"),
+                    &offset,
+                    scratch,
+                    cache.block_size(),
+                )?,
+                None => a.attend_gathered(&q, cache, li, &index)?,
             };
             h = a.out_residual(&o, &h, b, 1)?;
             h = block
@@ -449,16 +515,35 @@ impl Model {
         Ok(self.head(&h)?.reshape(&[b, self.cfg.vocab_size as i32])?)
     }
 
-    /// Float32 logits of the final norm of `h` (the norm fused into the GEMV when it runs).
+    /// The embedding of `ids`: a table lookup, or this rank's part of it summed over the
+    /// ranks (vocab-parallel).
+    fn embed(&self, ids: &Array) -> mlx::Result<Array> {
+        match &self.vocab {
+            Some(v) => v.embed(&self.embed_tokens, ids),
+            None => self.embed_tokens.forward(ids),
+        }
+    }
+
+    /// Float32 logits of the final norm of `h` (the norm fused into the GEMV when it runs);
+    /// vocab-parallel, this rank's columns gathered with the others' into `[rows, vocab]`.
     fn head(&self, h: &Array) -> mlx::Result<Array> {
         let lin = match &self.lm_head {
             Some(l) => l,
             None => self.embed_tokens.as_linear(),
         };
-        let mut shape = h.shape();
-        *shape.last_mut().expect("h has a last axis") = lin.out_dim() as i32;
-        lin.forward_shaped(h, &shape, Some(&self.norm))?
-            .astype(Dtype::F32)
+        let logits = match &self.vocab {
+            Some(v) => {
+                let rows = h.size() / lin.in_dim();
+                let local = lin.forward_shaped(h, &v.local_shape(rows), Some(&self.norm))?;
+                v.gather(&local)?
+            }
+            None => {
+                let mut shape = h.shape();
+                *shape.last_mut().expect("h has a last axis") = lin.out_dim() as i32;
+                lin.forward_shaped(h, &shape, Some(&self.norm))?
+            }
+        };
+        logits.astype(Dtype::F32)
     }
 }
 
@@ -474,10 +559,44 @@ impl Block {
     }
 }
 
+/// The vocab-parallel tables of a rank whose layout splits the embedding by vocabulary
+/// rows (`plan.vocab`); the lm_head, when not tied, must split the same way.
+fn vocab_rows(
+    layout: &Layout,
+    plan: &ShardPlan,
+    table: &Embedding,
+    tp: Option<Rc<Group>>,
+) -> Result<Option<VocabRows>> {
+    let invalid = |msg: String| super::weights::LoadError::Mlx(mlx::MlxError::Invalid(msg));
+    let split = &layout.embed_tokens.split;
+    if let Some(head) = &layout.lm_head {
+        if head.split != *split {
+            return Err(invalid(format!(
+                "{} splits as {:?} but {} as {split:?}: the lm_head and the embedding must \
+                 split the vocabulary alike",
+                head.name, head.split, layout.embed_tokens.name
+            )));
+        }
+    }
+    match (split, &plan.vocab) {
+        (Split::Vocab(rows), Some(shard)) if *rows == shard.rows => {
+            Ok(Some(VocabRows::new(shard, table.out_dtype(), tp)?))
+        }
+        (Split::Vocab(rows), _) => Err(invalid(format!(
+            "{}: vocabulary rows {rows:?} are not the shard plan's ({:?})",
+            layout.embed_tokens.name,
+            plan.vocab.as_ref().map(|v| &v.rows)
+        ))),
+        _ => Ok(None),
+    }
+}
+
 /// The layout of the Llama-like decoder (what [`Model`] loads): `model.embed_tokens`,
 /// `model.layers.{i}` of an attention block with `attn`'s choices and a SwiGLU MLP, each
 /// pre-normed (`input_layernorm`, `post_attention_layernorm`), `model.norm`, and
-/// `lm_head` unless tied; column/row splits of `plan`, quantized as the config says.
+/// `lm_head` unless tied; column/row/vocabulary splits of `plan`, quantized as the config
+/// says. A config with experts ([`ModelConfig::moe`]) gets a MoE block in its sparse
+/// layers.
 pub fn decoder_layout(cfg: &ModelConfig, plan: &ShardPlan, attn: AttentionOptions) -> Layout {
     let q = cfg.quantization;
     let h = cfg.hidden_size;
@@ -491,16 +610,35 @@ pub fn decoder_layout(cfg: &ModelConfig, plan: &ShardPlan, attn: AttentionOption
                     format!("{p}.post_attention_layernorm.weight"),
                     h,
                 ),
-                mlp: MlpLayout::new(&format!("{p}.mlp"), cfg, plan.intermediate.clone(), q),
+                mlp: match &cfg.moe {
+                    Some(moe) if moe.is_sparse(i) => FeedForwardLayout::Moe(MoeLayout::new(
+                        i,
+                        cfg,
+                        moe,
+                        (plan.rank, plan.size, plan.expert_parallel),
+                        q,
+                    )),
+                    _ => FeedForwardLayout::Dense(MlpLayout::new(
+                        &format!("{p}.mlp"),
+                        cfg,
+                        plan.intermediate.clone(),
+                        q,
+                    )),
+                },
             }
         })
         .collect();
     Layout {
         sharded: plan.is_sharded(),
-        embed_tokens: ParamSpec::embedding("model.embed_tokens", cfg.vocab_size, h).quantized(q),
+        embed_tokens: ParamSpec::embedding("model.embed_tokens", cfg.vocab_size, h)
+            .quantized(q)
+            .split(plan.vocab_split()),
         layers,
         norm: ParamSpec::norm("model.norm.weight", h),
-        lm_head: (!cfg.tie_word_embeddings)
-            .then(|| ParamSpec::linear("lm_head", cfg.vocab_size, h, false).quantized(q)),
+        lm_head: (!cfg.tie_word_embeddings).then(|| {
+            ParamSpec::linear("lm_head", cfg.vocab_size, h, false)
+                .quantized(q)
+                .split(plan.vocab_split())
+        }),
     }
 }

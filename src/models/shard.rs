@@ -7,11 +7,19 @@
 //! |---|---|
 //! | q/k/v, gate/up | column (output rows), whole heads per rank |
 //! | o_proj, down_proj | row (input columns), then `all_sum`, then bias once |
-//! | embeddings, lm_head, norms | replicated |
+//! | embed_tokens, lm_head | vocab-parallel (rows of the vocabulary, [`VocabShard`]) |
+//! | norms | replicated |
 //! | KV heads when N > n_kv | replicated: rank r holds kv head ⌊r·n_kv/N⌋ |
 //!
 //! Quantized weights split weight/scales/biases together; a row split needs
-//! `(in / N) % group_size == 0`.
+//! `(in / N) % group_size == 0`. A vocabulary split takes whole rows, so it fits any
+//! quantization; with `MLXCEL_VOCAB_PARALLEL=0` (or a vocabulary too small to give
+//! every rank a row) the embedding and lm_head are replicated.
+//!
+//! MoE blocks (`super::blocks::moe`): by default every expert's gate/up split by
+//! columns and down by rows over its `moe_intermediate_size`, like the dense MLP; with
+//! `--enable-expert-parallel` each rank holds `num_experts / N` whole experts. The
+//! router is replicated; the shared expert (Qwen2-MoE) splits like a dense MLP.
 use std::ops::Range;
 
 use super::config::ModelConfig;
@@ -40,7 +48,7 @@ pub enum ShardError {
         valid: String,
     },
     #[error(
-        "--tp-size {tp}: the row-parallel {what} would get {per_rank} input columns per rank, not a multiple of the quantization group_size {group} (valid sizes: {valid})"
+        "--tp-size {tp}: the row-parallel {what} would get {per_rank} input columns per rank, not a multiple of the quantization group_size {group} (valid sizes: {valid}){hint}"
     )]
     QuantGroup {
         tp: usize,
@@ -48,6 +56,16 @@ pub enum ShardError {
         per_rank: usize,
         group: usize,
         valid: String,
+        /// For a MoE expert projection: the expert-parallel alternative and its sizes.
+        hint: String,
+    },
+    #[error("--tp-size {tp}: {field} {size} is not divisible by it (valid sizes: {valid}){hint}")]
+    Experts {
+        tp: usize,
+        field: &'static str,
+        size: usize,
+        valid: String,
+        hint: String,
     },
     #[error("--tp-size must be at least 1")]
     Zero,
@@ -64,6 +82,46 @@ pub struct ShardPlan {
     pub kv_heads: Range<usize>,
     /// Columns of gate/up (rows of down's input) of this rank.
     pub intermediate: Range<usize>,
+    /// Vocabulary rows of this rank's embedding and lm_head (`None`: both replicated).
+    pub vocab: Option<VocabShard>,
+    /// MoE layers: whole experts per rank (`--enable-expert-parallel`) instead of a slice
+    /// of every expert's intermediate dimension.
+    pub expert_parallel: bool,
+}
+
+/// A vocab-parallel rank's rows of the vocabulary. Rank r holds rows
+/// `r · per_rank .. min((r + 1) · per_rank, vocab)`: every rank but the last ones holds
+/// `per_rank`, so the logits every rank computes, padded to `per_rank` columns and
+/// gathered in rank order, are the whole vocabulary followed by the padding.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VocabShard {
+    /// This rank's rows.
+    pub rows: Range<usize>,
+    /// ⌈vocab / size⌉: the columns of every rank's logits.
+    pub per_rank: usize,
+    /// The whole vocabulary.
+    pub vocab: usize,
+}
+
+impl VocabShard {
+    /// Rank `rank` of `size` of a vocabulary of `vocab` rows; `None` when one rank holds
+    /// everything, or when the last rank would hold no row (a vocabulary smaller than
+    /// about `size²`), where the rows are replicated instead.
+    pub fn of(vocab: usize, size: usize, rank: usize) -> Option<VocabShard> {
+        if size <= 1 || rank >= size {
+            return None;
+        }
+        let per_rank = vocab.div_ceil(size);
+        if (size - 1) * per_rank >= vocab {
+            return None;
+        }
+        let start = rank * per_rank;
+        Some(VocabShard {
+            rows: start..(start + per_rank).min(vocab),
+            per_rank,
+            vocab,
+        })
+    }
 }
 
 impl ShardPlan {
@@ -75,23 +133,49 @@ impl ShardPlan {
             q_heads: 0..cfg.num_heads,
             kv_heads: 0..cfg.num_kv_heads,
             intermediate: 0..cfg.intermediate_size,
+            vocab: None,
+            expert_parallel: false,
         }
     }
 
     pub fn is_sharded(&self) -> bool {
         self.size > 1
     }
+
+    /// How the embedding and lm_head split under this plan.
+    pub fn vocab_split(&self) -> Split {
+        match &self.vocab {
+            Some(v) => Split::Vocab(v.rows.clone()),
+            None => Split::Replicated,
+        }
+    }
 }
 
-fn check(cfg: &ModelConfig, tp: usize) -> Result<(), ShardError> {
-    let valid = || {
-        valid_sizes(cfg, 64)
-            .iter()
-            .map(|n| n.to_string())
-            .collect::<Vec<_>>()
-            .join(", ")
+fn list(sizes: &[usize]) -> String {
+    sizes
+        .iter()
+        .map(|n| n.to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+fn check(cfg: &ModelConfig, tp: usize, ep: bool) -> Result<(), ShardError> {
+    let valid = || list(&valid_sizes_with(cfg, 64, ep));
+    // a MoE model refused one way may split the other way
+    let hint = || {
+        match (&cfg.moe, ep) {
+        (None, _) => String::new(),
+        (Some(_), false) => format!(
+            "; or hold whole experts per rank with --enable-expert-parallel (valid sizes with it: {})",
+            list(&valid_sizes_with(cfg, 64, true))
+        ),
+        (Some(_), true) => format!(
+            "; or without --enable-expert-parallel (valid sizes: {})",
+            list(&valid_sizes_with(cfg, 64, false))
+        ),
+    }
     };
-    match fits(cfg, tp) {
+    match fits(cfg, tp, ep) {
         Ok(()) => Ok(()),
         Err(Misfit::Zero) => Err(ShardError::Zero),
         Err(Misfit::Heads) => Err(ShardError::Heads {
@@ -113,12 +197,21 @@ fn check(cfg: &ModelConfig, tp: usize) -> Result<(), ShardError> {
             what,
             per_rank,
             group,
+            expert,
         }) => Err(ShardError::QuantGroup {
             tp,
             what,
             per_rank,
             group,
             valid: valid(),
+            hint: if expert { hint() } else { String::new() },
+        }),
+        Err(Misfit::Experts { field, size }) => Err(ShardError::Experts {
+            tp,
+            field,
+            size,
+            valid: valid(),
+            hint: hint(),
         }),
     }
 }
@@ -133,14 +226,21 @@ enum Misfit {
         what: String,
         per_rank: usize,
         group: usize,
+        /// A stacked MoE expert projection.
+        expert: bool,
+    },
+    Experts {
+        field: &'static str,
+        size: usize,
     },
 }
 
 /// Whether the model splits `tp` ways: whole q heads per rank, kv heads that divide
 /// or are divided by `tp`, whole intermediate columns, and every quantized row-parallel
 /// parameter of the family's layout ([`super::layout`]) with whole quantization groups
-/// per rank.
-fn fits(cfg: &ModelConfig, tp: usize) -> Result<(), Misfit> {
+/// per rank; for a MoE model, whole experts per rank (`ep`: expert parallel) or whole
+/// columns of every expert's (and the shared expert's) intermediate dimension.
+fn fits(cfg: &ModelConfig, tp: usize, ep: bool) -> Result<(), Misfit> {
     if tp == 0 {
         return Err(Misfit::Zero);
     }
@@ -154,7 +254,31 @@ fn fits(cfg: &ModelConfig, tp: usize) -> Result<(), Misfit> {
     if !cfg.intermediate_size.is_multiple_of(tp) {
         return Err(Misfit::Intermediate);
     }
-    let layout = super::layout(cfg, &slices(cfg, tp, 0));
+    if let Some(moe) = &cfg.moe {
+        let misfit = |field, size: usize| match size.is_multiple_of(tp) {
+            true => Ok(()),
+            false => Err(Misfit::Experts { field, size }),
+        };
+        match ep {
+            true => misfit("num_experts", moe.num_experts)?,
+            false => misfit("moe_intermediate_size", moe.expert_intermediate)?,
+        }
+        if let Some(s) = moe.shared_expert_intermediate {
+            misfit("shared_expert_intermediate_size", s)?;
+        }
+    }
+    let layout = super::layout(
+        cfg,
+        &slices(
+            cfg,
+            tp,
+            0,
+            SplitOptions {
+                vocab_parallel: false,
+                expert_parallel: ep,
+            },
+        ),
+    );
     for p in layout.params() {
         if let (Split::Row(cols), Some(q)) = (&p.split, p.quant) {
             let g = q.group_size as usize;
@@ -163,6 +287,7 @@ fn fits(cfg: &ModelConfig, tp: usize) -> Result<(), Misfit> {
                     what: p.short_name().to_string(),
                     per_rank: cols.len(),
                     group: g,
+                    expert: p.experts.is_some(),
                 });
             }
         }
@@ -172,22 +297,68 @@ fn fits(cfg: &ModelConfig, tp: usize) -> Result<(), Misfit> {
 
 /// Tensor-parallel sizes up to `max` that this model can be split into.
 pub fn valid_sizes(cfg: &ModelConfig, max: usize) -> Vec<usize> {
-    (1..=max).filter(|&n| fits(cfg, n).is_ok()).collect()
+    valid_sizes_with(cfg, max, false)
+}
+
+/// [`valid_sizes`] with MoE experts whole per rank when `expert_parallel`.
+pub fn valid_sizes_with(cfg: &ModelConfig, max: usize, expert_parallel: bool) -> Vec<usize> {
+    (1..=max)
+        .filter(|&n| fits(cfg, n, expert_parallel).is_ok())
+        .collect()
 }
 
 /// Check that the model splits `tp` ways (before spawning anything).
 pub fn validate(cfg: &ModelConfig, tp: usize) -> Result<(), ShardError> {
-    check(cfg, tp)
+    check(cfg, tp, false)
 }
 
-/// The slice rank `rank` of `tp` holds.
+/// [`validate`] with MoE experts whole per rank when `expert_parallel`
+/// (`--enable-expert-parallel`).
+pub fn validate_with(
+    cfg: &ModelConfig,
+    tp: usize,
+    expert_parallel: bool,
+) -> Result<(), ShardError> {
+    check(cfg, tp, expert_parallel)
+}
+
+/// The slice rank `rank` of `tp` holds, with the vocabulary split as
+/// `MLXCEL_VOCAB_PARALLEL` says ([`crate::kernels::knobs`]).
 pub fn plan(cfg: &ModelConfig, tp: usize, rank: usize) -> Result<ShardPlan, ShardError> {
-    check(cfg, tp)?;
-    Ok(slices(cfg, tp, rank))
+    plan_with(
+        cfg,
+        tp,
+        rank,
+        SplitOptions {
+            vocab_parallel: crate::kernels::knobs::get().vocab_parallel,
+            expert_parallel: false,
+        },
+    )
 }
 
-/// [`plan`] without the checks (`tp` ≥ 1 dividing the heads as [`fits`] asks).
-fn slices(cfg: &ModelConfig, tp: usize, rank: usize) -> ShardPlan {
+/// The choices of how to split what may split more than one way.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SplitOptions {
+    /// Each rank holds its rows of the vocabulary (embedding, lm_head) instead of both
+    /// whole (`MLXCEL_VOCAB_PARALLEL`).
+    pub vocab_parallel: bool,
+    /// MoE layers hold whole experts per rank (`--enable-expert-parallel`).
+    pub expert_parallel: bool,
+}
+
+/// [`plan`] with the given split options.
+pub fn plan_with(
+    cfg: &ModelConfig,
+    tp: usize,
+    rank: usize,
+    opts: SplitOptions,
+) -> Result<ShardPlan, ShardError> {
+    check(cfg, tp, opts.expert_parallel)?;
+    Ok(slices(cfg, tp, rank, opts))
+}
+
+/// [`plan_with`] without the checks (`tp` ≥ 1 dividing the heads as [`fits`] asks).
+fn slices(cfg: &ModelConfig, tp: usize, rank: usize, opts: SplitOptions) -> ShardPlan {
     let per = |n: usize| n / tp;
     let qh = per(cfg.num_heads);
     let kv_heads = if cfg.num_kv_heads.is_multiple_of(tp) {
@@ -204,6 +375,8 @@ fn slices(cfg: &ModelConfig, tp: usize, rank: usize) -> ShardPlan {
         q_heads: rank * qh..(rank + 1) * qh,
         kv_heads,
         intermediate: rank * inter..(rank + 1) * inter,
+        vocab: VocabShard::of(cfg.vocab_size, tp, rank).filter(|_| opts.vocab_parallel),
+        expert_parallel: opts.expert_parallel && cfg.moe.is_some(),
     }
 }
 
@@ -235,6 +408,7 @@ mod tests {
             dtype: crate::mlx::Dtype::F32,
             eos_token_ids: vec![],
             bos_token_id: None,
+            moe: None,
         }
     }
 
@@ -276,6 +450,58 @@ mod tests {
             Err(ShardError::KvHeads { tp: 6, kv: 4, .. })
         ));
         assert!(matches!(validate(&c, 0), Err(ShardError::Zero)));
+    }
+
+    #[test]
+    fn vocabulary_rows_cover_the_vocabulary_once() {
+        for (vocab, n) in [
+            (100, 2),
+            (100, 4),
+            (101, 4),
+            (128256, 8),
+            (49152, 3),
+            (37, 5),
+        ] {
+            let shards: Vec<VocabShard> = (0..n)
+                .map(|r| VocabShard::of(vocab, n, r).unwrap())
+                .collect();
+            let mut next = 0;
+            for s in &shards {
+                assert_eq!(
+                    (s.rows.start, s.per_rank, s.vocab),
+                    (next, vocab.div_ceil(n), vocab)
+                );
+                assert!(!s.rows.is_empty() && s.rows.len() <= s.per_rank);
+                next = s.rows.end;
+            }
+            assert_eq!(next, vocab, "{vocab} over {n}");
+        }
+        // 9 rows over 4 ranks of 3 would leave the last one none: replicated
+        assert_eq!(VocabShard::of(9, 4, 0), None);
+        assert_eq!(VocabShard::of(100, 1, 0), None);
+        let c = cfg(8, 2, 256, Some(64));
+        let p = plan_with(
+            &c,
+            4,
+            3,
+            SplitOptions {
+                vocab_parallel: true,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        assert_eq!(p.vocab_split(), Split::Vocab(75..100));
+        assert_eq!(
+            plan_with(&c, 4, 3, SplitOptions::default())
+                .unwrap()
+                .vocab_split(),
+            Split::Replicated
+        );
+        assert_eq!(ShardPlan::full(&c).vocab, None);
+        // the layout splits the embedding and lm_head alike, whole rows of a quantized one
+        let l = crate::models::layout(&c, &p);
+        assert_eq!(l.embed_tokens.split, Split::Vocab(75..100));
+        assert_eq!(l.lm_head.unwrap().split, Split::Vocab(75..100));
     }
 
     #[test]

@@ -245,6 +245,23 @@ impl SafetensorsSource {
         kind: TensorKind,
         buf: &mut Vec<u8>,
     ) -> Result<Dtype, LoadError> {
+        self.append_stacked(name, shape, None, rows, cols, kind, buf)
+    }
+
+    /// [`Self::append_block`] of a 1-, 2- or 3-D tensor; for a 3-D (stacked experts)
+    /// tensor the block `rows × cols` of the last two axes of each expert in `experts`
+    /// (all when `None`), expert after expert.
+    #[allow(clippy::too_many_arguments)]
+    fn append_stacked(
+        &self,
+        name: &str,
+        shape: &[usize],
+        experts: Option<Range<usize>>,
+        rows: Range<usize>,
+        cols: Range<usize>,
+        kind: TensorKind,
+        buf: &mut Vec<u8>,
+    ) -> Result<Dtype, LoadError> {
         let (fi, e) = self.find(name)?.ok_or_else(|| LoadError::Missing {
             name: name.into(),
             files: self.file_list(),
@@ -267,12 +284,21 @@ impl SafetensorsSource {
             });
         }
         let elt = e.dtype.size();
-        let row_bytes = if shape.len() == 2 {
-            shape[1] * elt
+        let row_bytes = if shape.len() >= 2 {
+            shape[shape.len() - 1] * elt
         } else {
             elt
         };
-        let ranges = block_ranges(e.start, row_bytes, elt, rows, cols);
+        let (lead, stride) = match shape.len() {
+            3 => (experts.unwrap_or(0..shape[0]), shape[1] * shape[2] * elt),
+            _ => (0..1, 0),
+        };
+        let ranges: Vec<(u64, usize)> = lead
+            .flat_map(|x| {
+                let start = e.start + (x * stride) as u64;
+                block_ranges(start, row_bytes, elt, rows.clone(), cols.clone())
+            })
+            .collect();
         let total: usize = ranges.iter().map(|r| r.1).sum();
         let mut at = buf.len();
         buf.resize(at + total, 0);
@@ -455,6 +481,24 @@ pub trait WeightSource {
     /// Bytes read from checkpoint files so far (0 for made-up weights).
     fn bytes_read(&self) -> u64;
 
+    /// The block `experts × rows × cols` of the stacked expert tensor `name` (full shape
+    /// `shape`, `[E, R, C]`; all rows or columns when `None`), reading only those bytes where
+    /// the source reads files. By default the rows and columns of each expert, stacked.
+    fn load_stacked(
+        &self,
+        name: &str,
+        shape: &[usize],
+        experts: Range<usize>,
+        rows: Option<Range<usize>>,
+        cols: Option<Range<usize>>,
+        kind: TensorKind,
+    ) -> Result<Array, LoadError> {
+        let _ = (shape, experts, rows, cols, kind);
+        Err(LoadError::Mlx(MlxError::Invalid(format!(
+            "{name}: stacked expert tensors are not supported by this weight source"
+        ))))
+    }
+
     /// Whether the checkpoint has this tensor.
     fn contains(&self, name: &str) -> bool {
         self.info(name).is_ok_and(|i| i.is_some())
@@ -506,6 +550,28 @@ fn block_bounds(
     (rows, cols, dims)
 }
 
+/// A stacked block's rows, columns and shape.
+type StackedBounds = (Range<usize>, Range<usize>, Vec<i32>);
+
+/// The experts, rows and columns of a stacked block request (`[E, R, C]`), filled in,
+/// and the block's shape.
+fn stacked_bounds(
+    shape: &[usize],
+    experts: Range<usize>,
+    rows: Option<Range<usize>>,
+    cols: Option<Range<usize>>,
+) -> Result<StackedBounds, LoadError> {
+    if shape.len() != 3 || experts.end > shape[0] {
+        return Err(LoadError::Mlx(MlxError::Invalid(format!(
+            "stacked block: shape {shape:?} is not [experts, rows, cols] holding experts {experts:?}"
+        ))));
+    }
+    let rows = rows.unwrap_or(0..shape[1]);
+    let cols = cols.unwrap_or(0..shape[2]);
+    let dims = [experts.len(), rows.len(), cols.len()].map(|d| d as i32);
+    Ok((rows, cols, dims.to_vec()))
+}
+
 impl SafetensorsSource {
     /// A model folder's checkpoint: with an index, files are opened on first use.
     pub fn from_dir(dir: &ModelDir) -> Result<SafetensorsSource, LoadError> {
@@ -555,6 +621,25 @@ impl WeightSource for SafetensorsSource {
 
     fn bytes_read(&self) -> u64 {
         self.bytes_read.get()
+    }
+
+    /// One segment per row of each expert's block (whole rows of consecutive experts merge).
+    fn load_stacked(
+        &self,
+        name: &str,
+        shape: &[usize],
+        experts: Range<usize>,
+        rows: Option<Range<usize>>,
+        cols: Option<Range<usize>>,
+        kind: TensorKind,
+    ) -> Result<Array, LoadError> {
+        let (rows, cols, dims) = stacked_bounds(shape, experts.clone(), rows, cols)?;
+        let mut buf = self.scratch.borrow_mut();
+        buf.clear();
+        let dtype = self.append_stacked(name, shape, Some(experts), rows, cols, kind, &mut buf)?;
+        let a = Array::from_bytes(&buf, &dims, dtype)?;
+        SafetensorsSource::trim_scratch(&mut buf);
+        Ok(a)
     }
 
     /// Where the parts agree in dtype and in their other dimensions, they are read straight
@@ -628,9 +713,44 @@ impl WeightSource for DummySource {
         kind: TensorKind,
     ) -> Result<Array, LoadError> {
         let (rows, cols, dims) = block_bounds(shape, rows, cols);
-        let sub = mlx::random::key(block_seed(self.seed, name, &rows, &cols))?;
+        self.make(name, shape, &dims, &rows, &cols, kind)
+    }
+
+    fn load_stacked(
+        &self,
+        name: &str,
+        shape: &[usize],
+        experts: Range<usize>,
+        rows: Option<Range<usize>>,
+        cols: Option<Range<usize>>,
+        kind: TensorKind,
+    ) -> Result<Array, LoadError> {
+        let (rows, cols, dims) = stacked_bounds(shape, experts.clone(), rows, cols)?;
+        // the experts' bounds are part of the key, like the rows' and columns'
+        let keyed = format!("{name}#{}..{}", experts.start, experts.end);
+        self.make(&keyed, shape, &dims, &rows, &cols, kind)
+    }
+
+    fn bytes_read(&self) -> u64 {
+        0
+    }
+}
+
+impl DummySource {
+    /// Values of a block of shape `dims` of `name` (full shape `shape`).
+    fn make(
+        &self,
+        name: &str,
+        shape: &[usize],
+        dims: &[i32],
+        rows: &Range<usize>,
+        cols: &Range<usize>,
+        kind: TensorKind,
+    ) -> Result<Array, LoadError> {
+        let sub = mlx::random::key(block_seed(self.seed, name, rows, cols))?;
         let fan_in = *shape.last().unwrap_or(&1) as f32;
         let dtype = self.dtype;
+        let dims = dims.to_vec();
         Ok(match kind {
             TensorKind::Norm => Array::full(&dims, 1.0, dtype)?,
             TensorKind::Float => mlx::random::normal(&dims, dtype, 0.0, fan_in.powf(-0.5), &sub)?,
@@ -640,10 +760,6 @@ impl WeightSource for DummySource {
             TensorKind::Scales => Array::full(&dims, 0.02, dtype)?,
             TensorKind::QuantBiases => Array::full(&dims, -0.15, dtype)?,
         })
-    }
-
-    fn bytes_read(&self) -> u64 {
-        0
     }
 }
 
@@ -657,6 +773,15 @@ pub struct CastSource {
 impl CastSource {
     pub fn new(inner: Box<dyn WeightSource>, dtype: Dtype) -> CastSource {
         CastSource { inner, dtype }
+    }
+}
+
+impl CastSource {
+    fn cast(&self, a: Array, kind: TensorKind) -> Result<Array, LoadError> {
+        match kind {
+            TensorKind::Packed => Ok(a),
+            _ => Ok(a.astype(self.dtype)?),
+        }
     }
 }
 
@@ -678,10 +803,22 @@ impl WeightSource for CastSource {
         kind: TensorKind,
     ) -> Result<Array, LoadError> {
         let a = self.inner.load_block(name, shape, rows, cols, kind)?;
-        match kind {
-            TensorKind::Packed => Ok(a),
-            _ => Ok(a.astype(self.dtype)?),
-        }
+        self.cast(a, kind)
+    }
+
+    fn load_stacked(
+        &self,
+        name: &str,
+        shape: &[usize],
+        experts: Range<usize>,
+        rows: Option<Range<usize>>,
+        cols: Option<Range<usize>>,
+        kind: TensorKind,
+    ) -> Result<Array, LoadError> {
+        let a = self
+            .inner
+            .load_stacked(name, shape, experts, rows, cols, kind)?;
+        self.cast(a, kind)
     }
 
     fn bytes_read(&self) -> u64 {

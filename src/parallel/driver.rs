@@ -16,10 +16,11 @@ use super::protocol::{FromRank, Identity, RankReport, ToRank};
 use super::rank::MEMORY_LIMIT_VAR;
 use super::shard::{self, ShardError};
 use crate::engine::step::{
-    Executor, MemoryStats, SampledToken, SeqMask, StepError, StepPlan, StepResult,
+    Executor, KvPool, MemoryStats, SampledToken, SeqMask, StepError, StepPlan, StepResult,
 };
 use crate::mlx::{self, distributed::GroupBackend};
 use crate::model_dir::ModelDir;
+use crate::models::kv_cache::{KvConfig, DEFAULT_BLOCK_SIZE};
 use crate::models::{self, LoadFormat, ModelError};
 
 /// `--tp-backend`.
@@ -38,11 +39,17 @@ pub struct TpOptions {
     pub backend: TpBackend,
     /// Run all ranks on the one device there is, over ring.
     pub emulate: bool,
+    /// Split the embedding and lm_head by vocabulary rows (default: `MLXCEL_VOCAB_PARALLEL`).
+    pub vocab_parallel: bool,
     /// Rank r → this process's GPU entry `devices[r]` (default 0..N).
     pub devices: Option<Vec<usize>>,
     pub load_format: LoadFormat,
+    /// MoE models: each rank holds whole experts (`--enable-expert-parallel`).
+    pub expert_parallel: bool,
     pub ctx_size: usize,
     pub slots: usize,
+    /// The paged KV cache's pool (every rank holds its kv heads of each block).
+    pub kv: KvConfig,
     /// Prompt tokens per prefill step (sizes the memory plan's working margin).
     pub prefill_chunk: usize,
     /// The binary to run as ranks (default: this executable).
@@ -75,12 +82,15 @@ impl TpOptions {
         };
         TpOptions {
             tp_size,
+            expert_parallel: false,
             backend: TpBackend::Auto,
             emulate: false,
+            vocab_parallel: crate::kernels::knobs::get().vocab_parallel,
             devices: None,
             load_format: LoadFormat::Safetensors,
             ctx_size,
             slots,
+            kv: KvConfig::for_slots(slots, ctx_size, DEFAULT_BLOCK_SIZE),
             prefill_chunk: 512,
             program: None,
             load_timeout: secs("MLXCEL_TP_LOAD_TIMEOUT", 1800),
@@ -178,7 +188,7 @@ impl TpExecutor {
     pub fn launch(dir: &ModelDir, opts: TpOptions) -> Result<TpExecutor, LaunchError> {
         let n = opts.tp_size;
         let cfg = models::read_config(dir)?;
-        shard::validate(&cfg, n)?;
+        shard::validate_with(&cfg, n, opts.expert_parallel)?;
         let backend_name = mlx::backend().to_string();
         let gpus = visible_gpus();
         let backend = match (opts.backend, opts.emulate) {
@@ -312,7 +322,7 @@ impl TpExecutor {
         {
             // nothing to do: no GPUs in this process's view
         }
-        let args: Vec<String> = vec![
+        let mut args: Vec<String> = vec![
             "_rank".into(),
             "--model".into(),
             dir.root.display().to_string(),
@@ -325,11 +335,23 @@ impl TpExecutor {
             opts.ctx_size.to_string(),
             "--slots".into(),
             opts.slots.to_string(),
+            "--block-size".into(),
+            opts.kv.block_size.to_string(),
+            "--kv-blocks".into(),
+            opts.kv.num_blocks.to_string(),
             "--tp-size".into(),
             n.to_string(),
             "--backend".into(),
             backend.name().into(),
+            "--vocab-parallel".into(),
+            opts.vocab_parallel.to_string(),
         ];
+        if opts.expert_parallel {
+            args.push("--enable-expert-parallel".into());
+        }
+        if opts.kv.preallocate {
+            args.push("--kv-preallocate".into());
+        }
         let config_bytes = std::fs::read(&dir.config)
             .map_err(|e| LaunchError::Io(format!("{}: {e}", dir.config.display())))?;
         let weight_files = if opts.load_format == LoadFormat::Dummy {
@@ -466,8 +488,13 @@ fn check_memory(
         slots: opts.slots,
         prefill_chunk: opts.prefill_chunk,
         backend: mlx::backend(),
+        vocab_parallel: opts.vocab_parallel,
+        kv_tokens: opts
+            .kv
+            .preallocate
+            .then_some(opts.kv.num_blocks * opts.kv.block_size),
     };
-    let mem = plan::plan_memory(&input)?;
+    let mem = plan::plan_memory_with(&input, opts.expert_parallel)?;
     let place = Placement {
         entries,
         shared: opts.emulate || gpus == 0,
@@ -574,10 +601,12 @@ impl Executor for TpExecutor {
         &mut self,
         rows: &[(u64, usize, usize)],
         tokens: Option<&[u32]>,
+        tables: &[(usize, Vec<u32>)],
     ) -> Result<(), StepError> {
         let msg = ToRank::QueueDecode {
             rows: rows.to_vec(),
             tokens: tokens.map(<[u32]>::to_vec),
+            tables: tables.to_vec(),
         };
         self.queue_msg(rows, msg)
     }
@@ -586,10 +615,12 @@ impl Executor for TpExecutor {
         &mut self,
         rows: &[(u64, usize, usize)],
         tokens: Option<&[u32]>,
+        tables: &[(usize, Vec<u32>)],
     ) -> Result<(), StepError> {
         let msg = ToRank::QueueForward {
             rows: rows.to_vec(),
             tokens: tokens.map(<[u32]>::to_vec),
+            tables: tables.to_vec(),
         };
         self.queue_msg(rows, msg)
     }
@@ -674,6 +705,13 @@ impl Executor for TpExecutor {
 
     fn slots(&self) -> usize {
         self.opts.slots
+    }
+
+    fn kv_pool(&self) -> KvPool {
+        KvPool {
+            block_size: self.opts.kv.block_size,
+            num_blocks: self.opts.kv.num_blocks,
+        }
     }
 
     /// Takes in what the ranks sent meanwhile without waiting: a rank that has

@@ -8,8 +8,9 @@
 //!   column/row-split tensors contribute their slice, replicated ones (embeddings,
 //!   lm_head, norms) their whole size. Dtypes come from the safetensors headers
 //!   (dummy weights: `config.json`'s dtype; packed quantized weights: uint32).
-//! - **KV cache**: `layers × 2 × slots × kv_heads_per_rank × ctx × head_dim ×
-//!   dtype size` (the cache grows to `--ctx-size` per slot).
+//! - **KV cache**: `layers × 2 × tokens × kv_heads_per_rank × head_dim × dtype size`,
+//!   tokens the paged pool's (`--kv-cache-gb`, `--gpu-memory-utilization`) or by default
+//!   `slots × ctx` (the pool grows to that);
 //! - **working margin**, with `T = min(prefill_chunk, ctx) + slots − 1` tokens per
 //!   step and `a` the activation dtype's size:
 //!   - activations `2 · T · (4·hidden + q_r + 2·kv_r + 3·inter_r) · a` (the residual,
@@ -73,6 +74,12 @@ pub struct PlanInput<'a> {
     pub prefill_chunk: usize,
     /// The MLX backend the ranks run (decides the attention and runtime terms).
     pub backend: Backend,
+    /// Whether the embedding and lm_head split by vocabulary rows
+    /// ([`crate::models::shard::VocabShard`]) rather than being replicated.
+    pub vocab_parallel: bool,
+    /// Tokens of the KV pool, allocated at once (`--kv-cache-gb`,
+    /// `--gpu-memory-utilization`); `None`: `slots × ctx`, grown as used.
+    pub kv_tokens: Option<usize>,
 }
 
 /// One rank's share, in bytes.
@@ -102,6 +109,9 @@ pub struct MemoryPlan {
     pub sharded_total_bytes: u64,
     /// Bytes of the tensors every rank holds whole.
     pub replicated_total_bytes: u64,
+    /// Vocabulary rows of the embedding and lm_head per rank (⌈vocab / N⌉; the last rank
+    /// may hold fewer) when they are vocab-parallel; `None`: replicated.
+    pub vocab_rows_per_rank: Option<usize>,
     pub ranks: Vec<RankMemory>,
 }
 
@@ -146,9 +156,17 @@ pub fn activation_dtype(
 
 /// The memory plan of every rank (validates the split first).
 pub fn plan_memory(input: &PlanInput<'_>) -> Result<MemoryPlan, ShardError> {
+    plan_memory_with(input, false)
+}
+
+/// [`plan_memory`] with MoE experts whole per rank when `expert_parallel`.
+pub fn plan_memory_with(
+    input: &PlanInput<'_>,
+    expert_parallel: bool,
+) -> Result<MemoryPlan, ShardError> {
     let cfg = input.cfg;
     let n = input.tp_size;
-    shard::validate(cfg, n)?;
+    shard::validate_with(cfg, n, expert_parallel)?;
     let act = activation_dtype(cfg, input.catalog);
     let a = act.size() as u64;
     let ctx = input.ctx_size.max(1) as u64;
@@ -157,20 +175,31 @@ pub fn plan_memory(input: &PlanInput<'_>) -> Result<MemoryPlan, ShardError> {
     let mut ranks = Vec::with_capacity(n);
     let mut sharded_total = 0;
     let mut replicated_total = 0;
+    let mut vocab_rows_per_rank = None;
     for r in 0..n {
         let sp = if n == 1 {
             ShardPlan::full(cfg)
         } else {
-            shard::plan(cfg, n, r)?
+            shard::plan_with(
+                cfg,
+                n,
+                r,
+                shard::SplitOptions {
+                    vocab_parallel: input.vocab_parallel,
+                    expert_parallel,
+                },
+            )?
         };
         let (sharded, replicated, full) = weight_bytes(cfg, input.catalog, &sp);
+        vocab_rows_per_rank = sp.vocab.as_ref().map(|v| v.per_rank);
         sharded_total = full;
         replicated_total = replicated;
         let hd = cfg.head_dim as u64;
         let kvh = sp.kv_heads.len() as u64;
         let qh = sp.q_heads.len() as u64;
         let layers = cfg.num_layers as u64;
-        let kv = layers * 2 * slots * kvh * ctx * hd * a;
+        let kv_tokens = input.kv_tokens.map_or(slots * ctx, |t| t as u64);
+        let kv = layers * 2 * kv_tokens * kvh * hd * a;
         let activations = 2
             * t
             * (4 * cfg.hidden_size as u64
@@ -184,13 +213,20 @@ pub fn plan_memory(input: &PlanInput<'_>) -> Result<MemoryPlan, ShardError> {
             0
         };
         let logits = slots * cfg.vocab_size as u64 * (8 + a);
-        let kv_growth = kv / layers.max(1);
+        // a pool allocated at once never grows
+        let kv_growth = match input.kv_tokens {
+            Some(_) => 0,
+            None => kv / layers.max(1),
+        };
+        // this rank's rows of the embedding (all of them, replicated)
+        let vocab_rows = sp.vocab.as_ref().map_or(cfg.vocab_size, |v| v.rows.len());
         let dummy_draw = if input.catalog.is_none() {
-            8 * cfg.vocab_size as u64 * cfg.hidden_size as u64
+            8 * vocab_rows as u64 * cfg.hidden_size as u64
         } else {
             0
         };
         let margin = activations
+            + crate::models::blocks::moe::working_bytes(cfg, &sp, t, a)
             + scores
             + logits
             + kv_growth
@@ -215,7 +251,46 @@ pub fn plan_memory(input: &PlanInput<'_>) -> Result<MemoryPlan, ShardError> {
         kv_dtype: act.name().to_string(),
         sharded_total_bytes: sharded_total,
         replicated_total_bytes: replicated_total,
+        vocab_rows_per_rank,
         ranks,
+    })
+}
+
+/// KV bytes per token on the rank that needs the most (its kv heads, all layers).
+pub fn kv_bytes_per_token(input: &PlanInput<'_>) -> Result<u64, ShardError> {
+    let one = PlanInput {
+        kv_tokens: Some(1),
+        ..*input
+    };
+    Ok(plan_memory(&one)?
+        .ranks
+        .iter()
+        .map(|r| r.kv_bytes)
+        .max()
+        .unwrap_or(0))
+}
+
+/// Tokens of KV that fit when each rank may use `fraction` of `device_bytes` (its
+/// device's memory; ranks sharing one device: the whole device's, shared) for its
+/// weights, KV pool and working margin.
+pub fn kv_tokens_fit(
+    input: &PlanInput<'_>,
+    device_bytes: u64,
+    fraction: f64,
+    shared: bool,
+) -> Result<u64, ShardError> {
+    let none = PlanInput {
+        kv_tokens: Some(0),
+        ..*input
+    };
+    let base = plan_memory(&none)?;
+    let per_token = kv_bytes_per_token(input)?.max(1);
+    let budget = (device_bytes as f64 * fraction) as u64;
+    Ok(if shared {
+        let ranks = base.ranks.len().max(1) as u64;
+        budget.saturating_sub(base.sum_total()) / (per_token * ranks)
+    } else {
+        budget.saturating_sub(base.max_rank_total()) / per_token
     })
 }
 
@@ -658,6 +733,7 @@ mod tests {
             dtype: Dtype::BF16,
             eos_token_ids: vec![],
             bos_token_id: None,
+            moe: None,
         }
     }
 
@@ -670,6 +746,8 @@ mod tests {
             slots: 1,
             prefill_chunk: 512,
             backend: Backend::Cuda,
+            vocab_parallel: true,
+            kv_tokens: None,
         }
     }
 
@@ -708,37 +786,52 @@ mod tests {
             let cfg = models::read_config(&md).unwrap();
             families.insert(cfg.model_type.clone());
             let catalog = models::weights::catalog(&md).unwrap();
-            for tp in [1, 2, 4] {
-                for checkpoint in [true, false] {
-                    let input = PlanInput {
-                        cfg: &cfg,
-                        catalog: checkpoint.then_some(&catalog),
-                        tp_size: tp,
-                        ctx_size: 64,
-                        slots: 1,
-                        prefill_chunk: 16,
-                        backend: Backend::Cpu,
+            for (tp, checkpoint, vocab_parallel) in [1, 2, 4]
+                .into_iter()
+                .flat_map(|tp| [(tp, true), (tp, false)])
+                .flat_map(|(tp, c)| [(tp, c, true), (tp, c, false)])
+            {
+                let input = PlanInput {
+                    cfg: &cfg,
+                    catalog: checkpoint.then_some(&catalog),
+                    tp_size: tp,
+                    ctx_size: 64,
+                    slots: 1,
+                    prefill_chunk: 16,
+                    backend: Backend::Cpu,
+                    vocab_parallel,
+                    kv_tokens: None,
+                };
+                let p = plan_memory(&input).unwrap();
+                for r in 0..tp {
+                    let sp = match tp {
+                        1 => ShardPlan::full(&cfg),
+                        _ => shard::plan_with(
+                            &cfg,
+                            tp,
+                            r,
+                            shard::SplitOptions {
+                                vocab_parallel,
+                                expert_parallel: false,
+                            },
+                        )
+                        .unwrap(),
                     };
-                    let p = plan_memory(&input).unwrap();
-                    for r in 0..tp {
-                        let sp = match tp {
-                            1 => ShardPlan::full(&cfg),
-                            _ => shard::plan(&cfg, tp, r).unwrap(),
-                        };
-                        let src: Box<dyn WeightSource> = match checkpoint {
-                            true => Box::new(SafetensorsSource::from_dir(&md).unwrap()),
-                            false => Box::new(DummySource::new(cfg.dtype, 0)),
-                        };
-                        let m =
-                            Model::load_shard(&cfg, src.as_ref(), &sp, None, |_, _| {}).unwrap();
-                        let what = format!("{fixture}, tp {tp}, rank {r}, checkpoint {checkpoint}");
-                        assert_eq!(m.weight_bytes() as u64, p.ranks[r].weight_bytes, "{what}");
-                        if checkpoint {
-                            assert_eq!(src.bytes_read(), p.ranks[r].weight_bytes, "{what}");
-                        }
-                        if tp > 1 {
-                            assert!(p.ranks[r].sharded_bytes > 0, "{what}: nothing split");
-                        }
+                    let src: Box<dyn WeightSource> = match checkpoint {
+                        true => Box::new(SafetensorsSource::from_dir(&md).unwrap()),
+                        false => Box::new(DummySource::new(cfg.dtype, 0)),
+                    };
+                    let m = Model::load_shard(&cfg, src.as_ref(), &sp, None, |_, _| {}).unwrap();
+                    let what = format!(
+                        "{fixture}, tp {tp}, rank {r}, checkpoint {checkpoint}, \
+                         vocab-parallel {vocab_parallel}"
+                    );
+                    assert_eq!(m.weight_bytes() as u64, p.ranks[r].weight_bytes, "{what}");
+                    if checkpoint {
+                        assert_eq!(src.bytes_read(), p.ranks[r].weight_bytes, "{what}");
+                    }
+                    if tp > 1 {
+                        assert!(p.ranks[r].sharded_bytes > 0, "{what}: nothing split");
                     }
                 }
             }
@@ -756,23 +849,93 @@ mod tests {
         // 8.03 B parameters in bf16
         assert_eq!(one.ranks[0].weight_bytes, cfg.num_parameters() * 2);
         assert_eq!(one.sharded_total_bytes, 0);
-        let two = plan_memory(&input(&cfg, 2)).unwrap();
-        let emb = 2 * 128256 * 4096 * 2;
+        let emb = 2 * 128256 * 4096 * 2; // embedding and lm_head
         let norms = (2 * 32 + 1) * 4096 * 2;
-        assert_eq!(two.replicated_total_bytes, emb + norms);
-        assert_eq!(
-            two.sharded_total_bytes + two.replicated_total_bytes,
-            one.ranks[0].weight_bytes
-        );
-        for r in &two.ranks {
+        for vocab_parallel in [false, true] {
+            let two = plan_memory(&PlanInput {
+                vocab_parallel,
+                ..input(&cfg, 2)
+            })
+            .unwrap();
+            let replicated = if vocab_parallel { norms } else { emb + norms };
+            assert_eq!(two.replicated_total_bytes, replicated);
             assert_eq!(
-                r.weight_bytes,
-                two.sharded_total_bytes / 2 + two.replicated_total_bytes
+                two.sharded_total_bytes + two.replicated_total_bytes,
+                one.ranks[0].weight_bytes
             );
+            for r in &two.ranks {
+                assert_eq!(
+                    r.weight_bytes,
+                    two.sharded_total_bytes / 2 + two.replicated_total_bytes
+                );
+            }
         }
         // KV: 32 layers × 2 × 8 heads × 128 × 8192 × 2 bytes = 1 GiB, halved per rank
         assert_eq!(one.ranks[0].kv_bytes, GIB);
-        assert_eq!(two.ranks[1].kv_bytes, GIB / 2);
+        assert_eq!(
+            plan_memory(&input(&cfg, 2)).unwrap().ranks[1].kv_bytes,
+            GIB / 2
+        );
+    }
+
+    /// One rank of Llama-3-70B at TP 8 in bf16: vocab-parallel it holds 1/8 of the
+    /// embedding and lm_head rows (3.68 GB less), and reads 17.4 GB per decoded token
+    /// (all its weights but the embedding's rows other than the few looked up) instead of
+    /// 19.2; an uneven vocabulary gives the last rank the rows left over.
+    #[test]
+    fn a_70b_rank_at_tp8_holds_its_vocabulary_rows() {
+        let cfg = ModelConfig {
+            hidden_size: 8192,
+            num_layers: 80,
+            num_heads: 64,
+            intermediate_size: 28672,
+            ..llama8b(None)
+        };
+        let plan = |vocab_parallel, cfg: &ModelConfig| {
+            plan_memory(&PlanInput {
+                vocab_parallel,
+                ..input(cfg, 8)
+            })
+            .unwrap()
+        };
+        let (split, whole) = (plan(true, &cfg), plan(false, &cfg));
+        assert_eq!(
+            (split.vocab_rows_per_rank, whole.vocab_rows_per_rank),
+            (Some(16032), None)
+        );
+        let table = 128256u64 * 8192 * 2; // one of embedding, lm_head: 2.10 GB
+        let norms = (2 * 80 + 1) * 8192 * 2;
+        for (s, w) in split.ranks.iter().zip(&whole.ranks) {
+            assert_eq!(w.weight_bytes - s.weight_bytes, 2 * (table - table / 8));
+            assert_eq!(s.replicated_bytes, norms);
+        }
+        let r = &split.ranks[0];
+        let read = |held: u64, embedding: u64| (held - embedding) as f64 / 1e9;
+        assert_eq!(
+            format!("{:.1}", read(r.weight_bytes, table / 8)),
+            "17.4",
+            "{r:?}"
+        );
+        let w = &whole.ranks[0];
+        assert_eq!(format!("{:.1}", read(w.weight_bytes, table)), "19.2");
+        // 128257 rows: 16033 per rank, 16026 on the last
+        let odd = ModelConfig {
+            vocab_size: 128257,
+            ..cfg
+        };
+        let p = plan(true, &odd);
+        let row = 8192u64 * 2;
+        assert_eq!(
+            p.ranks[0].weight_bytes - p.ranks[7].weight_bytes,
+            2 * (16033 - 16026) * row
+        );
+        // one more row each of the embedding and lm_head than at 128256
+        assert_eq!(
+            p.ranks[0].sharded_bytes - split.ranks[0].sharded_bytes,
+            2 * row
+        );
+        // dummy weights are drawn per rank's rows
+        assert!(p.ranks[7].margin_bytes < p.ranks[0].margin_bytes);
     }
 
     #[test]
@@ -837,7 +1000,8 @@ mod tests {
         let act = 2 * t * (4 * 4096 + 16 * 128 + 2 * 4 * 128 + 3 * 7168) * 2;
         let logits = 128256 * 10;
         let growth = (GIB / 2) / 32;
-        let draw = 8 * 128256 * 4096; // dummy weights: the embedding/lm_head draw
+        // dummy weights: the draw of this rank's rows of the embedding/lm_head
+        let draw = 8 * (128256 / 2) * 4096;
         assert_eq!(p.ranks[0].margin_bytes, act + logits + growth + GIB + draw);
         let mut cpu = input(&cfg, 2);
         cpu.backend = Backend::Cpu;
@@ -863,9 +1027,9 @@ mod tests {
         let cfg = llama8b(None);
         let inp = input(&cfg, 1);
         let p = plan_memory(&inp).unwrap();
-        // 12 GB per GPU: the whole model (16 GB) does not fit, nor 2 ranks (15 GB with the
-        // dummy draw); 4 ranks do (3.5 GB split + 2.1 GB replicated + 4.2 GB draw + ...)
-        let b = per_rank(12_000_000_000, 1);
+        // 10 GB per GPU: the whole model (16 GB) does not fit, nor 2 ranks (8 GB of
+        // weights + 2.1 GB of dummy draw + ...); 4 ranks do (4 GB + 1.05 GB draw + ...)
+        let b = per_rank(10_000_000_000, 1);
         let e = check_fit(&inp, &p, &b).unwrap_err();
         assert_eq!(e.smallest_tp_size, Some(4), "{e}");
         assert_eq!(e.max_ctx_size, None, "{e}");
@@ -874,7 +1038,7 @@ mod tests {
             m.contains("--tp-size 1") && m.contains("rank 0 needs"),
             "{m}"
         );
-        assert!(m.contains("GPU 0 has 12.00 GB free"), "{m}");
+        assert!(m.contains("GPU 0 has 10.00 GB free"), "{m}");
         assert!(m.contains("smallest --tp-size that fits is 4"), "{m}");
         assert!(m.contains("and 4 GPUs"), "{m}");
         // enough for the weights: a shorter context fits

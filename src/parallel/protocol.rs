@@ -15,6 +15,9 @@ pub enum ToRank {
     QueueDecode {
         rows: Vec<(u64, usize, usize)>,
         tokens: Option<Vec<u32>>,
+        /// Block tables `(slot, table)` to set first (the driver's, grown since).
+        #[serde(default)]
+        tables: Vec<(usize, Vec<u32>)>,
     },
     /// Queue the forward pass of a pipelined decode step whose sampling waits for
     /// `SampleQueued` (`Executor::queue_forward`; no reply), same rows and tokens as
@@ -22,6 +25,9 @@ pub enum ToRank {
     QueueForward {
         rows: Vec<(u64, usize, usize)>,
         tokens: Option<Vec<u32>>,
+        /// Block tables `(slot, table)` to set first, as in `QueueDecode`.
+        #[serde(default)]
+        tables: Vec<(usize, Vec<u32>)>,
     },
     /// Sample the newest `QueueForward` step with these token masks
     /// (`Executor::sample_queued`; no reply): every rank applies them, so every rank

@@ -14,6 +14,7 @@ use super::shard;
 use crate::engine::step::{MemoryStats, StepResult, Worker};
 use crate::mlx::{self, distributed::GroupBackend};
 use crate::model_dir::ModelDir;
+use crate::models::kv_cache::KvConfig;
 use crate::models::{self, LoadFormat, Model};
 
 /// Environment variable with a rank's MLX memory limit in bytes (emulation).
@@ -30,11 +31,26 @@ pub struct RankArgs {
     pub ctx_size: usize,
     #[arg(long)]
     pub slots: usize,
+    /// Tokens per KV block.
+    #[arg(long)]
+    pub block_size: usize,
+    /// Blocks in the KV pool (this rank holds its kv heads of each).
+    #[arg(long)]
+    pub kv_blocks: usize,
+    /// Allocate the whole KV pool at the first step.
+    #[arg(long)]
+    pub kv_preallocate: bool,
     #[arg(long)]
     pub tp_size: usize,
     /// nccl or ring.
     #[arg(long)]
     pub backend: GroupBackend,
+    /// Split the embedding and lm_head by vocabulary rows (the driver decides).
+    #[arg(long, action = clap::ArgAction::Set)]
+    pub vocab_parallel: bool,
+    /// MoE models: hold whole experts per rank.
+    #[arg(long)]
+    pub enable_expert_parallel: bool,
 }
 
 fn env_usize(name: &str) -> Result<usize> {
@@ -102,7 +118,15 @@ fn serve(args: &RankArgs, rank: usize, dir: &ModelDir, chan: &mut RankChannel) -
         Some(Rc::new(group))
     };
     let cfg = models::read_config(dir)?;
-    let plan = shard::plan(&cfg, args.tp_size, rank)?;
+    let plan = shard::plan_with(
+        &cfg,
+        args.tp_size,
+        rank,
+        shard::SplitOptions {
+            vocab_parallel: args.vocab_parallel,
+            expert_parallel: args.enable_expert_parallel,
+        },
+    )?;
     let t0 = Instant::now();
     let src = models::weight_source(dir, args.load_format, &cfg)?;
     let model = Model::load_shard(&cfg, src.as_ref(), &plan, group, |_, _| {})?;
@@ -138,9 +162,15 @@ fn serve(args: &RankArgs, rank: usize, dir: &ModelDir, chan: &mut RankChannel) -
         peak_rss_bytes: super::plan::peak_rss_bytes(),
     };
     drop(src);
-    // every rank samples (identically: replicated logits, seeds set by the driver), so
+    // every rank samples (identically: replicated or gathered logits, seeds set by the
+    // driver), so
     // pipelined decode steps can take their input tokens from the rank's own device
-    let mut worker = Worker::new(model, args.slots, args.ctx_size, true);
+    let kv = KvConfig {
+        block_size: args.block_size,
+        num_blocks: args.kv_blocks,
+        preallocate: args.kv_preallocate,
+    };
+    let mut worker = Worker::new(model, args.slots, args.ctx_size, kv, true);
     // every rank reaches this point after loading and runs the same step (with its
     // all-reduces) on a GPU, so the run-time kernels compile before the first request
     worker
@@ -165,13 +195,19 @@ fn serve(args: &RankArgs, rank: usize, dir: &ModelDir, chan: &mut RankChannel) -
                 reply.memory = Some(MemoryStats::now());
                 chan.send(&FromRank::Step(reply))?;
             }
-            ToRank::QueueDecode { rows, tokens } => {
-                worker
-                    .queue_decode(&rows, tokens.as_deref())
-                    .with_context(|| format!("rank {rank}: queuing a decode step failed"))?
-            }
-            ToRank::QueueForward { rows, tokens } => worker
-                .queue_forward(&rows, tokens.as_deref())
+            ToRank::QueueDecode {
+                rows,
+                tokens,
+                tables,
+            } => worker
+                .queue_decode(&rows, tokens.as_deref(), &tables)
+                .with_context(|| format!("rank {rank}: queuing a decode step failed"))?,
+            ToRank::QueueForward {
+                rows,
+                tokens,
+                tables,
+            } => worker
+                .queue_forward(&rows, tokens.as_deref(), &tables)
                 .with_context(|| format!("rank {rank}: queuing a forward step failed"))?,
             ToRank::SampleQueued { masks } => worker
                 .sample_queued(&masks)

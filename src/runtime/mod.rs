@@ -10,6 +10,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 
 use crate::model_dir::ModelDir;
+use crate::models::kv_cache::{KvConfig, DEFAULT_BLOCK_SIZE};
 use crate::models::{self, demo, LoadFormat, Model};
 use crate::parallel::driver::{TpBackend, TpOptions};
 use crate::tokenizer::Tokenizer;
@@ -48,6 +49,10 @@ pub struct TpArgs {
     /// GPUs for ranks 0..N-1, e.g. `2,0` (indices into this process's visible GPUs).
     #[arg(long, value_delimiter = ',')]
     pub devices: Option<Vec<usize>>,
+    /// Mixture-of-experts models: each rank holds num_experts / N whole experts, instead
+    /// of 1/N of every expert's intermediate dimension.
+    #[arg(long)]
+    pub enable_expert_parallel: bool,
 }
 
 impl TpArgs {
@@ -62,6 +67,7 @@ impl TpArgs {
         o.emulate = self.tp_emulate;
         o.devices = self.devices.clone();
         o.load_format = load_format;
+        o.expert_parallel = self.enable_expert_parallel;
         o
     }
 }
@@ -164,21 +170,16 @@ pub fn load_model(args: &ModelArgs) -> Result<LoadedModel> {
 /// The memory plan of a single-device load (this process, its one device), checked
 /// before any weight is read: refuses with the numbers and the smallest `--tp-size`
 /// that would fit. Skipped (with a warning) where free memory is unknown.
+/// `kv_tokens`: a KV pool of that many tokens allocated at once (else `slots × ctx`).
 pub fn check_single_device_memory(
     args: &ModelArgs,
     m: &OpenedModel,
     slots: usize,
     prefill_chunk: usize,
+    kv_tokens: Option<usize>,
 ) -> Result<()> {
     use crate::parallel::plan::{self, Placement, PlanInput};
-    let catalog = match args.load_format {
-        LoadFormat::Safetensors => {
-            Some(models::weights::catalog(&m.dir).with_context(|| {
-                format!("reading the weight headers of {}", m.dir.root.display())
-            })?)
-        }
-        LoadFormat::Dummy => None,
-    };
+    let catalog = weight_catalog(args, m)?;
     let input = PlanInput {
         cfg: &m.cfg,
         catalog: catalog.as_ref(),
@@ -187,6 +188,8 @@ pub fn check_single_device_memory(
         slots,
         prefill_chunk,
         backend: crate::mlx::backend(),
+        vocab_parallel: false,
+        kv_tokens,
     };
     let mem = plan::plan_memory(&input)?;
     let place = Placement {
@@ -199,6 +202,137 @@ pub fn check_single_device_memory(
         Err(note) => tracing::warn!("memory plan not checked against free memory: {note}"),
     }
     Ok(())
+}
+
+fn weight_catalog(
+    args: &ModelArgs,
+    m: &OpenedModel,
+) -> Result<Option<std::collections::HashMap<String, models::weights::TensorEntry>>> {
+    Ok(match args.load_format {
+        LoadFormat::Safetensors => {
+            Some(models::weights::catalog(&m.dir).with_context(|| {
+                format!("reading the weight headers of {}", m.dir.root.display())
+            })?)
+        }
+        LoadFormat::Dummy => None,
+    })
+}
+
+/// How the paged KV cache's pool is sized; shared by serve and plan.
+#[derive(Debug, Args, Clone)]
+pub struct KvArgs {
+    /// Tokens per block of the paged KV cache (the CUDA decode kernel needs a multiple of 32).
+    #[arg(long, default_value_t = DEFAULT_BLOCK_SIZE)]
+    pub block_size: usize,
+    /// GB (10^9 bytes) of KV cache per rank; overrides --gpu-memory-utilization.
+    #[arg(long)]
+    pub kv_cache_gb: Option<f64>,
+    /// Fraction of each GPU's memory for the weights, the KV cache and the working margin:
+    /// the KV pool gets what the others leave. Default 0.9 on CUDA; on the CPU, Metal and
+    /// under --tp-emulate the pool holds --parallel × --ctx-size tokens unless this is
+    /// given (then a fraction of the one device's memory, shared by its ranks).
+    #[arg(long)]
+    pub gpu_memory_utilization: Option<f64>,
+}
+
+/// The KV pool each rank allocates for `kv` (see [`KvArgs`]), with `parallel`
+/// sequences of the opened model under `tp`.
+pub fn kv_config(
+    kv: &KvArgs,
+    args: &ModelArgs,
+    m: &OpenedModel,
+    tp: &TpArgs,
+    parallel: usize,
+    prefill_chunk: usize,
+) -> Result<KvConfig> {
+    use crate::mlx::Backend;
+    use crate::parallel::plan::{self, Budget, Placement, PlanInput};
+    let bs = kv.block_size;
+    if bs == 0 {
+        bail!("--block-size must be at least 1");
+    }
+    let catalog = weight_catalog(args, m)?;
+    let backend = crate::mlx::backend();
+    let n = if tp.uses_ranks() { tp.tp_size } else { 1 };
+    let input = PlanInput {
+        cfg: &m.cfg,
+        catalog: catalog.as_ref(),
+        tp_size: n,
+        ctx_size: m.ctx_size,
+        slots: parallel,
+        prefill_chunk,
+        backend,
+        vocab_parallel: crate::kernels::knobs::get().vocab_parallel,
+        kv_tokens: None,
+    };
+    let per_token = plan::kv_bytes_per_token(&input)?.max(1);
+    let shared = tp.tp_emulate || backend != Backend::Cuda;
+    let tokens = if let Some(gb) = kv.kv_cache_gb {
+        if !(gb.is_finite() && gb > 0.0) {
+            bail!("--kv-cache-gb {gb}: must be a positive number");
+        }
+        (gb * 1e9 / per_token as f64) as u64
+    } else {
+        let fraction = match kv.gpu_memory_utilization {
+            Some(f) => f,
+            None if !shared => 0.9,
+            None => return Ok(KvConfig::for_slots(parallel, m.ctx_size, bs)),
+        };
+        if !(fraction > 0.0 && fraction <= 1.0) {
+            bail!("--gpu-memory-utilization {fraction}: must be in (0, 1]");
+        }
+        let device = if shared {
+            let place = Placement {
+                entries: &vec![0; n],
+                shared: true,
+                child: Some(None),
+            };
+            match plan::budget(backend, &place).0 {
+                Ok(Budget::Shared(d)) => d.free_bytes,
+                Ok(Budget::PerRank(d)) => d.iter().map(|d| d.free_bytes).min().unwrap_or(0),
+                Err(note) => bail!(
+                    "--gpu-memory-utilization: this device's memory is unknown ({note}); give --kv-cache-gb"
+                ),
+            }
+        } else {
+            let gpus = if tp.uses_ranks() {
+                plan::gpu_memory_via_child(None).map_err(anyhow::Error::msg)?
+            } else {
+                plan::gpu_memory_in_process()
+            };
+            let used: Vec<usize> = tp.devices.clone().unwrap_or_else(|| (0..n).collect());
+            used.iter()
+                .filter_map(|&i| gpus.get(i).map(|g| g.total_bytes))
+                .min()
+                .filter(|&t| t > 0)
+                .context("--gpu-memory-utilization: no GPU memory found; give --kv-cache-gb")?
+        };
+        plan::kv_tokens_fit(&input, device, fraction, shared)?
+    };
+    let num_blocks = (tokens / bs as u64) as usize;
+    if num_blocks == 0 {
+        bail!(
+            "the KV cache holds not one block of {bs} tokens ({per_token} bytes a token): \
+             raise --kv-cache-gb or --gpu-memory-utilization"
+        );
+    }
+    if num_blocks * bs < m.ctx_size {
+        tracing::warn!(
+            "the KV cache holds {} tokens, less than one --ctx-size {} sequence",
+            num_blocks * bs,
+            m.ctx_size
+        );
+    }
+    tracing::info!(
+        "KV cache: {num_blocks} blocks of {bs} tokens ({} tokens, {:.2} GB per rank)",
+        num_blocks * bs,
+        (num_blocks * bs) as f64 * per_token as f64 / 1e9
+    );
+    Ok(KvConfig {
+        block_size: bs,
+        num_blocks,
+        preallocate: true,
+    })
 }
 
 /// Load an opened model's weights on this thread, with a progress bar for big models.

@@ -112,6 +112,13 @@ pub struct Metrics {
     pub e2e: Histogram,
     /// Restarts of the TP rank group.
     pub tp_restarts: AtomicU64,
+    /// KV cache blocks held by sequences, and in the pool.
+    pub kv_blocks_used: AtomicU64,
+    pub kv_blocks_total: AtomicU64,
+    /// Prompt tokens looked up in the prefix cache, and found there.
+    pub prefix_cache_queries: AtomicU64,
+    pub prefix_cache_hits: AtomicU64,
+    pub preemptions: AtomicU64,
     /// `Some` when the model runs on TP ranks (empty while they are restarting).
     tp_ranks: Mutex<Option<Vec<RankMetrics>>>,
     /// (path, status) → count.
@@ -138,6 +145,11 @@ impl Metrics {
             aborted: AtomicU64::new(0),
             failed: AtomicU64::new(0),
             engine_errors: AtomicU64::new(0),
+            kv_blocks_used: AtomicU64::new(0),
+            kv_blocks_total: AtomicU64::new(0),
+            prefix_cache_queries: AtomicU64::new(0),
+            prefix_cache_hits: AtomicU64::new(0),
+            preemptions: AtomicU64::new(0),
             memory_active: AtomicU64::new(0),
             memory_peak: AtomicU64::new(0),
             memory_cache: AtomicU64::new(0),
@@ -234,6 +246,47 @@ impl Metrics {
             "gauge",
             "Requests waiting for a slot.",
             ld(&self.waiting),
+        );
+        let (used, total) = (ld(&self.kv_blocks_used), ld(&self.kv_blocks_total));
+        let _ = writeln!(
+            out,
+            "# HELP vllm:kv_cache_usage_perc Fraction of the KV cache's blocks held by sequences (1 = all).\n# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc {}",
+            if total > 0 { used as f64 / total as f64 } else { 0.0 }
+        );
+        g(
+            &mut out,
+            "mlxcel:kv_blocks_used",
+            "gauge",
+            "KV cache blocks held by sequences.",
+            used,
+        );
+        g(
+            &mut out,
+            "mlxcel:kv_blocks_free",
+            "gauge",
+            "KV cache blocks no sequence holds (free, or cached prefix blocks that may be evicted).",
+            total - used.min(total),
+        );
+        g(
+            &mut out,
+            "vllm:prefix_cache_queries",
+            "counter",
+            "Prompt tokens looked up in the prefix cache.",
+            ld(&self.prefix_cache_queries),
+        );
+        g(
+            &mut out,
+            "vllm:prefix_cache_hits",
+            "counter",
+            "Prompt tokens found in the prefix cache (not prefilled).",
+            ld(&self.prefix_cache_hits),
+        );
+        g(
+            &mut out,
+            "vllm:num_preemptions",
+            "counter",
+            "Running sequences preempted because the KV cache had no free block.",
+            ld(&self.preemptions),
         );
         g(
             &mut out,

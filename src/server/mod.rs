@@ -34,7 +34,8 @@ use crate::engine::scheduler::{
     Command, Event, Observer, Outcome, Request, RunEnd, Scheduler, SchedulerConfig, Usage,
 };
 use crate::engine::step::{
-    Executor, LocalExecutor, SampledToken, SeqMask, SeqStep, StepError, StepPlan, StepResult,
+    Executor, KvPool, LocalExecutor, SampledToken, SeqMask, SeqStep, StepError, StepPlan,
+    StepResult,
 };
 use crate::mlx;
 use crate::parallel::driver::TpExecutor;
@@ -68,9 +69,14 @@ pub struct ServeArgs {
     /// Require `Authorization: Bearer KEY` on every /v1 route.
     #[arg(long, env = "MLXCEL_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
-    /// Sequences generated at once (KV-cache slots).
+    /// Most sequences running at once.
     #[arg(long, default_value_t = 8)]
     pub parallel: usize,
+    #[command(flatten)]
+    pub kv: crate::runtime::KvArgs,
+    /// Turn off automatic prefix caching (sharing the KV blocks of equal prompt prefixes).
+    #[arg(long)]
+    pub no_enable_prefix_caching: bool,
     /// Requests that may wait for a slot; more get 429.
     #[arg(long, default_value_t = 64)]
     pub max_queue: usize,
@@ -363,6 +369,20 @@ impl Observer for EngineObserver {
             .in_system
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1));
     }
+    fn kv_blocks(&self, used: usize, total: usize) {
+        let m = &self.metrics;
+        m.kv_blocks_used.store(used as u64, Ordering::Relaxed);
+        m.kv_blocks_total.store(total as u64, Ordering::Relaxed);
+    }
+    fn prefix_cache(&self, queried: usize, hit: usize) {
+        let m = &self.metrics;
+        m.prefix_cache_queries
+            .fetch_add(queried as u64, Ordering::Relaxed);
+        m.prefix_cache_hits.fetch_add(hit as u64, Ordering::Relaxed);
+    }
+    fn preempted(&self) {
+        self.metrics.preemptions.fetch_add(1, Ordering::Relaxed);
+    }
     fn step_done(&self, running: usize, waiting: usize) {
         let m = &self.metrics;
         m.running.store(running as u64, Ordering::Relaxed);
@@ -418,19 +438,24 @@ impl Executor for ServedTp {
     fn can_pipeline(&self, seq_id: u64) -> bool {
         self.exec.can_pipeline(seq_id)
     }
+    fn kv_pool(&self) -> KvPool {
+        self.exec.kv_pool()
+    }
     fn queue_decode(
         &mut self,
         rows: &[(u64, usize, usize)],
         tokens: Option<&[u32]>,
+        tables: &[(usize, Vec<u32>)],
     ) -> Result<(), StepError> {
-        self.exec.queue_decode(rows, tokens)
+        self.exec.queue_decode(rows, tokens, tables)
     }
     fn queue_forward(
         &mut self,
         rows: &[(u64, usize, usize)],
         tokens: Option<&[u32]>,
+        tables: &[(usize, Vec<u32>)],
     ) -> Result<(), StepError> {
-        self.exec.queue_forward(rows, tokens)
+        self.exec.queue_forward(rows, tokens, tables)
     }
     fn sample_queued(&mut self, masks: &[SeqMask]) -> Result<(), StepError> {
         self.exec.sample_queued(masks)
@@ -495,15 +520,24 @@ fn start_executor(
     m: &OpenedModel,
     metrics: &Arc<Metrics>,
 ) -> Result<Box<dyn Executor>> {
+    let kv = crate::runtime::kv_config(
+        &args.kv,
+        &args.model,
+        m,
+        &args.tp,
+        args.parallel,
+        args.prefill_chunk,
+    )?;
     let mut exec: Box<dyn Executor> = if !args.tp.uses_ranks() {
         crate::runtime::check_single_device_memory(
             &args.model,
             m,
             args.parallel,
             args.prefill_chunk,
+            kv.preallocate.then_some(kv.num_blocks * kv.block_size),
         )?;
         let model = load_weights(&args.model, m)?;
-        let mut local = LocalExecutor::new(model, args.parallel, m.ctx_size);
+        let mut local = LocalExecutor::with_kv(model, args.parallel, m.ctx_size, kv);
         local.worker.warm_up()?;
         Box::new(local)
     } else {
@@ -511,6 +545,7 @@ fn start_executor(
             .tp
             .options(args.model.load_format, m.ctx_size, args.parallel);
         opts.prefill_chunk = args.prefill_chunk;
+        opts.kv = kv;
         // Ranks (and the ranks of every restart) run this very binary, even
         // if its file has been replaced or deleted since the server started.
         let this_exe = std::path::Path::new("/proc/self/exe");
@@ -583,6 +618,8 @@ fn engine_main(
             slots: exec.slots(),
             ctx_size: exec.ctx_size(),
             prefill_chunk: args.prefill_chunk,
+            kv: Some(exec.kv_pool()),
+            prefix_caching: !args.no_enable_prefix_caching,
         },
         m.tokenizer.clone(),
     );

@@ -934,6 +934,7 @@ async fn collect_response(
             )) => {
                 choices[i].finish = Some(finish_reason);
                 usage.prompt_tokens = u.prompt_tokens;
+                usage.cached_tokens = usage.cached_tokens.max(u.cached_tokens);
                 usage.completion_tokens += u.completion_tokens;
                 left -= 1;
             }
@@ -1215,6 +1216,7 @@ impl SseState {
                     },
                 )) => {
                     self.usage.prompt_tokens = usage.prompt_tokens;
+                    self.usage.cached_tokens = self.usage.cached_tokens.max(usage.cached_tokens);
                     self.usage.completion_tokens += usage.completion_tokens;
                     self.left -= 1;
                     let mut out = match api {

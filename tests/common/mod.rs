@@ -48,6 +48,15 @@ struct __nv_bfloat16 {
   }
   operator float() const { uint32_t u = uint32_t(bits) << 16; float f; std::memcpy(&f, &u, 4); return f; }
 };
+// float16 through the compiler's _Float16 (IEEE binary16, round to nearest even)
+struct __half {
+  uint16_t bits;
+  __half() : bits(0) {}
+  explicit __half(float f) { _Float16 h = static_cast<_Float16>(f); std::memcpy(&bits, &h, 2); }
+  operator float() const { _Float16 h; std::memcpy(&h, &bits, 2); return static_cast<float>(h); }
+};
+static __half __ushort_as_half(unsigned short b) { __half h; h.bits = b; return h; }
+static float __half2float(__half h) { return float(h); }
 struct Dim { unsigned x = 0, y = 0, z = 0; };
 static thread_local Dim threadIdx, blockIdx;
 static Dim blockDim;

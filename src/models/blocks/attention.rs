@@ -1,6 +1,6 @@
 //! Grouped-query self-attention: q/k/v projections merged into one linear (this rank's
 //! whole heads of each), optional RMSNorm on q and k per head (Qwen3), RoPE, attention
-//! over the KV cache (MLX's sdpa, or mlxcel's decode kernel for batched steps), and the
+//! over the paged KV cache (MLX's sdpa, or mlxcel's decode kernel for batched steps), and the
 //! output projection (row-parallel under TP) added to the residual stream.
 use std::ops::Range;
 use std::rc::Rc;
@@ -127,56 +127,43 @@ impl Attention {
         v
     }
 
-    /// A batched decode step's attention with MLX's sdpa: per run of consecutive slots,
-    /// the KV pool read as a view and the run's mask.
-    pub fn attend_runs(
+    /// A batched decode step's attention with MLX's sdpa over every row's keys and
+    /// values gathered from the pool through its block table, masked to its length.
+    pub fn attend_gathered(
         &self,
         q: &Array,
         cache: &KvCache,
         layer: usize,
         index: &BatchIndex,
     ) -> mlx::Result<Array> {
-        let mut outs = Vec::with_capacity(index.runs.len());
-        for run in &index.runs {
-            let (kk, vv) = cache.read_run(layer, run)?;
-            let qr = if index.runs.len() == 1 {
-                q.clone()
-            } else {
-                q.slice_axis(0, run.rows.start as i32, run.rows.end as i32)?
-            };
-            outs.push(fast::sdpa(
-                &qr,
-                &kk,
-                &vv,
-                self.scale,
-                fast::Mask::Array(&run.mask),
-            )?);
-        }
-        if outs.len() == 1 {
-            return Ok(outs.pop().unwrap());
-        }
-        mlx::concatenate(&outs.iter().collect::<Vec<_>>(), 0)
+        let (kk, vv, mask) = cache.read_batch(layer, index)?;
+        fast::sdpa(q, &kk, &vv, self.scale, fast::Mask::Array(&mask))
     }
 
     /// A decode step's attention by mlxcel's kernel (`kernels::attn`): q `[B, heads, 1,
-    /// head_dim]` over the layer's `pool`, row b at slot `slots[b]` up to `pos[b]`.
+    /// head_dim]` over the layer's `pool`, row b through its block table `table[b]` (of
+    /// `block_size` tokens each) up to `pos[b]`.
     pub fn decode_attention(
         &self,
         q: &Array,
         pool: &Array,
-        slots: &Array,
+        table: &Array,
         pos: &Array,
         scratch: &kernels::attn::Scratch,
+        block_size: usize,
     ) -> mlx::Result<Array> {
         kernels::attn::decode(
             q,
             pool,
-            slots,
+            table,
             pos,
             scratch,
-            self.n_heads as usize,
-            self.n_kv_heads as usize,
-            self.head_dim as usize,
+            kernels::attn::Shape {
+                q_heads: self.n_heads as usize,
+                kv_heads: self.n_kv_heads as usize,
+                head_dim: self.head_dim as usize,
+                block_size,
+            },
             self.scale,
         )
     }

@@ -29,7 +29,18 @@ impl MlpLayout {
         inter: Range<usize>,
         quant: Option<QuantConfig>,
     ) -> MlpLayout {
-        let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
+        MlpLayout::sized(prefix, cfg.hidden_size, cfg.intermediate_size, inter, quant)
+    }
+
+    /// [`MlpLayout::new`] of hidden size `h` and intermediate size `i` (a MoE block's
+    /// shared expert).
+    pub fn sized(
+        prefix: &str,
+        h: usize,
+        i: usize,
+        inter: Range<usize>,
+        quant: Option<QuantConfig>,
+    ) -> MlpLayout {
         let name = |n: &str| format!("{prefix}.{n}");
         let col = |n: &str| {
             ParamSpec::linear(name(n), i, h, false)

@@ -2,4 +2,5 @@
 //! (`*Layout`: names, shapes, TP splits) and its loader and forward pass.
 pub mod attention;
 pub mod mlp;
+pub mod moe;
 pub mod norm;

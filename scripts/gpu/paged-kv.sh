@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# The paged KV cache's targets on one GPU (8B shape, dummy weights; docs/benchmarks.md,
+# "Paged KV cache", says what each shows). Two binaries: MLXCEL_OLD (default:
+# mlxcel-old beside $MLXCEL, e.g. main's build) with its server MLXCEL_OLD_SERVER (default
+# mlxcel-server-old beside it), and the new MLXCEL / MLXCEL_SERVER.
+#   bash scripts/gpu/paged-kv.sh concurrency  # the same KV memory (KV_GB, default 17.18 = 16 × 8192
+#                                             # tokens of 8B bf16): old at --parallel 16 --ctx-size 8192,
+#                                             # new at --kv-cache-gb KV_GB --parallel 256 --ctx-size 8192;
+#                                             # N (default 200) 512-token conversations (128 prompt + 384
+#                                             # generated) at once: running gauge, preemptions
+#   bash scripts/gpu/paged-kv.sh prefix       # a 2,000-token shared prefix: the first request's time to
+#                                             # its token vs the later ones', new binary with and without
+#                                             # prefix caching, and the old binary
+#   bash scripts/gpu/paged-kv.sh decode       # decode tok/s at batch 1 and 32, old and new alternated
+#                                             # RUNS (default 3) times: mlxcel bench (8B 4-bit and bf16)
+#                                             # and the server (bench_server.py, concurrency 1 and 32)
+#   bash scripts/gpu/paged-kv.sh kernel       # scripts/check_attn.py at block sizes 32 and 64
+#   bash scripts/gpu/paged-kv.sh all
+# Environment: see scripts/gpu/lib.sh.
+. "$(dirname "$0")/lib.sh"
+O=${MLXCEL_OLD:-$(dirname "$B")/mlxcel-old}
+OS=${MLXCEL_OLD_SERVER:-$(dirname "$O")/mlxcel-server-old}
+NEW_S=$S
+KV_GB=${KV_GB:-17.18}
+N=${N:-200}
+PORT=${PORT:-18480}
+cmd=${1:-all}; shift || true
+
+# config.json of the 8B shape, bf16 and 4-bit (dummy weights)
+q4cfg
+BF=$CK/c8b Q4=$CK/c8b-q4
+VOCAB=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["vocab_size"])' "$BF/config.json")
+
+concurrency() {
+  step "concurrency at the same KV memory ($KV_GB GB), $N conversations of 128 + 384 tokens"
+  S=$OS serve "$BF" $PORT --load-format dummy --ctx-size 8192 --parallel 16 --max-queue 1024 &&
+    echo "old, fixed slots (--parallel 16 --ctx-size 8192): $(python3 scripts/paged_kv_check.py concurrency --port $PORT --vocab $VOCAB -n $N)" &&
+    unserve
+  S=$NEW_S serve "$BF" $PORT --load-format dummy --ctx-size 8192 --parallel 256 --max-queue 1024 --kv-cache-gb $KV_GB &&
+    echo "new, paged (--kv-cache-gb $KV_GB --parallel 256): $(python3 scripts/paged_kv_check.py concurrency --port $PORT --vocab $VOCAB -n $N)" &&
+    grep -o "KV cache: .*" "$OUT/server-$PORT.log" | head -1 &&
+    unserve
+}
+
+prefix() {
+  step "2,000-token shared prefix: time to the first token, first request vs later ones"
+  for run in "new:$NEW_S:" "new-no-caching:$NEW_S:--no-enable-prefix-caching" "old:$OS:"; do
+    IFS=: read -r tag srv flags <<< "$run"
+    S=$srv serve "$BF" $PORT --load-format dummy --ctx-size 8192 --parallel 8 $flags &&
+      echo "$tag: $(python3 scripts/paged_kv_check.py prefix --port $PORT --vocab $VOCAB --prefix-tokens 2000 --requests ${REQS:-8})" &&
+      unserve
+  done
+}
+
+decode() {
+  step "decode, $O vs $B alternated, ${RUNS:-3} runs, batch 1 and 32"
+  for r in $(seq ${RUNS:-3}); do
+    for m in "$Q4" "$BF"; do for bin in $O $B; do
+      echo "$(basename $m) $(basename $bin) run $r: $(B=$bin bench_line X=1 "$m" 32 --load-format dummy)"
+    done; done
+    for srv in $OS $NEW_S; do
+      S=$srv serve "$Q4" $PORT --load-format dummy --parallel 32 &&
+        python3 scripts/bench_server.py --port $PORT --concurrency 1,32 --max-tokens 256 --rounds 2 > "$OUT/paged-decode-$r-$(basename $srv).json" &&
+        echo "server $(basename $srv) run $r:" && bench_summary "$OUT/paged-decode-$r-$(basename $srv).json"
+      unserve
+    done
+  done
+}
+
+kernel() {
+  step "decode kernel through block tables vs MLX ops"
+  for bs in 32 64; do ATTN_BS=$bs python3 scripts/check_attn.py; done
+}
+
+case "$cmd" in
+concurrency) concurrency ;;
+prefix) prefix ;;
+decode) decode ;;
+kernel) kernel ;;
+all) kernel; concurrency; prefix; decode ;;
+*) echo "unknown: $cmd (concurrency, prefix, decode, kernel, all)" >&2; exit 2 ;;
+esac 2>&1 | tee -a "$OUT/paged-kv.txt"

@@ -1,0 +1,566 @@
+//! Compiled custom kernels kept between runs, through MLX's own on-disk cache of
+//! compiled CUDA modules.
+//!
+//! MLX compiles every variant of a custom kernel (each set of template constants is a
+//! source of its own) with NVRTC when it first runs, and keeps the module in memory
+//! only: for custom kernels it never writes its disk cache. It does *read* that cache
+//! for them: before compiling a module it looks for `<MLX_PTX_CACHE_DIR>/<module>.ptx`
+//! (the compiled binary) and `<module>.txt` (kernel name, tab, lowered name). So this
+//! module writes those files itself: when a variant is first seen in a process
+//! ([`note_variant`], called by [`super::fast::CudaKernel::call`]), it takes the op's
+//! name and generated source from MLX (`CustomKernel::state`), names the module as
+//! MLX does (`<kernel name>_<std::hash of the source>`), and if no valid entry exists
+//! compiles the same source with NVRTC on a background thread (the headers MLX
+//! includes replaced by the few that the kernels need, the options MLX uses) and writes
+//! the entry. Evaluations wait for pending compilations ([`wait_pending`]), so MLX
+//! finds the entry instead of compiling again; the variants of one step compile in
+//! parallel.
+//!
+//! Entries are keyed by the module name (which hashes the whole source, template
+//! constants included) inside a folder per MLX version, GPU architecture and NVRTC
+//! version (chosen by the caller). Each entry has a `<module>.sum` beside it (sizes and
+//! FNV-1a hashes of the binary and the name file); an entry whose files do not match
+//! it, or that has none (written by someone else, or cut short), is rebuilt before MLX
+//! reads it. Where anything fails (no NVRTC, a compile error, an unwritable folder),
+//! MLX compiles the variant itself as it always did.
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+
+use super::ffi::ffi;
+use super::Array;
+
+/// How entries are compiled and where they live.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// MLX's `MLX_PTX_CACHE_DIR` (the caller sets the variable to it).
+    pub dir: PathBuf,
+    /// The NVRTC library to load (empty: the one MLX loaded, else the loader's search).
+    pub nvrtc: String,
+    /// NVRTC options (architecture, include paths), as MLX passes them.
+    pub options: Vec<String>,
+    /// Whether NVRTC emits a cubin (else PTX), as MLX decides for the GPU.
+    pub cubin: bool,
+    /// Compilations running at once.
+    pub jobs: usize,
+}
+
+/// What the cache did in this process.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Stats {
+    /// Variants whose entry was there and valid.
+    pub hits: u64,
+    /// Variants compiled and written.
+    pub built: u64,
+    /// Entries found invalid (and rebuilt).
+    pub invalid: u64,
+    /// Variants that could not be compiled or written (MLX compiled them).
+    pub failed: u64,
+}
+
+/// The header line MLX puts at the top of every custom kernel's source; its headers
+/// are compiled into MLX and unavailable to NVRTC outside it.
+const MLX_UTILS_INCLUDE: &str = "#include \"mlx/backend/cuda/device/utils.cuh\"";
+
+/// What the kernels need of those headers: the 16-bit float types, fixed-width integers,
+/// and the `Shape` / `Strides` parameters MLX passes when a body names `<input>_shape`
+/// (`cuda::std::array` of `MAX_NDIM` = 10 values there; the same bytes here).
+/// Cooperative groups come from the CUDA headers, as MLX includes them.
+pub const PRELUDE: &str = "#include <cuda_fp16.h>\n#include <cuda_bf16.h>\n\
+typedef signed char int8_t;\ntypedef unsigned char uint8_t;\ntypedef short int16_t;\n\
+typedef unsigned short uint16_t;\ntypedef int int32_t;\ntypedef unsigned int uint32_t;\n\
+typedef long long int64_t;\ntypedef unsigned long long uint64_t;\n\
+namespace mlx::core::cu {\n\
+struct Shape { int32_t v[10]; __device__ int32_t operator[](int i) const { return v[i]; } };\n\
+struct Strides { int64_t v[10]; __device__ int64_t operator[](int i) const { return v[i]; } };\n\
+}\n";
+
+/// The compiler the cache runs: source, file name, kernel name expression → (binary,
+/// lowered name). NVRTC in production; tests pass another.
+pub type Compiler = dyn Fn(&str, &str, &str) -> Result<(Vec<u8>, String), String> + Send + Sync;
+
+/// One cache folder and its bookkeeping.
+pub struct Cache {
+    dir: PathBuf,
+    compiler: Arc<Compiler>,
+    jobs: usize,
+    seen: Mutex<HashSet<u64>>,
+    /// compilations started and not finished; `idle` is notified when it reaches 0
+    pending: Arc<(Mutex<usize>, Condvar)>,
+    pending_fast: Arc<AtomicUsize>,
+    running: Arc<(Mutex<usize>, Condvar)>,
+    hits: AtomicU64,
+    built: Arc<AtomicU64>,
+    invalid: AtomicU64,
+    failed: Arc<AtomicU64>,
+}
+
+impl Cache {
+    pub fn new(dir: PathBuf, jobs: usize, compiler: Arc<Compiler>) -> Cache {
+        Cache {
+            dir,
+            compiler,
+            jobs: jobs.max(1),
+            seen: Mutex::new(HashSet::new()),
+            pending: Arc::new((Mutex::new(0), Condvar::new())),
+            pending_fast: Arc::new(AtomicUsize::new(0)),
+            running: Arc::new((Mutex::new(0), Condvar::new())),
+            hits: AtomicU64::new(0),
+            built: Arc::new(AtomicU64::new(0)),
+            invalid: AtomicU64::new(0),
+            failed: Arc::new(AtomicU64::new(0)),
+        }
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    pub fn stats(&self) -> Stats {
+        Stats {
+            hits: self.hits.load(Ordering::Relaxed),
+            built: self.built.load(Ordering::Relaxed),
+            invalid: self.invalid.load(Ordering::Relaxed),
+            failed: self.failed.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Whether `key` (a variant's launch key) is new to this process; marks it seen.
+    pub fn first_sight(&self, key: u64) -> bool {
+        self.seen.lock().map(|mut s| s.insert(key)).unwrap_or(false)
+    }
+
+    /// Make sure the module of kernel `id` has a valid entry: nothing when it has,
+    /// else (after removing a bad one) a compilation on a background thread, which
+    /// [`Cache::wait`] waits for. Returns whether a compilation started.
+    pub fn ensure(&self, id: &ffi::KernelIdentity) -> bool {
+        let paths = EntryPaths::new(&self.dir, &id.module_name);
+        match paths.check() {
+            Entry::Valid => {
+                self.hits.fetch_add(1, Ordering::Relaxed);
+                return false;
+            }
+            Entry::Invalid => {
+                self.invalid.fetch_add(1, Ordering::Relaxed);
+                paths.remove();
+            }
+            Entry::Missing => {}
+        }
+        let Some(source) = compile_source(&id.source) else {
+            tracing::debug!(
+                "kernel cache: {} has no `{MLX_UTILS_INCLUDE}` line; MLX compiles it",
+                id.kernel_name
+            );
+            self.failed.fetch_add(1, Ordering::Relaxed);
+            return false;
+        };
+        let name_expr = format!("mlx::core::cu::{}", id.kernel_name);
+        let file = format!("{}.cu", id.module_name);
+        let (compiler, built, failed) = (
+            self.compiler.clone(),
+            self.built.clone(),
+            self.failed.clone(),
+        );
+        let (pending, fast, running, jobs) = (
+            self.pending.clone(),
+            self.pending_fast.clone(),
+            self.running.clone(),
+            self.jobs,
+        );
+        *pending.0.lock().unwrap() += 1;
+        fast.fetch_add(1, Ordering::SeqCst);
+        let done = move || {
+            let (m, cv) = &*pending;
+            let mut n = m.lock().unwrap();
+            *n -= 1;
+            fast.fetch_sub(1, Ordering::SeqCst);
+            if *n == 0 {
+                cv.notify_all();
+            }
+        };
+        let job = move || {
+            {
+                // at most `jobs` compilations at once
+                let (m, cv) = &*running;
+                let mut n = cv.wait_while(m.lock().unwrap(), |n| *n >= jobs).unwrap();
+                *n += 1;
+            }
+            let result = compiler(&source, &file, &name_expr).and_then(|(bin, lowered)| {
+                paths
+                    .write(&bin, &format!("{name_expr}\t{lowered}\n"))
+                    .map_err(|e| format!("writing {}: {e}", paths.ptx.display()))
+            });
+            match result {
+                Ok(()) => {
+                    built.fetch_add(1, Ordering::Relaxed);
+                }
+                Err(e) => {
+                    failed.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!("kernel cache: {name_expr}: {e}; MLX compiles it instead");
+                }
+            }
+            {
+                let (m, cv) = &*running;
+                *m.lock().unwrap() -= 1;
+                cv.notify_one();
+            }
+            done();
+        };
+        if std::thread::Builder::new()
+            .name("kernel-compile".into())
+            .spawn(job)
+            .is_err()
+        {
+            // (the job was dropped unrun: undo its pending count)
+            let (m, cv) = &*self.pending;
+            let mut n = m.lock().unwrap();
+            *n -= 1;
+            self.pending_fast.fetch_sub(1, Ordering::SeqCst);
+            cv.notify_all();
+            self.failed.fetch_add(1, Ordering::Relaxed);
+            return false;
+        }
+        true
+    }
+
+    /// Wait until no compilation is pending.
+    pub fn wait(&self) {
+        if self.pending_fast.load(Ordering::SeqCst) == 0 {
+            return;
+        }
+        let (m, cv) = &*self.pending;
+        let _unused = cv.wait_while(m.lock().unwrap(), |n| *n > 0).unwrap();
+    }
+}
+
+/// The source NVRTC compiles for an entry: MLX's, with its utilities header replaced by
+/// [`PRELUDE`]; `None` when the source lacks that header line (another MLX version).
+pub fn compile_source(mlx_source: &str) -> Option<String> {
+    mlx_source
+        .contains(MLX_UTILS_INCLUDE)
+        .then(|| mlx_source.replacen(MLX_UTILS_INCLUDE, PRELUDE, 1))
+}
+
+enum Entry {
+    Valid,
+    Invalid,
+    Missing,
+}
+
+/// An entry's files: where MLX reads them (its `get_ptx_path`: names over 245 bytes are
+/// cut into folders of 245), and the check file beside them.
+struct EntryPaths {
+    ptx: PathBuf,
+    txt: PathBuf,
+    sum: PathBuf,
+}
+
+impl EntryPaths {
+    fn new(dir: &Path, module: &str) -> EntryPaths {
+        const MAX: usize = 245;
+        let mut path = dir.to_path_buf();
+        let mut rest = module;
+        while rest.len() > MAX {
+            let (head, tail) = rest.split_at(MAX);
+            path.push(head);
+            rest = tail;
+        }
+        let base = path.join(rest);
+        let with = |ext: &str| {
+            let mut s = base.clone().into_os_string();
+            s.push(ext);
+            PathBuf::from(s)
+        };
+        EntryPaths {
+            ptx: with(".ptx"),
+            txt: with(".txt"),
+            sum: with(".sum"),
+        }
+    }
+
+    fn check(&self) -> Entry {
+        let ptx = match std::fs::read(&self.ptx) {
+            Ok(b) => b,
+            Err(_) => return Entry::Missing,
+        };
+        let (Ok(txt), Ok(sum)) = (std::fs::read(&self.txt), std::fs::read_to_string(&self.sum))
+        else {
+            return Entry::Invalid;
+        };
+        if sum == check_text(&ptx, &txt) && !ptx.is_empty() {
+            Entry::Valid
+        } else {
+            Entry::Invalid
+        }
+    }
+
+    fn remove(&self) {
+        // the binary first: without it MLX compiles, whatever else is left
+        for p in [&self.ptx, &self.sum, &self.txt] {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+
+    /// Write the entry: each file to a temporary name, then renamed into place, the
+    /// names file before the binary (MLX reads the binary first and takes its presence
+    /// for the entry's) and the check file last.
+    fn write(&self, binary: &[u8], names: &str) -> std::io::Result<()> {
+        if let Some(parent) = self.ptx.parent() {
+            std::fs::create_dir_all(parent)?;
+        }
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        let put = |path: &Path, bytes: &[u8]| -> std::io::Result<()> {
+            let mut tmp = path.as_os_str().to_owned();
+            tmp.push(format!(".{}.{nanos}.tmp", std::process::id()));
+            let tmp = PathBuf::from(tmp);
+            let r = std::fs::write(&tmp, bytes).and_then(|()| std::fs::rename(&tmp, path));
+            if r.is_err() {
+                let _ = std::fs::remove_file(&tmp);
+            }
+            r
+        };
+        put(&self.txt, names.as_bytes())?;
+        put(&self.ptx, binary)?;
+        put(&self.sum, check_text(binary, names.as_bytes()).as_bytes())
+    }
+}
+
+fn fnv1a(bytes: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf29ce484222325;
+    for b in bytes {
+        h = (h ^ u64::from(*b)).wrapping_mul(0x100000001b3);
+    }
+    h
+}
+
+fn check_text(binary: &[u8], names: &[u8]) -> String {
+    format!(
+        "mlxcel kernel cache entry 1\nbinary {} {:016x}\nnames {} {:016x}\n",
+        binary.len(),
+        fnv1a(binary),
+        names.len(),
+        fnv1a(names)
+    )
+}
+
+static CACHE: OnceLock<Cache> = OnceLock::new();
+
+/// Turn the cache on for this process with NVRTC (`cfg`); false if it was on already.
+/// The caller sets `MLX_PTX_CACHE_DIR` to `cfg.dir` before MLX compiles anything.
+pub fn enable(cfg: Config) -> bool {
+    let (lib, options, cubin) = (cfg.nvrtc.clone(), cfg.options.clone(), cfg.cubin);
+    let compiler: Arc<Compiler> = Arc::new(move |src: &str, file: &str, name: &str| {
+        let out = ffi::nvrtc_compile(&lib, src, file, &[name.to_string()], &options, cubin)
+            .map_err(|e| e.what().to_string())?;
+        let lowered = out.lowered.into_iter().next().unwrap_or_default();
+        if out.binary.is_empty() || lowered.is_empty() {
+            return Err("NVRTC returned no binary or no lowered name".into());
+        }
+        Ok((out.binary, lowered))
+    });
+    CACHE.set(Cache::new(cfg.dir, cfg.jobs, compiler)).is_ok()
+}
+
+/// The process's cache, when [`enable`]d.
+pub fn get() -> Option<&'static Cache> {
+    CACHE.get()
+}
+
+/// NVRTC's version (major·1000 + minor·10) and library path, loading `library` (empty:
+/// the one already loaded, else the loader's search), or why it is unavailable.
+pub fn nvrtc(library: &str) -> Result<(i32, String), String> {
+    let v = ffi::nvrtc_version(library).map_err(|e| e.what().to_string())?;
+    let p = ffi::nvrtc_library_path(library).map_err(|e| e.what().to_string())?;
+    Ok((v, p))
+}
+
+/// Compile with NVRTC directly (no cache): for checks of the compile path.
+pub fn nvrtc_compile(
+    library: &str,
+    source: &str,
+    file: &str,
+    name_expr: &str,
+    options: &[String],
+    cubin: bool,
+) -> Result<(Vec<u8>, String), String> {
+    let out = ffi::nvrtc_compile(
+        library,
+        source,
+        file,
+        &[name_expr.to_string()],
+        options,
+        cubin,
+    )
+    .map_err(|e| e.what().to_string())?;
+    Ok((
+        out.binary,
+        out.lowered.into_iter().next().unwrap_or_default(),
+    ))
+}
+
+/// A custom-kernel launch (called by [`super::fast::CudaKernel::call`] with its launch
+/// key and first output): on the first sight of the key in this process, make sure its
+/// module has a cache entry.
+pub(crate) fn note_variant(key: u64, out: &Array) {
+    let Some(cache) = get() else { return };
+    if !cache.first_sight(key) {
+        return;
+    }
+    match ffi::kernel_identity(out.raw()) {
+        Ok(id) => {
+            cache.ensure(&id);
+        }
+        Err(e) => tracing::debug!("kernel cache: {}", e.what()),
+    }
+}
+
+/// Before an evaluation: wait for pending compilations (nothing when there are none).
+pub(crate) fn wait_pending() {
+    if let Some(c) = get() {
+        c.wait();
+    }
+}
+
+/// The launch key of a custom-kernel call: its name and everything that changes the
+/// source MLX generates for it.
+pub(crate) fn launch_key(
+    name: &str,
+    input_dtypes: impl Iterator<Item = super::Dtype>,
+    outputs: usize,
+    out_dtype: super::Dtype,
+    template_values: &[i32],
+    tdtype: super::Dtype,
+) -> u64 {
+    let mut bytes = Vec::with_capacity(name.len() + 4 * template_values.len() + 16);
+    bytes.extend_from_slice(name.as_bytes());
+    bytes.push(0);
+    for d in input_dtypes {
+        bytes.push(d.repr);
+    }
+    bytes.push(0xFF);
+    bytes.extend_from_slice(&(outputs as u32).to_le_bytes());
+    bytes.push(out_dtype.repr);
+    bytes.push(tdtype.repr);
+    for v in template_values {
+        bytes.extend_from_slice(&v.to_le_bytes());
+    }
+    fnv1a(&bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicUsize;
+
+    fn id(module: &str) -> ffi::KernelIdentity {
+        ffi::KernelIdentity {
+            kernel_name: format!("custom_kernel_{module}"),
+            module_name: module.to_string(),
+            source: format!(
+                "\n{MLX_UTILS_INCLUDE}\n\n#include <cooperative_groups.h>\n\nbody of {module}\n"
+            ),
+        }
+    }
+
+    fn counting(calls: Arc<AtomicUsize>) -> Arc<Compiler> {
+        Arc::new(move |src: &str, file: &str, name: &str| {
+            calls.fetch_add(1, Ordering::SeqCst);
+            assert!(src.contains("#include <cuda_bf16.h>") && !src.contains(MLX_UTILS_INCLUDE));
+            assert!(file.ends_with(".cu") && name.starts_with("mlx::core::cu::custom_kernel_"));
+            Ok((
+                format!("binary of {name}").into_bytes(),
+                format!("_Z{}", name.len()),
+            ))
+        })
+    }
+
+    #[test]
+    fn entries_are_built_once_reused_and_rebuilt_when_bad() {
+        let dir = tempfile::tempdir().unwrap();
+        let calls = Arc::new(AtomicUsize::new(0));
+        let c = Cache::new(dir.path().to_path_buf(), 2, counting(calls.clone()));
+        assert!(c.ensure(&id("k1")));
+        assert!(c.ensure(&id("k2")));
+        c.wait();
+        assert_eq!(calls.load(Ordering::SeqCst), 2);
+        // the files MLX reads: the binary and `name\tlowered`
+        let txt = std::fs::read_to_string(dir.path().join("k1.txt")).unwrap();
+        assert_eq!(txt, "mlx::core::cu::custom_kernel_k1\t_Z31\n");
+        assert_eq!(
+            std::fs::read(dir.path().join("k1.ptx")).unwrap(),
+            b"binary of mlx::core::cu::custom_kernel_k1"
+        );
+        // a second process (a fresh cache on the folder) finds both: no compilation
+        let c2 = Cache::new(dir.path().to_path_buf(), 2, counting(calls.clone()));
+        assert!(!c2.ensure(&id("k1")) && !c2.ensure(&id("k2")));
+        assert_eq!(calls.load(Ordering::SeqCst), 2);
+        assert_eq!(c2.stats().hits, 2);
+        // a corrupted binary, a missing check file: both rebuilt
+        std::fs::write(dir.path().join("k1.ptx"), b"binary of something else").unwrap();
+        std::fs::remove_file(dir.path().join("k2.sum")).unwrap();
+        let c3 = Cache::new(dir.path().to_path_buf(), 1, counting(calls.clone()));
+        assert!(c3.ensure(&id("k1")) && c3.ensure(&id("k2")));
+        c3.wait();
+        assert_eq!(calls.load(Ordering::SeqCst), 4);
+        assert_eq!(c3.stats().invalid, 2);
+        assert_eq!(c3.stats().built, 2);
+        let c4 = Cache::new(dir.path().to_path_buf(), 1, counting(calls.clone()));
+        assert!(!c4.ensure(&id("k1")) && !c4.ensure(&id("k2")));
+        // no temporary files are left behind
+        let names: Vec<String> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        assert!(names.iter().all(|n| !n.ends_with(".tmp")), "{names:?}");
+        assert_eq!(names.len(), 6, "{names:?}");
+    }
+
+    #[test]
+    fn failed_compilations_leave_no_entry() {
+        let dir = tempfile::tempdir().unwrap();
+        let failing: Arc<Compiler> = Arc::new(|_: &str, _: &str, _: &str| Err("no".into()));
+        let c = Cache::new(dir.path().to_path_buf(), 1, failing);
+        assert!(c.ensure(&id("k")));
+        c.wait();
+        assert_eq!(c.stats().failed, 1);
+        assert!(!dir.path().join("k.ptx").exists());
+        // a source without MLX's header line is left to MLX, not compiled
+        let mut other = id("j");
+        other.source = "no header here".into();
+        assert!(!c.ensure(&other));
+        assert_eq!(c.stats().failed, 2);
+    }
+
+    #[test]
+    fn long_module_names_are_cut_into_folders_as_mlx_does() {
+        let long = "m".repeat(600);
+        let p = EntryPaths::new(Path::new("/c"), &long);
+        let expect = format!(
+            "/c/{}/{}/{}.ptx",
+            "m".repeat(245),
+            "m".repeat(245),
+            "m".repeat(110)
+        );
+        assert_eq!(p.ptx, PathBuf::from(expect));
+        assert_eq!(
+            EntryPaths::new(Path::new("/c"), "short").txt,
+            PathBuf::from("/c/short.txt")
+        );
+    }
+
+    #[test]
+    fn launch_keys_differ_by_what_changes_the_source() {
+        use crate::mlx::Dtype;
+        let k = |n: &str, t: &[i32], d: Dtype| {
+            launch_key(n, [Dtype::BF16, Dtype::U32].into_iter(), 1, d, t, d)
+        };
+        let a = k("q", &[1, 2], Dtype::BF16);
+        assert_eq!(a, k("q", &[1, 2], Dtype::BF16));
+        assert_ne!(a, k("q", &[1, 3], Dtype::BF16));
+        assert_ne!(a, k("q", &[1, 2], Dtype::F16));
+        assert_ne!(a, k("r", &[1, 2], Dtype::BF16));
+    }
+}

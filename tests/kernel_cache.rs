@@ -1,0 +1,295 @@
+//! The compiled-kernel cache's compile path (`src/mlx/kernel_cache.rs`): mlxcel's kernel
+//! files, in the source MLX generates around a custom kernel's body (the layout of its
+//! `build_kernel`: MLX's utilities header, the header, the `__global__` signature from
+//! the input and output names and dtypes, the template constants, the body), turned into
+//! what the cache compiles and compiled by NVRTC with the cache's options for an H200
+//! (sm_90a). MLX's CUDA backend then loads these binaries from the cache folder instead of
+//! compiling (checked on a GPU by `scripts/gpu/kernel-cache.sh`).
+//!
+//! Needs NVRTC, which needs no GPU: `MLXCEL_NVRTC_LIBRARY=…/nvidia/cu13/lib/libnvrtc.so.13`
+//! (the `nvidia-cuda-nvrtc` and `nvidia-cuda-runtime` wheels; `.ci/run` fetches them).
+//! Without it the test says so and passes, except under CI (`CI` set), where it fails.
+use std::path::Path;
+
+use mlxcel::kernels::cache::{cuda_include_dirs, nvrtc_options};
+use mlxcel::mlx::kernel_cache::{compile_source, nvrtc, nvrtc_compile};
+
+/// A custom kernel's source as MLX generates it: `inputs` and `outputs` are (name, CUDA
+/// type), `shape_of` the inputs whose `_shape` the body uses, `consts` the template
+/// constants after `T` (one argument per part of MLX's template).
+#[allow(clippy::too_many_arguments)]
+fn mlx_source(
+    name: &str,
+    header: &str,
+    body: &str,
+    inputs: &[(&str, &str)],
+    shape_of: &[&str],
+    outputs: &[(&str, &str)],
+    t: &str,
+    consts: &[(&str, i64)],
+) -> String {
+    let mut s = String::from(
+        "\n#include \"mlx/backend/cuda/device/utils.cuh\"\n\n#include <cooperative_groups.h>\n\n",
+    );
+    s += header;
+    s += "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n";
+    s += &format!("__global__ void {name}(\n");
+    for (n, ty) in inputs {
+        s += &format!("    const {ty}* {n},\n");
+        if shape_of.contains(n) {
+            s += &format!("    const __grid_constant__ Shape {n}_shape,\n");
+        }
+    }
+    for (i, (n, ty)) in outputs.iter().enumerate() {
+        s += &format!("    {ty}* {n}");
+        s += if i + 1 < outputs.len() {
+            ",\n"
+        } else {
+            ") {\n"
+        };
+    }
+    s += &format!("  using T = {t};\n");
+    for (n, v) in consts {
+        s += &format!("  constexpr int {n} = {v};\n");
+    }
+    s += "\n";
+    s += body;
+    s += "\n}\n\n} // namespace mlx::core::cu\n";
+    s
+}
+
+fn parts(file: &str, markers: &[&str]) -> Vec<String> {
+    let text = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join(file)).unwrap();
+    let mut rest = text.split_once("// @@header\n").unwrap().1.to_string();
+    let mut out = Vec::new();
+    for m in markers {
+        let (a, b) = rest.split_once(m).unwrap();
+        out.push(a.to_string());
+        rest = b.to_string();
+    }
+    out.push(rest);
+    out
+}
+
+#[test]
+fn kernels_compile_for_the_cache_with_nvrtc() {
+    let library = std::env::var("MLXCEL_NVRTC_LIBRARY").unwrap_or_default();
+    let (version, path) = match nvrtc(&library) {
+        Ok(v) => v,
+        Err(e) => {
+            assert!(
+                std::env::var_os("CI").is_none(),
+                "CI must run this test with NVRTC (MLXCEL_NVRTC_LIBRARY): {e}"
+            );
+            eprintln!("skipped: {e} (set MLXCEL_NVRTC_LIBRARY to run it)");
+            return;
+        }
+    };
+    eprintln!("NVRTC {version} at {path}");
+    let include = cuda_include_dirs(Path::new(&path), mlxcel::mlx::library_path().as_deref());
+    assert!(!include.is_empty(), "no CUDA headers beside {path}");
+    let options = nvrtc_options(90, &include);
+
+    let q = parts(
+        "kernels/qgemv.cu",
+        &["// @@body\n", "// @@body_rope\n", "// @@body_xq\n"],
+    );
+    let (header, body, body_rope, body_xq) = (&q[0], &q[1], &q[2], &q[3]);
+    // the header as mlxcel passes it to MLX: an #include of a file holding it
+    let dir = tempfile::tempdir().unwrap();
+    let include_line = mlxcel::kernels::qgemv::include_header(dir.path(), "q", header).unwrap();
+    let bf = "__nv_bfloat16";
+    let f16 = "__half";
+    let plain_in = |x: &'static str, t: &'static str| {
+        vec![
+            ("x", x),
+            ("w", "uint32_t"),
+            ("scales", t),
+            ("biases", t),
+            ("res", t),
+            ("nw", t),
+        ]
+    };
+    let eps = 1e-5f32.to_bits() as i64;
+    let gemv = |m: i64, k: i64, g: i64, rows: i64, wpb: i64, xq: i64, mma: i64, pg: i64| {
+        vec![
+            ("M", m),
+            ("N", 4096),
+            ("K", k),
+            ("G", g),
+            ("BITS", 4),
+            ("ROWS", rows),
+            ("WPB", wpb),
+            ("EPI", 2),
+            ("NORM", 1),
+            ("EPS_BITS", eps),
+            ("XQ", xq),
+            ("MMA", mma),
+            ("PG", pg),
+        ]
+    };
+    let mut sources: Vec<(String, String)> = Vec::new();
+    let name = "custom_kernel_mlxcel_qgemv_test_dp4a";
+    sources.push((
+        name.into(),
+        mlx_source(
+            name,
+            &include_line,
+            body,
+            &plain_in(bf, bf),
+            &[],
+            &[("y", bf)],
+            bf,
+            &gemv(1, 4096, 64, 8, 4, 1, 0, 0),
+        ),
+    ));
+    let name = "custom_kernel_mlxcel_qgemv_test_mma_f16";
+    sources.push((
+        name.into(),
+        mlx_source(
+            name,
+            header,
+            body,
+            &plain_in("uint32_t", f16),
+            &[],
+            &[("y", f16)],
+            f16,
+            &gemv(8, 4096, 32, 16, 4, 1, 1, 0),
+        ),
+    ));
+    let name = "custom_kernel_mlxcel_qgemv_test_stream";
+    sources.push((
+        name.into(),
+        mlx_source(
+            name,
+            header,
+            body,
+            &plain_in(bf, bf),
+            &[],
+            &[("y", bf)],
+            bf,
+            &{
+                let mut c = gemv(1, 14336, 64, 2, 14, 1, 0, 132);
+                c[8].1 = 1; // EPI: the residual
+                c[9].1 = 0; // NORM
+                c
+            },
+        ),
+    ));
+    let name = "custom_kernel_mlxcel_qgemv_test_rope";
+    let mut rope = gemv(1, 4096, 64, 8, 4, 1, 0, 0);
+    rope[1].1 = 6144;
+    rope.retain(|(n, _)| *n != "EPI");
+    rope.extend([("HD", 128), ("NQ", 32)]);
+    sources.push((
+        name.into(),
+        mlx_source(
+            name,
+            header,
+            body_rope,
+            &[
+                ("x", bf),
+                ("w", "uint32_t"),
+                ("scales", bf),
+                ("biases", bf),
+                ("nw", bf),
+                ("pos", "int32_t"),
+                ("inv_freq", "float"),
+            ],
+            &[],
+            &[("q", bf), ("kv", bf)],
+            bf,
+            &rope,
+        ),
+    ));
+    let name = "custom_kernel_mlxcel_qgemv_test_xq";
+    sources.push((
+        name.into(),
+        mlx_source(
+            name,
+            header,
+            body_xq,
+            &[("x", f16), ("nw", f16)],
+            &[],
+            &[("xq", "uint32_t")],
+            f16,
+            &[
+                ("M", 8),
+                ("K", 4096),
+                ("G", 32),
+                ("NORM", 1),
+                ("EPS_BITS", eps),
+            ],
+        ),
+    ));
+    let a = parts("kernels/attn.cu", &["// @@body\n"]);
+    let name = "custom_kernel_mlxcel_attn_test";
+    sources.push((
+        name.into(),
+        mlx_source(
+            name,
+            &a[0],
+            &a[1],
+            &[
+                ("q", bf),
+                ("pool", bf),
+                ("slots", "int32_t"),
+                ("pos", "int32_t"),
+                ("part", "float"),
+                ("count", "int32_t"),
+            ],
+            &["pool"],
+            &[("out", bf)],
+            bf,
+            &[
+                ("D", 128),
+                ("HQ", 32),
+                ("HKV", 8),
+                ("NSPLIT", 4),
+                ("WARPS", 16),
+                ("SCALE_BITS", 0.125f32.to_bits() as i64),
+            ],
+        ),
+    ));
+    for (name, src) in &sources {
+        let cache_src = compile_source(src).expect("MLX's header line is replaced");
+        let expr = format!("mlx::core::cu::{name}");
+        let (bin, lowered) = nvrtc_compile(
+            &path,
+            &cache_src,
+            &format!("{name}.cu"),
+            &expr,
+            &options,
+            true,
+        )
+        .unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert!(bin.starts_with(b"\x7fELF"), "{name}: not a cubin");
+        assert!(
+            lowered.starts_with("_Z") && lowered.contains(name),
+            "{name}: lowered name {lowered}"
+        );
+        eprintln!("{name}: {} byte cubin, {lowered}", bin.len());
+    }
+    // a compile error comes back with NVRTC's log
+    let bad = compile_source(&mlx_source(
+        "custom_kernel_broken",
+        "",
+        "this is not CUDA;",
+        &[("x", bf)],
+        &[],
+        &[("y", bf)],
+        bf,
+        &[],
+    ))
+    .unwrap();
+    let e = nvrtc_compile(
+        &path,
+        &bad,
+        "broken.cu",
+        "mlx::core::cu::custom_kernel_broken",
+        &options,
+        true,
+    )
+    .unwrap_err();
+    assert!(e.contains("broken.cu"), "{e}");
+}
