@@ -98,10 +98,11 @@ vs_mlx() {
   demo_tokenizer
   [ -f "$CK/g1b/model-q4_0.gguf" ] ||
     python3 scripts/make_test_gguf.py --out "$CK/g1b" --shape llama3-1b --tokenizer-from "$TOK"
-  step "1B shape, 4-bit group 32: Q4_0 GGUF (float16, the default; the same on MLX's quantized_matmul) vs MLX 4-bit (dummy), alternated"
+  step "1B shape, 4-bit group 32: Q4_0 GGUF (float16, the default; the same on MLX's quantized_matmul; with float activations in the kernel) vs MLX 4-bit (dummy), alternated"
   for r in $(seq ${RUNS:-3}); do
     echo "gguf-f16 run $r: $(bench_line X=1 "$CK/g1b/model-q4_0.gguf" 8)"
     echo "gguf-f16-mlx-qmm run $r: $(bench_line MLXCEL_QGEMV_F16=0 "$CK/g1b/model-q4_0.gguf" 8)"
+    echo "gguf-f16-float-activations run $r: $(bench_line MLXCEL_QGEMV_XQ=0 "$CK/g1b/model-q4_0.gguf" 8)"
     echo "mlx4 run $r: $(bench_line X=1 "$CK/g1b-mlx4" 8 --load-format dummy)"
   done 2>&1 | tee -a "$OUT/gguf-vs-mlx4.txt"
 }
