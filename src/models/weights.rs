@@ -228,10 +228,21 @@ pub struct SafetensorsSource {
 const SCRATCH_KEEP_BYTES: usize = 256 << 20;
 
 impl SafetensorsSource {
-    fn trim_scratch(buf: &mut Vec<u8>) {
+    /// An array of shape `dims` from the bytes `fill` appends to the (emptied) staging
+    /// buffer; `fill` returns their dtype.
+    fn read_staged(
+        &self,
+        dims: &[i32],
+        fill: impl FnOnce(&mut Vec<u8>) -> Result<Dtype, LoadError>,
+    ) -> Result<Array, LoadError> {
+        let mut buf = self.scratch.borrow_mut();
+        buf.clear();
+        let dtype = fill(&mut buf)?;
+        let a = Array::from_bytes(&buf, dims, dtype)?;
         if buf.capacity() > SCRATCH_KEEP_BYTES {
             *buf = Vec::new();
         }
+        Ok(a)
     }
 
     /// Append the bytes of block `[rows, cols]` of `name` (full shape `shape`) to `buf`;
@@ -611,12 +622,9 @@ impl WeightSource for SafetensorsSource {
         kind: TensorKind,
     ) -> Result<Array, LoadError> {
         let (rows, cols, dims) = block_bounds(shape, rows, cols);
-        let mut buf = self.scratch.borrow_mut();
-        buf.clear();
-        let dtype = self.append_block(name, shape, rows, cols, kind, &mut buf)?;
-        let a = Array::from_bytes(&buf, &dims, dtype)?;
-        SafetensorsSource::trim_scratch(&mut buf);
-        Ok(a)
+        self.read_staged(&dims, |buf| {
+            self.append_block(name, shape, rows, cols, kind, buf)
+        })
     }
 
     fn bytes_read(&self) -> u64 {
@@ -634,12 +642,9 @@ impl WeightSource for SafetensorsSource {
         kind: TensorKind,
     ) -> Result<Array, LoadError> {
         let (rows, cols, dims) = stacked_bounds(shape, experts.clone(), rows, cols)?;
-        let mut buf = self.scratch.borrow_mut();
-        buf.clear();
-        let dtype = self.append_stacked(name, shape, Some(experts), rows, cols, kind, &mut buf)?;
-        let a = Array::from_bytes(&buf, &dims, dtype)?;
-        SafetensorsSource::trim_scratch(&mut buf);
-        Ok(a)
+        self.read_staged(&dims, |buf| {
+            self.append_stacked(name, shape, Some(experts), rows, cols, kind, buf)
+        })
     }
 
     /// Where the parts agree in dtype and in their other dimensions, they are read straight
@@ -655,22 +660,22 @@ impl WeightSource for SafetensorsSource {
                 alike &= !shape.is_empty() && &shape[1..] == tail && dtype_of(name)? == first_dtype;
             }
             if let (true, Some(dtype)) = (alike, first_dtype) {
-                let mut buf = self.scratch.borrow_mut();
-                buf.clear();
-                let mut n_rows = 0;
-                for (name, shape, rows) in parts {
-                    let rows = rows.clone().unwrap_or(0..shape[0]);
-                    let cols = if shape.len() == 2 { 0..shape[1] } else { 0..1 };
-                    n_rows += rows.len();
-                    self.append_block(name, shape, rows, cols, kind, &mut buf)?;
-                }
+                let n_rows: usize = parts
+                    .iter()
+                    .map(|(_, shape, rows)| rows.as_ref().map_or(shape[0], |r| r.len()))
+                    .sum();
                 let dims: Vec<i32> = std::iter::once(n_rows)
                     .chain(tail.iter().copied())
                     .map(|d| d as i32)
                     .collect();
-                let a = Array::from_bytes(&buf, &dims, dtype)?;
-                SafetensorsSource::trim_scratch(&mut buf);
-                return Ok(a);
+                return self.read_staged(&dims, |buf| {
+                    for (name, shape, rows) in parts {
+                        let rows = rows.clone().unwrap_or(0..shape[0]);
+                        let cols = if shape.len() == 2 { 0..shape[1] } else { 0..1 };
+                        self.append_block(name, shape, rows, cols, kind, buf)?;
+                    }
+                    Ok(dtype)
+                });
             }
         }
         // parts that differ: one array each, concatenated
