@@ -6,7 +6,6 @@
 //! one process, the group-size refusal, and the memory plan against what ranks load.
 //! Fixtures: scripts/make_moe_fixtures.py.
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
 
 use mlxcel::engine::step::LocalExecutor;
 use mlxcel::mlx::Array;
@@ -15,21 +14,8 @@ use mlxcel::models::{self, LoadFormat, Logits, SeqInput, StepInput};
 use mlxcel::parallel::driver::{TpExecutor, TpOptions};
 use serde_json::Value;
 
-/// The TP tests start several processes each: one at a time (CI has 2 cores).
 mod support;
-use support::run_plan;
-
-static SERIAL: Mutex<()> = Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(name)
-}
+use support::{fixture, run_plan, serial};
 
 /// A fixture's references: prompt ids, greedy tokens, prompt logits `[T, vocab]`.
 struct Reference {

@@ -6,9 +6,8 @@
 //! The tests in this file run one at a time (they start several processes
 //! each, and CI has 2 cores).
 use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Command, Stdio};
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use mlxcel::engine::step::{Executor, LocalExecutor, SeqStep, StepPlan};
@@ -18,19 +17,7 @@ use mlxcel::parallel::driver::{TpExecutor, TpOptions};
 use serde_json::Value;
 
 mod support;
-use support::run_plan;
-
-static SERIAL: Mutex<()> = Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(name)
-}
+use support::{fixture, run_plan, serial};
 
 fn tp_options(n: usize) -> TpOptions {
     let mut o = TpOptions::new(n, 256, 2);

@@ -1,5 +1,21 @@
 //! Helpers shared by the tensor-parallel test files (tp.rs, moe.rs).
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
 use mlxcel::engine::step::{Executor, SeqStep, StepPlan};
+
+/// The TP tests start several processes each: one at a time (CI has 2 cores).
+static SERIAL: Mutex<()> = Mutex::new(());
+
+pub fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+pub fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures")
+        .join(name)
+}
 
 /// Prompt logits of every position, then greedy tokens, through an executor.
 pub fn run_plan(exec: &mut dyn Executor, prompt: &[u32], steps: usize) -> (Vec<f32>, Vec<u32>) {
