@@ -173,9 +173,9 @@ pub trait Observer {
 
 /// `--max-num-batched-tokens` by default: vLLM's chunked-prefill default for online
 /// serving on GPUs other than the H100 class (2048; it takes 8192 on GPUs of 70 GiB or
-/// more). The smaller of the two because each sequence's prefill chunk runs as its own
-/// forward pass here, so a step's time grows with the sequences it prefills, and the
-/// running streams wait for it. Not measured on a GPU yet (docs/server.md).
+/// more). The smaller of the two because every running stream waits for a step whose
+/// time grows with its tokens (the target: a p99 inter-token gap during a burst within
+/// 3× a decode step). Not measured on a GPU yet (docs/server.md).
 pub const DEFAULT_MAX_NUM_BATCHED_TOKENS: usize = 2048;
 
 /// How often an idle [`Scheduler::run`] checks the executor's health.
