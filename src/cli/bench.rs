@@ -4,7 +4,9 @@
 //! `--serve-workload B` is the engine-side reference of a server load test (B
 //! concurrent requests of P prompt tokens and D generated tokens each, as
 //! `scripts/bench_server.py` sends): B prompts prefilled (each sampling its first
-//! token), then D − 1 decode steps at batch B, timed as a whole; its aggregate rate
+//! token; as many whole prompts per forward pass as fit in `--prefill-chunk` tokens, one
+//! pass over all their rows as a server step runs them), then D − 1 decode steps at
+//! batch B, timed as a whole; its aggregate rate
 //! is B · D generated tokens over that wall time.
 //!
 //! Prompts are random token ids from a fixed seed; decoding is greedy with the
@@ -19,7 +21,7 @@ use serde_json::json;
 
 use crate::engine::generate::prefill;
 use crate::mlx::{self, Dtype};
-use crate::models::{Logits, StepInput};
+use crate::models::{Logits, SeqInput, StepInput};
 use crate::runtime::{check_single_device_memory, load_weights, open_model, ModelArgs};
 
 #[derive(Debug, Args)]
@@ -298,7 +300,9 @@ struct WorkloadTimes {
 }
 
 /// The server workload on the engine alone: every prompt of `prompts` into its slot
-/// (`0..B`, reset first) in chunks of `chunk`, its first token sampled greedily, then
+/// (`0..B`, reset first), as many whole prompts per forward pass as fit in `chunk`
+/// tokens (one pass over all their rows, as a server step prefills them; a longer
+/// prompt alone in chunks of `chunk`), its first token sampled greedily, then
 /// `tokens − 1` greedy decode steps of all B sequences as one batch, pipelined like
 /// [`decode_loop`]: `tokens` generated tokens per sequence.
 fn serve_workload(
@@ -310,16 +314,37 @@ fn serve_workload(
 ) -> Result<WorkloadTimes> {
     let b = prompts.len();
     let t = Instant::now();
+    let argmax = |l: &mlx::Array| -> Result<mlx::Array> {
+        Ok(l.argmax(-1, false)?.astype(Dtype::I32)?.reshape(&[1, 1])?)
+    };
     let mut first = Vec::with_capacity(b);
-    for (slot, p) in prompts.iter().enumerate() {
+    let mut slot = 0;
+    while slot < b {
         cache.reset(slot);
-        let logits = prefill(model, cache, slot, p, chunk)?;
-        first.push(
-            logits
-                .argmax(-1, false)?
-                .astype(Dtype::I32)?
-                .reshape(&[1, 1])?,
-        );
+        if prompts[slot].len() > chunk {
+            let logits = prefill(model, cache, slot, &prompts[slot], chunk)?;
+            first.push(argmax(&logits)?);
+            slot += 1;
+            continue;
+        }
+        // the prompts from `slot` on that fit in `chunk` tokens together
+        let (mut end, mut tokens) = (slot, 0);
+        while end < b && tokens + prompts[end].len() <= chunk {
+            tokens += prompts[end].len();
+            cache.reset(end);
+            end += 1;
+        }
+        let inputs: Vec<SeqInput> = (slot..end)
+            .map(|s| SeqInput {
+                slot: s,
+                tokens: &prompts[s],
+            })
+            .collect();
+        for l in model.forward(cache, StepInput::Host(&inputs), Logits::Last)? {
+            first.push(argmax(&l)?);
+        }
+        mlx::eval(&first[slot..end].iter().collect::<Vec<_>>())?;
+        slot = end;
     }
     let first = mlx::concatenate(&first.iter().collect::<Vec<_>>(), 0)?;
     let _tokens: Vec<i32> = first.to_vec()?;
