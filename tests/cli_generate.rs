@@ -321,6 +321,12 @@ fn bench_reports_prefill_decode_and_batched_decode() {
         "2,3",
         "--repeats",
         "1",
+        "--serve-workload",
+        "1,3",
+        "--workload-prompt",
+        "6",
+        "--workload-tokens",
+        "5",
     ];
     let out = mlxcel(&args, &cache);
     assert!(
@@ -342,6 +348,19 @@ fn bench_reports_prefill_decode_and_batched_decode() {
         let ms = row["ms_per_step"].as_f64().unwrap();
         // tokens per second = batch × steps / seconds = batch × 1000 / ms per step
         assert!((tps - b as f64 * 1e3 / ms).abs() / tps < 1e-6, "{row}");
+    }
+    // the server workload: B prompts of 6 tokens, 5 tokens generated each (the first
+    // from the prefill, then 4 decode steps), B · 5 tokens over the whole wall time
+    let workload = j["serve_workload"].as_array().unwrap();
+    assert_eq!(workload.len(), 2);
+    for (row, b) in workload.iter().zip([1u64, 3]) {
+        assert_eq!(row["batch"].as_u64(), Some(b), "{row}");
+        assert_eq!(row["prompt_tokens"].as_u64(), Some(6));
+        assert_eq!(row["decode_steps"].as_u64(), Some(4));
+        let secs = row["seconds"].as_f64().unwrap();
+        assert!(row["prefill_seconds"].as_f64().unwrap() <= secs, "{row}");
+        let tps = row["tokens_per_second"].as_f64().unwrap();
+        assert!((tps * secs - 5.0 * b as f64).abs() < 1e-6, "{row}");
     }
 
     let mut bad = args.to_vec();

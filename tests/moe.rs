@@ -219,7 +219,7 @@ fn check_tp(name: &str, sizes: &[usize], expert_parallel: bool) {
             tp_size: n,
             ctx_size: 256,
             slots: 2,
-            prefill_chunk: 512,
+            max_num_batched_tokens: 512,
             backend: mlxcel::mlx::backend(),
             vocab_parallel: true,
             kv_tokens: None,

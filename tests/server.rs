@@ -693,6 +693,77 @@ fn concurrent_greedy(tp: &[&str]) {
     assert!(metric(&m, "mlxcel:request_queue_time_seconds_count") >= 19.0);
 }
 
+/// Streams with prompts longer than the step's token budget (`--max-num-batched-tokens
+/// 16` over 4 slots): each gives the greedy text of its request alone, and no engine
+/// step holds more than 16 tokens (`mlxcel:step_tokens`), decodes and prefill chunks
+/// together; the prompts are prefilled piecewise over several steps. Under TP the
+/// ranks run the same plans.
+#[test]
+fn concurrent_streams_stay_within_the_token_budget() {
+    streams_within_budget(&[]);
+}
+
+#[test]
+fn tp2_concurrent_streams_stay_within_the_token_budget() {
+    streams_within_budget(TP2);
+}
+
+fn streams_within_budget(tp: &[&str]) {
+    let s = Server::start(
+        "llama3",
+        &with(tp, &["--parallel", "4", "--max-num-batched-tokens", "16"]),
+        &[],
+    );
+    let m0 = s.metrics();
+    assert_eq!(metric(&m0, "mlxcel:max_num_batched_tokens"), 16.0);
+    /// A prompt of 20 + 9i words (more tokens than the budget), streamed greedily.
+    fn stream(addr: &str, i: usize) -> String {
+        let words = [
+            "alpha", "river", "stone", "light", "cloud", "paper", "green", "sound",
+        ];
+        let prompt: Vec<&str> = (0..20 + 9 * i)
+            .map(|k| words[(k * 5 + i) % words.len()])
+            .collect();
+        let body = json!({"prompt": prompt.join(" "), "max_tokens": 12, "temperature": 0,
+                          "ignore_eos": true, "stream": true});
+        let r = http(
+            addr,
+            "POST",
+            "/v1/completions",
+            &[("Content-Type", "application/json")],
+            Some(body.to_string().into_bytes()),
+        )
+        .unwrap();
+        stream_text(&r, false).0
+    }
+    let alone: Vec<String> = (0..4).map(|i| stream(&s.addr, i)).collect();
+    let before = s.metrics();
+    let handles: Vec<_> = (0..4)
+        .map(|i| {
+            let addr = s.addr.clone();
+            std::thread::spawn(move || stream(&addr, i))
+        })
+        .collect();
+    for (i, h) in handles.into_iter().enumerate() {
+        assert_eq!(h.join().unwrap(), alone[i], "request {i}");
+    }
+    let m = s.metrics();
+    let steps = metric(&m, "mlxcel:step_tokens_count");
+    assert!(steps > metric(&before, "mlxcel:step_tokens_count"));
+    assert_eq!(
+        metric(&m, "mlxcel:step_tokens_bucket{le=\"16\"}"),
+        steps,
+        "a step held more than 16 tokens"
+    );
+    // the second run of each prompt finds its full blocks in the prefix cache
+    let prefilled = metric(&m, "mlxcel:prefill_tokens_total");
+    let hits = metric(&m, "vllm:prefix_cache_hits");
+    let prompts = metric(&m, "mlxcel:prompt_tokens_total");
+    assert_eq!(prefilled + hits, prompts);
+    assert!(prompts > 8.0 * 16.0);
+    assert_eq!(metric(&m, "mlxcel:step_prefill_sequences_count"), steps);
+}
+
 #[test]
 fn bad_requests_get_openai_errors_and_the_server_keeps_serving() {
     bad_requests(&[]);

@@ -330,7 +330,7 @@ fn dummy_rank_weights_match_the_plan() {
             tp_size: n,
             ctx_size: 256,
             slots: 1,
-            prefill_chunk: 512,
+            max_num_batched_tokens: 512,
             backend: mlxcel::mlx::backend(),
             vocab_parallel: true,
             kv_tokens: None,

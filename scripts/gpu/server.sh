@@ -3,6 +3,8 @@
 #   bash scripts/gpu/server.sh bench              # 8B bf16, --parallel 32: one streaming chat, bench at 1/8/32 streams
 #   bash scripts/gpu/server.sh knobs SETTING...   # 8B 4-bit dummy weights, --parallel 32, once per setting
 #                                                 # (e.g. MLXCEL_QGEMV_CHUNKS=0 X=1): bench at 1/8/32 streams
+#   bash scripts/gpu/server.sh compare [B,...]    # 8B bf16 and 4-bit g64 dummy weights: engine (bench --serve-workload)
+#                                                 # and server (--parallel max B, --ctx-size 1024) side by side
 #   bash scripts/gpu/server.sh pipeline           # 8B bf16, 1/8 streams, pipelined vs --no-pipeline
 #   bash scripts/gpu/server.sh cold               # 8B 4-bit, cold kernel cache: the warm-up takes the compiles
 #   bash scripts/gpu/server.sh tp                 # TP=2 (emulated on one GPU): openai client, kill -9 of rank 1
@@ -23,6 +25,15 @@ bench)
   step "memory"; nvidia-smi --query-gpu=index,memory.used --format=csv
   curl -s localhost:8123/metrics | grep -E "^mlxcel:(num_requests|generation_tokens_total|prompt_tokens_total|device)" | head
   unserve
+  ;;
+compare)
+  q4cfg
+  levels=${1:-1,8,32,64}
+  for m in c8b c8b-q4; do
+    step "engine vs server, $m (dummy weights), B = $levels"
+    python3 scripts/bench_server.py --compare-engine --mlxcel "$B" -m "$CK/$m" --load-format dummy \
+      --concurrency "$levels" --warmup 16 --server-args "--max-queue 256" | tee "$OUT/compare-$m.txt"
+  done
   ;;
 knobs)
   # file names hold no '=': such files do not come back from the box

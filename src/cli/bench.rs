@@ -1,6 +1,14 @@
 //! `mlxcel bench`: prefill throughput at given prompt lengths and batch-1
 //! decode throughput, with peak memory, printed as one JSON object.
 //!
+//! `--serve-workload B` is the engine-side reference of a server load test (B
+//! concurrent requests of P prompt tokens and D generated tokens each, as
+//! `scripts/bench_server.py` sends): B prompts prefilled (each sampling its first
+//! token; as many whole prompts per forward pass as fit in `--prefill-chunk` tokens, one
+//! pass over all their rows as a server step runs them), then D − 1 decode steps at
+//! batch B, timed as a whole; its aggregate rate
+//! is B · D generated tokens over that wall time.
+//!
 //! Prompts are random token ids from a fixed seed; decoding is greedy with the
 //! next step queued (`async_eval`) before the current token is read, as a
 //! streaming generator does.
@@ -13,7 +21,7 @@ use serde_json::json;
 
 use crate::engine::generate::prefill;
 use crate::mlx::{self, Dtype};
-use crate::models::{Logits, StepInput};
+use crate::models::{Logits, SeqInput, StepInput};
 use crate::runtime::{check_single_device_memory, load_weights, open_model, ModelArgs};
 
 #[derive(Debug, Args)]
@@ -36,6 +44,17 @@ pub struct BenchArgs {
     /// after the same prompt, one token each per step, pipelined like batch 1.
     #[arg(long, value_delimiter = ',')]
     pub decode_batch: Vec<usize>,
+    /// The server workload at these batch sizes (comma-separated): B prompts of
+    /// --workload-prompt tokens prefilled, then decode until each has
+    /// --workload-tokens tokens (the first from its prefill), timed as a whole.
+    #[arg(long, value_delimiter = ',')]
+    pub serve_workload: Vec<usize>,
+    /// Prompt tokens of each sequence in --serve-workload.
+    #[arg(long, default_value_t = 128)]
+    pub workload_prompt: usize,
+    /// Generated tokens of each sequence in --serve-workload.
+    #[arg(long, default_value_t = 128)]
+    pub workload_tokens: usize,
     /// Repeat each measurement and keep the best.
     #[arg(long, default_value_t = 2)]
     pub repeats: usize,
@@ -52,14 +71,25 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         .max()
         .unwrap_or(0)
         .max(args.decode_context + args.decode_tokens + 1)
+        .max(args.workload_prompt + args.workload_tokens + 1)
         .max(WARM_UP_PROMPT + 8);
     let mut margs = args.model.clone();
     margs.ctx_size = Some(margs.ctx_size.unwrap_or(longest).max(longest));
     let opened = open_model(&margs)?;
-    if let Some(&0) = args.decode_batch.iter().find(|&&b| b == 0) {
-        anyhow::bail!("--decode-batch: batch sizes must be at least 1");
+    if args.decode_batch.contains(&0) || args.serve_workload.contains(&0) {
+        anyhow::bail!("--decode-batch, --serve-workload: batch sizes must be at least 1");
     }
-    let max_batch = args.decode_batch.iter().copied().max().unwrap_or(1).max(1);
+    if !args.serve_workload.is_empty() && (args.workload_prompt == 0 || args.workload_tokens == 0) {
+        anyhow::bail!("--workload-prompt and --workload-tokens must be at least 1");
+    }
+    let max_batch = args
+        .decode_batch
+        .iter()
+        .chain(&args.serve_workload)
+        .copied()
+        .max()
+        .unwrap_or(1)
+        .max(1);
     check_single_device_memory(&margs, &opened, max_batch, args.prefill_chunk, None)?;
     let m = crate::runtime::LoadedModel {
         model: load_weights(&margs, &opened)?,
@@ -110,7 +140,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     let mut batched = Vec::new();
     for &b in &args.decode_batch {
         let mut bcache = m.model.new_cache(b, m.ctx_size);
-        decode_batch_loop(&m.model, &mut bcache, b, 2)?; // warm-up: kernels for this batch size
+        decode_batch_loop(&m.model, &mut bcache, b, 2, None)?; // warm-up: kernels for this batch size
         let mut best = f64::MAX;
         for _ in 0..args.repeats.max(1) {
             for slot in 0..b {
@@ -119,7 +149,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             }
             mlx::synchronize()?;
             let t = Instant::now();
-            decode_batch_loop(&m.model, &mut bcache, b, args.decode_tokens)?;
+            decode_batch_loop(&m.model, &mut bcache, b, args.decode_tokens, None)?;
             best = best.min(t.elapsed().as_secs_f64());
         }
         let steps = args.decode_tokens as f64;
@@ -129,6 +159,40 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             "seconds": best,
             "tokens_per_second": b as f64 * steps / best,
             "ms_per_step": best * 1e3 / steps,
+        }));
+    }
+    let mut workload = Vec::new();
+    for &b in &args.serve_workload {
+        let prompts: Vec<Vec<u32>> = (0..b).map(|_| prompt(args.workload_prompt)).collect();
+        let mut wcache = m.model.new_cache(b, m.ctx_size);
+        // warm-up: the prompt's and this batch size's kernels
+        serve_workload(&m.model, &mut wcache, &prompts, 2, args.prefill_chunk)?;
+        let mut best: Option<WorkloadTimes> = None;
+        for _ in 0..args.repeats.max(1) {
+            mlx::synchronize()?;
+            let t = serve_workload(
+                &m.model,
+                &mut wcache,
+                &prompts,
+                args.workload_tokens,
+                args.prefill_chunk,
+            )?;
+            if best.is_none_or(|x| t.total < x.total) {
+                best = Some(t);
+            }
+        }
+        let t = best.expect("at least one repeat");
+        let generated = b * args.workload_tokens;
+        let steps = args.workload_tokens - 1;
+        workload.push(json!({
+            "batch": b,
+            "prompt_tokens": args.workload_prompt,
+            "generated_tokens_per_sequence": args.workload_tokens,
+            "seconds": t.total,
+            "tokens_per_second": generated as f64 / t.total,
+            "prefill_seconds": t.prefill,
+            "decode_steps": steps,
+            "ms_per_decode_step": if steps > 0 { (t.total - t.prefill) * 1e3 / steps as f64 } else { 0.0 },
         }));
     }
     let device = if mlx::gpu_device_count() > 0 {
@@ -153,6 +217,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             "host_per_token": host.per_step_ms(args.decode_tokens),
         },
         "decode_batched": batched,
+        "serve_workload": workload,
         "peak_memory_bytes": mlx::memory::peak(),
     });
     println!("{}", serde_json::to_string(&out)?);
@@ -226,16 +291,86 @@ impl HostTimes {
     }
 }
 
+/// Wall times of one [`serve_workload`] run, in seconds.
+#[derive(Clone, Copy)]
+struct WorkloadTimes {
+    /// Until every prompt's first token was read.
+    prefill: f64,
+    total: f64,
+}
+
+/// The server workload on the engine alone: every prompt of `prompts` into its slot
+/// (`0..B`, reset first), as many whole prompts per forward pass as fit in `chunk`
+/// tokens (one pass over all their rows, as a server step prefills them; a longer
+/// prompt alone in chunks of `chunk`), its first token sampled greedily, then
+/// `tokens − 1` greedy decode steps of all B sequences as one batch, pipelined like
+/// [`decode_loop`]: `tokens` generated tokens per sequence.
+fn serve_workload(
+    model: &crate::models::Model,
+    cache: &mut crate::models::kv_cache::KvCache,
+    prompts: &[Vec<u32>],
+    tokens: usize,
+    chunk: usize,
+) -> Result<WorkloadTimes> {
+    let b = prompts.len();
+    let t = Instant::now();
+    let argmax = |l: &mlx::Array| -> Result<mlx::Array> {
+        Ok(l.argmax(-1, false)?.astype(Dtype::I32)?.reshape(&[1, 1])?)
+    };
+    let mut first = Vec::with_capacity(b);
+    let mut slot = 0;
+    while slot < b {
+        cache.reset(slot);
+        if prompts[slot].len() > chunk {
+            let logits = prefill(model, cache, slot, &prompts[slot], chunk)?;
+            first.push(argmax(&logits)?);
+            slot += 1;
+            continue;
+        }
+        // the prompts from `slot` on that fit in `chunk` tokens together
+        let (mut end, mut tokens) = (slot, 0);
+        while end < b && tokens + prompts[end].len() <= chunk {
+            tokens += prompts[end].len();
+            cache.reset(end);
+            end += 1;
+        }
+        let inputs: Vec<SeqInput> = (slot..end)
+            .map(|s| SeqInput {
+                slot: s,
+                tokens: &prompts[s],
+            })
+            .collect();
+        for l in model.forward(cache, StepInput::Host(&inputs), Logits::Last)? {
+            first.push(argmax(&l)?);
+        }
+        mlx::eval(&first[slot..end].iter().collect::<Vec<_>>())?;
+        slot = end;
+    }
+    let first = mlx::concatenate(&first.iter().collect::<Vec<_>>(), 0)?;
+    let _tokens: Vec<i32> = first.to_vec()?;
+    let prefill_secs = t.elapsed().as_secs_f64();
+    decode_batch_loop(model, cache, b, tokens.saturating_sub(1), Some(first))?;
+    Ok(WorkloadTimes {
+        prefill: prefill_secs,
+        total: t.elapsed().as_secs_f64(),
+    })
+}
+
 /// Greedy decode of `n` steps of `b` sequences (slots `0..b`, one token each per
-/// step) as one graph per step, pipelined like [`decode_loop`].
+/// step) as one graph per step, pipelined like [`decode_loop`], from the tokens
+/// `first` (`[b, 1]` int32; a stand-in id without).
 fn decode_batch_loop(
     model: &crate::models::Model,
     cache: &mut crate::models::kv_cache::KvCache,
     b: usize,
     n: usize,
+    first: Option<mlx::Array>,
 ) -> Result<()> {
     let slots: Vec<usize> = (0..b).collect();
-    let mut y = mlx::Array::from_slice(&vec![1i32; b], &[b as i32, 1])?;
+    let mut y = match first {
+        Some(f) => f,
+        None => mlx::Array::from_slice(&vec![1i32; b], &[b as i32, 1])?,
+    };
     let mut pending: Option<mlx::Array> = None;
     for _ in 0..n {
         let logits = model

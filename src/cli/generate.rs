@@ -108,7 +108,7 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
     let mut local_exec = None;
     let exec: &mut dyn Executor = if args.tp.uses_ranks() {
         let mut opts = args.tp.options(args.model.load_format, m.ctx_size, 1);
-        opts.prefill_chunk = args.prefill_chunk;
+        opts.max_num_batched_tokens = args.prefill_chunk;
         tp_exec.insert(TpExecutor::launch(&m.dir, opts)?)
     } else {
         check_single_device_memory(&args.model, &m, 1, args.prefill_chunk, None)?;

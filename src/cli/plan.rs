@@ -20,9 +20,10 @@ pub struct PlanArgs {
     /// Sequences at once (KV-cache slots), as `serve --parallel`.
     #[arg(long, default_value_t = 1)]
     pub parallel: usize,
-    /// Prompt tokens per prefill step (sizes the working margin).
-    #[arg(long, default_value_t = 512)]
-    pub prefill_chunk: usize,
+    /// Tokens per step, decodes and prefill chunks together, as `serve
+    /// --max-num-batched-tokens` (`--prefill-chunk` is an alias): sizes the working margin.
+    #[arg(long, visible_alias = "prefill-chunk", default_value_t = crate::engine::scheduler::DEFAULT_MAX_NUM_BATCHED_TOKENS)]
+    pub max_num_batched_tokens: usize,
     #[command(flatten)]
     pub tp: TpArgs,
     #[command(flatten)]
@@ -61,7 +62,7 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         tp_size: n,
         ctx_size,
         slots: args.parallel,
-        prefill_chunk: args.prefill_chunk,
+        max_num_batched_tokens: args.max_num_batched_tokens,
         backend,
         vocab_parallel: crate::kernels::knobs::get().vocab_parallel,
         kv_tokens: None,
@@ -202,7 +203,7 @@ pub fn run(args: &PlanArgs) -> Result<()> {
             "expert_parallel": ep,
             "ctx_size": ctx_size,
             "parallel": args.parallel,
-            "prefill_chunk": args.prefill_chunk,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
             "kv_dtype": mem.kv_dtype,
             "sharded_total_bytes": mem.sharded_total_bytes,
             "replicated_total_bytes": mem.replicated_total_bytes,
@@ -235,10 +236,10 @@ pub fn run(args: &PlanArgs) -> Result<()> {
             mem.kv_dtype
         );
         println!(
-            "--tp-size {n}{}, --ctx-size {ctx_size}, --parallel {}, prefill chunk {}, backend {backend}",
+            "--tp-size {n}{}, --ctx-size {ctx_size}, --parallel {}, --max-num-batched-tokens {}, backend {backend}",
             if args.tp.tp_emulate { " (emulated on one device)" } else { "" },
             args.parallel,
-            args.prefill_chunk
+            args.max_num_batched_tokens
         );
         println!(
             "split tensors {} in all, replicated {} per rank; embedding and lm_head {}",

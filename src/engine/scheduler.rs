@@ -1,10 +1,13 @@
 //! Continuous batching on the engine (MLX) thread.
 //!
 //! Requests join and leave between steps. Each step is one
-//! [`Executor::execute`] with every running sequence that is decoding (one
-//! token each, sampled) plus at most one prefill chunk of `prefill_chunk`
-//! prompt tokens (the last chunk of a prompt samples its first token), so a
-//! long prompt never stalls the streams that are already running.
+//! [`Executor::execute`] under a token budget (`max_num_batched_tokens`, vLLM's
+//! chunked prefill): every running sequence that is decoding takes one token of it
+//! (all of them, always: running streams are never starved), and the rest goes to
+//! prefill chunks of the sequences still prefilling, oldest first, as many sequences
+//! as fit, a long prompt split across steps (the last chunk of a prompt samples its
+//! first token). So a burst of arrivals is prefilled together instead of one chunk per
+//! step behind each other, and a long prompt never stalls the streams already running.
 //!
 //! Per sequence the scheduler keeps the prompt, the generated ids, a
 //! [`StreamDecoder`] and a [`StopMatcher`] (text that may still start a stop
@@ -149,6 +152,9 @@ pub trait Observer {
     fn step_done(&self, _running: usize, _waiting: usize) {}
     /// A step prefilled `tokens` prompt tokens.
     fn prefilled(&self, _tokens: usize) {}
+    /// A step ran (its decode rows and prefill chunks; a pipelined step when its tokens
+    /// are read).
+    fn step_ran(&self, _summary: &StepSummary) {}
     /// A decode step ran pipelined (queued before the previous step's tokens were read).
     fn decode_pipelined(&self) {}
     /// With every `step_done`: the KV pool's blocks held by sequences, and in all.
@@ -164,6 +170,13 @@ pub trait Observer {
     /// check). Called before any request hears of it, so health is down by then.
     fn executor_down(&self, _message: &str) {}
 }
+
+/// `--max-num-batched-tokens` by default: vLLM's chunked-prefill default for online
+/// serving on GPUs other than the H100 class (2048; it takes 8192 on GPUs of 70 GiB or
+/// more). The smaller of the two because every running stream waits for a step whose
+/// time grows with its tokens (the target: a p99 inter-token gap during a burst within
+/// 3× a decode step). Not measured on a GPU yet (docs/server.md).
+pub const DEFAULT_MAX_NUM_BATCHED_TOKENS: usize = 2048;
 
 /// How often an idle [`Scheduler::run`] checks the executor's health.
 pub const HEALTH_CHECK_PERIOD: Duration = Duration::from_millis(200);
@@ -189,8 +202,10 @@ pub struct SchedulerConfig {
     pub slots: usize,
     /// Tokens per sequence (prompt + generated).
     pub ctx_size: usize,
-    /// Prompt tokens per prefill chunk.
-    pub prefill_chunk: usize,
+    /// Tokens per step (`--max-num-batched-tokens`): one per decoding sequence, the rest
+    /// for prefill chunks. At least `slots` is used (every decode fits in it, with a
+    /// token left for a prefill while a slot is prefilling).
+    pub max_num_batched_tokens: usize,
     /// The executor's KV pool ([`Executor::kv_pool`]); `None`: every slot's whole context.
     pub kv: Option<KvPool>,
     /// Share full blocks of equal prefixes between sequences (`--no-enable-prefix-caching`
@@ -277,8 +292,10 @@ impl Seq {
 pub struct StepSummary {
     /// Decode sequences in the plan.
     pub decode: usize,
-    /// Prompt tokens of the prefill chunk in the plan (0: none).
+    /// Prompt tokens of the prefill chunks in the plan (0: none).
     pub prefill_tokens: usize,
+    /// Sequences with a prefill chunk in the plan.
+    pub prefill_seqs: usize,
 }
 
 pub struct Scheduler {
@@ -317,7 +334,7 @@ impl Scheduler {
         let slots = cfg.slots.max(1);
         let cfg = SchedulerConfig {
             slots,
-            prefill_chunk: cfg.prefill_chunk.max(1),
+            max_num_batched_tokens: cfg.max_num_batched_tokens.max(slots),
             ..cfg
         };
         let eos = tokenizer.eos_token_ids().to_vec();
@@ -697,8 +714,11 @@ impl Scheduler {
     }
 
     /// Blocks for this step: each decoding sequence's next position (oldest first),
-    /// then the prefill chunk's. Returns the chunk (sequence, end) if it has its blocks.
-    fn reserve_blocks(&mut self, obs: &dyn Observer) -> Option<(u64, usize)> {
+    /// then the prefill chunks': the token budget less one token per decode, split over
+    /// the sequences still prefilling, oldest first (a chunk is the rest of a sequence's
+    /// prefill, or what is left of the budget). Returns the chunks (sequence, end) that
+    /// have their blocks, oldest first.
+    fn reserve_blocks(&mut self, obs: &dyn Observer) -> Vec<(u64, usize)> {
         let mut ids: Vec<u64> = self
             .running
             .iter()
@@ -706,6 +726,7 @@ impl Scheduler {
             .map(|s| s.id)
             .collect();
         ids.sort_unstable();
+        let decodes = ids.len();
         for id in ids {
             let Some(s) = self.running.iter().find(|s| s.id == id) else {
                 continue;
@@ -713,13 +734,32 @@ impl Scheduler {
             let need = s.computed() + 1;
             self.grow(id, need, obs);
         }
-        let chunk = self.cfg.prefill_chunk;
-        let (id, end) = self
+        let mut budget = self.cfg.max_num_batched_tokens.saturating_sub(decodes);
+        let mut waiting: Vec<u64> = self
             .running
             .iter()
-            .find(|s| s.prefilled < s.prefill_end && s.follows.is_none())
-            .map(|s| (s.id, (s.prefilled + chunk).min(s.prefill_end)))?;
-        self.grow(id, end, obs).then_some((id, end))
+            .filter(|s| s.prefilled < s.prefill_end && s.follows.is_none())
+            .map(|s| s.id)
+            .collect();
+        waiting.sort_unstable();
+        let mut chunks = Vec::new();
+        for id in waiting {
+            if budget == 0 {
+                break;
+            }
+            // preempted meanwhile (by an older sequence's chunk)
+            let Some(s) = self.running.iter().find(|s| s.id == id) else {
+                continue;
+            };
+            let (start, end) = (s.prefilled, (s.prefilled + budget).min(s.prefill_end));
+            if self.grow(id, end, obs) {
+                budget -= end - start;
+                chunks.push((id, end));
+            }
+        }
+        // (a chunk's blocks preempt the newest sequences first, which have no chunk yet)
+        chunks.retain(|(id, _)| self.running.iter().any(|s| s.id == *id));
+        chunks
     }
 
     /// Sequences waiting for `id`'s prefill prefill themselves.
@@ -842,7 +882,7 @@ impl Scheduler {
         if self.inflight.is_some() || self.can_start_pipeline(exec) {
             return self.step_pipelined(exec, obs);
         }
-        let chunk = self.reserve_blocks(obs);
+        let chunks = self.reserve_blocks(obs);
         let mut plan = StepPlan::default();
         let mut summary = StepSummary::default();
         // which running sequences are in the plan, whether each samples, and where a
@@ -866,9 +906,11 @@ impl Scheduler {
             in_plan.push((s.id, true, None));
             summary.decode += 1;
         }
-        let forking = chunk.map_or(Vec::new(), |(id, end)| self.fork_blocks(id, end));
-        if let Some(s) = chunk.and_then(|(id, _)| self.running.iter().find(|s| s.id == id)) {
-            let end = chunk.expect("a chunk").1;
+        for (id, end) in chunks {
+            let forking = self.fork_blocks(id, end);
+            let Some(s) = self.running.iter().find(|s| s.id == id) else {
+                continue;
+            };
             // the prompt's last chunk samples (a recomputation's never does)
             let sample = end == s.prefill_end && s.generated.is_empty();
             plan.seqs.push(SeqStep {
@@ -885,7 +927,8 @@ impl Scheduler {
                 restart: s.restart,
             });
             in_plan.push((s.id, sample, Some(end)));
-            summary.prefill_tokens = end - s.prefilled;
+            summary.prefill_tokens += end - s.prefilled;
+            summary.prefill_seqs += 1;
             for f in self.running.iter().filter(|f| forking.contains(&f.id)) {
                 plan.forks.push(Fork {
                     from: s.id,
@@ -919,6 +962,9 @@ impl Scheduler {
                 return Err(e);
             }
         };
+        if !plan.seqs.is_empty() {
+            obs.step_ran(&summary);
+        }
         let now = Instant::now();
         let mut sampled: HashMap<u64, SampledToken> =
             result.sampled.into_iter().map(|s| (s.seq_id, s)).collect();
@@ -1121,7 +1167,7 @@ impl Scheduler {
         let ids: Option<Vec<u64>> = rows.as_ref().map(|r| r.iter().map(|x| x.0).collect());
         let mut summary = StepSummary {
             decode: rows.as_ref().map_or(0, |r| r.len()),
-            prefill_tokens: 0,
+            ..StepSummary::default()
         };
         let ahead = |rows: &[(u64, usize, usize)]| -> Vec<(u64, usize, usize)> {
             rows.iter()
@@ -1228,6 +1274,7 @@ impl Scheduler {
         };
         self.pipelined_steps += 1;
         obs.decode_pipelined();
+        obs.step_ran(&summary);
         let now = Instant::now();
         for tok in sampled {
             // sequences that ended (or whose client left) since the step was queued
@@ -1675,7 +1722,7 @@ mod tests {
             SchedulerConfig {
                 slots: 1,
                 ctx_size: 64,
-                prefill_chunk: chunk,
+                max_num_batched_tokens: chunk,
                 kv: None,
                 prefix_caching: true,
             },
@@ -1689,8 +1736,21 @@ mod tests {
         drain(&mut rx).0
     }
 
+    /// Tokens of a plan: what the step's budget counts (forks compute nothing).
+    fn plan_tokens(plan: &StepPlan) -> usize {
+        plan.seqs.iter().map(|x| x.tokens.len()).sum()
+    }
+
+    /// Prefill chunks of a plan (several tokens, or a sequence's first step).
+    fn plan_prefills(plan: &StepPlan) -> usize {
+        plan.seqs
+            .iter()
+            .filter(|x| x.tokens.len() > 1 || x.start.is_some())
+            .count()
+    }
+
     #[test]
-    fn batched_equals_alone_with_one_prefill_chunk_per_step() {
+    fn batched_equals_alone_under_the_token_budget() {
         let prompts: Vec<Vec<u32>> = (0..6)
             .map(|i| {
                 (0..(3 + 7 * i))
@@ -1704,7 +1764,7 @@ mod tests {
             SchedulerConfig {
                 slots: 3,
                 ctx_size: 64,
-                prefill_chunk: 4,
+                max_num_batched_tokens: 4,
                 kv: None,
                 prefix_caching: true,
             },
@@ -1721,16 +1781,13 @@ mod tests {
             assert!(s.running() <= 3);
         }
         for plan in &exec.plans {
-            let prefill = plan
-                .seqs
-                .iter()
-                .filter(|x| x.tokens.len() > 1 || x.start.is_some());
-            assert!(
-                prefill.count() <= 1,
-                "more than one prefill chunk: {plan:?}"
-            );
-            assert!(plan.seqs.iter().all(|x| x.tokens.len() <= 4));
+            assert!(plan_tokens(plan) <= 4, "over the budget: {plan:?}");
         }
+        // the 3-token prompt and the next one's first token share a step
+        assert!(
+            exec.plans.iter().any(|p| plan_prefills(p) >= 2),
+            "no step prefilled two sequences"
+        );
         for (i, rx) in rxs.iter_mut().enumerate() {
             let (toks, last) = drain(rx);
             assert_eq!(toks, alone[i], "request {i}");
@@ -1750,6 +1807,75 @@ mod tests {
         assert!(exec.live.is_empty(), "{:?}", exec.live);
     }
 
+    /// A burst of `--parallel` streams with long prompts (two longer than the budget)
+    /// submitted together: their prefills share steps under the budget, so every stream
+    /// has its first token before any has decoded 32 (one chunk per step would take a
+    /// step per prompt: 36 steps before the last first token). No step exceeds the
+    /// budget, and every step decodes every stream already decoding.
+    #[test]
+    fn a_burst_of_long_prompts_gets_every_first_token_before_anyone_decodes_32() {
+        let (slots, budget) = (36, 128);
+        let lens: Vec<usize> = (0..slots)
+            .map(|i| if i % 17 == 3 { 200 } else { 20 + (i * 7) % 41 })
+            .collect();
+        assert!(lens.iter().filter(|&&l| l > budget).count() >= 2);
+        let mut exec = FakeExec::new(slots, 512);
+        let mut s = Scheduler::new(
+            SchedulerConfig {
+                slots,
+                ctx_size: 512,
+                max_num_batched_tokens: budget,
+                kv: None,
+                prefix_caching: true,
+            },
+            tokenizer(),
+        );
+        let mut rxs = vec![];
+        for (i, &n) in lens.iter().enumerate() {
+            let prompt = (0..n)
+                .map(|t| ((t * 31 + i * 7) % 250 + 1) as u32)
+                .collect();
+            let (req, rx) = request(prompt, 64);
+            s.submit(req, &NoObserver);
+            rxs.push(rx);
+        }
+        let mut got = vec![0usize; slots];
+        let mut first_all = None;
+        let mut steps = 0;
+        while s.has_work() {
+            let decoding_before = got.iter().filter(|&&g| g > 0 && g < 64).count();
+            let summary = s.step(&mut exec, &NoObserver).unwrap();
+            steps += 1;
+            assert!(
+                summary.decode + summary.prefill_tokens <= budget,
+                "step {steps}: {summary:?}"
+            );
+            assert_eq!(
+                summary.decode, decoding_before,
+                "step {steps} skipped a stream"
+            );
+            for (g, rx) in got.iter_mut().zip(rxs.iter_mut()) {
+                *g += drain(rx).0.len();
+            }
+            if first_all.is_none() && got.iter().all(|&g| g > 0) {
+                first_all = Some((steps, *got.iter().max().unwrap()));
+            }
+        }
+        let (at, most) = first_all.expect("every stream got a token");
+        // the first token, then at most 31 decoded
+        assert!(most <= 32, "by step {at} a stream had {most} tokens");
+        assert!(got.iter().all(|&g| g == 64), "{got:?}");
+        for plan in &exec.plans {
+            assert!(plan_tokens(plan) <= budget);
+        }
+        // the 200-token prompts were split across steps
+        assert!(exec
+            .plans
+            .iter()
+            .all(|p| p.seqs.iter().all(|x| x.tokens.len() <= budget)));
+        assert!(exec.live.is_empty());
+    }
+
     #[test]
     fn context_limit_disconnect_and_fatal_error() {
         let mut exec = FakeExec::new(2, 16);
@@ -1757,7 +1883,7 @@ mod tests {
             SchedulerConfig {
                 slots: 2,
                 ctx_size: 16,
-                prefill_chunk: 8,
+                max_num_batched_tokens: 8,
                 kv: None,
                 prefix_caching: true,
             },
@@ -1899,7 +2025,7 @@ mod tests {
             SchedulerConfig {
                 slots,
                 ctx_size: 96,
-                prefill_chunk: 4,
+                max_num_batched_tokens: 4,
                 kv: Some(exec.kv_pool()),
                 prefix_caching,
             },
@@ -2001,11 +2127,57 @@ mod tests {
         let cfg = SchedulerConfig {
             slots,
             ctx_size,
-            prefill_chunk: 4,
+            max_num_batched_tokens: 4,
             kv: Some(exec.kv_pool()),
             prefix_caching,
         };
         (exec, Scheduler::new(cfg, tokenizer()))
+    }
+
+    /// Several prompts prefilled in one step (a budget of 32 tokens over 4 slots, one
+    /// request queued for a slot) give the greedy tokens of each request alone.
+    #[test]
+    fn prompts_prefilled_together_give_the_greedy_tokens_of_each_alone() {
+        let prompts: Vec<Vec<u32>> = [5usize, 9, 13, 30, 7]
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| (0..n).map(|t| (3 + 11 * t + 29 * i) as u32 % 250).collect())
+            .collect();
+        let alone: Vec<Vec<u32>> = prompts
+            .iter()
+            .map(|p| {
+                let (mut exec, mut s) = fixture_engine(1, 96, 16, true);
+                let (req, mut rx) = request(p.clone(), 8);
+                s.submit(req, &NoObserver);
+                while s.has_work() {
+                    s.step(&mut exec, &NoObserver).unwrap();
+                }
+                drain(&mut rx).0
+            })
+            .collect();
+        let (mut exec, mut s) = fixture_engine(4, 96, 16, true);
+        s.cfg.max_num_batched_tokens = 32;
+        let mut rxs = Vec::new();
+        for p in &prompts {
+            let (req, rx) = request(p.clone(), 8);
+            s.submit(req, &NoObserver);
+            rxs.push(rx);
+        }
+        let mut together = 0;
+        while s.has_work() {
+            let summary = s.step(&mut exec, &NoObserver).unwrap();
+            assert!(summary.decode + summary.prefill_tokens <= 32, "{summary:?}");
+            if summary.prefill_seqs >= 2 {
+                together += 1;
+            }
+        }
+        assert!(together >= 1, "no step prefilled several prompts");
+        for (i, rx) in rxs.iter_mut().enumerate() {
+            let toks = drain(rx).0;
+            assert_eq!(toks.len(), 8, "request {i}");
+            assert_eq!(toks, alone[i], "request {i}");
+        }
+        assert_eq!(s.blocks_used(), 0);
     }
 
     /// Counts the prompt tokens prefilled, and those found in the prefix cache.
@@ -2143,7 +2315,7 @@ mod tests {
                 SchedulerConfig {
                     slots,
                     ctx_size: 64,
-                    prefill_chunk: 4,
+                    max_num_batched_tokens: 4,
                     kv: Some(exec.kv_pool()),
                     prefix_caching: true,
                 },
@@ -2235,7 +2407,7 @@ mod tests {
                 SchedulerConfig {
                     slots: 2,
                     ctx_size: 96,
-                    prefill_chunk: 4,
+                    max_num_batched_tokens: 4,
                     kv: None,
                     prefix_caching: true,
                 },
@@ -2331,7 +2503,7 @@ mod tests {
                 SchedulerConfig {
                     slots: 3,
                     ctx_size: 64,
-                    prefill_chunk: 4,
+                    max_num_batched_tokens: 4,
                     kv: Some(exec.kv_pool()),
                     prefix_caching: caching,
                 },
@@ -2387,7 +2559,9 @@ mod tests {
                 SchedulerConfig {
                     slots: 4,
                     ctx_size: 64,
-                    prefill_chunk: 4,
+                    // chunks of 4 besides the decodes of the other slots, so that they
+                    // outgrow the pool together
+                    max_num_batched_tokens: 4 + 3,
                     kv: Some(exec.kv_pool()),
                     prefix_caching: caching,
                 },
@@ -2437,7 +2611,7 @@ mod tests {
             SchedulerConfig {
                 slots: 2,
                 ctx_size: 64,
-                prefill_chunk: 8,
+                max_num_batched_tokens: 8,
                 kv: Some(exec.kv_pool()),
                 prefix_caching: true,
             },

@@ -7,6 +7,9 @@
 //! executed by the single-process engine and by every tensor-parallel rank,
 //! so every rank issues the same collectives in the same order; ranks never
 //! decide anything on their own. Only the sampling rank (0) returns tokens.
+//!
+//! A plan may mix decodes (one token each, run as one batch) and several prefill
+//! chunks (run as one pass over all their tokens, see `Model::forward`).
 use std::collections::HashMap;
 
 use serde::{Deserialize, Serialize};

@@ -253,7 +253,8 @@ impl Model {
     }
 
     /// Run one step: the model's one entry point. Host sequences with one token are batched
-    /// together (decode); longer ones (prefill chunks) run one at a time. With
+    /// together (decode); longer ones (prefill chunks) run together as one pass when there
+    /// are several and only the last positions' logits are wanted, one at a time otherwise. With
     /// [`Logits::Rows`] the result is one `[n_seqs, vocab]` array; otherwise one array per
     /// sequence. Device ids of several slots are decode rows and give one `[B, vocab]` array
     /// (`Logits::All` needs a single slot).
@@ -310,6 +311,17 @@ impl Model {
             let logits = self.forward_decode_batch(cache, seqs, &decode)?;
             for (row, &i) in decode.iter().enumerate() {
                 out[i] = Some(logits.slice_axis(0, row as i32, row as i32 + 1)?);
+            }
+        }
+        // several prefill chunks: one pass whose projections and MLPs take all their
+        // rows at once (each weight read once for the step's prompt tokens)
+        let chunks: Vec<usize> = (0..seqs.len())
+            .filter(|&i| seqs[i].tokens.len() > 1)
+            .collect();
+        if chunks.len() > 1 && mode == Logits::Last {
+            let logits = self.forward_chunks(cache, seqs, &chunks)?;
+            for (l, &i) in logits.into_iter().zip(&chunks) {
+                out[i] = Some(l);
             }
         }
         for (i, s) in seqs.iter().enumerate() {
@@ -424,6 +436,78 @@ impl Model {
         };
         let logits = self.head(&h)?;
         Ok(logits.reshape(&[-1, self.cfg.vocab_size as i32])?)
+    }
+
+    /// The prefill chunks `chunks` of `seqs` (two or more tokens each, in different
+    /// slots) as one pass: their tokens end to end in one `[1, N]` input, so the
+    /// projections, MLPs and norms run once over all `N` rows; attention runs per chunk
+    /// over its own slot's cache (causal, after the positions cached before it). Returns
+    /// each chunk's last-position logits (`[1, vocab]`), in order.
+    fn forward_chunks(
+        &self,
+        cache: &mut KvCache,
+        seqs: &[SeqInput<'_>],
+        chunks: &[usize],
+    ) -> std::result::Result<Vec<Array>, ForwardError> {
+        let lens: Vec<i32> = chunks
+            .iter()
+            .map(|&i| seqs[i].tokens.len() as i32)
+            .collect();
+        let n: i32 = lens.iter().sum();
+        let ids: Vec<i32> = chunks
+            .iter()
+            .flat_map(|&i| seqs[i].tokens.iter().map(|&x| x as i32))
+            .collect();
+        let ids = Array::from_slice(&ids, &[1, n])?;
+        let mut rows = Vec::with_capacity(chunks.len());
+        let mut offsets = Vec::with_capacity(chunks.len());
+        for (&i, &t) in chunks.iter().zip(&lens) {
+            let pos = cache.len(seqs[i].slot);
+            rows.push(cache.seq_rows(seqs[i].slot, pos, t as usize)?);
+            offsets.push(Array::scalar_i32(pos as i32)?);
+        }
+        let bound = n as usize >= PREFILL_BOUND_MIN_ROWS && mlx::backend() != mlx::Backend::Cpu;
+        let mut in_flight: Option<Array> = None;
+        let mut h = self.embed(&ids)?;
+        for (li, block) in self.layers.iter().enumerate() {
+            let a = &block.self_attn;
+            let qkv = a.qkv_segments(&h, &block.input_layernorm, &lens, &offsets, &self.rope)?;
+            let mut outs = Vec::with_capacity(chunks.len());
+            for (((q, kv), r), &t) in qkv.into_iter().zip(&rows).zip(&lens) {
+                let (kk, vv) = cache.write_and_read(li, r, &kv)?;
+                let o = fast::sdpa(&q, &kk, &vv, a.scale, fast::Mask::Causal)?;
+                // [1, heads, t, head_dim] → [1, t, heads·head_dim]
+                outs.push(o.transpose(&[0, 2, 1, 3])?.reshape(&[1, t, -1])?);
+            }
+            let o = mlx::concatenate(&outs.iter().collect::<Vec<_>>(), 1)?;
+            h = a.out_residual_merged(&o, &h)?;
+            h = block
+                .mlp
+                .forward_residual(&h, &block.post_attention_layernorm)?;
+            if bound {
+                mlx::async_eval(&[&h])?;
+                if let Some(prev) = in_flight.replace(h.clone()) {
+                    prev.eval()?;
+                }
+            }
+        }
+        for (&i, &t) in chunks.iter().zip(&lens) {
+            cache.advance(seqs[i].slot, t as usize);
+        }
+        // each chunk's last row, then the head over those rows only
+        let mut ends = Vec::with_capacity(chunks.len());
+        let mut end = 0;
+        for &t in &lens {
+            end += t;
+            ends.push(end - 1);
+        }
+        let last = h.take(&Array::from_slice(&ends, &[ends.len() as i32])?, 1)?;
+        let logits = self
+            .head(&last)?
+            .reshape(&[-1, self.cfg.vocab_size as i32])?;
+        (0..chunks.len() as i32)
+            .map(|k| Ok(logits.slice_axis(0, k, k + 1)?))
+            .collect()
     }
 
     fn forward_decode_batch(
@@ -640,5 +724,139 @@ pub fn decoder_layout(cfg: &ModelConfig, plan: &ShardPlan, attn: AttentionOption
                 .quantized(q)
                 .split(plan.vocab_split())
         }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model_dir::ModelDir;
+    use crate::models::LoadFormat;
+
+    fn fixture(name: &str) -> Model {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("tests/fixtures")
+            .join(name);
+        let md = ModelDir::open(&dir).unwrap();
+        crate::models::load(&md, LoadFormat::Safetensors, |_, _| {})
+            .unwrap()
+            .model
+    }
+
+    fn max_diff(a: &Array, b: &Array) -> f32 {
+        let (a, b) = (a.to_vec::<f32>().unwrap(), b.to_vec::<f32>().unwrap());
+        assert_eq!(a.len(), b.len());
+        a.iter()
+            .zip(&b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0, f32::max)
+    }
+
+    /// A step of several prefill chunks (one after a cached prefix over scattered blocks,
+    /// two from position 0) and decodes runs the chunks as one pass
+    /// ([`Model::forward_chunks`]): its logits, and those of a decode step after it (so
+    /// the keys and values it wrote), equal running each chunk on its own, for a family
+    /// with q/k norms (qwen3), a dense one (llama3) and a mixture of experts.
+    #[test]
+    fn prefill_chunks_in_one_pass_equal_each_chunk_alone() {
+        for name in ["llama3", "qwen3", "qwen2_moe"] {
+            let model = fixture(name);
+            let vocab = model.cfg.vocab_size as u32;
+            let toks = |n: usize, k: u32| -> Vec<u32> {
+                (0..n as u32)
+                    .map(|t| (t * 37 + k * 11 + 5) % vocab)
+                    .collect()
+            };
+            let (prefix, a, b, c, d) =
+                (toks(9, 1), toks(6, 2), toks(11, 3), toks(3, 4), toks(1, 5));
+            // blocks of 4 tokens, slot tables scattered: the fused pass gathers them
+            let kv = KvConfig::for_slots(4, 64, 4);
+            let run = |fused: bool| -> (Vec<Vec<f32>>, Vec<Vec<f32>>) {
+                let mut cache = model.new_paged_cache(4, 64, kv);
+                for s in 0..4 {
+                    let table: Vec<u32> = (0..16).map(|j| (j * 4 + 3 - s) as u32).collect();
+                    cache.restart(s as usize, 0, Some(&table));
+                }
+                // slot 0 has a cached prefix; slot 3 decodes after a short prompt
+                let first = [
+                    SeqInput {
+                        slot: 0,
+                        tokens: &prefix,
+                    },
+                    SeqInput {
+                        slot: 3,
+                        tokens: &c,
+                    },
+                ];
+                for s in &first {
+                    model
+                        .forward(&mut cache, StepInput::Host(&[*s]), Logits::Last)
+                        .unwrap();
+                }
+                let step = [
+                    SeqInput {
+                        slot: 0,
+                        tokens: &a,
+                    },
+                    SeqInput {
+                        slot: 3,
+                        tokens: &d,
+                    },
+                    SeqInput {
+                        slot: 1,
+                        tokens: &b,
+                    },
+                    SeqInput {
+                        slot: 2,
+                        tokens: &c,
+                    },
+                ];
+                let logits: Vec<Array> = if fused {
+                    model
+                        .forward(&mut cache, StepInput::Host(&step), Logits::Last)
+                        .unwrap()
+                } else {
+                    step.iter()
+                        .flat_map(|s| {
+                            model
+                                .forward(&mut cache, StepInput::Host(&[*s]), Logits::Last)
+                                .unwrap()
+                        })
+                        .collect()
+                };
+                let next: Vec<u32> = (0..4).map(|k| (k * 13 + 7) % vocab).collect();
+                let after: Vec<Array> = [0usize, 3, 1, 2]
+                    .iter()
+                    .zip(&next)
+                    .map(|(&slot, t)| {
+                        let s = [SeqInput {
+                            slot,
+                            tokens: std::slice::from_ref(t),
+                        }];
+                        model
+                            .forward(&mut cache, StepInput::Host(&s), Logits::Last)
+                            .unwrap()
+                            .remove(0)
+                    })
+                    .collect();
+                let host = |v: Vec<Array>| v.iter().map(|x| x.to_vec::<f32>().unwrap()).collect();
+                (host(logits), host(after))
+            };
+            let (fused, fused_after) = run(true);
+            let (alone, alone_after) = run(false);
+            for (k, (x, y)) in fused
+                .iter()
+                .zip(&alone)
+                .chain(fused_after.iter().zip(&alone_after))
+                .enumerate()
+            {
+                let (x, y) = (
+                    Array::from_slice(x, &[x.len() as i32]).unwrap(),
+                    Array::from_slice(y, &[y.len() as i32]).unwrap(),
+                );
+                let diff = max_diff(&x, &y);
+                assert!(diff < 1e-4, "{name}: row {k} differs by {diff}");
+            }
+        }
     }
 }

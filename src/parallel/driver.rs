@@ -50,8 +50,9 @@ pub struct TpOptions {
     pub slots: usize,
     /// The paged KV cache's pool (every rank holds its kv heads of each block).
     pub kv: KvConfig,
-    /// Prompt tokens per prefill step (sizes the memory plan's working margin).
-    pub prefill_chunk: usize,
+    /// Tokens per step, decodes and prefill chunks together (the scheduler's budget;
+    /// sizes the memory plan's working margin).
+    pub max_num_batched_tokens: usize,
     /// The binary to run as ranks (default: this executable).
     pub program: Option<PathBuf>,
     /// Deadline for loading (per launch).
@@ -91,7 +92,7 @@ impl TpOptions {
             ctx_size,
             slots,
             kv: KvConfig::for_slots(slots, ctx_size, DEFAULT_BLOCK_SIZE),
-            prefill_chunk: 512,
+            max_num_batched_tokens: 512,
             program: None,
             load_timeout: secs("MLXCEL_TP_LOAD_TIMEOUT", 1800),
             first_step_timeout: secs("MLXCEL_TP_FIRST_STEP_TIMEOUT", 600),
@@ -486,7 +487,7 @@ fn check_memory(
         tp_size: opts.tp_size,
         ctx_size: opts.ctx_size,
         slots: opts.slots,
-        prefill_chunk: opts.prefill_chunk,
+        max_num_batched_tokens: opts.max_num_batched_tokens,
         backend: mlx::backend(),
         vocab_parallel: opts.vocab_parallel,
         kv_tokens: opts

@@ -11,8 +11,9 @@
 //! - **KV cache**: `layers × 2 × tokens × kv_heads_per_rank × head_dim × dtype size`,
 //!   tokens the paged pool's (`--kv-cache-gb`, `--gpu-memory-utilization`) or by default
 //!   `slots × ctx` (the pool grows to that);
-//! - **working margin**, with `T = min(prefill_chunk, ctx) + slots − 1` tokens per
-//!   step and `a` the activation dtype's size:
+//! - **working margin**, with `T = min(max(max_num_batched_tokens, slots), slots · ctx)`
+//!   tokens per step (the scheduler's token budget: decodes and prefill chunks
+//!   together) and `a` the activation dtype's size:
 //!   - activations `2 · T · (4·hidden + q_r + 2·kv_r + 3·inter_r) · a` (the residual,
 //!     normed input, attention output and partial sums; this rank's q/k/v and its
 //!     gate/up/SwiGLU columns; ×2 for temporaries alive within a layer);
@@ -71,7 +72,9 @@ pub struct PlanInput<'a> {
     pub ctx_size: usize,
     /// Sequences at once (KV-cache slots).
     pub slots: usize,
-    pub prefill_chunk: usize,
+    /// Tokens per step, decodes and prefill chunks together (the scheduler's budget,
+    /// `--max-num-batched-tokens`): sizes the working margin.
+    pub max_num_batched_tokens: usize,
     /// The MLX backend the ranks run (decides the attention and runtime terms).
     pub backend: Backend,
     /// Whether the embedding and lm_head split by vocabulary rows
@@ -102,7 +105,7 @@ pub struct MemoryPlan {
     pub tp_size: usize,
     pub ctx_size: usize,
     pub slots: usize,
-    pub prefill_chunk: usize,
+    pub max_num_batched_tokens: usize,
     /// Dtype of activations and of the KV cache.
     pub kv_dtype: String,
     /// Whole-model bytes of the tensors that are split across ranks.
@@ -171,7 +174,11 @@ pub fn plan_memory_with(
     let a = act.size() as u64;
     let ctx = input.ctx_size.max(1) as u64;
     let slots = input.slots.max(1) as u64;
-    let t = (input.prefill_chunk.max(1) as u64).min(ctx) + slots - 1;
+    // every decode takes one token of the budget, and the scheduler keeps it at least
+    // `slots`; no step holds more than every slot's whole context
+    let t = (input.max_num_batched_tokens as u64)
+        .max(slots)
+        .min(slots * ctx);
     let mut ranks = Vec::with_capacity(n);
     let mut sharded_total = 0;
     let mut replicated_total = 0;
@@ -247,7 +254,7 @@ pub fn plan_memory_with(
         tp_size: n,
         ctx_size: input.ctx_size,
         slots: input.slots,
-        prefill_chunk: input.prefill_chunk,
+        max_num_batched_tokens: input.max_num_batched_tokens,
         kv_dtype: act.name().to_string(),
         sharded_total_bytes: sharded_total,
         replicated_total_bytes: replicated_total,
@@ -744,7 +751,7 @@ mod tests {
             tp_size: tp,
             ctx_size: 8192,
             slots: 1,
-            prefill_chunk: 512,
+            max_num_batched_tokens: 512,
             backend: Backend::Cuda,
             vocab_parallel: true,
             kv_tokens: None,
@@ -797,7 +804,7 @@ mod tests {
                     tp_size: tp,
                     ctx_size: 64,
                     slots: 1,
-                    prefill_chunk: 16,
+                    max_num_batched_tokens: 16,
                     backend: Backend::Cpu,
                     vocab_parallel,
                     kv_tokens: None,

@@ -175,7 +175,7 @@ pub fn check_single_device_memory(
     args: &ModelArgs,
     m: &OpenedModel,
     slots: usize,
-    prefill_chunk: usize,
+    max_num_batched_tokens: usize,
     kv_tokens: Option<usize>,
 ) -> Result<()> {
     use crate::parallel::plan::{self, Placement, PlanInput};
@@ -186,7 +186,7 @@ pub fn check_single_device_memory(
         tp_size: 1,
         ctx_size: m.ctx_size,
         slots,
-        prefill_chunk,
+        max_num_batched_tokens,
         backend: crate::mlx::backend(),
         vocab_parallel: false,
         kv_tokens,
@@ -243,7 +243,7 @@ pub fn kv_config(
     m: &OpenedModel,
     tp: &TpArgs,
     parallel: usize,
-    prefill_chunk: usize,
+    max_num_batched_tokens: usize,
 ) -> Result<KvConfig> {
     use crate::mlx::Backend;
     use crate::parallel::plan::{self, Budget, Placement, PlanInput};
@@ -260,7 +260,7 @@ pub fn kv_config(
         tp_size: n,
         ctx_size: m.ctx_size,
         slots: parallel,
-        prefill_chunk,
+        max_num_batched_tokens,
         backend,
         vocab_parallel: crate::kernels::knobs::get().vocab_parallel,
         kv_tokens: None,

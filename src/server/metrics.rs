@@ -21,6 +21,12 @@ const ITL_BUCKETS: &[f64] = &[
     0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
     1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
 ];
+/// Tokens of a step (decodes and prefill chunks), and sequences prefilled in one.
+const STEP_TOKEN_BUCKETS: &[f64] = &[
+    1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0,
+    16384.0, 32768.0,
+];
+const STEP_SEQ_BUCKETS: &[f64] = &[0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0];
 
 /// A histogram with fixed upper bounds (plus +Inf).
 pub struct Histogram {
@@ -110,6 +116,12 @@ pub struct Metrics {
     pub itl: Histogram,
     pub queue_time: Histogram,
     pub e2e: Histogram,
+    /// Per engine step: its tokens (decodes and prefill chunks), and the sequences it
+    /// prefilled.
+    pub step_tokens: Histogram,
+    pub step_prefill_seqs: Histogram,
+    /// The scheduler's token budget per step.
+    pub max_num_batched_tokens: AtomicU64,
     /// Restarts of the TP rank group.
     pub tp_restarts: AtomicU64,
     /// KV cache blocks held by sequences, and in the pool.
@@ -157,6 +169,9 @@ impl Metrics {
             itl: Histogram::new(ITL_BUCKETS),
             queue_time: Histogram::new(LATENCY_BUCKETS),
             e2e: Histogram::new(LATENCY_BUCKETS),
+            step_tokens: Histogram::new(STEP_TOKEN_BUCKETS),
+            step_prefill_seqs: Histogram::new(STEP_SEQ_BUCKETS),
+            max_num_batched_tokens: AtomicU64::new(0),
             tp_restarts: AtomicU64::new(0),
             tp_ranks: Mutex::new(None),
             http: Mutex::new(BTreeMap::new()),
@@ -364,6 +379,23 @@ impl Metrics {
             &mut out,
             "mlxcel:e2e_request_latency_seconds",
             "Time from receiving a request to its last token.",
+        );
+        self.step_tokens.render(
+            &mut out,
+            "mlxcel:step_tokens",
+            "Tokens of an engine step: one per decoding sequence plus its prefill chunks (at most --max-num-batched-tokens).",
+        );
+        self.step_prefill_seqs.render(
+            &mut out,
+            "mlxcel:step_prefill_sequences",
+            "Sequences with a prefill chunk in an engine step.",
+        );
+        g(
+            &mut out,
+            "mlxcel:max_num_batched_tokens",
+            "gauge",
+            "The scheduler's token budget per step.",
+            ld(&self.max_num_batched_tokens),
         );
         let tp = self.tp_ranks.lock().ok().and_then(|t| t.clone());
         let memory: [(&str, &str, MemoryField); 3] = [

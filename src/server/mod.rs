@@ -31,7 +31,8 @@ use clap::Args;
 use crate::engine::grammar::GrammarVocab;
 use crate::engine::sampler::SamplingParams;
 use crate::engine::scheduler::{
-    Command, Event, Observer, Outcome, Request, RunEnd, Scheduler, SchedulerConfig, Usage,
+    Command, Event, Observer, Outcome, Request, RunEnd, Scheduler, SchedulerConfig, StepSummary,
+    Usage, DEFAULT_MAX_NUM_BATCHED_TOKENS,
 };
 use crate::engine::step::{
     Executor, KvPool, LocalExecutor, SampledToken, SeqMask, SeqStep, StepError, StepPlan,
@@ -83,9 +84,12 @@ pub struct ServeArgs {
     /// Model name in the API (default: the model folder's name).
     #[arg(long)]
     pub served_model_name: Option<String>,
-    /// Prompt tokens per prefill step (long prompts are prefilled in chunks between decode steps).
-    #[arg(long, default_value_t = 512)]
-    pub prefill_chunk: usize,
+    /// Tokens per engine step (vLLM's name; `--prefill-chunk` is an alias): each running
+    /// decode takes one, the rest prefills waiting prompts together, oldest first, a long
+    /// prompt split across steps (chunked prefill). Sizes the memory plan's working
+    /// margin. At least --parallel is used.
+    #[arg(long, visible_alias = "prefill-chunk", default_value_t = DEFAULT_MAX_NUM_BATCHED_TOKENS)]
+    pub max_num_batched_tokens: usize,
     /// Seconds to let running requests finish after SIGINT/SIGTERM before cancelling them.
     #[arg(long, default_value_t = 30)]
     pub shutdown_timeout: u64,
@@ -399,6 +403,12 @@ impl Observer for EngineObserver {
             .prefill_tokens
             .fetch_add(tokens as u64, Ordering::Relaxed);
     }
+    fn step_ran(&self, summary: &StepSummary) {
+        let m = &self.metrics;
+        m.step_tokens
+            .observe((summary.decode + summary.prefill_tokens) as f64);
+        m.step_prefill_seqs.observe(summary.prefill_seqs as f64);
+    }
     fn decode_pipelined(&self) {
         self.metrics.pipelined_steps.fetch_add(1, Ordering::Relaxed);
     }
@@ -526,14 +536,14 @@ fn start_executor(
         m,
         &args.tp,
         args.parallel,
-        args.prefill_chunk,
+        args.max_num_batched_tokens,
     )?;
     let mut exec: Box<dyn Executor> = if !args.tp.uses_ranks() {
         crate::runtime::check_single_device_memory(
             &args.model,
             m,
             args.parallel,
-            args.prefill_chunk,
+            args.max_num_batched_tokens,
             kv.preallocate.then_some(kv.num_blocks * kv.block_size),
         )?;
         let model = load_weights(&args.model, m)?;
@@ -544,7 +554,7 @@ fn start_executor(
         let mut opts = args
             .tp
             .options(args.model.load_format, m.ctx_size, args.parallel);
-        opts.prefill_chunk = args.prefill_chunk;
+        opts.max_num_batched_tokens = args.max_num_batched_tokens;
         opts.kv = kv;
         // Ranks (and the ranks of every restart) run this very binary, even
         // if its file has been replaced or deleted since the server started.
@@ -617,13 +627,17 @@ fn engine_main(
         SchedulerConfig {
             slots: exec.slots(),
             ctx_size: exec.ctx_size(),
-            prefill_chunk: args.prefill_chunk,
+            max_num_batched_tokens: args.max_num_batched_tokens,
             kv: Some(exec.kv_pool()),
             prefix_caching: !args.no_enable_prefix_caching,
         },
         m.tokenizer.clone(),
     );
     sched.set_pipeline(!args.no_pipeline);
+    metrics.max_num_batched_tokens.store(
+        sched.config().max_num_batched_tokens as u64,
+        Ordering::Relaxed,
+    );
     let obs = EngineObserver {
         metrics: metrics.clone(),
         engine: engine.clone(),
@@ -735,8 +749,8 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     if args.parallel == 0 {
         bail!("--parallel must be at least 1");
     }
-    if args.prefill_chunk == 0 {
-        bail!("--prefill-chunk must be at least 1");
+    if args.max_num_batched_tokens == 0 {
+        bail!("--max-num-batched-tokens must be at least 1");
     }
     if args.max_connections == 0 {
         bail!("--max-connections must be at least 1");

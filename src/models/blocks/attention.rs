@@ -248,6 +248,50 @@ impl Attention {
         ))
     }
 
+    /// q, k and v of several sequences' chunks laid end to end in `x` (`[1, N, hidden]`,
+    /// chunk i its `lens[i]` rows from position `offsets[i]`): one projection of all `N`
+    /// rows, then each chunk's heads, norms and RoPE at its own offset. Returns per chunk
+    /// q (`[1, heads, t, head_dim]`) and its new keys and values.
+    pub fn qkv_segments(
+        &self,
+        x: &Array,
+        norm: &RmsNorm,
+        lens: &[i32],
+        offsets: &[Array],
+        rope: &Rope,
+    ) -> mlx::Result<Vec<(Array, NewKv)>> {
+        let (nq, nkv, hd) = (self.n_heads, self.n_kv_heads, self.head_dim);
+        let (q_dim, kv_dim) = (nq * hd, nkv * hd);
+        let y = self.qkv_proj.forward(&norm.forward(x)?)?;
+        let heads = |y: Array, t: i32, n: i32, norm: &Option<RmsNorm>| -> mlx::Result<Array> {
+            let y = y.reshape(&[1, t, n, hd])?;
+            let y = match norm {
+                Some(nm) => nm.forward(&y)?,
+                None => y,
+            };
+            y.transpose(&[0, 2, 1, 3])
+        };
+        let mut out = Vec::with_capacity(lens.len());
+        let mut start = 0;
+        for (&t, offset) in lens.iter().zip(offsets) {
+            let seg = y.slice_axis(1, start, start + t)?;
+            start += t;
+            let mut parts = mlx::split_sections(&seg, &[q_dim, q_dim + kv_dim], -1)?.into_iter();
+            let (Some(q), Some(k), Some(v)) = (parts.next(), parts.next(), parts.next()) else {
+                return Err(mlx::MlxError::Invalid("qkv split".into()));
+            };
+            let q = rope.forward(&heads(q, t, nq, &self.q_norm)?, offset)?;
+            let k = rope.forward(&heads(k, t, nkv, &self.k_norm)?, offset)?;
+            out.push((q, NewKv::Split(k, heads(v, t, nkv, &None)?)));
+        }
+        Ok(out)
+    }
+
+    /// `res + o_proj(o)` with the heads of `o` already merged (`[.., heads·head_dim]`).
+    pub fn out_residual_merged(&self, o: &Array, res: &Array) -> mlx::Result<Array> {
+        self.o_proj.forward_residual(o, res)
+    }
+
     /// `res + o_proj(o)`: merge the heads of `o` (`[B, heads, T, head_dim]`) and project
     /// back to the hidden size, added to the residual stream `res` (`[B, T, hidden]`).
     pub fn out_residual(&self, o: &Array, res: &Array, b: i32, t: i32) -> mlx::Result<Array> {
