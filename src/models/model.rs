@@ -117,6 +117,29 @@ pub enum ForwardError {
     AllLogitsOfRows,
 }
 
+/// The MLX ops of a decode step ([`Model::decode_ops`]).
+#[derive(Debug, Clone, Default)]
+pub struct DecodeOps {
+    /// The whole step: embedding, every layer, final norm and lm_head (to float32 logits).
+    pub step: mlx::graph::OpCounts,
+    /// Each layer alone, from its input to its output and its KV-cache writes (empty when the
+    /// slot's blocks are scattered).
+    pub layers: Vec<mlx::graph::OpCounts>,
+}
+
+impl DecodeOps {
+    /// The most ops of any layer (every layer of a model builds the same ops).
+    pub fn per_layer(&self) -> usize {
+        self.layers.iter().map(|l| l.total()).max().unwrap_or(0)
+    }
+
+    /// Ops outside the layers: embedding, final norm, lm_head, logits cast.
+    pub fn outside_layers(&self) -> usize {
+        let in_layers: usize = self.layers.iter().map(|l| l.total()).sum();
+        self.step.total().saturating_sub(in_layers)
+    }
+}
+
 pub struct Model {
     pub cfg: ModelConfig,
     /// KV heads held by this process (all, or this rank's shard).
@@ -370,6 +393,20 @@ impl Model {
         ids: &Array,
         mode: Logits,
     ) -> std::result::Result<Array, ForwardError> {
+        self.forward_slot_ids_probed(cache, slot, ids, mode, None)
+    }
+
+    /// [`Model::forward_slot_ids`], pushing the residual stream onto `probe` (when given)
+    /// after the embedding and after each layer (a run of rows only; scattered blocks
+    /// push nothing).
+    fn forward_slot_ids_probed(
+        &self,
+        cache: &mut KvCache,
+        slot: usize,
+        ids: &Array,
+        mode: Logits,
+        mut probe: Option<&mut Vec<Array>>,
+    ) -> std::result::Result<Array, ForwardError> {
         cache.check_slot(slot)?;
         let t = ids.dim(1);
         let pos = cache.len(slot);
@@ -391,6 +428,9 @@ impl Model {
         // at 22.7 GB on H200, 8.3 GB with the bound). Keep at most two layers in flight.
         let bound = t as usize >= PREFILL_BOUND_MIN_ROWS && mlx::backend() != mlx::Backend::Cpu;
         let mut in_flight: Option<Array> = None;
+        if let Some(p) = probe.as_deref_mut() {
+            p.push(h.clone());
+        }
         for (li, block) in self.layers.iter().enumerate() {
             let a = &block.self_attn;
             let (q, kv) = a.qkv(&h, &block.input_layernorm, 1, t, &self.rope, &offset)?;
@@ -414,6 +454,9 @@ impl Model {
                 if let Some(prev) = in_flight.replace(h.clone()) {
                     prev.eval()?;
                 }
+            }
+            if let Some(p) = probe.as_deref_mut() {
+                p.push(h.clone());
             }
         }
         cache.advance(slot, t as usize);
@@ -513,6 +556,45 @@ impl Model {
             cache.advance(s, 1);
         }
         Ok(self.head(&h)?.reshape(&[b, self.cfg.vocab_size as i32])?)
+    }
+
+    /// The MLX ops of one batch-1 decode step of `slot` (one token after what it holds), as
+    /// [`Model::forward`] builds it from device ids (`mlxcel bench`'s decode loop), counted
+    /// before evaluation ([`mlx::graph::count_ops`]): the whole step (embedding, layers
+    /// with their KV-cache writes, head) and each layer alone. MLX's fast ops count as one
+    /// op each, as on a GPU ([`mlx::graph::FastOpsAsGpu`]); other choices of the backend
+    /// are this one's (on a CPU, 4-bit linears are MLX's `quantized_matmul`, not mlxcel's
+    /// CUDA GEMV kernel). The step is built, not run: it leaves `slot` one position on with
+    /// keys and values that can never be evaluated on a CPU, so `cache` is for counting
+    /// only afterwards (reset the slot, or drop the cache).
+    pub fn decode_ops(
+        &self,
+        cache: &mut KvCache,
+        slot: usize,
+    ) -> std::result::Result<DecodeOps, ForwardError> {
+        cache.check_slot(slot)?;
+        cache.prepare(self.layers.len(), &[(slot, cache.len(slot) + 1)])?;
+        // the pools' own growth is not the step's
+        let pools: Vec<Array> = (0..self.layers.len())
+            .map(|li| cache.pool(li).clone())
+            .collect();
+        mlx::eval(&pools.iter().collect::<Vec<_>>())?;
+        let ids = Array::from_slice(&[1i32], &[1, 1])?;
+        let _as_gpu = mlx::graph::FastOpsAsGpu::new();
+        let mut probe = Vec::with_capacity(self.layers.len() + 1);
+        let logits =
+            self.forward_slot_ids_probed(cache, slot, &ids, Logits::Last, Some(&mut probe))?;
+        let pools: Vec<&Array> = (0..self.layers.len()).map(|li| cache.pool(li)).collect();
+        let mut outputs = vec![&logits];
+        outputs.extend(pools.iter().copied());
+        let step = mlx::graph::count_ops(&outputs, &[]);
+        let layers = match probe.len() == self.layers.len() + 1 {
+            true => (0..self.layers.len())
+                .map(|li| mlx::graph::count_ops(&[&probe[li + 1], pools[li]], &[&probe[li]]))
+                .collect(),
+            false => Vec::new(),
+        };
+        Ok(DecodeOps { step, layers })
     }
 
     /// The embedding of `ids`: a table lookup, or this rank's part of it summed over the
