@@ -31,11 +31,12 @@ fn llama3_decode_ops() -> models::DecodeOps {
     mlxcel::mlx::eval(&logits.iter().collect::<Vec<_>>()).unwrap();
     let ops = model.decode_ops(&mut cache, 0).unwrap();
     eprintln!(
-        "llama3 decode step: {} ops, {} per layer, {} outside the layers; layer 0: {:?}",
+        "llama3 decode step: {} ops, {} per layer, {} outside the layers; layer 0: {:?}; step: {:?}",
         ops.step.total(),
         ops.per_layer(),
         ops.outside_layers(),
-        ops.layers[0].by_name
+        ops.layers[0].by_name,
+        ops.step.by_name
     );
     ops
 }

@@ -421,6 +421,9 @@ impl Model {
         }
         let offset = Array::scalar_i32(pos as i32)?;
         let mut h = self.embed(ids)?;
+        if t == 1 {
+            h = self.decode_rows(h)?;
+        }
         // On a GPU the host encodes a long input's layers far ahead of the device, and a
         // temporary is only freed once the device is done with it, so without a bound every
         // layer's temporaries are alive at once: activations, and for a quantized model each
@@ -460,7 +463,7 @@ impl Model {
             }
         }
         cache.advance(slot, t as usize);
-        let h = if mode == Logits::Last {
+        let h = if mode == Logits::Last && t > 1 {
             h.slice_axis(1, t - 1, t)?
         } else {
             h
@@ -530,7 +533,7 @@ impl Model {
             true => Some(cache.attn_scratch(self.q_heads())?.clone()),
             false => None,
         };
-        let mut h = self.embed(ids)?;
+        let mut h = self.decode_rows(self.embed(ids)?)?;
         for (li, block) in self.layers.iter().enumerate() {
             let a = &block.self_attn;
             let (q, kv) = a.qkv(&h, &block.input_layernorm, b, 1, &self.rope, &offset)?;
@@ -558,13 +561,14 @@ impl Model {
         Ok(self.head(&h)?.reshape(&[b, self.cfg.vocab_size as i32])?)
     }
 
-    /// The MLX ops of one batch-1 decode step of `slot` (one token after what it holds), as
+    /// The MLX ops of one batch-1 decode step of `slot` (after one step run first), as
     /// [`Model::forward`] builds it from device ids (`mlxcel bench`'s decode loop), counted
     /// before evaluation ([`mlx::graph::count_ops`]): the whole step (embedding, layers
     /// with their KV-cache writes, head) and each layer alone. MLX's fast ops count as one
     /// op each, as on a GPU ([`mlx::graph::FastOpsAsGpu`]); other choices of the backend
     /// are this one's (on a CPU, 4-bit linears are MLX's `quantized_matmul`, not mlxcel's
-    /// CUDA GEMV kernel). The step is built, not run: it leaves `slot` one position on with
+    /// CUDA GEMV kernel). The counted step is built, not run: it leaves `slot` two positions
+    /// on, the last with
     /// keys and values that can never be evaluated on a CPU, so `cache` is for counting
     /// only afterwards (reset the slot, or drop the cache).
     pub fn decode_ops(
@@ -573,13 +577,16 @@ impl Model {
         slot: usize,
     ) -> std::result::Result<DecodeOps, ForwardError> {
         cache.check_slot(slot)?;
+        let ids = Array::from_slice(&[1i32], &[1, 1])?;
+        // a step run first makes what a model makes on first use (its weights' views)
+        let warm = self.forward_slot_ids(cache, slot, &ids, Logits::Last)?;
+        mlx::eval(&[&warm])?;
         cache.prepare(self.layers.len(), &[(slot, cache.len(slot) + 1)])?;
         // the pools' own growth is not the step's
         let pools: Vec<Array> = (0..self.layers.len())
             .map(|li| cache.pool(li).clone())
             .collect();
         mlx::eval(&pools.iter().collect::<Vec<_>>())?;
-        let ids = Array::from_slice(&[1i32], &[1, 1])?;
         let _as_gpu = mlx::graph::FastOpsAsGpu::new();
         let mut probe = Vec::with_capacity(self.layers.len() + 1);
         let logits =
@@ -595,6 +602,14 @@ impl Model {
             false => Vec::new(),
         };
         Ok(DecodeOps { step, layers })
+    }
+
+    /// A decode step's residual stream (`[B, 1, hidden]` from the embedding) as `[B, hidden]`:
+    /// MLX multiplies a 2-D input by a weight as it is, where a 3-D one costs a flatten and
+    /// an unflatten around every matmul (two ops per linear per layer).
+    fn decode_rows(&self, h: Array) -> mlx::Result<Array> {
+        let hidden = h.dim(-1);
+        h.reshape(&[-1, hidden])
     }
 
     /// The embedding of `ids`: a table lookup, or this rank's part of it summed over the
