@@ -731,7 +731,10 @@ ArrayPtr quantized_matmul(const array& x, const array& w, const array& scales, c
 }
 ArrayPtr dequantize(const array& w, const array& scales, const array& biases, int32_t group_size,
                     int32_t bits) {
-  return wrap(mx::dequantize(w, scales, biases, group_size, bits));
+  // on a GPU one fused op (MLX's `Quantize` primitive, dequantizing): counted so when fast
+  // ops are built as on a GPU
+  return fused_or(mx::dequantize(w, scales, biases, group_size, bits), "Quantize",
+                  as_gpu() ? std::vector<array>{w, scales, biases} : std::vector<array>{});
 }
 ArrayPtr gather_mm(const array& a, const array& b, const array& rhs_indices, bool sorted) {
   return wrap(mx::gather_mm(a, b, std::nullopt, rhs_indices, sorted));

@@ -142,8 +142,9 @@ ArrayPtr rope_freqs(const array& x, int32_t dims, bool traditional, float scale,
                     const array& freqs);
 ArrayPtr sdpa(const array& q, const array& k, const array& v, float scale, rust::Str mask_mode);
 ArrayPtr sdpa_masked(const array& q, const array& k, const array& v, float scale, const array& mask);
-// While on (this thread), the fast ops above build on a CPU stream the one fused primitive a
-// GPU stream gets instead of their fallback ops: for counting ops only, never evaluated.
+// While on (this thread), the fast ops above (and `dequantize`) build on a CPU stream the one
+// fused primitive a GPU stream gets instead of their fallback ops: for counting ops only,
+// never evaluated.
 void set_fast_ops_as_gpu(bool on);
 bool fast_ops_as_gpu();
 

@@ -163,6 +163,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             "ops_per_layer": ops.per_layer(),
             "ops_outside_layers": ops.outside_layers(),
             "ops_layer_histogram": ops.layers.first().map(|l| l.to_json()),
+            "ops_step_histogram": ops.step.to_json(),
             "host_us_per_op": host_ms * 1e3 / ops.step.total().max(1) as f64,
         },
         "decode_batched": batched,

@@ -2,8 +2,8 @@
 //! On a GPU each op costs host time to build and to encode (decode is bound by it), so
 //! the op count of a decode step is the number to bring down ([`count_ops`]).
 //!
-//! MLX's fast ops (RMSNorm, RoPE, attention) are one op each on a GPU but expand into
-//! their fallback ops on the CPU; [`FastOpsAsGpu`] makes a CPU build count them as a
+//! MLX's fast ops (RMSNorm, RoPE, attention) and affine dequantization are one op each on a
+//! GPU but expand into their fallback ops on the CPU; [`FastOpsAsGpu`] makes a CPU build count them as a
 //! GPU would, for graphs that are only counted, never evaluated.
 use std::collections::BTreeMap;
 
@@ -64,9 +64,9 @@ pub fn count_ops(outputs: &[&Array], stop: &[&Array]) -> OpCounts {
     }
 }
 
-/// While alive (on this thread), MLX's fast ops built on a CPU stream are built as the
-/// one fused op a GPU stream gets (named like MLX's: `RMSNorm`, `RoPE`,
-/// `ScaledDotProductAttention`), not as their fallback ops, so that [`count_ops`] on a CPU
+/// While alive (on this thread), MLX's fast ops and `dequantize` built on a CPU stream are
+/// built as the one fused op a GPU stream gets (named like MLX's: `RMSNorm`, `RoPE`,
+/// `ScaledDotProductAttention`, `Quantize`), not as their fallback ops, so that [`count_ops`] on a CPU
 /// counts what a GPU builds. Arrays built meanwhile are for counting only: evaluating
 /// them fails with an error. No effect on a GPU stream.
 pub struct FastOpsAsGpu {
