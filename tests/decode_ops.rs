@@ -1,6 +1,7 @@
 //! The MLX ops a batch-1 decode step builds (`Model::decode_ops`): what bounds decode on a
 //! GPU, where each op costs host time. The llama3 fixture's count per layer may not grow
-//! back; the counter itself is checked against the step it counts.
+//! back (33 before the decode path was trimmed, 18 after: docs/benchmarks.md, "Ops per
+//! decode layer (CPU count)"); the counter itself is checked against the step it counts.
 use std::path::Path;
 
 use mlxcel::model_dir::ModelDir;
@@ -66,4 +67,35 @@ fn counter_accounts_for_the_whole_step() {
         );
     }
     assert!(ops.outside_layers() >= 3, "{:?}", ops.step);
+}
+
+/// Ops per layer of the llama3 fixture's batch-1 decode step, as measured after the decode
+/// path was trimmed (33 before): with `MLXCEL_ADDMM_RESIDUAL=0` the two residual adds are
+/// ops of their own again.
+fn max_layer_ops() -> usize {
+    if mlxcel::kernels::knobs::get().addmm_residual {
+        18
+    } else {
+        20
+    }
+}
+
+#[test]
+fn llama3_decode_layer_ops_stay_down() {
+    let ops = llama3_decode_ops();
+    assert!(
+        ops.per_layer() <= max_layer_ops(),
+        "{} ops per layer, at most {} expected: {:?}",
+        ops.per_layer(),
+        max_layer_ops(),
+        ops.layers[0].by_name
+    );
+    // the heavy ones: 4 products, 2 norms, RoPE, attention, SwiGLU, 2 KV-cache writes
+    let l = &ops.layers[0];
+    assert_eq!(l.get("Matmul") + l.get("AddMM"), 4, "{l:?}");
+    assert_eq!(l.get("SliceUpdate"), 2, "{l:?}");
+    // no per-step weight transposes, no flatten/unflatten around the products
+    for name in ["Transpose", "Flatten", "Unflatten"] {
+        assert_eq!(l.get(name), 0, "{name}: {l:?}");
+    }
 }

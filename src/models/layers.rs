@@ -198,19 +198,25 @@ impl Linear {
     /// this layer's input size (e.g. attention output `[B, heads, 1, head_dim]` of a
     /// decode step). On the quantized GEMV kernel the add is fused into the kernel; a
     /// dense weight with a 2-D `res` (a decode step's rows) adds it in the matmul (one
-    /// `AddMM` op; `MLXCEL_ADDMM_RESIDUAL=0`: a matmul and an add).
+    /// `AddMM` op; row-parallel, rank 0's, before the reduction; `MLXCEL_ADDMM_RESIDUAL=0`:
+    /// a matmul and an add).
     pub fn forward_residual(&self, x: &Array, res: &Array) -> mlx::Result<Array> {
         if let Some(y) = self.fused(x, &res.shape(), Epilogue::Residual(res), None) {
             return y;
         }
         if res.ndim() == 2
             && self.bias.is_none()
-            && self.reduce.is_none()
             && matches!(self.weight, Weight::Dense(_))
             && kernels::knobs::get().addmm_residual
         {
             let x = x.reshape(&[res.dim(0), self.in_dim() as i32])?;
-            return x.addmm(self.dense_t(), res);
+            return match &self.reduce {
+                None => x.addmm(self.dense_t(), res),
+                // row-parallel: rank 0 adds the (replicated) residual to its partial sum,
+                // so the reduction's result is already `res + x · Wᵀ`, on every rank
+                Some(g) if g.rank() == 0 => g.all_sum(&x.addmm(self.dense_t(), res)?),
+                Some(g) => g.all_sum(&x.matmul(self.dense_t())?),
+            };
         }
         // same rank as res too: a [B, heads, 1, D] input with D equal to the input size
         // (one head per rank) would otherwise broadcast against res
