@@ -568,9 +568,8 @@ impl Model {
     /// op each, as on a GPU ([`mlx::graph::FastOpsAsGpu`]); other choices of the backend
     /// are this one's (on a CPU, 4-bit linears are MLX's `quantized_matmul`, not mlxcel's
     /// CUDA GEMV kernel). The counted step is built, not run: it leaves `slot` two positions
-    /// on, the last with
-    /// keys and values that can never be evaluated on a CPU, so `cache` is for counting
-    /// only afterwards (reset the slot, or drop the cache).
+    /// on, the last with keys and values that can never be evaluated on a CPU, so `cache`
+    /// is for counting only afterwards (reset the slot, or drop the cache).
     pub fn decode_ops(
         &self,
         cache: &mut KvCache,
