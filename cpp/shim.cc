@@ -1,13 +1,17 @@
 // See shim.h. One MLX call per function; argument conversion only.
 #include "mlxcel/cpp/shim.h"
 
+#include <algorithm>
 #include <cstring>
 #include <dlfcn.h>
 #include <functional>
 #include <mutex>
 #include <sstream>
 #include <stdexcept>
+#include <map>
+#include <optional>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "mlxcel/src/mlx/ffi.rs.h"
 #include "mlx/fast_primitives.h"
@@ -365,28 +369,143 @@ ArrayPtr contiguous(const array& a) { return wrap(mx::contiguous(a)); }
 ArrayPtr copy_to_stream(const array& a, const StreamRef& s) { return wrap(mx::copy(a, to_stream(s))); }
 
 // ---- fast kernels ----
+namespace {
+// Set by `set_fast_ops_as_gpu` (op counting): MLX's fast ops on a CPU stream are built as
+// the single fused op a GPU stream gets, not expanded into their fallback ops.
+thread_local bool g_fast_as_gpu = false;
+
+// The stream MLX builds an op on by default, when fast ops on it are to be built as on a GPU.
+std::optional<mx::Stream> fast_as_gpu_stream() {
+  if (!g_fast_as_gpu) return std::nullopt;
+  auto s = mx::default_stream(mx::default_device());
+  if (s.device != mx::Device::cpu) return std::nullopt;
+  return s;
+}
+
+// A stand-in for a fused MLX primitive (`RMSNorm`, `RoPE`, `ScaledDotProductAttention`, named
+// like it) over the inputs MLX's GPU path gives that primitive. MLX does not export the
+// fused primitives, and the CPU backend could not evaluate them: this one throws when
+// evaluated.
+class FusedAsGpu : public mx::Primitive {
+ public:
+  FusedAsGpu(mx::Stream s, const char* name) : mx::Primitive(s), name_(name) {}
+  void eval_cpu(const std::vector<array>&, std::vector<array>&) override { fail(); }
+  void eval_gpu(const std::vector<array>&, std::vector<array>&) override { fail(); }
+  const char* name() const override { return name_; }
+
+ private:
+  [[noreturn]] void fail() const {
+    throw std::runtime_error(std::string(name_) +
+                             " was built as on a GPU to count ops (set_fast_ops_as_gpu): it cannot be evaluated");
+  }
+  const char* name_;
+};
+
+// `real`'s shape and dtype as the fused op `name` over `inputs`, when fast ops are built as on
+// a GPU; else `real`.
+ArrayPtr fused_or(array real, const char* name, std::vector<array> inputs) {
+  if (auto s = fast_as_gpu_stream()) {
+    auto shape = real.shape();
+    auto t = real.dtype();
+    return wrap(array(std::move(shape), t, std::make_shared<FusedAsGpu>(*s, name), std::move(inputs)));
+  }
+  return wrap(std::move(real));
+}
+
+bool as_gpu() { return fast_as_gpu_stream().has_value(); }
+
+// The inputs MLX's RoPE gets on a GPU.
+std::vector<array> rope_inputs(const array& x, const array& offset, const std::optional<array>& freqs) {
+  if (!as_gpu()) return {};
+  std::vector<array> in = {x, offset.dtype().size() != 4 ? mx::astype(offset, mx::int32) : offset};
+  if (freqs) in.push_back(mx::astype(*freqs, mx::float32));
+  return in;
+}
+
+// The inputs MLX's fused attention gets on a GPU (no sinks, not training; a bool mask as it is).
+std::vector<array> sdpa_inputs(const array& real, const array& q, const array& k, const array& v,
+                               const std::optional<array>& mask) {
+  if (!as_gpu()) return {};
+  auto t = real.dtype();
+  std::vector<array> in = {mx::astype(q, t), mx::astype(k, t), mx::astype(v, t)};
+  if (mask) {
+    auto m = mask->dtype() == mx::bool_ ? *mask : mx::astype(*mask, t);
+    auto shape = q.shape();
+    shape.back() = k.shape(-2);
+    in.push_back(mx::broadcast_to(m, shape));
+  }
+  return in;
+}
+}  // namespace
+
+void set_fast_ops_as_gpu(bool on) { g_fast_as_gpu = on; }
+bool fast_ops_as_gpu() { return g_fast_as_gpu; }
+
+// Each fast op runs MLX's own (its checks, output shape and dtype); with fast ops built as on
+// a GPU (on a CPU stream) the fallback ops it built are dropped for the fused stand-in.
 ArrayPtr rms_norm(const array& x, const array& weight, float eps) {
-  return wrap(mx::fast::rms_norm(x, weight, eps));
+  auto real = mx::fast::rms_norm(x, weight, eps);
+  auto t = real.dtype();
+  return fused_or(std::move(real), "RMSNorm",
+                  as_gpu() ? std::vector<array>{mx::astype(x, t), mx::astype(weight, t)} : std::vector<array>{});
 }
 ArrayPtr rms_norm_no_weight(const array& x, float eps) {
-  return wrap(mx::fast::rms_norm(x, std::nullopt, eps));
+  auto real = mx::fast::rms_norm(x, std::nullopt, eps);
+  auto t = real.dtype();
+  return fused_or(std::move(real), "RMSNorm",
+                  as_gpu() ? std::vector<array>{mx::astype(x, t), array(1, t)} : std::vector<array>{});
 }
 ArrayPtr rope(const array& x, int32_t dims, bool traditional, float base, float scale, int32_t offset) {
-  return wrap(mx::fast::rope(x, dims, traditional, base, scale, offset));
+  return fused_or(mx::fast::rope(x, dims, traditional, base, scale, offset), "RoPE",
+                  rope_inputs(x, array(offset, mx::int32), std::nullopt));
 }
 ArrayPtr rope_array_offset(const array& x, int32_t dims, bool traditional, float base, float scale,
                            const array& offset) {
-  return wrap(mx::fast::rope(x, dims, traditional, base, scale, offset));
+  return fused_or(mx::fast::rope(x, dims, traditional, base, scale, offset), "RoPE",
+                  rope_inputs(x, offset, std::nullopt));
 }
 ArrayPtr rope_freqs(const array& x, int32_t dims, bool traditional, float scale, const array& offset,
                     const array& freqs) {
-  return wrap(mx::fast::rope(x, dims, traditional, std::nullopt, scale, offset, freqs));
+  return fused_or(mx::fast::rope(x, dims, traditional, std::nullopt, scale, offset, freqs), "RoPE",
+                  rope_inputs(x, offset, freqs));
 }
 ArrayPtr sdpa(const array& q, const array& k, const array& v, float scale, rust::Str mask_mode) {
-  return wrap(mx::fast::scaled_dot_product_attention(q, k, v, scale, std::string(mask_mode)));
+  auto real = mx::fast::scaled_dot_product_attention(q, k, v, scale, std::string(mask_mode));
+  auto in = sdpa_inputs(real, q, k, v, std::nullopt);
+  return fused_or(std::move(real), "ScaledDotProductAttention", std::move(in));
 }
 ArrayPtr sdpa_masked(const array& q, const array& k, const array& v, float scale, const array& mask) {
-  return wrap(mx::fast::scaled_dot_product_attention(q, k, v, scale, "array", mask));
+  auto real = mx::fast::scaled_dot_product_attention(q, k, v, scale, "array", mask);
+  auto in = sdpa_inputs(real, q, k, v, mask);
+  return fused_or(std::move(real), "ScaledDotProductAttention", std::move(in));
+}
+
+// ---- op counting ----
+rust::Vec<OpTally> count_ops(const ArrayVec& outputs, const ArrayVec& stop) {
+  std::unordered_set<std::uintptr_t> seen;
+  std::unordered_set<std::uintptr_t> ops;
+  for (const auto& a : stop.items) seen.insert(a.id());
+  std::map<std::string, uint64_t> tally;
+  std::vector<array> todo(outputs.items.begin(), outputs.items.end());
+  while (!todo.empty()) {
+    array a = std::move(todo.back());
+    todo.pop_back();
+    // constants, weights and arrays an earlier eval scheduled are inputs, not ops
+    if (!seen.insert(a.id()).second || !a.has_primitive() || a.status() != array::Status::unscheduled) {
+      continue;
+    }
+    // the outputs of one multi-output op (siblings) are one op. (Not keyed by primitive:
+    // separate calls of one compiled function share theirs.)
+    auto op = a.id();
+    for (const auto& sib : a.siblings()) op = std::min(op, sib.id());
+    if (ops.insert(op).second) {
+      ++tally[a.primitive().name()];
+    }
+    for (const auto& in : a.inputs()) todo.push_back(in);
+  }
+  rust::Vec<OpTally> out;
+  for (const auto& [name, count] : tally) out.push_back(OpTally{rust::String(name), count});
+  return out;
 }
 
 // ---- fused (compiled) element-wise ops ----
@@ -612,7 +731,10 @@ ArrayPtr quantized_matmul(const array& x, const array& w, const array& scales, c
 }
 ArrayPtr dequantize(const array& w, const array& scales, const array& biases, int32_t group_size,
                     int32_t bits) {
-  return wrap(mx::dequantize(w, scales, biases, group_size, bits));
+  // on a GPU one fused op (MLX's `Quantize` primitive, dequantizing): counted so when fast
+  // ops are built as on a GPU
+  return fused_or(mx::dequantize(w, scales, biases, group_size, bits), "Quantize",
+                  as_gpu() ? std::vector<array>{w, scales, biases} : std::vector<array>{});
 }
 ArrayPtr gather_mm(const array& a, const array& b, const array& rhs_indices, bool sorted) {
   return wrap(mx::gather_mm(a, b, std::nullopt, rhs_indices, sorted));

@@ -36,6 +36,7 @@ struct DeviceInfo;
 struct KernelIdentity;
 struct NvrtcOutput;
 struct StreamRef;
+struct OpTally;
 
 using ArrayPtr = std::unique_ptr<array>;
 
@@ -141,6 +142,16 @@ ArrayPtr rope_freqs(const array& x, int32_t dims, bool traditional, float scale,
                     const array& freqs);
 ArrayPtr sdpa(const array& q, const array& k, const array& v, float scale, rust::Str mask_mode);
 ArrayPtr sdpa_masked(const array& q, const array& k, const array& v, float scale, const array& mask);
+// While on (this thread), the fast ops above (and `dequantize`) build on a CPU stream the one
+// fused primitive a GPU stream gets instead of their fallback ops: for counting ops only,
+// never evaluated.
+void set_fast_ops_as_gpu(bool on);
+bool fast_ops_as_gpu();
+
+// ---- op counting ----
+// The ops (primitives, a multi-output op once) of the graph of `outputs` that no eval has
+// scheduled yet, by primitive name; the graph is not walked into `stop`'s arrays.
+rust::Vec<OpTally> count_ops(const ArrayVec& outputs, const ArrayVec& stop);
 
 // ---- fused (compiled) element-wise ops ----
 // silu(gate) * up in one kernel (MLX `compile`, shapeless: no re-trace when shapes change)

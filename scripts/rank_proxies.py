@@ -100,9 +100,11 @@ def load_json_line(path):
 
 def table(results, names, bandwidth):
     """Markdown rows of RESULTS/proxy-NAME-{mlxcel,mlxlm-100,mlxlm-default}.json: decode
-    tok/s at batch 1, host time per token and per layer (build + eval), roofline."""
+    tok/s at batch 1, host time per token and per layer (build + eval), MLX ops per layer
+    and host µs per op (mlxcel bench's ops_per_layer, host_us_per_op), roofline."""
     head = ("| proxy | weights GB | read/token GB | roofline tok/s | mlxcel tok/s | ms/token "
-            "| host build + eval ms | host µs/layer | mlx-lm 100/4000 tok/s | mlx-lm MLX defaults tok/s |")
+            "| host build + eval ms | host µs/layer | ops/layer | host µs/op "
+            "| mlx-lm 100/4000 tok/s | mlx-lm MLX defaults tok/s |")
     out = [head, "|" + "---|" * (head.count("|") - 1)]
     for n in names:
         r = {k: load_json_line(os.path.join(results, f"proxy-{n}-{k}.json"))
@@ -116,7 +118,7 @@ def table(results, names, bandwidth):
                 pass
         c = c or config(PROXIES[n])
         rb = read_per_token(c)
-        cell = ["—"] * 4
+        cell = ["—"] * 6
         m = r["mlxcel"]
         if m:
             d = m["decode"]
@@ -125,10 +127,12 @@ def table(results, names, bandwidth):
             cell[:4] = [f"{d['tokens_per_second']:.1f}", f"{d['ms_per_token']:.2f}",
                         f"{h.get('build_ms', 0):.2f} + {h.get('eval_ms', 0):.2f}",
                         f"{host * 1000 / c['num_hidden_layers']:.0f}"]
+            if "ops_per_layer" in d:
+                cell[4:] = [str(d["ops_per_layer"]), f"{d['host_us_per_op']:.2f}"]
         lm = [r[k]["decode"]["tokens_per_second"] if r[k] else None for k in ("mlxlm-100", "mlxlm-default")]
         lm = [f"{x:.1f}" if x is not None else "—" for x in lm]
         out.append(f"| {n} | {weight_bytes(c) / 1e9:.2f} | {rb / 1e9:.2f} | {bandwidth / rb:.0f} | "
-                   + " | ".join(cell[:4]) + f" | {lm[0]} | {lm[1]} |")
+                   + " | ".join(cell) + f" | {lm[0]} | {lm[1]} |")
     return "\n".join(out)
 
 

@@ -478,8 +478,9 @@ fn pipelined_generate_equals_step_by_step() {
 }
 
 /// Decode steps at new positions, batch sizes and prompt lengths re-trace none of
-/// the compiled ops after the first step (they are shapeless; positions and
-/// offsets are arrays).
+/// the compiled ops after the first prefill and the first decode step (they are
+/// shapeless, traced once per input rank: a prefill's residual stream is `[1, T, hidden]`,
+/// a decode step's `[B, hidden]`; positions and offsets are arrays).
 #[test]
 fn compiled_ops_trace_once() {
     use mlxcel::mlx::fast;
@@ -495,6 +496,17 @@ fn compiled_ops_trace_once() {
             StepInput::Host(&[SeqInput {
                 slot: 0,
                 tokens: &[1, 2, 3],
+            }]),
+            Logits::Last,
+        )
+        .unwrap();
+    warm[0].eval().unwrap();
+    let warm = model
+        .forward(
+            &mut cache,
+            StepInput::Host(&[SeqInput {
+                slot: 0,
+                tokens: &[4],
             }]),
             Logits::Last,
         )

@@ -31,7 +31,7 @@ one() { # one NAME ENGINE: a run, its JSON line into $OUT/proxy-NAME-ENGINE.json
   timeout "${BENCH_S:-900}" "${cmd[@]}" "${bench_flags[@]}" 2>"$f.log" | tail -1 > "$f"
   local rc=${PIPESTATUS[0]}
   [ "$rc" = 0 ] || { echo "$n $e: exit $rc; last lines of $f.log:"; tail -3 "$f.log"; }
-  $PY -c 'import json,sys; d=json.load(open(sys.argv[1]))["decode"]; print(sys.argv[2], sys.argv[3], round(d["tokens_per_second"],1), "tok/s", {k: round(v,3) for k,v in d.get("host_per_token",{}).items()})' "$f" "$n" "$e" 2>/dev/null
+  $PY -c 'import json,sys; d=json.load(open(sys.argv[1]))["decode"]; print(sys.argv[2], sys.argv[3], round(d["tokens_per_second"],1), "tok/s", {k: round(v,3) for k,v in d.get("host_per_token",{}).items()}, *([d["ops_per_layer"], "ops/layer", round(d["host_us_per_op"],2), "host µs/op"] if "ops_per_layer" in d else []))' "$f" "$n" "$e" 2>/dev/null
 }
 engines=(mlxcel)
 [ -n "${SKIP_MLX_LM:-}" ] || engines+=(mlxlm-100 mlxlm-default)

@@ -11,7 +11,8 @@
 //!
 //! Prompts are random token ids from a fixed seed; decoding is greedy with the
 //! next step queued (`async_eval`) before the current token is read, as a
-//! streaming generator does.
+//! streaming generator does. The decode row also says how many MLX ops one step builds
+//! (`Model::decode_ops`) and the host time per op (build + eval per token over them).
 use std::time::Instant;
 
 use anyhow::Result;
@@ -137,6 +138,12 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             host = times;
         }
     }
+    // the ops one batch-1 decode step builds, on a cache of its own (the counted step is
+    // built, never run)
+    let ops = m.model.decode_ops(&mut m.model.new_cache(1, 16), 0)?;
+    let host = host.per_step_ms(args.decode_tokens);
+    let host_ms =
+        host["build_ms"].as_f64().unwrap_or(0.0) + host["eval_ms"].as_f64().unwrap_or(0.0);
     let mut batched = Vec::new();
     for &b in &args.decode_batch {
         let mut bcache = m.model.new_cache(b, m.ctx_size);
@@ -214,7 +221,14 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             "seconds": best,
             "tokens_per_second": args.decode_tokens as f64 / best,
             "ms_per_token": best * 1e3 / args.decode_tokens as f64,
-            "host_per_token": host.per_step_ms(args.decode_tokens),
+            "host_per_token": host,
+            // MLX ops (graph nodes) of one step, MLX's fast ops counted one each as on a GPU
+            "ops_per_step": ops.step.total(),
+            "ops_per_layer": ops.per_layer(),
+            "ops_outside_layers": ops.outside_layers(),
+            "ops_layer_histogram": ops.layers.first().map(|l| l.to_json()),
+            "ops_step_histogram": ops.step.to_json(),
+            "host_us_per_op": host_ms * 1e3 / ops.step.total().max(1) as f64,
         },
         "decode_batched": batched,
         "serve_workload": workload,

@@ -42,6 +42,9 @@ pub struct Knobs {
     /// vocabulary (embedding, lm_head) and the logits are gathered (`0`: every rank
     /// holds both whole).
     pub vocab_parallel: bool,
+    /// `MLXCEL_ADDMM_RESIDUAL`: a decode step's residual add is folded into the dense
+    /// matmul before it (one `AddMM` op instead of `Matmul` + `Add`; `0`: two ops).
+    pub addmm_residual: bool,
 }
 
 impl Default for Knobs {
@@ -59,6 +62,7 @@ impl Default for Knobs {
             attn: true,
             kernel_cache: true,
             vocab_parallel: true,
+            addmm_residual: true,
         }
     }
 }
@@ -77,6 +81,7 @@ pub const VARS: &[&str] = &[
     "MLXCEL_ATTN",
     "MLXCEL_KERNEL_CACHE",
     "MLXCEL_VOCAB_PARALLEL",
+    "MLXCEL_ADDMM_RESIDUAL",
 ];
 
 /// A tuning variable with a value it cannot take.
@@ -150,6 +155,7 @@ impl Knobs {
         k.attn = switch("MLXCEL_ATTN", k.attn)?;
         k.kernel_cache = switch("MLXCEL_KERNEL_CACHE", k.kernel_cache)?;
         k.vocab_parallel = switch("MLXCEL_VOCAB_PARALLEL", k.vocab_parallel)?;
+        k.addmm_residual = switch("MLXCEL_ADDMM_RESIDUAL", k.addmm_residual)?;
         Ok(k)
     }
 
@@ -178,6 +184,11 @@ impl Knobs {
             "MLXCEL_VOCAB_PARALLEL",
             self.vocab_parallel,
             d.vocab_parallel,
+        );
+        switch(
+            "MLXCEL_ADDMM_RESIDUAL",
+            self.addmm_residual,
+            d.addmm_residual,
         );
         if let Some(n) = self.qgemv_mma {
             out.push(format!("MLXCEL_QGEMV_MMA={n}"));
@@ -277,6 +288,7 @@ mod tests {
             ("MLXCEL_QGEMV_STREAM_BLOCKS", "0"),
             ("MLXCEL_QGEMV_STREAM_BLOCKS", "70000"),
             ("MLXCEL_KERNEL_INCLUDE", "no"),
+            ("MLXCEL_ADDMM_RESIDUAL", "yes"),
         ] {
             let e = parse(&[(var, value)]).unwrap_err();
             assert_eq!(e.var, var);

@@ -118,6 +118,13 @@ pub(crate) mod ffi {
         device_index: i32,
     }
 
+    /// How many ops of one primitive a graph holds (`count_ops`).
+    #[derive(Debug, Clone, Default)]
+    struct OpTally {
+        name: String,
+        count: u64,
+    }
+
     unsafe extern "C++" {
         include!("mlxcel/cpp/shim.h");
 
@@ -286,6 +293,10 @@ pub(crate) mod ffi {
             scale: f32,
             mask: &Array,
         ) -> Result<UniquePtr<Array>>;
+
+        fn set_fast_ops_as_gpu(on: bool);
+        fn fast_ops_as_gpu() -> bool;
+        fn count_ops(outputs: &ArrayVec, stop: &ArrayVec) -> Vec<OpTally>;
 
         fn swiglu(gate: &Array, up: &Array) -> Result<UniquePtr<Array>>;
         fn compile_traces() -> u64;

@@ -14,6 +14,7 @@ mod device;
 pub mod distributed;
 pub mod fast;
 mod ffi;
+pub mod graph;
 pub mod kernel_cache;
 pub mod memory;
 mod ops;

@@ -119,7 +119,26 @@ impl Array {
         Ok(Array::from_ptr(ffi::addmm(c.raw(), self.raw(), b.raw())?))
     }
 
+    /// `self` in `shape` (one axis may be -1: inferred). The same shape builds no op: MLX
+    /// skips a reshape to its input's shape, and the -1 is resolved here so that it can.
     pub fn reshape(&self, shape: &[i32]) -> Result<Array> {
+        let known: i64 = shape
+            .iter()
+            .filter(|&&d| d != -1)
+            .map(|&d| d as i64)
+            .product();
+        let size = self.size() as i64;
+        let resolved: Vec<i32>;
+        let shape = match shape.iter().filter(|&&d| d == -1).count() {
+            1 if known > 0 && size % known == 0 => {
+                resolved = shape
+                    .iter()
+                    .map(|&d| if d == -1 { (size / known) as i32 } else { d })
+                    .collect();
+                &resolved[..]
+            }
+            _ => shape,
+        };
         Ok(Array::from_ptr(ffi::reshape(self.raw(), shape)?))
     }
 

@@ -378,3 +378,79 @@ fn memory_counters_move() {
     assert!(memory::limit() > 0);
     drop(x);
 }
+
+#[test]
+fn count_ops_counts_unevaluated_primitives_once() {
+    use super::graph::count_ops;
+    let x = Array::from_slice(&rand_vec(8), &[2, 4]).unwrap();
+    let w = Array::from_slice(&rand_vec(8), &[2, 4]).unwrap();
+    // constants are inputs, not ops
+    assert_eq!(count_ops(&[&x], &[]).total(), 0);
+    let y = x.mul(&w).unwrap();
+    let z = y.add(&y).unwrap().exp().unwrap();
+    let c = count_ops(&[&z], &[]);
+    assert_eq!(c.total(), 3, "{c:?}");
+    assert_eq!(
+        (c.get("Multiply"), c.get("Add"), c.get("Exp")),
+        (1, 1, 1),
+        "{c:?}"
+    );
+    // shared subgraphs count once; `stop` cuts the walk
+    let two = count_ops(&[&z, &y], &[]);
+    assert_eq!(two.total(), 3);
+    assert_eq!(count_ops(&[&z], &[&y]).total(), 2);
+    // one multi-output op is one op (split's outputs are siblings)
+    let parts = split_sections(&z, &[1], 0).unwrap();
+    let s = count_ops(&[&parts[0], &parts[1]], &[&z]);
+    assert_eq!(s.total(), 1, "{s:?}");
+    // broadcasting an operand is an op of its own
+    let v = Array::from_slice(&rand_vec(4), &[4]).unwrap();
+    let b = count_ops(&[&x.mul(&v).unwrap()], &[]);
+    assert_eq!((b.get("Broadcast"), b.total()), (1, 2), "{b:?}");
+    // ops no-op'd by MLX (same-shape reshape) build nothing
+    let same = z.reshape(&[2, 4]).unwrap();
+    assert_eq!(count_ops(&[&same], &[&z]).total(), 0);
+    // an evaluated graph has no ops left to run
+    z.eval().unwrap();
+    assert_eq!(count_ops(&[&z], &[]).total(), 0);
+}
+
+#[test]
+fn fast_ops_as_gpu_count_one_op_each() {
+    use super::graph::{count_ops, FastOpsAsGpu};
+    let x = Array::from_slice(&rand_vec(2 * 4 * 3 * 8), &[2, 4, 3, 8]).unwrap();
+    let w = Array::from_slice(&rand_vec(8), &[8]).unwrap();
+    let pos = Array::scalar_i32(5).unwrap();
+    let build = || {
+        let n = fast::rms_norm(&x, Some(&w), 1e-5).unwrap();
+        let r = fast::rope_dynamic(&n, 8, false, 10000.0, 1.0, &pos).unwrap();
+        fast::sdpa(&r, &r, &r, 0.3, Mask::Causal).unwrap()
+    };
+    let plain = build();
+    let expanded = count_ops(&[&plain], &[]);
+    let as_gpu = {
+        let _g = FastOpsAsGpu::new();
+        let o = build();
+        assert_eq!(o.shape(), plain.shape());
+        assert_eq!(o.dtype(), plain.dtype());
+        let c = count_ops(&[&o], &[]);
+        // a stand-in cannot be evaluated: an error, not a crash
+        assert!(o.eval().is_err());
+        c
+    };
+    assert_eq!(as_gpu.total(), 3, "{as_gpu:?}");
+    for name in ["RMSNorm", "RoPE", "ScaledDotProductAttention"] {
+        assert_eq!(as_gpu.get(name), 1, "{as_gpu:?}");
+    }
+    if backend() == Backend::Cpu {
+        // on the CPU each fast op is several fallback ops
+        assert!(expanded.total() > 3 * 3, "{expanded:?}");
+    }
+    // off again: the same build evaluates
+    let again = build();
+    close(
+        &again.to_vec::<f32>().unwrap(),
+        &plain.to_vec::<f32>().unwrap(),
+        0.0,
+    );
+}

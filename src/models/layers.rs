@@ -50,11 +50,27 @@ fn invalid(msg: String) -> LoadError {
 /// rank's block of it (see [`Split`]); model code calls it like a plain linear layer.
 pub struct Linear {
     weight: Weight,
+    /// A dense weight transposed, `[in, out]`: a view of it made once (evaluated with the
+    /// first step that uses it), so that no step builds a transpose per matmul.
+    wt: Option<Array>,
     bias: Option<Array>,
     reduce: Option<Rc<Group>>,
 }
 
 impl Linear {
+    fn new(weight: Weight, bias: Option<Array>, reduce: Option<Rc<Group>>) -> Result<Linear> {
+        let wt = match &weight {
+            Weight::Dense(w) => Some(w.t()?),
+            Weight::Quantized { .. } => None,
+        };
+        Ok(Linear {
+            weight,
+            wt,
+            bias,
+            reduce,
+        })
+    }
+
     /// Load the tensors of `spec` ([`ParamSpec::tensors`]: `.weight`, and `.scales` /
     /// `.biases` when quantized, `.bias`), reading only this rank's block of each; a
     /// row-parallel spec's partial sums are `all_sum`med over `reduce` when given. A
@@ -79,11 +95,7 @@ impl Linear {
                 _ => parts.push(a),
             }
         }
-        Ok(Linear {
-            weight: Weight::from_parts(parts, quant),
-            bias,
-            reduce,
-        })
+        Linear::new(Weight::from_parts(parts, quant), bias, reduce)
     }
 
     /// One linear computing several column-parallel (or whole) linears side by side, so one
@@ -139,17 +151,13 @@ impl Linear {
                 _ => stacked.push(a),
             }
         }
-        Ok(Linear {
-            weight: Weight::from_parts(stacked, quant),
-            bias,
-            reduce: None,
-        })
+        Linear::new(Weight::from_parts(stacked, quant), bias, None)
     }
 
     pub fn forward(&self, x: &Array) -> mlx::Result<Array> {
         let y = match (&self.weight, &self.bias, &self.reduce) {
-            (Weight::Dense(w), Some(b), None) => return x.addmm(&w.t()?, b),
-            (Weight::Dense(w), _, _) => x.matmul(&w.t()?)?,
+            (Weight::Dense(_), Some(b), None) => return x.addmm(self.dense_t(), b),
+            (Weight::Dense(_), _, _) => x.matmul(self.dense_t())?,
             (
                 Weight::Quantized {
                     w,
@@ -188,10 +196,27 @@ impl Linear {
 
     /// `res + self(x)`, shaped like `res`. `x` may be any shape holding `res`'s rows of
     /// this layer's input size (e.g. attention output `[B, heads, 1, head_dim]` of a
-    /// decode step). On the quantized GEMV kernel the add is fused into the kernel.
+    /// decode step). On the quantized GEMV kernel the add is fused into the kernel; a
+    /// dense weight with a 2-D `res` (a decode step's rows) adds it in the matmul (one
+    /// `AddMM` op; row-parallel, rank 0's, before the reduction; `MLXCEL_ADDMM_RESIDUAL=0`:
+    /// a matmul and an add).
     pub fn forward_residual(&self, x: &Array, res: &Array) -> mlx::Result<Array> {
         if let Some(y) = self.fused(x, &res.shape(), Epilogue::Residual(res), None) {
             return y;
+        }
+        if res.ndim() == 2
+            && self.bias.is_none()
+            && matches!(self.weight, Weight::Dense(_))
+            && kernels::knobs::get().addmm_residual
+        {
+            let x = x.reshape(&[res.dim(0), self.in_dim() as i32])?;
+            return match &self.reduce {
+                None => x.addmm(self.dense_t(), res),
+                // row-parallel: rank 0 adds the (replicated) residual to its partial sum,
+                // so the reduction's result is already `res + x · Wᵀ`, on every rank
+                Some(g) if g.rank() == 0 => g.all_sum(&x.addmm(self.dense_t(), res)?),
+                Some(g) => g.all_sum(&x.matmul(self.dense_t())?),
+            };
         }
         // same rank as res too: a [B, heads, 1, D] input with D equal to the input size
         // (one head per rank) would otherwise broadcast against res
@@ -221,6 +246,13 @@ impl Linear {
             return Err(mlx::MlxError::Invalid("gate/up split".into()));
         };
         fast::swiglu(&g, &u)
+    }
+
+    /// The dense weight transposed (`[in, out]`, see [`Linear::wt`]).
+    fn dense_t(&self) -> &Array {
+        self.wt
+            .as_ref()
+            .expect("a dense linear has its transposed view")
     }
 
     /// Input features (columns of the unquantized weight).
@@ -666,11 +698,7 @@ mod tests {
             &[hidden, d],
         )
         .unwrap();
-        let lin = Linear {
-            weight: Weight::Dense(w.clone()),
-            bias: None,
-            reduce: None,
-        };
+        let lin = Linear::new(Weight::Dense(w.clone()), None, None).unwrap();
         let x = Array::from_slice(
             &(0..b * d).map(|i| i as f32 * 0.1).collect::<Vec<_>>(),
             &[b, 1, 1, d],

@@ -25,7 +25,7 @@ pub mod weights;
 
 pub use config::{ConfigError, ModelConfig};
 pub use layout::{Layout, ParamSpec, Split};
-pub use model::{ForwardError, Logits, Model, SeqInput, StepInput};
+pub use model::{DecodeOps, ForwardError, Logits, Model, SeqInput, StepInput};
 
 /// A model family: the `model_type` it runs, its config parser and its layout.
 pub struct Family {

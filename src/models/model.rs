@@ -117,6 +117,29 @@ pub enum ForwardError {
     AllLogitsOfRows,
 }
 
+/// The MLX ops of a decode step ([`Model::decode_ops`]).
+#[derive(Debug, Clone, Default)]
+pub struct DecodeOps {
+    /// The whole step: embedding, every layer, final norm and lm_head (to float32 logits).
+    pub step: mlx::graph::OpCounts,
+    /// Each layer alone, from its input to its output and its KV-cache writes (empty when the
+    /// slot's blocks are scattered).
+    pub layers: Vec<mlx::graph::OpCounts>,
+}
+
+impl DecodeOps {
+    /// The most ops of any layer (every layer of a model builds the same ops).
+    pub fn per_layer(&self) -> usize {
+        self.layers.iter().map(|l| l.total()).max().unwrap_or(0)
+    }
+
+    /// Ops outside the layers: embedding, final norm, lm_head, logits cast.
+    pub fn outside_layers(&self) -> usize {
+        let in_layers: usize = self.layers.iter().map(|l| l.total()).sum();
+        self.step.total().saturating_sub(in_layers)
+    }
+}
+
 pub struct Model {
     pub cfg: ModelConfig,
     /// KV heads held by this process (all, or this rank's shard).
@@ -382,6 +405,20 @@ impl Model {
         ids: &Array,
         mode: Logits,
     ) -> std::result::Result<Array, ForwardError> {
+        self.forward_slot_ids_probed(cache, slot, ids, mode, None)
+    }
+
+    /// [`Model::forward_slot_ids`], pushing the residual stream onto `probe` (when given)
+    /// after the embedding and after each layer (a run of rows only; scattered blocks
+    /// push nothing).
+    fn forward_slot_ids_probed(
+        &self,
+        cache: &mut KvCache,
+        slot: usize,
+        ids: &Array,
+        mode: Logits,
+        mut probe: Option<&mut Vec<Array>>,
+    ) -> std::result::Result<Array, ForwardError> {
         cache.check_slot(slot)?;
         let t = ids.dim(1);
         let pos = cache.len(slot);
@@ -396,6 +433,9 @@ impl Model {
         }
         let offset = Array::scalar_i32(pos as i32)?;
         let mut h = self.embed(ids)?;
+        if t == 1 {
+            h = self.decode_rows(h)?;
+        }
         // On a GPU the host encodes a long input's layers far ahead of the device, and a
         // temporary is only freed once the device is done with it, so without a bound every
         // layer's temporaries are alive at once: activations, and for a quantized model each
@@ -403,6 +443,9 @@ impl Model {
         // at 22.7 GB on H200, 8.3 GB with the bound). Keep at most two layers in flight.
         let bound = t as usize >= PREFILL_BOUND_MIN_ROWS && mlx::backend() != mlx::Backend::Cpu;
         let mut in_flight: Option<Array> = None;
+        if let Some(p) = probe.as_deref_mut() {
+            p.push(h.clone());
+        }
         for (li, block) in self.layers.iter().enumerate() {
             let a = &block.self_attn;
             let (q, kv) = a.qkv(&h, &block.input_layernorm, 1, t, &self.rope, &offset)?;
@@ -427,9 +470,12 @@ impl Model {
                     prev.eval()?;
                 }
             }
+            if let Some(p) = probe.as_deref_mut() {
+                p.push(h.clone());
+            }
         }
         cache.advance(slot, t as usize);
-        let h = if mode == Logits::Last {
+        let h = if mode == Logits::Last && t > 1 {
             h.slice_axis(1, t - 1, t)?
         } else {
             h
@@ -571,7 +617,7 @@ impl Model {
             true => Some(cache.attn_scratch(self.q_heads())?.clone()),
             false => None,
         };
-        let mut h = self.embed(ids)?;
+        let mut h = self.decode_rows(self.embed(ids)?)?;
         for (li, block) in self.layers.iter().enumerate() {
             let a = &block.self_attn;
             let (q, kv) = a.qkv(&h, &block.input_layernorm, b, 1, &self.rope, &offset)?;
@@ -597,6 +643,56 @@ impl Model {
             cache.advance(s, 1);
         }
         Ok(self.head(&h)?.reshape(&[b, self.cfg.vocab_size as i32])?)
+    }
+
+    /// The MLX ops of one batch-1 decode step of `slot` (after one step run first), as
+    /// [`Model::forward`] builds it from device ids (`mlxcel bench`'s decode loop), counted
+    /// before evaluation ([`mlx::graph::count_ops`]): the whole step (embedding, layers
+    /// with their KV-cache writes, head) and each layer alone. MLX's fast ops count as one
+    /// op each, as on a GPU ([`mlx::graph::FastOpsAsGpu`]); other choices of the backend
+    /// are this one's (on a CPU, 4-bit linears are MLX's `quantized_matmul`, not mlxcel's
+    /// CUDA GEMV kernel). The counted step is built, not run: it leaves `slot` two positions
+    /// on, the last with keys and values that can never be evaluated on a CPU, so `cache`
+    /// is for counting only afterwards (reset the slot, or drop the cache).
+    pub fn decode_ops(
+        &self,
+        cache: &mut KvCache,
+        slot: usize,
+    ) -> std::result::Result<DecodeOps, ForwardError> {
+        cache.check_slot(slot)?;
+        let ids = Array::from_slice(&[1i32], &[1, 1])?;
+        // a step run first makes what a model makes on first use (its weights' views)
+        let warm = self.forward_slot_ids(cache, slot, &ids, Logits::Last)?;
+        mlx::eval(&[&warm])?;
+        cache.prepare(self.layers.len(), &[(slot, cache.len(slot) + 1)])?;
+        // the pools' own growth is not the step's
+        let pools: Vec<Array> = (0..self.layers.len())
+            .map(|li| cache.pool(li).clone())
+            .collect();
+        mlx::eval(&pools.iter().collect::<Vec<_>>())?;
+        let _as_gpu = mlx::graph::FastOpsAsGpu::new();
+        let mut probe = Vec::with_capacity(self.layers.len() + 1);
+        let logits =
+            self.forward_slot_ids_probed(cache, slot, &ids, Logits::Last, Some(&mut probe))?;
+        let pools: Vec<&Array> = (0..self.layers.len()).map(|li| cache.pool(li)).collect();
+        let mut outputs = vec![&logits];
+        outputs.extend(pools.iter().copied());
+        let step = mlx::graph::count_ops(&outputs, &[]);
+        let layers = match probe.len() == self.layers.len() + 1 {
+            true => (0..self.layers.len())
+                .map(|li| mlx::graph::count_ops(&[&probe[li + 1], pools[li]], &[&probe[li]]))
+                .collect(),
+            false => Vec::new(),
+        };
+        Ok(DecodeOps { step, layers })
+    }
+
+    /// A decode step's residual stream (`[B, 1, hidden]` from the embedding) as `[B, hidden]`:
+    /// MLX multiplies a 2-D input by a weight as it is, where a 3-D one costs a flatten and
+    /// an unflatten around every matmul (two ops per linear per layer).
+    fn decode_rows(&self, h: Array) -> mlx::Result<Array> {
+        let hidden = h.dim(-1);
+        h.reshape(&[-1, hidden])
     }
 
     /// The embedding of `ids`: a table lookup, or this rank's part of it summed over the

@@ -203,9 +203,13 @@ impl Attention {
                 Some(norm),
             )?;
             if self.q_norm.is_none() && self.k_norm.is_none() {
-                // q and k are adjacent: one RoPE kernel for both, then split the heads
-                let qk = rope.forward(&y.slice_axis(1, 0, nq + nkv)?, offset)?;
-                let v = y.slice_axis(1, nq + nkv, nq + 2 * nkv)?;
+                // q and k are adjacent: one RoPE kernel for both, then split the heads (each
+                // split one op for all its parts)
+                let mut parts = mlx::split_sections(&y, &[nq + nkv], 1)?.into_iter();
+                let (Some(qk), Some(v)) = (parts.next(), parts.next()) else {
+                    return Err(mlx::MlxError::Invalid("qk/v split".into()));
+                };
+                let qk = rope.forward(&qk, offset)?;
                 let mut parts = mlx::split_sections(&qk, &[nq], 1)?.into_iter();
                 let (Some(q), Some(k)) = (parts.next(), parts.next()) else {
                     return Err(mlx::MlxError::Invalid("qk split".into()));
