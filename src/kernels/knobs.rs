@@ -62,7 +62,7 @@ impl Default for Knobs {
             attn: true,
             kernel_cache: true,
             vocab_parallel: true,
-            addmm_residual: true,
+            addmm_residual: false,
         }
     }
 }
