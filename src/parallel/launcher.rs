@@ -57,6 +57,10 @@ use super::channel::{
 };
 
 const WATCH_PERIOD: Duration = Duration::from_millis(50);
+/// When a step's answers are late, a rank this long without a heartbeat (four periods:
+/// its heartbeat thread runs even while it computes) is blamed as the cause, before the
+/// heartbeat timeout itself would find it.
+const SILENT_BLAME: Duration = channel::HEARTBEAT_PERIOD.saturating_mul(4);
 /// How long a failure report waits for the stderr reader to catch up.
 const STDERR_SETTLE: Duration = Duration::from_millis(300);
 /// How long a broken channel waits for the process exit to show.
@@ -451,8 +455,12 @@ impl Shared {
 
     /// The live rank silent for longest, if silent past the heartbeat timeout.
     fn silent_rank(&self) -> Option<(usize, Duration)> {
-        let timeout = self.heartbeat_timeout?;
-        if !self.beating.load(Ordering::SeqCst) {
+        self.silent_rank_past(self.heartbeat_timeout?)
+    }
+
+    /// The live rank silent for longest, if silent past `limit` (heartbeats on).
+    fn silent_rank_past(&self, limit: Duration) -> Option<(usize, Duration)> {
+        if self.heartbeat_timeout.is_none() || !self.beating.load(Ordering::SeqCst) {
             return None;
         }
         let procs = lock(&self.procs);
@@ -461,7 +469,7 @@ impl Shared {
             .enumerate()
             .filter(|(rank, _)| procs[*rank].exit.is_none())
             .map(|(rank, t)| (rank, t.elapsed()))
-            .filter(|(_, silent)| *silent > timeout)
+            .filter(|(_, silent)| *silent > limit)
             .max_by_key(|(_, silent)| *silent)
     }
 }
@@ -1111,6 +1119,17 @@ impl RankGroup {
                     if now < until {
                         continue;
                     }
+                    // a rank whose heartbeats stopped is the cause (the others wait for it
+                    // in a collective), whichever rank is late with its answer
+                    if let Some((rank, silent)) = self.shared.silent_rank_past(SILENT_BLAME) {
+                        let stderr_tail = self.shared.tails[rank].lines();
+                        let err = RankError::HeartbeatLost {
+                            rank,
+                            silent,
+                            stderr_tail,
+                        };
+                        return Err(self.fail(err));
+                    }
                     let rank = blame(&self.pending);
                     let stderr_tail = self.shared.tails[rank].lines();
                     let err = match (straggler, first) {
@@ -1625,6 +1644,34 @@ mod tests {
             )
             .unwrap_err();
         assert!(matches!(&err, RankError::Timeout { .. }), "{err}");
+    }
+
+    #[test]
+    fn a_stopped_rank_that_answered_is_blamed_not_the_one_waiting_for_it() {
+        // rank 1 answers, then stops; rank 0 (heartbeating) is late: the straggler deadline
+        // comes before the heartbeat timeout and must still name the silent rank 1
+        let opts = LaunchOptions {
+            heartbeat_timeout: Some(Duration::from_secs(10)),
+            ..opts()
+        };
+        let mut g = start(&["beat-silent", "beat"], &opts, channel::identities_agree).unwrap();
+        g.broadcast(&Msg::Ping(1)).unwrap();
+        std::thread::sleep(Duration::from_millis(300));
+        let pid = g.pids()[1];
+        unsafe {
+            libc::kill(pid as i32, libc::SIGSTOP);
+        }
+        let t = Instant::now();
+        let err = g
+            .recv_all_within::<Msg>(Duration::from_secs(30), Some(Duration::from_secs(3)))
+            .unwrap_err();
+        assert!(
+            matches!(&err, RankError::HeartbeatLost { rank: 1, .. }),
+            "{err}"
+        );
+        assert!(t.elapsed() < Duration::from_secs(8), "{:?}", t.elapsed());
+        g.shutdown(Duration::from_millis(300));
+        assert!(!alive(pid), "the stopped rank was left behind");
     }
 
     #[test]
