@@ -26,6 +26,16 @@ use super::weights::WeightSource;
 /// (see `Model::forward`, one slot's chunk): a decode step must not wait inside itself.
 const PREFILL_BOUND_MIN_ROWS: usize = 32;
 
+/// Queue layer output `h` and wait for the one before it (`in_flight`): at most two
+/// layers of a long input in flight.
+fn keep_two_in_flight(in_flight: &mut Option<Array>, h: &Array) -> mlx::Result<()> {
+    mlx::async_eval(&[h])?;
+    if let Some(prev) = in_flight.replace(h.clone()) {
+        prev.eval()?;
+    }
+    Ok(())
+}
+
 struct Block {
     input_layernorm: RmsNorm,
     self_attn: Attention,
@@ -465,10 +475,7 @@ impl Model {
                 .mlp
                 .forward_residual(&h, &block.post_attention_layernorm)?;
             if bound {
-                mlx::async_eval(&[&h])?;
-                if let Some(prev) = in_flight.replace(h.clone()) {
-                    prev.eval()?;
-                }
+                keep_two_in_flight(&mut in_flight, &h)?;
             }
             if let Some(p) = probe.as_deref_mut() {
                 p.push(h.clone());
@@ -531,10 +538,7 @@ impl Model {
                 .mlp
                 .forward_residual(&h, &block.post_attention_layernorm)?;
             if bound {
-                mlx::async_eval(&[&h])?;
-                if let Some(prev) = in_flight.replace(h.clone()) {
-                    prev.eval()?;
-                }
+                keep_two_in_flight(&mut in_flight, &h)?;
             }
         }
         for (&i, &t) in chunks.iter().zip(&lens) {
