@@ -233,12 +233,12 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
             &[
                 ("q", bf),
                 ("pool", bf),
-                ("slots", "int32_t"),
+                ("table", "int32_t"),
                 ("pos", "int32_t"),
                 ("part", "float"),
                 ("count", "int32_t"),
             ],
-            &["pool"],
+            &["pool", "table"],
             &[("out", bf)],
             bf,
             &[
@@ -247,6 +247,7 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
                 ("HKV", 8),
                 ("NSPLIT", 4),
                 ("WARPS", 16),
+                ("BS", 32),
                 ("SCALE_BITS", 0.125f32.to_bits() as i64),
             ],
         ),
