@@ -45,6 +45,12 @@ pub struct Knobs {
     /// `MLXCEL_ADDMM_RESIDUAL`: a decode step's residual add is folded into the dense
     /// matmul before it (one `AddMM` op instead of `Matmul` + `Add`; `0`: two ops).
     pub addmm_residual: bool,
+    /// `MLXCEL_GEMV_DENSE`: mlxcel's dense GEMV kernel (with the quantized kernel's fusions)
+    /// for bf16/f16 linears of decode steps on CUDA (`0`, the default: MLX's matmul).
+    pub gemv_dense: bool,
+    /// `MLXCEL_GEMV_SOURCE`: a dense GEMV kernel file read at run time instead of the
+    /// embedded one.
+    pub gemv_source: Option<PathBuf>,
 }
 
 impl Default for Knobs {
@@ -63,6 +69,8 @@ impl Default for Knobs {
             kernel_cache: true,
             vocab_parallel: true,
             addmm_residual: false,
+            gemv_dense: false,
+            gemv_source: None,
         }
     }
 }
@@ -82,6 +90,8 @@ pub const VARS: &[&str] = &[
     "MLXCEL_KERNEL_CACHE",
     "MLXCEL_VOCAB_PARALLEL",
     "MLXCEL_ADDMM_RESIDUAL",
+    "MLXCEL_GEMV_DENSE",
+    "MLXCEL_GEMV_SOURCE",
 ];
 
 /// A tuning variable with a value it cannot take.
@@ -156,6 +166,10 @@ impl Knobs {
         k.kernel_cache = switch("MLXCEL_KERNEL_CACHE", k.kernel_cache)?;
         k.vocab_parallel = switch("MLXCEL_VOCAB_PARALLEL", k.vocab_parallel)?;
         k.addmm_residual = switch("MLXCEL_ADDMM_RESIDUAL", k.addmm_residual)?;
+        k.gemv_dense = switch("MLXCEL_GEMV_DENSE", k.gemv_dense)?;
+        k.gemv_source = get("MLXCEL_GEMV_SOURCE")
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from);
         Ok(k)
     }
 
@@ -190,6 +204,7 @@ impl Knobs {
             self.addmm_residual,
             d.addmm_residual,
         );
+        switch("MLXCEL_GEMV_DENSE", self.gemv_dense, d.gemv_dense);
         if let Some(n) = self.qgemv_mma {
             out.push(format!("MLXCEL_QGEMV_MMA={n}"));
         }
@@ -198,6 +213,9 @@ impl Knobs {
         }
         if let Some(p) = &self.qgemv_source {
             out.push(format!("MLXCEL_QGEMV_SOURCE={}", p.display()));
+        }
+        if let Some(p) = &self.gemv_source {
+            out.push(format!("MLXCEL_GEMV_SOURCE={}", p.display()));
         }
         out
     }
@@ -289,6 +307,7 @@ mod tests {
             ("MLXCEL_QGEMV_STREAM_BLOCKS", "70000"),
             ("MLXCEL_KERNEL_INCLUDE", "no"),
             ("MLXCEL_ADDMM_RESIDUAL", "yes"),
+            ("MLXCEL_GEMV_DENSE", "on"),
         ] {
             let e = parse(&[(var, value)]).unwrap_err();
             assert_eq!(e.var, var);
@@ -302,7 +321,7 @@ mod tests {
         // each variable, set to a value its parser refuses or that is not the default,
         // changes the result: none is listed without being read
         for var in VARS {
-            let v = if *var == "MLXCEL_QGEMV_SOURCE" {
+            let v = if var.ends_with("_SOURCE") {
                 "/x"
             } else {
                 "bad"

@@ -3,12 +3,14 @@
 //! the safe MLX binding in [`crate::mlx`] and below the models that call them.
 //!
 //! - [`qgemv`]: the quantized GEMV of decode steps, with fused epilogues;
+//! - [`gemv`]: the dense (bf16/f16) GEMV of decode steps, with the same fusions;
 //! - [`attn`]: the decode attention over the KV cache's pools;
 //! - [`gpu`]: the GPU the launch tables are keyed by (architecture, SM count);
 //! - [`knobs`]: every tuning environment variable, parsed and validated once;
 //! - [`cache`]: compiled kernels kept in the cache folder between runs.
 pub mod attn;
 pub mod cache;
+pub mod gemv;
 pub mod gpu;
 pub mod knobs;
 pub mod qgemv;

@@ -157,6 +157,12 @@ impl Linear {
     pub fn forward(&self, x: &Array) -> mlx::Result<Array> {
         let y = match (&self.weight, &self.bias, &self.reduce) {
             (Weight::Dense(_), Some(b), None) => return x.addmm(self.dense_t(), b),
+            // a decode step's rows on mlxcel's dense GEMV kernel (MLXCEL_GEMV_DENSE=1)
+            (Weight::Dense(w), _, _) if dense_gemv_fits(x, w) => {
+                let mut shape = x.shape();
+                *shape.last_mut().expect("x has a last axis") = w.dim(0);
+                kernels::gemv::gemv(x, w, &shape, Epilogue::None, None)?
+            }
             (Weight::Dense(_), _, _) => x.matmul(self.dense_t())?,
             (
                 Weight::Quantized {
@@ -286,10 +292,22 @@ impl Linear {
         head_dim: usize,
     ) -> Option<mlx::Result<(Array, Array)>> {
         let f = self.fusable(x, norm)?;
-        let fits = rope.dims as usize == head_dim
-            && pos.size() == f.m
-            && pos.dtype() == Dtype::I32
-            && kernels::qgemv::supports_rope(f.m, f.n, f.group, f.bits, nq, head_dim);
+        let fits = rope.dims as usize == head_dim && pos.size() == f.m && pos.dtype() == Dtype::I32;
+        if f.dense {
+            let fits = fits && kernels::gemv::supports_rope(f.m, f.n, nq, head_dim);
+            return fits.then(|| {
+                kernels::gemv::gemv_rope(
+                    x,
+                    f.w,
+                    norm.map(|n| (&n.weight, n.eps)),
+                    pos,
+                    &rope.inv_freq,
+                    nq,
+                    head_dim,
+                )
+            });
+        }
+        let fits = fits && kernels::qgemv::supports_rope(f.m, f.n, f.group, f.bits, nq, head_dim);
         fits.then(|| {
             kernels::qgemv::qgemv_rope(
                 x,
@@ -312,22 +330,38 @@ impl Linear {
     /// epilogue, a shape and dtypes the kernel covers, and (with a norm) a norm weight
     /// of x's dtype with one value per input feature.
     fn fusable(&self, x: &Array, norm: Option<&RmsNorm>) -> Option<Fusable<'_>> {
-        let Weight::Quantized {
-            w,
-            scales,
-            biases,
-            q,
-        } = &self.weight
-        else {
-            return None;
-        };
-        if self.bias.is_some() || self.reduce.is_some() || !kernels::qgemv::enabled() {
+        if self.bias.is_some() || self.reduce.is_some() {
             return None;
         }
         let (n, k) = (self.out_dim(), self.in_dim());
         let m = x.size().checked_div(k).unwrap_or(0);
-        let (group, bits) = (q.group_size as usize, q.bits as usize);
         let norm_fits = norm.is_none_or(|n| n.weight.size() == k && n.weight.dtype() == x.dtype());
+        let (w, scales, biases, q) = match &self.weight {
+            Weight::Quantized {
+                w,
+                scales,
+                biases,
+                q,
+            } => (w, scales, biases, q),
+            // a dense weight on mlxcel's dense GEMV kernel (MLXCEL_GEMV_DENSE=1)
+            Weight::Dense(w) => {
+                let fits = norm_fits && dense_gemv_fits(x, w);
+                return fits.then_some(Fusable {
+                    w,
+                    scales: w,
+                    biases: w,
+                    group: 0,
+                    bits: 0,
+                    m,
+                    n,
+                    dense: true,
+                });
+            }
+        };
+        if !kernels::qgemv::enabled() {
+            return None;
+        }
+        let (group, bits) = (q.group_size as usize, q.bits as usize);
         let fits = norm_fits
             && m * k == x.size()
             && kernels::qgemv::supports(m, n, k, group, bits, [x.dtype(), scales.dtype()]);
@@ -339,6 +373,7 @@ impl Linear {
             bits,
             m,
             n,
+            dense: false,
         })
     }
 
@@ -356,9 +391,14 @@ impl Linear {
         let f = self.fusable(x, norm)?;
         let epi_fits = match epi {
             Epilogue::Residual(r) => r.dtype() == x.dtype() && r.size() == f.m * f.n,
+            Epilogue::SwiGlu if f.dense => kernels::gemv::supports_swiglu(f.m, f.n, self.in_dim()),
             Epilogue::SwiGlu => kernels::qgemv::supports_swiglu(f.m, f.n, f.group, f.bits),
             Epilogue::None => true,
         };
+        let norm_w = norm.map(|n| (&n.weight, n.eps));
+        if f.dense {
+            return epi_fits.then(|| kernels::gemv::gemv(x, f.w, shape, epi, norm_w));
+        }
         epi_fits.then(|| {
             kernels::qgemv::qgemv(
                 x,
@@ -388,7 +428,8 @@ impl Linear {
 }
 
 /// What [`Linear::fusable`] found: the quantized weight, its group and bits, and the
-/// product's rows (`m`) and output features (`n`).
+/// product's rows (`m`) and output features (`n`); or (`dense`) a dense weight `w` for
+/// mlxcel's dense GEMV kernel (scales and biases are `w` then, group and bits 0).
 struct Fusable<'a> {
     w: &'a Array,
     scales: &'a Array,
@@ -397,6 +438,19 @@ struct Fusable<'a> {
     bits: usize,
     m: usize,
     n: usize,
+    dense: bool,
+}
+
+/// Whether mlxcel's dense GEMV kernel computes `x · wᵀ` for a dense weight `w [n, k]`:
+/// the kernel turned on (`MLXCEL_GEMV_DENSE=1`, CUDA), x holding whole rows
+/// of `k`, at most 8 of them (a decode step's), and a shape and dtypes the kernel covers.
+fn dense_gemv_fits(x: &Array, w: &Array) -> bool {
+    if w.ndim() != 2 || !kernels::gemv::enabled() {
+        return false;
+    }
+    let (n, k) = (w.dim(0) as usize, w.dim(1) as usize);
+    let m = x.size().checked_div(k).unwrap_or(0);
+    m * k == x.size() && kernels::gemv::supports(m, n, k, [x.dtype(), w.dtype()])
 }
 
 fn apply_norm(x: &Array, norm: Option<&RmsNorm>) -> mlx::Result<Array> {

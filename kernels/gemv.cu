@@ -1,0 +1,292 @@
+// mlxcel: dense GEMV for decode, y[M, N] = x[M, K] · w[N, K]ᵀ, M ≤ 8, w bfloat16 or float16.
+//
+// w is row-major [N, K] (how MLX holds a Linear weight); x and y are T, the weight's dtype
+// (bfloat16 or float16); products are summed in float32. Compiled at run time by MLX
+// (`fast::cuda_kernel`, nvrtc); template constants: M, N, K, ROWS, WPB, EPI, NORM, EPS_BITS
+// (and HD, NQ for the RoPE entry point). The epilogues and the norm are those of
+// kernels/qgemv.cu, so a dense model's decode step fuses what a quantized one does:
+//
+// EPI picks what is written:
+//   0: y[M, N]   = x·Wᵀ
+//   1: y[M, N]   = res + x·Wᵀ            (res T [M, N]: the residual stream)
+//   2: y[M, N/2] = silu(g)·u, g = (x·Wᵀ)[:, :N/2], u = (x·Wᵀ)[:, N/2:]
+//      (the merged gate/up projection; a block takes ROWS/2 rows of each half)
+//   3: the merged q/k/v projection with RoPE applied to q and k: x·Wᵀ is NQ query heads,
+//      NKV key heads, NKV value heads of HD values (N = (NQ + 2·NKV)·HD); a block takes
+//      ROWS/2 pairs of rows (d, d + HD/2) of a head, rotates q and k heads by
+//      pos[m]·inv_freq[d] (half-split RoPE, MLX's `fast::rope` with traditional = false),
+//      and writes q heads to y ([M, NQ, 1, HD]) and key then value heads to y2
+//      ([M, 2·NKV, 1, HD]).
+// NORM = 1 applies RMSNorm to x first (x·w_norm·rsqrt(mean(x²) + eps), nw T [K], eps the
+// float whose bits are EPS_BITS): the block's threads read all of each row of x anyway.
+//
+// Work split, laid out for memory bandwidth: one block of WPB warps per ROWS output rows
+// (grid N/ROWS blocks). A row is K/8 16-byte vectors (8 values each); thread t reads
+// vectors t, t + 32·WPB, … of each of the block's rows, so a warp streams 512 contiguous
+// bytes of a row per load instruction, and a thread issues the loads of up to LOADS
+// vectors (over its rows and next vectors) before the math on them, which keeps enough
+// bytes in flight per SM to cover DRAM latency without a split of K. Vectors past the row
+// end (K/8 not a multiple of 32·WPB) are skipped. K must be a multiple of 8 (the launch
+// code refuses other shapes). Partial sums are reduced by shuffles, then across the
+// block's warps in shared memory.
+//
+// This file is loaded in parts split at the marker lines: the header (device code, the
+// template `mlxcel_gemv`) and two kernel bodies, each the body of a `__global__` function
+// MLX generates around it:
+//   @@body       (const T* x, const T* w, const T* res, const T* nw, T* y)       EPI 0, 1, 2
+//   @@body_rope  (const T* x, const T* w, const T* nw, const int32_t* pos,
+//                 const float* inv_freq, T* q, T* kv)                          EPI 3
+// (res is read only when EPI = 1, nw only when NORM = 1; callers pass any array there).
+// mlxcel embeds it and `MLXCEL_GEMV_SOURCE=path` replaces it at run time;
+// `scripts/check_gemv.py` loads the same file from Python to check and time it.
+// @@header
+// 16-bit floats from their bits, picked by overload on a null T pointer: a bfloat16 is the
+// top half of an f32, a float16 goes through the hardware conversion.
+__device__ __forceinline__ float mlxcel_gv_f16bits(uint32_t h, const __nv_bfloat16*) {
+  return __uint_as_float(h << 16);
+}
+__device__ __forceinline__ float mlxcel_gv_f16bits(uint32_t h, const __half*) {
+  return __half2float(__ushort_as_half(static_cast<unsigned short>(h)));
+}
+
+// 8 values of T (one 16-byte load) to floats
+template <typename T>
+__device__ __forceinline__ void mlxcel_gv_h8(const uint4 v, float* f) {
+  const T* z = nullptr;
+  f[0] = mlxcel_gv_f16bits(v.x & 0xFFFFu, z);
+  f[1] = mlxcel_gv_f16bits(v.x >> 16, z);
+  f[2] = mlxcel_gv_f16bits(v.y & 0xFFFFu, z);
+  f[3] = mlxcel_gv_f16bits(v.y >> 16, z);
+  f[4] = mlxcel_gv_f16bits(v.z & 0xFFFFu, z);
+  f[5] = mlxcel_gv_f16bits(v.z >> 16, z);
+  f[6] = mlxcel_gv_f16bits(v.w & 0xFFFFu, z);
+  f[7] = mlxcel_gv_f16bits(v.w >> 16, z);
+}
+
+// 16-byte weight vectors one thread keeps in flight before it does the math on them
+#ifndef MLXCEL_GEMV_LOADS
+#define MLXCEL_GEMV_LOADS 8
+#endif
+
+template <typename T, int M, int N, int K, int ROWS, int WPB, int EPI, int NORM, int EPS_BITS,
+          int HD, int NQ>
+__device__ __forceinline__ void mlxcel_gemv(const T* x, const T* w, const T* res, const T* nw,
+                                            const int32_t* pos, const float* inv_freq, T* y,
+                                            T* y2) {
+  static_assert(M >= 1 && M <= 8, "gemv: 1 to 8 rows of x");
+  static_assert(K % 8 == 0, "gemv: K must be a multiple of 8 (16-byte vectors)");
+  static_assert(N % ROWS == 0, "gemv: ROWS must divide N");
+  static_assert(EPI != 2 || (ROWS % 2 == 0 && N % 2 == 0), "gemv: SwiGLU needs pairs of rows");
+  static_assert(EPI != 3 || (ROWS % 2 == 0 && HD % 2 == 0 && N % HD == 0 && (N / 2) % (ROWS / 2) == 0 &&
+                             N / HD >= NQ && (N / HD - NQ) % 2 == 0),
+                "gemv: RoPE needs pairs of rows and N = (NQ + 2 NKV) HD");
+  constexpr int CPR = K / 8;                     // 16-byte vectors per row
+  constexpr int TPB = 32 * WPB;                  // threads per block (all on the same ROWS rows)
+  constexpr int ITERS = (CPR + TPB - 1) / TPB;   // vectors per thread and row
+  constexpr int U0 = MLXCEL_GEMV_LOADS / ROWS > 0 ? MLXCEL_GEMV_LOADS / ROWS : 1;
+  constexpr int U = ITERS < U0 ? ITERS : U0;     // vectors per row loaded before the math
+  __shared__ float red[WPB][ROWS * M];
+  __shared__ float red_ss[WPB][M];
+
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  constexpr int HALF = ROWS / 2;
+  constexpr int HD2 = HD > 0 ? HD / 2 : 1;
+  const int grp = int(blockIdx.x);
+  // output row of the block's row r: ROWS consecutive rows, or (EPI 2) ROWS/2 rows of the
+  // gate half followed by the same rows of the up half, or (EPI 3) the first rows d of
+  // ROWS/2 pairs (d, d + HD/2) of a head followed by their second rows
+  auto row_of = [&](int r) -> int {
+    if constexpr (EPI == 2) {
+      return r < HALF ? grp * HALF + r : N / 2 + grp * HALF + (r - HALF);
+    } else if constexpr (EPI == 3) {
+      const int p = grp * HALF + (r < HALF ? r : r - HALF);  // pair index
+      return (p / HD2) * HD + p % HD2 + (r < HALF ? 0 : HD2);
+    } else {
+      return grp * ROWS + r;
+    }
+  };
+
+  const uint4* wv = reinterpret_cast<const uint4*>(w);
+  const uint4* xv = reinterpret_cast<const uint4*>(x);
+  const uint4* nv = reinterpret_cast<const uint4*>(nw);
+  size_t rows[ROWS];
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    rows[r] = size_t(row_of(r)) * CPR;
+  }
+  float acc[ROWS][M];
+  float ss[M];  // NORM: this thread's part of Σ x² of each row of x
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+    ss[m] = 0.f;
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+      acc[r][m] = 0.f;
+    }
+  }
+
+  for (int it0 = 0; it0 < ITERS; it0 += U) {
+    // the loads of U vectors of each row first, then the math
+    uint4 q[U][ROWS];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = (it0 + u) * TPB + tid;
+      const bool in = ((ITERS % U) == 0 || it0 + u < ITERS) && ((CPR % TPB) == 0 || c < CPR);
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) {
+        q[u][r] = in ? wv[rows[r] + c] : make_uint4(0u, 0u, 0u, 0u);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = (it0 + u) * TPB + tid;
+      const bool in = ((ITERS % U) == 0 || it0 + u < ITERS) && ((CPR % TPB) == 0 || c < CPR);
+      if (!in) {
+        continue;
+      }
+      float xs[M][8];
+      float gs[NORM ? 8 : 1];
+      if constexpr (NORM) {
+        mlxcel_gv_h8<T>(nv[c], gs);
+      }
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        mlxcel_gv_h8<T>(xv[size_t(m) * CPR + c], xs[m]);
+        if constexpr (NORM) {
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            ss[m] = fmaf(xs[m][j], xs[m][j], ss[m]);
+            xs[m][j] *= gs[j];
+          }
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < ROWS; ++r) {
+        float wf[8];
+        mlxcel_gv_h8<T>(q[u][r], wf);
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+          float a = 0.f, b = 0.f;
+#pragma unroll
+          for (int j = 0; j < 8; j += 2) {
+            a = fmaf(wf[j], xs[m][j], a);
+            b = fmaf(wf[j + 1], xs[m][j + 1], b);
+          }
+          acc[r][m] += a + b;
+        }
+      }
+    }
+  }
+
+  // reduce: lanes of a warp by shuffles, then the warps of the block in shared memory
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      float v = acc[r][m];
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+        v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
+      }
+      if (lane == 0) {
+        red[warp][r * M + m] = v;
+      }
+    }
+  }
+  if constexpr (NORM) {
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      float v = ss[m];
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+        v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
+      }
+      if (lane == 0) {
+        red_ss[warp][m] = v;
+      }
+    }
+  }
+  __syncthreads();
+
+  // NORM: rsqrt(mean(x²) + eps) of row m, which scales its dot products
+  auto norm_of = [&](int m) -> float {
+    if constexpr (NORM) {
+      float t = 0.f;
+#pragma unroll
+      for (int i = 0; i < WPB; ++i) {
+        t += red_ss[i][m];
+      }
+      return rsqrtf(t / float(K) + __int_as_float(EPS_BITS));
+    } else {
+      return 1.f;
+    }
+  };
+  // EPI 2, 3: the block's rows r and r + HALF of batch row m, summed over its warps and normed
+  auto pair_of = [&](int r, int m, float& a, float& c) {
+    a = 0.f;
+    c = 0.f;
+#pragma unroll
+    for (int i = 0; i < WPB; ++i) {
+      a += red[i][r * M + m];
+      c += red[i][(r + HALF) * M + m];
+    }
+    const float f = norm_of(m);
+    a *= f;
+    c *= f;
+  };
+  if constexpr (EPI == 3) {
+    for (int i = tid; i < HALF * M; i += TPB) {
+      const int r = i / M;
+      const int m = i % M;
+      float a, c;
+      pair_of(r, m, a, c);
+      const int p = grp * HALF + r;
+      const int head = p / HD2;
+      const int d = p % HD2;
+      constexpr int NKV = (N / HD - NQ) / 2;
+      if (head < NQ + NKV) {
+        const float theta = static_cast<float>(pos[m]) * inv_freq[d];
+        const float cs = cosf(theta);
+        const float sn = sinf(theta);
+        const float ra = a * cs - c * sn;
+        c = a * sn + c * cs;
+        a = ra;
+      }
+      T* out = head < NQ ? y + size_t(m) * (NQ * HD) + size_t(head) * HD
+                         : y2 + size_t(m) * (N - NQ * HD) + size_t(head - NQ) * HD;
+      out[d] = static_cast<T>(a);
+      out[d + HD2] = static_cast<T>(c);
+    }
+  } else if constexpr (EPI == 2) {
+    for (int i = tid; i < HALF * M; i += TPB) {
+      const int r = i / M;
+      const int m = i % M;
+      float g, u;
+      pair_of(r, m, g, u);
+      y[size_t(m) * (N / 2) + grp * HALF + r] = static_cast<T>(g / (1.f + expf(-g)) * u);
+    }
+  } else {
+    for (int j = tid; j < ROWS * M; j += TPB) {
+      float v = 0.f;
+#pragma unroll
+      for (int i = 0; i < WPB; ++i) {
+        v += red[i][j];
+      }
+      const int r = j / M;
+      const int m = j % M;
+      v *= norm_of(m);
+      const size_t at = size_t(m) * N + row_of(r);
+      if constexpr (EPI == 1) {
+        v += static_cast<float>(res[at]);
+      }
+      y[at] = static_cast<T>(v);
+    }
+  }
+}
+// @@body
+  mlxcel_gemv<T, M, N, K, ROWS, WPB, EPI, NORM, EPS_BITS, 0, 0>(x, w, res, nw, nullptr, nullptr, y,
+                                                                nullptr);
+// @@body_rope
+  mlxcel_gemv<T, M, N, K, ROWS, WPB, 3, NORM, EPS_BITS, HD, NQ>(x, w, nw, nw, pos, inv_freq, q, kv);

@@ -1,0 +1,413 @@
+//! mlxcel's dense GEMV (`kernels/gemv.cu`): `x · wᵀ` for decode steps of bf16/f16 models
+//! (batch ≤ [`MAX_M`]) on MLX's CUDA backend, with the fused prologue and epilogues of the
+//! quantized kernel ([`super::qgemv`]): RMSNorm of x, residual add, SwiGLU of a merged
+//! gate/up weight, RoPE on the q/k heads of a merged q/k/v weight. Each fusion saves a
+//! decode step one MLX op per layer, and the kernel streams the weight rows in 16-byte
+//! vectors for memory bandwidth.
+//!
+//! Off by default (`MLXCEL_GEMV_DENSE=1` turns it on) until it has been checked and timed
+//! on a GPU (`scripts/check_gemv.py`). The kernel source is embedded;
+//! `MLXCEL_GEMV_SOURCE=path` loads another file at run time.
+use std::sync::OnceLock;
+
+use super::knobs;
+use super::qgemv::{fnv1a32, header_for_mlx, Epilogue};
+use crate::mlx::fast::CudaKernel;
+use crate::mlx::{self, Array, Backend, Dtype, MlxError, Result};
+
+/// Largest batch (rows of x) the kernel takes; larger ones stay on MLX's matmul.
+pub const MAX_M: usize = 8;
+
+const EMBEDDED: &str = include_str!("../../kernels/gemv.cu");
+const HEADER_MARK: &str = "// @@header\n";
+const BODY_MARK: &str = "// @@body\n";
+const ROPE_MARK: &str = "// @@body_rope\n";
+
+/// The kernel file split into the device-code header and the two kernel bodies.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Source {
+    pub header: String,
+    /// `x · Wᵀ` with epilogues 0–2, one output.
+    pub body: String,
+    /// The q/k/v projection with RoPE (epilogue 3), outputs q and kv.
+    pub body_rope: String,
+}
+
+impl Source {
+    /// `mlxcel_gemv_<FNV-1a of the source, 32 bits>` (MLX caches compiled kernels by
+    /// name, so an edited source must not reuse the old one; `scripts/check_gemv.py`
+    /// names it the same way).
+    pub fn kernel_name(&self) -> String {
+        let h = fnv1a32(&[&self.header, &self.body, ROPE_MARK, &self.body_rope]);
+        format!("mlxcel_gemv_{h:08x}")
+    }
+}
+
+/// Split a kernel file at its `// @@header`, `// @@body` and `// @@body_rope` marker lines.
+pub fn split_source(text: &str) -> std::result::Result<Source, String> {
+    let (_, rest) = text
+        .split_once(HEADER_MARK)
+        .ok_or("no `// @@header` marker line")?;
+    let (header, rest) = rest
+        .split_once(BODY_MARK)
+        .ok_or("no `// @@body` marker line after `// @@header`")?;
+    let (body, body_rope) = rest
+        .split_once(ROPE_MARK)
+        .ok_or("no `// @@body_rope` marker line after `// @@body`")?;
+    for (text, mark) in [(body, "@@body"), (body_rope, "@@body_rope")] {
+        if text.trim().is_empty() {
+            return Err(format!("the kernel body after `// {mark}` is empty"));
+        }
+    }
+    Ok(Source {
+        header: header.to_string(),
+        body: body.to_string(),
+        body_rope: body_rope.to_string(),
+    })
+}
+
+fn load_source() -> std::result::Result<Source, String> {
+    match &knobs::get().gemv_source {
+        Some(path) => {
+            let text = std::fs::read_to_string(path).map_err(|e| {
+                format!("MLXCEL_GEMV_SOURCE={}: cannot read it: {e}", path.display())
+            })?;
+            split_source(&text).map_err(|e| format!("MLXCEL_GEMV_SOURCE={}: {e}", path.display()))
+        }
+        None => split_source(EMBEDDED).map_err(|e| format!("embedded kernels/gemv.cu: {e}")),
+    }
+}
+
+fn source() -> Result<&'static Source> {
+    static SOURCE: OnceLock<std::result::Result<Source, String>> = OnceLock::new();
+    SOURCE
+        .get_or_init(load_source)
+        .as_ref()
+        .map_err(|e| MlxError::Invalid(e.clone()))
+}
+
+/// The plain kernel's name and the RoPE entry point's (`<name>_rope`).
+fn kernel_names() -> &'static (String, String) {
+    static NAMES: OnceLock<(String, String)> = OnceLock::new();
+    NAMES.get_or_init(|| {
+        let n = source().map(|s| s.kernel_name()).unwrap_or_default();
+        (n.clone(), n + "_rope")
+    })
+}
+
+/// The header as MLX gets it (an `#include` of a cached file, see `qgemv::mlx_header`).
+fn mlx_header() -> Result<&'static str> {
+    static HEADER: OnceLock<String> = OnceLock::new();
+    let src = source()?;
+    Ok(HEADER.get_or_init(|| header_for_mlx(&kernel_names().0, &src.header)))
+}
+
+/// Whether the kernel is used at all: MLX's CUDA backend and `MLXCEL_GEMV_DENSE=1`.
+pub fn enabled() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| mlx::backend() == Backend::Cuda && knobs::get().gemv_dense)
+}
+
+/// Whether the kernel is used ([`enabled`]) and covers `x [m, k] · w [n, k]ᵀ` with
+/// `dtypes` = [x's, w's] ([`shape_supported`]).
+pub fn supports(m: usize, n: usize, k: usize, dtypes: [Dtype; 2]) -> bool {
+    enabled() && shape_supported(m, n, k, dtypes)
+}
+
+/// Whether the kernel can compute `x [m, k] · w [n, k]ᵀ`: 1–[`MAX_M`] rows, `k` a
+/// multiple of 8 (rows of whole 16-byte vectors), x and w both bfloat16 or both float16.
+pub fn shape_supported(m: usize, n: usize, k: usize, dtypes: [Dtype; 2]) -> bool {
+    (1..=MAX_M).contains(&m)
+        && n > 0
+        && k > 0
+        && k.is_multiple_of(8)
+        && matches!(
+            dtypes,
+            [Dtype::BF16, Dtype::BF16] | [Dtype::F16, Dtype::F16]
+        )
+}
+
+/// How the kernel is launched: rows per block and warps per block (grid `n / rows`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Launch {
+    pub rows: usize,
+    pub wpb: usize,
+}
+
+/// Vectors per thread and row that the launch keeps a block's threads within (more warps
+/// for longer rows): 4096-wide rows get 4 warps (4 vectors each), the 8B and 70B-rank
+/// down projections (K = 14336, 3584–7168) 8 or 4.
+pub const MAX_VECTORS_PER_THREAD: usize = 8;
+
+/// Rows and warps per block for `x [m, k] · w [n, k]ᵀ`: 4 rows per block up to batch 4,
+/// 2 above (the accumulators grow with rows × batch), fewer where they do not divide `n`
+/// (never fewer than 2 where `n` is even: the epilogues pair rows); 4 warps, up to 8 while a
+/// thread would take more than [`MAX_VECTORS_PER_THREAD`] vectors of a row. Not yet
+/// tuned on a GPU (`scripts/check_gemv.py --sweep` times the alternatives).
+pub fn launch_config(m: usize, n: usize, k: usize) -> Launch {
+    let fit = |r: usize| {
+        (0..=r.trailing_zeros())
+            .map(|i| r >> i)
+            .find(|&d| n.is_multiple_of(d))
+            .unwrap_or(1)
+    };
+    let rows = fit(if m <= 4 { 4 } else { 2 });
+    let vectors = k / 8;
+    let mut wpb = 4;
+    while wpb < 8 && vectors.div_ceil(32 * wpb) > MAX_VECTORS_PER_THREAD {
+        wpb *= 2;
+    }
+    Launch { rows, wpb }
+}
+
+/// Whether [`Epilogue::SwiGlu`] fits batch `m` of a merged gate/up weight of `n` rows:
+/// pairs of rows in every block.
+pub fn supports_swiglu(m: usize, n: usize, k: usize) -> bool {
+    n.is_multiple_of(2) && launch_config(m, n, k).rows.is_multiple_of(2)
+}
+
+/// Whether [`gemv_rope`] covers a merged q/k/v weight of `n` rows for `nq` query heads of
+/// `head_dim` values at batch `m` (besides [`supports`]): whole heads, as many key as
+/// value heads, and pairs of rows (d, d + head_dim/2) dividing evenly into blocks.
+pub fn supports_rope(m: usize, n: usize, nq: usize, head_dim: usize) -> bool {
+    if head_dim == 0 || !head_dim.is_multiple_of(2) || !n.is_multiple_of(head_dim) {
+        return false;
+    }
+    let heads = n / head_dim;
+    let rows = launch_config(m, n, 0).rows;
+    heads > nq
+        && (heads - nq).is_multiple_of(2)
+        && rows.is_multiple_of(2)
+        && (n / 2).is_multiple_of(rows / 2)
+}
+
+/// The kernel's `nw` input and eps: the norm weight (`k` values of x's dtype), or x
+/// itself when there is no norm (not read then).
+fn norm_input<'a>(
+    who: &str,
+    norm: Option<(&'a Array, f32)>,
+    x: &'a Array,
+    k: usize,
+) -> Result<(&'a Array, f32)> {
+    match norm {
+        Some((nw, eps)) if nw.size() == k && nw.dtype() == x.dtype() => Ok((nw, eps)),
+        Some((nw, _)) => Err(MlxError::Invalid(format!(
+            "{who}: norm weight {:?} {:?} does not match k = {k} {:?}",
+            nw.shape(),
+            nw.dtype(),
+            x.dtype()
+        ))),
+        None => Ok((x, 0.0)),
+    }
+}
+
+/// `x · wᵀ` for a dense `w [n, k]` with the kernel, x read as `m` rows of `k` (any shape
+/// of `m · k` elements), the result shaped `out_shape` (`m · n` elements, `m · n / 2` for
+/// [`Epilogue::SwiGlu`]). With `norm = Some((weight, eps))` each row of x is
+/// RMS-normalised first, in the same kernel. The caller checks [`supports`].
+pub fn gemv(
+    x: &Array,
+    w: &Array,
+    out_shape: &[i32],
+    epi: Epilogue<'_>,
+    norm: Option<(&Array, f32)>,
+) -> Result<Array> {
+    let (n, k) = (w.dim(0) as usize, w.dim(1) as usize);
+    let m = x.size() / k.max(1);
+    let swiglu = matches!(epi, Epilogue::SwiGlu);
+    let out_n = if swiglu { n / 2 } else { n };
+    let out_size: i64 = out_shape.iter().map(|&d| d as i64).product();
+    if w.ndim() != 2
+        || x.size() != m * k
+        || out_size != (m * out_n) as i64
+        || !shape_supported(m, n, k, [x.dtype(), w.dtype()])
+    {
+        return Err(MlxError::Invalid(format!(
+            "gemv: x {:?} {:?}, weight {:?} {:?} and output {out_shape:?} do not fit the kernel",
+            x.shape(),
+            x.dtype(),
+            w.shape(),
+            w.dtype()
+        )));
+    }
+    let Launch { rows, wpb } = launch_config(m, n, k);
+    if swiglu && rows % 2 != 0 {
+        return Err(MlxError::Invalid(format!(
+            "gemv: SwiGLU needs an even number of rows per block, got {rows} for n = {n}"
+        )));
+    }
+    let (epi_code, res) = match epi {
+        Epilogue::None => (0, x),
+        Epilogue::Residual(r) => {
+            if r.size() != m * n || r.dtype() != x.dtype() {
+                return Err(MlxError::Invalid(format!(
+                    "gemv: residual {:?} {:?} does not match the output [{m}, {n}] {:?}",
+                    r.shape(),
+                    r.dtype(),
+                    x.dtype()
+                )));
+            }
+            (1, r)
+        }
+        Epilogue::SwiGlu => (2, x),
+    };
+    let (nw, eps) = norm_input("gemv", norm, x, k)?;
+    let src = source()?;
+    static NAMES: OnceLock<([String; 4], [String; 1], [String; 8])> = OnceLock::new();
+    let (inputs, outputs, tnames) = NAMES.get_or_init(|| {
+        (
+            ["x", "w", "res", "nw"].map(String::from),
+            ["y".to_string()],
+            ["M", "N", "K", "ROWS", "WPB", "EPI", "NORM", "EPS_BITS"].map(String::from),
+        )
+    });
+    let kernel = CudaKernel {
+        name: &kernel_names().0,
+        input_names: inputs,
+        output_names: outputs,
+        header: mlx_header()?,
+        body: &src.body,
+    };
+    let tvals = [
+        m,
+        n,
+        k,
+        rows,
+        wpb,
+        epi_code,
+        norm.is_some() as usize,
+        eps.to_bits() as usize,
+    ]
+    .map(|v| v as i32);
+    let mut out = kernel.call(
+        &[x, w, res, nw],
+        &[out_shape],
+        x.dtype(),
+        tnames,
+        &tvals,
+        x.dtype(),
+        [((n / rows) * 32 * wpb) as i32, 1, 1],
+        [(32 * wpb) as i32, 1, 1],
+    )?;
+    out.pop()
+        .ok_or_else(|| MlxError::Invalid("gemv: the kernel returned no output".into()))
+}
+
+/// The q/k/v projection of a decode step in one kernel for a dense merged `[q; k; v]`
+/// weight: `y = norm(x) · Wᵀ` with RoPE (half-split, angle `pos[m] · inv_freq[d]`) on the
+/// q and k heads of row m. Returns q `[m, nq, 1, head_dim]` and kv `[m, 2·nkv, 1,
+/// head_dim]` (key heads, then value heads), as [`super::qgemv::qgemv_rope`] does. The
+/// caller checks [`supports`] and [`supports_rope`].
+pub fn gemv_rope(
+    x: &Array,
+    w: &Array,
+    norm: Option<(&Array, f32)>,
+    pos: &Array,
+    inv_freq: &Array,
+    nq: usize,
+    head_dim: usize,
+) -> Result<(Array, Array)> {
+    let (n, k) = (w.dim(0) as usize, w.dim(1) as usize);
+    let m = x.size() / k.max(1);
+    if w.ndim() != 2
+        || x.size() != m * k
+        || !shape_supported(m, n, k, [x.dtype(), w.dtype()])
+        || !supports_rope(m, n, nq, head_dim)
+    {
+        return Err(MlxError::Invalid(format!(
+            "gemv_rope: x of {} elements, a [{n}, {k}] weight and {nq} query heads of \
+             {head_dim} do not fit",
+            x.size()
+        )));
+    }
+    if pos.size() != m || pos.dtype() != Dtype::I32 {
+        return Err(MlxError::Invalid(format!(
+            "gemv_rope: positions {:?} {:?}, expected {m} int32",
+            pos.shape(),
+            pos.dtype()
+        )));
+    }
+    if inv_freq.size() != head_dim / 2 || inv_freq.dtype() != Dtype::F32 {
+        return Err(MlxError::Invalid(format!(
+            "gemv_rope: inverse frequencies {:?} {:?}, expected {} float32",
+            inv_freq.shape(),
+            inv_freq.dtype(),
+            head_dim / 2
+        )));
+    }
+    let (nw, eps) = norm_input("gemv_rope", norm, x, k)?;
+    let src = source()?;
+    let Launch { rows, wpb } = launch_config(m, n, k);
+    static NAMES: OnceLock<([String; 5], [String; 2], [String; 9])> = OnceLock::new();
+    let (inputs, outputs, tnames) = NAMES.get_or_init(|| {
+        (
+            ["x", "w", "nw", "pos", "inv_freq"].map(String::from),
+            ["q", "kv"].map(String::from),
+            ["M", "N", "K", "ROWS", "WPB", "NORM", "EPS_BITS", "HD", "NQ"].map(String::from),
+        )
+    });
+    let kernel = CudaKernel {
+        name: &kernel_names().1,
+        input_names: inputs,
+        output_names: outputs,
+        header: mlx_header()?,
+        body: &src.body_rope,
+    };
+    let nkv2 = n / head_dim - nq;
+    let tvals = [
+        m,
+        n,
+        k,
+        rows,
+        wpb,
+        norm.is_some() as usize,
+        eps.to_bits() as usize,
+        head_dim,
+        nq,
+    ]
+    .map(|v| v as i32);
+    let (mi, hd) = (m as i32, head_dim as i32);
+    let mut out = kernel
+        .call(
+            &[x, w, nw, pos, inv_freq],
+            &[&[mi, nq as i32, 1, hd], &[mi, nkv2 as i32, 1, hd]],
+            x.dtype(),
+            tnames,
+            &tvals,
+            x.dtype(),
+            [((n / rows) * 32 * wpb) as i32, 1, 1],
+            [(32 * wpb) as i32, 1, 1],
+        )?
+        .into_iter();
+    match (out.next(), out.next()) {
+        (Some(q), Some(kv)) => Ok((q, kv)),
+        _ => Err(MlxError::Invalid(
+            "gemv_rope: the kernel returned fewer than two outputs".into(),
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn embedded_source_splits_into_header_and_bodies() {
+        let s = split_source(EMBEDDED).unwrap();
+        assert!(s.header.contains("mlxcel_gemv"));
+        assert!(s.body.contains("mlxcel_gemv<"));
+        assert!(s.body_rope.contains("inv_freq"));
+        assert!(s.kernel_name().starts_with("mlxcel_gemv_"));
+        assert!(split_source("// @@header\nx\n// @@body\ny\n").is_err());
+        assert!(split_source("// @@header\nx\n// @@body\n \n// @@body_rope\nz\n").is_err());
+    }
+
+    #[test]
+    fn not_used_by_default() {
+        // the knob defaults to off, and the CPU backend never takes the kernel
+        assert!(!knobs::Knobs::default().gemv_dense);
+        if mlx::backend() != Backend::Cuda {
+            assert!(!enabled());
+        }
+    }
+}

@@ -1,0 +1,378 @@
+//! The dense GEMV kernel (`kernels/gemv.cu`) run on the CPU: its header and bodies,
+//! wrapped as MLX wraps them, are compiled as C++ with the CUDA emulation of
+//! `tests/common` and compared with a float64 product of the same bf16/f16 values, for
+//! every epilogue, the norm and RoPE, batch rows 1, 3 and 8 and rows whose vectors do not
+//! fill the block's threads. `scripts/check_gemv.py` checks the kernel on a GPU, against MLX.
+use std::path::Path;
+
+use mlxcel::kernels::gemv;
+use mlxcel::mlx::Dtype;
+
+mod common;
+use common::PRELUDE;
+
+const MAIN: &str = r#"
+int main() {
+  std::mt19937 rng(4321);
+  std::uniform_real_distribution<float> ux(-1.f, 1.f), uw(-0.05f, 0.05f);
+  constexpr int OUT_N = EPI == 2 ? N / 2 : N;
+  std::vector<T> x(M * K), w(size_t(N) * K), res(M * N), nw(K), y(M * OUT_N, T(-777.f));
+#if ROPE
+  // positions per row (one far out, where float angles lose digits) and MLX's inverse
+  // frequencies base^(-2d/HD), base 10000
+  std::vector<int32_t> pos(M);
+  for (int m = 0; m < M; ++m) pos[m] = m == 1 ? 70000 : 3 + 41 * m;
+  std::vector<float> inv(HD / 2);
+  for (int d = 0; d < HD / 2; ++d) inv[d] = float(std::pow(10000.0, -2.0 * d / HD));
+  std::vector<T> yq(M * NQ * HD, T(-777.f)), ykv(M * (N - NQ * HD), T(-777.f));
+#endif
+  for (auto& v : x) v = T(ux(rng));
+  for (auto& v : w) v = T(uw(rng));
+  for (auto& v : res) v = T(ux(rng));
+  for (auto& v : nw) v = T(0.5f + ux(rng));
+  const int tpb = 32 * WPB;
+  blockDim.x = tpb;
+  g_shfl.assign(tpb, 0.f);
+  for (int blk = 0; blk < N / ROWS; ++blk) {
+    std::barrier<> bar(tpb);
+    g_barrier = &bar;
+    std::vector<std::thread> ts;
+    for (int t = 0; t < tpb; ++t)
+      ts.emplace_back([&, t] {
+        threadIdx.x = t;
+        blockIdx.x = blk;
+#if ROPE
+        kernel(x.data(), w.data(), nw.data(), pos.data(), inv.data(), yq.data(), ykv.data());
+#else
+        kernel(x.data(), w.data(), res.data(), nw.data(), y.data());
+#endif
+      });
+    for (auto& t : ts) t.join();
+  }
+  // the kernel's input row: x, or RMSNorm(x) with weight nw when NORM
+  std::vector<double> xin(M * K);
+  for (int m = 0; m < M; ++m) {
+    double ss = 0;
+    for (int k = 0; k < K; ++k) ss += double(float(x[m * K + k])) * double(float(x[m * K + k]));
+    float eps; int eb = EPS_BITS; std::memcpy(&eps, &eb, 4);
+    double f = NORM ? 1.0 / std::sqrt(ss / K + double(eps)) : 1.0;
+    for (int k = 0; k < K; ++k)
+      xin[m * K + k] = double(float(x[m * K + k])) * f * (NORM ? double(float(nw[k])) : 1.0);
+  }
+  auto dot = [&](int m, int n) {
+    double r = 0;
+    for (int k = 0; k < K; ++k) r += xin[m * K + k] * double(float(w[size_t(n) * K + k]));
+    return r;
+  };
+  double max_ref = 0, max_err = 0;
+  auto check = [&](double r, T got) {
+    max_ref = std::fmax(max_ref, std::fabs(r));
+    // a NaN (or an output never written, -777) must fail
+    double e = std::fabs(r - double(float(got)));
+    max_err = std::isnan(e) ? INFINITY : std::fmax(max_err, e);
+  };
+#if ROPE
+  constexpr int NKV = (N / HD - NQ) / 2;
+  for (int m = 0; m < M; ++m)
+    for (int h = 0; h < NQ + 2 * NKV; ++h)
+      for (int d = 0; d < HD / 2; ++d) {
+        double a = dot(m, h * HD + d), c = dot(m, h * HD + d + HD / 2);
+        if (h < NQ + NKV) {
+          double th = double(pos[m]) * double(inv[d]);
+          double ra = a * std::cos(th) - c * std::sin(th);
+          c = a * std::sin(th) + c * std::cos(th);
+          a = ra;
+        }
+        const T* out = h < NQ ? &yq[m * NQ * HD + h * HD] : &ykv[m * (N - NQ * HD) + (h - NQ) * HD];
+        check(a, out[d]);
+        check(c, out[d + HD / 2]);
+      }
+#else
+  for (int m = 0; m < M; ++m)
+    for (int n = 0; n < OUT_N; ++n) {
+      double r = dot(m, n);
+      if (EPI == 1) r += double(float(res[m * N + n]));
+      if (EPI == 2) r = r / (1.0 + std::exp(-r)) * dot(m, n + N / 2);
+      check(r, y[m * OUT_N + n]);
+    }
+#endif
+  std::printf("max_err %.3e max_ref %.3e rel %.3e\n", max_err, max_ref, max_err / max_ref);
+  // float32 sums of 16-bit values: the error is the output's rounding, at most half an
+  // ulp of the largest output (bf16: 2^-8 of it, f16: 2^-11), with room for float sums
+  constexpr double tol = std::is_same_v<T, __half> ? 1.5e-3 : 6e-3;
+  return max_err / max_ref < tol ? 0 : 1;
+}
+"#;
+
+/// The kernel file's header, plain body and RoPE body.
+fn kernel_parts() -> (String, String, String) {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels/gemv.cu");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let src = gemv::split_source(&text).unwrap();
+    (src.header, src.body, src.body_rope)
+}
+
+/// Compile and run the emulated kernel with template constants `consts` (`F16` = 1: float16,
+/// else bfloat16); the RoPE entry point when they include `HD` and `NQ`.
+fn run(tag: &str, consts: &[(&str, usize)]) {
+    let (header, body, body_rope) = kernel_parts();
+    let rope = consts.iter().any(|(n, _)| *n == "HD");
+    let t = if consts.contains(&("F16", 1)) {
+        "__half"
+    } else {
+        "__nv_bfloat16"
+    };
+    let mut src = String::from(PRELUDE);
+    src += &header;
+    src += &format!("using T = {t};\n");
+    for (n, v) in consts {
+        src += &format!("constexpr int {n} = {v};\n");
+    }
+    for (name, default) in [
+        ("EPI", if rope { 3 } else { 0 }),
+        ("NORM", 0),
+        ("EPS_BITS", 1e-5f32.to_bits() as usize),
+    ] {
+        if !consts.iter().any(|(n, _)| *n == name) {
+            src += &format!("constexpr int {name} = {default};\n");
+        }
+    }
+    if rope {
+        // the signature MLX generates for inputs x, w, nw, pos, inv_freq and outputs q, kv
+        src += &format!(
+            "void kernel(const {t}* x, const {t}* w, const {t}* nw, const int32_t* pos,\n\
+                const float* inv_freq, {t}* q, {t}* kv) {{\n"
+        );
+        src += &body_rope;
+    } else {
+        // inputs x, w, res, nw and output y
+        src += &format!(
+            "void kernel(const {t}* x, const {t}* w, const {t}* res, const {t}* nw, {t}* y) {{\n"
+        );
+        src += &body;
+    }
+    src += "\n}\n";
+    src += &format!("#define ROPE {}\n", rope as i32);
+    src += MAIN;
+    common::run_checked(&format!("gemv-{tag}"), &src, &consts, "max_err");
+}
+
+/// `run` with the launch the Rust side picks for this shape (rows and warps per block).
+fn run_launched(tag: &str, m: usize, n: usize, k: usize, extra: &[(&str, usize)]) {
+    let l = gemv::launch_config(m, n, k);
+    let mut consts = vec![
+        ("M", m),
+        ("N", n),
+        ("K", k),
+        ("ROWS", l.rows),
+        ("WPB", l.wpb),
+    ];
+    consts.extend_from_slice(extra);
+    run(tag, &consts);
+}
+
+#[test]
+fn gemv_plain_matches_reference() {
+    for (dt, f16) in [("bf16", 0), ("f16", 1)] {
+        for m in [1, 3, 8] {
+            // vectors per row (64) a multiple of the threads (32)
+            run(
+                &format!("{dt}_m{m}"),
+                &[
+                    ("M", m),
+                    ("N", 8),
+                    ("K", 512),
+                    ("ROWS", 4),
+                    ("WPB", 1),
+                    ("F16", f16),
+                ],
+            );
+        }
+        // 9 vectors per row for 64 threads (the guarded tail), odd N, one row per block
+        run(
+            &format!("{dt}_tail_oddn"),
+            &[
+                ("M", 3),
+                ("N", 3),
+                ("K", 72),
+                ("ROWS", 1),
+                ("WPB", 2),
+                ("F16", f16),
+            ],
+        );
+        // more vectors per thread than it loads at once (loads in several rounds, the last
+        // partial) and a tail: 8 rounds of 2 rows, 290 vectors for 32 threads
+        run(
+            &format!("{dt}_rounds"),
+            &[
+                ("M", 8),
+                ("N", 6),
+                ("K", 290 * 8),
+                ("ROWS", 2),
+                ("WPB", 1),
+                ("F16", f16),
+            ],
+        );
+    }
+}
+
+#[test]
+fn gemv_fused_epilogues_match() {
+    for (dt, f16) in [("bf16", 0), ("f16", 1)] {
+        for m in [1, 3, 8] {
+            run(
+                &format!("{dt}_residual_m{m}"),
+                &[
+                    ("M", m),
+                    ("N", 12),
+                    ("K", 264),
+                    ("ROWS", 4),
+                    ("WPB", 1),
+                    ("EPI", 1),
+                    ("F16", f16),
+                ],
+            );
+            run(
+                &format!("{dt}_swiglu_m{m}"),
+                &[
+                    ("M", m),
+                    ("N", 16),
+                    ("K", 256),
+                    ("ROWS", 4),
+                    ("WPB", 2),
+                    ("EPI", 2),
+                    ("F16", f16),
+                ],
+            );
+        }
+    }
+}
+
+#[test]
+fn gemv_fused_rms_norm_matches() {
+    for (dt, f16) in [("bf16", 0), ("f16", 1)] {
+        for m in [1, 3, 8] {
+            // RMSNorm then SwiGLU (gate/up), with a tail (33 vectors for 32 threads)
+            run(
+                &format!("{dt}_norm_swiglu_m{m}"),
+                &[
+                    ("M", m),
+                    ("N", 8),
+                    ("K", 264),
+                    ("ROWS", 2),
+                    ("WPB", 1),
+                    ("EPI", 2),
+                    ("NORM", 1),
+                    ("F16", f16),
+                ],
+            );
+        }
+        // and alone, as for an lm_head after the final norm
+        run(
+            &format!("{dt}_norm"),
+            &[
+                ("M", 3),
+                ("N", 8),
+                ("K", 1024),
+                ("ROWS", 4),
+                ("WPB", 2),
+                ("NORM", 1),
+                ("F16", f16),
+            ],
+        );
+    }
+}
+
+#[test]
+fn gemv_fused_rope_matches() {
+    for (dt, f16) in [("bf16", 0), ("f16", 1)] {
+        for m in [1, 3, 8] {
+            // 4 query heads, 2 key and 2 value heads of 16, with the norm; row 1 at 70000
+            run(
+                &format!("{dt}_rope_norm_m{m}"),
+                &[
+                    ("M", m),
+                    ("N", 8 * 16),
+                    ("K", 512),
+                    ("ROWS", 4),
+                    ("WPB", 2),
+                    ("NORM", 1),
+                    ("HD", 16),
+                    ("NQ", 4),
+                    ("F16", f16),
+                ],
+            );
+        }
+        // GQA 3:1 (3 q, 1 k, 1 v heads of 8), one pair per block, a tail, no norm
+        run(
+            &format!("{dt}_rope_tail"),
+            &[
+                ("M", 1),
+                ("N", 5 * 8),
+                ("K", 72),
+                ("ROWS", 2),
+                ("WPB", 1),
+                ("HD", 8),
+                ("NQ", 3),
+                ("F16", f16),
+            ],
+        );
+    }
+}
+
+#[test]
+fn gemv_with_the_launch_config() {
+    // the rows and warps launch_config picks, on shapes of the 8B model's layers scaled
+    // down in N (the launch depends on K and on which row counts divide N)
+    run_launched("launch_qkv", 1, 48, 4096, &[("NORM", 1)]);
+    run_launched("launch_down", 3, 8, 14336, &[("EPI", 1)]);
+    run_launched("launch_gateup", 8, 20, 1024, &[("EPI", 2), ("NORM", 1)]);
+}
+
+#[test]
+fn launch_code_refuses_what_the_kernel_does_not_take() {
+    let (bf, f16) = ([Dtype::BF16, Dtype::BF16], [Dtype::F16, Dtype::F16]);
+    assert!(gemv::shape_supported(1, 4096, 4096, bf));
+    assert!(gemv::shape_supported(8, 6, 72, f16));
+    // K not a multiple of 8 (the 16-byte vectors), batches above 8, mixed or f32 dtypes
+    assert!(!gemv::shape_supported(1, 4096, 4100, bf));
+    assert!(!gemv::shape_supported(1, 16, 12, f16));
+    assert!(!gemv::shape_supported(9, 4096, 4096, bf));
+    assert!(!gemv::shape_supported(0, 4096, 4096, bf));
+    assert!(!gemv::shape_supported(
+        1,
+        4096,
+        4096,
+        [Dtype::BF16, Dtype::F16]
+    ));
+    assert!(!gemv::shape_supported(
+        1,
+        4096,
+        4096,
+        [Dtype::F32, Dtype::F32]
+    ));
+    // every launch it takes divides N into whole blocks, and pairs rows where N is even
+    for m in 1..=8 {
+        for (n, k) in [
+            (4096, 4096),
+            (6144, 4096),
+            (28672, 4096),
+            (4096, 14336),
+            (40, 72),
+            (7, 8),
+        ] {
+            let l = gemv::launch_config(m, n, k);
+            assert!(
+                n.is_multiple_of(l.rows) && l.rows >= 1 && (1..=8).contains(&l.wpb),
+                "{m} {n} {k}: {l:?}"
+            );
+            if n.is_multiple_of(2) {
+                assert!(l.rows.is_multiple_of(2), "{m} {n} {k}: {l:?}");
+            }
+        }
+    }
+    // RoPE needs whole heads and as many key as value heads
+    assert!(gemv::supports_rope(1, (32 + 16) * 128, 32, 128));
+    assert!(!gemv::supports_rope(1, (32 + 15) * 128, 32, 128));
+    assert!(!gemv::supports_rope(1, 48 * 128 + 64, 32, 128));
+}
