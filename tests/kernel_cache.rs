@@ -222,6 +222,62 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
             ],
         ),
     ));
+    // the dense bf16/f16 GEMV (kernels/gemv.cu): plain with the norm, SwiGLU, and q/k/v with RoPE
+    let d = parts("kernels/gemv.cu", &["// @@body\n", "// @@body_rope\n"]);
+    let dense = |m: i64, epi: i64, norm: i64| {
+        vec![
+            ("M", m),
+            ("N", 4096),
+            ("K", 4096),
+            ("ROWS", 4),
+            ("WPB", 4),
+            ("EPI", epi),
+            ("NORM", norm),
+            ("EPS_BITS", eps),
+        ]
+    };
+    for (name, t, m, epi, norm) in [
+        ("custom_kernel_mlxcel_gemv_test_norm", bf, 1, 0, 1),
+        ("custom_kernel_mlxcel_gemv_test_swiglu_f16", f16, 8, 2, 0),
+    ] {
+        sources.push((
+            name.into(),
+            mlx_source(
+                name,
+                &d[0],
+                &d[1],
+                &[("x", t), ("w", t), ("res", t), ("nw", t)],
+                &[],
+                &[("y", t)],
+                t,
+                &dense(m, epi, norm),
+            ),
+        ));
+    }
+    let name = "custom_kernel_mlxcel_gemv_test_rope";
+    let mut rope_d = dense(1, 0, 1);
+    rope_d[1].1 = 6144;
+    rope_d.retain(|(n, _)| *n != "EPI");
+    rope_d.extend([("HD", 128), ("NQ", 32)]);
+    sources.push((
+        name.into(),
+        mlx_source(
+            name,
+            &d[0],
+            &d[2],
+            &[
+                ("x", bf),
+                ("w", bf),
+                ("nw", bf),
+                ("pos", "int32_t"),
+                ("inv_freq", "float"),
+            ],
+            &[],
+            &[("q", bf), ("kv", bf)],
+            bf,
+            &rope_d,
+        ),
+    ));
     let a = parts("kernels/attn.cu", &["// @@body\n"]);
     let name = "custom_kernel_mlxcel_attn_test";
     sources.push((
