@@ -11,7 +11,7 @@
 use std::sync::OnceLock;
 
 use super::knobs;
-use super::qgemv::{fnv1a32, header_for_mlx, Epilogue};
+use super::qgemv::{check_rope_inputs, fnv1a32, header_for_mlx, Epilogue};
 use crate::mlx::fast::CudaKernel;
 use crate::mlx::{self, Array, Backend, Dtype, MlxError, Result};
 
@@ -320,21 +320,7 @@ pub fn gemv_rope(
             x.size()
         )));
     }
-    if pos.size() != m || pos.dtype() != Dtype::I32 {
-        return Err(MlxError::Invalid(format!(
-            "gemv_rope: positions {:?} {:?}, expected {m} int32",
-            pos.shape(),
-            pos.dtype()
-        )));
-    }
-    if inv_freq.size() != head_dim / 2 || inv_freq.dtype() != Dtype::F32 {
-        return Err(MlxError::Invalid(format!(
-            "gemv_rope: inverse frequencies {:?} {:?}, expected {} float32",
-            inv_freq.shape(),
-            inv_freq.dtype(),
-            head_dim / 2
-        )));
-    }
+    check_rope_inputs("gemv_rope", pos, inv_freq, m, head_dim)?;
     let (nw, eps) = norm_input("gemv_rope", norm, x, k)?;
     let src = source()?;
     let Launch { rows, wpb } = launch_config(m, n, k);

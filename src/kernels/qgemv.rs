@@ -861,21 +861,7 @@ pub fn qgemv_rope(
             x.size()
         )));
     }
-    if pos.size() != m || pos.dtype() != Dtype::I32 {
-        return Err(MlxError::Invalid(format!(
-            "qgemv_rope: positions {:?} {:?}, expected {m} int32",
-            pos.shape(),
-            pos.dtype()
-        )));
-    }
-    if inv_freq.size() != head_dim / 2 || inv_freq.dtype() != Dtype::F32 {
-        return Err(MlxError::Invalid(format!(
-            "qgemv_rope: inverse frequencies {:?} {:?}, expected {} float32",
-            inv_freq.shape(),
-            inv_freq.dtype(),
-            head_dim / 2
-        )));
-    }
+    check_rope_inputs("qgemv_rope", pos, inv_freq, m, head_dim)?;
     if m > MAX_M {
         // row chunks, each a run of the kernel (see MAX_CHUNKED_M)
         let x2 = x.reshape(&[m as i32, k as i32])?;
@@ -974,6 +960,33 @@ pub fn qgemv_rope(
             "qgemv_rope: the kernel returned fewer than two outputs".into(),
         )),
     }
+}
+
+/// The RoPE inputs of a fused q/k/v launch (`what` names it in errors): `m` int32
+/// positions and `head_dim / 2` float32 inverse frequencies.
+pub(super) fn check_rope_inputs(
+    what: &str,
+    pos: &Array,
+    inv_freq: &Array,
+    m: usize,
+    head_dim: usize,
+) -> Result<()> {
+    if pos.size() != m || pos.dtype() != Dtype::I32 {
+        return Err(MlxError::Invalid(format!(
+            "{what}: positions {:?} {:?}, expected {m} int32",
+            pos.shape(),
+            pos.dtype()
+        )));
+    }
+    if inv_freq.size() != head_dim / 2 || inv_freq.dtype() != Dtype::F32 {
+        return Err(MlxError::Invalid(format!(
+            "{what}: inverse frequencies {:?} {:?}, expected {} float32",
+            inv_freq.shape(),
+            inv_freq.dtype(),
+            head_dim / 2
+        )));
+    }
+    Ok(())
 }
 
 #[cfg(test)]
