@@ -1524,9 +1524,18 @@ fn max_connections_keeps_health_answering() {
         .map(|_| TcpStream::connect(&s.addr).unwrap())
         .collect();
     std::thread::sleep(Duration::from_millis(300));
-    let mut over = TcpStream::connect(&s.addr).unwrap();
-    // closed at once; the margin is for a loaded machine, where the accept loop may run late
-    assert!(closed_within(&mut over, Duration::from_secs(20)));
+    // closed at once. On a loaded machine one of the three requests above may still hold
+    // its extra place when the 64 connect (so one of them was closed instead), and the
+    // accept loop may run late: up to 4 tries of 5 s, the ones left open kept open
+    let mut kept = Vec::new();
+    let closed = (0..4).any(|_| {
+        let mut over = TcpStream::connect(&s.addr).unwrap();
+        let closed = closed_within(&mut over, Duration::from_secs(5));
+        kept.push(over);
+        closed
+    });
+    assert!(closed, "no connection past the limit was closed");
+    kept.clear();
     extra.clear();
     held.clear();
     // once they are gone, everything is served again
