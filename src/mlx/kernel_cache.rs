@@ -328,12 +328,18 @@ impl EntryPaths {
     }
 }
 
-fn fnv1a(bytes: &[u8]) -> u64 {
-    let mut h: u64 = 0xcbf29ce484222325;
+const FNV_OFFSET: u64 = 0xcbf29ce484222325;
+
+/// FNV-1a of `bytes`, continued from `h`.
+fn fnv1a_from(mut h: u64, bytes: &[u8]) -> u64 {
     for b in bytes {
         h = (h ^ u64::from(*b)).wrapping_mul(0x100000001b3);
     }
     h
+}
+
+fn fnv1a(bytes: &[u8]) -> u64 {
+    fnv1a_from(FNV_OFFSET, bytes)
 }
 
 fn check_text(binary: &[u8], names: &[u8]) -> String {
@@ -434,20 +440,19 @@ pub(crate) fn launch_key(
     template_values: &[i32],
     tdtype: super::Dtype,
 ) -> u64 {
-    let mut bytes = Vec::with_capacity(name.len() + 4 * template_values.len() + 16);
-    bytes.extend_from_slice(name.as_bytes());
-    bytes.push(0);
+    // hashed piece by piece (no allocation: it runs at every kernel call)
+    let mut h = fnv1a_from(FNV_OFFSET, name.as_bytes());
+    h = fnv1a_from(h, &[0]);
     for d in input_dtypes {
-        bytes.push(d.repr);
+        h = fnv1a_from(h, &[d.repr]);
     }
-    bytes.push(0xFF);
-    bytes.extend_from_slice(&(outputs as u32).to_le_bytes());
-    bytes.push(out_dtype.repr);
-    bytes.push(tdtype.repr);
+    h = fnv1a_from(h, &[0xFF]);
+    h = fnv1a_from(h, &(outputs as u32).to_le_bytes());
+    h = fnv1a_from(h, &[out_dtype.repr, tdtype.repr]);
     for v in template_values {
-        bytes.extend_from_slice(&v.to_le_bytes());
+        h = fnv1a_from(h, &v.to_le_bytes());
     }
-    fnv1a(&bytes)
+    h
 }
 
 #[cfg(test)]
