@@ -9,7 +9,7 @@
 //                                      new token's keys/values already written there)
 //   part  float32, count int32         scratch (below); count starts, and ends, all zero
 //   out   T [B, HQ, 1, D]              softmax(q·kᵀ·scale)·v per head
-// T is bfloat16; D is 64 or 128; query head j reads key/value head j / (HQ/HKV) (GQA).
+// T is bfloat16 or float16 (MLX's template type); D is 64 or 128; query head j reads key/value head j / (HQ/HKV) (GQA).
 // Compiled at run time by MLX (`fast::cuda_kernel`); template constants D, HQ, HKV,
 // NSPLIT, WARPS, BS (tokens per block, a multiple of 32), SCALE_BITS (the bits of the
 // float scale·log2(e)).
@@ -48,14 +48,25 @@ __device__ __forceinline__ void mlxcel_prefetch_l1(const void* p) {
 #endif
 }
 
+// the two 16-bit values of a word as floats (low half first), picked by overload on a null
+// T pointer: a bfloat16 is the top half of an f32, a float16 goes through the hardware
+// conversion
+__device__ __forceinline__ float2 mlxcel_attn_unpack2(uint32_t u, const __nv_bfloat16*) {
+  return make_float2(__uint_as_float(u << 16), __uint_as_float(u & 0xffff0000u));
+}
+__device__ __forceinline__ float2 mlxcel_attn_unpack2(uint32_t u, const __half*) {
+  return make_float2(__half2float(__ushort_as_half(static_cast<unsigned short>(u & 0xffffu))),
+                     __half2float(__ushort_as_half(static_cast<unsigned short>(u >> 16))));
+}
+
 // a lane's DPL values of a value row as one load
 template <int DPL> struct mlxcel_vword { using type = uint32_t; };
 template <> struct mlxcel_vword<4> { using type = uint2; };
 
-template <int D, int HQ, int HKV, int NSPLIT, int WARPS, int BS, int SCALE_BITS>
-__device__ void mlxcel_attn_decode(const __nv_bfloat16* q, const __nv_bfloat16* pool,
-                                   const int32_t* table, const int32_t* pos, const float* part_in,
-                                   const int32_t* count_in, __nv_bfloat16* out, int cap, int nb) {
+template <typename T, int D, int HQ, int HKV, int NSPLIT, int WARPS, int BS, int SCALE_BITS>
+__device__ void mlxcel_attn_decode(const T* q, const T* pool, const int32_t* table,
+                                   const int32_t* pos, const float* part_in,
+                                   const int32_t* count_in, T* out, int cap, int nb) {
   constexpr int G = HQ / HKV;
   constexpr int TW = WARPS / G;  // tiles in flight: warp w takes query head w % G of tile w / G
   constexpr int CHUNK = 32 * TW;  // positions a block takes per round
@@ -66,6 +77,7 @@ __device__ void mlxcel_attn_decode(const __nv_bfloat16* q, const __nv_bfloat16* 
   static_assert(WARPS % G == 0 && TW >= 1 && NSPLIT >= 1 && WARPS * D <= 8192);
   static_assert(BS >= 32 && BS % 32 == 0, "blocks of whole 32-position tiles");
   const float NEG_INF = -__int_as_float(0x7f800000);
+  const T* tz = nullptr;  // picks the 16-bit unpacking
   const unsigned FULL = 0xffffffffu;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = warp % G, tw = warp / G;
@@ -75,7 +87,7 @@ __device__ void mlxcel_attn_decode(const __nv_bfloat16* q, const __nv_bfloat16* 
   if (len <= 0) {  // a negative position: nothing to attend to
     if (s == 0)
       for (int i = threadIdx.x; i < G * D; i += 32 * WARPS)
-        out[(size_t(b) * HQ + size_t(h) * G) * D + i] = __nv_bfloat16(0.f);
+        out[(size_t(b) * HQ + size_t(h) * G) * D + i] = T(0.f);
     return;
   }
   // positions per split in whole tiles; ns ≤ NSPLIT splits, each non-empty
@@ -114,8 +126,9 @@ __device__ void mlxcel_attn_decode(const __nv_bfloat16* q, const __nv_bfloat16* 
       else u[0] = vw[j];
 #pragma unroll
       for (int i = 0; i < DPL / 2; ++i) {
-        acc[2 * i] += wj * __uint_as_float(u[i] << 16);
-        acc[2 * i + 1] += wj * __uint_as_float(u[i] & 0xffff0000u);
+        const float2 f = mlxcel_attn_unpack2(u[i], tz);
+        acc[2 * i] += wj * f.x;
+        acc[2 * i + 1] += wj * f.y;
       }
     }
   };
@@ -148,8 +161,8 @@ __device__ void mlxcel_attn_decode(const __nv_bfloat16* q, const __nv_bfloat16* 
       const uint32_t wd[4] = {kw[c].x, kw[c].y, kw[c].z, kw[c].w};
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        const float k0 = __uint_as_float(wd[j] << 16), k1 = __uint_as_float(wd[j] & 0xffff0000u);
-        sc += sq[g][8 * c + 2 * j] * k0 + sq[g][8 * c + 2 * j + 1] * k1;
+        const float2 k = mlxcel_attn_unpack2(wd[j], tz);
+        sc += sq[g][8 * c + 2 * j] * k.x + sq[g][8 * c + 2 * j + 1] * k.y;
       }
     }
 #pragma unroll
@@ -190,7 +203,7 @@ __device__ void mlxcel_attn_decode(const __nv_bfloat16* q, const __nv_bfloat16* 
       a += sa[w][g][d] * f;
     }
     if (ns == 1) {
-      out[(size_t(b) * HQ + size_t(h) * G + g) * D + d] = __nv_bfloat16(a / sum);
+      out[(size_t(b) * HQ + size_t(h) * G + g) * D + d] = T(a / sum);
     } else {
       float* ps = part + size_t(s) * G * (D + 2) + g * (D + 2);
       ps[d] = a;
@@ -218,10 +231,10 @@ __device__ void mlxcel_attn_decode(const __nv_bfloat16* q, const __nv_bfloat16* 
       sum += __ldcg(ps + D + 1) * f;
       a += __ldcg(ps + d) * f;
     }
-    out[(size_t(b) * HQ + size_t(h) * G + g) * D + d] = __nv_bfloat16(a / sum);
+    out[(size_t(b) * HQ + size_t(h) * G + g) * D + d] = T(a / sum);
   }
   if (threadIdx.x == 0) atomicExch(count, 0);
 }
 // @@body
-  mlxcel_attn_decode<D, HQ, HKV, NSPLIT, WARPS, BS, SCALE_BITS>(
+  mlxcel_attn_decode<T, D, HQ, HKV, NSPLIT, WARPS, BS, SCALE_BITS>(
       q, pool, table, pos, part, count, out, pool_shape[2], table_shape[1]);

@@ -2,7 +2,8 @@
 //! compared with softmax(q·kᵀ·scale)·v in double precision: GQA, rows reading their
 //! positions through shuffled block tables at other lengths (two rows sharing one
 //! table), one and several splits (the last block merging them), run twice so that a
-//! count left non-zero by the first run would show in the second.
+//! count left non-zero by the first run would show in the second; in bfloat16 and in
+//! float16 (`F16` = 1).
 use std::path::Path;
 
 mod common;
@@ -11,7 +12,7 @@ use common::PRELUDE;
 const MAIN: &str = r#"
 #include <algorithm>
 int main() {
-  using bf = __nv_bfloat16;
+  using bf = T;
   constexpr int G = HQ / HKV;
   std::mt19937 rng(7);
   std::uniform_real_distribution<float> u(-1.f, 1.f);
@@ -87,8 +88,13 @@ int main() {
 
 /// Compile and run the emulated kernel with template constants `consts` (B, HQ, HKV, D,
 /// NSPLIT, WARPS, BS, CAP (positions per sequence, a multiple of BS), the rows'
-/// positions POS0..POS3 and the softmax scale).
+/// positions POS0..POS3 and the softmax scale), in float16 when `F16` = 1, else bfloat16.
 fn run(tag: &str, consts: &[(&str, i64)], scale: f32) {
+    let t = if consts.contains(&("F16", 1)) {
+        "__half"
+    } else {
+        "__nv_bfloat16"
+    };
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels/attn.cu");
     let text = std::fs::read_to_string(&path).unwrap();
     let (_, rest) = text.split_once("// @@header\n").unwrap();
@@ -103,12 +109,12 @@ fn run(tag: &str, consts: &[(&str, i64)], scale: f32) {
         "constexpr int SCALE_BITS = {};\n",
         scale_log2e.to_bits() as i32
     );
-    // the signature MLX generates for inputs q, pool (with its shape), table (with its
-    // shape), pos, part, count and output out
-    src +=
-        "void kernel(const __nv_bfloat16* q, const __nv_bfloat16* pool, const int* pool_shape,\n\
+    // MLX's template type, and the signature it generates for inputs q, pool (with its
+    // shape), table (with its shape), pos, part, count and output out
+    src += &format!("using T = {t};\n");
+    src += "void kernel(const T* q, const T* pool, const int* pool_shape,\n\
             const int32_t* table, const int* table_shape, const int32_t* pos, const float* part,\n\
-            const int32_t* count, __nv_bfloat16* out) {\n";
+            const int32_t* count, T* out) {\n";
     src += body;
     src += "\n}\n";
     src += MAIN;
@@ -117,10 +123,21 @@ fn run(tag: &str, consts: &[(&str, i64)], scale: f32) {
 
 #[test]
 fn decode_attention_matches_softmax_of_scores_times_values() {
+    cases(0);
+}
+
+#[test]
+fn decode_attention_in_float16_matches_too() {
+    cases(1);
+}
+
+/// The shapes below, in float16 when `f16` is 1.
+fn cases(f16: i64) {
     // one row, one split of two tiles (the second partial); GQA 4:1, head_dim 128
     run(
-        "one_split",
+        &format!("one_split-{f16}"),
         &[
+            ("F16", f16),
             ("B", 1),
             ("HQ", 8),
             ("HKV", 2),
@@ -140,8 +157,9 @@ fn decode_attention_matches_softmax_of_scores_times_values() {
     // 32-position tile each (the last block merges), an empty last round; head_dim 64,
     // 3 query heads per kv head
     run(
-        "splits",
+        &format!("splits-{f16}"),
         &[
+            ("F16", f16),
             ("B", 4),
             ("HQ", 6),
             ("HKV", 2),
@@ -160,8 +178,9 @@ fn decode_attention_matches_softmax_of_scores_times_values() {
     // mlxcel's launch for 8B heads per kv head (16 warps: 4 tiles of 4 query heads per
     // round, up to 32 splits): 301 positions are 3 splits of 128
     run(
-        "launch",
+        &format!("launch-{f16}"),
         &[
+            ("F16", f16),
             ("B", 1),
             ("HQ", 8),
             ("HKV", 2),
@@ -179,8 +198,9 @@ fn decode_attention_matches_softmax_of_scores_times_values() {
     );
     // two tiles per round over 3 splits (lengths 150, 300: rounds of 64 with empty tiles)
     run(
-        "rounds",
+        &format!("rounds-{f16}"),
         &[
+            ("F16", f16),
             ("B", 2),
             ("HQ", 4),
             ("HKV", 2),

@@ -279,35 +279,37 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
         ),
     ));
     let a = parts("kernels/attn.cu", &["// @@body\n"]);
-    let name = "custom_kernel_mlxcel_attn_test";
-    sources.push((
-        name.into(),
-        mlx_source(
-            name,
-            &a[0],
-            &a[1],
-            &[
-                ("q", bf),
-                ("pool", bf),
-                ("table", "int32_t"),
-                ("pos", "int32_t"),
-                ("part", "float"),
-                ("count", "int32_t"),
-            ],
-            &["pool", "table"],
-            &[("out", bf)],
-            bf,
-            &[
-                ("D", 128),
-                ("HQ", 32),
-                ("HKV", 8),
-                ("NSPLIT", 4),
-                ("WARPS", 16),
-                ("BS", 32),
-                ("SCALE_BITS", 0.125f32.to_bits() as i64),
-            ],
-        ),
-    ));
+    for (t, tag) in [(bf, "bf16"), (f16, "f16")] {
+        let name = format!("custom_kernel_mlxcel_attn_test_{tag}");
+        sources.push((
+            name.clone(),
+            mlx_source(
+                &name,
+                &a[0],
+                &a[1],
+                &[
+                    ("q", t),
+                    ("pool", t),
+                    ("table", "int32_t"),
+                    ("pos", "int32_t"),
+                    ("part", "float"),
+                    ("count", "int32_t"),
+                ],
+                &["pool", "table"],
+                &[("out", t)],
+                t,
+                &[
+                    ("D", 128),
+                    ("HQ", 32),
+                    ("HKV", 8),
+                    ("NSPLIT", 4),
+                    ("WARPS", 16),
+                    ("BS", 32),
+                    ("SCALE_BITS", 0.125f32.to_bits() as i64),
+                ],
+            ),
+        ));
+    }
     for (name, src) in &sources {
         let cache_src = compile_source(src).expect("MLX's header line is replaced");
         let expr = format!("mlx::core::cu::{name}");

@@ -29,13 +29,13 @@ pub struct Shape {
     pub block_size: usize,
 }
 
-/// Whether [`decode`] runs for these shapes: CUDA, bfloat16, head_dim 64 or 128, 1-16
-/// query heads per kv head, and not turned off.
+/// Whether [`decode`] runs for these shapes: CUDA, bfloat16 or float16 (the GGUF default),
+/// head_dim 64 or 128, 1-16 query heads per kv head, and not turned off.
 pub fn supported(q_heads: usize, kv_heads: usize, head_dim: usize, dtype: Dtype) -> bool {
     static OFF: OnceLock<bool> = OnceLock::new();
     let off = *OFF.get_or_init(|| !super::knobs::get().attn);
     !off && mlx::backend() == Backend::Cuda
-        && dtype == Dtype::BF16
+        && matches!(dtype, Dtype::BF16 | Dtype::F16)
         && matches!(head_dim, 64 | 128)
         && kv_heads > 0
         && q_heads.is_multiple_of(kv_heads)
@@ -123,14 +123,14 @@ pub fn decode(
         || b > scratch.slots
         || (scratch.kv_heads, scratch.g, scratch.head_dim)
             != (kv_heads, q_heads / kv_heads.max(1), head_dim)
-        || q.dtype() != Dtype::BF16
-        || pool.dtype() != Dtype::BF16
+        || !matches!(q.dtype(), Dtype::BF16 | Dtype::F16)
+        || pool.dtype() != q.dtype()
         || table.dtype() != Dtype::I32
         || pos.dtype() != Dtype::I32
     {
         return Err(MlxError::Invalid(format!(
             "attn::decode: q {:?} {:?}, pool {ps:?} {:?}, table {ts:?}, pos {:?} do not fit \
-             {q_heads} query and {kv_heads} kv heads of {head_dim} in bfloat16 with int32 \
+             {q_heads} query and {kv_heads} kv heads of {head_dim} in bfloat16 or float16 with int32 \
              tables/positions in blocks of {block_size} (scratch for {} rows, {} kv heads, \
              {} query heads each, {})",
             q.shape(),
@@ -184,10 +184,10 @@ pub fn decode(
     let mut out = kernel.call(
         &[q, pool, table, pos, &scratch.part, &scratch.count],
         &[&[b as i32, q_heads as i32, 1, head_dim as i32]],
-        Dtype::BF16,
+        q.dtype(),
         tnames,
         &tvals,
-        Dtype::BF16,
+        q.dtype(),
         [blocks * threads, 1, 1],
         [threads, 1, 1],
     )?;
@@ -223,15 +223,17 @@ mod tests {
     }
 
     #[test]
-    fn only_cuda_bf16_and_known_head_sizes() {
+    fn only_cuda_16_bit_floats_and_known_head_sizes() {
         // this machine's backend decides the rest; the shapes are refused anywhere
         assert!(!supported(32, 8, 96, Dtype::BF16));
-        assert!(!supported(32, 8, 128, Dtype::F16));
+        assert!(!supported(32, 8, 128, Dtype::F32));
         assert!(!supported(30, 8, 128, Dtype::BF16));
         assert!(!supported(64, 2, 128, Dtype::BF16));
-        assert_eq!(
-            supported(32, 8, 128, Dtype::BF16),
-            mlx::backend() == Backend::Cuda
-        );
+        for dtype in [Dtype::BF16, Dtype::F16] {
+            assert_eq!(
+                supported(32, 8, 128, dtype),
+                mlx::backend() == Backend::Cuda
+            );
+        }
     }
 }
