@@ -2,7 +2,7 @@
 """Check and time mlxcel's decode attention kernel (kernels/attn.cu) on a GPU box.
 
 Runs the kernel through MLX (`mx.fast.cuda_kernel`, launched as src/kernels/attn.rs does)
-on random bfloat16 inputs in a paged pool (blocks of ATTN_BS tokens, default 32, each
+on random bfloat16 (or, with ATTN_DTYPE=float16, float16) inputs in a paged pool (blocks of ATTN_BS tokens, default 32, each
 sequence's blocks in shuffled order, read through its block table) and compares it with
 softmax(q·kᵀ·scale)·v in float32 (MLX's `fast.scaled_dot_product_attention` on float32
 copies of the same values, gathered through the table), for
@@ -34,6 +34,7 @@ import mlx.core as mx
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 NSPLIT = int(os.environ.get("ATTN_NSPLIT", "32"))  # as src/kernels/attn.rs; other values: experiments
 BS = int(os.environ.get("ATTN_BS", "32"))  # tokens per KV block (--block-size; a multiple of 32)
+DT = getattr(mx, os.environ.get("ATTN_DTYPE", "bfloat16"))  # bfloat16 or float16 (GGUF models)
 CTXS = tuple(int(c) for c in os.environ.get("ATTN_CTXS", "128,384,2048,8192,32768").split(","))
 
 
@@ -50,10 +51,10 @@ def attn(k, q, pool, table, pos, part, count, hq, hkv, d, scale):
     warps = g * int(os.environ.get("ATTN_TW", 0) or max(1, 16 // g))  # as src/kernels/attn.rs; ATTN_TW: tiles per round
     sb = struct.unpack("<i", struct.pack("<f", scale * math.log2(math.e)))[0]
     return k(inputs=[q, pool, table, pos, part, count],
-             template=[("D", d), ("HQ", hq), ("HKV", hkv), ("NSPLIT", NSPLIT), ("WARPS", warps),
+             template=[("T", DT), ("D", d), ("HQ", hq), ("HKV", hkv), ("NSPLIT", NSPLIT), ("WARPS", warps),
                        ("BS", BS), ("SCALE_BITS", sb)],
              grid=(b * hkv * NSPLIT * 32 * warps, 1, 1), threadgroup=(32 * warps, 1, 1),
-             output_shapes=[(b, hq, 1, d)], output_dtypes=[mx.bfloat16])[0]
+             output_shapes=[(b, hq, 1, d)], output_dtypes=[DT])[0]
 
 
 def scratch(slots_n, hq, hkv, d):
@@ -74,7 +75,7 @@ def paged_pool(seqs, cap, hkv, d, shuffle=True, seed=0):
     order = list(range(seqs * nb))
     if shuffle:
         random.Random(seed).shuffle(order)
-    pool = mx.random.normal((1, 2 * hkv, seqs * nb * BS, d)).astype(mx.bfloat16)
+    pool = mx.random.normal((1, 2 * hkv, seqs * nb * BS, d)).astype(DT)
     return pool, [order[s * nb:(s + 1) * nb] for s in range(seqs)]
 
 
@@ -89,7 +90,7 @@ def check(k, name, hq, hkv, d, rows, cap, slots_n=4, seed=0):
     mx.random.seed(seed)
     b = len(rows)
     pool, tables = paged_pool(slots_n, cap, hkv, d, seed=seed)
-    q = (2 * mx.random.normal((b, hq, 1, d))).astype(mx.bfloat16)
+    q = (2 * mx.random.normal((b, hq, 1, d))).astype(DT)
     table = mx.array([tables[r[0]] for r in rows], dtype=mx.int32)
     pos = mx.array([r[1] for r in rows], dtype=mx.int32)
     part, count = scratch(max(slots_n, b), hq, hkv, d)
@@ -123,7 +124,7 @@ def timing(k, hq, hkv, d, ctx, n=200, marks=False):
     as views (what mlxcel's batch-1 path does for a sequence whose blocks are one run)."""
     pool, (run,) = paged_pool(1, ctx + 256, hkv, d, shuffle=False)
     _, (shuffled,) = paged_pool(1, ctx + 256, hkv, d, shuffle=True)
-    q = mx.random.normal((1, hq, 1, d)).astype(mx.bfloat16)
+    q = mx.random.normal((1, hq, 1, d)).astype(DT)
     t_run, t_shuf = mx.array([run], dtype=mx.int32), mx.array([shuffled], dtype=mx.int32)
     pos = mx.array([ctx - 1], dtype=mx.int32)
     part, count = scratch(1, hq, hkv, d)
@@ -199,8 +200,8 @@ def main():
         for ctx in CTXS:
             timing(k, 32, 8, 128, ctx, marks=True)
         return
-    print(f"blocks of {BS} tokens")
-    print("| case | heads q/kv × d | rows (sequence, last position) | kernel error | MLX bf16 sdpa error | "
+    print(f"blocks of {BS} tokens, {DT}")
+    print(f"| case | heads q/kv × d | rows (sequence, last position) | kernel error | MLX {DT} sdpa error | "
           "run 2 = run 1 | counts left | ok |")
     print("|---|---|---|---|---|---|---|---|")
     cases = [
@@ -213,6 +214,7 @@ def main():
         ("70B rank of 8", 8, 1, 128, [(0, 5000), (2, 17)], 5120),
         ("head_dim 64, GQA 2", 16, 8, 64, [(1, 600), (0, 1)], 1024),
         ("G = 7", 28, 4, 128, [(0, 900)], 1024),
+        ("SmolLM2 (9/3 × 64)", 9, 3, 64, [(0, 300), (1, 40)], 512),
     ]
     if a.quick:
         cases = cases[:5]

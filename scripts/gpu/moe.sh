@@ -5,6 +5,7 @@
 # of experts", says what each number is):
 #   bash scripts/gpu/moe.sh          # qwen30 then mixtral
 #   bash scripts/gpu/moe.sh qwen30   # Qwen3-30B-A3B shape bf16 and 4-bit g64: decode batch 1/8/32, prefill 2048
+#   bash scripts/gpu/moe.sh qwen30-bf16 / qwen30-q4   # one of them (qwen30-q4 with the gather_qmm prefill)
 #   bash scripts/gpu/moe.sh mixtral  # Mixtral-8x7B shape bf16 (93 GB): decode batch 1
 #   bash scripts/gpu/moe.sh plan     # `mlxcel plan` of the Qwen3-235B-A22B shape at TP 1/2/4/8, bf16 and 4-bit,
 #                                    # per rank against one H200 (runs on a CPU machine too)
@@ -75,9 +76,11 @@ print("per rank: weights %.2f GB, KV %.2f GB, margin %.2f GB, total %.2f GB: %s 
 cmd=${1:-all}
 case "$cmd" in
 qwen30) configs; side qwen3-30b-a3b-bf16 8,32 2048; side qwen3-30b-a3b-q4 8,32 2048; nodequant ;;
+qwen30-bf16) configs; side qwen3-30b-a3b-bf16 8,32 2048 ;;
+qwen30-q4) configs; side qwen3-30b-a3b-q4 8,32 2048; nodequant ;;
 mixtral) configs; side mixtral-8x7b-bf16 "" 128 ;;
 plan) plan ;;
 all) configs; side qwen3-30b-a3b-bf16 8,32 2048; side qwen3-30b-a3b-q4 8,32 2048; nodequant
   side mixtral-8x7b-bf16 "" 128 ;;
-*) echo "unknown: $cmd (qwen30, mixtral, plan, all)" >&2; exit 2 ;;
+*) echo "unknown: $cmd (qwen30, qwen30-bf16, qwen30-q4, mixtral, plan, all)" >&2; exit 2 ;;
 esac

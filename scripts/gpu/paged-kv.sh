@@ -13,8 +13,10 @@
 #                                             # prefix caching, and the old binary
 #   bash scripts/gpu/paged-kv.sh decode       # decode tok/s at batch 1 and 32, old and new alternated
 #                                             # RUNS (default 3) times: mlxcel bench (8B 4-bit and bf16)
-#                                             # and the server (bench_server.py, concurrency 1 and 32)
-#   bash scripts/gpu/paged-kv.sh kernel       # scripts/check_attn.py at block sizes 32 and 64
+#                                             # and the server (bench_server.py, concurrency 1 and 32;
+#                                             # bf16, or SERVER_MODEL: the old binary has no kernel
+#                                             # cache, and a 4-bit server warms up for ~2 minutes)
+#   bash scripts/gpu/paged-kv.sh kernel       # scripts/check_attn.py at block sizes 32 and 64, and in float16
 #   bash scripts/gpu/paged-kv.sh all
 # Environment: see scripts/gpu/lib.sh.
 . "$(dirname "$0")/lib.sh"
@@ -59,7 +61,7 @@ decode() {
       echo "$(basename $m) $(basename $bin) run $r: $(B=$bin bench_line X=1 "$m" 32 --load-format dummy)"
     done; done
     for srv in $OS $NEW_S; do
-      S=$srv serve "$Q4" $PORT --load-format dummy --parallel 32 &&
+      S=$srv serve "${SERVER_MODEL:-$BF}" $PORT --load-format dummy --parallel 32 &&
         python3 scripts/bench_server.py --port $PORT --concurrency 1,32 --max-tokens 256 --rounds 2 > "$OUT/paged-decode-$r-$(basename $srv).json" &&
         echo "server $(basename $srv) run $r:" && bench_summary "$OUT/paged-decode-$r-$(basename $srv).json"
       unserve
@@ -70,6 +72,7 @@ decode() {
 kernel() {
   step "decode kernel through block tables vs MLX ops"
   for bs in 32 64; do ATTN_BS=$bs python3 scripts/check_attn.py; done
+  ATTN_DTYPE=float16 ATTN_CTXS=128,2048 python3 scripts/check_attn.py
 }
 
 case "$cmd" in
