@@ -399,13 +399,19 @@ fn gumbel_noise(keys: &[(u32, u32)], vocab: i32) -> Result<Array> {
     let j = Array::arange(0.0, vocab as f64, 1.0, Dtype::U32)?.reshape(&[1, vocab])?;
     let x = lowbias32(j.add(&Array::from_slice(&k1, &[r, 1])?)?)?;
     let x = lowbias32(x.bitwise_xor(&Array::from_slice(&k2, &[r, 1])?)?)?;
-    // top 24 bits → (0, 1), never 0 or 1
-    let u = x
-        .shr(&c(8)?)?
+    let u = open_unit(&x)?;
+    u.log()?.neg()?.log()?.neg()
+}
+
+/// uint32 bits → float32 in (0, 1), never 0 or 1: the top 23 bits n as (n + 0.5) / 2^23,
+/// exact for every n < 2^23. (With 24 bits, n + 0.5 rounded up to 2^24 for the largest n:
+/// u was 1, the Gumbel noise +∞, and that token won even where its logit was −∞, e.g. a
+/// token a grammar's mask had taken out.)
+fn open_unit(x: &Array) -> Result<Array> {
+    x.shr(&Array::from_slice(&[9u32], &[1])?)?
         .astype(Dtype::F32)?
         .add_scalar(0.5)?
-        .mul_scalar(1.0 / 16_777_216.0)?;
-    u.log()?.neg()?.log()?.neg()
+        .mul_scalar(1.0 / 8_388_608.0)
 }
 
 /// Samples one token per row of `logits` (`[B, V]`, any float dtype), row `i`
@@ -1075,5 +1081,75 @@ mod tests {
         assert!(sample_batch(&l, &mut [&mut s]).is_err());
         let l = Array::from_slice(&[0.0f32; 8], &[8]).unwrap();
         assert!(sample_batch(&l, &mut [&mut s]).is_err());
+    }
+
+    #[test]
+    fn uniforms_stay_inside_the_open_interval_at_the_extremes() {
+        let bits = [
+            0u32,
+            1,
+            255,
+            256,
+            511,
+            512,
+            0x7fff_ffff,
+            0xffff_feff,
+            0xffff_ff00,
+            u32::MAX,
+        ];
+        let x = Array::from_slice(&bits, &[bits.len() as i32]).unwrap();
+        let u = open_unit(&x).unwrap().to_vec::<f32>().unwrap();
+        for (b, u) in bits.iter().zip(&u) {
+            assert!(*u > 0.0 && *u < 1.0, "bits {b:#x} gave {u}");
+        }
+        // and the Gumbel noise of the largest is finite
+        let g = open_unit(&x)
+            .unwrap()
+            .log()
+            .unwrap()
+            .neg()
+            .unwrap()
+            .log()
+            .unwrap()
+            .neg()
+            .unwrap();
+        assert!(g.to_vec::<f32>().unwrap().iter().all(|v| v.is_finite()));
+    }
+
+    /// Rows where most tokens are −∞ (a grammar's mask): a temperature draw over 32 rows
+    /// of a 49,152-token vocabulary, 20 times, only ever picks finite tokens. Noise of +∞
+    /// (a uniform of exactly 1) picked a −∞ token in the first batch.
+    #[test]
+    fn masked_rows_only_sample_their_allowed_tokens() {
+        let (b, v) = (32usize, 49152usize);
+        for trial in 0..20usize {
+            let mut data = vec![f32::NEG_INFINITY; b * v];
+            let mut allowed = vec![vec![]; b];
+            for (r, row) in allowed.iter_mut().enumerate() {
+                for j in 0..1 + (r * 7 + trial) % 30 {
+                    let t = (r * 1543 + j * 977 + trial * 31) % v;
+                    data[r * v + t] = j as f32 * 0.1 - 3.0;
+                    row.push(t as u32);
+                }
+            }
+            let logits = Array::from_slice(&data, &[b as i32, v as i32]).unwrap();
+            let mut seqs: Vec<SequenceSampler> = (0..b)
+                .map(|i| {
+                    sampler(SamplingParams {
+                        temperature: 0.7,
+                        seed: Some((i + trial * 100) as u64),
+                        ..Default::default()
+                    })
+                })
+                .collect();
+            for (r, s) in sample(&logits, &mut seqs).iter().enumerate() {
+                assert!(
+                    allowed[r].contains(&s.token),
+                    "trial {trial} row {r}: token {} is not one of {:?}",
+                    s.token,
+                    allowed[r]
+                );
+            }
+        }
     }
 }
