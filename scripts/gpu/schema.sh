@@ -33,7 +33,7 @@ PY
 }
 
 bench() {
-  serve "$G" 8131 --parallel 32 --ctx-size 2048 || return 1
+  serve "$G" 8131 --parallel 32 --ctx-size 2048 ${SERVER_FLAGS:-} || return 1
   for r in $(seq ${RUNS:-2}); do step "schema vs unconstrained, run $r"; echo "[pipelined, run $r]" >> "$OUT/schema.txt"; compare "run$r" 8131; done
   unserve
 }
