@@ -295,6 +295,7 @@ impl Worker {
         sampling: bool,
     ) -> Worker {
         let cache = model.new_paged_cache(slots, ctx_size, kv);
+        fit_allocator(mlx::memory::active() + cache.full_bytes());
         Worker {
             model,
             cache,
@@ -740,6 +741,43 @@ impl Worker {
     }
 }
 
+/// MLX's CUDA allocator frees cached buffers (`cudaFree`, which waits for the device)
+/// whenever an allocation it cannot serve from its cache would take active plus cached
+/// memory past its memory limit, 0.8 of the device's memory by default. A KV pool sized
+/// by `--gpu-memory-utilization` (0.9 of the device with the weights and the margin) is
+/// past that limit by itself, so every step paid for those frees, and an allocation could
+/// fail outright. With `planned` bytes (weights + the whole pool) near or past the limit,
+/// the limit becomes the device's memory and the cache keeps at most half of the rest.
+fn fit_allocator(planned: u64) {
+    if mlx::backend() != mlx::Backend::Cuda {
+        return;
+    }
+    let Ok(device) = mlx::device_info(0) else {
+        return;
+    };
+    let limit = mlx::memory::limit();
+    if let Some((memory, cache)) = allocator_limits(device.total_memory, limit, planned) {
+        mlx::memory::set_limit(memory);
+        mlx::memory::set_cache_limit(cache);
+        tracing::info!(
+            "MLX memory limit {:.2} GB (was {:.2}), cache limit {:.2} GB: weights and KV pool take {:.2} GB",
+            memory as f64 / 1e9,
+            limit as f64 / 1e9,
+            cache as f64 / 1e9,
+            planned as f64 / 1e9
+        );
+    }
+}
+
+/// The allocator's (memory limit, cache limit) for `planned` bytes on a device of `total`
+/// with MLX's `limit` now, or `None` where `planned` is at least 1 GiB under the limit.
+fn allocator_limits(total: u64, limit: u64, planned: u64) -> Option<(u64, u64)> {
+    if total == 0 || planned + (1 << 30) <= limit {
+        return None;
+    }
+    Some((total.max(limit), total.saturating_sub(planned) / 2))
+}
+
 /// `logits` (`[B, vocab]`, row k for sequence `ids[k]`) with each sequence's mask in
 /// `masks` applied (unchanged without masks).
 fn masked(logits: &Array, ids: &[u64], masks: &[SeqMask]) -> Result<Array, StepError> {
@@ -829,5 +867,26 @@ impl Executor for LocalExecutor {
     }
     fn discard_queued(&mut self) {
         self.worker.discard_queued()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::allocator_limits;
+
+    #[test]
+    fn allocator_limits_rise_only_for_a_pool_near_the_limit() {
+        const GB: u64 = 1_000_000_000;
+        // an H200 (150 GB, MLX's limit 0.8 of it): a small pool keeps MLX's defaults
+        assert_eq!(allocator_limits(150 * GB, 120 * GB, 30 * GB), None);
+        // 16 GB of weights and a 117 GB pool: the limit becomes the device, the cache half the rest
+        assert_eq!(
+            allocator_limits(150 * GB, 120 * GB, 133 * GB),
+            Some((150 * GB, 17 * GB / 2))
+        );
+        // within 1 GiB of the limit counts as near it
+        assert!(allocator_limits(150 * GB, 120 * GB, 119 * GB + GB / 2).is_some());
+        // an unknown device changes nothing
+        assert_eq!(allocator_limits(0, 120 * GB, 133 * GB), None);
     }
 }

@@ -599,6 +599,13 @@ impl KvCache {
         Ok(())
     }
 
+    /// Bytes the pools hold once grown to the whole pool (`num_blocks` blocks).
+    pub fn full_bytes(&self) -> u64 {
+        (self.num_layers() * 2 * self.kv_heads * self.num_blocks * self.block_size * self.head_dim)
+            as u64
+            * self.dtype.size() as u64
+    }
+
     /// Bytes held by the pools.
     pub fn nbytes(&self) -> usize {
         self.kv.iter().map(|a| a.nbytes()).sum()
