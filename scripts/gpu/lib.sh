@@ -1,7 +1,10 @@
 # Shared by the scripts/gpu/ entry points (sourced, not run). On a GPU box after
 # `source /root/.mlxcel-gpu/env.sh`. MLXCEL=path/to/mlxcel (default .gpu/bin/mlxcel),
 # MLXCEL_SERVER (default: mlxcel-server beside it), OUT=results folder (default ./gpu-out),
-# CKPT_DIR=checkpoints (default /root/ckpt).
+# CKPT_DIR=checkpoints (default /root/ckpt). KERNEL_CACHE_TGZ=a tarball of an earlier box's
+# compiled kernels (`save_kernel_cache` writes one under $OUT; carry it, e.g. in .gpu/kc/):
+# unpacked into $MLXCEL_CACHE once, so a fresh box skips the warm-up compiles of the same
+# kernels (entries are keyed by kernel source, GPU and versions; others are compiled anew).
 set -uo pipefail
 B=${MLXCEL:-.gpu/bin/mlxcel}
 S=${MLXCEL_SERVER:-$(dirname "$B")/mlxcel-server}
@@ -10,6 +13,11 @@ CK=${CKPT_DIR:-/root/ckpt}
 mkdir -p "$OUT" "$CK"
 export MLXCEL_CACHE=${MLXCEL_CACHE:-/root/.mlxcel-cache}
 TOK=$MLXCEL_CACHE/demo-llama-v2
+if [ -n "${KERNEL_CACHE_TGZ:-}" ] && [ -f "$KERNEL_CACHE_TGZ" ] && [ ! -d "$MLXCEL_CACHE/cuda-kernels" ]; then
+  mkdir -p "$MLXCEL_CACHE" && tar -C "$MLXCEL_CACHE" -xzf "$KERNEL_CACHE_TGZ" && echo "kernel cache from $KERNEL_CACHE_TGZ"
+fi
+# the compiled-kernel cache as a tarball under $OUT (to carry to the next box)
+save_kernel_cache() { [ -d "$MLXCEL_CACHE/cuda-kernels" ] && tar -C "$MLXCEL_CACHE" -czf "$OUT/kernel-cache.tgz" cuda-kernels; }
 ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
 step() { echo; echo "=== $(date +%T) $*"; }
 
