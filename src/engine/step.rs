@@ -741,14 +741,20 @@ impl Worker {
     }
 }
 
-/// MLX's CUDA allocator frees cached buffers (`cudaFree`, which waits for the device)
-/// whenever an allocation it cannot serve from its cache would take active plus cached
-/// memory past its memory limit. A KV pool sized by `--gpu-memory-utilization` (0.9 of the
-/// device with the weights and the margin) can be past that limit by itself; then every
-/// such allocation would pay for those frees. With `planned` bytes (weights + the whole
-/// pool) near or past the limit, the limit becomes the device's memory and the cache keeps
-/// at most half of the rest. (On an H200 with MLX 0.32.4, 129.8 GB planned stayed under
-/// the limit: nothing changed there.)
+/// What MLX's allocator does not count on a GPU (the CUDA context, cuBLAS workspace,
+/// loaded kernels): kept out of its memory limit when the KV pool fills the device.
+const UNCOUNTED_BYTES: u64 = 1 << 30;
+
+/// MLX's CUDA allocator keeps freed buffers in a cache of up to its memory limit (at least
+/// 131 GB of an H200's 150 with MLX 0.32.4: an 8B server planning 129.8 GB stayed under
+/// it), and frees them only when active plus cached memory would pass
+/// that limit, or, with `planned` past the limit, on every allocation it cannot serve
+/// from the cache (`cudaFree` waits for the device). A KV pool sized by
+/// `--gpu-memory-utilization` leaves only the margin beside it, so a cache that large can
+/// take the memory a step needs: a SmolLM2 server with a 134 GB pool on an H200 failed a
+/// step with out of memory at 32 streams. When the weights and the whole pool take more
+/// than half the device, the limit becomes the device less [`UNCOUNTED_BYTES`] and the
+/// cache keeps at most half of what that leaves beside them.
 fn fit_allocator(planned: u64) {
     if mlx::backend() != mlx::Backend::Cuda {
         return;
@@ -756,27 +762,28 @@ fn fit_allocator(planned: u64) {
     let Ok(device) = mlx::device_info(0) else {
         return;
     };
-    let limit = mlx::memory::limit();
-    if let Some((memory, cache)) = allocator_limits(device.total_memory, limit, planned) {
-        mlx::memory::set_limit(memory);
-        mlx::memory::set_cache_limit(cache);
+    if let Some((memory, cache)) = allocator_limits(device.total_memory, planned) {
+        let limit = mlx::memory::set_limit(memory);
+        let cache_limit = mlx::memory::set_cache_limit(cache);
         tracing::info!(
-            "MLX memory limit {:.2} GB (was {:.2}), cache limit {:.2} GB: weights and KV pool take {:.2} GB",
+            "MLX memory limit {:.2} GB (was {:.2}), cache limit {:.2} GB (was {:.2}): weights and KV pool take {:.2} GB",
             memory as f64 / 1e9,
             limit as f64 / 1e9,
             cache as f64 / 1e9,
+            cache_limit as f64 / 1e9,
             planned as f64 / 1e9
         );
     }
 }
 
-/// The allocator's (memory limit, cache limit) for `planned` bytes on a device of `total`
-/// with MLX's `limit` now, or `None` where `planned` is at least 1 GiB under the limit.
-fn allocator_limits(total: u64, limit: u64, planned: u64) -> Option<(u64, u64)> {
-    if total == 0 || planned + (1 << 30) <= limit {
+/// The allocator's (memory limit, cache limit) for `planned` bytes on a device of `total`,
+/// or `None` where they take at most half of it (MLX's defaults stay).
+fn allocator_limits(total: u64, planned: u64) -> Option<(u64, u64)> {
+    if total == 0 || planned <= total / 2 {
         return None;
     }
-    Some((total.max(limit), total.saturating_sub(planned) / 2))
+    let memory = total.saturating_sub(UNCOUNTED_BYTES);
+    Some((memory, memory.saturating_sub(planned) / 2))
 }
 
 /// `logits` (`[B, vocab]`, row k for sequence `ids[k]`) with each sequence's mask in
@@ -876,18 +883,22 @@ mod tests {
     use super::allocator_limits;
 
     #[test]
-    fn allocator_limits_rise_only_for_a_pool_near_the_limit() {
+    fn allocator_limits_bound_the_cache_beside_a_pool_that_fills_the_device() {
         const GB: u64 = 1_000_000_000;
-        // an H200 (150 GB, MLX's limit 0.8 of it): a small pool keeps MLX's defaults
-        assert_eq!(allocator_limits(150 * GB, 120 * GB, 30 * GB), None);
-        // 16 GB of weights and a 117 GB pool: the limit becomes the device, the cache half the rest
+        const GIB: u64 = 1 << 30;
+        // an H200 (150 GB): a small pool keeps MLX's defaults
+        assert_eq!(allocator_limits(150 * GB, 30 * GB), None);
+        assert_eq!(allocator_limits(150 * GB, 75 * GB), None);
+        // 16 GB of weights and a 114 GB pool: the device less 1 GiB, half the rest cached
+        let (memory, cache) = allocator_limits(150 * GB, 130 * GB).unwrap();
+        assert_eq!(memory, 150 * GB - GIB);
+        assert_eq!(cache, (150 * GB - GIB - 130 * GB) / 2);
+        // a pool past the device leaves no cache at all
         assert_eq!(
-            allocator_limits(150 * GB, 120 * GB, 133 * GB),
-            Some((150 * GB, 17 * GB / 2))
+            allocator_limits(150 * GB, 160 * GB),
+            Some((150 * GB - GIB, 0))
         );
-        // within 1 GiB of the limit counts as near it
-        assert!(allocator_limits(150 * GB, 120 * GB, 119 * GB + GB / 2).is_some());
         // an unknown device changes nothing
-        assert_eq!(allocator_limits(0, 120 * GB, 133 * GB), None);
+        assert_eq!(allocator_limits(0, 133 * GB), None);
     }
 }
