@@ -40,17 +40,10 @@ int main() {
   for (int run = 0; run < 2; ++run) {
     std::fill(out.begin(), out.end(), bf(NAN));
     for (int blk = 0; blk < B * HKV * NSPLIT; ++blk) {
-      std::barrier<> bar(tpb);
-      g_barrier = &bar;
-      std::vector<std::thread> ts;
-      for (int t = 0; t < tpb; ++t)
-        ts.emplace_back([&, t] {
-          threadIdx.x = t;
-          blockIdx.x = blk;
-          kernel(q.data(), pool.data(), pool_shape, table.data(), table_shape, pos.data(),
-                 part.data(), count.data(), out.data());
-        });
-      for (auto& t : ts) t.join();
+      run_block(blk, tpb, [&] {
+        kernel(q.data(), pool.data(), pool_shape, table.data(), table_shape, pos.data(),
+               part.data(), count.data(), out.data());
+      });
     }
     for (int c : count)
       if (c != 0) { std::printf("max_err: a count was left at %d\n", c); return 1; }

@@ -34,20 +34,13 @@ int main() {
   blockDim.x = tpb;
   g_shfl.assign(tpb, 0.f);
   for (int blk = 0; blk < N / ROWS; ++blk) {
-    std::barrier<> bar(tpb);
-    g_barrier = &bar;
-    std::vector<std::thread> ts;
-    for (int t = 0; t < tpb; ++t)
-      ts.emplace_back([&, t] {
-        threadIdx.x = t;
-        blockIdx.x = blk;
+    run_block(blk, tpb, [&] {
 #if ROPE
-        kernel(x.data(), w.data(), nw.data(), pos.data(), inv.data(), yq.data(), ykv.data());
+      kernel(x.data(), w.data(), nw.data(), pos.data(), inv.data(), yq.data(), ykv.data());
 #else
-        kernel(x.data(), w.data(), res.data(), nw.data(), y.data());
+      kernel(x.data(), w.data(), res.data(), nw.data(), y.data());
 #endif
-      });
-    for (auto& t : ts) t.join();
+    });
   }
   // the kernel's input row: x, or RMSNorm(x) with weight nw when NORM
   std::vector<double> xin(M * K);

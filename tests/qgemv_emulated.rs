@@ -49,16 +49,7 @@ int main() {
     blockDim.x = XQ_TPB;
     g_shfl.assign(XQ_TPB, 0.f);
     for (int blk = 0; blk < M * bpr; ++blk) {
-      std::barrier<> bar(XQ_TPB);
-      g_barrier = &bar;
-      std::vector<std::thread> ts;
-      for (int t = 0; t < XQ_TPB; ++t)
-        ts.emplace_back([&, t] {
-          threadIdx.x = t;
-          blockIdx.x = blk;
-          kernel_xq(x.data(), nw.data(), xq.data());
-        });
-      for (auto& t : ts) t.join();
+      run_block(blk, XQ_TPB, [&] { kernel_xq(x.data(), nw.data(), xq.data()); });
     }
   }
   const uint32_t* xarg = xq.data();
@@ -71,21 +62,14 @@ int main() {
   g_mma.assign(6 * tpb, 0u);
   // PG > 0: the streaming path's grid of PG blocks, each looping over row groups
   for (int blk = 0; blk < (PG > 0 ? PG : N / ROWS); ++blk) {
-    std::barrier<> bar(tpb);
-    g_barrier = &bar;
-    std::vector<std::thread> ts;
-    for (int t = 0; t < tpb; ++t)
-      ts.emplace_back([&, t] {
-        threadIdx.x = t;
-        blockIdx.x = blk;
+    run_block(blk, tpb, [&] {
 #if ROPE
-        kernel(xarg, w.data(), sc.data(), bi.data(), nw.data(), pos.data(), inv.data(),
-               yq.data(), ykv.data());
+      kernel(xarg, w.data(), sc.data(), bi.data(), nw.data(), pos.data(), inv.data(),
+             yq.data(), ykv.data());
 #else
-        kernel(xarg, w.data(), sc.data(), bi.data(), res.data(), nw.data(), y.data());
+      kernel(xarg, w.data(), sc.data(), bi.data(), res.data(), nw.data(), y.data());
 #endif
-      });
-    for (auto& t : ts) t.join();
+    });
   }
   // the kernel's input row: x, or RMSNorm(x) with weight nw when NORM
   std::vector<double> xin(M * K);
