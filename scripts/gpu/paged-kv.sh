@@ -17,6 +17,10 @@
 #                                             # bf16, or SERVER_MODEL: the old binary has no kernel
 #                                             # cache, and a 4-bit server warms up for ~2 minutes)
 #   bash scripts/gpu/paged-kv.sh kernel       # scripts/check_attn.py at block sizes 32 and 64, and in float16
+#   bash scripts/gpu/paged-kv.sh builds       # decode at batch 32 of each build in BUILDS (mlxcel binaries,
+#                                             # e.g. the merges between old and new), 8B 4-bit; then
+#                                             # old and new with each setting of SETTINGS (VAR=value ...);
+#                                             # then bf16 for each of BF16_BUILDS (default: old and new)
 #   bash scripts/gpu/paged-kv.sh all
 # Environment: see scripts/gpu/lib.sh.
 . "$(dirname "$0")/lib.sh"
@@ -75,11 +79,21 @@ kernel() {
   ATTN_DTYPE=float16 ATTN_CTXS=128,2048 python3 scripts/check_attn.py
 }
 
+builds() {
+  step "decode at batch 32 build by build: $Q4"
+  for bin in ${BUILDS:-$O $B}; do echo "c8b-q4 $(basename $bin): $(B=$bin bench_line X=1 "$Q4" 32 --load-format dummy)"; done
+  for e in ${SETTINGS:-}; do for bin in $O $B; do
+    echo "c8b-q4 $(basename $bin) [$e]: $(B=$bin bench_line $e "$Q4" 32 --load-format dummy)"
+  done; done
+  for bin in ${BF16_BUILDS:-$O $B}; do echo "c8b $(basename $bin): $(B=$bin bench_line X=1 "$BF" 32 --load-format dummy)"; done
+}
+
 case "$cmd" in
+builds) builds ;;
 concurrency) concurrency ;;
 prefix) prefix ;;
 decode) decode ;;
 kernel) kernel ;;
 all) kernel; concurrency; prefix; decode ;;
-*) echo "unknown: $cmd (concurrency, prefix, decode, kernel, all)" >&2; exit 2 ;;
+*) echo "unknown: $cmd (concurrency, prefix, decode, kernel, builds, all)" >&2; exit 2 ;;
 esac 2>&1 | tee -a "$OUT/paged-kv.txt"
