@@ -159,6 +159,26 @@ def server_counter(args, name):
     return None
 
 
+HOST = "mlxcel:decode_host_seconds_total"
+
+
+def host_seconds(args):
+    """The server's engine-thread seconds of pipelined decode steps by part ({} when it
+    has no such counters)."""
+    try:
+        conn = http.client.HTTPConnection(args.host, args.port, timeout=10)
+        conn.request("GET", "/metrics", headers=headers(args))
+        text = conn.getresponse().read().decode()
+        conn.close()
+    except (OSError, http.client.HTTPException):
+        return {}
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(HOST + '{part="'):
+            out[line.split('"')[1]] = float(line.split()[-1])
+    return out
+
+
 def run_level(args, model, concurrency, response_format=None):
     ttfts, gaps, errors = [], [], []
     tokens = [0]
@@ -179,6 +199,7 @@ def run_level(args, model, concurrency, response_format=None):
 
     threads = [threading.Thread(target=worker, args=(w,)) for w in range(concurrency)]
     pipelined0 = server_counter(args, PIPELINED)
+    host0 = host_seconds(args)
     t0 = time.perf_counter()
     for t in threads:
         t.start()
@@ -186,6 +207,8 @@ def run_level(args, model, concurrency, response_format=None):
         t.join()
     wall = time.perf_counter() - t0
     pipelined1 = server_counter(args, PIPELINED)
+    host1 = host_seconds(args)
+    steps = None if pipelined0 is None or pipelined1 is None else pipelined1 - pipelined0
     mean_gap = statistics.fmean(gaps) if gaps else None
     return {
         "concurrency": concurrency,
@@ -199,7 +222,10 @@ def run_level(args, model, concurrency, response_format=None):
         "inter_token_s": summary(gaps),
         # the streams' decode rate: each stream gets a token every mean gap
         "decode_tokens_per_s": concurrency / mean_gap if mean_gap else None,
-        "pipelined_steps": None if pipelined0 is None or pipelined1 is None else pipelined1 - pipelined0,
+        "pipelined_steps": steps,
+        # the engine thread's ms per pipelined step, by part (masks, queue, wait, deliver)
+        "host_ms_per_step": {k: (host1[k] - host0.get(k, 0.0)) * 1e3 / steps
+                             for k in host1} if steps else None,
     }
 
 
@@ -486,6 +512,7 @@ def main():
                 "ratio_decode": ratio(k["decode_tokens_per_s"], u["decode_tokens_per_s"]),
                 "pipelined_steps": [u["pipelined_steps"], k["pipelined_steps"]],
                 "errors": [u["errors"], k["errors"]],
+                "host_ms_per_step": [u["host_ms_per_step"], k["host_ms_per_step"]],
             }
             for u, k in zip(results, constrained)
         ]

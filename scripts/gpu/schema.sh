@@ -29,6 +29,9 @@ for c in d["comparison"]:
     print(f'{c["concurrency"]:>3} streams: unconstrained {u:8.1f} tok/s (decode {du:8.1f}), '
           f'schema {k:8.1f} tok/s (decode {dk:8.1f}); ratio {c["ratio_tokens_per_s"]:.3f}, '
           f'decode ratio {c["ratio_decode"]:.3f}; pipelined steps {c["pipelined_steps"]}; errors {c["errors"]}')
+    for tag, h in zip(("unconstrained", "schema"), c.get("host_ms_per_step") or []):
+        if h:
+            print(f'      engine thread ms per step, {tag}: ' + ", ".join(f"{k} {v:.2f}" for k, v in h.items()))
 PY
 }
 

@@ -138,6 +138,46 @@ pub enum Outcome {
     Failed,
 }
 
+/// Where the engine thread spends a pipelined decode step's host time (see
+/// [`Observer::host_time`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HostPart {
+    /// Computing the token masks of constrained sequences.
+    Masks,
+    /// Building steps and handing them to the device (forward passes, sampling).
+    Queue,
+    /// Waiting for a step's tokens.
+    Wait,
+    /// Delivering tokens (grammar advance, stop checks, events to the requests).
+    Deliver,
+}
+
+impl HostPart {
+    pub const ALL: [HostPart; 4] = [
+        HostPart::Masks,
+        HostPart::Queue,
+        HostPart::Wait,
+        HostPart::Deliver,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            HostPart::Masks => "masks",
+            HostPart::Queue => "queue",
+            HostPart::Wait => "wait",
+            HostPart::Deliver => "deliver",
+        }
+    }
+}
+
+/// `f()`, its wall time given to `obs` as `part`'s.
+fn timed<T>(obs: &dyn Observer, part: HostPart, f: impl FnOnce() -> T) -> T {
+    let t = Instant::now();
+    let out = f();
+    obs.host_time(part, t.elapsed().as_secs_f64());
+    out
+}
+
 /// Hooks for metrics; all are called on the engine thread. `finished` is called
 /// exactly once for every request the scheduler received.
 pub trait Observer {
@@ -157,6 +197,8 @@ pub trait Observer {
     fn step_ran(&self, _summary: &StepSummary) {}
     /// A decode step ran pipelined (queued before the previous step's tokens were read).
     fn decode_pipelined(&self) {}
+    /// `seconds` of a pipelined decode step's host time went to `part`.
+    fn host_time(&self, _part: HostPart, _seconds: f64) {}
     /// With every `step_done`: the KV pool's blocks held by sequences, and in all.
     fn kv_blocks(&self, _used: usize, _total: usize) {}
     /// A sequence looked up `queried` prompt tokens in the prefix cache and found `hit`.
@@ -1211,22 +1253,32 @@ impl Scheduler {
                         })?;
                     }
                     if masked {
-                        exec.queue_forward(&rows, Some(&tokens), &tables)?;
+                        timed(obs, HostPart::Queue, || {
+                            exec.queue_forward(&rows, Some(&tokens), &tables)
+                        })?;
                         // the masks, while the device runs the forward pass
-                        let (masks, bad) = self.grammar_masks(&ids, obs);
-                        exec.sample_queued(&masks)?;
+                        let (masks, bad) =
+                            timed(obs, HostPart::Masks, || self.grammar_masks(&ids, obs));
+                        timed(obs, HostPart::Queue, || -> Result<(), StepError> {
+                            exec.sample_queued(&masks)?;
+                            if bad.is_empty() {
+                                exec.queue_forward(&ahead(&rows), None, &[])?;
+                            }
+                            Ok(())
+                        })?;
                         if bad.is_empty() {
-                            exec.queue_forward(&ahead(&rows), None, &[])?;
                             self.inflight = Some(ids.clone());
                             self.inflight_unsampled = true;
                         }
                     } else {
-                        exec.queue_decode(&rows, Some(&tokens), &tables)?;
-                        exec.queue_decode(&ahead(&rows), None, &[])?;
+                        timed(obs, HostPart::Queue, || -> Result<(), StepError> {
+                            exec.queue_decode(&rows, Some(&tokens), &tables)?;
+                            exec.queue_decode(&ahead(&rows), None, &[])
+                        })?;
                         self.inflight = Some(ids.clone());
                         self.inflight_unsampled = false;
                     }
-                    exec.take_sampled()
+                    timed(obs, HostPart::Wait, || exec.take_sampled())
                 })()
                 .inspect_err(|_| self.to_release.extend(release))
             }
@@ -1236,8 +1288,9 @@ impl Scheduler {
                     if std::mem::take(&mut self.inflight_unsampled) {
                         // the masks of the step in flight (from the tokens delivered
                         // last), while the device runs its forward pass
-                        let (masks, _) = self.grammar_masks(&queued, obs);
-                        exec.sample_queued(&masks)?;
+                        let (masks, _) =
+                            timed(obs, HostPart::Masks, || self.grammar_masks(&queued, obs));
+                        timed(obs, HostPart::Queue, || exec.sample_queued(&masks))?;
                     }
                     let rows = self.decode_rows();
                     let ids: Option<Vec<u64>> =
@@ -1250,15 +1303,15 @@ impl Scheduler {
                     if go_on {
                         let rows = rows.as_ref().expect("same rows as queued");
                         let tables = self.pipeline_tables();
-                        if self.running.iter().any(|s| s.req.grammar.is_some()) {
-                            exec.queue_forward(&ahead(rows), None, &tables)?;
-                            self.inflight_unsampled = true;
-                        } else {
-                            exec.queue_decode(&ahead(rows), None, &tables)?;
-                        }
+                        let masked = self.running.iter().any(|s| s.req.grammar.is_some());
+                        timed(obs, HostPart::Queue, || match masked {
+                            true => exec.queue_forward(&ahead(rows), None, &tables),
+                            false => exec.queue_decode(&ahead(rows), None, &tables),
+                        })?;
+                        self.inflight_unsampled = masked;
                         self.inflight = Some(queued.clone());
                     }
-                    exec.take_sampled()
+                    timed(obs, HostPart::Wait, || exec.take_sampled())
                 })()
             }
         };
@@ -1287,6 +1340,7 @@ impl Scheduler {
             }
         }
         self.register_all();
+        obs.host_time(HostPart::Deliver, now.elapsed().as_secs_f64());
         self.report(obs);
         Ok(summary)
     }
@@ -2180,6 +2234,18 @@ mod tests {
         assert_eq!(s.blocks_used(), 0);
     }
 
+    /// Counts the host-time reports of each [`HostPart`] (in its order).
+    #[derive(Default)]
+    struct HostParts(std::cell::Cell<[usize; 4]>);
+    impl Observer for HostParts {
+        fn host_time(&self, part: HostPart, seconds: f64) {
+            assert!(seconds >= 0.0);
+            let mut c = self.0.get();
+            c[HostPart::ALL.iter().position(|&p| p == part).unwrap()] += 1;
+            self.0.set(c);
+        }
+    }
+
     /// Counts the prompt tokens prefilled, and those found in the prefix cache.
     #[derive(Default)]
     struct PrefillCount(std::cell::Cell<usize>, std::cell::Cell<usize>);
@@ -2429,8 +2495,9 @@ mod tests {
             let mut events = vec![];
             // pipelined steps until the constrained sequence ended
             let mut pipelined = 0;
+            let parts = HostParts::default();
             while s.has_work() {
-                s.step(&mut exec, &NoObserver).unwrap();
+                s.step(&mut exec, &parts).unwrap();
                 while let Ok(ev) = rx.try_recv() {
                     if matches!(ev, Event::Done { .. }) {
                         pipelined = s.pipelined_steps();
@@ -2438,11 +2505,12 @@ mod tests {
                     events.push(ev);
                 }
             }
-            (events, drain(&mut other_rx).0, pipelined)
+            (events, drain(&mut other_rx).0, pipelined, parts.0.take())
         };
         for seed in 0..4 {
-            let (events, other, none) = run(seed, false);
+            let (events, other, none, parts) = run(seed, false);
             assert_eq!(none, 0);
+            assert_eq!(parts, [0; 4], "no pipelined step, no host time by part");
             let text: String = events
                 .iter()
                 .filter_map(|e| match e {
@@ -2467,7 +2535,7 @@ mod tests {
                 "{events:?}"
             );
             assert_eq!(other, alone[0].0, "the unconstrained sequence");
-            let (p_events, p_other, n) = run(seed, true);
+            let (p_events, p_other, n, parts) = run(seed, true);
             assert_eq!(p_events, events, "seed {seed}: pipelined");
             assert_eq!(p_other, other, "seed {seed}: pipelined, the free sequence");
             // the constrained sequence's decode steps (after both prompts) were pipelined
@@ -2475,6 +2543,13 @@ mod tests {
                 n >= 2,
                 "seed {seed}: only {n} steps were pipelined with the grammar"
             );
+            // each pipelined step reported its masks, queueing, wait and delivery
+            for (part, count) in HostPart::ALL.iter().zip(parts) {
+                assert!(
+                    count as u64 >= n,
+                    "seed {seed}: {count} reports of {part:?} for {n} pipelined steps"
+                );
+            }
         }
     }
 

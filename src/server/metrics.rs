@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use crate::engine::generate::FinishReason;
-use crate::engine::scheduler::Outcome;
+use crate::engine::scheduler::{HostPart, Outcome};
 use crate::engine::step::MemoryStats;
 use crate::parallel::protocol::RankReport;
 
@@ -131,6 +131,8 @@ pub struct Metrics {
     pub prefix_cache_queries: AtomicU64,
     pub prefix_cache_hits: AtomicU64,
     pub preemptions: AtomicU64,
+    /// Host time of pipelined decode steps per [`HostPart`] (in its order), nanoseconds.
+    pub host_nanos: [AtomicU64; 4],
     /// `Some` when the model runs on TP ranks (empty while they are restarting).
     tp_ranks: Mutex<Option<Vec<RankMetrics>>>,
     /// (path, status) → count.
@@ -162,6 +164,7 @@ impl Metrics {
             prefix_cache_queries: AtomicU64::new(0),
             prefix_cache_hits: AtomicU64::new(0),
             preemptions: AtomicU64::new(0),
+            host_nanos: Default::default(),
             memory_active: AtomicU64::new(0),
             memory_peak: AtomicU64::new(0),
             memory_cache: AtomicU64::new(0),
@@ -222,6 +225,12 @@ impl Metrics {
         if let Ok(mut m) = self.http.lock() {
             *m.entry((path, status)).or_insert(0) += 1;
         }
+    }
+
+    /// `seconds` of a pipelined decode step's host time went to `part`.
+    pub fn host_time(&self, part: HostPart, seconds: f64) {
+        let i = HostPart::ALL.iter().position(|&p| p == part).unwrap_or(0);
+        self.host_nanos[i].fetch_add((seconds * 1e9) as u64, Ordering::Relaxed);
     }
 
     /// A request left the engine.
@@ -324,6 +333,18 @@ impl Metrics {
             "Decode steps queued on the device before the previous step's tokens were read (constrained ones too: their masks are computed while the step runs).",
             ld(&self.pipelined_steps),
         );
+        let _ = writeln!(
+            out,
+            "# HELP mlxcel:decode_host_seconds_total Engine-thread time of pipelined decode steps, by part: masks (constrained sequences' token masks), queue (building steps and handing them to the device), wait (for a step's tokens), deliver (grammar advance, stop checks, events).\n# TYPE mlxcel:decode_host_seconds_total counter"
+        );
+        for (part, v) in HostPart::ALL.iter().zip(&self.host_nanos) {
+            let _ = writeln!(
+                out,
+                "mlxcel:decode_host_seconds_total{{part=\"{}\"}} {}",
+                part.name(),
+                ld(v) as f64 / 1e9
+            );
+        }
         g(
             &mut out,
             "mlxcel:generation_tokens_total",
@@ -494,6 +515,19 @@ mod tests {
             .contains("mlxcel:http_requests_total{path=\"/v1/completions\",status=\"200\"} 1\n"));
         assert!(text.contains("\nmlxcel:device_memory_active_bytes 0\n"));
         assert!(!text.contains("tp_rank"));
+    }
+
+    #[test]
+    fn host_time_adds_up_by_part() {
+        let m = Metrics::new();
+        m.host_time(HostPart::Masks, 0.25);
+        m.host_time(HostPart::Masks, 0.5);
+        m.host_time(HostPart::Wait, 2.0);
+        let text = m.render();
+        assert!(text.contains("mlxcel:decode_host_seconds_total{part=\"masks\"} 0.75\n"));
+        assert!(text.contains("mlxcel:decode_host_seconds_total{part=\"queue\"} 0\n"));
+        assert!(text.contains("mlxcel:decode_host_seconds_total{part=\"wait\"} 2\n"));
+        assert!(text.contains("mlxcel:decode_host_seconds_total{part=\"deliver\"} 0\n"));
     }
 
     #[test]

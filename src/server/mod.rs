@@ -31,8 +31,8 @@ use clap::Args;
 use crate::engine::grammar::GrammarVocab;
 use crate::engine::sampler::SamplingParams;
 use crate::engine::scheduler::{
-    Command, Event, Observer, Outcome, Request, RunEnd, Scheduler, SchedulerConfig, StepSummary,
-    Usage, DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    Command, Event, HostPart, Observer, Outcome, Request, RunEnd, Scheduler, SchedulerConfig,
+    StepSummary, Usage, DEFAULT_MAX_NUM_BATCHED_TOKENS,
 };
 use crate::engine::step::{
     Executor, KvPool, LocalExecutor, SampledToken, SeqMask, SeqStep, StepError, StepPlan,
@@ -411,6 +411,9 @@ impl Observer for EngineObserver {
     }
     fn decode_pipelined(&self) {
         self.metrics.pipelined_steps.fetch_add(1, Ordering::Relaxed);
+    }
+    fn host_time(&self, part: HostPart, seconds: f64) {
+        self.metrics.host_time(part, seconds);
     }
     fn engine_error(&self, _error: &StepError, _fatal: bool) {
         self.metrics.engine_errors.fetch_add(1, Ordering::Relaxed);
