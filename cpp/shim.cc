@@ -15,6 +15,11 @@
 
 #include "mlxcel/src/mlx/ffi.rs.h"
 #include "mlx/fast_primitives.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/scheduler.h"
+
+#include <chrono>
+#include <condition_variable>
 
 namespace mx = mlx::core;
 
@@ -767,6 +772,92 @@ ArrayPtr random_normal(rust::Slice<const int32_t> shape, Dtype dtype, float loc,
 }
 ArrayPtr random_categorical(const array& logits, int32_t axis, const array& key) {
   return wrap(mx::random::categorical(logits, axis, key));
+}
+
+// ---- arrays the host fills later (HostFill) ----
+struct HostFillSlot {
+  std::mutex m;
+  std::condition_variable cv;
+  std::vector<uint8_t> data;
+  // given (or cancelled: data empty) — the task stops waiting
+  bool done = false;
+};
+
+namespace {
+
+class HostFillPrimitive : public mx::UnaryPrimitive {
+ public:
+  HostFillPrimitive(mx::Stream s, std::shared_ptr<HostFillSlot> slot, double timeout_s)
+      : mx::UnaryPrimitive(s), slot_(std::move(slot)), timeout_s_(timeout_s) {}
+
+  void eval_cpu(const std::vector<array>&, array& out) override {
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    // enqueued on the stream directly, not through the CPU command encoder: a waiting
+    // task must not count as one of MLX's active tasks (evaluation waits for those when
+    // there are many, which would wait for the host that is still building)
+    mx::scheduler::enqueue(stream(), [slot = slot_, out, t = timeout_s_]() mutable {
+      std::unique_lock<std::mutex> lk(slot->m);
+      slot->cv.wait_for(lk, std::chrono::duration<double>(t), [&] { return slot->done; });
+      slot->done = true;
+      uint8_t* dst = out.data<uint8_t>();
+      if (slot->data.size() == out.nbytes()) {
+        std::memcpy(dst, slot->data.data(), out.nbytes());
+      } else {
+        std::memset(dst, 0, out.nbytes());
+      }
+      slot->data.clear();
+      slot->data.shrink_to_fit();
+    });
+  }
+  void eval_gpu(const std::vector<array>&, array&) override {
+    throw std::runtime_error("HostFill is evaluated on a CPU stream");
+  }
+  const char* name() const override { return "HostFill"; }
+  bool is_equivalent(const mx::Primitive&) const override { return false; }
+
+ private:
+  std::shared_ptr<HostFillSlot> slot_;
+  double timeout_s_;
+};
+
+mx::Stream host_fill_stream() {
+  thread_local std::optional<mx::Stream> s;
+  if (!s) s = mx::new_stream(mx::Device(mx::Device::cpu));
+  return *s;
+}
+
+}  // namespace
+
+std::unique_ptr<HostFill> host_fill_new(rust::Slice<const int32_t> shape, Dtype dtype,
+                                        double timeout_s) {
+  auto slot = std::make_shared<HostFillSlot>();
+  array a(to_shape(shape), to_mx(dtype),
+          std::make_shared<HostFillPrimitive>(host_fill_stream(), slot, timeout_s),
+          std::vector<array>{});
+  mx::async_eval({a});
+  return std::make_unique<HostFill>(std::move(slot), std::move(a));
+}
+ArrayPtr host_fill_array(const HostFill& h) { return wrap(h.arr); }
+bool host_fill_provide(const HostFill& h, rust::Slice<const uint8_t> data) {
+  if (data.size() != h.arr.nbytes()) {
+    throw std::invalid_argument("host_fill_provide: " + std::to_string(data.size()) +
+                                " bytes for an array of " + std::to_string(h.arr.nbytes()));
+  }
+  {
+    std::lock_guard<std::mutex> lk(h.slot->m);
+    if (h.slot->done) return false;
+    h.slot->data.assign(data.begin(), data.end());
+    h.slot->done = true;
+  }
+  h.slot->cv.notify_all();
+  return true;
+}
+void host_fill_cancel(const HostFill& h) {
+  {
+    std::lock_guard<std::mutex> lk(h.slot->m);
+    h.slot->done = true;
+  }
+  h.slot->cv.notify_all();
 }
 
 // ---- distributed ----

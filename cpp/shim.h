@@ -21,6 +21,18 @@ struct ArrayVec {
   std::vector<array> items;
 };
 
+// An array whose contents the host gives after the graphs that read it are queued (a
+// decode step's token masks, computed while the device runs the step). It is evaluated
+// on a CPU stream of the calling thread's own, whose task waits for `host_fill_provide`
+// (or `host_fill_cancel`, or the timeout: zeros then); a GPU op reading it in a later
+// `async_eval` waits on the device (MLX's cross-stream event), not on the host.
+struct HostFillSlot;
+struct HostFill {
+  std::shared_ptr<HostFillSlot> slot;
+  array arr;
+  HostFill(std::shared_ptr<HostFillSlot> s, array a) : slot(std::move(s)), arr(std::move(a)) {}
+};
+
 // A distributed group (rank/size and the backend behind the collectives).
 struct Group {
   mlx::core::distributed::Group group;
@@ -203,6 +215,16 @@ ArrayPtr random_uniform(rust::Slice<const int32_t> shape, Dtype dtype, const arr
 ArrayPtr random_normal(rust::Slice<const int32_t> shape, Dtype dtype, float loc, float scale,
                        const array& key);
 ArrayPtr random_categorical(const array& logits, int32_t axis, const array& key);
+
+// ---- arrays the host fills later (HostFill) ----
+// A [shape] dtype array, already queued (async_eval) on this thread's HostFill stream.
+std::unique_ptr<HostFill> host_fill_new(rust::Slice<const int32_t> shape, Dtype dtype,
+                                        double timeout_s);
+ArrayPtr host_fill_array(const HostFill& h);
+// The contents (exactly nbytes of the array); false if given already or cancelled.
+bool host_fill_provide(const HostFill& h, rust::Slice<const uint8_t> data);
+// Zeros, unless given already.
+void host_fill_cancel(const HostFill& h);
 
 // ---- distributed ----
 bool distributed_available(rust::Str backend);

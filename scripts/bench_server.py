@@ -116,6 +116,7 @@ def one_request(args, model, seed, response_format=None):
     last = None
     gaps = []
     tokens = 0
+    pieces = []
     while True:
         line = resp.readline()
         if not line:
@@ -134,6 +135,7 @@ def one_request(args, model, seed, response_format=None):
         for c in chunk.get("choices") or []:
             piece = c.get("text") if "text" in c else (c.get("delta") or {}).get("content")
             if piece:
+                pieces.append(piece)
                 now = time.perf_counter()
                 if ttft is None:
                     ttft = now - t0
@@ -141,6 +143,13 @@ def one_request(args, model, seed, response_format=None):
                     gaps.append(now - last)
                 last = now
     conn.close()
+    if response_format:
+        # the constrained output must be JSON (a cut one, at max_tokens, cannot be)
+        try:
+            json.loads("".join(pieces))
+        except ValueError:
+            if tokens < args.max_tokens:
+                raise RuntimeError("constrained output is not JSON: " + "".join(pieces)[:200])
     return ttft, gaps, tokens
 
 

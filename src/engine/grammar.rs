@@ -246,8 +246,16 @@ pub fn apply_masks(logits: &Array, masks: &[Option<&[u32]>]) -> Result<Array, Gr
         return Ok(logits.clone());
     }
     let w = v.div_ceil(32);
-    // rows without a mask allow everything; words past a mask's end allow nothing
-    let mut words = vec![u32::MAX; b * w];
+    let words = Array::from_slice(&mask_words(masks, v), &[b as i32, w as i32, 1])?;
+    apply_mask_words(logits, &words)
+}
+
+/// The bit sets of `masks` as one `[B, ⌈V/32⌉]` block of words (row-major), as
+/// [`apply_mask_words`] reads them: rows without a mask allow everything, words past a
+/// mask's end allow nothing.
+pub fn mask_words(masks: &[Option<&[u32]>], vocab: usize) -> Vec<u32> {
+    let w = vocab.div_ceil(32);
+    let mut words = vec![u32::MAX; masks.len() * w];
     for (row, m) in masks.iter().enumerate() {
         let Some(m) = m else { continue };
         let dst = &mut words[row * w..(row + 1) * w];
@@ -255,13 +263,21 @@ pub fn apply_masks(logits: &Array, masks: &[Option<&[u32]>]) -> Result<Array, Gr
         dst[..n].copy_from_slice(&m[..n]);
         dst[n..].fill(0);
     }
-    let words = Array::from_slice(&words, &[b as i32, w as i32, 1])?;
+    words
+}
+
+/// Logits `[B, V]` with every token whose bit is clear in `words` (uint32 `[B, ⌈V/32⌉,
+/// 1]`, bit t % 32 of word t / 32) set to −∞, the words expanded on the device.
+pub fn apply_mask_words(logits: &Array, words: &Array) -> Result<Array, GrammarError> {
+    let shape = logits.shape();
+    let (b, v) = (shape[0], shape[1] as usize);
+    let w = v.div_ceil(32);
     let shifts = Array::arange(0.0, 32.0, 1.0, mlx::Dtype::U32)?.reshape(&[1, 1, 32])?;
     let one = Array::from_slice(&[1u32], &[1])?;
     let keep = words
         .shr(&shifts)?
         .bitwise_and(&one)?
-        .reshape(&[b as i32, (w * 32) as i32])?
+        .reshape(&[b, (w * 32) as i32])?
         .slice_axis(1, 0, v as i32)?
         .astype(mlx::Dtype::Bool)?;
     let neg = Array::full(&[], f32::NEG_INFINITY, logits.dtype())?;

@@ -42,7 +42,7 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use super::blocks::{block_key, BlockManager};
 use super::generate::FinishReason;
-use super::grammar::{allowed_all, GrammarMatcher};
+use super::grammar::{allowed_all, GrammarError, GrammarMatcher};
 use super::sampler::SamplingParams;
 use super::step::{
     Executor, Fork, KvPool, SampledToken, SeqMask, SeqStart, SeqStep, StepError, StepPlan,
@@ -1086,16 +1086,33 @@ impl Scheduler {
     /// The token masks of the running constrained sequences among `ids`, and the ids of
     /// those whose grammar failed (they are failed and retired).
     fn grammar_masks(&mut self, ids: &[u64], obs: &dyn Observer) -> (Vec<SeqMask>, Vec<u64>) {
-        let mut masks = Vec::new();
-        let mut bad: Vec<(u64, String)> = Vec::new();
-        let (seq_ids, mut matchers): (Vec<u64>, Vec<&mut GrammarMatcher>) = self
-            .running
+        let (seq_ids, mut matchers) = self.constrained_matchers(ids);
+        // the masks of several sequences are computed on several threads
+        let results = allowed_all(&mut matchers);
+        self.finish_masks(seq_ids, results, obs)
+    }
+
+    /// The running constrained sequences among `ids`: their ids and grammars.
+    fn constrained_matchers(&mut self, ids: &[u64]) -> (Vec<u64>, Vec<&mut GrammarMatcher>) {
+        self.running
             .iter_mut()
             .filter(|s| ids.contains(&s.id))
             .filter_map(|s| Some((s.id, s.req.grammar.as_deref_mut()?)))
-            .unzip();
-        // the masks of several sequences are computed on several threads
-        for (id, r) in seq_ids.into_iter().zip(allowed_all(&mut matchers)) {
+            .unzip()
+    }
+
+    /// The masks of `results` (one per sequence of `seq_ids`, from
+    /// [`Scheduler::constrained_matchers`]); the sequences whose grammar failed are failed
+    /// and retired, and their ids returned.
+    fn finish_masks(
+        &mut self,
+        seq_ids: Vec<u64>,
+        results: Vec<Result<Vec<u32>, GrammarError>>,
+        obs: &dyn Observer,
+    ) -> (Vec<SeqMask>, Vec<u64>) {
+        let mut masks = Vec::new();
+        let mut bad: Vec<(u64, String)> = Vec::new();
+        for (id, r) in seq_ids.into_iter().zip(results) {
             match r {
                 Ok(allowed) => masks.push(SeqMask {
                     seq_id: id,
@@ -1199,7 +1216,11 @@ impl Scheduler {
     /// need the previous step's tokens: each step's forward pass is queued alone
     /// ([`Executor::queue_forward`]), and the masks are computed on the host while the
     /// device runs it (B's masks from A's tokens, just delivered), then its sampling is
-    /// queued ([`Executor::sample_queued`]), then C's forward, then B is read.
+    /// queued ([`Executor::sample_queued`]), then C's forward, then B is read. Where the
+    /// executor defers masks ([`Executor::defers_masks`], a GPU), B's sampling is queued
+    /// first, waiting on the device for its masks ([`Executor::sample_deferred`]), then
+    /// C's forward, and only then are B's masks computed and given
+    /// ([`Executor::provide_masks`]): building C no longer waits for the masks.
     fn step_pipelined(
         &mut self,
         exec: &mut dyn Executor,
@@ -1285,12 +1306,19 @@ impl Scheduler {
             Some(queued) => {
                 summary.decode = queued.len();
                 (|| {
+                    let mut sink = None;
                     if std::mem::take(&mut self.inflight_unsampled) {
-                        // the masks of the step in flight (from the tokens delivered
-                        // last), while the device runs its forward pass
-                        let (masks, _) =
-                            timed(obs, HostPart::Masks, || self.grammar_masks(&queued, obs));
-                        timed(obs, HostPart::Queue, || exec.sample_queued(&masks))?;
+                        if exec.defers_masks() {
+                            // its sampling waits on the device for the masks, which are
+                            // computed below while the next step is queued
+                            sink = Some(timed(obs, HostPart::Queue, || exec.sample_deferred())?);
+                        } else {
+                            // the masks of the step in flight (from the tokens delivered
+                            // last), while the device runs its forward pass
+                            let (masks, _) =
+                                timed(obs, HostPart::Masks, || self.grammar_masks(&queued, obs));
+                            timed(obs, HostPart::Queue, || exec.sample_queued(&masks))?;
+                        }
                     }
                     let rows = self.decode_rows();
                     let ids: Option<Vec<u64>> =
@@ -1300,14 +1328,60 @@ impl Scheduler {
                         && self.running.iter().all(|s| s.pipelinable(exec))
                         && self.all_may_continue()
                         && self.pipeline_shortfall() <= self.blocks.available();
-                    if go_on {
-                        let rows = rows.as_ref().expect("same rows as queued");
-                        let tables = self.pipeline_tables();
-                        let masked = self.running.iter().any(|s| s.req.grammar.is_some());
-                        timed(obs, HostPart::Queue, || match masked {
-                            true => exec.queue_forward(&ahead(rows), None, &tables),
-                            false => exec.queue_decode(&ahead(rows), None, &tables),
-                        })?;
+                    let next = match go_on {
+                        true => {
+                            let rows = ahead(rows.as_ref().expect("same rows as queued"));
+                            let masked = self.running.iter().any(|s| s.req.grammar.is_some());
+                            Some((rows, self.pipeline_tables(), masked))
+                        }
+                        false => None,
+                    };
+                    let queue_next = |exec: &mut dyn Executor| match &next {
+                        Some((rows, tables, true)) => exec.queue_forward(rows, None, tables),
+                        Some((rows, tables, false)) => exec.queue_decode(rows, None, tables),
+                        None => Ok(()),
+                    };
+                    match sink {
+                        None => timed(obs, HostPart::Queue, || queue_next(exec))?,
+                        Some(sink) => {
+                            // the masks on another thread while this one queues the next
+                            // step (there the sink gets them: on the CPU backend queueing
+                            // may wait for the sampling, which waits for them)
+                            let (seq_ids, mut matchers) = self.constrained_matchers(&queued);
+                            let ids = seq_ids.clone();
+                            let (queued_next, (results, given, secs)) =
+                                std::thread::scope(|scope| {
+                                    let masks = scope.spawn(move || {
+                                        let t = Instant::now();
+                                        let results = allowed_all(&mut matchers);
+                                        let masks: Vec<SeqMask> = ids
+                                            .iter()
+                                            .zip(&results)
+                                            .filter_map(|(&seq_id, r)| {
+                                                let allowed = r.as_ref().ok()?.clone();
+                                                Some(SeqMask { seq_id, allowed })
+                                            })
+                                            .collect();
+                                        let given = sink.provide(&masks);
+                                        (results, given, t.elapsed().as_secs_f64())
+                                    });
+                                    let queued_next =
+                                        timed(obs, HostPart::Queue, || queue_next(exec));
+                                    let masks = masks.join().unwrap_or_else(|_| {
+                                        let e = StepError::Rank("the mask thread panicked".into());
+                                        (Vec::new(), Err(e), 0.0)
+                                    });
+                                    (queued_next, masks)
+                                });
+                            obs.host_time(HostPart::Masks, secs);
+                            // (a sequence whose grammar failed is retired; its rows of the
+                            // steps in flight are dropped when their tokens are delivered)
+                            self.finish_masks(seq_ids, results, obs);
+                            queued_next?;
+                            given?;
+                        }
+                    }
+                    if let Some((_, _, masked)) = next {
                         self.inflight_unsampled = masked;
                         self.inflight = Some(queued.clone());
                     }
@@ -2461,7 +2535,7 @@ mod tests {
         )
         .0;
         // one constrained and one free sequence: (constrained events, free tokens, pipelined steps)
-        let run = |seed: u64, pipeline: bool| {
+        let run = |seed: u64, pipeline: bool, defer: bool| {
             let mut exec = LocalExecutor::new(
                 models::load(&md, LoadFormat::Safetensors, |_, _| {})
                     .unwrap()
@@ -2469,6 +2543,7 @@ mod tests {
                 2,
                 96,
             );
+            exec.worker.set_defer_masks(defer);
             let mut s = Scheduler::new(
                 SchedulerConfig {
                     slots: 2,
@@ -2508,7 +2583,7 @@ mod tests {
             (events, drain(&mut other_rx).0, pipelined, parts.0.take())
         };
         for seed in 0..4 {
-            let (events, other, none, parts) = run(seed, false);
+            let (events, other, none, parts) = run(seed, false, false);
             assert_eq!(none, 0);
             assert_eq!(parts, [0; 4], "no pipelined step, no host time by part");
             let text: String = events
@@ -2535,20 +2610,24 @@ mod tests {
                 "{events:?}"
             );
             assert_eq!(other, alone[0].0, "the unconstrained sequence");
-            let (p_events, p_other, n, parts) = run(seed, true);
-            assert_eq!(p_events, events, "seed {seed}: pipelined");
-            assert_eq!(p_other, other, "seed {seed}: pipelined, the free sequence");
-            // the constrained sequence's decode steps (after both prompts) were pipelined
-            assert!(
-                n >= 2,
-                "seed {seed}: only {n} steps were pipelined with the grammar"
-            );
-            // each pipelined step reported its masks, queueing, wait and delivery
-            for (part, count) in HostPart::ALL.iter().zip(parts) {
+            // pipelined, with the masks computed first or (deferred) while the next
+            // step is queued on top of the sampling that waits for them
+            for defer in [false, true] {
+                let (p_events, p_other, n, parts) = run(seed, true, defer);
+                assert_eq!(p_events, events, "seed {seed}: pipelined (defer {defer})");
+                assert_eq!(p_other, other, "seed {seed}: pipelined, the free sequence");
+                // the constrained sequence's decode steps (after both prompts) were pipelined
                 assert!(
-                    count as u64 >= n,
-                    "seed {seed}: {count} reports of {part:?} for {n} pipelined steps"
+                    n >= 2,
+                    "seed {seed}: only {n} steps were pipelined with the grammar"
                 );
+                // each pipelined step reported its masks, queueing, wait and delivery
+                for (part, count) in HostPart::ALL.iter().zip(parts) {
+                    assert!(
+                        count as u64 >= n,
+                        "seed {seed}: {count} reports of {part:?} for {n} pipelined steps"
+                    );
+                }
             }
         }
     }

@@ -14,9 +14,10 @@ use std::collections::HashMap;
 
 use serde::{Deserialize, Serialize};
 
-use super::grammar::apply_masks;
+use super::grammar::{apply_mask_words, apply_masks, mask_words};
 use super::sampler::{sample_batch_lazy, LazySample, SamplingParams, SequenceSampler};
 use crate::kernels;
+use crate::mlx::host_fill::HostFill;
 use crate::mlx::{self, Array};
 use crate::models::kv_cache::{KvCache, KvConfig, DEFAULT_BLOCK_SIZE};
 use crate::models::{ForwardError, Logits, Model, SeqInput, StepInput};
@@ -253,6 +254,17 @@ pub trait Executor {
     fn sample_queued(&mut self, _masks: &[SeqMask]) -> Result<(), StepError> {
         Err(StepError::Rank("no forward step queued".into()))
     }
+    /// Whether [`Executor::sample_deferred`] is available and worth it: on a GPU, where
+    /// the device can wait for masks that the host gives later.
+    fn defers_masks(&self) -> bool {
+        false
+    }
+    /// Like [`Executor::sample_queued`] with the masks given later, through the returned
+    /// [`MaskSink`] (from any thread): the sampling is queued now and waits on the device
+    /// for them, so the next step can be queued on top of it while the host computes them.
+    fn sample_deferred(&mut self) -> Result<MaskSink, StepError> {
+        Err(StepError::Rank("masks cannot be deferred here".into()))
+    }
     /// The tokens of the oldest queued decode step, in its row order (waits for it).
     fn take_sampled(&mut self) -> Result<Vec<SampledToken>, StepError> {
         Err(StepError::Rank("no decode step queued".into()))
@@ -283,7 +295,46 @@ pub struct Worker {
     sampling: bool,
     /// Pipelined decode steps queued and not yet read, oldest first.
     queued: std::collections::VecDeque<Queued>,
+    /// Whether constrained steps defer their masks ([`Executor::defers_masks`]).
+    defer_masks: bool,
 }
+
+/// Where the masks of a step sampled by [`Executor::sample_deferred`] go: its rows'
+/// sequence ids and the words' array the device waits for. Dropped without
+/// [`MaskSink::provide`], the step samples with no token allowed (its tokens are garbage:
+/// only for steps that are discarded).
+pub struct MaskSink {
+    ids: Vec<u64>,
+    words: HostFill,
+    vocab: usize,
+}
+
+impl MaskSink {
+    /// The step's masks (rows of constrained sequences; the others sample unmasked).
+    pub fn provide(self, masks: &[SeqMask]) -> Result<(), StepError> {
+        let rows: Vec<Option<&[u32]>> = self
+            .ids
+            .iter()
+            .map(|id| {
+                masks
+                    .iter()
+                    .find(|m| m.seq_id == *id)
+                    .map(|m| m.allowed.as_slice())
+            })
+            .collect();
+        if !self.words.provide(&mask_words(&rows, self.vocab))? {
+            return Err(StepError::Rank(format!(
+                "the masks came after the step stopped waiting for them ({} s)",
+                MASK_WAIT.as_secs()
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// How long a step sampled with deferred masks waits for them before sampling with none
+/// allowed (the host failed to give them; that step's tokens are discarded).
+const MASK_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
 
 impl Worker {
     /// A worker of `slots` sequences of `ctx_size` tokens over a KV pool of `kv`.
@@ -302,6 +353,7 @@ impl Worker {
             samplers: HashMap::new(),
             sampling,
             queued: std::collections::VecDeque::new(),
+            defer_masks: mlx::backend() != mlx::Backend::Cpu && kernels::knobs::get().defer_masks,
         }
     }
 
@@ -427,6 +479,49 @@ impl Worker {
             stage: Stage::Sampled(sample),
         });
         Ok(())
+    }
+
+    /// See [`Executor::defers_masks`]: on a GPU backend unless `MLXCEL_DEFER_MASKS=0`
+    /// (or as [`Worker::set_defer_masks`] says).
+    pub fn defers_masks(&self) -> bool {
+        self.defer_masks
+    }
+
+    /// Defer masks (see [`Executor::sample_deferred`]) or not, whatever the backend: on
+    /// the CPU only worth it to test the path (the masks must then come from another
+    /// thread than the one queueing steps, as the scheduler does).
+    pub fn set_defer_masks(&mut self, on: bool) {
+        self.defer_masks = on;
+    }
+
+    /// See [`Executor::sample_deferred`].
+    pub fn sample_deferred(&mut self) -> Result<MaskSink, StepError> {
+        let q = self
+            .queued
+            .pop_back()
+            .ok_or_else(|| StepError::Rank("no forward step queued".into()))?;
+        let Stage::Logits(logits) = q.stage else {
+            self.queued.push_back(q);
+            return Err(StepError::Rank(
+                "the newest queued step is sampled already".into(),
+            ));
+        };
+        let (b, vocab) = (logits.dim(0), logits.dim(1) as usize);
+        let words = HostFill::new::<u32>(&[b, vocab.div_ceil(32) as i32, 1], MASK_WAIT)?;
+        let masked = apply_mask_words(&logits, &words.array())
+            .map_err(|e| StepError::Params(e.to_string()))?;
+        let sample = self.sample_lazy(&q.seq_ids, &masked)?;
+        mlx::async_eval(&sample.arrays())?;
+        let sink = MaskSink {
+            ids: q.seq_ids.clone(),
+            words,
+            vocab,
+        };
+        self.queued.push_back(Queued {
+            seq_ids: q.seq_ids,
+            stage: Stage::Sampled(sample),
+        });
+        Ok(sink)
     }
 
     /// Queue the forward pass of one decode step (after setting `tables`), and its
@@ -869,6 +964,12 @@ impl Executor for LocalExecutor {
     }
     fn sample_queued(&mut self, masks: &[SeqMask]) -> Result<(), StepError> {
         self.worker.sample_queued(masks)
+    }
+    fn defers_masks(&self) -> bool {
+        self.worker.defers_masks()
+    }
+    fn sample_deferred(&mut self) -> Result<MaskSink, StepError> {
+        self.worker.sample_deferred()
     }
     fn take_sampled(&mut self) -> Result<Vec<SampledToken>, StepError> {
         self.worker.take_sampled()

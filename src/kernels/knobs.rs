@@ -48,6 +48,10 @@ pub struct Knobs {
     /// `MLXCEL_GEMV_DENSE`: mlxcel's dense GEMV kernel (with the quantized kernel's fusions)
     /// for bf16/f16 linears of decode steps on CUDA (`0`, the default: MLX's matmul).
     pub gemv_dense: bool,
+    /// `MLXCEL_DEFER_MASKS`: on a GPU, a constrained decode step's sampling and the next
+    /// forward pass are queued before its token masks exist (the device waits for them),
+    /// so the host computes the masks after building the next step (`0`: masks first).
+    pub defer_masks: bool,
     /// `MLXCEL_GEMV_SOURCE`: a dense GEMV kernel file read at run time instead of the
     /// embedded one.
     pub gemv_source: Option<PathBuf>,
@@ -70,6 +74,7 @@ impl Default for Knobs {
             vocab_parallel: true,
             addmm_residual: false,
             gemv_dense: false,
+            defer_masks: true,
             gemv_source: None,
         }
     }
@@ -167,6 +172,7 @@ impl Knobs {
         k.vocab_parallel = switch("MLXCEL_VOCAB_PARALLEL", k.vocab_parallel)?;
         k.addmm_residual = switch("MLXCEL_ADDMM_RESIDUAL", k.addmm_residual)?;
         k.gemv_dense = switch("MLXCEL_GEMV_DENSE", k.gemv_dense)?;
+        k.defer_masks = switch("MLXCEL_DEFER_MASKS", k.defer_masks)?;
         k.gemv_source = get("MLXCEL_GEMV_SOURCE")
             .filter(|v| !v.is_empty())
             .map(PathBuf::from);
@@ -205,6 +211,7 @@ impl Knobs {
             d.addmm_residual,
         );
         switch("MLXCEL_GEMV_DENSE", self.gemv_dense, d.gemv_dense);
+        switch("MLXCEL_DEFER_MASKS", self.defer_masks, d.defer_masks);
         if let Some(n) = self.qgemv_mma {
             out.push(format!("MLXCEL_QGEMV_MMA={n}"));
         }

@@ -133,6 +133,7 @@ pub(crate) mod ffi {
         type Array;
         type ArrayVec;
         type Group;
+        type HostFill;
 
         fn mlx_version() -> String;
         /// The file of the MLX library this process runs (empty if unknown).
@@ -389,5 +390,14 @@ pub(crate) mod ffi {
         fn group_size(g: &Group) -> i32;
         fn all_sum(x: &Array, g: &Group, s: &StreamRef) -> Result<UniquePtr<Array>>;
         fn all_gather(x: &Array, g: &Group, s: &StreamRef) -> Result<UniquePtr<Array>>;
+
+        fn host_fill_new(
+            shape: &[i32],
+            dtype: Dtype,
+            timeout_s: f64,
+        ) -> Result<UniquePtr<HostFill>>;
+        fn host_fill_array(h: &HostFill) -> UniquePtr<Array>;
+        fn host_fill_provide(h: &HostFill, data: &[u8]) -> Result<bool>;
+        fn host_fill_cancel(h: &HostFill);
     }
 }

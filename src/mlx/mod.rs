@@ -15,6 +15,7 @@ pub mod distributed;
 pub mod fast;
 mod ffi;
 pub mod graph;
+pub mod host_fill;
 pub mod kernel_cache;
 pub mod memory;
 mod ops;

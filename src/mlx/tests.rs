@@ -454,3 +454,49 @@ fn fast_ops_as_gpu_count_one_op_each() {
         0.0,
     );
 }
+
+/// A graph over a `HostFill` array is queued before its contents exist, and reads them
+/// once given. (On the CPU backend the graph's own ops wait behind the fill on MLX's
+/// task queue, and an evaluation that queues more than MLX's cap of 10 active tasks
+/// waits for them on the host, so the graph here is short; on a GPU its ops are the
+/// device's and do not count.)
+#[test]
+fn host_fill_contents_arrive_after_the_graph_is_queued() {
+    use std::time::Duration;
+    let h = host_fill::HostFill::new::<f32>(&[4], Duration::from_secs(30)).unwrap();
+    let mut y = h.array();
+    for _ in 0..8 {
+        y = y.add_scalar(1.0).unwrap();
+    }
+    async_eval(&[&y]).unwrap();
+    let data: Vec<f32> = (0..4).map(|i| i as f32 * 0.5).collect();
+    assert!(h.provide(&data).unwrap());
+    let want: Vec<f32> = data.iter().map(|x| x + 8.0).collect();
+    close(&y.to_vec::<f32>().unwrap(), &want, 0.0);
+}
+
+/// Unfilled (dropped, or past its timeout) the array holds zeros, and a late `provide`
+/// says so.
+#[test]
+fn host_fill_without_contents_is_zeros() {
+    use std::time::Duration;
+    let h = host_fill::HostFill::new::<u32>(&[2, 3], Duration::from_secs(30)).unwrap();
+    let a = h
+        .array()
+        .add(&Array::from_slice(&[7u32], &[1]).unwrap())
+        .unwrap();
+    drop(h);
+    assert_eq!(a.to_vec::<u32>().unwrap(), vec![7; 6]);
+    let h = host_fill::HostFill::new::<u32>(&[3], Duration::from_millis(10)).unwrap();
+    let a = h.array();
+    assert_eq!(a.to_vec::<u32>().unwrap(), vec![0; 3]);
+    assert!(
+        !h.provide(&[1u32, 2, 3]).unwrap(),
+        "given after the timeout"
+    );
+    // the wrong size is an error, and the array is still filled (with zeros) on drop
+    let h = host_fill::HostFill::new::<u32>(&[3], Duration::from_secs(30)).unwrap();
+    let a = h.array();
+    assert!(h.provide(&[1u32, 2]).is_err());
+    assert_eq!(a.to_vec::<u32>().unwrap(), vec![0; 3]);
+}
