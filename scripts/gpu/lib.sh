@@ -13,8 +13,10 @@ CK=${CKPT_DIR:-/root/ckpt}
 mkdir -p "$OUT" "$CK"
 export MLXCEL_CACHE=${MLXCEL_CACHE:-/root/.mlxcel-cache}
 TOK=$MLXCEL_CACHE/demo-llama-v2
-if [ -n "${KERNEL_CACHE_TGZ:-}" ] && [ -f "$KERNEL_CACHE_TGZ" ] && [ ! -d "$MLXCEL_CACHE/cuda-kernels" ]; then
-  mkdir -p "$MLXCEL_CACHE" && tar -C "$MLXCEL_CACHE" -xzf "$KERNEL_CACHE_TGZ" && echo "kernel cache from $KERNEL_CACHE_TGZ"
+# (once per box: entries compiled here already are kept)
+if [ -n "${KERNEL_CACHE_TGZ:-}" ] && [ -f "$KERNEL_CACHE_TGZ" ] && [ ! -f "$MLXCEL_CACHE/.kernel-cache-seeded" ]; then
+  mkdir -p "$MLXCEL_CACHE" && tar -C "$MLXCEL_CACHE" --skip-old-files -xzf "$KERNEL_CACHE_TGZ" &&
+    touch "$MLXCEL_CACHE/.kernel-cache-seeded" && echo "kernel cache from $KERNEL_CACHE_TGZ"
 fi
 # the compiled-kernel cache as a tarball under $OUT (to carry to the next box)
 save_kernel_cache() { [ -d "$MLXCEL_CACHE/cuda-kernels" ] && tar -C "$MLXCEL_CACHE" -czf "$OUT/kernel-cache.tgz" cuda-kernels; }

@@ -97,6 +97,7 @@ pub const VARS: &[&str] = &[
     "MLXCEL_ADDMM_RESIDUAL",
     "MLXCEL_GEMV_DENSE",
     "MLXCEL_GEMV_SOURCE",
+    "MLXCEL_DEFER_MASKS",
 ];
 
 /// A tuning variable with a value it cannot take.
