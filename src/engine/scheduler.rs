@@ -1217,7 +1217,7 @@ impl Scheduler {
     /// ([`Executor::queue_forward`]), and the masks are computed on the host while the
     /// device runs it (B's masks from A's tokens, just delivered), then its sampling is
     /// queued ([`Executor::sample_queued`]), then C's forward, then B is read. Where the
-    /// executor defers masks ([`Executor::defers_masks`], a GPU), B's sampling is queued
+    /// executor defers masks ([`Executor::defers_masks`], `MLXCEL_DEFER_MASKS=1` on a GPU), B's sampling is queued
     /// first, waiting on the device for its masks ([`Executor::sample_deferred`]), then
     /// C's forward, and only then are B's masks computed and given
     /// ([`Executor::provide_masks`]): building C no longer waits for the masks.

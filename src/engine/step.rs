@@ -481,8 +481,9 @@ impl Worker {
         Ok(())
     }
 
-    /// See [`Executor::defers_masks`]: on a GPU backend unless `MLXCEL_DEFER_MASKS=0`
-    /// (or as [`Worker::set_defer_masks`] says).
+    /// See [`Executor::defers_masks`]: on a GPU backend with `MLXCEL_DEFER_MASKS=1` (off
+    /// by default: on an H200 the deferred step never finished), or as
+    /// [`Worker::set_defer_masks`] says.
     pub fn defers_masks(&self) -> bool {
         self.defer_masks
     }

@@ -48,9 +48,10 @@ pub struct Knobs {
     /// `MLXCEL_GEMV_DENSE`: mlxcel's dense GEMV kernel (with the quantized kernel's fusions)
     /// for bf16/f16 linears of decode steps on CUDA (`0`, the default: MLX's matmul).
     pub gemv_dense: bool,
-    /// `MLXCEL_DEFER_MASKS`: on a GPU, a constrained decode step's sampling and the next
+    /// `MLXCEL_DEFER_MASKS=1`: on a GPU, a constrained decode step's sampling and the next
     /// forward pass are queued before its token masks exist (the device waits for them),
-    /// so the host computes the masks after building the next step (`0`: masks first).
+    /// and the masks are computed meanwhile on another thread. Off by default: on an H200
+    /// the first such step never finished (docs/tuning.md).
     pub defer_masks: bool,
     /// `MLXCEL_GEMV_SOURCE`: a dense GEMV kernel file read at run time instead of the
     /// embedded one.
@@ -74,7 +75,7 @@ impl Default for Knobs {
             vocab_parallel: true,
             addmm_residual: false,
             gemv_dense: false,
-            defer_masks: true,
+            defer_masks: false,
             gemv_source: None,
         }
     }
