@@ -3,6 +3,9 @@
 #   bash scripts/gpu/checks.sh all        # devices, fixtures on one GPU, ring and NCCL TP, demo generate
 #   bash scripts/gpu/checks.sh fixtures   # scripts/check_fixtures.py on one GPU
 #   bash scripts/gpu/checks.sh parity     # tp-parity of the 8B bf16 checkpoint, TP=${TP:-2}
+#   bash scripts/gpu/checks.sh host-fill  # tests/host_fill.rs on the GPU: HOST_FILL_TEST=its test binary
+#                                         # (here: `cargo test --release --test host_fill --no-run` prints
+#                                         # its path; copy it beside the release binaries)
 # Environment: see scripts/gpu/lib.sh.
 . "$(dirname "$0")/lib.sh"
 case "${1:-all}" in
@@ -24,6 +27,10 @@ all)
 fixtures)
   step "fixtures vs references, one GPU"
   timeout 200 python3 scripts/check_fixtures.py $B -n 12 2>&1 | tail -15 | tee "$OUT/fixtures.txt"
+  ;;
+host-fill)
+  step "HostFill feeding a GPU op (what MLXCEL_DEFER_MASKS=1 needs)"
+  timeout 60 "${HOST_FILL_TEST:-$(dirname "$B")/host_fill-test}" --nocapture 2>&1 | tail -8 | tee "$OUT/host-fill.txt"
   ;;
 parity)
   ckpt
