@@ -15,7 +15,8 @@
 #                                             # RUNS (default 3) times: mlxcel bench (8B 4-bit and bf16)
 #                                             # and the server (bench_server.py, concurrency 1 and 32;
 #                                             # bf16, or SERVER_MODEL: the old binary has no kernel
-#                                             # cache, and a 4-bit server warms up for ~2 minutes)
+#                                             # cache, and a 4-bit server warms up for ~2 minutes;
+#                                             # SERVER=0: the engine only)
 #   bash scripts/gpu/paged-kv.sh kernel       # scripts/check_attn.py at block sizes 32 and 64, and in float16
 #   bash scripts/gpu/paged-kv.sh builds       # decode at batch 32 of each build in BUILDS (mlxcel binaries,
 #                                             # e.g. the merges between old and new), 8B 4-bit; then
@@ -64,9 +65,10 @@ decode() {
     for m in "$Q4" "$BF"; do for bin in $O $B; do
       echo "$(basename $m) $(basename $bin) run $r: $(B=$bin bench_line X=1 "$m" 32 --load-format dummy)"
     done; done
+    [ "${SERVER:-1}" = 0 ] && continue
     for srv in $OS $NEW_S; do
       S=$srv serve "${SERVER_MODEL:-$BF}" $PORT --load-format dummy --parallel 32 &&
-        python3 scripts/bench_server.py --port $PORT --concurrency 1,32 --max-tokens 256 --rounds 2 > "$OUT/paged-decode-$r-$(basename $srv).json" &&
+        python3 scripts/bench_server.py --port $PORT --concurrency 1,32 --max-tokens 256 --rounds 2 --warmup 16 > "$OUT/paged-decode-$r-$(basename $srv).json" &&
         echo "server $(basename $srv) run $r:" && bench_summary "$OUT/paged-decode-$r-$(basename $srv).json"
       unserve
     done
