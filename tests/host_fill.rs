@@ -51,3 +51,37 @@ fn contents_given_from_another_thread_reach_a_queued_op() {
     }
     done.store(true, Ordering::SeqCst);
 }
+
+/// On CUDA: masks given from another thread into pinned host memory reach an op queued
+/// before them, through `kernels/mask_wait.cu` (what `MLXCEL_DEFER_MASKS=1` uses there);
+/// the flag of a later step waits for its own words. Off CUDA there is no such buffer.
+#[test]
+fn pinned_masks_reach_a_queued_op_on_cuda() {
+    use mlxcel::kernels::mask_wait::MaskBuffer;
+    let Some(buf) = MaskBuffer::new(8) else {
+        assert_ne!(mlx::backend(), mlx::Backend::Cuda, "CUDA has pinned memory");
+        return;
+    };
+    let done = watchdog("mask_wait", Duration::from_secs(40));
+    let buf = Arc::new(std::sync::Mutex::new(buf));
+    for seq in 1..=3u32 {
+        let words = buf.lock().unwrap().read(seq, 2, 4).unwrap();
+        let y = words
+            .add(&Array::from_slice(&[seq], &[1]).unwrap())
+            .unwrap();
+        mlx::async_eval(&[&y]).unwrap();
+        let data: Vec<u32> = (0..8).map(|i| i * 100 + seq).collect();
+        let giver = {
+            let (buf, data) = (buf.clone(), data.clone());
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(50));
+                buf.lock().unwrap().give(seq, &data).unwrap();
+            })
+        };
+        let got = y.to_vec::<u32>().unwrap();
+        giver.join().unwrap();
+        let want: Vec<u32> = data.iter().map(|x| x + seq).collect();
+        assert_eq!(got, want, "step {seq}");
+    }
+    done.store(true, Ordering::SeqCst);
+}

@@ -310,6 +310,21 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
             ),
         ));
     }
+    let mw = parts("kernels/mask_wait.cu", &["// @@body\n"]);
+    let name = "custom_kernel_mlxcel_mask_wait_test".to_string();
+    sources.push((
+        name.clone(),
+        mlx_source(
+            &name,
+            &mw[0],
+            &mw[1],
+            &[("src", "int64_t"), ("want", "uint32_t")],
+            &[],
+            &[("out", "uint32_t")],
+            "uint32_t",
+            &[("N", 32 * 1536)],
+        ),
+    ));
     for (name, src) in &sources {
         let cache_src = compile_source(src).expect("MLX's header line is replaced");
         let expr = format!("mlx::core::cu::{name}");

@@ -3,7 +3,7 @@
 #   bash scripts/gpu/checks.sh all        # devices, fixtures on one GPU, ring and NCCL TP, demo generate
 #   bash scripts/gpu/checks.sh fixtures   # scripts/check_fixtures.py on one GPU
 #   bash scripts/gpu/checks.sh parity     # tp-parity of the 8B bf16 checkpoint, TP=${TP:-2}
-#   bash scripts/gpu/checks.sh host-fill  # tests/host_fill.rs on the GPU: HOST_FILL_TEST=its test binary
+#   bash scripts/gpu/checks.sh host-fill  # tests/host_fill.rs on the GPU (HostFill, pinned masks): HOST_FILL_TEST=its test binary
 #                                         # (here: `cargo test --release --test host_fill --no-run` prints
 #                                         # its path; copy it beside the release binaries)
 # Environment: see scripts/gpu/lib.sh.

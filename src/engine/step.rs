@@ -11,12 +11,14 @@
 //! A plan may mix decodes (one token each, run as one batch) and several prefill
 //! chunks (run as one pass over all their tokens, see `Model::forward`).
 use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
 
 use super::grammar::{apply_mask_words, apply_masks, mask_words};
 use super::sampler::{sample_batch_lazy, LazySample, SamplingParams, SequenceSampler};
 use crate::kernels;
+use crate::kernels::mask_wait::MaskBuffer;
 use crate::mlx::host_fill::HostFill;
 use crate::mlx::{self, Array};
 use crate::models::kv_cache::{KvCache, KvConfig, DEFAULT_BLOCK_SIZE};
@@ -297,21 +299,40 @@ pub struct Worker {
     queued: std::collections::VecDeque<Queued>,
     /// Whether constrained steps defer their masks ([`Executor::defers_masks`]).
     defer_masks: bool,
+    /// On CUDA, the pinned memory deferred masks go through (made on first use), and the
+    /// flag value of the last deferred step.
+    mask_buffer: Option<Arc<Mutex<MaskBuffer>>>,
+    mask_seq: u32,
 }
 
 /// Where the masks of a step sampled by [`Executor::sample_deferred`] go: its rows'
-/// sequence ids and the words' array the device waits for. Dropped without
-/// [`MaskSink::provide`], the step samples with no token allowed (its tokens are garbage:
-/// only for steps that are discarded).
+/// sequence ids and what the device waits for. Dropped without [`MaskSink::provide`], the
+/// step samples with no token allowed (its tokens are garbage: only for steps that are
+/// discarded).
 pub struct MaskSink {
     ids: Vec<u64>,
-    words: HostFill,
     vocab: usize,
+    /// (taken by `provide`)
+    target: Option<MaskTarget>,
+}
+
+/// What a deferred step's sampling reads its masks from.
+enum MaskTarget {
+    /// An array filled by a task on a CPU stream (the CPU backend; see [`HostFill`]).
+    Fill(HostFill),
+    /// Pinned host memory read by mlxcel's kernel once the flag says `seq` (CUDA; see
+    /// [`kernels::mask_wait`]); `given` once the words are written.
+    Pinned {
+        buf: Arc<Mutex<MaskBuffer>>,
+        seq: u32,
+        words: usize,
+        given: bool,
+    },
 }
 
 impl MaskSink {
     /// The step's masks (rows of constrained sequences; the others sample unmasked).
-    pub fn provide(self, masks: &[SeqMask]) -> Result<(), StepError> {
+    pub fn provide(mut self, masks: &[SeqMask]) -> Result<(), StepError> {
         let rows: Vec<Option<&[u32]>> = self
             .ids
             .iter()
@@ -322,14 +343,50 @@ impl MaskSink {
                     .map(|m| m.allowed.as_slice())
             })
             .collect();
-        if !self.words.provide(&mask_words(&rows, self.vocab))? {
-            return Err(StepError::Rank(format!(
-                "the masks came after the step stopped waiting for them ({} s)",
-                MASK_WAIT.as_secs()
-            )));
+        let words = mask_words(&rows, self.vocab);
+        match self.target.as_mut() {
+            Some(MaskTarget::Pinned {
+                buf, seq, given, ..
+            }) => {
+                lock(buf).give(*seq, &words)?;
+                *given = true;
+                Ok(())
+            }
+            Some(MaskTarget::Fill(_)) => {
+                let Some(MaskTarget::Fill(fill)) = self.target.take() else {
+                    unreachable!("matched above")
+                };
+                if !fill.provide(&words)? {
+                    return Err(StepError::Rank(format!(
+                        "the masks came after the step stopped waiting for them ({} s)",
+                        MASK_WAIT.as_secs()
+                    )));
+                }
+                Ok(())
+            }
+            None => Err(StepError::Rank("the masks were given already".into())),
         }
-        Ok(())
     }
+}
+
+impl Drop for MaskSink {
+    fn drop(&mut self) {
+        // a pinned step never given its masks gets zeros now, so that the device does not
+        // wait for the kernel's timeout (a HostFill does the same on its own drop)
+        if let Some(MaskTarget::Pinned {
+            buf,
+            seq,
+            words,
+            given: false,
+        }) = &self.target
+        {
+            let _ = lock(buf).give(*seq, &vec![0; *words]);
+        }
+    }
+}
+
+fn lock(buf: &Mutex<MaskBuffer>) -> std::sync::MutexGuard<'_, MaskBuffer> {
+    buf.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// How long a step sampled with deferred masks waits for them before sampling with none
@@ -354,6 +411,8 @@ impl Worker {
             sampling,
             queued: std::collections::VecDeque::new(),
             defer_masks: mlx::backend() != mlx::Backend::Cpu && kernels::knobs::get().defer_masks,
+            mask_buffer: None,
+            mask_seq: 0,
         }
     }
 
@@ -482,8 +541,7 @@ impl Worker {
     }
 
     /// See [`Executor::defers_masks`]: on a GPU backend with `MLXCEL_DEFER_MASKS=1` (off
-    /// by default: on an H200 the deferred step never finished), or as
-    /// [`Worker::set_defer_masks`] says.
+    /// by default until measured there), or as [`Worker::set_defer_masks`] says.
     pub fn defers_masks(&self) -> bool {
         self.defer_masks
     }
@@ -493,6 +551,17 @@ impl Worker {
     /// thread than the one queueing steps, as the scheduler does).
     pub fn set_defer_masks(&mut self, on: bool) {
         self.defer_masks = on;
+    }
+
+    /// The pinned mask memory for `rows` rows of `words` words (CUDA only): room for
+    /// every slot's row, made once.
+    fn mask_buffer(&mut self, rows: usize, words: usize) -> Option<Arc<Mutex<MaskBuffer>>> {
+        if self.mask_buffer.is_none() && mlx::backend() == mlx::Backend::Cuda {
+            let cap = self.cache.slots().max(rows) * words;
+            self.mask_buffer = MaskBuffer::new(cap).map(|b| Arc::new(Mutex::new(b)));
+        }
+        let buf = self.mask_buffer.as_ref()?;
+        (lock(buf).capacity() >= rows * words).then(|| Arc::clone(buf))
     }
 
     /// See [`Executor::sample_deferred`].
@@ -508,15 +577,33 @@ impl Worker {
             ));
         };
         let (b, vocab) = (logits.dim(0), logits.dim(1) as usize);
-        let words = HostFill::new::<u32>(&[b, vocab.div_ceil(32) as i32, 1], MASK_WAIT)?;
-        let masked = apply_mask_words(&logits, &words.array())
-            .map_err(|e| StepError::Params(e.to_string()))?;
+        let w = vocab.div_ceil(32);
+        let (words, target) = match self.mask_buffer(b as usize, w) {
+            Some(buf) => {
+                self.mask_seq = self.mask_seq.wrapping_add(1);
+                let seq = self.mask_seq;
+                let words = lock(&buf).read(seq, b as usize, w)?;
+                let target = MaskTarget::Pinned {
+                    buf,
+                    seq,
+                    words: b as usize * w,
+                    given: false,
+                };
+                (words, target)
+            }
+            None => {
+                let fill = HostFill::new::<u32>(&[b, w as i32, 1], MASK_WAIT)?;
+                (fill.array(), MaskTarget::Fill(fill))
+            }
+        };
+        let masked =
+            apply_mask_words(&logits, &words).map_err(|e| StepError::Params(e.to_string()))?;
         let sample = self.sample_lazy(&q.seq_ids, &masked)?;
         mlx::async_eval(&sample.arrays())?;
         let sink = MaskSink {
             ids: q.seq_ids.clone(),
-            words,
             vocab,
+            target: Some(target),
         };
         self.queued.push_back(Queued {
             seq_ids: q.seq_ids,

@@ -50,8 +50,8 @@ pub struct Knobs {
     pub gemv_dense: bool,
     /// `MLXCEL_DEFER_MASKS=1`: on a GPU, a constrained decode step's sampling and the next
     /// forward pass are queued before its token masks exist (the device waits for them),
-    /// and the masks are computed meanwhile on another thread. Off by default: on an H200
-    /// the first such step never finished (docs/tuning.md).
+    /// and the masks are computed meanwhile on another thread. Off by default until
+    /// measured on a GPU (docs/tuning.md).
     pub defer_masks: bool,
     /// `MLXCEL_GEMV_SOURCE`: a dense GEMV kernel file read at run time instead of the
     /// embedded one.

@@ -5,6 +5,7 @@
 //! - [`qgemv`]: the quantized GEMV of decode steps, with fused epilogues;
 //! - [`gemv`]: the dense (bf16/f16) GEMV of decode steps, with the same fusions;
 //! - [`attn`]: the decode attention over the KV cache's pools;
+//! - [`mask_wait`]: a constrained step's token masks read from pinned host memory once given;
 //! - [`gpu`]: the GPU the launch tables are keyed by (architecture, SM count);
 //! - [`knobs`]: every tuning environment variable, parsed and validated once;
 //! - [`cache`]: compiled kernels kept in the cache folder between runs.
@@ -13,4 +14,5 @@ pub mod cache;
 pub mod gemv;
 pub mod gpu;
 pub mod knobs;
+pub mod mask_wait;
 pub mod qgemv;

@@ -1,0 +1,219 @@
+//! A constrained decode step's token masks given by the host after the step is queued,
+//! without MLX's CPU-to-GPU events: the host writes the masks' words and then a flag into
+//! page-locked memory the GPU can read (CUDA's `cudaHostAlloc`, mapped), and
+//! `kernels/mask_wait.cu`, queued where the sampling needs the masks, polls the flag
+//! and copies the words. The host needs no CUDA call to give them, so nothing it does can
+//! wait behind the polling kernel. (MLX's cross-stream event for this, a spinning kernel
+//! on managed memory signalled from a CPU stream, is known to lose updates and to block
+//! `cudaFree`: ml-explore/mlx #2229, #2391.) CUDA only; [`MaskBuffer::new`] says `None`
+//! elsewhere.
+use std::ffi::c_void;
+use std::sync::atomic::{fence, AtomicU32, Ordering};
+use std::sync::OnceLock;
+
+use super::qgemv::{fnv1a32, header_for_mlx};
+use crate::mlx::fast::CudaKernel;
+use crate::mlx::{self, Array, Backend, Dtype, Result};
+
+const SOURCE: &str = include_str!("../../kernels/mask_wait.cu");
+
+type HostAlloc = unsafe extern "C" fn(*mut *mut c_void, usize, u32) -> i32;
+type HostGetDevicePointer = unsafe extern "C" fn(*mut *mut c_void, *mut c_void, u32) -> i32;
+type FreeHost = unsafe extern "C" fn(*mut c_void) -> i32;
+
+/// The CUDA runtime's functions this module needs, from the process (MLX's CUDA backend
+/// loads the runtime library).
+struct Runtime {
+    alloc: HostAlloc,
+    device_pointer: HostGetDevicePointer,
+    free: FreeHost,
+}
+
+fn runtime() -> Option<&'static Runtime> {
+    static RT: OnceLock<Option<Runtime>> = OnceLock::new();
+    RT.get_or_init(|| {
+        let sym = |name: &[u8]| {
+            // SAFETY: `name` is NUL-terminated; RTLD_DEFAULT searches the loaded libraries.
+            let p = unsafe { libc::dlsym(libc::RTLD_DEFAULT, name.as_ptr().cast()) };
+            (!p.is_null()).then_some(p)
+        };
+        let (a, d, f) = (
+            sym(b"cudaHostAlloc\0")?,
+            sym(b"cudaHostGetDevicePointer\0")?,
+            sym(b"cudaFreeHost\0")?,
+        );
+        // SAFETY: the CUDA runtime's documented signatures.
+        unsafe {
+            Some(Runtime {
+                alloc: std::mem::transmute::<*mut c_void, HostAlloc>(a),
+                device_pointer: std::mem::transmute::<*mut c_void, HostGetDevicePointer>(d),
+                free: std::mem::transmute::<*mut c_void, FreeHost>(f),
+            })
+        }
+    })
+    .as_ref()
+}
+
+/// `cudaHostAllocPortable | cudaHostAllocMapped`.
+const HOST_ALLOC_FLAGS: u32 = 0x01 | 0x02;
+
+/// Page-locked host memory of one flag word and `capacity` mask words, mapped for the GPU,
+/// and the array of its device addresses the kernel reads (int64 `[2]`: flag, words).
+pub struct MaskBuffer {
+    host: *mut u32,
+    capacity: usize,
+    addresses: Array,
+    /// the flag's last value given
+    seq: u32,
+}
+
+// SAFETY: the buffer is plain host memory; `give` (one writer at a time: it takes
+// `&mut self`) writes the words, then the flag, as the kernel's protocol says.
+unsafe impl Send for MaskBuffer {}
+
+impl MaskBuffer {
+    /// Room for `capacity` words, or `None` off CUDA (or when the runtime refuses).
+    pub fn new(capacity: usize) -> Option<MaskBuffer> {
+        if mlx::backend() != Backend::Cuda {
+            return None;
+        }
+        let rt = runtime()?;
+        let bytes = 4 * (capacity + 1);
+        let mut host: *mut c_void = std::ptr::null_mut();
+        let mut dev: *mut c_void = std::ptr::null_mut();
+        // SAFETY: out-pointers to locals; the sizes are what is asked for.
+        unsafe {
+            if (rt.alloc)(&mut host, bytes, HOST_ALLOC_FLAGS) != 0 || host.is_null() {
+                return None;
+            }
+            if (rt.device_pointer)(&mut dev, host, 0) != 0 || dev.is_null() {
+                (rt.free)(host);
+                return None;
+            }
+            std::ptr::write_bytes(host.cast::<u8>(), 0, bytes);
+        }
+        let d = dev as u64;
+        let addresses = Array::from_slice(&[d as i64, (d + 4) as i64], &[2]).ok()?;
+        mlx::eval(&[&addresses]).ok()?;
+        Some(MaskBuffer {
+            host: host.cast(),
+            capacity,
+            addresses,
+            seq: 0,
+        })
+    }
+
+    /// Words it holds.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// The flag value the next [`MaskBuffer::read`] waits for.
+    pub fn next_seq(&self) -> u32 {
+        self.seq.wrapping_add(1)
+    }
+
+    /// A `[rows, words, 1]` uint32 array of the words given for flag value `seq` (queued:
+    /// the device waits for [`MaskBuffer::give`]). `rows · words` at most the capacity.
+    pub fn read(&self, seq: u32, rows: usize, words: usize) -> Result<Array> {
+        let n = rows * words;
+        if n > self.capacity {
+            return Err(mlx::MlxError::Invalid(format!(
+                "mask_wait: {n} words for a buffer of {}",
+                self.capacity
+            )));
+        }
+        static KERNEL: OnceLock<(String, String, String)> = OnceLock::new();
+        let (name, header, body) = KERNEL.get_or_init(|| {
+            let (_, rest) = SOURCE
+                .split_once("// @@header\n")
+                .expect("mask_wait.cu: @@header");
+            let (header, body) = rest
+                .split_once("// @@body\n")
+                .expect("mask_wait.cu: @@body");
+            let name = format!("mlxcel_mask_wait_{:08x}", fnv1a32(&[header, body]));
+            let header = header_for_mlx(&name, header);
+            (name, header, body.to_string())
+        });
+        static NAMES: OnceLock<([String; 2], [String; 1], [String; 1])> = OnceLock::new();
+        let (inputs, outputs, tnames) = NAMES.get_or_init(|| {
+            (
+                ["src", "want"].map(String::from),
+                ["out".to_string()],
+                ["N".to_string()],
+            )
+        });
+        let kernel = CudaKernel {
+            name,
+            input_names: inputs,
+            output_names: outputs,
+            header,
+            body,
+        };
+        let want = Array::from_slice(&[seq], &[1])?;
+        let threads = 256i32;
+        let blocks = (n.div_ceil(threads as usize) as i32).clamp(1, 64);
+        let mut out = kernel.call(
+            &[&self.addresses, &want],
+            &[&[rows as i32, words as i32, 1]],
+            Dtype::U32,
+            tnames,
+            &[n as i32],
+            Dtype::U32,
+            [blocks * threads, 1, 1],
+            [threads, 1, 1],
+        )?;
+        Ok(out.remove(0))
+    }
+
+    /// Give the words for flag value `seq` (at most the capacity; the rest is not read).
+    pub fn give(&mut self, seq: u32, words: &[u32]) -> Result<()> {
+        if words.len() > self.capacity {
+            return Err(mlx::MlxError::Invalid(format!(
+                "mask_wait: {} words for a buffer of {}",
+                words.len(),
+                self.capacity
+            )));
+        }
+        // SAFETY: `host` holds 1 + capacity words; the flag is word 0. The kernel reads the
+        // words only once it sees the flag at `seq`, which is stored after a fence.
+        unsafe {
+            std::ptr::copy_nonoverlapping(words.as_ptr(), self.host.add(1), words.len());
+            fence(Ordering::SeqCst);
+            (*self.host.cast::<AtomicU32>()).store(seq, Ordering::SeqCst);
+        }
+        self.seq = seq;
+        Ok(())
+    }
+}
+
+impl Drop for MaskBuffer {
+    fn drop(&mut self) {
+        if let Some(rt) = runtime() {
+            // SAFETY: allocated by `cudaHostAlloc` in `new`.
+            unsafe {
+                (rt.free)(self.host.cast());
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_kernel_file_has_its_markers() {
+        let (_, rest) = SOURCE.split_once("// @@header\n").unwrap();
+        let (header, body) = rest.split_once("// @@body\n").unwrap();
+        assert!(header.contains("mlxcel_globaltimer"));
+        assert!(body.contains("want[0]") && body.contains("src[1]"));
+    }
+
+    #[test]
+    fn no_buffer_off_cuda() {
+        if mlx::backend() != Backend::Cuda {
+            assert!(MaskBuffer::new(16).is_none());
+        }
+    }
+}
