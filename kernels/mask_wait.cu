@@ -2,14 +2,19 @@
 // the host has written them, so that the step's sampling (and the next forward pass) can be
 // queued before the masks exist: the device waits here, not the host before queueing.
 //
-//   src   int64 [2]    device addresses in the pinned buffer: [0] the flag (uint32),
-//                      [1] the words (uint32)
+//   src   int64 [3]    device addresses in the pinned buffer: [0] the flag (uint32),
+//                      [1] the words (uint32), [2] the word a block that gave up writes
+//                      `want` to
 //   want  uint32 [1]   the flag value that says this step's words are written
 //   out   uint32 [N]   the words
 // Thread 0 of every block polls the flag (volatile loads of host memory over the bus)
-// until it reaches `want` (compared modulo 2^32), or gives up after TIMEOUT_NS and the
-// block writes zeros (no token allowed; the host discards a step it never gave masks
-// to). The host writes the words, then a fence, then the flag. Template constant N.
+// until it reaches `want` (compared modulo 2^32), or gives up after
+// MLXCEL_MASK_TIMEOUT_NS: then it writes `want` to the give-up word, fences, and looks at
+// the flag once more; only if it is still not there does the block write zeros (no
+// token allowed). The host writes the words, fences, writes the flag, fences and reads
+// the give-up word: one side always sees the other's write, so a step whose masks came
+// too late is either read whole or reported to the host (which fails it). Template
+// constant N.
 // Compiled at run time by MLX (`fast::cuda_kernel`).
 // @@header
 __device__ __forceinline__ unsigned long long mlxcel_globaltimer() {
@@ -31,7 +36,13 @@ constexpr unsigned long long MLXCEL_MASK_TIMEOUT_NS = 30000000000ull;
         got = 1;
         break;
       }
-      if (mlxcel_globaltimer() - start > MLXCEL_MASK_TIMEOUT_NS) break;
+      if (mlxcel_globaltimer() - start > MLXCEL_MASK_TIMEOUT_NS) {
+        volatile uint32_t* gave_up = reinterpret_cast<volatile uint32_t*>(uintptr_t(src[2]));
+        *gave_up = w;
+        __threadfence_system();
+        got = int32_t(*flag - w) >= 0;
+        break;
+      }
       __nanosleep(500);
     }
     __threadfence_system();

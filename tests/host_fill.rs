@@ -30,7 +30,7 @@ fn contents_given_from_another_thread_reach_a_queued_op() {
     let done = watchdog("HostFill", Duration::from_secs(30));
     eprintln!("backend {:?}", mlx::backend());
     for round in 0..3u32 {
-        let h = HostFill::new::<u32>(&[2, 4], Duration::from_secs(20)).unwrap();
+        let mut h = HostFill::new::<u32>(&[2, 4], Duration::from_secs(20)).unwrap();
         let y = h
             .array()
             .add(&Array::from_slice(&[round], &[1]).unwrap())
@@ -75,7 +75,7 @@ fn pinned_masks_reach_a_queued_op_on_cuda() {
             let (buf, data) = (buf.clone(), data.clone());
             std::thread::spawn(move || {
                 std::thread::sleep(Duration::from_millis(50));
-                buf.lock().unwrap().give(seq, &data).unwrap();
+                assert!(buf.lock().unwrap().give(seq, &data).unwrap(), "in time");
             })
         };
         let got = y.to_vec::<u32>().unwrap();

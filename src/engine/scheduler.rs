@@ -142,7 +142,8 @@ pub enum Outcome {
 /// [`Observer::host_time`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum HostPart {
-    /// Computing the token masks of constrained sequences.
+    /// Computing the token masks of constrained sequences (with deferred masks, waiting
+    /// for the thread that computes them while this one queues the next step).
     Masks,
     /// Building steps and handing them to the device (forward passes, sampling).
     Queue,
@@ -1349,10 +1350,9 @@ impl Scheduler {
                             // may wait for the sampling, which waits for them)
                             let (seq_ids, mut matchers) = self.constrained_matchers(&queued);
                             let ids = seq_ids.clone();
-                            let (queued_next, (results, given, secs)) =
+                            let (queued_next, (results, given), secs) =
                                 std::thread::scope(|scope| {
                                     let masks = scope.spawn(move || {
-                                        let t = Instant::now();
                                         let results = allowed_all(&mut matchers);
                                         let masks: Vec<SeqMask> = ids
                                             .iter()
@@ -1363,15 +1363,18 @@ impl Scheduler {
                                             })
                                             .collect();
                                         let given = sink.provide(&masks);
-                                        (results, given, t.elapsed().as_secs_f64())
+                                        (results, given)
                                     });
                                     let queued_next =
                                         timed(obs, HostPart::Queue, || queue_next(exec));
+                                    // this thread's time waiting for the masks (what is
+                                    // left of them once the next step is queued)
+                                    let t = Instant::now();
                                     let masks = masks.join().unwrap_or_else(|_| {
                                         let e = StepError::Rank("the mask thread panicked".into());
-                                        (Vec::new(), Err(e), 0.0)
+                                        (Vec::new(), Err(e))
                                     });
-                                    (queued_next, masks)
+                                    (queued_next, masks, t.elapsed().as_secs_f64())
                                 });
                             obs.host_time(HostPart::Masks, secs);
                             // (a sequence whose grammar failed is retired; its rows of the

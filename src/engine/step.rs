@@ -312,7 +312,6 @@ pub struct Worker {
 pub struct MaskSink {
     ids: Vec<u64>,
     vocab: usize,
-    /// (taken by `provide`)
     target: Option<MaskTarget>,
 }
 
@@ -348,14 +347,17 @@ impl MaskSink {
             Some(MaskTarget::Pinned {
                 buf, seq, given, ..
             }) => {
-                lock(buf).give(*seq, &words)?;
+                let in_time = lock(buf).give(*seq, &words)?;
                 *given = true;
+                if !in_time {
+                    return Err(StepError::Rank(format!(
+                        "the masks came after the step stopped waiting for them ({} s)",
+                        kernels::mask_wait::TIMEOUT_SECS
+                    )));
+                }
                 Ok(())
             }
-            Some(MaskTarget::Fill(_)) => {
-                let Some(MaskTarget::Fill(fill)) = self.target.take() else {
-                    unreachable!("matched above")
-                };
+            Some(MaskTarget::Fill(fill)) => {
                 if !fill.provide(&words)? {
                     return Err(StepError::Rank(format!(
                         "the masks came after the step stopped waiting for them ({} s)",
@@ -369,16 +371,16 @@ impl MaskSink {
     }
 }
 
-impl Drop for MaskSink {
+impl Drop for MaskTarget {
     fn drop(&mut self) {
         // a pinned step never given its masks gets zeros now, so that the device does not
         // wait for the kernel's timeout (a HostFill does the same on its own drop)
-        if let Some(MaskTarget::Pinned {
+        if let MaskTarget::Pinned {
             buf,
             seq,
             words,
             given: false,
-        }) = &self.target
+        } = self
         {
             let _ = lock(buf).give(*seq, &vec![0; *words]);
         }
@@ -404,16 +406,20 @@ impl Worker {
     ) -> Worker {
         let cache = model.new_paged_cache(slots, ctx_size, kv);
         fit_allocator(mlx::memory::active() + cache.full_bytes());
-        Worker {
+        let mut w = Worker {
             model,
             cache,
             samplers: HashMap::new(),
             sampling,
             queued: std::collections::VecDeque::new(),
-            defer_masks: mlx::backend() != mlx::Backend::Cpu && kernels::knobs::get().defer_masks,
+            defer_masks: false,
             mask_buffer: None,
             mask_seq: 0,
+        };
+        if mlx::backend() != mlx::Backend::Cpu && kernels::knobs::get().defer_masks {
+            w.set_defer_masks(true);
         }
+        w
     }
 
     /// Run a decode step (then forget it) at each batch size up to one past the quantized
@@ -548,18 +554,26 @@ impl Worker {
 
     /// Defer masks (see [`Executor::sample_deferred`]) or not, whatever the backend: on
     /// the CPU only worth it to test the path (the masks must then come from another
-    /// thread than the one queueing steps, as the scheduler does).
+    /// thread than the one queueing steps, as the scheduler does). On CUDA the masks go
+    /// through pinned host memory, made here for every slot's row: without it (no CUDA
+    /// runtime found, or the allocation refused) masks are not deferred.
     pub fn set_defer_masks(&mut self, on: bool) {
         self.defer_masks = on;
+        if on && mlx::backend() == mlx::Backend::Cuda && self.mask_buffer.is_none() {
+            let words = self.cache.slots().max(1) * self.model.cfg.vocab_size.div_ceil(32);
+            self.mask_buffer = MaskBuffer::new(words).map(|b| Arc::new(Mutex::new(b)));
+            if self.mask_buffer.is_none() {
+                tracing::warn!(
+                    "MLXCEL_DEFER_MASKS: no pinned host memory for {words} mask words; \
+                     constrained steps compute their masks first"
+                );
+                self.defer_masks = false;
+            }
+        }
     }
 
-    /// The pinned mask memory for `rows` rows of `words` words (CUDA only): room for
-    /// every slot's row, made once.
-    fn mask_buffer(&mut self, rows: usize, words: usize) -> Option<Arc<Mutex<MaskBuffer>>> {
-        if self.mask_buffer.is_none() && mlx::backend() == mlx::Backend::Cuda {
-            let cap = self.cache.slots().max(rows) * words;
-            self.mask_buffer = MaskBuffer::new(cap).map(|b| Arc::new(Mutex::new(b)));
-        }
+    /// The pinned mask memory for `rows` rows of `words` words (CUDA: `None` elsewhere).
+    fn mask_buffer(&self, rows: usize, words: usize) -> Option<Arc<Mutex<MaskBuffer>>> {
         let buf = self.mask_buffer.as_ref()?;
         (lock(buf).capacity() >= rows * words).then(|| Arc::clone(buf))
     }
@@ -590,6 +604,16 @@ impl Worker {
                     given: false,
                 };
                 (words, target)
+            }
+            // (MLX's CPU-stream-to-GPU event is not used on CUDA: see kernels::mask_wait)
+            None if mlx::backend() == mlx::Backend::Cuda => {
+                self.queued.push_back(Queued {
+                    seq_ids: q.seq_ids,
+                    stage: Stage::Logits(logits),
+                });
+                return Err(StepError::Rank(format!(
+                    "deferred masks: no pinned buffer for {b} rows of {w} words"
+                )));
             }
             None => {
                 let fill = HostFill::new::<u32>(&[b, w as i32, 1], MASK_WAIT)?;

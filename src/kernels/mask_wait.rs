@@ -54,11 +54,21 @@ fn runtime() -> Option<&'static Runtime> {
     .as_ref()
 }
 
+/// Whether this process can make a [`MaskBuffer`]: CUDA, with the runtime's functions.
+pub fn available() -> bool {
+    mlx::backend() == Backend::Cuda && runtime().is_some()
+}
+
 /// `cudaHostAllocPortable | cudaHostAllocMapped`.
 const HOST_ALLOC_FLAGS: u32 = 0x01 | 0x02;
 
-/// Page-locked host memory of one flag word and `capacity` mask words, mapped for the GPU,
-/// and the array of its device addresses the kernel reads (int64 `[2]`: flag, words).
+/// How long the kernel waits for the host before giving up (`MLXCEL_MASK_TIMEOUT_NS` in
+/// `kernels/mask_wait.cu`).
+pub const TIMEOUT_SECS: u64 = 30;
+
+/// Page-locked host memory of a flag word, a give-up word and `capacity` mask words,
+/// mapped for the GPU, and the array of its device addresses the kernel reads (int64
+/// `[3]`: flag, words, give-up word).
 pub struct MaskBuffer {
     host: *mut u32,
     capacity: usize,
@@ -78,7 +88,7 @@ impl MaskBuffer {
             return None;
         }
         let rt = runtime()?;
-        let bytes = 4 * (capacity + 1);
+        let bytes = 4 * (capacity + 2);
         let mut host: *mut c_void = std::ptr::null_mut();
         let mut dev: *mut c_void = std::ptr::null_mut();
         // SAFETY: out-pointers to locals; the sizes are what is asked for.
@@ -93,7 +103,8 @@ impl MaskBuffer {
             std::ptr::write_bytes(host.cast::<u8>(), 0, bytes);
         }
         let d = dev as u64;
-        let addresses = Array::from_slice(&[d as i64, (d + 4) as i64], &[2]).ok()?;
+        let addresses =
+            Array::from_slice(&[d as i64, (d + 8) as i64, (d + 4) as i64], &[3]).ok()?;
         mlx::eval(&[&addresses]).ok()?;
         Some(MaskBuffer {
             host: host.cast(),
@@ -106,11 +117,6 @@ impl MaskBuffer {
     /// Words it holds.
     pub fn capacity(&self) -> usize {
         self.capacity
-    }
-
-    /// The flag value the next [`MaskBuffer::read`] waits for.
-    pub fn next_seq(&self) -> u32 {
-        self.seq.wrapping_add(1)
     }
 
     /// A `[rows, words, 1]` uint32 array of the words given for flag value `seq` (queued:
@@ -167,7 +173,8 @@ impl MaskBuffer {
     }
 
     /// Give the words for flag value `seq` (at most the capacity; the rest is not read).
-    pub fn give(&mut self, seq: u32, words: &[u32]) -> Result<()> {
+    /// `Ok(false)` when the kernel had given up waiting for them (its step read zeros).
+    pub fn give(&mut self, seq: u32, words: &[u32]) -> Result<bool> {
         if words.len() > self.capacity {
             return Err(mlx::MlxError::Invalid(format!(
                 "mask_wait: {} words for a buffer of {}",
@@ -175,15 +182,19 @@ impl MaskBuffer {
                 self.capacity
             )));
         }
-        // SAFETY: `host` holds 1 + capacity words; the flag is word 0. The kernel reads the
-        // words only once it sees the flag at `seq`, which is stored after a fence.
-        unsafe {
-            std::ptr::copy_nonoverlapping(words.as_ptr(), self.host.add(1), words.len());
+        // SAFETY: `host` holds the flag (word 0), the give-up word (1) and capacity words
+        // from word 2. The kernel reads the words only once it sees the flag at `seq`,
+        // which is stored after a fence; the give-up word is read after another, so either
+        // the kernel saw the flag or this sees that it gave up (kernels/mask_wait.cu).
+        let gave_up = unsafe {
+            std::ptr::copy_nonoverlapping(words.as_ptr(), self.host.add(2), words.len());
             fence(Ordering::SeqCst);
             (*self.host.cast::<AtomicU32>()).store(seq, Ordering::SeqCst);
-        }
+            fence(Ordering::SeqCst);
+            (*self.host.add(1).cast::<AtomicU32>()).load(Ordering::SeqCst)
+        };
         self.seq = seq;
-        Ok(())
+        Ok(gave_up != seq)
     }
 }
 

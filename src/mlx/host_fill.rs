@@ -46,8 +46,8 @@ impl HostFill {
     }
 
     /// Give the contents: exactly the array's elements, of its type. `Ok(false)` when the
-    /// wait had ended already (the timeout: the array holds zeros).
-    pub fn provide<T: Element>(mut self, data: &[T]) -> Result<bool> {
+    /// wait had ended already (the timeout: the array holds zeros), or they were given.
+    pub fn provide<T: Element>(&mut self, data: &[T]) -> Result<bool> {
         // SAFETY: T is a plain numeric type (or bool, one byte 0/1), so its bytes are initialised.
         let bytes = unsafe {
             std::slice::from_raw_parts(data.as_ptr() as *const u8, std::mem::size_of_val(data))

@@ -463,7 +463,7 @@ fn fast_ops_as_gpu_count_one_op_each() {
 #[test]
 fn host_fill_contents_arrive_after_the_graph_is_queued() {
     use std::time::Duration;
-    let h = host_fill::HostFill::new::<f32>(&[4], Duration::from_secs(30)).unwrap();
+    let mut h = host_fill::HostFill::new::<f32>(&[4], Duration::from_secs(30)).unwrap();
     let mut y = h.array();
     for _ in 0..8 {
         y = y.add_scalar(1.0).unwrap();
@@ -487,7 +487,7 @@ fn host_fill_without_contents_is_zeros() {
         .unwrap();
     drop(h);
     assert_eq!(a.to_vec::<u32>().unwrap(), vec![7; 6]);
-    let h = host_fill::HostFill::new::<u32>(&[3], Duration::from_millis(10)).unwrap();
+    let mut h = host_fill::HostFill::new::<u32>(&[3], Duration::from_millis(10)).unwrap();
     let a = h.array();
     assert_eq!(a.to_vec::<u32>().unwrap(), vec![0; 3]);
     assert!(
@@ -495,8 +495,9 @@ fn host_fill_without_contents_is_zeros() {
         "given after the timeout"
     );
     // the wrong size is an error, and the array is still filled (with zeros) on drop
-    let h = host_fill::HostFill::new::<u32>(&[3], Duration::from_secs(30)).unwrap();
+    let mut h = host_fill::HostFill::new::<u32>(&[3], Duration::from_secs(30)).unwrap();
     let a = h.array();
     assert!(h.provide(&[1u32, 2]).is_err());
+    drop(h);
     assert_eq!(a.to_vec::<u32>().unwrap(), vec![0; 3]);
 }

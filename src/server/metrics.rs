@@ -335,7 +335,7 @@ impl Metrics {
         );
         let _ = writeln!(
             out,
-            "# HELP mlxcel:decode_host_seconds_total Engine-thread time of pipelined decode steps, by part: masks (constrained sequences' token masks), queue (building steps and handing them to the device), wait (for a step's tokens), deliver (grammar advance, stop checks, events).\n# TYPE mlxcel:decode_host_seconds_total counter"
+            "# HELP mlxcel:decode_host_seconds_total Engine-thread time of pipelined decode steps, by part: masks (constrained sequences' token masks; deferred, the wait for the thread computing them), queue (building steps and handing them to the device), wait (for a step's tokens), deliver (grammar advance, stop checks, events).\n# TYPE mlxcel:decode_host_seconds_total counter"
         );
         for (part, v) in HostPart::ALL.iter().zip(&self.host_nanos) {
             let _ = writeln!(
