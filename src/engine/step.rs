@@ -556,7 +556,7 @@ impl Worker {
     /// the CPU only worth it to test the path (the masks must then come from another
     /// thread than the one queueing steps, as the scheduler does). On CUDA the masks go
     /// through pinned host memory, made here for every slot's row: without it (no CUDA
-    /// runtime found, or the allocation refused) masks are not deferred.
+    /// driver functions found, or the allocation refused) masks are not deferred.
     pub fn set_defer_masks(&mut self, on: bool) {
         self.defer_masks = on;
         if on && mlx::backend() == mlx::Backend::Cuda && self.mask_buffer.is_none() {

@@ -1,6 +1,6 @@
 //! A constrained decode step's token masks given by the host after the step is queued,
 //! without MLX's CPU-to-GPU events: the host writes the masks' words and then a flag into
-//! page-locked memory the GPU can read (CUDA's `cudaHostAlloc`, mapped), and
+//! page-locked memory the GPU can read (the CUDA driver's `cuMemHostAlloc`, mapped), and
 //! `kernels/mask_wait.cu`, queued where the sampling needs the masks, polls the flag
 //! and copies the words. The host needs no CUDA call to give them, so nothing it does can
 //! wait behind the polling kernel. (MLX's cross-stream event for this, a spinning kernel
@@ -17,49 +17,101 @@ use crate::mlx::{self, Array, Backend, Dtype, Result};
 
 const SOURCE: &str = include_str!("../../kernels/mask_wait.cu");
 
-type HostAlloc = unsafe extern "C" fn(*mut *mut c_void, usize, u32) -> i32;
-type HostGetDevicePointer = unsafe extern "C" fn(*mut *mut c_void, *mut c_void, u32) -> i32;
-type FreeHost = unsafe extern "C" fn(*mut c_void) -> i32;
+type MemHostAlloc = unsafe extern "C" fn(*mut *mut c_void, usize, u32) -> i32;
+type MemHostGetDevicePointer = unsafe extern "C" fn(*mut u64, *mut c_void, u32) -> i32;
+type MemFreeHost = unsafe extern "C" fn(*mut c_void) -> i32;
+type CtxGetCurrent = unsafe extern "C" fn(*mut *mut c_void) -> i32;
+type DeviceGet = unsafe extern "C" fn(*mut i32, i32) -> i32;
+type PrimaryCtxRetain = unsafe extern "C" fn(*mut *mut c_void, i32) -> i32;
+type CtxSetCurrent = unsafe extern "C" fn(*mut c_void) -> i32;
 
-/// The CUDA runtime's functions this module needs, from the process (MLX's CUDA backend
-/// loads the runtime library).
-struct Runtime {
-    alloc: HostAlloc,
-    device_pointer: HostGetDevicePointer,
-    free: FreeHost,
+/// The CUDA driver's functions this module needs, from `libcuda.so.1` (which MLX's CUDA
+/// backend links; its runtime is static, so the runtime's own `cudaHostAlloc` is not
+/// reachable).
+struct Driver {
+    alloc: MemHostAlloc,
+    device_pointer: MemHostGetDevicePointer,
+    free: MemFreeHost,
+    ctx_get_current: CtxGetCurrent,
+    device_get: DeviceGet,
+    primary_ctx_retain: PrimaryCtxRetain,
+    ctx_set_current: CtxSetCurrent,
 }
 
-fn runtime() -> Option<&'static Runtime> {
-    static RT: OnceLock<Option<Runtime>> = OnceLock::new();
-    RT.get_or_init(|| {
-        let sym = |name: &[u8]| {
-            // SAFETY: `name` is NUL-terminated; RTLD_DEFAULT searches the loaded libraries.
-            let p = unsafe { libc::dlsym(libc::RTLD_DEFAULT, name.as_ptr().cast()) };
-            (!p.is_null()).then_some(p)
-        };
-        let (a, d, f) = (
-            sym(b"cudaHostAlloc\0")?,
-            sym(b"cudaHostGetDevicePointer\0")?,
-            sym(b"cudaFreeHost\0")?,
-        );
-        // SAFETY: the CUDA runtime's documented signatures.
+fn driver() -> Option<&'static Driver> {
+    static DRIVER: OnceLock<Option<Driver>> = OnceLock::new();
+    DRIVER
+        .get_or_init(|| {
+            // SAFETY: NUL-terminated names; a handle of a library this process has loaded
+            // (RTLD_NOLOAD) or loads now, never closed.
+            let lib = unsafe {
+                let name = b"libcuda.so.1\0".as_ptr().cast();
+                let h = libc::dlopen(name, libc::RTLD_NOW | libc::RTLD_NOLOAD);
+                if h.is_null() {
+                    libc::dlopen(name, libc::RTLD_NOW)
+                } else {
+                    h
+                }
+            };
+            if lib.is_null() {
+                return None;
+            }
+            let sym = |name: &[u8]| {
+                // SAFETY: `name` is NUL-terminated, `lib` a live handle.
+                let p = unsafe { libc::dlsym(lib, name.as_ptr().cast()) };
+                (!p.is_null()).then_some(p)
+            };
+            // SAFETY: the CUDA driver's documented signatures (cuda.h).
+            unsafe {
+                Some(Driver {
+                    alloc: std::mem::transmute::<*mut c_void, MemHostAlloc>(sym(
+                        b"cuMemHostAlloc\0",
+                    )?),
+                    device_pointer: std::mem::transmute::<*mut c_void, MemHostGetDevicePointer>(
+                        sym(b"cuMemHostGetDevicePointer_v2\0")?,
+                    ),
+                    free: std::mem::transmute::<*mut c_void, MemFreeHost>(sym(b"cuMemFreeHost\0")?),
+                    ctx_get_current: std::mem::transmute::<*mut c_void, CtxGetCurrent>(sym(
+                        b"cuCtxGetCurrent\0",
+                    )?),
+                    device_get: std::mem::transmute::<*mut c_void, DeviceGet>(sym(
+                        b"cuDeviceGet\0",
+                    )?),
+                    primary_ctx_retain: std::mem::transmute::<*mut c_void, PrimaryCtxRetain>(sym(
+                        b"cuDevicePrimaryCtxRetain\0",
+                    )?),
+                    ctx_set_current: std::mem::transmute::<*mut c_void, CtxSetCurrent>(sym(
+                        b"cuCtxSetCurrent\0",
+                    )?),
+                })
+            }
+        })
+        .as_ref()
+}
+
+impl Driver {
+    /// Make device 0's primary context (MLX's) current on this thread if none is.
+    fn ensure_context(&self) -> bool {
+        let mut ctx: *mut c_void = std::ptr::null_mut();
+        // SAFETY: out-pointers to locals.
         unsafe {
-            Some(Runtime {
-                alloc: std::mem::transmute::<*mut c_void, HostAlloc>(a),
-                device_pointer: std::mem::transmute::<*mut c_void, HostGetDevicePointer>(d),
-                free: std::mem::transmute::<*mut c_void, FreeHost>(f),
-            })
+            if (self.ctx_get_current)(&mut ctx) == 0 && !ctx.is_null() {
+                return true;
+            }
+            let mut dev = 0i32;
+            (self.device_get)(&mut dev, 0) == 0
+                && (self.primary_ctx_retain)(&mut ctx, dev) == 0
+                && (self.ctx_set_current)(ctx) == 0
         }
-    })
-    .as_ref()
+    }
 }
 
-/// Whether this process can make a [`MaskBuffer`]: CUDA, with the runtime's functions.
+/// Whether this process can make a [`MaskBuffer`]: CUDA, with the driver's functions.
 pub fn available() -> bool {
-    mlx::backend() == Backend::Cuda && runtime().is_some()
+    mlx::backend() == Backend::Cuda && driver().is_some()
 }
 
-/// `cudaHostAllocPortable | cudaHostAllocMapped`.
+/// `CU_MEMHOSTALLOC_PORTABLE | CU_MEMHOSTALLOC_DEVICEMAP`.
 const HOST_ALLOC_FLAGS: u32 = 0x01 | 0x02;
 
 /// How long the kernel waits for the host before giving up (`MLXCEL_MASK_TIMEOUT_NS` in
@@ -87,22 +139,25 @@ impl MaskBuffer {
         if mlx::backend() != Backend::Cuda {
             return None;
         }
-        let rt = runtime()?;
+        let drv = driver()?;
+        if !drv.ensure_context() {
+            return None;
+        }
         let bytes = 4 * (capacity + 2);
         let mut host: *mut c_void = std::ptr::null_mut();
-        let mut dev: *mut c_void = std::ptr::null_mut();
+        let mut dev: u64 = 0;
         // SAFETY: out-pointers to locals; the sizes are what is asked for.
         unsafe {
-            if (rt.alloc)(&mut host, bytes, HOST_ALLOC_FLAGS) != 0 || host.is_null() {
+            if (drv.alloc)(&mut host, bytes, HOST_ALLOC_FLAGS) != 0 || host.is_null() {
                 return None;
             }
-            if (rt.device_pointer)(&mut dev, host, 0) != 0 || dev.is_null() {
-                (rt.free)(host);
+            if (drv.device_pointer)(&mut dev, host, 0) != 0 || dev == 0 {
+                (drv.free)(host);
                 return None;
             }
             std::ptr::write_bytes(host.cast::<u8>(), 0, bytes);
         }
-        let d = dev as u64;
+        let d = dev;
         let addresses =
             Array::from_slice(&[d as i64, (d + 8) as i64, (d + 4) as i64], &[3]).ok()?;
         mlx::eval(&[&addresses]).ok()?;
@@ -200,10 +255,10 @@ impl MaskBuffer {
 
 impl Drop for MaskBuffer {
     fn drop(&mut self) {
-        if let Some(rt) = runtime() {
-            // SAFETY: allocated by `cudaHostAlloc` in `new`.
+        if let Some(drv) = driver() {
+            // SAFETY: allocated by `cuMemHostAlloc` in `new`.
             unsafe {
-                (rt.free)(self.host.cast());
+                (drv.free)(self.host.cast());
             }
         }
     }
