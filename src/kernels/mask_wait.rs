@@ -45,7 +45,7 @@ fn driver() -> Option<&'static Driver> {
             // SAFETY: NUL-terminated names; a handle of a library this process has loaded
             // (RTLD_NOLOAD) or loads now, never closed.
             let lib = unsafe {
-                let name = b"libcuda.so.1\0".as_ptr().cast();
+                let name = c"libcuda.so.1".as_ptr();
                 let h = libc::dlopen(name, libc::RTLD_NOW | libc::RTLD_NOLOAD);
                 if h.is_null() {
                     libc::dlopen(name, libc::RTLD_NOW)
