@@ -17,13 +17,36 @@
 // constant N.
 // Compiled at run time by MLX (`fast::cuda_kernel`).
 // @@header
+// (on the CPU, for tests/mask_wait_emulated.rs: a steady clock, a yield, a C++ fence)
 __device__ __forceinline__ unsigned long long mlxcel_globaltimer() {
+#if defined(__CUDA_ARCH__)
   unsigned long long t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
+#else
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+#endif
 }
-// how long a block waits for the host (30 s)
-constexpr unsigned long long MLXCEL_MASK_TIMEOUT_NS = 30000000000ull;
+__device__ __forceinline__ void mlxcel_poll_pause() {
+#if defined(__CUDA_ARCH__)
+  __nanosleep(500);
+#else
+  std::this_thread::yield();
+#endif
+}
+__device__ __forceinline__ void mlxcel_fence_system() {
+#if defined(__CUDA_ARCH__)
+  __threadfence_system();
+#else
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+#endif
+}
+// how long a block waits for the host (30 s; kernels::mask_wait::TIMEOUT_SECS)
+#ifndef MLXCEL_MASK_TIMEOUT_NS
+#define MLXCEL_MASK_TIMEOUT_NS 30000000000ull
+#endif
 // @@body
   __shared__ int ok;
   if (threadIdx.x == 0) {
@@ -39,13 +62,13 @@ constexpr unsigned long long MLXCEL_MASK_TIMEOUT_NS = 30000000000ull;
       if (mlxcel_globaltimer() - start > MLXCEL_MASK_TIMEOUT_NS) {
         volatile uint32_t* gave_up = reinterpret_cast<volatile uint32_t*>(uintptr_t(src[2]));
         *gave_up = w;
-        __threadfence_system();
+        mlxcel_fence_system();
         got = int32_t(*flag - w) >= 0;
         break;
       }
-      __nanosleep(500);
+      mlxcel_poll_pause();
     }
-    __threadfence_system();
+    mlxcel_fence_system();
     ok = got;
   }
   __syncthreads();
