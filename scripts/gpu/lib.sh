@@ -86,7 +86,14 @@ serve() {
     kill -0 $spid 2>/dev/null || { echo "server exited:"; tail -5 "$OUT/server-$port.log"; return 1; }; sleep 1; done
   grep -o "warmed up.*" "$OUT/server-$port.log" | head -1
 }
-unserve() { kill -TERM $spid; wait $spid; echo "server exit: $?"; }
+# stop it: SIGTERM, then SIGKILL if it has not exited within 15 s (a server stuck in a step
+# would otherwise hold the GPU through every later run)
+unserve() {
+  kill -TERM $spid 2>/dev/null
+  for _ in $(seq 30); do kill -0 $spid 2>/dev/null || break; sleep 0.5; done
+  kill -0 $spid 2>/dev/null && { echo "server did not stop: SIGKILL"; kill -KILL $spid; }
+  wait $spid; echo "server exit: $?"
+}
 
 # scripts/bench_server.py summarised: bench_summary FILE.json
 bench_summary() {

@@ -6,6 +6,8 @@
 # unconstrained at both levels.
 #   bash scripts/gpu/schema.sh bench      # --parallel 32: scripts/bench_server.py --response-format, RUNS (2) runs
 #   bash scripts/gpu/schema.sh nopipe     # the same once with --no-pipeline (masks between steps, for reference)
+#   bash scripts/gpu/schema.sh defer      # servers with MLXCEL_DEFER_MASKS=1 and =0 alternated, RUNS (2) each
+#                                         # (docs/tuning.md), one compare per server
 #   bash scripts/gpu/schema.sh all        # bench, nopipe
 # The model must be staged first (no network on the box): scripts/gpu/gguf.sh's header
 # (stage here, send .gpu/g1 then .gpu/g2). Environment: see scripts/gpu/lib.sh;
@@ -47,8 +49,18 @@ nopipe() {
   unserve
 }
 
+defer() {
+  for r in $(seq ${RUNS:-2}); do for d in 1 0; do
+    MLXCEL_DEFER_MASKS=$d serve "$G" 8133 --parallel 32 --ctx-size 2048 ${SERVER_FLAGS:-} || continue
+    step "schema vs unconstrained, MLXCEL_DEFER_MASKS=$d, run $r"
+    echo "[MLXCEL_DEFER_MASKS=$d, run $r]" >> "$OUT/schema.txt"; compare "defer$d-run$r" 8133
+    unserve
+  done; done
+}
+
 case "$cmd" in
 bench) bench ;;
+defer) defer ;;
 nopipe) nopipe ;;
 all) bench; nopipe ;;
 *) echo "unknown subcommand $cmd (see the header)"; exit 2 ;;
