@@ -387,6 +387,23 @@ impl Drop for MaskTarget {
     }
 }
 
+/// Words given to `buf` after a read of them was queued come back (the kernel compiled
+/// and the device sees the host's writes), or why not: checked once before deferring.
+fn mask_round_trip(buf: &Mutex<MaskBuffer>, seq: u32) -> Result<(), String> {
+    let want = [0xA5A5_0001u32, 0x5A5A_0002];
+    let mut b = lock(buf);
+    let words = b.read(seq, 1, 2).map_err(|e| e.to_string())?;
+    mlx::async_eval(&[&words]).map_err(|e| e.to_string())?;
+    let in_time = b.give(seq, &want).map_err(|e| e.to_string())?;
+    let got: Vec<u32> = words.to_vec().map_err(|e| e.to_string())?;
+    if !in_time || got != want {
+        return Err(format!(
+            "the pinned-memory check read {got:x?} for {want:x?} (in time: {in_time})"
+        ));
+    }
+    Ok(())
+}
+
 fn lock(buf: &Mutex<MaskBuffer>) -> std::sync::MutexGuard<'_, MaskBuffer> {
     buf.lock().unwrap_or_else(|e| e.into_inner())
 }
@@ -555,18 +572,26 @@ impl Worker {
     /// Defer masks (see [`Executor::sample_deferred`]) or not, whatever the backend: on
     /// the CPU only worth it to test the path (the masks must then come from another
     /// thread than the one queueing steps, as the scheduler does). On CUDA the masks go
-    /// through pinned host memory, made here for every slot's row: without it (no CUDA
-    /// driver functions found, or the allocation refused) masks are not deferred.
+    /// through pinned host memory, made here for every slot's row and checked with one
+    /// round trip through the kernel: without it (no CUDA driver functions, the allocation
+    /// refused, or the check failed) masks are not deferred, with a warning.
     pub fn set_defer_masks(&mut self, on: bool) {
         self.defer_masks = on;
         if on && mlx::backend() == mlx::Backend::Cuda && self.mask_buffer.is_none() {
             let words = self.cache.slots().max(1) * self.model.cfg.vocab_size.div_ceil(32);
             self.mask_buffer = MaskBuffer::new(words).map(|b| Arc::new(Mutex::new(b)));
-            if self.mask_buffer.is_none() {
+            let why = match &self.mask_buffer {
+                None => Some(format!("no pinned host memory for {words} mask words")),
+                Some(buf) => {
+                    self.mask_seq = self.mask_seq.wrapping_add(1);
+                    mask_round_trip(buf, self.mask_seq).err()
+                }
+            };
+            if let Some(why) = why {
                 tracing::warn!(
-                    "MLXCEL_DEFER_MASKS: no pinned host memory for {words} mask words; \
-                     constrained steps compute their masks first"
+                    "MLXCEL_DEFER_MASKS: {why}; constrained steps compute their masks first"
                 );
+                self.mask_buffer = None;
                 self.defer_masks = false;
             }
         }
