@@ -154,16 +154,21 @@ def one_request(args, model, seed, response_format=None):
     return ttft, gaps, tokens
 
 
-def server_counter(args, name):
-    """A counter of the server's /metrics (None when it has no such page or line)."""
+def metrics_text(args):
+    """The server's /metrics page ("" when it has none)."""
     try:
         conn = http.client.HTTPConnection(args.host, args.port, timeout=10)
         conn.request("GET", "/metrics", headers=headers(args))
         text = conn.getresponse().read().decode()
         conn.close()
+        return text
     except (OSError, http.client.HTTPException):
-        return None
-    for line in text.splitlines():
+        return ""
+
+
+def server_counter(args, name):
+    """A counter of the server's /metrics (None when it has no such page or line)."""
+    for line in metrics_text(args).splitlines():
         if line.startswith(name + " "):
             return float(line.split()[-1])
     return None
@@ -175,15 +180,8 @@ HOST = "mlxcel:decode_host_seconds_total"
 def host_seconds(args):
     """The server's engine-thread seconds of pipelined decode steps by part ({} when it
     has no such counters)."""
-    try:
-        conn = http.client.HTTPConnection(args.host, args.port, timeout=10)
-        conn.request("GET", "/metrics", headers=headers(args))
-        text = conn.getresponse().read().decode()
-        conn.close()
-    except (OSError, http.client.HTTPException):
-        return {}
     out = {}
-    for line in text.splitlines():
+    for line in metrics_text(args).splitlines():
         if line.startswith(HOST + '{part="'):
             out[line.split('"')[1]] = float(line.split()[-1])
     return out

@@ -1218,10 +1218,10 @@ impl Scheduler {
     /// ([`Executor::queue_forward`]), and the masks are computed on the host while the
     /// device runs it (B's masks from A's tokens, just delivered), then its sampling is
     /// queued ([`Executor::sample_queued`]), then C's forward, then B is read. Where the
-    /// executor defers masks ([`Executor::defers_masks`], `MLXCEL_DEFER_MASKS=1` on a GPU), B's sampling is queued
-    /// first, waiting on the device for its masks ([`Executor::sample_deferred`]), then
-    /// C's forward, and only then are B's masks computed and given
-    /// ([`Executor::provide_masks`]): building C no longer waits for the masks.
+    /// executor defers masks ([`Executor::defers_masks`], `MLXCEL_DEFER_MASKS=1` on a
+    /// GPU), B's sampling is queued first, waiting on the device for its masks
+    /// ([`Executor::sample_deferred`]), then C's forward, while another thread computes
+    /// B's masks and gives them ([`super::step::MaskSink::provide`]): building C does not wait for them.
     fn step_pipelined(
         &mut self,
         exec: &mut dyn Executor,
@@ -1354,15 +1354,10 @@ impl Scheduler {
                                 std::thread::scope(|scope| {
                                     let masks = scope.spawn(move || {
                                         let results = allowed_all(&mut matchers);
-                                        let masks: Vec<SeqMask> = ids
-                                            .iter()
-                                            .zip(&results)
-                                            .filter_map(|(&seq_id, r)| {
-                                                let allowed = r.as_ref().ok()?.clone();
-                                                Some(SeqMask { seq_id, allowed })
-                                            })
-                                            .collect();
-                                        let given = sink.provide(&masks);
+                                        let given = sink.provide(|id| {
+                                            let k = ids.iter().position(|&i| i == id)?;
+                                            results[k].as_deref().ok()
+                                        });
                                         (results, given)
                                     });
                                     let queued_next =

@@ -330,18 +330,13 @@ enum MaskTarget {
 }
 
 impl MaskSink {
-    /// The step's masks (rows of constrained sequences; the others sample unmasked).
-    pub fn provide(mut self, masks: &[SeqMask]) -> Result<(), StepError> {
-        let rows: Vec<Option<&[u32]>> = self
-            .ids
-            .iter()
-            .map(|id| {
-                masks
-                    .iter()
-                    .find(|m| m.seq_id == *id)
-                    .map(|m| m.allowed.as_slice())
-            })
-            .collect();
+    /// The step's masks: `allowed(seq_id)` for each row's sequence (`None`: it samples
+    /// unmasked).
+    pub fn provide<'a>(
+        mut self,
+        allowed: impl Fn(u64) -> Option<&'a [u32]>,
+    ) -> Result<(), StepError> {
+        let rows: Vec<Option<&[u32]>> = self.ids.iter().map(|&id| allowed(id)).collect();
         let words = mask_words(&rows, self.vocab);
         match self.target.as_mut() {
             Some(MaskTarget::Pinned {

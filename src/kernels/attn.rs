@@ -5,7 +5,7 @@
 //! `MLXCEL_ATTN=0` turns it off.
 use std::sync::OnceLock;
 
-use super::qgemv::{fnv1a32, header_for_mlx};
+use super::qgemv::one_body_kernel;
 use crate::mlx::fast::CudaKernel;
 use crate::mlx::{self, Array, Backend, Dtype, MlxError, Result};
 
@@ -144,15 +144,8 @@ pub fn decode(
         )));
     }
     static KERNEL: OnceLock<(String, String, String)> = OnceLock::new();
-    let (name, header, body) = KERNEL.get_or_init(|| {
-        let (_, rest) = SOURCE
-            .split_once("// @@header\n")
-            .expect("attn.cu: @@header");
-        let (header, body) = rest.split_once("// @@body\n").expect("attn.cu: @@body");
-        let name = format!("mlxcel_attn_{:08x}", fnv1a32(&[header, body]));
-        let header = header_for_mlx(&name, header);
-        (name, header, body.to_string())
-    });
+    let (name, header, body) =
+        KERNEL.get_or_init(|| one_body_kernel("mlxcel_attn", "attn.cu", SOURCE));
     static NAMES: OnceLock<([String; 6], [String; 1], [String; 7])> = OnceLock::new();
     let (inputs, outputs, tnames) = NAMES.get_or_init(|| {
         (
@@ -209,8 +202,7 @@ mod tests {
 
     #[test]
     fn the_kernel_file_has_its_markers() {
-        let (_, rest) = SOURCE.split_once("// @@header\n").unwrap();
-        let (header, body) = rest.split_once("// @@body\n").unwrap();
+        let (header, body) = super::super::qgemv::header_and_body(SOURCE).unwrap();
         assert!(header.contains("mlxcel_attn_decode"));
         // MLX passes the pool's and the table's shapes only when the body names them
         assert!(body.contains("pool_shape") && body.contains("table_shape"));

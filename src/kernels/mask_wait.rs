@@ -11,7 +11,7 @@ use std::ffi::c_void;
 use std::sync::atomic::{fence, AtomicU32, Ordering};
 use std::sync::OnceLock;
 
-use super::qgemv::{fnv1a32, header_for_mlx};
+use super::qgemv::one_body_kernel;
 use crate::mlx::fast::CudaKernel;
 use crate::mlx::{self, Array, Backend, Dtype, Result};
 
@@ -38,6 +38,15 @@ struct Driver {
     ctx_set_current: CtxSetCurrent,
 }
 
+/// Function `name` of the library `lib` as a function pointer of type `F`.
+///
+/// # Safety
+/// `lib` is a live `dlopen` handle and `F` the function's real type.
+unsafe fn sym<F: Copy>(lib: *mut c_void, name: &std::ffi::CStr) -> Option<F> {
+    let p = libc::dlsym(lib, name.as_ptr());
+    (!p.is_null()).then(|| std::mem::transmute_copy::<*mut c_void, F>(&p))
+}
+
 fn driver() -> Option<&'static Driver> {
     static DRIVER: OnceLock<Option<Driver>> = OnceLock::new();
     DRIVER
@@ -56,33 +65,16 @@ fn driver() -> Option<&'static Driver> {
             if lib.is_null() {
                 return None;
             }
-            let sym = |name: &[u8]| {
-                // SAFETY: `name` is NUL-terminated, `lib` a live handle.
-                let p = unsafe { libc::dlsym(lib, name.as_ptr().cast()) };
-                (!p.is_null()).then_some(p)
-            };
-            // SAFETY: the CUDA driver's documented signatures (cuda.h).
+            // SAFETY: each name is the CUDA driver's function of that type (cuda.h).
             unsafe {
                 Some(Driver {
-                    alloc: std::mem::transmute::<*mut c_void, MemHostAlloc>(sym(
-                        b"cuMemHostAlloc\0",
-                    )?),
-                    device_pointer: std::mem::transmute::<*mut c_void, MemHostGetDevicePointer>(
-                        sym(b"cuMemHostGetDevicePointer_v2\0")?,
-                    ),
-                    free: std::mem::transmute::<*mut c_void, MemFreeHost>(sym(b"cuMemFreeHost\0")?),
-                    ctx_get_current: std::mem::transmute::<*mut c_void, CtxGetCurrent>(sym(
-                        b"cuCtxGetCurrent\0",
-                    )?),
-                    device_get: std::mem::transmute::<*mut c_void, DeviceGet>(sym(
-                        b"cuDeviceGet\0",
-                    )?),
-                    primary_ctx_retain: std::mem::transmute::<*mut c_void, PrimaryCtxRetain>(sym(
-                        b"cuDevicePrimaryCtxRetain\0",
-                    )?),
-                    ctx_set_current: std::mem::transmute::<*mut c_void, CtxSetCurrent>(sym(
-                        b"cuCtxSetCurrent\0",
-                    )?),
+                    alloc: sym(lib, c"cuMemHostAlloc")?,
+                    device_pointer: sym(lib, c"cuMemHostGetDevicePointer_v2")?,
+                    free: sym(lib, c"cuMemFreeHost")?,
+                    ctx_get_current: sym(lib, c"cuCtxGetCurrent")?,
+                    device_get: sym(lib, c"cuDeviceGet")?,
+                    primary_ctx_retain: sym(lib, c"cuDevicePrimaryCtxRetain")?,
+                    ctx_set_current: sym(lib, c"cuCtxSetCurrent")?,
                 })
             }
         })
@@ -185,17 +177,8 @@ impl MaskBuffer {
             )));
         }
         static KERNEL: OnceLock<(String, String, String)> = OnceLock::new();
-        let (name, header, body) = KERNEL.get_or_init(|| {
-            let (_, rest) = SOURCE
-                .split_once("// @@header\n")
-                .expect("mask_wait.cu: @@header");
-            let (header, body) = rest
-                .split_once("// @@body\n")
-                .expect("mask_wait.cu: @@body");
-            let name = format!("mlxcel_mask_wait_{:08x}", fnv1a32(&[header, body]));
-            let header = header_for_mlx(&name, header);
-            (name, header, body.to_string())
-        });
+        let (name, header, body) =
+            KERNEL.get_or_init(|| one_body_kernel("mlxcel_mask_wait", "mask_wait.cu", SOURCE));
         static NAMES: OnceLock<([String; 2], [String; 1], [String; 1])> = OnceLock::new();
         let (inputs, outputs, tnames) = NAMES.get_or_init(|| {
             (
@@ -270,8 +253,7 @@ mod tests {
 
     #[test]
     fn the_kernel_file_has_its_markers() {
-        let (_, rest) = SOURCE.split_once("// @@header\n").unwrap();
-        let (header, body) = rest.split_once("// @@body\n").unwrap();
+        let (header, body) = super::super::qgemv::header_and_body(SOURCE).unwrap();
         assert!(header.contains("mlxcel_globaltimer"));
         assert!(body.contains("want[0]") && body.contains("src[1]"));
     }

@@ -135,6 +135,26 @@ fn mlx_header() -> Result<&'static str> {
     Ok(HEADER.get_or_init(|| header_for_mlx(&kernel_names().0, &src.header)))
 }
 
+/// The header and body of a kernel file with one body (after `// @@header`, split at
+/// `// @@body`), or `None` when a marker is missing.
+pub(crate) fn header_and_body(source: &str) -> Option<(&str, &str)> {
+    source
+        .split_once("// @@header\n")?
+        .1
+        .split_once("// @@body\n")
+}
+
+/// The MLX kernel of a one-body kernel file `file` (see [`header_and_body`]): its name
+/// (`prefix` and a hash of the header and body, so it changes with them), its header as
+/// MLX is given it ([`header_for_mlx`]) and its body.
+pub(crate) fn one_body_kernel(prefix: &str, file: &str, source: &str) -> (String, String, String) {
+    let (header, body) =
+        header_and_body(source).unwrap_or_else(|| panic!("{file}: @@header and @@body markers"));
+    let name = format!("{prefix}_{:08x}", fnv1a32(&[header, body]));
+    let header = header_for_mlx(&name, header);
+    (name, header, body.to_string())
+}
+
 /// `header` as a custom kernel named `name` passes it to MLX: an `#include` of it
 /// written to `<cache>/kernels/<name>.cuh` (see [`mlx_header`]), or itself.
 pub(crate) fn header_for_mlx(name: &str, header: &str) -> String {
