@@ -15,7 +15,6 @@
 
 #include "mlxcel/src/mlx/ffi.rs.h"
 #include "mlx/fast_primitives.h"
-#include "mlx/backend/cpu/encoder.h"
 #include "mlx/scheduler.h"
 
 #include <chrono>

@@ -299,8 +299,8 @@ pub struct Worker {
     queued: std::collections::VecDeque<Queued>,
     /// Whether constrained steps defer their masks ([`Executor::defers_masks`]).
     defer_masks: bool,
-    /// On CUDA, the pinned memory deferred masks go through (made on first use), and the
-    /// flag value of the last deferred step.
+    /// On CUDA, the pinned memory deferred masks go through (made and checked by
+    /// [`Worker::set_defer_masks`]), and the flag value of the last deferred step.
     mask_buffer: Option<Arc<Mutex<MaskBuffer>>>,
     mask_seq: u32,
 }
@@ -344,23 +344,15 @@ impl MaskSink {
             }) => {
                 let in_time = lock(buf).give(*seq, &words)?;
                 *given = true;
-                if !in_time {
-                    return Err(StepError::Rank(format!(
-                        "the masks came after the step stopped waiting for them ({} s)",
-                        kernels::mask_wait::TIMEOUT_SECS
-                    )));
+                match in_time {
+                    true => Ok(()),
+                    false => Err(late_masks(kernels::mask_wait::TIMEOUT_SECS)),
                 }
-                Ok(())
             }
-            Some(MaskTarget::Fill(fill)) => {
-                if !fill.provide(&words)? {
-                    return Err(StepError::Rank(format!(
-                        "the masks came after the step stopped waiting for them ({} s)",
-                        MASK_WAIT.as_secs()
-                    )));
-                }
-                Ok(())
-            }
+            Some(MaskTarget::Fill(fill)) => match fill.provide(&words)? {
+                true => Ok(()),
+                false => Err(late_masks(MASK_WAIT.as_secs())),
+            },
             None => Err(StepError::Rank("the masks were given already".into())),
         }
     }
@@ -397,6 +389,13 @@ fn mask_round_trip(buf: &Mutex<MaskBuffer>, seq: u32) -> Result<(), String> {
         ));
     }
     Ok(())
+}
+
+/// The error of masks given after their step stopped waiting `secs` for them.
+fn late_masks(secs: u64) -> StepError {
+    StepError::Rank(format!(
+        "the masks came after the step stopped waiting for them ({secs} s)"
+    ))
 }
 
 fn lock(buf: &Mutex<MaskBuffer>) -> std::sync::MutexGuard<'_, MaskBuffer> {
