@@ -16,7 +16,8 @@
 #                                             # and the server (bench_server.py, concurrency 1 and 32;
 #                                             # bf16, or SERVER_MODEL: the old binary has no kernel
 #                                             # cache, and a 4-bit server warms up for ~2 minutes;
-#                                             # SERVER=0: the engine only)
+#                                             # SERVER=0: the engine only; ENGINE=0: the
+#                                             # server only)
 #   bash scripts/gpu/paged-kv.sh kernel       # scripts/check_attn.py at block sizes 32 and 64, and in float16
 #   bash scripts/gpu/paged-kv.sh builds       # decode at batch 32 of each build in BUILDS (mlxcel binaries,
 #                                             # e.g. the merges between old and new), 8B 4-bit; then
@@ -62,7 +63,7 @@ prefix() {
 decode() {
   step "decode, $O vs $B alternated, ${RUNS:-3} runs, batch 1 and 32"
   for r in $(seq ${RUNS:-3}); do
-    for m in "$Q4" "$BF"; do for bin in $O $B; do
+    [ "${ENGINE:-1}" = 0 ] || for m in "$Q4" "$BF"; do for bin in $O $B; do
       echo "$(basename $m) $(basename $bin) run $r: $(B=$bin bench_line X=1 "$m" 32 --load-format dummy)"
     done; done
     [ "${SERVER:-1}" = 0 ] && continue
