@@ -17,7 +17,7 @@
 #                                             # bf16, or SERVER_MODEL: the old binary has no kernel
 #                                             # cache, and a 4-bit server warms up for ~2 minutes;
 #                                             # SERVER=0: the engine only; ENGINE=0: the
-#                                             # server only)
+#                                             # server only; NEW_FLAGS: the new server's flags)
 #   bash scripts/gpu/paged-kv.sh kernel       # scripts/check_attn.py at block sizes 32 and 64, and in float16
 #   bash scripts/gpu/paged-kv.sh builds       # decode at batch 32 of each build in BUILDS (mlxcel binaries,
 #                                             # e.g. the merges between old and new), 8B 4-bit; then
@@ -68,7 +68,8 @@ decode() {
     done; done
     [ "${SERVER:-1}" = 0 ] && continue
     for srv in $OS $NEW_S; do
-      S=$srv serve "${SERVER_MODEL:-$BF}" $PORT --load-format dummy --parallel 32 &&
+      local f=""; [ "$srv" = "$NEW_S" ] && f=${NEW_FLAGS:-}
+      S=$srv serve "${SERVER_MODEL:-$BF}" $PORT --load-format dummy --parallel 32 $f &&
         python3 scripts/bench_server.py --port $PORT --concurrency 1,32 --max-tokens 256 --rounds 2 --warmup 16 > "$OUT/paged-decode-$r-$(basename $srv).json" &&
         echo "server $(basename $srv) run $r:" && bench_summary "$OUT/paged-decode-$r-$(basename $srv).json"
       unserve
