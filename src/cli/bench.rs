@@ -113,6 +113,11 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     let mut prefill_rows = Vec::new();
     for &n in &args.prompt_lens {
         let p = prompt(n);
+        // one untimed pass at this length first: MLX compiles kernels per shape (a longer
+        // input can pick other sort, gather and GEMM kernels than the warm-up prompt did)
+        cache.reset(0);
+        prefill(&m.model, &mut cache, 0, &p, args.prefill_chunk)?;
+        mlx::synchronize()?;
         let mut best = f64::MAX;
         for _ in 0..args.repeats.max(1) {
             cache.reset(0);
