@@ -46,7 +46,7 @@ pub struct Knobs {
     /// matmul before it (one `AddMM` op instead of `Matmul` + `Add`; `0`: two ops).
     pub addmm_residual: bool,
     /// `MLXCEL_GEMV_DENSE`: mlxcel's dense GEMV kernel (with the quantized kernel's fusions)
-    /// for bf16/f16 linears of decode steps on CUDA (`0`, the default: MLX's matmul).
+    /// for bf16/f16 linears of decode steps on CUDA (the default; `0`: MLX's matmul).
     pub gemv_dense: bool,
     /// `MLXCEL_DEFER_MASKS=1`: on a GPU, a constrained decode step's sampling and the next
     /// forward pass are queued before its token masks exist (the device waits for them),
@@ -74,7 +74,7 @@ impl Default for Knobs {
             kernel_cache: true,
             vocab_parallel: true,
             addmm_residual: false,
-            gemv_dense: false,
+            gemv_dense: true,
             defer_masks: false,
             gemv_source: None,
         }
@@ -316,7 +316,7 @@ mod tests {
             ("MLXCEL_QGEMV_STREAM_BLOCKS", "70000"),
             ("MLXCEL_KERNEL_INCLUDE", "no"),
             ("MLXCEL_ADDMM_RESIDUAL", "yes"),
-            ("MLXCEL_GEMV_DENSE", "on"),
+            ("MLXCEL_GEMV_DENSE", "off"),
         ] {
             let e = parse(&[(var, value)]).unwrap_err();
             assert_eq!(e.var, var);

@@ -157,7 +157,7 @@ impl Linear {
     pub fn forward(&self, x: &Array) -> mlx::Result<Array> {
         let y = match (&self.weight, &self.bias, &self.reduce) {
             (Weight::Dense(_), Some(b), None) => return x.addmm(self.dense_t(), b),
-            // a decode step's rows on mlxcel's dense GEMV kernel (MLXCEL_GEMV_DENSE=1)
+            // a decode step's rows on mlxcel's dense GEMV kernel (CUDA; MLXCEL_GEMV_DENSE=0 turns it off)
             (Weight::Dense(w), _, _) if dense_gemv_fits(x, w) => {
                 let mut shape = x.shape();
                 *shape.last_mut().expect("x has a last axis") = w.dim(0);
@@ -343,7 +343,7 @@ impl Linear {
                 biases,
                 q,
             } => (w, scales, biases, q),
-            // a dense weight on mlxcel's dense GEMV kernel (MLXCEL_GEMV_DENSE=1)
+            // a dense weight on mlxcel's dense GEMV kernel (CUDA; MLXCEL_GEMV_DENSE=0 turns it off)
             Weight::Dense(w) => {
                 let fits = norm_fits && dense_gemv_fits(x, w);
                 return fits.then_some(Fusable {
@@ -442,7 +442,7 @@ struct Fusable<'a> {
 }
 
 /// Whether mlxcel's dense GEMV kernel computes `x · wᵀ` for a dense weight `w [n, k]`:
-/// the kernel turned on (`MLXCEL_GEMV_DENSE=1`, CUDA), x holding whole rows
+/// the kernel on (CUDA, unless `MLXCEL_GEMV_DENSE=0`), x holding whole rows
 /// of `k`, at most 8 of them (a decode step's), and a shape and dtypes the kernel covers.
 fn dense_gemv_fits(x: &Array, w: &Array) -> bool {
     if w.ndim() != 2 || !kernels::gemv::enabled() {
