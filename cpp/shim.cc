@@ -679,7 +679,21 @@ NvrtcOutput nvrtc_compile(rust::Str library, rust::Str source, rust::Str file,
 }
 
 // ---- custom kernels ----
-std::unique_ptr<ArrayVec> cuda_kernel(rust::Str name, rust::Slice<const rust::String> input_names,
+namespace {
+// The op MLX made at a custom kernel variant's first call (its `CustomKernel` primitive:
+// the generated source, launch sizes), shared by later calls' arrays as MLX's `compile`
+// shares primitives between replays. The primitive's class is not exported by libmlx,
+// so it is reused, not constructed here.
+struct KernelVariant {
+  std::shared_ptr<mx::Primitive> primitive;
+  std::string name;
+  size_t inputs;
+  std::vector<mx::Dtype> dtypes;
+};
+}  // namespace
+
+std::unique_ptr<ArrayVec> cuda_kernel(uint64_t variant, bool reuse, rust::Str name,
+                                      rust::Slice<const rust::String> input_names,
                                       rust::Slice<const rust::String> output_names, rust::Str source,
                                       rust::Str header, const ArrayVec& inputs,
                                       rust::Slice<const int32_t> out_shapes,
@@ -705,6 +719,25 @@ std::unique_ptr<ArrayVec> cuda_kernel(rust::Str name, rust::Slice<const rust::St
   if (off != out_shapes.size()) {
     throw std::invalid_argument("cuda_kernel: output shapes longer than their ranks");
   }
+  // A decode step calls a few kernels per layer: building an op through MLX's kernel
+  // function generates and formats the whole source every time (several µs a call on a
+  // GPU box's host), so a variant seen before with the same launch gets the op MLX made
+  // for it the first time. Per thread, as MLX's streams are.
+  thread_local std::unordered_map<uint64_t, KernelVariant> variants;
+  uint64_t launch = variant;
+  for (int32_t v : {grid[0], grid[1], grid[2], threadgroup[0], threadgroup[1], threadgroup[2]}) {
+    launch = (launch ^ uint32_t(v)) * 0x100000001b3ull;
+  }
+  if (auto v = reuse ? variants.find(launch) : variants.end(); v != variants.end()) {
+    const KernelVariant& k = v->second;
+    if (k.inputs != inputs.items.size() || k.dtypes.size() != shapes.size() || k.dtypes[0] != to_mx(out_dtype) ||
+        k.name != std::string_view(name.data(), name.size())) {
+      throw std::invalid_argument("cuda_kernel: a variant key was reused for another kernel");
+    }
+    auto out = std::make_unique<ArrayVec>();
+    out->items = mx::array::make_arrays(std::move(shapes), k.dtypes, k.primitive, inputs.items);
+    return out;
+  }
   // Keyed by name alone (the caller names each source differently): this runs once
   // per quantized linear per decode step, so no copy or hash of the source here.
   static std::unordered_map<std::string, mx::fast::CustomKernelFunction> kernels;
@@ -725,6 +758,10 @@ std::unique_ptr<ArrayVec> cuda_kernel(rust::Str name, rust::Slice<const rust::St
   auto out = std::make_unique<ArrayVec>();
   out->items = it->second(inputs.items, shapes, dtypes, {grid[0], grid[1], grid[2]},
                           {threadgroup[0], threadgroup[1], threadgroup[2]}, targs, std::nullopt, false, {});
+  if (reuse && !out->items.empty() && out->items[0].has_primitive()) {
+    variants.emplace(launch, KernelVariant{out->items[0].primitive_ptr(), std::string(name),
+                                        inputs.items.size(), dtypes});
+  }
   return out;
 }
 

@@ -186,7 +186,12 @@ NvrtcOutput nvrtc_compile(rust::Str library, rust::Str source, rust::Str file,
 // dtype `out_dtype` and shape `out_shapes[off_i .. off_i + out_ndims[i]]` (the shapes
 // concatenated). Built kernels are cached by name alone, so a name must identify its
 // source and output names (MLX then caches the compiled module per template set).
-std::unique_ptr<ArrayVec> cuda_kernel(rust::Str name, rust::Slice<const rust::String> input_names,
+// `variant` identifies everything else that changes the generated source (input and
+// output dtypes, template values): from its second call on, a variant's op is made from
+// the source generated at its first (no source generation, template formatting or
+// validation per call). `reuse` false: MLX's kernel function every call.
+std::unique_ptr<ArrayVec> cuda_kernel(uint64_t variant, bool reuse, rust::Str name,
+                                      rust::Slice<const rust::String> input_names,
                                       rust::Slice<const rust::String> output_names, rust::Str source,
                                       rust::Str header, const ArrayVec& inputs,
                                       rust::Slice<const int32_t> out_shapes,

@@ -6,6 +6,7 @@
 //! Every binary calls [`check`] at start-up, so a bad value stops it before any work;
 //! the kernels read [`get`]. Only tuning knobs live here: secrets (`MLXCEL_API_KEY`,
 //! the rank control secret), paths of the cache and test-only variables do not.
+use crate::mlx;
 use std::ffi::OsString;
 use std::path::PathBuf;
 use std::sync::OnceLock;
@@ -45,6 +46,10 @@ pub struct Knobs {
     /// `MLXCEL_ADDMM_RESIDUAL`: a decode step's residual add is folded into the dense
     /// matmul before it (one `AddMM` op instead of `Matmul` + `Add`; `0`: two ops).
     pub addmm_residual: bool,
+    /// `MLXCEL_KERNEL_REUSE`: a custom kernel's later calls reuse the op MLX made at its
+    /// variant's first call instead of generating its source again (`0`: MLX's kernel
+    /// function every call).
+    pub kernel_reuse: bool,
     /// `MLXCEL_GEMV_DENSE`: mlxcel's dense GEMV kernel (with the quantized kernel's fusions)
     /// for bf16/f16 linears of decode steps on CUDA (the default; `0`: MLX's matmul).
     pub gemv_dense: bool,
@@ -74,6 +79,7 @@ impl Default for Knobs {
             kernel_cache: true,
             vocab_parallel: true,
             addmm_residual: false,
+            kernel_reuse: true,
             gemv_dense: true,
             defer_masks: false,
             gemv_source: None,
@@ -96,6 +102,7 @@ pub const VARS: &[&str] = &[
     "MLXCEL_KERNEL_CACHE",
     "MLXCEL_VOCAB_PARALLEL",
     "MLXCEL_ADDMM_RESIDUAL",
+    "MLXCEL_KERNEL_REUSE",
     "MLXCEL_GEMV_DENSE",
     "MLXCEL_GEMV_SOURCE",
     "MLXCEL_DEFER_MASKS",
@@ -173,6 +180,7 @@ impl Knobs {
         k.kernel_cache = switch("MLXCEL_KERNEL_CACHE", k.kernel_cache)?;
         k.vocab_parallel = switch("MLXCEL_VOCAB_PARALLEL", k.vocab_parallel)?;
         k.addmm_residual = switch("MLXCEL_ADDMM_RESIDUAL", k.addmm_residual)?;
+        k.kernel_reuse = switch("MLXCEL_KERNEL_REUSE", k.kernel_reuse)?;
         k.gemv_dense = switch("MLXCEL_GEMV_DENSE", k.gemv_dense)?;
         k.defer_masks = switch("MLXCEL_DEFER_MASKS", k.defer_masks)?;
         k.gemv_source = get("MLXCEL_GEMV_SOURCE")
@@ -212,6 +220,7 @@ impl Knobs {
             self.addmm_residual,
             d.addmm_residual,
         );
+        switch("MLXCEL_KERNEL_REUSE", self.kernel_reuse, d.kernel_reuse);
         switch("MLXCEL_GEMV_DENSE", self.gemv_dense, d.gemv_dense);
         switch("MLXCEL_DEFER_MASKS", self.defer_masks, d.defer_masks);
         if let Some(n) = self.qgemv_mma {
@@ -232,7 +241,13 @@ impl Knobs {
 
 fn parsed() -> &'static Result<Knobs, KnobError> {
     static KNOBS: OnceLock<Result<Knobs, KnobError>> = OnceLock::new();
-    KNOBS.get_or_init(|| Knobs::from_lookup(|v| std::env::var_os(v)))
+    KNOBS.get_or_init(|| {
+        let k = Knobs::from_lookup(|v| std::env::var_os(v));
+        if let Ok(k) = &k {
+            mlx::fast::set_kernel_reuse(k.kernel_reuse);
+        }
+        k
+    })
 }
 
 /// Parse the knobs (once) and log the non-default ones at debug level; a bad value is
@@ -317,6 +332,7 @@ mod tests {
             ("MLXCEL_KERNEL_INCLUDE", "no"),
             ("MLXCEL_ADDMM_RESIDUAL", "yes"),
             ("MLXCEL_GEMV_DENSE", "off"),
+            ("MLXCEL_KERNEL_REUSE", "2"),
         ] {
             let e = parse(&[(var, value)]).unwrap_err();
             assert_eq!(e.var, var);

@@ -321,6 +321,8 @@ pub(crate) mod ffi {
         ) -> Result<NvrtcOutput>;
         #[allow(clippy::too_many_arguments)]
         fn cuda_kernel(
+            variant: u64,
+            reuse: bool,
             name: &str,
             input_names: &[String],
             output_names: &[String],
