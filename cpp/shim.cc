@@ -14,6 +14,7 @@
 #include <unordered_set>
 
 #include "mlxcel/src/mlx/ffi.rs.h"
+#include "mlx/backend/common/utils.h"
 #include "mlx/fast_primitives.h"
 #include "mlx/scheduler.h"
 
@@ -343,6 +344,76 @@ ArrayPtr slice_dynamic(const array& a, const array& start, rust::Slice<const int
                        rust::Slice<const int32_t> slice_size) {
   return wrap(mx::slice(a, start, to_ints(axes), to_shape(slice_size)));
 }
+namespace {
+
+// See `unowned_slice` in shim.h. Evaluated on whatever stream the read runs on; it sets up a
+// view and runs no kernel.
+class UnownedSlice : public mx::UnaryPrimitive {
+ public:
+  UnownedSlice(mx::Stream s, mx::Shape start) : mx::UnaryPrimitive(s), start_(std::move(start)) {}
+
+  void eval_cpu(const std::vector<array>& inputs, array& out) override { view(inputs, out); }
+  void eval_gpu(const std::vector<array>& inputs, array& out) override { view(inputs, out); }
+  const char* name() const override { return "UnownedSlice"; }
+  bool is_equivalent(const mx::Primitive&) const override { return false; }
+
+ private:
+  void view(const std::vector<array>& inputs, array& out) {
+    const array& in = inputs[0];
+    // strides, offset and data size as MLX's own slice computes them (unit steps)
+    const auto& st = in.strides();
+    int64_t offset = 0;
+    size_t data_end = 1;
+    for (size_t i = 0; i < start_.size(); ++i) {
+      offset += int64_t(start_[i]) * st[i];
+      if (in.shape(i) > 1) data_end += size_t(int64_t(start_[i] + out.shape(i) - 1) * st[i]);
+    }
+    size_t data_size = data_end - size_t(offset);
+    auto [no_bsx_size, row, col] = mx::check_contiguity(out.shape(), st);
+    auto flags = in.flags();
+    flags.row_contiguous = row;
+    flags.col_contiguous = col;
+    flags.contiguous = no_bsx_size == data_size;
+    // a Data of its own over the same buffer, which frees nothing
+    out.set_data(mx::allocator::Data(in.buffer(), [](mx::allocator::Buffer) {}), data_size, st, flags,
+                 in.offset() + offset * int64_t(in.itemsize()));
+    // MLX keeps every input of an evaluated op until the device is done with the op (its
+    // "temporaries"), and a buffer still referenced then cannot be reused by the next
+    // update: this op hands its input back now. `inputs` is the array's own input list
+    // (what MLX's eval passes); the array itself stands in for it, which MLX skips as an
+    // input sharing the output's data, and the graph is detached right after evaluation.
+    const_cast<std::vector<array>&>(inputs)[0] = out;
+  }
+
+  mx::Shape start_;
+};
+
+}  // namespace
+
+ArrayPtr unowned_slice(const array& a, rust::Slice<const int32_t> start,
+                       rust::Slice<const int32_t> stop) {
+  if (start.size() != a.ndim() || stop.size() != a.ndim()) {
+    throw std::invalid_argument("unowned_slice: start and stop need one entry per axis");
+  }
+  mx::Shape shape(a.ndim());
+  for (size_t i = 0; i < a.ndim(); ++i) {
+    if (start[i] < 0 || stop[i] > a.shape(i) || start[i] > stop[i]) {
+      throw std::invalid_argument("unowned_slice: axis " + std::to_string(i) + " range " +
+                                  std::to_string(start[i]) + ".." + std::to_string(stop[i]) +
+                                  " is outside 0.." + std::to_string(a.shape(i)));
+    }
+    shape[i] = stop[i] - start[i];
+  }
+  auto s = mx::default_stream(mx::default_device());
+  return wrap(array(std::move(shape), a.dtype(), std::make_shared<UnownedSlice>(s, to_shape(start)),
+                    std::vector<array>{a}));
+}
+
+uint64_t buffer_id(const array& a) {
+  if (!a.data_shared_ptr()) return 0;
+  return reinterpret_cast<uint64_t>(a.buffer().ptr());
+}
+
 ArrayPtr slice_update(const array& src, const array& update, rust::Slice<const int32_t> start,
                       rust::Slice<const int32_t> stop, rust::Slice<const int32_t> strides) {
   return wrap(mx::slice_update(src, update, to_shape(start), to_shape(stop), to_shape(strides)));

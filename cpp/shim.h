@@ -129,6 +129,15 @@ ArrayPtr slice(const array& a, rust::Slice<const int32_t> start, rust::Slice<con
                rust::Slice<const int32_t> strides);
 ArrayPtr slice_dynamic(const array& a, const array& start, rust::Slice<const int32_t> axes,
                        rust::Slice<const int32_t> slice_size);
+// `a[start:stop]` (unit steps) as a view whose buffer it does not own: reading it does not
+// count as a reference to `a`'s buffer, so that an update of `a` that follows the read can
+// still reuse (donate) that buffer while the read is queued. The buffer must outlive the
+// read; the KV cache keeps its pools alive for this (see src/models/kv_cache.rs).
+ArrayPtr unowned_slice(const array& a, rust::Slice<const int32_t> start,
+                       rust::Slice<const int32_t> stop);
+// The identity of `a`'s buffer (0 while it has none, e.g. not yet evaluated): equal for
+// two arrays that share one buffer, so an update that reused its input's buffer keeps it.
+uint64_t buffer_id(const array& a);
 ArrayPtr slice_update(const array& src, const array& update, rust::Slice<const int32_t> start,
                       rust::Slice<const int32_t> stop, rust::Slice<const int32_t> strides);
 ArrayPtr slice_update_dynamic(const array& src, const array& update, const array& start,

@@ -220,6 +220,8 @@ pub(crate) mod ffi {
             axes: &[i32],
             slice_size: &[i32],
         ) -> Result<UniquePtr<Array>>;
+        fn unowned_slice(a: &Array, start: &[i32], stop: &[i32]) -> Result<UniquePtr<Array>>;
+        fn buffer_id(a: &Array) -> u64;
         fn slice_update(
             src: &Array,
             update: &Array,

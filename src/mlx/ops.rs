@@ -181,6 +181,28 @@ impl Array {
         )?))
     }
 
+    /// `self[start:stop]` over all axes (unit steps) as a view that does not own `self`'s
+    /// buffer: a read through it does not keep that buffer referenced while the read is
+    /// queued on the device, so an update of `self` built after the read can still reuse
+    /// the buffer in place (MLX donates a buffer only while nothing else references it;
+    /// otherwise the update copies the whole array). The caller keeps the buffer alive
+    /// until the read has run (an owner of it, or a later op that consumes it), and
+    /// evaluates the view before anything writes into that buffer again.
+    pub fn unowned_slice(&self, start: &[i32], stop: &[i32]) -> Result<Array> {
+        Ok(Array::from_ptr(ffi::unowned_slice(
+            self.raw(),
+            start,
+            stop,
+        )?))
+    }
+
+    /// The identity of the buffer holding this array's data (0 while it has none, i.e.
+    /// not evaluated yet): an update that reused its input's buffer in place has the
+    /// input's identity, a copy has a new one.
+    pub fn buffer_id(&self) -> u64 {
+        ffi::buffer_id(self.raw())
+    }
+
     /// `self[..., start:stop, ...]` on one axis (negative axis counts from the end).
     pub fn slice_axis(&self, axis: i32, start: i32, stop: i32) -> Result<Array> {
         let shape = self.shape();

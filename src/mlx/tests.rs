@@ -501,3 +501,73 @@ fn host_fill_without_contents_is_zeros() {
     drop(h);
     assert_eq!(a.to_vec::<u32>().unwrap(), vec![0; 3]);
 }
+
+#[test]
+fn unowned_slices_read_like_slices() {
+    let a = rand_vec(2 * 4 * 6 * 3);
+    let x = Array::from_slice(&a, &[2, 4, 6, 3]).unwrap();
+    let (lo, hi) = ([1, 1, 2, 0], [2, 3, 5, 3]);
+    let owned = x.slice(&lo, &hi, &[1; 4]).unwrap();
+    let unowned = x.unowned_slice(&lo, &hi).unwrap();
+    assert_eq!(unowned.shape(), vec![1, 2, 3, 3]);
+    assert_eq!(
+        unowned.to_vec::<f32>().unwrap(),
+        owned.to_vec::<f32>().unwrap()
+    );
+    // ops over the view see its elements (a reduction, a contiguous copy)
+    let s = unowned
+        .sum(&[0, 1, 2, 3], false)
+        .unwrap()
+        .item::<f32>()
+        .unwrap();
+    let want: f32 = owned.to_vec::<f32>().unwrap().iter().sum();
+    assert!((s - want).abs() < 1e-4, "{s} vs {want}");
+    // of a view: offsets add up
+    let inner = x.slice(&[0, 1, 0, 0], &[2, 4, 6, 3], &[1; 4]).unwrap();
+    let v = inner.unowned_slice(&[1, 0, 2, 0], &[2, 2, 5, 3]).unwrap();
+    assert_eq!(v.to_vec::<f32>().unwrap(), owned.to_vec::<f32>().unwrap());
+    // out of range, or a start past the stop: an error, not a bad view
+    assert!(x.unowned_slice(&[0, 0, 0, 0], &[3, 4, 6, 3]).is_err());
+    assert!(x.unowned_slice(&[0, 0, 4, 0], &[2, 4, 3, 3]).is_err());
+    assert!(x.unowned_slice(&[0, 0], &[2, 4]).is_err());
+}
+
+/// What the KV cache's reads rely on: an update of an array whose earlier read is still
+/// queued (here behind a long task on the same stream) reuses the array's buffer when
+/// the read went through an unowned view, and copies the whole array when it went
+/// through an ordinary slice; the read sees the contents from before the update.
+#[test]
+fn an_update_after_a_queued_unowned_read_reuses_the_buffer() {
+    let update_after_read = |unowned: bool| -> (bool, f32) {
+        let pool = Array::zeros(&[1, 4, 256, 8], Dtype::F32).unwrap();
+        pool.eval().unwrap();
+        let id = pool.buffer_id();
+        assert_ne!(id, 0);
+        // a long task first, so that the read is still queued when the update is built
+        let m = Array::full(&[768, 768], 1e-3, Dtype::F32).unwrap();
+        let mut busy = m.clone();
+        for _ in 0..2 {
+            busy = busy.matmul(&m).unwrap();
+        }
+        async_eval(&[&busy]).unwrap();
+        let (lo, hi) = ([0, 0, 0, 0], [1, 4, 2, 8]);
+        let view = match unowned {
+            true => pool.unowned_slice(&lo, &hi).unwrap(),
+            false => pool.slice(&lo, &hi, &[1; 4]).unwrap(),
+        };
+        let read = view.sum(&[0, 1, 2, 3], false).unwrap();
+        drop(view);
+        async_eval(&[&read]).unwrap();
+        let ones = Array::full(&[1, 4, 1, 8], 1.0, Dtype::F32).unwrap();
+        let updated = pool
+            .slice_update(&ones, &[0, 0, 0, 0], &[1, 4, 1, 8], &[1; 4])
+            .unwrap();
+        drop(pool);
+        updated.eval().unwrap();
+        let in_place = updated.buffer_id() == id;
+        busy.eval().unwrap();
+        (in_place, read.item::<f32>().unwrap())
+    };
+    assert_eq!(update_after_read(true), (true, 0.0));
+    assert_eq!(update_after_read(false), (false, 0.0));
+}
