@@ -739,7 +739,32 @@ impl Worker {
             Stage::Logits(logits)
         };
         self.queued.push_back(Queued { seq_ids, stage });
+        self.check_kv_writes();
         Ok(())
+    }
+
+    /// After a step is queued or run: whether its KV writes updated the pools in place
+    /// (see [`crate::models::kv_cache`]); a copy is logged (a warning the first time).
+    fn check_kv_writes(&mut self) {
+        let copied = self.cache.check_in_place();
+        if copied == 0 {
+            return;
+        }
+        let total = self.cache.pool_copies();
+        let msg = format!(
+            "a KV cache write copied {copied} layer pool(s) instead of updating them in place \
+             ({total} so far; {:.2} GB per layer): the step took that much more memory and time",
+            self.cache.full_bytes() as f64 / self.cache.num_layers().max(1) as f64 / 1e9
+        );
+        match total == copied as u64 {
+            true => tracing::warn!("{msg}"),
+            false => tracing::debug!("{msg}"),
+        }
+    }
+
+    /// Writes so far that copied a layer's KV pool instead of updating it in place.
+    pub fn kv_pool_copies(&self) -> u64 {
+        self.cache.pool_copies()
     }
 
     /// See [`Executor::take_sampled`].
@@ -763,6 +788,12 @@ impl Worker {
     }
 
     pub fn execute(&mut self, plan: &StepPlan) -> Result<StepResult, StepError> {
+        let r = self.execute_plan(plan);
+        self.check_kv_writes();
+        r
+    }
+
+    fn execute_plan(&mut self, plan: &StepPlan) -> Result<StepResult, StepError> {
         for id in &plan.release {
             self.samplers.remove(id);
         }
@@ -837,6 +868,11 @@ impl Worker {
         let logits = self
             .model
             .forward(&mut self.cache, StepInput::Host(&inputs), mode)?;
+        if !plan.forks.is_empty() {
+            // the step's reads of the pools run before the forks write into them (a write
+            // built while a read of the same pool is still to be evaluated copies it)
+            mlx::eval(&logits.iter().collect::<Vec<_>>())?;
+        }
         // every rank starts the forks (the same evaluations in the same order)
         for f in &plan.forks {
             let s = plan

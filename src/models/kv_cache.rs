@@ -9,6 +9,18 @@
 //! update, or one scatter) and reads a sequence's prefix back as a view of the pool when
 //! its rows are one run, by a gather (`take`) otherwise; the decode kernel
 //! (`kernels::attn`) reads through the table itself.
+//!
+//! A write must reuse the pool's buffer: MLX updates an array in place only while nothing
+//! else references its buffer, and otherwise copies it whole (a layer's pool: gigabytes
+//! on a GPU whose memory the pool fills). Two rules keep it so. Every read goes through
+//! an unowned view ([`Array::unowned_slice`]), which does not keep the buffer referenced
+//! while the read is queued on the device (an ordinary view does, until the device has
+//! run it, so the next step's write would copy whenever the device lags behind the
+//! host); the cache owns the buffer meanwhile, and waits for the device before it lets
+//! go of it. And a step writes each layer's pool once, before any read of it
+//! ([`KvCache::write_step`] takes all of a step's sequences): a second write after a
+//! read of the same step would copy. [`KvCache::check_in_place`] counts the writes
+//! that copied anyway.
 use crate::kernels;
 use crate::mlx::{self, Array, Dtype};
 
@@ -43,8 +55,9 @@ impl KvConfig {
 /// Where a batched decode step writes and reads (see [`KvCache::batch_index`]).
 pub struct BatchIndex {
     rows: usize,
-    /// pool row of each batch row's new token, int32 `[B]`
+    /// pool row of each batch row's new token, int32 `[B]`, and on the host
     write_rows: Array,
+    write: Vec<i32>,
     /// block tables, int32 `[B, max blocks]` (for the decode kernel)
     table: Option<Array>,
     /// for MLX's attention: every row's pool rows, int32 `[B·L]`, its mask `[B, 1, 1, L]`, L
@@ -62,13 +75,28 @@ impl BatchIndex {
 pub enum SeqRows {
     /// Positions `0..pos+T` are pool rows `start..start+pos+T`: read as a view.
     Run { start: usize, pos: usize, t: usize },
-    /// Scattered: the new positions' rows `[T]` and every position's rows `[pos+T]`.
-    Gather { write: Array, read: Array },
+    /// Scattered: the new positions' rows `[T]` (also on the host, `rows`) and every
+    /// position's rows `[pos+T]`.
+    Gather {
+        write: Array,
+        rows: Vec<i32>,
+        read: Array,
+    },
 }
 
 impl SeqRows {
     pub fn is_run(&self) -> bool {
         matches!(self, SeqRows::Run { .. })
+    }
+
+    /// The pool rows of the step's new positions.
+    fn write_rows(&self) -> Vec<i32> {
+        match self {
+            SeqRows::Run { start, pos, t } => {
+                ((start + pos) as i32..(start + pos + t) as i32).collect()
+            }
+            SeqRows::Gather { rows, .. } => rows.clone(),
+        }
     }
 }
 
@@ -86,6 +114,12 @@ impl NewKv {
             NewKv::Split(k, v) => mlx::concatenate(&[k, v], 1),
         }
     }
+}
+
+/// The rows a step writes into every layer's pool, int32 `[R]` (see [`KvCache::write_step`]):
+/// a batched decode's rows first, then each prefill chunk's, in order.
+pub struct StepWrites {
+    rows: Array,
 }
 
 pub struct KvCache {
@@ -107,6 +141,13 @@ pub struct KvCache {
     dtype: Dtype,
     /// the decode attention kernel's scratch and the query heads it was made for
     attn_scratch: Option<(usize, kernels::attn::Scratch)>,
+    /// per layer the unowned views of its pool made since its last write (see
+    /// [`KvCache::settle`])
+    reads: std::cell::RefCell<Vec<Vec<Array>>>,
+    /// per layer the pool's buffer as last seen (0: not seen since it was made)
+    buffers: Vec<u64>,
+    /// writes that copied a layer's pool instead of updating it in place
+    copies: u64,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -132,6 +173,16 @@ pub enum KvError {
     NotShared { slot: usize, block: usize },
     #[error(transparent)]
     Mlx(#[from] mlx::MlxError),
+}
+
+/// Writes of every cache in this process that copied a layer's pool (see
+/// [`KvCache::check_in_place`]).
+static POOL_COPIES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Writes into a KV pool of this process, so far, that copied the pool instead of updating
+/// it in place (0 expected).
+pub fn pool_copies_total() -> u64 {
+    POOL_COPIES.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 fn i32_array(v: &[i32], shape: &[i32]) -> mlx::Result<Array> {
@@ -170,6 +221,9 @@ impl KvCache {
             max_len,
             dtype,
             attn_scratch: None,
+            reads: std::cell::RefCell::new(vec![Vec::new(); layers]),
+            buffers: Vec::new(),
+            copies: 0,
         }
     }
 
@@ -305,17 +359,87 @@ impl KvCache {
             ]
         };
         if self.kv.len() != layers {
+            // reads of the pools it replaces may still be queued (they do not own them)
+            if !self.kv.is_empty() {
+                mlx::synchronize()?;
+            }
             self.kv = (0..layers)
                 .map(|_| Array::zeros(&shape(new_cap), self.dtype))
                 .collect::<mlx::Result<_>>()?;
         } else {
-            for pool in self.kv.iter_mut() {
+            // (the concatenation holds the old pool until the device has run it, so the
+            // reads queued before it still find it)
+            for layer in 0..layers {
+                self.settle(layer)?;
                 let pad = Array::zeros(&shape(new_cap - self.cap_blocks), self.dtype)?;
+                let pool = &mut self.kv[layer];
                 *pool = mlx::concatenate(&[pool, &pad], 2)?;
             }
         }
+        self.buffers = vec![0; layers];
         self.cap_blocks = new_cap;
         Ok(())
+    }
+
+    /// After a step was evaluated (or queued): count the layers whose pool was copied by
+    /// its write rather than updated in place (see the module's notes), and return how
+    /// many. A pool made or grown since the last check is not counted.
+    pub fn check_in_place(&mut self) -> usize {
+        let mut copied = 0;
+        for (seen, pool) in self.buffers.iter_mut().zip(&self.kv) {
+            let id = pool.buffer_id();
+            if id == 0 {
+                continue;
+            }
+            if *seen != 0 && *seen != id {
+                copied += 1;
+            }
+            *seen = id;
+        }
+        self.copies += copied as u64;
+        POOL_COPIES.fetch_add(copied as u64, std::sync::atomic::Ordering::Relaxed);
+        if copied > 0 {
+            // the copied pool's old buffer goes with its last owner, and reads of it may
+            // still be queued (unowned): let them run first
+            let _ = mlx::synchronize();
+        }
+        copied
+    }
+
+    /// An unowned view `[start, stop)` of `layer`'s pool, remembered until the pool's next
+    /// write (see [`KvCache::settle`]).
+    fn unowned(&self, layer: usize, start: &[i32], stop: &[i32]) -> mlx::Result<Array> {
+        let v = self.kv[layer].unowned_slice(start, stop)?;
+        if let Some(r) = self.reads.borrow_mut().get_mut(layer) {
+            r.push(v.clone());
+        }
+        Ok(v)
+    }
+
+    /// Before a write into `layer`'s pool: evaluate the views of it made since its last
+    /// write that are not yet (a view not yet evaluated holds the pool, so the write would
+    /// copy it; once evaluated it does not). The steps write each pool once, after
+    /// evaluating the step before, so this finds nothing to do there.
+    fn settle(&self, layer: usize) -> mlx::Result<()> {
+        let pending: Vec<Array> = match self.reads.borrow_mut().get_mut(layer) {
+            Some(r) => r.drain(..).filter(|v| v.buffer_id() == 0).collect(),
+            None => return Ok(()),
+        };
+        if !pending.is_empty() {
+            mlx::async_eval(&pending.iter().collect::<Vec<_>>())?;
+        }
+        Ok(())
+    }
+
+    /// Writes so far that copied a layer's pool (see [`KvCache::check_in_place`]).
+    pub fn pool_copies(&self) -> u64 {
+        self.copies
+    }
+
+    /// The whole pool of `layer` as an unowned view (for the decode kernel and gathers).
+    pub fn pool_view(&self, layer: usize) -> mlx::Result<Array> {
+        let shape = self.kv[layer].shape();
+        self.unowned(layer, &vec![0; shape.len()], &shape)
     }
 
     /// Where one step of `t` positions from `pos` of `slot` writes and reads, built once
@@ -340,12 +464,14 @@ impl KvCache {
         let read = self.rows(slot, 0, end)?;
         Ok(SeqRows::Gather {
             write: i32_array(&read[pos..], &[t as i32])?,
+            rows: read[pos..].to_vec(),
             read: i32_array(&read, &[end as i32])?,
         })
     }
 
     /// Write `new` (one sequence, `T` positions) at `rows` of `layer`.
     pub fn write(&mut self, layer: usize, rows: &SeqRows, new: &NewKv) -> mlx::Result<()> {
+        self.settle(layer)?;
         let (h, d) = (self.kv_heads as i32, self.head_dim as i32);
         let ones = [1, 1, 1, 1];
         let pool = &mut self.kv[layer];
@@ -402,19 +528,24 @@ impl KvCache {
         new: &NewKv,
     ) -> mlx::Result<(Array, Array)> {
         self.write(layer, rows, new)?;
+        self.read(layer, rows)
+    }
+
+    /// The keys and values of positions `0..pos+T` of one sequence (`[1, kv_heads, pos+T,
+    /// head_dim]` each) from `layer`'s pool as written so far: unowned views of the pool for
+    /// a run of rows, gathered otherwise. Evaluate them before the pool's next write.
+    pub fn read(&self, layer: usize, rows: &SeqRows) -> mlx::Result<(Array, Array)> {
         let (h, d) = (self.kv_heads as i32, self.head_dim as i32);
-        let pool = &self.kv[layer];
         match rows {
             SeqRows::Run { start, pos, t } => {
                 let (r0, r1) = (*start as i32, (start + pos + t) as i32);
-                let ones = [1, 1, 1, 1];
                 Ok((
-                    pool.slice(&[0, 0, r0, 0], &[1, h, r1, d], &ones)?,
-                    pool.slice(&[0, h, r0, 0], &[1, 2 * h, r1, d], &ones)?,
+                    self.unowned(layer, &[0, 0, r0, 0], &[1, h, r1, d])?,
+                    self.unowned(layer, &[0, h, r0, 0], &[1, 2 * h, r1, d])?,
                 ))
             }
             SeqRows::Gather { read, .. } => {
-                let kv = pool.take(read, 2)?;
+                let kv = self.pool_view(layer)?.take(read, 2)?;
                 let l = read.size() as i32;
                 let ones = [1, 1, 1, 1];
                 Ok((
@@ -425,7 +556,74 @@ impl KvCache {
         }
     }
 
-    /// The pool of `layer`, `[1, 2·kv_heads, blocks·block_size, head_dim]` (key heads first).
+    /// The rows a step of a batched decode (`decode`) and of prefill chunks (`chunks`, in
+    /// order) writes, for [`KvCache::write_step`]; built once per step.
+    pub fn step_writes(
+        &self,
+        decode: Option<&BatchIndex>,
+        chunks: &[SeqRows],
+    ) -> mlx::Result<StepWrites> {
+        let mut rows: Vec<i32> = decode.map_or_else(Vec::new, |d| d.write.clone());
+        for c in chunks {
+            rows.extend(c.write_rows());
+        }
+        Ok(StepWrites {
+            rows: i32_array(&rows, &[rows.len() as i32])?,
+        })
+    }
+
+    /// Write a whole step's new keys and values into `layer`'s pool with one scatter: the
+    /// batched decode's (`[B, 2·kv_heads or kv_heads, 1, head_dim]`) and each prefill
+    /// chunk's (`[1, .., T, head_dim]`), at the rows of `writes` (made from the same
+    /// decode index and chunks). One write per layer per step, before its reads, is what
+    /// lets MLX update the pool in place (see the module's notes).
+    pub fn write_step(
+        &mut self,
+        layer: usize,
+        writes: &StepWrites,
+        decode: Option<&NewKv>,
+        chunks: &[NewKv],
+    ) -> mlx::Result<()> {
+        let (h2, d) = (2 * self.kv_heads as i32, self.head_dim as i32);
+        let mut parts = Vec::with_capacity(2);
+        if let Some(new) = decode {
+            let kv = new.merged()?;
+            parts.push(kv.reshape(&[kv.dim(0), 1, h2, 1, d])?);
+        }
+        if !chunks.is_empty() {
+            // the chunks' positions end to end, [1, 2H, N, D] → [N, 1, 2H, 1, D]
+            let merged: Vec<Array> = chunks
+                .iter()
+                .map(NewKv::merged)
+                .collect::<mlx::Result<_>>()?;
+            let kv = match merged.len() {
+                1 => merged[0].clone(),
+                _ => mlx::concatenate(&merged.iter().collect::<Vec<_>>(), 2)?,
+            };
+            let n = kv.dim(2);
+            parts.push(kv.transpose(&[2, 0, 1, 3])?.reshape(&[n, 1, h2, 1, d])?);
+        }
+        let upd = match parts.len() {
+            0 => return Ok(()),
+            1 => parts.pop().expect("one part"),
+            _ => mlx::concatenate(&parts.iter().collect::<Vec<_>>(), 0)?,
+        };
+        if upd.dim(0) != writes.rows.dim(0) {
+            return Err(mlx::MlxError::Invalid(format!(
+                "write_step: {} new positions for {} rows",
+                upd.dim(0),
+                writes.rows.dim(0)
+            )));
+        }
+        self.settle(layer)?;
+        let pool = &mut self.kv[layer];
+        *pool = pool.scatter(&[&writes.rows], &upd.astype(self.dtype)?, &[2])?;
+        Ok(())
+    }
+
+    /// The pool of `layer`, `[1, 2·kv_heads, blocks·block_size, head_dim]` (key heads first),
+    /// the array that owns it: a read of it queued on the device makes the layer's next
+    /// write copy the pool, so steps read [`KvCache::pool_view`] instead.
     pub fn pool(&self, layer: usize) -> &Array {
         &self.kv[layer]
     }
@@ -494,6 +692,7 @@ impl KvCache {
         Ok(BatchIndex {
             rows: b,
             write_rows: i32_array(&write, &[b as i32])?,
+            write,
             table,
             gather,
         })
@@ -507,6 +706,7 @@ impl KvCache {
             .merged()?
             .astype(self.dtype)?
             .reshape(&[idx.rows as i32, 1, 2 * h, 1, d])?;
+        self.settle(layer)?;
         self.kv[layer] = self.kv[layer].scatter(&[&idx.write_rows], &kv, &[2])?;
         Ok(())
     }
@@ -526,7 +726,8 @@ impl KvCache {
             *l as i32,
         );
         // [1, 2H, B·L, D] → [B, 2H, L, D]
-        let kv = self.kv[layer]
+        let kv = self
+            .pool_view(layer)?
             .take(rows, 2)?
             .reshape(&[2 * h, b, l, d])?
             .transpose(&[1, 0, 2, 3])?;
@@ -544,7 +745,8 @@ impl KvCache {
     /// full blocks of `table` are `src`'s own (shared read-only; the driver counts their
     /// references); a partly filled last block is `dst`'s own, and its rows are copied
     /// here from `src`'s (one update per layer pool, after the copied rows are made
-    /// contiguous and evaluated).
+    /// contiguous and evaluated). Call it once the step that wrote `src`'s rows is
+    /// evaluated: an update of a pool that a step still to be evaluated reads copies it.
     pub fn fork(
         &mut self,
         src: usize,
@@ -585,12 +787,14 @@ impl KvCache {
                     .kv
                     .iter()
                     .map(|pool| {
-                        pool.slice(&[0, 0, f, 0], &[1, h2, f + r, d], &ones)?
+                        pool.unowned_slice(&[0, 0, f, 0], &[1, h2, f + r, d])?
                             .contiguous()
                     })
                     .collect::<mlx::Result<_>>()?;
                 mlx::eval(&rows.iter().collect::<Vec<_>>())?;
-                for (pool, rows) in self.kv.iter_mut().zip(&rows) {
+                for (layer, rows) in rows.iter().enumerate() {
+                    self.settle(layer)?;
+                    let pool = &mut self.kv[layer];
                     *pool = pool.slice_update(rows, &[0, 0, t, 0], &[1, h2, t + r, d], &ones)?;
                 }
             }
@@ -609,6 +813,16 @@ impl KvCache {
     /// Bytes held by the pools.
     pub fn nbytes(&self) -> usize {
         self.kv.iter().map(|a| a.nbytes()).sum()
+    }
+}
+
+impl Drop for KvCache {
+    /// Reads of the pools queued on the device do not own them (see the module's notes):
+    /// wait for the device before the pools go.
+    fn drop(&mut self) {
+        if !self.kv.is_empty() {
+            let _ = mlx::synchronize();
+        }
     }
 }
 
@@ -781,6 +995,123 @@ mod tests {
                 assert_eq!(fork.0[at], -200.0 + (hh * pos) as f32);
             }
             assert_eq!(fork.0[0], 1000.0 * layer as f32);
+        }
+    }
+
+    /// A step's writes of several sequences go into each pool in place, and what each
+    /// sequence reads back is its own; a write while something else holds the pool (here a
+    /// clone) copies it, and the check counts it.
+    #[test]
+    fn step_writes_update_the_pools_in_place_and_copies_are_counted() {
+        let (layers, h, d, bs) = (2usize, 2i32, 4i32, 4usize);
+        let kv = KvConfig {
+            block_size: bs,
+            num_blocks: 8,
+            preallocate: true,
+        };
+        let mut c = KvCache::new(layers, 3, h as usize, d as usize, Dtype::F32, 32, kv);
+        c.restart(0, 0, Some(&[0, 1]));
+        c.restart(1, 0, Some(&[5]));
+        c.restart(2, 0, Some(&[3, 6]));
+        // slot 0 holds 5 positions; then one step: slot 0 decodes, slots 1 and 2 prefill
+        c.prepare(layers, &[(0, 5)]).unwrap();
+        let r0 = c.seq_rows(0, 0, 5).unwrap();
+        for layer in 0..layers {
+            c.write(layer, &r0, &NewKv::Merged(values(&[1, 2 * h, 5, d], 0.0)))
+                .unwrap();
+        }
+        c.advance(0, 5);
+        mlx::eval(&(0..layers).map(|l| c.pool(l)).collect::<Vec<_>>()).unwrap();
+        assert_eq!(c.check_in_place(), 0, "made, not copied");
+        c.prepare(layers, &[(0, 6), (1, 3), (2, 6)]).unwrap();
+        let idx = c.batch_index(&[0], &[5], false).unwrap();
+        let chunks = [c.seq_rows(1, 0, 3).unwrap(), c.seq_rows(2, 0, 6).unwrap()];
+        let writes = c.step_writes(Some(&idx), &chunks).unwrap();
+        let mut got = vec![];
+        for layer in 0..layers {
+            let dec = NewKv::Merged(values(&[1, 2 * h, 1, d], 500.0));
+            let news = [
+                NewKv::Merged(values(&[1, 2 * h, 3, d], 1000.0)),
+                NewKv::Split(values(&[1, h, 6, d], 2000.0), values(&[1, h, 6, d], 3000.0)),
+            ];
+            c.write_step(layer, &writes, Some(&dec), &news).unwrap();
+            let (k0, v0, _) = c.read_batch(layer, &idx).unwrap();
+            let (k1, _) = c.read(layer, &chunks[0]).unwrap();
+            let (k2, v2) = c.read(layer, &chunks[1]).unwrap();
+            got.push([read(&k0), read(&v0), read(&k1), read(&k2), read(&v2)]);
+        }
+        for [k0, v0, k1, k2, v2] in &got {
+            // slot 0: its 5 positions, then the decode's (head 0 at position 5: 500..)
+            assert_eq!(k0[5 * d as usize], 500.0);
+            assert_eq!(k0[0], 0.0);
+            assert_eq!(v0[5 * d as usize], 500.0 + (h * d) as f32);
+            assert_eq!(k1, &read(&values(&[1, h, 3, d], 1000.0)));
+            assert_eq!(k2, &read(&values(&[1, h, 6, d], 2000.0)));
+            assert_eq!(v2, &read(&values(&[1, h, 6, d], 3000.0)));
+        }
+        c.advance(0, 1);
+        c.advance(1, 3);
+        c.advance(2, 6);
+        assert_eq!(c.check_in_place(), 0, "one write per pool: in place");
+        // a write while a clone of the pool is held copies it
+        let held = c.pool(0).clone();
+        c.prepare(layers, &[(1, 4)]).unwrap();
+        let r1 = c.seq_rows(1, 3, 1).unwrap();
+        c.write(0, &r1, &NewKv::Merged(values(&[1, 2 * h, 1, d], 0.0)))
+            .unwrap();
+        c.pool(0).eval().unwrap();
+        assert_eq!(c.check_in_place(), 1);
+        assert_eq!(c.pool_copies(), 1);
+        drop(held);
+    }
+
+    /// A write into a pool whose earlier read is still queued on the device (here behind
+    /// a long task on the same stream, as a GPU runs behind the host) updates the pool in
+    /// place, and the read sees the positions as they were: reads go through unowned
+    /// views (an ordinary view would keep the pool referenced until the read has run, and
+    /// the write would copy the pool).
+    #[test]
+    fn a_write_while_a_read_is_queued_updates_the_pool_in_place() {
+        let (h, d) = (2i32, 4i32);
+        let kv = KvConfig {
+            block_size: 4,
+            num_blocks: 64,
+            preallocate: true,
+        };
+        for gather in [false, true] {
+            let mut c = KvCache::new(1, 1, h as usize, d as usize, Dtype::F32, 32, kv);
+            c.restart(0, 0, Some(if gather { &[3, 1] } else { &[0, 1] }));
+            c.prepare(1, &[(0, 6)]).unwrap();
+            let r = c.seq_rows(0, 0, 6).unwrap();
+            assert_eq!(r.is_run(), !gather);
+            c.write(0, &r, &NewKv::Merged(values(&[1, 2 * h, 6, d], 1.0)))
+                .unwrap();
+            c.advance(0, 6);
+            c.pool(0).eval().unwrap();
+            assert_eq!(c.check_in_place(), 0);
+            let m = Array::full(&[768, 768], 1e-3, Dtype::F32).unwrap();
+            let mut busy = m.clone();
+            for _ in 0..2 {
+                busy = busy.matmul(&m).unwrap();
+            }
+            mlx::async_eval(&[&busy]).unwrap();
+            let (k, v) = c.read(0, &r).unwrap();
+            let sum = k
+                .sum(&[0, 1, 2, 3], false)
+                .unwrap()
+                .add(&v.sum(&[0, 1, 2, 3], false).unwrap())
+                .unwrap();
+            drop((k, v));
+            mlx::async_eval(&[&sum]).unwrap();
+            c.prepare(1, &[(0, 7)]).unwrap();
+            let r = c.seq_rows(0, 6, 1).unwrap();
+            c.write(0, &r, &NewKv::Merged(values(&[1, 2 * h, 1, d], 1e6)))
+                .unwrap();
+            c.pool(0).eval().unwrap();
+            assert_eq!(c.check_in_place(), 0, "gather {gather}: the write copied");
+            busy.eval().unwrap();
+            let n = (2 * h * 6 * d) as f32;
+            assert_eq!(sum.item::<f32>().unwrap(), n * (n + 1.0) / 2.0);
         }
     }
 

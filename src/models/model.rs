@@ -336,33 +336,49 @@ impl Model {
             needs.push((s.slot, cache.len(s.slot) + s.tokens.len()));
         }
         cache.prepare(self.layers.len(), &needs)?;
-        let mut out: Vec<Option<Array>> = vec![None; seqs.len()];
-        let decode: Vec<usize> = (0..seqs.len())
-            .filter(|&i| seqs[i].tokens.len() == 1)
-            .collect();
-        if decode.len() > 1 && mode == Logits::Last {
-            let logits = self.forward_decode_batch(cache, seqs, &decode)?;
-            for (row, &i) in decode.iter().enumerate() {
-                out[i] = Some(logits.slice_axis(0, row as i32, row as i32 + 1)?);
+        if mode == Logits::Last && seqs.len() > 1 {
+            // several sequences: one pass, whose one write per layer holds all their new
+            // keys and values (a second write into a pool after a read of it in the same
+            // step would copy the pool: kv_cache's notes)
+            let decode: Vec<usize> = (0..seqs.len())
+                .filter(|&i| seqs[i].tokens.len() == 1)
+                .collect();
+            let chunks: Vec<usize> = (0..seqs.len())
+                .filter(|&i| seqs[i].tokens.len() > 1)
+                .collect();
+            if chunks.is_empty() {
+                let logits = self.forward_decode_batch(cache, seqs, &decode)?;
+                return (0..seqs.len() as i32)
+                    .map(|k| Ok(logits.slice_axis(0, k, k + 1)?))
+                    .collect();
             }
-        }
-        // several prefill chunks: one pass whose projections and MLPs take all their
-        // rows at once (each weight read once for the step's prompt tokens)
-        let chunks: Vec<usize> = (0..seqs.len())
-            .filter(|&i| seqs[i].tokens.len() > 1)
-            .collect();
-        if chunks.len() > 1 && mode == Logits::Last {
-            let logits = self.forward_chunks(cache, seqs, &chunks)?;
-            for (l, &i) in logits.into_iter().zip(&chunks) {
+            let slots: Vec<usize> = decode.iter().map(|&i| seqs[i].slot).collect();
+            let ids: Vec<i32> = decode.iter().map(|&i| seqs[i].tokens[0] as i32).collect();
+            let ids = Array::from_slice(&ids, &[ids.len() as i32, 1])?;
+            let parts: Vec<(usize, &[u32])> = chunks
+                .iter()
+                .map(|&i| (seqs[i].slot, seqs[i].tokens))
+                .collect();
+            let dec = (!decode.is_empty()).then_some((slots.as_slice(), &ids));
+            let (dec_logits, chunk_logits) = self.forward_mixed(cache, dec, &parts)?;
+            let mut out: Vec<Option<Array>> = vec![None; seqs.len()];
+            if let Some(l) = dec_logits {
+                for (row, &i) in decode.iter().enumerate() {
+                    out[i] = Some(l.slice_axis(0, row as i32, row as i32 + 1)?);
+                }
+            }
+            for (l, &i) in chunk_logits.into_iter().zip(&chunks) {
                 out[i] = Some(l);
             }
+            return Ok(out.into_iter().map(|a| a.expect("every row")).collect());
         }
-        for (i, s) in seqs.iter().enumerate() {
-            if out[i].is_none() {
-                out[i] = Some(self.forward_one(cache, s, mode)?);
-            }
+        // one sequence, or every position's logits (reference tests): each alone, with a
+        // write of its own
+        let mut out = Vec::with_capacity(seqs.len());
+        for s in seqs {
+            out.push(self.forward_one(cache, s, mode)?);
         }
-        Ok(out.into_iter().map(|a| a.unwrap()).collect())
+        Ok(out)
     }
 
     /// A step of only single-token sequences (a decode step) as one `[n_seqs, vocab]` float32
@@ -491,73 +507,162 @@ impl Model {
         Ok(logits.reshape(&[-1, self.cfg.vocab_size as i32])?)
     }
 
-    /// The prefill chunks `chunks` of `seqs` (two or more tokens each, in different
-    /// slots) as one pass: their tokens end to end in one `[1, N]` input, so the
-    /// projections, MLPs and norms run once over all `N` rows; attention runs per chunk
-    /// over its own slot's cache (causal, after the positions cached before it). Returns
-    /// each chunk's last-position logits (`[1, vocab]`), in order.
-    fn forward_chunks(
+    /// One pass over a batched decode (`decode`: slots, one token each, ids `[B, 1]` int32
+    /// already on the device) and prefill chunks (`chunks`: slot and tokens, two or more
+    /// each, in other slots): the chunks' tokens end to end in one `[1, N]` input, so
+    /// their projections, MLPs and norms run once over all `N` rows; each layer's new
+    /// keys and values of the whole step go into its pool in one write
+    /// ([`KvCache::write_step`]) before any of them is read; then the decode rows attend
+    /// through their block tables (mlxcel's kernel, or MLX's attention over a gather) and
+    /// each chunk over its own slot's cache (causal, after the positions cached before
+    /// it). Returns the decode rows' logits (`[B, vocab]`) and each chunk's last-position
+    /// logits (`[1, vocab]`), in order. Ids are not range-checked here.
+    fn forward_mixed(
         &self,
         cache: &mut KvCache,
-        seqs: &[SeqInput<'_>],
-        chunks: &[usize],
-    ) -> std::result::Result<Vec<Array>, ForwardError> {
-        let lens: Vec<i32> = chunks
-            .iter()
-            .map(|&i| seqs[i].tokens.len() as i32)
-            .collect();
+        decode: Option<(&[usize], &Array)>,
+        chunks: &[(usize, &[u32])],
+    ) -> std::result::Result<(Option<Array>, Vec<Array>), ForwardError> {
+        let (slots, ids_d): (&[usize], Option<&Array>) = match decode {
+            Some((s, ids)) => (s, Some(ids)),
+            None => (&[], None),
+        };
+        let b = slots.len() as i32;
+        let mut needs: Vec<(usize, usize)> = slots.iter().map(|&s| (s, cache.len(s) + 1)).collect();
+        needs.extend(chunks.iter().map(|&(s, t)| (s, cache.len(s) + t.len())));
+        cache.prepare(self.layers.len(), &needs)?;
+        // the decode rows: positions, block tables (or gathers), the kernel's scratch
+        let positions: Vec<usize> = slots.iter().map(|&s| cache.len(s)).collect();
+        let pos_i32: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
+        let offset_d = Array::from_slice(&pos_i32, &[b])?;
+        // mlxcel's attention kernel: one op per layer whatever the rows' blocks and
+        // lengths, read through their block tables (MLX's needs a gather and a mask);
+        // 8B 4-bit on H200, batch 8: 2,111-2,517 tok/s with it, 1,612-1,731 without
+        let kernel = self.attn_kernel_fits() && kernels::attn::block_size_fits(cache.block_size());
+        let index = match b > 0 {
+            true => Some(cache.batch_index(slots, &positions, kernel)?),
+            false => None,
+        };
+        let scratch = match kernel && b > 0 {
+            true => Some(cache.attn_scratch(self.q_heads())?.clone()),
+            false => None,
+        };
+        // the chunks: lengths, rows, offsets, ids end to end
+        let lens: Vec<i32> = chunks.iter().map(|(_, t)| t.len() as i32).collect();
         let n: i32 = lens.iter().sum();
-        let ids: Vec<i32> = chunks
-            .iter()
-            .flat_map(|&i| seqs[i].tokens.iter().map(|&x| x as i32))
-            .collect();
-        let ids = Array::from_slice(&ids, &[1, n])?;
         let mut rows = Vec::with_capacity(chunks.len());
         let mut offsets = Vec::with_capacity(chunks.len());
-        for (&i, &t) in chunks.iter().zip(&lens) {
-            let pos = cache.len(seqs[i].slot);
-            rows.push(cache.seq_rows(seqs[i].slot, pos, t as usize)?);
+        for &(slot, t) in chunks {
+            let pos = cache.len(slot);
+            rows.push(cache.seq_rows(slot, pos, t.len())?);
             offsets.push(Array::scalar_i32(pos as i32)?);
         }
+        let writes = cache.step_writes(index.as_ref(), &rows)?;
+        let mut hd = match ids_d {
+            Some(ids) => Some(self.decode_rows(self.embed(ids)?)?),
+            None => None,
+        };
+        let mut hc = match chunks.is_empty() {
+            true => None,
+            false => {
+                let ids: Vec<i32> = chunks
+                    .iter()
+                    .flat_map(|(_, t)| t.iter().map(|&x| x as i32))
+                    .collect();
+                Some(self.embed(&Array::from_slice(&ids, &[1, n])?)?)
+            }
+        };
         let bound = n as usize >= PREFILL_BOUND_MIN_ROWS && mlx::backend() != mlx::Backend::Cpu;
         let mut in_flight: Option<Array> = None;
-        let mut h = self.embed(&ids)?;
         for (li, block) in self.layers.iter().enumerate() {
             let a = &block.self_attn;
-            let qkv = a.qkv_segments(&h, &block.input_layernorm, &lens, &offsets, &self.rope)?;
-            let mut outs = Vec::with_capacity(chunks.len());
-            for (((q, kv), r), &t) in qkv.into_iter().zip(&rows).zip(&lens) {
-                let (kk, vv) = cache.write_and_read(li, r, &kv)?;
-                let o = fast::sdpa(&q, &kk, &vv, a.scale, fast::Mask::Causal)?;
-                // [1, heads, t, head_dim] → [1, t, heads·head_dim]
-                outs.push(o.transpose(&[0, 2, 1, 3])?.reshape(&[1, t, -1])?);
+            let norm = &block.input_layernorm;
+            let (q_d, kv_d) = match &hd {
+                Some(h) => {
+                    let (q, kv) = a.qkv(h, norm, b, 1, &self.rope, &offset_d)?;
+                    (Some(q), Some(kv))
+                }
+                None => (None, None),
+            };
+            let (q_c, kv_c): (Vec<Array>, Vec<_>) = match &hc {
+                Some(h) => a
+                    .qkv_segments(h, norm, &lens, &offsets, &self.rope)?
+                    .into_iter()
+                    .unzip(),
+                None => (Vec::new(), Vec::new()),
+            };
+            cache.write_step(li, &writes, kv_d.as_ref(), &kv_c)?;
+            if let (Some(h), Some(q), Some(index)) = (&hd, &q_d, &index) {
+                let o = match &scratch {
+                    // every row its own slot and length, in one kernel
+                    Some(scratch) => a.decode_attention(
+                        q,
+                        &cache.pool_view(li)?,
+                        index.table().expect("made for the kernel"),
+                        &offset_d,
+                        scratch,
+                        cache.block_size(),
+                    )?,
+                    None => a.attend_gathered(q, cache, li, index)?,
+                };
+                let h = a.out_residual(&o, h, b, 1)?;
+                hd = Some(
+                    block
+                        .mlp
+                        .forward_residual(&h, &block.post_attention_layernorm)?,
+                );
             }
-            let o = mlx::concatenate(&outs.iter().collect::<Vec<_>>(), 1)?;
-            h = a.out_residual_merged(&o, &h)?;
-            h = block
-                .mlp
-                .forward_residual(&h, &block.post_attention_layernorm)?;
-            if bound {
-                keep_two_in_flight(&mut in_flight, &h)?;
+            if let Some(h) = &hc {
+                let mut outs = Vec::with_capacity(chunks.len());
+                for ((q, r), &t) in q_c.iter().zip(&rows).zip(&lens) {
+                    let (kk, vv) = cache.read(li, r)?;
+                    let o = fast::sdpa(q, &kk, &vv, a.scale, fast::Mask::Causal)?;
+                    // [1, heads, t, head_dim] → [1, t, heads·head_dim]
+                    outs.push(o.transpose(&[0, 2, 1, 3])?.reshape(&[1, t, -1])?);
+                }
+                let o = match outs.len() {
+                    1 => outs.pop().expect("one chunk"),
+                    _ => mlx::concatenate(&outs.iter().collect::<Vec<_>>(), 1)?,
+                };
+                let h = a.out_residual_merged(&o, h)?;
+                let h = block
+                    .mlp
+                    .forward_residual(&h, &block.post_attention_layernorm)?;
+                if bound {
+                    keep_two_in_flight(&mut in_flight, &h)?;
+                }
+                hc = Some(h);
             }
         }
-        for (&i, &t) in chunks.iter().zip(&lens) {
-            cache.advance(seqs[i].slot, t as usize);
+        for &s in slots {
+            cache.advance(s, 1);
         }
-        // each chunk's last row, then the head over those rows only
-        let mut ends = Vec::with_capacity(chunks.len());
-        let mut end = 0;
-        for &t in &lens {
-            end += t;
-            ends.push(end - 1);
+        for (&(s, _), &t) in chunks.iter().zip(&lens) {
+            cache.advance(s, t as usize);
         }
-        let last = h.take(&Array::from_slice(&ends, &[ends.len() as i32])?, 1)?;
-        let logits = self
-            .head(&last)?
-            .reshape(&[-1, self.cfg.vocab_size as i32])?;
-        (0..chunks.len() as i32)
-            .map(|k| Ok(logits.slice_axis(0, k, k + 1)?))
-            .collect()
+        let vocab = self.cfg.vocab_size as i32;
+        let dec_logits = match &hd {
+            Some(h) => Some(self.head(h)?.reshape(&[b, vocab])?),
+            None => None,
+        };
+        let chunk_logits = match &hc {
+            Some(h) => {
+                // each chunk's last row, then the head over those rows only
+                let mut ends = Vec::with_capacity(chunks.len());
+                let mut end = 0;
+                for &t in &lens {
+                    end += t;
+                    ends.push(end - 1);
+                }
+                let last = h.take(&Array::from_slice(&ends, &[ends.len() as i32])?, 1)?;
+                let logits = self.head(&last)?.reshape(&[-1, vocab])?;
+                (0..chunks.len() as i32)
+                    .map(|k| Ok(logits.slice_axis(0, k, k + 1)?))
+                    .collect::<std::result::Result<Vec<_>, ForwardError>>()?
+            }
+            None => Vec::new(),
+        };
+        Ok((dec_logits, chunk_logits))
     }
 
     fn forward_decode_batch(
@@ -605,48 +710,8 @@ impl Model {
         slots: &[usize],
         ids: &Array,
     ) -> std::result::Result<Array, ForwardError> {
-        let b = slots.len() as i32;
-        let slots = slots.to_vec();
-        let positions: Vec<usize> = slots.iter().map(|&s| cache.len(s)).collect();
-        let pos_i32: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
-        let offset = Array::from_slice(&pos_i32, &[b])?;
-        // mlxcel's attention kernel: one op per layer whatever the rows' blocks and
-        // lengths, read through their block tables (MLX's needs a gather and a mask);
-        // 8B 4-bit on H200, batch 8: 2,111-2,517 tok/s with it, 1,612-1,731 without
-        let needs: Vec<(usize, usize)> = slots.iter().map(|&s| (s, cache.len(s) + 1)).collect();
-        cache.prepare(self.layers.len(), &needs)?;
-        let kernel = self.attn_kernel_fits() && kernels::attn::block_size_fits(cache.block_size());
-        let index = cache.batch_index(&slots, &positions, kernel)?;
-        let scratch = match kernel {
-            true => Some(cache.attn_scratch(self.q_heads())?.clone()),
-            false => None,
-        };
-        let mut h = self.decode_rows(self.embed(ids)?)?;
-        for (li, block) in self.layers.iter().enumerate() {
-            let a = &block.self_attn;
-            let (q, kv) = a.qkv(&h, &block.input_layernorm, b, 1, &self.rope, &offset)?;
-            cache.write_batch(li, &index, &kv)?;
-            let o = match &scratch {
-                // every row its own slot and length, in one kernel
-                Some(scratch) => a.decode_attention(
-                    &q,
-                    cache.pool(li),
-                    index.table().expect("made for the kernel"),
-                    &offset,
-                    scratch,
-                    cache.block_size(),
-                )?,
-                None => a.attend_gathered(&q, cache, li, &index)?,
-            };
-            h = a.out_residual(&o, &h, b, 1)?;
-            h = block
-                .mlp
-                .forward_residual(&h, &block.post_attention_layernorm)?;
-        }
-        for &s in &slots {
-            cache.advance(s, 1);
-        }
-        Ok(self.head(&h)?.reshape(&[b, self.cfg.vocab_size as i32])?)
+        let (logits, _) = self.forward_mixed(cache, Some((slots, ids)), &[])?;
+        Ok(logits.expect("decode rows give logits"))
     }
 
     /// The MLX ops of one batch-1 decode step of `slot` (after one step run first), as
@@ -853,8 +918,8 @@ mod tests {
     }
 
     /// A step of several prefill chunks (one after a cached prefix over scattered blocks,
-    /// two from position 0) and decodes runs the chunks as one pass
-    /// ([`Model::forward_chunks`]): its logits, and those of a decode step after it (so
+    /// two from position 0) and a decode runs as one pass with one KV write per layer
+    /// ([`Model::forward_mixed`]): its logits, and those of a decode step after it (so
     /// the keys and values it wrote), equal running each chunk on its own, for a family
     /// with q/k norms (qwen3), a dense one (llama3) and a mixture of experts.
     #[test]

@@ -112,6 +112,8 @@ pub struct Metrics {
     pub memory_active: AtomicU64,
     pub memory_peak: AtomicU64,
     pub memory_cache: AtomicU64,
+    /// KV cache writes of the process that runs the model that copied a layer's pool.
+    pub kv_pool_copies: AtomicU64,
     pub ttft: Histogram,
     pub itl: Histogram,
     pub queue_time: Histogram,
@@ -168,6 +170,7 @@ impl Metrics {
             memory_active: AtomicU64::new(0),
             memory_peak: AtomicU64::new(0),
             memory_cache: AtomicU64::new(0),
+            kv_pool_copies: AtomicU64::new(0),
             ttft: Histogram::new(LATENCY_BUCKETS),
             itl: Histogram::new(ITL_BUCKETS),
             queue_time: Histogram::new(LATENCY_BUCKETS),
@@ -446,6 +449,13 @@ impl Metrics {
                 for (name, help, f) in memory {
                     g(&mut out, name, "gauge", help, f(&local));
                 }
+                g(
+                    &mut out,
+                    "mlxcel:kv_pool_copies_total",
+                    "counter",
+                    "KV cache writes that copied a layer's whole pool instead of updating it in place (0 expected).",
+                    ld(&self.kv_pool_copies),
+                );
             }
             Some(ranks) => {
                 let family =
@@ -514,6 +524,7 @@ mod tests {
         assert!(text
             .contains("mlxcel:http_requests_total{path=\"/v1/completions\",status=\"200\"} 1\n"));
         assert!(text.contains("\nmlxcel:device_memory_active_bytes 0\n"));
+        assert!(text.contains("\nmlxcel:kv_pool_copies_total 0\n"));
         assert!(!text.contains("tp_rank"));
     }
 

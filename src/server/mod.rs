@@ -500,6 +500,10 @@ fn publish_memory(m: &Metrics) {
     m.memory_peak.store(mlx::memory::peak(), Ordering::Relaxed);
     m.memory_cache
         .store(mlx::memory::cache(), Ordering::Relaxed);
+    m.kv_pool_copies.store(
+        crate::models::kv_cache::pool_copies_total(),
+        Ordering::Relaxed,
+    );
 }
 
 /// One tiny step so the first request does not pay for kernel set-up.
