@@ -416,7 +416,6 @@ impl Worker {
         sampling: bool,
     ) -> Worker {
         let cache = model.new_paged_cache(slots, ctx_size, kv);
-        fit_allocator(mlx::memory::active() + cache.full_bytes());
         let mut w = Worker {
             model,
             cache,
@@ -1003,49 +1002,65 @@ impl Worker {
     }
 }
 
-/// What MLX's allocator does not count on a GPU (the CUDA context, cuBLAS workspace,
-/// loaded kernels): kept out of its memory limit when the KV pool fills the device.
-const UNCOUNTED_BYTES: u64 = 1 << 30;
+/// CUDA memory outside MLX's count that may still appear after warm-up (CUDA graphs and
+/// kernel modules of shapes met later, the library handles of a new stream, the rounding
+/// of CUDA's memory pool): kept out of MLX's memory limit.
+pub const OUTSIDE_MLX_BYTES: u64 = 2 << 30;
 
-/// MLX's CUDA allocator keeps freed buffers in a cache of up to its memory limit (at least
-/// 131 GB of an H200's 150 with MLX 0.32.4: an 8B server planning 129.8 GB stayed under
-/// it), and frees them only when active plus cached memory would pass
-/// that limit, or, with `planned` past the limit, on every allocation it cannot serve
-/// from the cache (`cudaFree` waits for the device). A KV pool sized by
-/// `--gpu-memory-utilization` leaves only the margin beside it, so a cache that large can
-/// take the memory a step needs: a SmolLM2 server with a 134 GB pool on an H200 failed a
-/// step with out of memory at 32 streams. When the weights and the whole pool take more
-/// than half the device, the limit becomes the device less [`UNCOUNTED_BYTES`] and the
-/// cache keeps at most half of what that leaves beside them.
-fn fit_allocator(planned: u64) {
-    if mlx::backend() != mlx::Backend::Cuda {
-        return;
-    }
-    let Ok(device) = mlx::device_info(0) else {
-        return;
-    };
-    if let Some((memory, cache)) = allocator_limits(device.total_memory, planned) {
-        let limit = mlx::memory::set_limit(memory);
-        let cache_limit = mlx::memory::set_cache_limit(cache);
-        tracing::info!(
-            "MLX memory limit {:.2} GB (was {:.2}), cache limit {:.2} GB (was {:.2}): weights and KV pool take {:.2} GB",
-            memory as f64 / 1e9,
-            limit as f64 / 1e9,
-            cache as f64 / 1e9,
-            cache_limit as f64 / 1e9,
-            planned as f64 / 1e9
-        );
-    }
-}
-
-/// The allocator's (memory limit, cache limit) for `planned` bytes on a device of `total`,
-/// or `None` where they take at most half of it (MLX's defaults stay).
-fn allocator_limits(total: u64, planned: u64) -> Option<(u64, u64)> {
-    if total == 0 || planned <= total / 2 {
+/// MLX's (memory limit, cache limit) for a process whose arrays take `active` bytes (the
+/// weights and the whole KV pool, after warm-up) on a device with `free` bytes free (as
+/// the device reports them with MLX's cache emptied), or `None` when the device reported
+/// nothing. MLX may hold what the device has, less [`OUTSIDE_MLX_BYTES`]: above the
+/// limit it frees its cache before it allocates, and the host waits for the device
+/// before it queues more. MLX's default (0.95 of the device, its cache as large) counts
+/// neither what the device already gave to others nor what CUDA holds outside MLX. Its
+/// cache keeps at most half of that headroom, the rest is for a step's temporaries.
+pub fn allocator_limits(active: u64, free: u64) -> Option<(u64, u64)> {
+    if free == 0 {
         return None;
     }
-    let memory = total.saturating_sub(UNCOUNTED_BYTES);
-    Some((memory, memory.saturating_sub(planned) / 2))
+    let headroom = free.saturating_sub(OUTSIDE_MLX_BYTES);
+    Some((active + headroom, headroom / 2))
+}
+
+impl Worker {
+    /// On CUDA with a KV pool sized by a memory budget, once it is allocated and the
+    /// kernels are warmed up: MLX's memory and cache limits from the memory the device
+    /// has left ([`allocator_limits`]). Elsewhere (the CPU, Metal, a pool that grows)
+    /// MLX's defaults stay.
+    pub fn fit_memory_limits(&mut self) {
+        if mlx::backend() != mlx::Backend::Cuda || !self.cache.preallocated() {
+            return;
+        }
+        mlx::memory::clear_cache();
+        let _ = mlx::synchronize();
+        let Ok(device) = mlx::device_info(0) else {
+            return;
+        };
+        let active = mlx::memory::active();
+        let Some((limit, cache)) = allocator_limits(active, device.free_memory) else {
+            return;
+        };
+        let was = mlx::memory::set_limit(limit);
+        let cache_was = mlx::memory::set_cache_limit(cache);
+        let gb = |b: u64| b as f64 / 1e9;
+        tracing::info!(
+            "MLX memory limit {:.2} GB (was {:.2}), cache limit {:.2} GB (was {:.2}): arrays (weights, KV pool) {:.2} GB, device free {:.2} GB, {:.2} GB kept for CUDA outside MLX",
+            gb(limit),
+            gb(was),
+            gb(cache),
+            gb(cache_was),
+            gb(active),
+            gb(device.free_memory),
+            gb(OUTSIDE_MLX_BYTES)
+        );
+        if device.free_memory < 2 * OUTSIDE_MLX_BYTES {
+            tracing::warn!(
+                "only {:.2} GB of the GPU is free after the weights and the KV pool: steps may run out of memory; lower --gpu-memory-utilization or --kv-cache-gb",
+                gb(device.free_memory)
+            );
+        }
+    }
 }
 
 /// `logits` (`[B, vocab]`, row k for sequence `ids[k]`) with each sequence's mask in
@@ -1148,25 +1163,27 @@ impl Executor for LocalExecutor {
 
 #[cfg(test)]
 mod tests {
-    use super::allocator_limits;
+    use super::{allocator_limits, OUTSIDE_MLX_BYTES};
 
+    /// The limits follow the memory the device has left, not its size: the server that ran
+    /// out of memory on an H200 (16 GB of weights, a 113.76 GB pool) had its limit raised
+    /// to the device less 1 GiB (149.68 GB), above what CUDA left it.
     #[test]
-    fn allocator_limits_bound_the_cache_beside_a_pool_that_fills_the_device() {
+    fn allocator_limits_follow_the_free_memory() {
         const GB: u64 = 1_000_000_000;
-        const GIB: u64 = 1 << 30;
-        // an H200 (150 GB): a small pool keeps MLX's defaults
-        assert_eq!(allocator_limits(150 * GB, 30 * GB), None);
-        assert_eq!(allocator_limits(150 * GB, 75 * GB), None);
-        // 16 GB of weights and a 114 GB pool: the device less 1 GiB, half the rest cached
-        let (memory, cache) = allocator_limits(150 * GB, 130 * GB).unwrap();
-        assert_eq!(memory, 150 * GB - GIB);
-        assert_eq!(cache, (150 * GB - GIB - 130 * GB) / 2);
-        // a pool past the device leaves no cache at all
-        assert_eq!(
-            allocator_limits(150 * GB, 160 * GB),
-            Some((150 * GB - GIB, 0))
-        );
+        let active = 129_820_000_000;
+        // what an H200 would have free beside them (150.1 GB less the CUDA context)
+        let free = 19_800_000_000;
+        let (limit, cache) = allocator_limits(active, free).unwrap();
+        assert_eq!(limit, active + free - OUTSIDE_MLX_BYTES);
+        assert!(limit < 149 * GB);
+        assert_eq!(cache, (free - OUTSIDE_MLX_BYTES) / 2);
+        // a small pool on an empty device: most of it
+        let (limit, _) = allocator_limits(20 * GB, 128 * GB).unwrap();
+        assert_eq!(limit, 148 * GB - OUTSIDE_MLX_BYTES);
+        // less free than the margin: no headroom, no cache
+        assert_eq!(allocator_limits(active, GB), Some((active, 0)));
         // an unknown device changes nothing
-        assert_eq!(allocator_limits(0, 133 * GB), None);
+        assert_eq!(allocator_limits(active, 0), None);
     }
 }

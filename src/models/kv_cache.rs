@@ -137,6 +137,8 @@ pub struct KvCache {
     cap_blocks: usize,
     /// blocks added at a time when the pools grow
     grow_blocks: usize,
+    /// the whole pool is made at the first step (sized by a memory budget)
+    preallocate: bool,
     max_len: usize,
     dtype: Dtype,
     /// the decode attention kernel's scratch and the query heads it was made for
@@ -218,6 +220,7 @@ impl KvCache {
             num_blocks: kv.num_blocks,
             cap_blocks: 0,
             grow_blocks: grow_blocks.max(1),
+            preallocate: kv.preallocate,
             max_len,
             dtype,
             attn_scratch: None,
@@ -245,6 +248,12 @@ impl KvCache {
 
     pub fn num_blocks(&self) -> usize {
         self.num_blocks
+    }
+
+    /// Whether the whole pool is made at the first step (a pool sized by a memory budget),
+    /// and has been.
+    pub fn preallocated(&self) -> bool {
+        self.preallocate && self.cap_blocks == self.num_blocks && !self.kv.is_empty()
     }
 
     /// Tokens held for `slot`.

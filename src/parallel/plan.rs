@@ -21,8 +21,10 @@
 //!     attention materialises scores and their softmax; the CUDA and Metal kernels
 //!     are fused);
 //!   - logits `slots · vocab · (2·4 + a)` (lm_head output, float32 copy, sampling);
-//!   - KV growth: one layer's K and V pools (`kv / layers`), alive twice while a pool
-//!     grows;
+//!   - KV update: one layer's K and V pools (`kv / layers`): alive twice while a pool
+//!     grows, and a pool sized up front is copied whole by a write that cannot update it
+//!     in place (none should: `models::kv_cache`; `mlxcel:kv_pool_copies_total` counts
+//!     them), which must not fail the step;
 //!   - runtime: 1 GiB per process on CUDA (context, cuBLAS workspace, NCCL
 //!     buffers), 256 MiB elsewhere;
 //!   - dummy weights only: `8 · vocab · hidden` while the embedding and lm_head are
@@ -220,11 +222,8 @@ pub fn plan_memory_with(
             0
         };
         let logits = slots * cfg.vocab_size as u64 * (8 + a);
-        // a pool allocated at once never grows
-        let kv_growth = match input.kv_tokens {
-            Some(_) => 0,
-            None => kv / layers.max(1),
-        };
+        // a pool that grows, or one made at once whose write copies it
+        let kv_update = kv / layers.max(1);
         // this rank's rows of the embedding (all of them, replicated)
         let vocab_rows = sp.vocab.as_ref().map_or(cfg.vocab_size, |v| v.rows.len());
         let dummy_draw = if input.catalog.is_none() {
@@ -236,7 +235,7 @@ pub fn plan_memory_with(
             + crate::models::blocks::moe::working_bytes(cfg, &sp, t, a)
             + scores
             + logits
-            + kv_growth
+            + kv_update
             + runtime_overhead(input.backend)
             + dummy_draw;
         let weights = sharded + replicated;
@@ -291,7 +290,9 @@ pub fn kv_tokens_fit(
         ..*input
     };
     let base = plan_memory(&none)?;
+    // each token of KV also adds its share of the margin's one-layer update
     let per_token = kv_bytes_per_token(input)?.max(1);
+    let per_token = per_token + per_token.div_ceil(input.cfg.num_layers.max(1) as u64);
     let budget = (device_bytes as f64 * fraction) as u64;
     Ok(if shared {
         let ranks = base.ranks.len().max(1) as u64;
@@ -1027,6 +1028,43 @@ mod tests {
             plan_memory(&real).unwrap().ranks[0].margin_bytes,
             act + logits + growth + GIB
         );
+    }
+
+    /// The pool `--gpu-memory-utilization` sizes, planned, fits the fraction of the device
+    /// with its working margin, which holds one layer's pool (a write that copies a pool
+    /// must not fail the step); a pool larger by a hundredth of a layer's does not.
+    #[test]
+    fn the_fitted_pool_leaves_the_margin_and_one_layers_pool() {
+        let cfg = llama8b(None);
+        let mut inp = input(&cfg, 1);
+        inp.slots = 32;
+        inp.max_num_batched_tokens = 2048;
+        // an H200 as NVML reports it, 0.9 of it
+        let device = 150_754_820_096u64;
+        let budget = (device as f64 * 0.9) as u64;
+        let tokens = kv_tokens_fit(&inp, device, 0.9, false).unwrap();
+        let plan = |t: u64| {
+            plan_memory(&PlanInput {
+                kv_tokens: Some(t as usize),
+                ..inp
+            })
+            .unwrap()
+            .ranks[0]
+                .clone()
+        };
+        let r = plan(tokens);
+        assert!(r.total_bytes <= budget, "{} > {budget}", r.total_bytes);
+        let layer_pool = r.kv_bytes / 32;
+        let base = plan(0).margin_bytes;
+        assert_eq!(r.margin_bytes, base + layer_pool);
+        // 8B bf16: 131072 bytes a token; about 110 GB of KV, 3.4 GB a layer
+        assert!(
+            (100e9..120e9).contains(&(r.kv_bytes as f64)),
+            "{}",
+            r.kv_bytes
+        );
+        let over = tokens + tokens / 3200;
+        assert!(plan(over).total_bytes > budget);
     }
 
     #[test]

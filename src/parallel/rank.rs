@@ -176,6 +176,10 @@ fn serve(args: &RankArgs, rank: usize, dir: &ModelDir, chan: &mut RankChannel) -
     worker
         .warm_up()
         .with_context(|| format!("rank {rank}: warm-up step failed"))?;
+    // (ranks sharing one device keep the share the driver gave them)
+    if std::env::var_os(MEMORY_LIMIT_VAR).is_none() {
+        worker.fit_memory_limits();
+    }
     chan.send(&FromRank::Ready(report))?;
     loop {
         let msg = match chan.recv::<ToRank>() {

@@ -556,6 +556,7 @@ fn start_executor(
         let model = load_weights(&args.model, m)?;
         let mut local = LocalExecutor::with_kv(model, args.parallel, m.ctx_size, kv);
         local.worker.warm_up()?;
+        local.worker.fit_memory_limits();
         Box::new(local)
     } else {
         let mut opts = args
