@@ -80,20 +80,53 @@ impl BlockManager {
         tokens.div_ceil(self.block_size)
     }
 
-    /// Take a block: the lowest free one, else the least recently used cached one.
-    pub fn allocate(&mut self) -> Option<u32> {
-        let b = match self.free.pop_first() {
+    /// Take a block for a sequence whose table ends with block `last` (`None`: a new
+    /// sequence): the block after `last` when it is free, so that a sequence's blocks stay
+    /// one run of rows (a run is read as views at batch 1, scattered blocks through the
+    /// table); else a free block with room to grow after it ([`BlockManager::roomiest`]);
+    /// else the least recently used cached one.
+    pub fn allocate(&mut self, last: Option<u32>) -> Option<u32> {
+        let next = last.and_then(|b| b.checked_add(1));
+        let b = match next.filter(|n| self.free.remove(n)) {
             Some(b) => b,
-            None => {
-                let (_, b) = self.evictable.pop_first()?;
-                if let Some(k) = self.key_of[b as usize].take() {
-                    self.cached.remove(&k);
+            None => match self.roomiest() {
+                Some(b) => {
+                    self.free.remove(&b);
+                    b
                 }
-                b
-            }
+                None => {
+                    let (_, b) = self.evictable.pop_first()?;
+                    if let Some(k) = self.key_of[b as usize].take() {
+                        self.cached.remove(&k);
+                    }
+                    b
+                }
+            },
         };
         self.refs[b as usize] = 1;
         Some(b)
+    }
+
+    /// The free block to start a run at: in the longest run of free blocks (the lowest of
+    /// equals), its first block when no sequence holds the block before it, else its
+    /// middle, leaving the first half for the sequence before it to grow into.
+    fn roomiest(&self) -> Option<u32> {
+        let mut best: Option<(u32, u32)> = None;
+        let mut run: Option<(u32, u32)> = None;
+        for &b in &self.free {
+            run = match run {
+                Some((start, len)) if start + len == b => Some((start, len + 1)),
+                _ => Some((b, 1)),
+            };
+            if let Some(r) = run {
+                if best.is_none_or(|(_, l)| r.1 > l) {
+                    best = Some(r);
+                }
+            }
+        }
+        let (start, len) = best?;
+        let held_before = start > 0 && self.refs[start as usize - 1] > 0;
+        Some(if held_before { start + len / 2 } else { start })
     }
 
     /// Another sequence takes `b`, which a sequence holds (shared read-only).
@@ -169,7 +202,7 @@ mod tests {
     #[test]
     fn a_shared_block_is_free_once_both_holders_release_it() {
         let mut m = BlockManager::new(2, 4, false);
-        let b = m.allocate().unwrap();
+        let b = m.allocate(None).unwrap();
         m.share(b);
         assert_eq!(m.used(), 1);
         m.release(b);
@@ -179,12 +212,48 @@ mod tests {
         assert_eq!(m.available(), 2);
     }
 
+    /// Sequences grow into the block after their last one; a new sequence starts where it
+    /// has room: at the start of the pool's free blocks when nobody holds the block before
+    /// them, else halfway into the longest free run; and after sequences have come and gone
+    /// (their full blocks cached, their last ones free), one alone still gets a run.
+    #[test]
+    fn sequences_keep_their_blocks_in_runs() {
+        let mut m = BlockManager::new(16, 4, true);
+        let a0 = m.allocate(None).unwrap();
+        assert_eq!(a0, 0);
+        // a second sequence starts halfway into the free blocks 1..16
+        let b0 = m.allocate(None).unwrap();
+        assert_eq!(b0, 8);
+        let a1 = m.allocate(Some(a0)).unwrap();
+        let b1 = m.allocate(Some(b0)).unwrap();
+        assert_eq!((a1, b1), (1, 9));
+        // the block after is taken: a jump to where there is room
+        let mut c = vec![m.allocate(Some(a1 - 1)).unwrap()];
+        assert_eq!(c, [5], "free runs 2..8 and 10..16: the first, halfway");
+        // sequence a ends with a full block cached and a partial one; b and c end too
+        m.register(a0, 7);
+        let mut a = vec![a0, a1];
+        let mut b = vec![b0, b1];
+        m.release_all(&mut a);
+        m.release_all(&mut b);
+        m.release_all(&mut c);
+        // alone now: 1..16 free (block 0 cached, held by none), so a run from 1
+        let mut d = vec![m.allocate(None).unwrap()];
+        for _ in 0..5 {
+            let last = d.last().copied();
+            d.push(m.allocate(last).unwrap());
+        }
+        assert_eq!(d, [1, 2, 3, 4, 5, 6]);
+    }
+
     #[test]
     fn shared_prefixes_are_reference_counted_and_evicted_least_recent_first() {
         let mut m = BlockManager::new(4, 2, true);
         let toks = [1, 2, 3, 4, 5];
         // a sequence computes two full blocks and registers them
-        let mut a = vec![m.allocate().unwrap(), m.allocate().unwrap()];
+        let first = m.allocate(None).unwrap();
+        let mut a = vec![first, m.allocate(Some(first)).unwrap()];
+        assert_eq!(a, [0, 1]);
         let k0 = block_key(None, &toks[..2]);
         let k1 = block_key(Some(k0), &toks[2..4]);
         m.register(a[0], k0);
@@ -201,7 +270,7 @@ mod tests {
         // both cached, held by none: available, evicted oldest first once free ones run out
         assert_eq!(m.available(), 4);
         assert_eq!(m.used(), 0);
-        let fresh: Vec<u32> = (0..3).map(|_| m.allocate().unwrap()).collect();
+        let fresh: Vec<u32> = (0..3).map(|_| m.allocate(None).unwrap()).collect();
         assert_eq!(fresh[..2], [2, 3]);
         assert_eq!(
             m.lookup(&toks),
@@ -209,11 +278,11 @@ mod tests {
             "the first block was evicted"
         );
         assert_eq!(m.available(), 1);
-        assert!(m.allocate().is_some());
-        assert!(m.allocate().is_none());
+        assert!(m.allocate(None).is_some());
+        assert!(m.allocate(None).is_none());
         // without caching nothing is found
         let mut off = BlockManager::new(2, 2, false);
-        let x = off.allocate().unwrap();
+        let x = off.allocate(None).unwrap();
         off.register(x, k0);
         assert!(off.lookup(&toks).is_empty());
     }

@@ -747,7 +747,8 @@ impl Scheduler {
             if self.running[i].blocks.len() >= want {
                 return true;
             }
-            if let Some(b) = self.blocks.allocate() {
+            let last = self.running[i].blocks.last().copied();
+            if let Some(b) = self.blocks.allocate(last) {
                 self.running[i].blocks.push(b);
                 continue;
             }
@@ -835,7 +836,7 @@ impl Scheduler {
             let own = if end.is_multiple_of(bs) {
                 None
             } else {
-                match self.blocks.allocate() {
+                match self.blocks.allocate(shared.last().copied()) {
                     Some(b) => Some(b),
                     None => {
                         f.follows = None;
@@ -893,9 +894,10 @@ impl Scheduler {
             let want = self.blocks.blocks_for(s.computed() + 2);
             if s.blocks.len() < want {
                 while s.blocks.len() < want {
+                    let last = s.blocks.last().copied();
                     s.blocks.push(
                         self.blocks
-                            .allocate()
+                            .allocate(last)
                             .expect("checked by pipeline_shortfall"),
                     );
                 }
@@ -2503,6 +2505,105 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// A lone stream's decode step in the server, after other requests have come and gone
+    /// (their blocks cached or freed in between), builds no more ops than the engine's
+    /// batch-1 step (`mlxcel bench`'s, over a slot's fixed blocks): its blocks are one run,
+    /// read as views; scattered ones would be gathered through the table (on the CPU: a
+    /// gather, a reshape, a transpose and a mask per layer more).
+    #[test]
+    fn a_lone_stream_after_others_builds_the_ops_of_batch_one() {
+        use crate::engine::step::LocalExecutor;
+        use crate::mlx;
+        use crate::model_dir::ModelDir;
+        use crate::models::kv_cache::KvConfig;
+        use crate::models::{self, LoadFormat, Logits, SeqInput, StepInput};
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama3");
+        let md = ModelDir::open(&dir).unwrap();
+        let model = models::load(&md, LoadFormat::Safetensors, |_, _| {})
+            .unwrap()
+            .model;
+        // a pool sized up front, as a server's on a GPU, in blocks of 4 tokens
+        let kv = KvConfig {
+            block_size: 4,
+            num_blocks: 64,
+            preallocate: true,
+        };
+        let mut exec = LocalExecutor::with_kv(model, 4, 64, kv);
+        let mut s = Scheduler::new(
+            SchedulerConfig {
+                slots: 4,
+                ctx_size: 64,
+                max_num_batched_tokens: 64,
+                kv: Some(exec.kv_pool()),
+                prefix_caching: true,
+            },
+            tokenizer(),
+        );
+        let prompt = |i: u32| -> Vec<u32> { (0..6).map(|t| 11 + 5 * t + 7 * i).collect() };
+        let mut rxs: Vec<_> = (0..3)
+            .map(|i| {
+                let (req, rx) = request(prompt(i), 10 + i as usize);
+                s.submit(req, &NoObserver);
+                rx
+            })
+            .collect();
+        while s.has_work() {
+            s.step(&mut exec, &NoObserver).unwrap();
+        }
+        for rx in &mut rxs {
+            assert!(matches!(drain(rx).1, Some(Event::Done { .. })));
+        }
+        exec.worker.step_ops = Some(Vec::new());
+        let (req, mut rx) = request(prompt(3), 12);
+        s.submit(req, &NoObserver);
+        while s.has_work() {
+            s.step(&mut exec, &NoObserver).unwrap();
+        }
+        assert_eq!(drain(&mut rx).0.len(), 12);
+        let steps = exec.worker.step_ops.take().unwrap();
+        let served: Vec<usize> = steps
+            .iter()
+            .filter(|st| st.decode && st.rows == 1)
+            .map(|st| st.ops.total())
+            .collect();
+        assert!(served.len() >= 10, "{steps:?}");
+        // the engine's batch-1 step after the same prompt, from ids on the device
+        let model = &exec.worker.model;
+        let mut cache = model.new_cache(1, 64);
+        let p = prompt(3);
+        let first = model
+            .forward(
+                &mut cache,
+                StepInput::Host(&[SeqInput {
+                    slot: 0,
+                    tokens: &p,
+                }]),
+                Logits::Last,
+            )
+            .unwrap();
+        mlx::eval(&first.iter().collect::<Vec<_>>()).unwrap();
+        let ids = mlx::Array::from_slice(&[5i32], &[1, 1]).unwrap();
+        let logits = model
+            .forward(
+                &mut cache,
+                StepInput::Device {
+                    slots: &[0],
+                    ids: &ids,
+                },
+                Logits::Last,
+            )
+            .unwrap();
+        let bench = mlx::graph::count_ops(&[&logits[0]], &[&ids]);
+        let most = served.iter().max().copied().unwrap_or(0);
+        assert!(
+            most <= bench.total(),
+            "a served 1-stream decode step built {most} ops (all: {served:?}), the engine's \
+             batch-1 step {}: {:?}",
+            bench.total(),
+            bench.by_name
+        );
     }
 
     /// A sequence with a grammar follows it (its tokens are masked at every step, batched

@@ -303,6 +303,21 @@ pub struct Worker {
     /// [`Worker::set_defer_masks`]), and the flag value of the last deferred step.
     mask_buffer: Option<Arc<Mutex<MaskBuffer>>>,
     mask_seq: u32,
+    /// When set, each step's forward pass is counted here before it is evaluated (see
+    /// [`StepOps`]).
+    pub step_ops: Option<Vec<StepOps>>,
+}
+
+/// The MLX ops a step's forward pass built ([`mlx::graph::count_ops`] of its logits, down to
+/// its input ids; sampling not included), with its rows: what a served step costs the
+/// host, comparable with `Model::decode_ops` and `mlxcel bench`'s step.
+#[derive(Debug, Clone)]
+pub struct StepOps {
+    /// Sequences in the step.
+    pub rows: usize,
+    /// Every sequence had one new token.
+    pub decode: bool,
+    pub ops: mlx::graph::OpCounts,
 }
 
 /// Where the masks of a step sampled by [`Executor::sample_deferred`] go: its rows'
@@ -425,6 +440,7 @@ impl Worker {
             defer_masks: false,
             mask_buffer: None,
             mask_seq: 0,
+            step_ops: None,
         };
         if mlx::backend() != mlx::Backend::Cpu && kernels::knobs::get().defer_masks {
             w.set_defer_masks(true);
@@ -729,6 +745,7 @@ impl Worker {
                 Logits::Rows,
             )?
             .remove(0);
+        self.count_step(rows.len(), true, &[&logits], &[&ids]);
         let stage = if sample {
             let sample = self.sample_lazy(&seq_ids, &logits)?;
             mlx::async_eval(&sample.arrays())?;
@@ -764,6 +781,17 @@ impl Worker {
     /// Writes so far that copied a layer's KV pool instead of updating it in place.
     pub fn kv_pool_copies(&self) -> u64 {
         self.cache.pool_copies()
+    }
+
+    /// Record the ops of a step's forward pass (`outputs`, down to `inputs`) when counting.
+    fn count_step(&mut self, rows: usize, decode: bool, outputs: &[&Array], inputs: &[&Array]) {
+        if let Some(v) = &mut self.step_ops {
+            v.push(StepOps {
+                rows,
+                decode,
+                ops: mlx::graph::count_ops(outputs, inputs),
+            });
+        }
     }
 
     /// See [`Executor::take_sampled`].
@@ -852,6 +880,7 @@ impl Worker {
                 .model
                 .forward(&mut self.cache, StepInput::Host(&inputs), Logits::Rows)?
                 .remove(0);
+            self.count_step(plan.seqs.len(), true, &[&logits], &[]);
             if !self.sampling {
                 logits.eval()?;
                 return Ok(StepResult::default());
@@ -867,6 +896,13 @@ impl Worker {
         let logits = self
             .model
             .forward(&mut self.cache, StepInput::Host(&inputs), mode)?;
+        let decode = plan.seqs.iter().all(|s| s.tokens.len() == 1);
+        self.count_step(
+            plan.seqs.len(),
+            decode,
+            &logits.iter().collect::<Vec<_>>(),
+            &[],
+        );
         if !plan.forks.is_empty() {
             // the step's reads of the pools run before the forks write into them (a write
             // built while a read of the same pool is still to be evaluated copies it)
