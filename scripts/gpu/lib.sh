@@ -96,6 +96,19 @@ unserve() {
 }
 
 # scripts/bench_server.py summarised: bench_summary FILE.json
+# (a level whose requests failed says how many and the first error)
 bench_summary() {
-  python3 -c 'import json,sys; d=json.load(open(sys.argv[1])); [print(r["concurrency"], "streams:", round(r["tokens_per_s"],1), "tok/s, ttft", round(r["ttft_s"]["mean"],3), "s, inter-token mean/p50/p90 ms", round(r["inter_token_s"]["mean"]*1e3,2), round(r["inter_token_s"]["p50"]*1e3,2), round(r["inter_token_s"]["p90"]*1e3,2)) for r in d["results"]]' "$1"
+  python3 - "$1" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+for r in d["results"]:
+    line = f'{r["concurrency"]} streams: {round(r["tokens_per_s"], 1)} tok/s'
+    if r["ttft_s"] and r["inter_token_s"]:
+        it = r["inter_token_s"]
+        line += f', ttft {round(r["ttft_s"]["mean"], 3)} s, inter-token mean/p50/p90 ms ' + " ".join(
+            str(round(it[k] * 1e3, 2)) for k in ("mean", "p50", "p90"))
+    if r.get("errors"):
+        line += f', {r["errors"]} of {r["requests"]} requests failed: {r["first_error"]}'
+    print(line)
+PY
 }

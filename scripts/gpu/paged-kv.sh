@@ -17,7 +17,11 @@
 #                                             # bf16, or SERVER_MODEL: the old binary has no kernel
 #                                             # cache, and a 4-bit server warms up for ~2 minutes;
 #                                             # SERVER=0: the engine only; ENGINE=0: the
-#                                             # server only; NEW_FLAGS: the new server's flags)
+#                                             # server only; NEW_FLAGS: the new server's flags, default
+#                                             # none: --gpu-memory-utilization 0.9). After each server:
+#                                             # its KV pool and MLX limits (log), peak memory, KV pool
+#                                             # copies and preemptions (/metrics); at the end the means
+#                                             # per level, new/old, and the failed requests
 #   bash scripts/gpu/paged-kv.sh kernel       # scripts/check_attn.py at block sizes 32 and 64, and in float16
 #   bash scripts/gpu/paged-kv.sh builds       # decode at batch 32 of each build in BUILDS (mlxcel binaries,
 #                                             # e.g. the merges between old and new), 8B 4-bit; then
@@ -61,20 +65,49 @@ prefix() {
 }
 
 decode() {
-  step "decode, $O vs $B alternated, ${RUNS:-3} runs, batch 1 and 32"
+  step "decode, $O vs $B alternated, ${RUNS:-3} runs, batch 1 and 32${NEW_FLAGS:+; new server: $NEW_FLAGS}"
+  local stamp; stamp=$(date +%H%M%S)
   for r in $(seq ${RUNS:-3}); do
     [ "${ENGINE:-1}" = 0 ] || for m in "$Q4" "$BF"; do for bin in $O $B; do
       echo "$(basename $m) $(basename $bin) run $r: $(B=$bin bench_line X=1 "$m" 32 --load-format dummy)"
     done; done
     [ "${SERVER:-1}" = 0 ] && continue
     for srv in $OS $NEW_S; do
-      local f=""; [ "$srv" = "$NEW_S" ] && f=${NEW_FLAGS:-}
+      local f="" tag; tag=$(basename $srv); [ "$srv" = "$NEW_S" ] && f=${NEW_FLAGS:-}
+      local json="$OUT/paged-decode-$stamp-$r-$tag.json"
       S=$srv serve "${SERVER_MODEL:-$BF}" $PORT --load-format dummy --parallel 32 $f &&
-        python3 scripts/bench_server.py --port $PORT --concurrency 1,32 --max-tokens 256 --rounds 2 --warmup 16 > "$OUT/paged-decode-$r-$(basename $srv).json" &&
-        echo "server $(basename $srv) run $r:" && bench_summary "$OUT/paged-decode-$r-$(basename $srv).json"
+        python3 scripts/bench_server.py --port $PORT --concurrency 1,32 --max-tokens 256 --rounds 2 --warmup 16 > "$json" &&
+        echo "server $tag run $r:" && bench_summary "$json" && server_notes $PORT
       unserve
     done
   done
+  [ "${SERVER:-1}" = 0 ] || decode_means "$OUT/paged-decode-$stamp" "$(basename $OS)" "$(basename $NEW_S)"
+}
+
+# what a server said about its memory: the KV pool and MLX's limits (its log), its peak,
+# the KV pool copies (none expected) and preemptions (/metrics)
+server_notes() {
+  grep -oE "KV cache: .*|MLX memory limit .*|KV cache write copied.*|out of memory.*" "$OUT/server-$1.log" | sort -u | head -6 | sed 's/^/  log: /'
+  curl -s "localhost:$1/metrics" | grep -E '^(mlxcel:kv_pool_copies_total|mlxcel:device_memory_peak_bytes|vllm:num_preemptions) ' | sed 's/^/  metrics: /'
+}
+
+# the servers' tok/s per level, mean over the runs of one invocation, new/old, and failed
+# requests: decode_means PREFIX OLD_TAG NEW_TAG (files PREFIX-RUN-TAG.json)
+decode_means() {
+  python3 - "$@" <<'PY'
+import glob, json, statistics, sys
+prefix, old, new = sys.argv[1:4]
+def runs(tag):
+    return [json.load(open(f))["results"] for f in sorted(glob.glob(f"{prefix}-*-{tag}.json"))]
+o, n = runs(old), runs(new)
+print(f"means of {len(o)} / {len(n)} runs ({old} / {new}):")
+for k, lvl in enumerate(r["concurrency"] for r in (n or o)[0]):
+    mean = lambda rs: statistics.fmean(r[k]["tokens_per_s"] for r in rs) if rs else float("nan")
+    failed = lambda rs: sum(r[k]["errors"] for r in rs)
+    a, b = mean(o), mean(n)
+    print(f"  {lvl} streams: {a:.1f} / {b:.1f} tok/s = {b / a if a else float('nan'):.3f}x; "
+          f"failed requests {failed(o)} / {failed(n)}")
+PY
 }
 
 kernel() {
