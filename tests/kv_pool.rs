@@ -4,25 +4,15 @@
 //! peak memory over each kind of step is measured with a small and a large pool; it may
 //! not grow with the pool. One test in its own process: MLX's memory counters are per
 //! process.
-use std::path::Path;
-
 use mlxcel::engine::sampler::SamplingParams;
 use mlxcel::engine::step::{Executor, Fork, LocalExecutor, SeqStart, SeqStep, StepPlan};
 use mlxcel::mlx::memory;
-use mlxcel::model_dir::ModelDir;
-use mlxcel::models::{self, kv_cache::KvConfig, LoadFormat};
+use mlxcel::models::kv_cache::KvConfig;
+
+#[allow(dead_code)]
+mod support;
 
 const BLOCK: usize = 32;
-
-fn load(name: &str) -> models::Model {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(name);
-    let md = ModelDir::open(&dir).unwrap();
-    models::load(&md, LoadFormat::Safetensors, |_, _| {})
-        .unwrap()
-        .model
-}
 
 fn decode(seq_id: u64, slot: usize, pos: usize) -> SeqStep {
     SeqStep {
@@ -51,7 +41,7 @@ fn step_peaks(blocks: usize) -> (Vec<(&'static str, i64)>, u64) {
         num_blocks: blocks,
         preallocate: true,
     };
-    let mut ex = LocalExecutor::with_kv(load("llama3"), 5, 256, kv);
+    let mut ex = LocalExecutor::with_kv(support::load_fixture("llama3"), 5, 256, kv);
     let mut peaks = Vec::new();
     let mut step = |name: &'static str, ex: &mut LocalExecutor, f: &dyn Fn(&mut LocalExecutor)| {
         let before = memory::active();

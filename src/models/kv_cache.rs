@@ -849,6 +849,17 @@ mod tests {
         a.to_vec::<f32>().unwrap()
     }
 
+    /// A cache of `layers` layers and `slots` slots (32 positions each) over `blocks`
+    /// blocks of 4 tokens, of 2 float32 kv heads of 4.
+    fn small_cache(layers: usize, slots: usize, blocks: usize, preallocate: bool) -> KvCache {
+        let kv = KvConfig {
+            block_size: 4,
+            num_blocks: blocks,
+            preallocate,
+        };
+        KvCache::new(layers, slots, 2, 4, Dtype::F32, 32, kv)
+    }
+
     /// A sequence written through a table of scattered blocks reads back what a run of
     /// blocks holds, merged and split writes alike; a sequence sharing its first block
     /// (a cached prefix) reads it with its own; a batched step's gather and mask give
@@ -951,13 +962,8 @@ mod tests {
     /// or a prefix longer than the source, is refused.
     #[test]
     fn a_fork_shares_full_blocks_and_copies_the_last_partial_one() {
-        let (layers, h, d, bs) = (2usize, 2i32, 4i32, 4usize);
-        let kv = KvConfig {
-            block_size: bs,
-            num_blocks: 8,
-            preallocate: false,
-        };
-        let mut c = KvCache::new(layers, 2, h as usize, d as usize, Dtype::F32, 32, kv);
+        let (layers, h, d) = (2usize, 2i32, 4i32);
+        let mut c = small_cache(layers, 2, 8, false);
         c.restart(0, 0, Some(&[2, 3]));
         c.prepare(layers, &[(0, 6)]).unwrap();
         let rows = c.seq_rows(0, 0, 6).unwrap();
@@ -1012,13 +1018,8 @@ mod tests {
     /// clone) copies it, and the check counts it.
     #[test]
     fn step_writes_update_the_pools_in_place_and_copies_are_counted() {
-        let (layers, h, d, bs) = (2usize, 2i32, 4i32, 4usize);
-        let kv = KvConfig {
-            block_size: bs,
-            num_blocks: 8,
-            preallocate: true,
-        };
-        let mut c = KvCache::new(layers, 3, h as usize, d as usize, Dtype::F32, 32, kv);
+        let (layers, h, d) = (2usize, 2i32, 4i32);
+        let mut c = small_cache(layers, 3, 8, true);
         c.restart(0, 0, Some(&[0, 1]));
         c.restart(1, 0, Some(&[5]));
         c.restart(2, 0, Some(&[3, 6]));
@@ -1082,13 +1083,8 @@ mod tests {
     #[test]
     fn a_write_while_a_read_is_queued_updates_the_pool_in_place() {
         let (h, d) = (2i32, 4i32);
-        let kv = KvConfig {
-            block_size: 4,
-            num_blocks: 64,
-            preallocate: true,
-        };
         for gather in [false, true] {
-            let mut c = KvCache::new(1, 1, h as usize, d as usize, Dtype::F32, 32, kv);
+            let mut c = small_cache(1, 1, 64, true);
             c.restart(0, 0, Some(if gather { &[3, 1] } else { &[0, 1] }));
             c.prepare(1, &[(0, 6)]).unwrap();
             let r = c.seq_rows(0, 0, 6).unwrap();

@@ -17,6 +17,14 @@ pub fn fixture(name: &str) -> PathBuf {
         .join(name)
 }
 
+/// The model of fixture `name`, loaded in this process.
+pub fn load_fixture(name: &str) -> mlxcel::models::Model {
+    let md = mlxcel::model_dir::ModelDir::open(&fixture(name)).unwrap();
+    mlxcel::models::load(&md, mlxcel::models::LoadFormat::Safetensors, |_, _| {})
+        .unwrap()
+        .model
+}
+
 /// Prompt logits of every position, then greedy tokens, through an executor.
 pub fn run_plan(exec: &mut dyn Executor, prompt: &[u32], steps: usize) -> (Vec<f32>, Vec<u32>) {
     let start = SeqStep::whole_prompt(1, 1, prompt, Default::default());
