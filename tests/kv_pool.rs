@@ -9,7 +9,7 @@ use mlxcel::engine::step::{Executor, Fork, LocalExecutor, SeqStart, SeqStep, Ste
 use mlxcel::mlx::memory;
 use mlxcel::models::kv_cache::KvConfig;
 
-#[allow(dead_code)]
+#[allow(dead_code)] // (the tensor-parallel helpers)
 mod support;
 
 const BLOCK: usize = 32;

@@ -18,6 +18,7 @@ pub fn fixture(name: &str) -> PathBuf {
 }
 
 /// The model of fixture `name`, loaded in this process.
+#[allow(dead_code)] // (not every test file that includes this module loads one)
 pub fn load_fixture(name: &str) -> mlxcel::models::Model {
     let md = mlxcel::model_dir::ModelDir::open(&fixture(name)).unwrap();
     mlxcel::models::load(&md, mlxcel::models::LoadFormat::Safetensors, |_, _| {})
