@@ -572,6 +572,11 @@ impl KvCache {
         decode: Option<&BatchIndex>,
         chunks: &[SeqRows],
     ) -> mlx::Result<StepWrites> {
+        if let (Some(d), true) = (decode, chunks.is_empty()) {
+            return Ok(StepWrites {
+                rows: d.write_rows.clone(),
+            });
+        }
         let mut rows: Vec<i32> = decode.map_or_else(Vec::new, |d| d.write.clone());
         for c in chunks {
             rows.extend(c.write_rows());
