@@ -1045,7 +1045,7 @@ pub const OUTSIDE_MLX_BYTES: u64 = 2 << 30;
 
 /// MLX's (memory limit, cache limit) for a process whose arrays take `active` bytes (the
 /// weights and the whole KV pool, after warm-up) on a device with `free` bytes free (as
-/// the device reports them with MLX's cache emptied), or `None` when the device reported
+/// CUDA reports them to the process with MLX's cache emptied), or `None` when it reported
 /// nothing. MLX may hold what the device has, less [`OUTSIDE_MLX_BYTES`]: above the
 /// limit it frees its cache before it allocates, and the host waits for the device
 /// before it queues more. MLX's default (0.95 of the device, its cache as large) counts
@@ -1070,30 +1070,36 @@ impl Worker {
         }
         mlx::memory::clear_cache();
         let _ = mlx::synchronize();
-        let Ok(device) = mlx::device_info(0) else {
-            return;
+        // the driver's count for this process; else NVML's for the device (via MLX), which
+        // counts the memory the driver reserves as free
+        let (free, source) = match kernels::driver::mem_info() {
+            Some((free, _)) => (free, "cuMemGetInfo"),
+            None => match mlx::device_info(0) {
+                Ok(d) => (d.free_memory, "the device"),
+                Err(_) => return,
+            },
         };
         let active = mlx::memory::active();
-        let Some((limit, cache)) = allocator_limits(active, device.free_memory) else {
+        let Some((limit, cache)) = allocator_limits(active, free) else {
             return;
         };
         let was = mlx::memory::set_limit(limit);
         let cache_was = mlx::memory::set_cache_limit(cache);
         let gb = |b: u64| b as f64 / 1e9;
         tracing::info!(
-            "MLX memory limit {:.2} GB (was {:.2}), cache limit {:.2} GB (was {:.2}): arrays (weights, KV pool) {:.2} GB, device free {:.2} GB, {:.2} GB kept for CUDA outside MLX",
+            "MLX memory limit {:.2} GB (was {:.2}), cache limit {:.2} GB (was {:.2}): arrays (weights, KV pool) {:.2} GB, free {:.2} GB ({source}), {:.2} GB kept for CUDA outside MLX",
             gb(limit),
             gb(was),
             gb(cache),
             gb(cache_was),
             gb(active),
-            gb(device.free_memory),
+            gb(free),
             gb(OUTSIDE_MLX_BYTES)
         );
-        if device.free_memory < 2 * OUTSIDE_MLX_BYTES {
+        if free < 2 * OUTSIDE_MLX_BYTES {
             tracing::warn!(
                 "only {:.2} GB of the GPU is free after the weights and the KV pool: steps may run out of memory; lower --gpu-memory-utilization or --kv-cache-gb",
-                gb(device.free_memory)
+                gb(free)
             );
         }
     }

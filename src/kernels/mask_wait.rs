@@ -11,6 +11,7 @@ use std::ffi::c_void;
 use std::sync::atomic::{fence, AtomicU32, Ordering};
 use std::sync::OnceLock;
 
+use super::driver::{libcuda, sym};
 use super::qgemv::one_body_kernel;
 use crate::mlx::fast::CudaKernel;
 use crate::mlx::{self, Array, Backend, Dtype, Result};
@@ -38,33 +39,11 @@ struct Driver {
     ctx_set_current: CtxSetCurrent,
 }
 
-/// Function `name` of the library `lib` as a function pointer of type `F`.
-///
-/// # Safety
-/// `lib` is a live `dlopen` handle and `F` the function's real type.
-unsafe fn sym<F: Copy>(lib: *mut c_void, name: &std::ffi::CStr) -> Option<F> {
-    let p = libc::dlsym(lib, name.as_ptr());
-    (!p.is_null()).then(|| std::mem::transmute_copy::<*mut c_void, F>(&p))
-}
-
 fn driver() -> Option<&'static Driver> {
     static DRIVER: OnceLock<Option<Driver>> = OnceLock::new();
     DRIVER
         .get_or_init(|| {
-            // SAFETY: NUL-terminated names; a handle of a library this process has loaded
-            // (RTLD_NOLOAD) or loads now, never closed.
-            let lib = unsafe {
-                let name = c"libcuda.so.1".as_ptr();
-                let h = libc::dlopen(name, libc::RTLD_NOW | libc::RTLD_NOLOAD);
-                if h.is_null() {
-                    libc::dlopen(name, libc::RTLD_NOW)
-                } else {
-                    h
-                }
-            };
-            if lib.is_null() {
-                return None;
-            }
+            let lib = libcuda()?;
             // SAFETY: each name is the CUDA driver's function of that type (cuda.h).
             unsafe {
                 Some(Driver {

@@ -7,10 +7,12 @@
 //! - [`attn`]: the decode attention over the KV cache's pools;
 //! - [`mask_wait`]: a constrained step's token masks read from pinned host memory once given;
 //! - [`gpu`]: the GPU the launch tables are keyed by (architecture, SM count);
+//! - [`driver`]: the CUDA driver's functions called directly (pinned memory, free memory);
 //! - [`knobs`]: every tuning environment variable, parsed and validated once;
 //! - [`cache`]: compiled kernels kept in the cache folder between runs.
 pub mod attn;
 pub mod cache;
+pub mod driver;
 pub mod gemv;
 pub mod gpu;
 pub mod knobs;

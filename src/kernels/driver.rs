@@ -1,0 +1,56 @@
+//! The CUDA driver's functions mlxcel calls itself, from `libcuda.so.1` (which MLX's CUDA
+//! backend links; its CUDA runtime is linked statically, so the runtime's own functions
+//! are not in the process's symbols).
+use std::ffi::{c_void, CStr};
+use std::sync::OnceLock;
+
+/// The driver library's handle (loaded by MLX already, or now; never closed), or `None`
+/// where there is none (no NVIDIA driver: the CPU and Metal builds).
+pub fn libcuda() -> Option<*mut c_void> {
+    static LIB: OnceLock<usize> = OnceLock::new();
+    let h = *LIB.get_or_init(|| {
+        // SAFETY: a NUL-terminated name; RTLD_NOLOAD finds the library MLX loaded.
+        unsafe {
+            let name = c"libcuda.so.1".as_ptr();
+            let h = libc::dlopen(name, libc::RTLD_NOW | libc::RTLD_NOLOAD);
+            let h = if h.is_null() {
+                libc::dlopen(name, libc::RTLD_NOW)
+            } else {
+                h
+            };
+            h as usize
+        }
+    });
+    (h != 0).then_some(h as *mut c_void)
+}
+
+/// Function `name` of the library `lib` as a function pointer of type `F`.
+///
+/// # Safety
+/// `lib` is a live `dlopen` handle and `F` the function's real type.
+pub unsafe fn sym<F: Copy>(lib: *mut c_void, name: &CStr) -> Option<F> {
+    let p = libc::dlsym(lib, name.as_ptr());
+    (!p.is_null()).then(|| std::mem::transmute_copy::<*mut c_void, F>(&p))
+}
+
+type CtxGetCurrent = unsafe extern "C" fn(*mut *mut c_void) -> i32;
+type MemGetInfo = unsafe extern "C" fn(*mut usize, *mut usize) -> i32;
+
+/// The free and total memory of the GPU of this thread's current CUDA context, as the
+/// driver reports them to this process (`cuMemGetInfo`: what allocations can still get,
+/// which NVML's device-wide numbers, MLX's `device_info`, overstate by the memory the
+/// driver reserves); `None` without a driver or a current context (none is made here).
+pub fn mem_info() -> Option<(u64, u64)> {
+    let lib = libcuda()?;
+    // SAFETY: the CUDA driver's functions of these types (cuda.h), out-pointers to locals.
+    unsafe {
+        let ctx_get_current: CtxGetCurrent = sym(lib, c"cuCtxGetCurrent")?;
+        let mem_get_info: MemGetInfo = sym(lib, c"cuMemGetInfo_v2")?;
+        let mut ctx: *mut c_void = std::ptr::null_mut();
+        if ctx_get_current(&mut ctx) != 0 || ctx.is_null() {
+            return None;
+        }
+        let (mut free, mut total) = (0usize, 0usize);
+        (mem_get_info(&mut free, &mut total) == 0).then_some((free as u64, total as u64))
+    }
+}
