@@ -2,17 +2,45 @@
 //! copied a layer's pool would take a whole pool more memory (on a GPU whose memory the
 //! pool fills, out of memory: an H200 server failed every 32-stream step this way). MLX's
 //! peak memory over each kind of step is measured with a small and a large pool; it may
-//! not grow with the pool. One test in its own process: MLX's memory counters are per
-//! process.
+//! not grow with the pool. And a write while a read of the pool is still queued (as on a
+//! GPU that runs behind the host) stays in place. In their own process, one test at a
+//! time: MLX's memory counters are per process, and the queued reads wait behind a long
+//! task on the stream.
+use std::sync::{Mutex, MutexGuard};
+
 use mlxcel::engine::sampler::SamplingParams;
 use mlxcel::engine::step::{Executor, Fork, LocalExecutor, SeqStart, SeqStep, StepPlan};
-use mlxcel::mlx::memory;
-use mlxcel::models::kv_cache::KvConfig;
+use mlxcel::mlx::{self, memory};
+use mlxcel::models::kv_cache::{KvCache, KvConfig, NewKv};
 
 #[allow(dead_code)] // (the tensor-parallel helpers)
 mod support;
 
 const BLOCK: usize = 32;
+
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// `shape` filled with `from`, `from + 1`, ...
+fn values(shape: &[i32], from: f32) -> mlx::Array {
+    let n: i32 = shape.iter().product();
+    let v: Vec<f32> = (0..n).map(|i| from + i as f32).collect();
+    mlx::Array::from_slice(&v, shape).unwrap()
+}
+
+/// A long task on this thread's stream: reads queued after it wait until it is done.
+fn busy() -> mlx::Array {
+    let m = mlx::Array::full(&[768, 768], 1e-3, mlx::Dtype::F32).unwrap();
+    let mut busy = m.clone();
+    for _ in 0..2 {
+        busy = busy.matmul(&m).unwrap();
+    }
+    mlx::async_eval(&[&busy]).unwrap();
+    busy
+}
 
 fn decode(seq_id: u64, slot: usize, pos: usize) -> SeqStep {
     SeqStep {
@@ -126,6 +154,7 @@ fn step_peaks(blocks: usize) -> (Vec<(&'static str, i64)>, u64) {
 
 #[test]
 fn no_step_copies_the_kv_pool() {
+    let _one = serial();
     let small = 64;
     let large = 8192;
     // llama3 fixture: 2 layers, 4 kv heads of 8, float32
@@ -141,4 +170,86 @@ fn no_step_copies_the_kv_pool() {
              copied a pool ({layer_pool} bytes a layer)"
         );
     }
+}
+
+/// A write into a pool whose earlier read is still queued on the device (here behind
+/// a long task on the same stream, as a GPU runs behind the host) updates the pool in
+/// place, and the read sees the positions as they were: reads go through unowned
+/// views (an ordinary view would keep the pool referenced until the read has run, and
+/// the write would copy the pool).
+#[test]
+fn a_write_while_a_read_is_queued_updates_the_pool_in_place() {
+    let _one = serial();
+    let (h, d) = (2i32, 4i32);
+    for gather in [false, true] {
+        let kv = KvConfig {
+            block_size: 4,
+            num_blocks: 64,
+            preallocate: true,
+        };
+        let mut c = KvCache::new(1, 1, h as usize, d as usize, mlx::Dtype::F32, 32, kv);
+        c.restart(0, 0, Some(if gather { &[3, 1] } else { &[0, 1] }));
+        c.prepare(1, &[(0, 6)]).unwrap();
+        let r = c.seq_rows(0, 0, 6).unwrap();
+        assert_eq!(r.is_run(), !gather);
+        c.write(0, &r, &NewKv::Merged(values(&[1, 2 * h, 6, d], 1.0)))
+            .unwrap();
+        c.advance(0, 6);
+        c.pool(0).eval().unwrap();
+        assert_eq!(c.check_in_place(), 0);
+        let busy = busy();
+        let (k, v) = c.read(0, &r).unwrap();
+        let sum = k
+            .sum(&[0, 1, 2, 3], false)
+            .unwrap()
+            .add(&v.sum(&[0, 1, 2, 3], false).unwrap())
+            .unwrap();
+        drop((k, v));
+        mlx::async_eval(&[&sum]).unwrap();
+        c.prepare(1, &[(0, 7)]).unwrap();
+        let r = c.seq_rows(0, 6, 1).unwrap();
+        c.write(0, &r, &NewKv::Merged(values(&[1, 2 * h, 1, d], 1e6)))
+            .unwrap();
+        c.pool(0).eval().unwrap();
+        assert_eq!(c.check_in_place(), 0, "gather {gather}: the write copied");
+        busy.eval().unwrap();
+        let n = (2 * h * 6 * d) as f32;
+        assert_eq!(sum.item::<f32>().unwrap(), n * (n + 1.0) / 2.0);
+    }
+}
+
+/// What the KV cache's reads rely on: an update of an array whose earlier read is still
+/// queued (here behind a long task on the same stream) reuses the array's buffer when
+/// the read went through an unowned view, and copies the whole array when it went
+/// through an ordinary slice; the read sees the contents from before the update.
+#[test]
+fn an_update_after_a_queued_unowned_read_reuses_the_buffer() {
+    let _one = serial();
+    let update_after_read = |unowned: bool| -> (bool, f32) {
+        let pool = mlx::Array::zeros(&[1, 4, 256, 8], mlx::Dtype::F32).unwrap();
+        pool.eval().unwrap();
+        let id = pool.buffer_id();
+        assert_ne!(id, 0);
+        // a long task first, so that the read is still queued when the update is built
+        let busy = busy();
+        let (lo, hi) = ([0, 0, 0, 0], [1, 4, 2, 8]);
+        let view = match unowned {
+            true => pool.unowned_slice(&lo, &hi).unwrap(),
+            false => pool.slice(&lo, &hi, &[1; 4]).unwrap(),
+        };
+        let read = view.sum(&[0, 1, 2, 3], false).unwrap();
+        drop(view);
+        mlx::async_eval(&[&read]).unwrap();
+        let ones = mlx::Array::full(&[1, 4, 1, 8], 1.0, mlx::Dtype::F32).unwrap();
+        let updated = pool
+            .slice_update(&ones, &[0, 0, 0, 0], &[1, 4, 1, 8], &[1; 4])
+            .unwrap();
+        drop(pool);
+        updated.eval().unwrap();
+        let in_place = updated.buffer_id() == id;
+        busy.eval().unwrap();
+        (in_place, read.item::<f32>().unwrap())
+    };
+    assert_eq!(update_after_read(true), (true, 0.0));
+    assert_eq!(update_after_read(false), (false, 0.0));
 }
