@@ -1,4 +1,4 @@
-//! CUDA on the CPU for the kernel tests (`qgemv_emulated`, `attn_emulated`): a prelude
+//! CUDA on the CPU for the kernel tests (`qgemv_emulated`, `qgemm_emulated`, `attn_emulated`): a prelude
 //! that lets a kernel file compile as C++ (one OS thread per CUDA thread, block-wide
 //! barriers for `__syncthreads` and warp shuffles, so a kernel's shuffle counts must be
 //! uniform over its block) and a helper that compiles and runs a test program.
@@ -119,6 +119,45 @@ static void mlxcel_emulated_mma(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t 
     int d = 0;
     for (int k = 0; k < 32; ++k) d += A(row, k) * B(k, col);
     r[i] = c[i] + d;
+  }
+  g_barrier->arrive_and_wait();
+  for (int i = 0; i < 4; ++i) c[i] = r[i];
+}
+// pairs of 16-bit floats (kernels/qgemm.cu): T from its bits, two floats packed (lo in the
+// low half) and a·b + c per half, each rounded to T once from a double
+template <class T> static T mlxcel_emu16(uint32_t bits) { T h; h.bits = uint16_t(bits); return h; }
+template <class T> static uint32_t mlxcel_emulated_pack2(float lo, float hi) {
+  return uint32_t(T(lo).bits) | (uint32_t(T(hi).bits) << 16);
+}
+template <class T> static uint32_t mlxcel_emulated_fma2(uint32_t a, uint32_t b, uint32_t c) {
+  auto one = [](uint32_t x, uint32_t y, uint32_t z) {
+    const double d = double(float(mlxcel_emu16<T>(x))) * double(float(mlxcel_emu16<T>(y))) +
+                     double(float(mlxcel_emu16<T>(z)));
+    return uint32_t(T(float(d)).bits);
+  };
+  return one(a, b, c) | (one(a >> 16, b >> 16, c >> 16) << 16);
+}
+// mma.sync.m16n8k16 with T inputs and f32 accumulators of one warp (layouts as in the PTX
+// ISA): A[row][k] is half k % 2 of register (row >= 8) + 2 (k >= 8) of lane (row % 8)·4 + (k % 8)/2,
+// B[k][col] half k % 2 of register 4 + (k >= 8) of lane col·4 + (k % 8)/2
+template <class T> static void mlxcel_emulated_mma16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                                     uint32_t a3, uint32_t b0, uint32_t b1) {
+  const unsigned t = threadIdx.x;
+  const uint32_t mine[6] = {a0, a1, a2, a3, b0, b1};
+  std::memcpy(&g_mma[6 * t], mine, sizeof mine);
+  g_barrier->arrive_and_wait();
+  const unsigned base = t & ~31u, lane = t & 31u, gid = lane >> 2, tg = lane & 3;
+  auto hv = [&](unsigned owner, int reg, int k) {
+    return double(float(mlxcel_emu16<T>(g_mma[6 * (base + owner) + reg] >> (16 * (k % 2)))));
+  };
+  auto A = [&](int row, int k) { return hv((row % 8) * 4 + (k % 8) / 2, (row >= 8) + 2 * (k >= 8), k); };
+  auto B = [&](int k, int col) { return hv(col * 4 + (k % 8) / 2, 4 + (k >= 8), k); };
+  float r[4];
+  for (int i = 0; i < 4; ++i) {
+    const int row = gid + (i >= 2 ? 8 : 0), col = 2 * tg + (i & 1);
+    double d = 0;
+    for (int k = 0; k < 16; ++k) d += A(row, k) * B(k, col);
+    r[i] = c[i] + float(d);
   }
   g_barrier->arrive_and_wait();
   for (int i = 0; i < 4; ++i) c[i] = r[i];
