@@ -210,6 +210,11 @@ pub fn include_header(dir: &Path, name: &str, header: &str) -> std::io::Result<S
     Ok(format!("#include \"{quoted}\"\n"))
 }
 
+/// The device-code header of the GEMV file in use (the GEMM's device code builds on it).
+pub(super) fn header() -> Result<&'static str> {
+    Ok(&source()?.header)
+}
+
 fn source() -> Result<&'static Source> {
     static SOURCE: OnceLock<std::result::Result<Source, String>> = OnceLock::new();
     SOURCE
@@ -605,7 +610,8 @@ pub enum Epilogue<'a> {
 }
 
 impl Epilogue<'_> {
-    fn code(&self) -> usize {
+    /// The kernels' template constant `EPI`.
+    pub(super) fn code(&self) -> usize {
         match self {
             Epilogue::None => 0,
             Epilogue::Residual(_) => 1,
@@ -807,7 +813,7 @@ fn round_x(
 
 /// The kernel's `nw` input and eps: the norm weight (one value per input feature, x's
 /// dtype), or x itself when there is no norm (not read then).
-fn norm_input<'a>(
+pub(super) fn norm_input<'a>(
     who: &str,
     norm: Option<(&'a Array, f32)>,
     x: &'a Array,

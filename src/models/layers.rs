@@ -307,6 +307,23 @@ impl Linear {
                 )
             });
         }
+        if f.gemm {
+            return (fits && kernels::qgemm::supports_rope(f.n, nq, head_dim)).then(|| {
+                kernels::qgemm::qgemm_rope(
+                    x,
+                    f.w,
+                    f.scales,
+                    f.biases,
+                    f.group,
+                    f.bits,
+                    norm.map(|n| (&n.weight, n.eps)),
+                    pos,
+                    &rope.inv_freq,
+                    nq,
+                    head_dim,
+                )
+            });
+        }
         let fits = fits && kernels::qgemv::supports_rope(f.m, f.n, f.group, f.bits, nq, head_dim);
         fits.then(|| {
             kernels::qgemv::qgemv_rope(
@@ -325,10 +342,11 @@ impl Linear {
         })
     }
 
-    /// The quantized weight and sizes when mlxcel's GEMV kernel can compute
-    /// `norm(x) · Wᵀ`: a quantized weight with no bias or reduction to apply after an
-    /// epilogue, a shape and dtypes the kernel covers, and (with a norm) a norm weight
-    /// of x's dtype with one value per input feature.
+    /// The quantized weight and sizes when mlxcel's GEMV kernel (or, for batches of
+    /// 9–128 rows with `MLXCEL_QGEMM=1`, its GEMM) can compute `norm(x) · Wᵀ`: a quantized
+    /// weight with no bias or reduction to apply after an epilogue, a shape and dtypes the
+    /// kernel covers, and (with a norm) a norm weight of x's dtype with one value per input
+    /// feature.
     fn fusable(&self, x: &Array, norm: Option<&RmsNorm>) -> Option<Fusable<'_>> {
         if self.bias.is_some() || self.reduce.is_some() {
             return None;
@@ -355,16 +373,19 @@ impl Linear {
                     m,
                     n,
                     dense: true,
+                    gemm: false,
                 });
             }
         };
-        if !kernels::qgemv::enabled() {
+        let (group, bits) = (q.group_size as usize, q.bits as usize);
+        let dtypes = [x.dtype(), scales.dtype()];
+        let gemm = quantized_gemm_fits(m, n, k, group, bits, dtypes);
+        if !gemm && !kernels::qgemv::enabled() {
             return None;
         }
-        let (group, bits) = (q.group_size as usize, q.bits as usize);
         let fits = norm_fits
             && m * k == x.size()
-            && kernels::qgemv::supports(m, n, k, group, bits, [x.dtype(), scales.dtype()]);
+            && (gemm || kernels::qgemv::supports(m, n, k, group, bits, dtypes));
         fits.then_some(Fusable {
             w,
             scales,
@@ -374,6 +395,7 @@ impl Linear {
             m,
             n,
             dense: false,
+            gemm,
         })
     }
 
@@ -392,12 +414,20 @@ impl Linear {
         let epi_fits = match epi {
             Epilogue::Residual(r) => r.dtype() == x.dtype() && r.size() == f.m * f.n,
             Epilogue::SwiGlu if f.dense => kernels::gemv::supports_swiglu(f.m, f.n, self.in_dim()),
+            Epilogue::SwiGlu if f.gemm => kernels::qgemm::supports_swiglu(f.n),
             Epilogue::SwiGlu => kernels::qgemv::supports_swiglu(f.m, f.n, f.group, f.bits),
             Epilogue::None => true,
         };
         let norm_w = norm.map(|n| (&n.weight, n.eps));
         if f.dense {
             return epi_fits.then(|| kernels::gemv::gemv(x, f.w, shape, epi, norm_w));
+        }
+        if f.gemm {
+            return epi_fits.then(|| {
+                kernels::qgemm::qgemm(
+                    x, f.w, f.scales, f.biases, f.group, f.bits, shape, epi, norm_w,
+                )
+            });
         }
         epi_fits.then(|| {
             kernels::qgemv::qgemv(
@@ -428,8 +458,9 @@ impl Linear {
 }
 
 /// What [`Linear::fusable`] found: the quantized weight, its group and bits, and the
-/// product's rows (`m`) and output features (`n`); or (`dense`) a dense weight `w` for
-/// mlxcel's dense GEMV kernel (scales and biases are `w` then, group and bits 0).
+/// product's rows (`m`) and output features (`n`), for the GEMV or (`gemm`) the GEMM; or
+/// (`dense`) a dense weight `w` for mlxcel's dense GEMV kernel (scales and biases are `w`
+/// then, group and bits 0).
 struct Fusable<'a> {
     w: &'a Array,
     scales: &'a Array,
@@ -439,6 +470,21 @@ struct Fusable<'a> {
     m: usize,
     n: usize,
     dense: bool,
+    gemm: bool,
+}
+
+/// Whether mlxcel's quantized GEMM (`MLXCEL_QGEMM=1`, CUDA) takes `m` rows of a `[n, k]`
+/// weight: a batched decode step's or a short prompt's (9–128 rows by default); smaller
+/// batches keep the GEMV, longer inputs dequantize + GEMM.
+fn quantized_gemm_fits(
+    m: usize,
+    n: usize,
+    k: usize,
+    group: usize,
+    bits: usize,
+    dtypes: [Dtype; 2],
+) -> bool {
+    kernels::qgemm::enabled() && kernels::qgemm::supports(m, n, k, group, bits, dtypes)
 }
 
 /// Whether mlxcel's dense GEMV kernel computes `x · wᵀ` for a dense weight `w [n, k]`:
@@ -465,8 +511,9 @@ fn apply_norm(x: &Array, norm: Option<&RmsNorm>) -> mlx::Result<Array> {
 /// prefill runs at the dense GEMM's speed (4.7× MLX's quantized GEMM on H200).
 const DEQUANT_GEMM_MIN_ROWS: usize = 32;
 
-/// `x · dequantize(w)ᵀ`: mlxcel's GEMV kernel for decode on CUDA, dequantize + GEMM
-/// for long inputs on a GPU, MLX's `quantized_matmul` otherwise.
+/// `x · dequantize(w)ᵀ`: mlxcel's GEMV kernel for decode on CUDA (its GEMM for batches of
+/// 9–128 rows with `MLXCEL_QGEMM=1`), dequantize + GEMM for long inputs on a GPU, MLX's
+/// `quantized_matmul` otherwise.
 fn quantized_forward(
     x: &Array,
     w: &Array,
@@ -478,11 +525,23 @@ fn quantized_forward(
     let n = w.dim(0) as usize;
     let m = x.size().checked_div(k).unwrap_or(0);
     let (group, bits) = (q.group_size as usize, q.bits as usize);
-    if kernels::qgemv::enabled()
-        && kernels::qgemv::supports(m, n, k, group, bits, [x.dtype(), scales.dtype()])
-    {
-        let mut shape = x.shape();
-        *shape.last_mut().expect("x has a last axis") = n as i32;
+    let dtypes = [x.dtype(), scales.dtype()];
+    let mut shape = x.shape();
+    *shape.last_mut().expect("x has a last axis") = n as i32;
+    if quantized_gemm_fits(m, n, k, group, bits, dtypes) {
+        return kernels::qgemm::qgemm(
+            x,
+            w,
+            scales,
+            biases,
+            group,
+            bits,
+            &shape,
+            Epilogue::None,
+            None,
+        );
+    }
+    if kernels::qgemv::enabled() && kernels::qgemv::supports(m, n, k, group, bits, dtypes) {
         return kernels::qgemv::qgemv(
             x,
             w,
