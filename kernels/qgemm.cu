@@ -366,7 +366,9 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
         b2[i][h] = (v >> 16) | (v & 0xFFFF0000u);
       }
     }
-#pragma unroll
+    // (one word at a time: unrolled, the compiler dequantized every word up front, which
+    // took 64 more registers and spilled at 8 bits)
+#pragma unroll 1
     for (int c = 0; c < 4; ++c) {
       uint32_t a[2][2][4];  // tile, row, pair
 #pragma unroll
@@ -379,7 +381,7 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
             lo = c == 0 ? q[0].x : c == 1 ? q[0].y : c == 2 ? q[0].z : q[0].w;
             hi = 0u;
           } else {
-            const uint4 u = q[c / 2];
+            const uint4 u = c < 2 ? q[0] : q[LQ - 1];
             lo = (c % 2) ? u.z : u.x;
             hi = (c % 2) ? u.w : u.y;
           }

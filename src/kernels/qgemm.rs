@@ -239,7 +239,7 @@ pub fn launch_config(m: usize, n: usize, k: usize, bits: usize) -> Launch {
 /// 4 warp rows (128 weight rows a block; x, staged in shared memory, is read once per
 /// block, so fewer rows per block read it more often), one warp per row of tiles up to 8
 /// tiles of batch rows and two above (64 accumulators a lane either way); 3 steps of
-/// 4-bit weight loads in flight, 2 of 8-bit (the same bytes). K is split over the fewest
+/// 4-bit weight loads in flight, 2 of 8-bit (the same bytes), one fewer from 64 rows. K is split over the fewest
 /// blocks that give the GPU's `sms` at least one block each (dividing the row's steps, at
 /// least [`MIN_SPLIT_STEPS`] each, at most `max_splits`; the most that allows when none
 /// reaches it). Not yet tuned on a GPU (`scripts/check_qgemm.py --sweep` times others).
@@ -254,7 +254,9 @@ pub fn launch_for(
     let mt = variant_rows(m);
     let wn = if mt > 64 { 2 } else { 1 };
     let wr = 4;
-    let st = if bits == 4 { 3 } else { 2 };
+    // (from 64 rows one step fewer: the 64 accumulators and the staged x leave no room,
+    // ptxas spilled at 8 bits with 2; tests/kernel_cache.rs checks with MLXCEL_PTXAS)
+    let st = if bits == 4 { 3 } else { 2 } - usize::from(mt >= 64);
     let cb = n.div_ceil(32 * wr).max(1);
     let steps = k / 128;
     let splits: Vec<usize> = (1..=steps)
@@ -667,7 +669,8 @@ mod tests {
         assert_eq!(l(64, 8192, 1024, 4).sk, 4);
         // 8 bits: fewer weight loads in flight; above 64 rows two warps per row of tiles
         let big = l(100, 4096, 4096, 8);
-        assert_eq!((big.mt, big.wn, big.st), (112, 2, 2));
+        assert_eq!((big.mt, big.wn, big.st), (112, 2, 1));
+        assert_eq!(l(128, 4096, 4096, 4).st, 2);
         // capped by the knob's most splits, and by steps per split
         assert_eq!(launch_for(32, 1280, 8192, 4, 132, 1).sk, 1);
         assert_eq!(launch_for(32, 1280, 8192, 4, 132, 5).sk, 4);
