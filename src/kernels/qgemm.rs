@@ -229,6 +229,20 @@ pub fn variants(lo: usize, hi: usize) -> Vec<usize> {
     v
 }
 
+/// Batch sizes from `lo` to `hi` rows, one in each of the GEMM's variants there (the
+/// variant's rows, or `hi` for the last): what a warm-up runs so that MLX compiles them at
+/// start-up. Empty when the GEMM is off.
+pub fn warm_rows(lo: usize, hi: usize) -> Vec<usize> {
+    if !enabled() {
+        return Vec::new();
+    }
+    let r = batches();
+    variants(lo.max(*r.start()), hi.min(*r.end()))
+        .into_iter()
+        .map(|v| v.min(hi))
+        .collect()
+}
+
 /// The launch for `m` rows of a `[n, k]` weight on this machine (see [`launch_for`]).
 pub fn launch_config(m: usize, n: usize, k: usize, bits: usize) -> Launch {
     let sms = gpu::this_gpu().sms.unwrap_or(gpu::DEFAULT_SMS);
