@@ -183,12 +183,16 @@ __device__ __forceinline__ void mlxcel_dequant8(uint32_t lo, uint32_t hi, uint32
   }
 }
 
-// rows of x: the product of x's dimensions (MLX passes the shape zero-padded) over K
+// rows of x: the product of x's dimensions over K (MLX passes the shape zero-padded to
+// MAX_NDIM dimensions)
+#ifndef MAX_NDIM
+#define MAX_NDIM 10
+#endif
 template <int K, typename S>
 __device__ __forceinline__ int mlxcel_qgemm_rows(const S& shape) {
   long long n = 1;
 #pragma unroll
-  for (int i = 0; i < 10; ++i) {
+  for (int i = 0; i < MAX_NDIM; ++i) {
     if (shape[i] <= 0) {
       break;
     }
