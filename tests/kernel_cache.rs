@@ -265,7 +265,8 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
     // launches mlxcel picks for 8B shapes (src/kernels/qgemm.rs `launch_for`), both bodies
     let g = parts("kernels/qgemm.cu", &["// @@body\n", "// @@body_rope\n"]);
     let gemm_header = format!("{header}{}", g[0]);
-    let gemm_include = mlxcel::kernels::qgemv::include_header(dir.path(), "g", &gemm_header).unwrap();
+    let gemm_include =
+        mlxcel::kernels::qgemv::include_header(dir.path(), "g", &gemm_header).unwrap();
     let gemm = |mt: i64, n: i64, k: i64, g: i64, bits: i64, wn: i64, sk: i64, st: i64| {
         vec![
             ("MT", mt),
@@ -294,13 +295,37 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
     };
     for (name, t, mut c, epi, norm) in [
         // gate/up at 32 rows: SwiGLU with the norm, no split
-        ("custom_kernel_mlxcel_qgemm_test_swiglu", bf, gemm(32, 28672, 4096, 64, 4, 1, 1, 3), 2, 1),
+        (
+            "custom_kernel_mlxcel_qgemm_test_swiglu",
+            bf,
+            gemm(32, 28672, 4096, 64, 4, 1, 1, 3),
+            2,
+            1,
+        ),
         // down at 128 rows, 8-bit float16: the residual, two warps per row of tiles, 7 splits
-        ("custom_kernel_mlxcel_qgemm_test_res_f16", f16, gemm(128, 4096, 14336, 64, 8, 2, 7, 1), 1, 0),
+        (
+            "custom_kernel_mlxcel_qgemm_test_res_f16",
+            f16,
+            gemm(128, 4096, 14336, 64, 8, 2, 7, 1),
+            1,
+            0,
+        ),
         // 4-bit at 128 rows with the norm (gate/up: SwiGLU)
-        ("custom_kernel_mlxcel_qgemm_test_swiglu_128", bf, gemm(128, 28672, 4096, 64, 4, 2, 1, 2), 2, 1),
+        (
+            "custom_kernel_mlxcel_qgemm_test_swiglu_128",
+            bf,
+            gemm(128, 28672, 4096, 64, 4, 2, 1, 2),
+            2,
+            1,
+        ),
         // o at 16 rows, group 32: the plain product, 8 splits
-        ("custom_kernel_mlxcel_qgemm_test_plain", bf, gemm(16, 4096, 4096, 32, 4, 1, 8, 3), 0, 0),
+        (
+            "custom_kernel_mlxcel_qgemm_test_plain",
+            bf,
+            gemm(16, 4096, 4096, 32, 4, 1, 8, 3),
+            0,
+            0,
+        ),
     ] {
         c.extend([("EPI", epi), ("NORM", norm), ("EPS_BITS", eps)]);
         sources.push((

@@ -222,6 +222,9 @@ fn program(consts: &[(&str, usize)], edit: &dyn Fn(String) -> String) -> String 
     src
 }
 
+/// Template constants of a test program.
+type Consts = Vec<(&'static str, usize)>;
+
 fn run(tag: &str, consts: &[(&str, usize)]) {
     let src = program(consts, &|s| s);
     common::run_checked(&format!("qgemm-{tag}"), &src, &consts, "max_err");
@@ -240,7 +243,7 @@ fn cfg(
     wr: usize,
     wn: usize,
     sk: usize,
-) -> Vec<(&'static str, usize)> {
+) -> Consts {
     vec![
         ("MROWS", m),
         ("MT", m.div_ceil(8) * 8),
@@ -254,7 +257,7 @@ fn cfg(
     ]
 }
 
-fn with(mut c: Vec<(&'static str, usize)>, extra: &[(&'static str, usize)]) -> Vec<(&'static str, usize)> {
+fn with(mut c: Consts, extra: &[(&'static str, usize)]) -> Consts {
     c.extend_from_slice(extra);
     c
 }
@@ -268,8 +271,14 @@ fn qgemm_4bit_matches_dequantize_matmul() {
     run("4bit_m33_g128", &cfg(33, 64, 512, 128, 4, 2, 1, 1));
     run("4bit_m128_wn2", &cfg(128, 64, 256, 64, 4, 2, 2, 1));
     // more steps than weight loads in flight (ST = 3 over 5 steps, and 1)
-    run("4bit_st3", &with(cfg(12, 32, 640, 64, 4, 1, 1, 1), &[("ST", 3)]));
-    run("4bit_st1", &with(cfg(12, 32, 384, 32, 4, 1, 1, 1), &[("ST", 1)]));
+    run(
+        "4bit_st3",
+        &with(cfg(12, 32, 640, 64, 4, 1, 1, 1), &[("ST", 3)]),
+    );
+    run(
+        "4bit_st1",
+        &with(cfg(12, 32, 384, 32, 4, 1, 1, 1), &[("ST", 1)]),
+    );
 }
 
 #[test]
@@ -285,47 +294,110 @@ fn qgemm_split_k_matches() {
     // K split over 2, 4 and 3 blocks per column block (the last adds the others' partials),
     // with the norm's Σ x² split the same way; two column blocks, one with a tail
     run("split2", &cfg(9, 64 + 16, 512, 64, 4, 1, 1, 2));
-    run("split4_norm", &with(cfg(20, 32, 512, 32, 4, 1, 1, 4), &[("NORM", 1)]));
-    run("split3_8bit_res", &with(cfg(40, 48, 384, 128, 8, 1, 1, 3), &[("EPI", 1)]));
-    run("split2_m128_norm_swiglu", &with(cfg(128, 64, 256, 64, 4, 1, 2, 2), &[("EPI", 2), ("NORM", 1)]));
+    run(
+        "split4_norm",
+        &with(cfg(20, 32, 512, 32, 4, 1, 1, 4), &[("NORM", 1)]),
+    );
+    run(
+        "split3_8bit_res",
+        &with(cfg(40, 48, 384, 128, 8, 1, 1, 3), &[("EPI", 1)]),
+    );
+    run(
+        "split2_m128_norm_swiglu",
+        &with(
+            cfg(128, 64, 256, 64, 4, 1, 2, 2),
+            &[("EPI", 2), ("NORM", 1)],
+        ),
+    );
 }
 
 #[test]
 fn qgemm_epilogues_match() {
     // residual add; SwiGLU of the merged halves (N/2 = 40: a tail of 8 pairs); with the norm
-    run("res_m16", &with(cfg(16, 64, 256, 64, 4, 2, 1, 1), &[("EPI", 1)]));
-    run("swiglu_m9_tail", &with(cfg(9, 80, 256, 32, 4, 2, 1, 1), &[("EPI", 2)]));
-    run("norm_swiglu_8bit", &with(cfg(33, 64, 384, 64, 8, 1, 1, 1), &[("EPI", 2), ("NORM", 1)]));
-    run("norm_res_m128", &with(cfg(128, 32, 256, 128, 4, 1, 2, 1), &[("EPI", 1), ("NORM", 1)]));
-    run("norm_plain_m9", &with(cfg(9, 48, 256, 64, 4, 1, 1, 1), &[("NORM", 1)]));
+    run(
+        "res_m16",
+        &with(cfg(16, 64, 256, 64, 4, 2, 1, 1), &[("EPI", 1)]),
+    );
+    run(
+        "swiglu_m9_tail",
+        &with(cfg(9, 80, 256, 32, 4, 2, 1, 1), &[("EPI", 2)]),
+    );
+    run(
+        "norm_swiglu_8bit",
+        &with(cfg(33, 64, 384, 64, 8, 1, 1, 1), &[("EPI", 2), ("NORM", 1)]),
+    );
+    run(
+        "norm_res_m128",
+        &with(
+            cfg(128, 32, 256, 128, 4, 1, 2, 1),
+            &[("EPI", 1), ("NORM", 1)],
+        ),
+    );
+    run(
+        "norm_plain_m9",
+        &with(cfg(9, 48, 256, 64, 4, 1, 1, 1), &[("NORM", 1)]),
+    );
 }
 
 #[test]
 fn qgemm_rope_matches() {
     // q/k/v with RoPE: 4 query, 2 key, 2 value heads of 16 (pairs straddle heads within a
     // tile), the norm; row 1 at position 70000
-    run("rope_m9", &with(cfg(9, 8 * 16, 256, 64, 4, 2, 1, 1), &[("NORM", 1), ("HD", 16), ("NQ", 4)]));
+    run(
+        "rope_m9",
+        &with(
+            cfg(9, 8 * 16, 256, 64, 4, 2, 1, 1),
+            &[("NORM", 1), ("HD", 16), ("NQ", 4)],
+        ),
+    );
     // heads of 64 (GQA 3:1: 3 q, 1 k, 1 v), 8-bit, split-K, a tail of pairs (160 / 64)
     run(
         "rope_8bit_split_m17",
-        &with(cfg(17, 5 * 64, 256, 32, 8, 2, 1, 2), &[("NORM", 1), ("HD", 64), ("NQ", 3)]),
+        &with(
+            cfg(17, 5 * 64, 256, 32, 8, 2, 1, 2),
+            &[("NORM", 1), ("HD", 64), ("NQ", 3)],
+        ),
     );
 }
 
 #[test]
 fn qgemm_float16_matches() {
-    let f16 = |c: Vec<(&'static str, usize)>| with(c, &[("F16", 1)]);
+    let f16 = |c: Consts| with(c, &[("F16", 1)]);
     run("f16_4bit_m9", &f16(cfg(9, 64, 256, 64, 4, 2, 1, 1)));
     run("f16_8bit_m33_split", &f16(cfg(33, 32, 512, 32, 8, 1, 1, 2)));
-    run("f16_norm_swiglu_m16", &f16(with(cfg(16, 64, 256, 128, 4, 1, 1, 1), &[("EPI", 2), ("NORM", 1)])));
-    run("f16_rope_m12", &f16(with(cfg(12, 8 * 16, 256, 64, 4, 2, 1, 1), &[("NORM", 1), ("HD", 16), ("NQ", 4)])));
-    run("f16_res_m128", &f16(with(cfg(128, 32, 256, 64, 8, 1, 2, 1), &[("EPI", 1)])));
+    run(
+        "f16_norm_swiglu_m16",
+        &f16(with(
+            cfg(16, 64, 256, 128, 4, 1, 1, 1),
+            &[("EPI", 2), ("NORM", 1)],
+        )),
+    );
+    run(
+        "f16_rope_m12",
+        &f16(with(
+            cfg(12, 8 * 16, 256, 64, 4, 2, 1, 1),
+            &[("NORM", 1), ("HD", 16), ("NQ", 4)],
+        )),
+    );
+    run(
+        "f16_res_m128",
+        &f16(with(cfg(128, 32, 256, 64, 8, 1, 2, 1), &[("EPI", 1)])),
+    );
 }
 
 #[test]
 fn qgemm_nan_reaches_its_row_only() {
-    run("nan_4bit", &with(cfg(9, 32, 256, 64, 4, 1, 1, 1), &[("NAN_X", 1)]));
-    run("nan_8bit_norm", &with(cfg(16, 32, 256, 64, 8, 1, 1, 2), &[("NAN_X", 1), ("NORM", 1)]));
+    run(
+        "nan_4bit",
+        &with(cfg(9, 32, 256, 64, 4, 1, 1, 1), &[("NAN_X", 1)]),
+    );
+    run(
+        "nan_8bit_norm",
+        &with(
+            cfg(16, 32, 256, 64, 8, 1, 1, 2),
+            &[("NAN_X", 1), ("NORM", 1)],
+        ),
+    );
 }
 
 /// The tests above fail when the kernel is wrong: bugs planted in the kernel file (the B
@@ -333,7 +405,7 @@ fn qgemm_nan_reaches_its_row_only() {
 /// the 8-bit byte order, the epilogue's rows of the second tile) each make a run fail.
 #[test]
 fn planted_bugs_are_caught() {
-    let cases: [(&str, &str, &str, Vec<(&'static str, usize)>); 5] = [
+    let cases: [(&str, &str, &str, Consts); 5] = [
         (
             "pairs",
             "__byte_perm(v.x, v.z, 0x7632)",

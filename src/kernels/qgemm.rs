@@ -86,7 +86,12 @@ fn source() -> Result<&'static Source> {
     SOURCE
         .get_or_init(|| match &knobs::get().qgemm_source {
             Some(path) => std::fs::read_to_string(path)
-                .map_err(|e| format!("MLXCEL_QGEMM_SOURCE={}: cannot read it: {e}", path.display()))
+                .map_err(|e| {
+                    format!(
+                        "MLXCEL_QGEMM_SOURCE={}: cannot read it: {e}",
+                        path.display()
+                    )
+                })
                 .and_then(|t| {
                     split_source(&t)
                         .map_err(|e| format!("MLXCEL_QGEMM_SOURCE={}: {e}", path.display()))
@@ -310,12 +315,15 @@ thread_local! {
 fn scratch(floats: usize, blocks: usize) -> Result<(Array, Array, Option<Array>)> {
     SCRATCH.with(|cell| {
         let mut s = cell.borrow_mut();
-        if s
-            .as_ref()
+        if s.as_ref()
             .is_none_or(|s| s.floats < floats || s.blocks < blocks)
         {
-            let floats = floats.max(s.as_ref().map_or(1, |s| s.floats)).next_power_of_two();
-            let blocks = blocks.max(s.as_ref().map_or(1, |s| s.blocks)).next_power_of_two();
+            let floats = floats
+                .max(s.as_ref().map_or(1, |s| s.floats))
+                .next_power_of_two();
+            let blocks = blocks
+                .max(s.as_ref().map_or(1, |s| s.blocks))
+                .next_power_of_two();
             let part = Array::zeros(&[floats as i32], Dtype::F32)?;
             let count = Array::zeros(&[blocks as i32], Dtype::I32)?;
             // materialised now: the kernel must get these buffers, zeroed
@@ -545,8 +553,7 @@ pub fn qgemm_rope(
             .map(String::from),
             ["q", "kv", "tok"].map(String::from),
             [
-                "MT", "N", "K", "G", "BITS", "WR", "WN", "SK", "ST", "NORM", "EPS_BITS", "HD",
-                "NQ",
+                "MT", "N", "K", "G", "BITS", "WR", "WN", "SK", "ST", "NORM", "EPS_BITS", "HD", "NQ",
             ]
             .map(String::from),
         )
@@ -620,7 +627,9 @@ mod tests {
     #[test]
     fn bad_sources_are_refused_with_the_reason() {
         assert!(split_source("x").unwrap_err().contains("@@header"));
-        assert!(split_source("// @@header\nh\n").unwrap_err().contains("@@body"));
+        assert!(split_source("// @@header\nh\n")
+            .unwrap_err()
+            .contains("@@body"));
         let e = split_source("// @@header\nh\n// @@body\nb();\n").unwrap_err();
         assert!(e.contains("@@body_rope"), "{e}");
         let e = split_source("// @@header\nh\n// @@body\n \n// @@body_rope\nr();\n").unwrap_err();
@@ -664,7 +673,10 @@ mod tests {
         assert!(variants(9, 8).is_empty());
         for m in 1..=MAX_M {
             let r = variant_rows(m);
-            assert!(r >= m && r - m < 16 && r <= MAX_M && r.is_multiple_of(8), "{m}");
+            assert!(
+                r >= m && r - m < 16 && r <= MAX_M && r.is_multiple_of(8),
+                "{m}"
+            );
         }
     }
 
@@ -678,7 +690,7 @@ mod tests {
         assert_eq!(l(32, 28672, 4096, 4).sk, 1); // gate/up: 224 column blocks
         assert_eq!(l(32, 4096, 14336, 4).sk, 7); // down: 112 steps
         assert_eq!(l(32, 128256, 4096, 4).sk, 1); // lm_head
-        // 70B TP8 rank shapes: 10 column blocks → 16 splits of 4 steps; K = 1024: 4 of 2
+                                                  // 70B TP8 rank shapes: 10 column blocks → 16 splits of 4 steps; K = 1024: 4 of 2
         assert_eq!(l(64, 1280, 8192, 4).sk, 16);
         assert_eq!(l(64, 8192, 1024, 4).sk, 4);
         // 8 bits: fewer weight loads in flight; above 64 rows two warps per row of tiles
@@ -689,11 +701,19 @@ mod tests {
         assert_eq!(launch_for(32, 1280, 8192, 4, 132, 1).sk, 1);
         assert_eq!(launch_for(32, 1280, 8192, 4, 132, 5).sk, 4);
         assert_eq!(l(32, 128, 256, 4).sk, 1); // 2 steps: a split would get 1
-        for (n, k) in [(6144, 4096), (4096, 14336), (2560, 8192), (8192, 3584), (8192, 2048)] {
+        for (n, k) in [
+            (6144, 4096),
+            (4096, 14336),
+            (2560, 8192),
+            (8192, 3584),
+            (8192, 2048),
+        ] {
             for m in [9, 16, 33, 64, 65, 128] {
                 let x = l(m, n, k, 4);
                 let steps = k / 128;
-                assert!(steps.is_multiple_of(x.sk) && (x.sk == 1 || steps / x.sk >= MIN_SPLIT_STEPS));
+                assert!(
+                    steps.is_multiple_of(x.sk) && (x.sk == 1 || steps / x.sk >= MIN_SPLIT_STEPS)
+                );
                 assert!(x.mt >= m && (x.mt / 8).is_multiple_of(x.wn));
             }
         }
