@@ -82,94 +82,84 @@
 // mlxcel embeds it; `MLXCEL_QGEMM_SOURCE=path` replaces it at run time.
 // @@header
 
+// Pairs of T: 128 + v for 4 bits v in the mantissa (bf16 0x4300 | v; f16 1024 + v, 0x6400 | v),
+// 1 and minus that offset; bf: whether T is bfloat16
+template <typename T>
+struct mlxcel_k16;
+template <>
+struct mlxcel_k16<__nv_bfloat16> {
+  static constexpr bool bf = true;
+  static constexpr uint32_t magic = 0x43004300u, one = 0x3F803F80u, neg = 0xC300C300u;
+};
+template <>
+struct mlxcel_k16<__half> {
+  static constexpr bool bf = false;
+  static constexpr uint32_t magic = 0x64006400u, one = 0x3C003C00u, neg = 0xE400E400u;
+};
+
 // d = a·b + c on pairs of T (bf16x2 / f16x2), rounded once
-__device__ __forceinline__ uint32_t mlxcel_fma2(uint32_t a, uint32_t b, uint32_t c, const __nv_bfloat16*) {
+template <typename T>
+__device__ __forceinline__ uint32_t mlxcel_fma2(uint32_t a, uint32_t b, uint32_t c) {
   uint32_t d;
 #if defined(__CUDA_ARCH__)
-  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  if constexpr (mlxcel_k16<T>::bf) {
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  } else {
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  }
 #else
-  d = mlxcel_emulated_fma2<__nv_bfloat16>(a, b, c);
-#endif
-  return d;
-}
-__device__ __forceinline__ uint32_t mlxcel_fma2(uint32_t a, uint32_t b, uint32_t c, const __half*) {
-  uint32_t d;
-#if defined(__CUDA_ARCH__)
-  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-#else
-  d = mlxcel_emulated_fma2<__half>(a, b, c);
+  d = mlxcel_emulated_fma2<T>(a, b, c);
 #endif
   return d;
 }
 // two floats as a pair of T (lo in the low half), rounded to nearest even
-__device__ __forceinline__ uint32_t mlxcel_pack2(float lo, float hi, const __nv_bfloat16*) {
+template <typename T>
+__device__ __forceinline__ uint32_t mlxcel_pack2(float lo, float hi) {
   uint32_t d;
 #if defined(__CUDA_ARCH__)
-  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  if constexpr (mlxcel_k16<T>::bf) {
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  } else {
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  }
 #else
-  d = mlxcel_emulated_pack2<__nv_bfloat16>(lo, hi);
-#endif
-  return d;
-}
-__device__ __forceinline__ uint32_t mlxcel_pack2(float lo, float hi, const __half*) {
-  uint32_t d;
-#if defined(__CUDA_ARCH__)
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
-#else
-  d = mlxcel_emulated_pack2<__half>(lo, hi);
+  d = mlxcel_emulated_pack2<T>(lo, hi);
 #endif
   return d;
 }
 // c += A·B of one m16n8k16 MMA with T inputs and f32 accumulators (fragments as PTX lays them
 // out: a0 = A[g][2t, 2t+1], a1 = A[g+8][2t, 2t+1], a2 = A[g][2t+8, 2t+9], a3 = A[g+8][2t+8, 2t+9],
 // b0 = B[2t, 2t+1][g], b1 = B[2t+8, 2t+9][g]; c0, c1 = C[g][2t, 2t+1], c2, c3 = C[g+8][2t, 2t+1])
-__device__ __forceinline__ void mlxcel_mma16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                             uint32_t b0, uint32_t b1, const __nv_bfloat16*) {
-#if defined(__CUDA_ARCH__)
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-#else
-  mlxcel_emulated_mma16<__nv_bfloat16>(c, a0, a1, a2, a3, b0, b1);
-#endif
-}
-__device__ __forceinline__ void mlxcel_mma16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                             uint32_t b0, uint32_t b1, const __half*) {
-#if defined(__CUDA_ARCH__)
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-#else
-  mlxcel_emulated_mma16<__half>(c, a0, a1, a2, a3, b0, b1);
-#endif
-}
-
-// Pairs of T: 128 + v for 4 bits v in the mantissa (bf16 0x4300 | v; f16 1024 + v, 0x6400 | v),
-// 1 and minus that offset
 template <typename T>
-struct mlxcel_k16;
-template <>
-struct mlxcel_k16<__nv_bfloat16> {
-  static constexpr uint32_t magic = 0x43004300u, one = 0x3F803F80u, neg = 0xC300C300u;
-};
-template <>
-struct mlxcel_k16<__half> {
-  static constexpr uint32_t magic = 0x64006400u, one = 0x3C003C00u, neg = 0xE400E400u;
-};
+__device__ __forceinline__ void mlxcel_mma16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                             uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__)
+#define MLXCEL_MMA16(TY)                                                                                \
+  asm("mma.sync.aligned.m16n8k16.row.col.f32." TY "." TY ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, " \
+      "{%0,%1,%2,%3};\n"                                                                               \
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                                 \
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1))
+  if constexpr (mlxcel_k16<T>::bf) {
+    MLXCEL_MMA16("bf16");
+  } else {
+    MLXCEL_MMA16("f16");
+  }
+#undef MLXCEL_MMA16
+#else
+  mlxcel_emulated_mma16<T>(c, a0, a1, a2, a3, b0, b1);
+#endif
+}
 
 // The four T pairs (v0,v4) (v1,v5) (v2,v6) (v3,v7) of the 8 weights of a 4-bit word, or of
 // two 8-bit words (lo: v0 … v3, hi: v4 … v7), dequantized with the pair (s, s) and (b, b).
 template <typename T, int BITS>
 __device__ __forceinline__ void mlxcel_dequant8(uint32_t lo, uint32_t hi, uint32_t s2, uint32_t b2,
                                                 uint32_t (&p)[4]) {
-  const T* tag = nullptr;
   if constexpr (BITS == 4) {
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const uint32_t v = ((lo >> (4 * j)) & 0x000F000Fu) | mlxcel_k16<T>::magic;
-      p[j] = mlxcel_fma2(mlxcel_fma2(v, mlxcel_k16<T>::one, mlxcel_k16<T>::neg, tag), s2, b2, tag);
+      p[j] = mlxcel_fma2<T>(mlxcel_fma2<T>(v, mlxcel_k16<T>::one, mlxcel_k16<T>::neg), s2, b2);
     }
     (void)hi;
   } else {
@@ -178,7 +168,7 @@ __device__ __forceinline__ void mlxcel_dequant8(uint32_t lo, uint32_t hi, uint32
       // byte j of each word in a float 2^23 + v (bytes: v, 0, 0, 0x4B), less 2^23: exact
       const float a = __uint_as_float(__byte_perm(lo, 0x4B000000u, 0x7540 + j)) - 8388608.f;
       const float c = __uint_as_float(__byte_perm(hi, 0x4B000000u, 0x7540 + j)) - 8388608.f;
-      p[j] = mlxcel_fma2(mlxcel_pack2(a, c, tag), s2, b2, tag);
+      p[j] = mlxcel_fma2<T>(mlxcel_pack2<T>(a, c), s2, b2);
     }
   }
 }
@@ -233,7 +223,6 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
   __shared__ uint4 xs[MT * RS];
   __shared__ float ss_sm[MT];
   __shared__ int last_sm;
-  const T* tag = nullptr;
 
   const int tid = threadIdx.x;
   const int lane = tid & 31;
@@ -335,8 +324,8 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
             ssr[j] = fmaf(f[e], f[e], ssr[j]);
             f[e] *= g8[e];
           }
-          o = make_uint4(mlxcel_pack2(f[0], f[4], tag), mlxcel_pack2(f[1], f[5], tag),
-                         mlxcel_pack2(f[2], f[6], tag), mlxcel_pack2(f[3], f[7], tag));
+          o = make_uint4(mlxcel_pack2<T>(f[0], f[4]), mlxcel_pack2<T>(f[1], f[5]),
+                         mlxcel_pack2<T>(f[2], f[6]), mlxcel_pack2<T>(f[3], f[7]));
         } else {
           // (x0,x1) (x2,x3) (x4,x5) (x6,x7) → (x0,x4) (x1,x5) (x2,x6) (x3,x7)
           o = make_uint4(__byte_perm(v.x, v.z, 0x5410), __byte_perm(v.x, v.z, 0x7632),
@@ -397,8 +386,8 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
         const uint4 bv = xs[(8 * (wn * NTW + j) + gq) * RS + 4 * c + t];
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
-          mlxcel_mma16(acc[i][j], a[i][0][0], a[i][1][0], a[i][0][1], a[i][1][1], bv.x, bv.y, tag);
-          mlxcel_mma16(acc[i][j], a[i][0][2], a[i][1][2], a[i][0][3], a[i][1][3], bv.z, bv.w, tag);
+          mlxcel_mma16<T>(acc[i][j], a[i][0][0], a[i][1][0], a[i][0][1], a[i][1][1], bv.x, bv.y);
+          mlxcel_mma16<T>(acc[i][j], a[i][0][2], a[i][1][2], a[i][0][3], a[i][1][3], bv.z, bv.w);
         }
       }
     }
@@ -531,27 +520,13 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
           }
         }
       } else if (rows[0][h] >= 0) {
-        float a = acc[0][j][c] * f;
-        float b = acc[1][j][c] * f;
+        const float a = acc[0][j][c] * f;
+        const float b = acc[1][j][c] * f;
         const int p = cb * (BN / 2) + wr * 16 + gq + 8 * h;
         if constexpr (EPI == 2) {
           y[size_t(m) * HALF + p] = static_cast<T>(a / (1.f + expf(-a)) * b);
         } else {
-          const int head = p / HD2;
-          const int d = p % HD2;
-          constexpr int NKV = (N / HD - NQ) / 2;
-          if (head < NQ + NKV) {
-            const float theta = static_cast<float>(pos[m]) * inv_freq[d];
-            const float cs = cosf(theta);
-            const float sn = sinf(theta);
-            const float ra = a * cs - b * sn;
-            b = a * sn + b * cs;
-            a = ra;
-          }
-          T* out = head < NQ ? y + size_t(m) * (NQ * HD) + size_t(head) * HD
-                             : y2 + size_t(m) * (N - NQ * HD) + size_t(head - NQ) * HD;
-          out[d] = static_cast<T>(a);
-          out[d + HD2] = static_cast<T>(b);
+          mlxcel_rope_store<T, N, HD, NQ>(a, b, m, p, pos, inv_freq, y, y2);
         }
       }
     }

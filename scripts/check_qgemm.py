@@ -32,6 +32,7 @@ import math
 import multiprocessing as mp
 import os
 import pathlib
+import queue
 import struct
 import sys
 import time
@@ -161,27 +162,14 @@ class Gemm:
         return out[:-1] if rope is not None else out[0]
 
 
-def rel_err(mx, a, ref):
-    a = a.astype(mx.float32)
-    return (mx.abs(a - ref).max() / mx.maximum(mx.abs(ref).max(), 1e-6)).item()
-
-
 def within(e, e_mlx):
     """Off by at most 1e-2 and 2× MLX's quantized_matmul + 4e-3 (bf16 weights, f32 sums)."""
     return e <= 1e-2 and e <= 2 * e_mlx + 4e-3
 
 
-def quantized(mx, dt, n, k, group, bits, seed):
-    mx.random.seed(seed)
-    w = (mx.random.normal((n, k)) * 0.02).astype(dt)
-    wq, s, b = mx.quantize(w, group_size=group, bits=bits)
-    mx.eval(wq, s, b)
-    return wq, s, b
-
-
-def check_shape(mx, g, dt, model, n, k, name, nq, bits, group, ms):
+def check_shape(mx, qv, g, dt, model, n, k, name, nq, bits, group, ms):
     """Rows (shape, bits, group, M, what, err, err of quantized_matmul, ok) for one weight."""
-    wq, s, b = quantized(mx, dt, n, k, group, bits, n + k + bits)
+    wq, s, b = qv.quantized(n, k, group, bits, n + k + bits)
     wd = mx.dequantize(wq, s, b, group_size=group, bits=bits).astype(mx.float32)
     rows = []
     tag = f"{model} {name} {n}×{k}"
@@ -189,7 +177,7 @@ def check_shape(mx, g, dt, model, n, k, name, nq, bits, group, ms):
         x = mx.random.normal((m, k)).astype(dt)
         ref = x.astype(mx.float32) @ wd.T
         qmm = mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=group, bits=bits)
-        e, eq = rel_err(mx, g.call(x, wq, s, b, group, bits), ref), rel_err(mx, qmm, ref)
+        e, eq = qv.rel_err(g.call(x, wq, s, b, group, bits), ref), qv.rel_err(qmm, ref)
         rows.append((tag, bits, group, m, "", e, eq, within(e, eq)))
         if m not in (16, 128):
             continue
@@ -201,13 +189,13 @@ def check_shape(mx, g, dt, model, n, k, name, nq, bits, group, ms):
         if name in ("o", "down"):
             res = mx.random.normal((m, n)).astype(dt)
             r = res.astype(mx.float32) + ref
-            e, eq = rel_err(mx, g.call(x, wq, s, b, group, bits, res=res), r), rel_err(mx, res + qmm, r)
+            e, eq = qv.rel_err(g.call(x, wq, s, b, group, bits, res=res), r), qv.rel_err(res + qmm, r)
             rows.append((tag, bits, group, m, " +res", e, eq, within(e, eq)))
         elif name == "gate_up":
             refn = xn @ wd.T
             glu = lambda y: y[:, : n // 2] * mx.sigmoid(y[:, : n // 2]) * y[:, n // 2:]
-            e = rel_err(mx, g.call(x, wq, s, b, group, bits, swiglu=True, norm=(nw, 1e-5)), glu(refn))
-            eq = rel_err(mx, glu(qn.astype(mx.float32)), glu(refn))
+            e = qv.rel_err(g.call(x, wq, s, b, group, bits, swiglu=True, norm=(nw, 1e-5)), glu(refn))
+            eq = qv.rel_err(glu(qn.astype(mx.float32)), glu(refn))
             rows.append((tag, bits, group, m, " norm+swiglu", e, eq, within(e, eq)))
         elif name == "qkv":
             hd, base = 128, 500000.0
@@ -223,21 +211,10 @@ def check_shape(mx, g, dt, model, n, k, name, nq, bits, group, ms):
             rq, rkv = heads(xn @ wd.T)
             q, kv = g.call(x, wq, s, b, group, bits, norm=(nw, 1e-5), rope=(pos, inv, nq, hd))
             mq, mkv = heads(qn.astype(mx.float32))
-            e = max(rel_err(mx, q, rq), rel_err(mx, kv, rkv))
-            eq = max(rel_err(mx, mq, rq), rel_err(mx, mkv, rkv))
+            e = max(qv.rel_err(q, rq), qv.rel_err(kv, rkv))
+            eq = max(qv.rel_err(mq, rq), qv.rel_err(mkv, rkv))
             rows.append((tag, bits, group, m, " norm+rope", e, eq, within(e, eq)))
     return rows
-
-
-def bench(mx, fn, reps=5):
-    best = math.inf
-    for _ in range(reps):
-        mx.synchronize()
-        t = time.perf_counter()
-        mx.eval(fn())
-        mx.synchronize()
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 def row_chunks(m):
@@ -255,13 +232,13 @@ def row_chunks(m):
 def timing(mx, g, qv, dt, n, k, bits, m, group=64, budget=256e6, launches=None):
     """µs per call of the GEMM (each of `launches`, or mlxcel's), of what mlxcel runs
     without it and of quantized_matmul; and the weight bytes per call."""
-    wq, s, b = quantized(mx, dt, n, k, group, bits, 1)
+    wq, s, b = qv.quantized(n, k, group, bits, 1)
     nbytes = wq.nbytes + s.nbytes + b.nbytes
     copies = max(2, math.ceil(budget / nbytes))
     ws = [(wq + i, s, b) for i in range(copies)]  # distinct weight buffers (uint32 + i)
     mx.eval(ws)
     x = mx.random.normal((m, k)).astype(dt)
-    per = lambda fn: bench(mx, lambda: [fn(w, s_, b_) for w, s_, b_ in ws]) / copies * 1e6
+    per = lambda fn: qv.bench(lambda: [fn(w, s_, b_) for w, s_, b_ in ws]) / copies * 1e6
     ours = [per(lambda w, s_, b_, l=l: g.call(x, w, s_, b_, group, bits, launch=l))
             for l in (launches or [None])]
     if bits == 4 and m <= 32:
@@ -295,7 +272,7 @@ def work(idx, jobs, args, lock):
     import check_qgemv as qv
     dt = getattr(mx, args.dtype)
     g = Gemm(mx, dt)
-    qv.DT = dt
+    qv.DT = dt  # (its quantized(), rel_err() and bench() serve here too)
     qv.KERNEL, _ = qv.make_kernel(qv.SOURCE)
     shapes = [(mdl, *sh) for mdl in args.models for sh in SHAPES[mdl]]
     if args.quick:
@@ -305,7 +282,7 @@ def work(idx, jobs, args, lock):
     for model, n, k, name, nq in ([] if args.sweep else mine):
         for bits in args.bits:
             for group in args.groups:
-                rows += check_shape(mx, g, dt, model, n, k, name, nq, bits, group, args.ms)
+                rows += check_shape(mx, qv, g, dt, model, n, k, name, nq, bits, group, args.ms)
     if args.time or args.sweep:
         cases = [(model, n, k, name, bits, m) for model, n, k, name, _ in mine
                  for bits in args.bits for m in args.ms]
@@ -348,6 +325,7 @@ def main():
     ap.add_argument("--groups", default="64", type=lambda v: [int(i) for i in v.split(",")])
     ap.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
     ap.add_argument("--jobs", type=int, default=8, help="worker processes (they compile in parallel)")
+    ap.add_argument("--timeout", type=int, default=600, help="seconds to wait for each worker's report")
     args = ap.parse_args()
     if args.quick:
         args.bits, args.ms = [4], [16, 64]
@@ -361,13 +339,18 @@ def main():
         p.start()
     rows, times, errors = [], [], []
     for _ in procs:
-        r, t, e = out.get()
+        try:  # (a worker that died without reporting, e.g. on a CUDA fault, must not hang this)
+            r, t, e = out.get(timeout=args.timeout)
+        except queue.Empty:
+            r, t, e = [], [], f"no report from a worker within {args.timeout} s"
         rows += r
         times += t
         if e:
             errors.append(e)
     for p in procs:
-        p.join()
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
     for e in errors:
         print(e, file=sys.stderr)
     bad = sum(not r[-1] for r in rows) + len(errors) + sum(p.exitcode != 0 for p in procs)

@@ -9,45 +9,31 @@
 use std::path::Path;
 
 mod common;
-use common::PRELUDE;
 
 const MAIN: &str = r#"
 int main() {
   using bf = T;  // bfloat16, or float16 with F16 = 1
-  constexpr int VPW = 32 / BITS;
   constexpr int M = MROWS;  // the batch rows (MT: rounded up to whole tiles)
   constexpr int TPB = 32 * WR * WN;
   constexpr int BN = 32 * WR;
   constexpr int CB = (N + BN - 1) / BN;
   constexpr int NV = 2 * (MT / 8 / WN);
   std::mt19937 rng(4321);
-  std::uniform_real_distribution<float> ux(-1.f, 1.f), us(0.001f, 0.02f), ub(-0.05f, 0.05f);
   constexpr int OUT_N = EPI == 2 ? N / 2 : N;
   const bf sentinel = bf(12345.f);
   std::vector<bf> x(M * K), sc(N * (K / G)), bi(N * (K / G)), res(M * N), nw(K);
   // outputs with room past their end, which must stay as they were
   std::vector<bf> y(M * OUT_N + 64, sentinel);
 #if ROPE
-  std::vector<int32_t> pos(M);
-  for (int m = 0; m < M; ++m) pos[m] = m == 1 ? 70000 : 3 + 41 * m;
-  std::vector<float> inv(HD / 2);
-  for (int d = 0; d < HD / 2; ++d) inv[d] = float(std::pow(10000.0, -2.0 * d / HD));
+  std::vector<int32_t> pos;
+  std::vector<float> inv;
+  rope_inputs(M, HD, pos, inv);
   std::vector<bf> yq(M * NQ * HD + 64, sentinel), ykv(M * (N - NQ * HD) + 64, sentinel);
 #endif
-  std::vector<uint32_t> w(size_t(N) * K / VPW);
-  std::vector<int> q(size_t(N) * K);
-  for (auto& v : x) v = bf(ux(rng));
-  if (NAN_X) x[5] = bf(NAN);  // row 0 of x holds a NaN: every output of row 0 must be NaN
-  for (auto& v : sc) v = bf(us(rng));
-  for (auto& v : bi) v = bf(ub(rng));
-  for (auto& v : res) v = bf(ux(rng));
-  for (auto& v : nw) v = bf(0.5f + ux(rng));
-  for (int n = 0; n < N; ++n)
-    for (int k = 0; k < K; ++k) {
-      int v = int(rng() % (1u << BITS));
-      q[size_t(n) * K + k] = v;
-      w[(size_t(n) * K + k) / VPW] |= uint32_t(v) << (BITS * (k % VPW));
-    }
+  std::vector<uint32_t> w;
+  std::vector<int> q;
+  // (row 0 of x holds a NaN with NAN_X: every output of row 0 must be NaN, row 1 none)
+  draw_quantized(rng, N, K, BITS, NAN_X, x, sc, bi, res, nw, w, q);
   // split-K scratch: every block's partial tile, then the Σ x² partials; counts start at 0
   std::vector<float> part(size_t(CB) * SK * (NV * TPB * 4 + MT), -7.f);
   std::vector<int32_t> count(CB, 0);
@@ -77,25 +63,8 @@ int main() {
       if (v[i].bits != sentinel.bits) { std::printf("max_err: %s[%zu] written past the end\n", what, i); return false; }
     return true;
   };
-  // the kernel's input row: x, or RMSNorm(x) with weight nw when NORM
-  std::vector<double> xin(M * K);
-  for (int m = 0; m < M; ++m) {
-    double ss = 0;
-    for (int k = 0; k < K; ++k) ss += double(float(x[m * K + k])) * double(float(x[m * K + k]));
-    float eps; int eb = EPS_BITS; std::memcpy(&eps, &eb, 4);
-    double f = NORM ? 1.0 / std::sqrt(ss / K + double(eps)) : 1.0;
-    for (int k = 0; k < K; ++k)
-      xin[m * K + k] = double(float(x[m * K + k])) * f * (NORM ? double(float(nw[k])) : 1.0);
-  }
-  auto dot = [&](int m, int n) {
-    double r = 0;
-    for (int k = 0; k < K; ++k) {
-      int g = k / G;
-      double wv = q[size_t(n) * K + k] * double(float(sc[n * (K / G) + g])) + double(float(bi[n * (K / G) + g]));
-      r += xin[m * K + k] * wv;
-    }
-    return r;
-  };
+  const std::vector<double> xin = ref_input(x, nw, M, K, NORM, EPS_BITS);
+  auto dot = [&](int m, int n) { return ref_qdot(xin, q, sc, bi, K, G, m, n); };
 #if ROPE
   if (!untouched(yq, M * NQ * HD, "q") || !untouched(ykv, M * (N - NQ * HD), "kv")) return 1;
 #else
@@ -109,35 +78,13 @@ int main() {
     std::printf("max_err 0 (row 0 all NaN, row 1 none)\n");
     return 0;
   }
-  double max_ref = 0, max_err = 0;
+  RefErr e;
 #if ROPE
-  constexpr int NKV = (N / HD - NQ) / 2;
-  for (int m = 0; m < M; ++m)
-    for (int h = 0; h < NQ + 2 * NKV; ++h)
-      for (int d = 0; d < HD / 2; ++d) {
-        double a = dot(m, h * HD + d), c = dot(m, h * HD + d + HD / 2);
-        if (h < NQ + NKV) {
-          double th = double(pos[m]) * double(inv[d]);
-          double ra = a * std::cos(th) - c * std::sin(th);
-          c = a * std::sin(th) + c * std::cos(th);
-          a = ra;
-        }
-        const bf* out = h < NQ ? &yq[m * NQ * HD + h * HD] : &ykv[m * (N - NQ * HD) + (h - NQ) * HD];
-        for (auto [r, got] : {std::pair{a, out[d]}, std::pair{c, out[d + HD / 2]}}) {
-          max_ref = std::fmax(max_ref, std::fabs(r));
-          max_err = std::fmax(max_err, std::fabs(r - double(float(got))));
-        }
-      }
+  ref_rope(e, dot, M, N, HD, NQ, pos.data(), inv.data(), yq.data(), ykv.data());
 #else
-  for (int m = 0; m < M; ++m)
-    for (int n = 0; n < OUT_N; ++n) {
-      double r = dot(m, n);
-      if (EPI == 1) r += double(float(res[m * N + n]));
-      if (EPI == 2) r = r / (1.0 + std::exp(-r)) * dot(m, n + N / 2);
-      max_ref = std::fmax(max_ref, std::fabs(r));
-      max_err = std::fmax(max_err, std::fabs(r - double(float(y[m * OUT_N + n]))));
-    }
+  ref_epilogue(e, dot, M, N, EPI, res.data(), y.data());
 #endif
+  const double max_err = e.max_err, max_ref = e.max_ref;
   std::printf("max_err %.3e max_ref %.3e rel %.3e\n", max_err, max_ref, max_err / max_ref);
   return max_err / max_ref < 1e-2 ? 0 : 1;
 }
@@ -171,32 +118,21 @@ fn kernel_parts(edit: &dyn Fn(String) -> String) -> (String, String, String) {
 fn program(consts: &[(&str, usize)], edit: &dyn Fn(String) -> String) -> String {
     let (header, body, body_rope) = kernel_parts(edit);
     let rope = consts.iter().any(|(n, _)| *n == "HD");
-    let t = if consts.contains(&("F16", 1)) {
-        "__half"
-    } else {
-        "__nv_bfloat16"
-    };
-    let mut src = String::from(PRELUDE);
-    src += &header;
-    src += &format!("using T = {t};\n");
-    for (n, v) in consts {
-        src += &format!("constexpr int {n} = {v};\n");
-    }
-    let mt = consts.iter().find(|(n, _)| *n == "MT").map(|c| c.1);
-    for (name, default) in [
-        ("EPI", if rope { 3 } else { 0 }),
-        ("NORM", 0),
-        ("EPS_BITS", 1e-5f32.to_bits() as usize),
-        ("NAN_X", 0),
-        ("MROWS", mt.unwrap_or(8)),
-        ("ST", 2),
-        ("WN", 1),
-        ("SK", 1),
-    ] {
-        if !consts.iter().any(|(n, _)| *n == name) {
-            src += &format!("constexpr int {name} = {default};\n");
-        }
-    }
+    let mt = consts.iter().find(|(n, _)| *n == "MT").map_or(8, |c| c.1);
+    let (mut src, t) = common::program_head(
+        &header,
+        consts,
+        &[
+            ("EPI", if rope { 3 } else { 0 }),
+            ("NORM", 0),
+            ("EPS_BITS", 1e-5f32.to_bits() as usize),
+            ("NAN_X", 0),
+            ("MROWS", mt),
+            ("ST", 2),
+            ("WN", 1),
+            ("SK", 1),
+        ],
+    );
     if rope {
         // inputs x (with its shape), w, scales, biases, nw, pos, inv_freq, part, count, prev;
         // outputs q, kv, tok

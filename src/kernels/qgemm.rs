@@ -11,6 +11,7 @@
 use std::cell::RefCell;
 use std::sync::OnceLock;
 
+use super::gemv::{split_source, Source, ROPE_MARK};
 use super::qgemv::{self, check_rope_inputs, fnv1a32, header_for_mlx, norm_input, Epilogue};
 use super::{gpu, knobs};
 use crate::mlx::fast::CudaKernel;
@@ -29,56 +30,19 @@ pub const SPLITS_LIMIT: usize = 64;
 pub const MIN_SPLIT_STEPS: usize = 2;
 
 const EMBEDDED: &str = include_str!("../../kernels/qgemm.cu");
-const HEADER_MARK: &str = "// @@header\n";
-const BODY_MARK: &str = "// @@body\n";
-const ROPE_MARK: &str = "// @@body_rope\n";
 
-/// The kernel file split into its device-code header and its two kernel bodies.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Source {
-    pub header: String,
-    /// `x · Wᵀ` with epilogues 0–2, outputs y and tok.
-    pub body: String,
-    /// The q/k/v projection with RoPE, outputs q, kv and tok.
-    pub body_rope: String,
-}
-
-impl Source {
-    /// `mlxcel_qgemm_<FNV-1a of the GEMV's header and this source, 32 bits>` (MLX caches
-    /// compiled kernels by name; `scripts/check_qgemm.py` names it the same way).
-    pub fn kernel_name(&self, gemv_header: &str) -> String {
-        let h = fnv1a32(&[
-            gemv_header,
-            &self.header,
-            &self.body,
-            ROPE_MARK,
-            &self.body_rope,
-        ]);
-        format!("mlxcel_qgemm_{h:08x}")
-    }
-}
-
-/// Split a kernel file at its `// @@header`, `// @@body` and `// @@body_rope` lines.
-pub fn split_source(text: &str) -> std::result::Result<Source, String> {
-    let (_, rest) = text
-        .split_once(HEADER_MARK)
-        .ok_or("no `// @@header` marker line")?;
-    let (header, rest) = rest
-        .split_once(BODY_MARK)
-        .ok_or("no `// @@body` marker line after `// @@header`")?;
-    let (body, body_rope) = rest
-        .split_once(ROPE_MARK)
-        .ok_or("no `// @@body_rope` marker line after `// @@body`")?;
-    for (text, mark) in [(body, "@@body"), (body_rope, "@@body_rope")] {
-        if text.trim().is_empty() {
-            return Err(format!("the kernel body after `// {mark}` is empty"));
-        }
-    }
-    Ok(Source {
-        header: header.to_string(),
-        body: body.to_string(),
-        body_rope: body_rope.to_string(),
-    })
+/// `mlxcel_qgemm_<FNV-1a of the GEMV's header and this source, 32 bits>` (MLX caches
+/// compiled kernels by name; `scripts/check_qgemm.py` names it the same way). The file has
+/// the dense GEMV's layout (a header, `@@body`, `@@body_rope`), so it is split as that one is.
+pub fn kernel_name(src: &Source, gemv_header: &str) -> String {
+    let h = fnv1a32(&[
+        gemv_header,
+        &src.header,
+        &src.body,
+        ROPE_MARK,
+        &src.body_rope,
+    ]);
+    format!("mlxcel_qgemm_{h:08x}")
 }
 
 fn source() -> Result<&'static Source> {
@@ -114,7 +78,7 @@ fn kernel() -> Result<&'static (String, String, String)> {
                 (Ok(s), Ok(g)) => (s, g),
                 (Err(e), _) | (_, Err(e)) => return Err(e.to_string()),
             };
-            let name = src.kernel_name(gemv);
+            let name = kernel_name(src, gemv);
             let header = header_for_mlx(&name, &format!("{gemv}{}", src.header));
             Ok((name.clone(), name + "_rope", header))
         })
@@ -350,6 +314,37 @@ fn set_prev(tok: Array) {
     });
 }
 
+/// The template values both bodies start with (MT, N, K, G, BITS, WR, WN, SK, ST), then `rest`.
+fn template_values(l: &Launch, [n, k, group, bits]: [usize; 4], rest: &[usize]) -> Vec<i32> {
+    [l.mt, n, k, group, bits, l.wr, l.wn, l.sk, l.st]
+        .iter()
+        .chain(rest)
+        .map(|&v| v as i32)
+        .collect()
+}
+
+/// `(n, k, m)` of `x · w[n, k]ᵀ` for `bits`-bit weights, or an error naming `what` when x
+/// is not whole rows of k, at most [`MAX_M`] of them, or the shape is not the kernel's.
+fn dims(
+    what: &str,
+    x: &Array,
+    w: &Array,
+    group: usize,
+    bits: usize,
+) -> Result<(usize, usize, usize)> {
+    let n = w.dim(0) as usize;
+    let k = w.dim(1) as usize * 32 / bits.max(1);
+    let m = x.size() / k.max(1);
+    if x.size() != m * k || !(1..=MAX_M).contains(&m) || !shape_fits(n, k, group, bits) {
+        return Err(MlxError::Invalid(format!(
+            "{what}: x of {} elements and a [{n}, {k}] weight ({bits} bits, group {group}) do \
+             not fit the kernel (whole rows of k, 1-{MAX_M} of them, k a multiple of 128)",
+            x.size()
+        )));
+    }
+    Ok((n, k, m))
+}
+
 /// What a call of either body needs besides its own inputs.
 struct Call<'a> {
     name: &'a str,
@@ -425,22 +420,14 @@ pub fn qgemm(
     epi: Epilogue<'_>,
     norm: Option<(&Array, f32)>,
 ) -> Result<Array> {
-    let n = w.dim(0) as usize;
-    let k = w.dim(1) as usize * 32 / bits.max(1);
-    let m = x.size() / k.max(1);
+    let (n, k, m) = dims("qgemm", x, w, group, bits)?;
     let swiglu = matches!(epi, Epilogue::SwiGlu);
     let out_n = if swiglu { n / 2 } else { n };
     let out_size: i64 = out_shape.iter().map(|&d| d as i64).product();
-    if x.size() != m * k
-        || out_size != (m * out_n) as i64
-        || !(1..=MAX_M).contains(&m)
-        || !shape_fits(n, k, group, bits)
-        || (swiglu && !supports_swiglu(n))
-    {
+    if out_size != (m * out_n) as i64 || (swiglu && !supports_swiglu(n)) {
         return Err(MlxError::Invalid(format!(
-            "qgemm: x of {} elements, a [{n}, {k}] weight ({bits} bits, group {group}) and \
-             output {out_shape:?} do not fit the kernel",
-            x.size()
+            "qgemm: output {out_shape:?} does not fit {m} rows of a [{n}, {k}] weight{}",
+            if swiglu { " with SwiGLU" } else { "" }
         )));
     }
     let res = match epi {
@@ -473,21 +460,11 @@ pub fn qgemm(
         )
     });
     let l = launch_config(m, n, k, bits);
-    let tvals = [
-        l.mt,
-        n,
-        k,
-        group,
-        bits,
-        l.wr,
-        l.wn,
-        l.sk,
-        l.st,
-        epi.code(),
-        norm.is_some() as usize,
-        eps.to_bits() as usize,
-    ]
-    .map(|v| v as i32);
+    let tvals = template_values(
+        &l,
+        [n, k, group, bits],
+        &[epi.code(), norm.is_some() as usize, eps.to_bits() as usize],
+    );
     let mut out = launch(
         Call {
             name,
@@ -526,18 +503,10 @@ pub fn qgemm_rope(
     nq: usize,
     head_dim: usize,
 ) -> Result<(Array, Array)> {
-    let n = w.dim(0) as usize;
-    let k = w.dim(1) as usize * 32 / bits.max(1);
-    let m = x.size() / k.max(1);
-    if x.size() != m * k
-        || !(1..=MAX_M).contains(&m)
-        || !shape_fits(n, k, group, bits)
-        || !supports_rope(n, nq, head_dim)
-    {
+    let (n, k, m) = dims("qgemm_rope", x, w, group, bits)?;
+    if !supports_rope(n, nq, head_dim) {
         return Err(MlxError::Invalid(format!(
-            "qgemm_rope: x of {} elements, a [{n}, {k}] weight ({bits} bits, group {group}) and \
-             {nq} query heads of {head_dim} do not fit the kernel",
-            x.size()
+            "qgemm_rope: {nq} query heads of {head_dim} do not fit a weight of {n} rows"
         )));
     }
     check_rope_inputs("qgemm_rope", pos, inv_freq, m, head_dim)?;
@@ -559,25 +528,19 @@ pub fn qgemm_rope(
         )
     });
     let l = launch_config(m, n, k, bits);
-    let tvals = [
-        l.mt,
-        n,
-        k,
-        group,
-        bits,
-        l.wr,
-        l.wn,
-        l.sk,
-        l.st,
-        norm.is_some() as usize,
-        eps.to_bits() as usize,
-        head_dim,
-        nq,
-    ]
-    .map(|v| v as i32);
+    let tvals = template_values(
+        &l,
+        [n, k, group, bits],
+        &[
+            norm.is_some() as usize,
+            eps.to_bits() as usize,
+            head_dim,
+            nq,
+        ],
+    );
     let (mi, hd) = (m as i32, head_dim as i32);
     let nkv2 = (n / head_dim - nq) as i32;
-    let mut out = launch(
+    let out = launch(
         Call {
             name,
             body: &src.body_rope,
@@ -591,14 +554,8 @@ pub fn qgemm_rope(
         &tvals,
         l,
         n,
-    )?
-    .into_iter();
-    match (out.next(), out.next()) {
-        (Some(q), Some(kv)) => Ok((q, kv)),
-        _ => Err(MlxError::Invalid(
-            "qgemm_rope: the kernel returned fewer than two outputs".into(),
-        )),
-    }
+    )?;
+    super::qgemv::q_and_kv("qgemm_rope", out)
 }
 
 #[cfg(test)]
@@ -611,29 +568,17 @@ mod tests {
         assert!(s.header.contains("mlxcel_qgemm") && !s.header.contains("@@"));
         assert!(s.body.contains("x_shape") && !s.body.contains("@@"));
         assert!(s.body_rope.contains("HD, NQ") && s.body_rope.contains("x_shape"));
-        let a = s.kernel_name("gemv");
+        let a = kernel_name(&s, "gemv");
         assert!(a.starts_with("mlxcel_qgemm_") && a.len() == "mlxcel_qgemm_".len() + 8);
         // another GEMV header, body or RoPE body: another name
-        assert_ne!(a, s.kernel_name("gemv2"));
+        assert_ne!(a, kernel_name(&s, "gemv2"));
         let mut b = s.clone();
         b.body.push_str("\n// edited\n");
-        assert_ne!(a, b.kernel_name("gemv"));
+        assert_ne!(a, kernel_name(&b, "gemv"));
         let mut c = s.clone();
         c.body_rope.push_str("\n// edited\n");
-        assert_ne!(a, c.kernel_name("gemv"));
-        assert_eq!(a, s.clone().kernel_name("gemv"));
-    }
-
-    #[test]
-    fn bad_sources_are_refused_with_the_reason() {
-        assert!(split_source("x").unwrap_err().contains("@@header"));
-        assert!(split_source("// @@header\nh\n")
-            .unwrap_err()
-            .contains("@@body"));
-        let e = split_source("// @@header\nh\n// @@body\nb();\n").unwrap_err();
-        assert!(e.contains("@@body_rope"), "{e}");
-        let e = split_source("// @@header\nh\n// @@body\n \n// @@body_rope\nr();\n").unwrap_err();
-        assert!(e.contains("empty"), "{e}");
+        assert_ne!(a, kernel_name(&c, "gemv"));
+        assert_eq!(a, kernel_name(&s.clone(), "gemv"));
     }
 
     #[test]
@@ -727,6 +672,39 @@ mod tests {
         assert_eq!(l.rows() * l.mt, 2 * 8 * 4 * l.threads()); // a tile's values, per thread
         let one = launch_for(16, 28672, 4096, 4, 132, MAX_SPLITS);
         assert_eq!((one.sk, one.scratch_floats(28672)), (1, 0));
+    }
+
+    #[test]
+    fn the_check_script_launches_as_mlxcel_does() {
+        // scripts/check_qgemm.py times and checks the launches `launch_for` picks
+        let cases: Vec<(usize, usize, usize, usize)> = [9, 16, 33, 64, 65, 100, 128]
+            .iter()
+            .flat_map(|&m| {
+                [(6144, 4096), (4096, 14336), (1280, 8192), (8192, 1024), (28672, 4096)]
+                    .into_iter()
+                    .flat_map(move |(n, k)| [4, 8].map(|b| (m, n, k, b)))
+            })
+            .collect();
+        let script = format!(
+            "import sys; sys.path.insert(0, 'scripts'); import check_qgemm as c\n\
+             for m, n, k, b in {cases:?}: print(*c.launch_for(m, n, k, b, {MAX_SPLITS}))"
+        );
+        let out = std::process::Command::new("python3")
+            .args(["-c", &script])
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .output()
+            .expect("python3");
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let text = String::from_utf8(out.stdout).unwrap();
+        for ((m, n, k, b), line) in cases.iter().zip(text.lines()) {
+            let l = launch_for(*m, *n, *k, *b, 132, MAX_SPLITS);
+            assert_eq!(
+                line,
+                format!("{} {} {} {} {}", l.mt, l.wr, l.wn, l.sk, l.st),
+                "{m} {n} {k} {b}"
+            );
+        }
+        assert_eq!(text.lines().count(), cases.len());
     }
 
     #[test]

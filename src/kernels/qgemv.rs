@@ -960,31 +960,35 @@ pub fn qgemv_rope(
     .map(|v| v as i32);
     let blocks = if pg > 0 { pg } else { n / rows };
     let (mi, hd) = (m as i32, head_dim as i32);
-    let mut out = kernel
-        .call(
-            &[
-                xr.as_ref().unwrap_or(x),
-                w,
-                scales,
-                biases,
-                nw,
-                pos,
-                inv_freq,
-            ],
-            &[&[mi, nq as i32, 1, hd], &[mi, nkv2 as i32, 1, hd]],
-            x.dtype(),
-            tnames,
-            &tvals,
-            x.dtype(),
-            [(blocks * 32 * wpb) as i32, 1, 1],
-            [(32 * wpb) as i32, 1, 1],
-        )?
-        .into_iter();
+    let out = kernel.call(
+        &[
+            xr.as_ref().unwrap_or(x),
+            w,
+            scales,
+            biases,
+            nw,
+            pos,
+            inv_freq,
+        ],
+        &[&[mi, nq as i32, 1, hd], &[mi, nkv2 as i32, 1, hd]],
+        x.dtype(),
+        tnames,
+        &tvals,
+        x.dtype(),
+        [(blocks * 32 * wpb) as i32, 1, 1],
+        [(32 * wpb) as i32, 1, 1],
+    )?;
+    q_and_kv("qgemv_rope", out)
+}
+
+/// The q and kv outputs of a q/k/v + RoPE kernel (`what` names it in the error).
+pub(super) fn q_and_kv(what: &str, out: Vec<Array>) -> Result<(Array, Array)> {
+    let mut out = out.into_iter();
     match (out.next(), out.next()) {
         (Some(q), Some(kv)) => Ok((q, kv)),
-        _ => Err(MlxError::Invalid(
-            "qgemv_rope: the kernel returned fewer than two outputs".into(),
-        )),
+        _ => Err(MlxError::Invalid(format!(
+            "{what}: the kernel returned fewer than two outputs"
+        ))),
     }
 }
 

@@ -307,26 +307,17 @@ impl Linear {
                 )
             });
         }
-        if f.gemm {
-            return (fits && kernels::qgemm::supports_rope(f.n, nq, head_dim)).then(|| {
-                kernels::qgemm::qgemm_rope(
-                    x,
-                    f.w,
-                    f.scales,
-                    f.biases,
-                    f.group,
-                    f.bits,
-                    norm.map(|n| (&n.weight, n.eps)),
-                    pos,
-                    &rope.inv_freq,
-                    nq,
-                    head_dim,
-                )
-            });
-        }
-        let fits = fits && kernels::qgemv::supports_rope(f.m, f.n, f.group, f.bits, nq, head_dim);
+        // the GEMM for 9-128 rows (MLXCEL_QGEMM=1), else the GEMV: the same arguments
+        let (fits, run) = if f.gemm {
+            let fits = fits && kernels::qgemm::supports_rope(f.n, nq, head_dim);
+            (fits, kernels::qgemm::qgemm_rope as QkvRope)
+        } else {
+            let fits =
+                fits && kernels::qgemv::supports_rope(f.m, f.n, f.group, f.bits, nq, head_dim);
+            (fits, kernels::qgemv::qgemv_rope as QkvRope)
+        };
         fits.then(|| {
-            kernels::qgemv::qgemv_rope(
+            run(
                 x,
                 f.w,
                 f.scales,
@@ -379,7 +370,9 @@ impl Linear {
         };
         let (group, bits) = (q.group_size as usize, q.bits as usize);
         let dtypes = [x.dtype(), scales.dtype()];
-        let gemm = quantized_gemm_fits(m, n, k, group, bits, dtypes);
+        // batches of 9-128 rows on the GEMM (MLXCEL_QGEMM=1), the rest on the GEMV
+        let gemm =
+            kernels::qgemm::enabled() && kernels::qgemm::supports(m, n, k, group, bits, dtypes);
         if !gemm && !kernels::qgemv::enabled() {
             return None;
         }
@@ -422,15 +415,13 @@ impl Linear {
         if f.dense {
             return epi_fits.then(|| kernels::gemv::gemv(x, f.w, shape, epi, norm_w));
         }
-        if f.gemm {
-            return epi_fits.then(|| {
-                kernels::qgemm::qgemm(
-                    x, f.w, f.scales, f.biases, f.group, f.bits, shape, epi, norm_w,
-                )
-            });
-        }
+        let run = if f.gemm {
+            kernels::qgemm::qgemm as Product
+        } else {
+            kernels::qgemv::qgemv as Product
+        };
         epi_fits.then(|| {
-            kernels::qgemv::qgemv(
+            run(
                 x,
                 f.w,
                 f.scales,
@@ -473,19 +464,35 @@ struct Fusable<'a> {
     gemm: bool,
 }
 
-/// Whether mlxcel's quantized GEMM (`MLXCEL_QGEMM=1`, CUDA) takes `m` rows of a `[n, k]`
-/// weight: a batched decode step's or a short prompt's (9–128 rows by default); smaller
-/// batches keep the GEMV, longer inputs dequantize + GEMM.
-fn quantized_gemm_fits(
-    m: usize,
-    n: usize,
-    k: usize,
-    group: usize,
-    bits: usize,
-    dtypes: [Dtype; 2],
-) -> bool {
-    kernels::qgemm::enabled() && kernels::qgemm::supports(m, n, k, group, bits, dtypes)
-}
+/// `qgemv::qgemv` or `qgemm::qgemm` (the same arguments): x, weight, scales, biases, group,
+/// bits, output shape, epilogue, norm.
+type Product = for<'a, 'b, 'c, 'd, 'e, 'f, 'g, 'h> fn(
+    &'a Array,
+    &'b Array,
+    &'c Array,
+    &'d Array,
+    usize,
+    usize,
+    &'e [i32],
+    Epilogue<'f>,
+    Option<(&'g Array, f32)>,
+) -> mlx::Result<Array>;
+
+/// `qgemv::qgemv_rope` or `qgemm::qgemm_rope`: x, weight, scales, biases, group, bits, norm,
+/// positions, inverse frequencies, query heads, head size.
+type QkvRope = fn(
+    &Array,
+    &Array,
+    &Array,
+    &Array,
+    usize,
+    usize,
+    Option<(&Array, f32)>,
+    &Array,
+    &Array,
+    usize,
+    usize,
+) -> mlx::Result<(Array, Array)>;
 
 /// Whether mlxcel's dense GEMV kernel computes `x · wᵀ` for a dense weight `w [n, k]`:
 /// the kernel turned on (`MLXCEL_GEMV_DENSE=1`, CUDA), x holding whole rows
@@ -528,21 +535,16 @@ fn quantized_forward(
     let dtypes = [x.dtype(), scales.dtype()];
     let mut shape = x.shape();
     *shape.last_mut().expect("x has a last axis") = n as i32;
-    if quantized_gemm_fits(m, n, k, group, bits, dtypes) {
-        return kernels::qgemm::qgemm(
-            x,
-            w,
-            scales,
-            biases,
-            group,
-            bits,
-            &shape,
-            Epilogue::None,
-            None,
-        );
-    }
-    if kernels::qgemv::enabled() && kernels::qgemv::supports(m, n, k, group, bits, dtypes) {
-        return kernels::qgemv::qgemv(
+    let run = if kernels::qgemm::enabled() && kernels::qgemm::supports(m, n, k, group, bits, dtypes)
+    {
+        Some(kernels::qgemm::qgemm as Product)
+    } else if kernels::qgemv::enabled() && kernels::qgemv::supports(m, n, k, group, bits, dtypes) {
+        Some(kernels::qgemv::qgemv as Product)
+    } else {
+        None
+    };
+    if let Some(run) = run {
+        return run(
             x,
             w,
             scales,
