@@ -680,9 +680,15 @@ mod tests {
         let cases: Vec<(usize, usize, usize, usize)> = [9, 16, 33, 64, 65, 100, 128]
             .iter()
             .flat_map(|&m| {
-                [(6144, 4096), (4096, 14336), (1280, 8192), (8192, 1024), (28672, 4096)]
-                    .into_iter()
-                    .flat_map(move |(n, k)| [4, 8].map(|b| (m, n, k, b)))
+                [
+                    (6144, 4096),
+                    (4096, 14336),
+                    (1280, 8192),
+                    (8192, 1024),
+                    (28672, 4096),
+                ]
+                .into_iter()
+                .flat_map(move |(n, k)| [4, 8].map(|b| (m, n, k, b)))
             })
             .collect();
         let script = format!(
@@ -694,7 +700,11 @@ mod tests {
             .current_dir(env!("CARGO_MANIFEST_DIR"))
             .output()
             .expect("python3");
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         let text = String::from_utf8(out.stdout).unwrap();
         for ((m, n, k, b), line) in cases.iter().zip(text.lines()) {
             let l = launch_for(*m, *n, *k, *b, 132, MAX_SPLITS);

@@ -246,6 +246,22 @@ template <class X, class Dot> static void ref_epilogue(RefErr& e, Dot dot, int M
       e.add(r, double(float(y[m * out_n + n])));
     }
 }
+// every output against the reference: q/k/v with RoPE when hd > 0, else y with epilogue epi;
+// prints the line the tests read and returns the program's exit status (0: the largest error
+// below tol of the largest reference value)
+template <class X, class Dot> static int ref_check(Dot dot, int M, int N, int epi, int hd, int nq,
+                                                   const std::vector<int32_t>& pos, const std::vector<float>& inv,
+                                                   const std::vector<X>& res, const std::vector<X>& y,
+                                                   const std::vector<X>& yq, const std::vector<X>& ykv, double tol) {
+  RefErr e;
+  if (hd > 0) {
+    ref_rope(e, dot, M, N, hd, nq, pos.data(), inv.data(), yq.data(), ykv.data());
+  } else {
+    ref_epilogue(e, dot, M, N, epi, res.data(), y.data());
+  }
+  std::printf("max_err %.3e max_ref %.3e rel %.3e\n", e.max_err, e.max_ref, e.max_err / e.max_ref);
+  return e.max_err / e.max_ref < tol ? 0 : 1;
+}
 // RoPE inputs: a position per row (row 1 far out, where float angles lose digits) and MLX's
 // inverse frequencies base^(-2d/HD), base 10000
 static void rope_inputs(int M, int HD, std::vector<int32_t>& pos, std::vector<float>& inv) {
