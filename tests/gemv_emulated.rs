@@ -67,17 +67,7 @@ fn kernel_parts() -> (String, String, String) {
 fn run(tag: &str, consts: &[(&str, usize)]) {
     let (header, body, body_rope) = kernel_parts();
     let rope = consts.iter().any(|(n, _)| *n == "HD");
-    let (mut src, t) = common::program_head(
-        &header,
-        consts,
-        &[
-            ("EPI", if rope { 3 } else { 0 }),
-            ("NORM", 0),
-            ("EPS_BITS", 1e-5f32.to_bits() as usize),
-            ("HD", 0),
-            ("NQ", 0),
-        ],
-    );
+    let (mut src, t) = common::program_head(&header, consts, &[]);
     if rope {
         // the signature MLX generates for inputs x, w, nw, pos, inv_freq and outputs q, kv
         src += &format!(

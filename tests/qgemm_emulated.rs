@@ -116,18 +116,7 @@ fn program(consts: &[(&str, usize)], edit: &dyn Fn(String) -> String) -> String 
     let (mut src, t) = common::program_head(
         &header,
         consts,
-        &[
-            ("EPI", if rope { 3 } else { 0 }),
-            ("NORM", 0),
-            ("EPS_BITS", 1e-5f32.to_bits() as usize),
-            ("NAN_X", 0),
-            ("MROWS", mt),
-            ("ST", 2),
-            ("WN", 1),
-            ("SK", 1),
-            ("HD", 0),
-            ("NQ", 0),
-        ],
+        &[("NAN_X", 0), ("MROWS", mt), ("ST", 2), ("WN", 1), ("SK", 1)],
     );
     if rope {
         // inputs x (with its shape), w, scales, biases, nw, pos, inv_freq, part, count, prev;

@@ -96,17 +96,7 @@ fn run(tag: &str, consts: &[(&str, usize)]) {
     let (mut src, t) = common::program_head(
         &header,
         consts,
-        &[
-            ("EPI", if rope { 3 } else { 0 }),
-            ("NORM", 0),
-            ("EPS_BITS", 1e-5f32.to_bits() as usize),
-            ("XQ", 0),
-            ("MMA", 0),
-            ("PG", 0),
-            ("NAN_X", 0),
-            ("HD", 0),
-            ("NQ", 0),
-        ],
+        &[("XQ", 0), ("MMA", 0), ("PG", 0), ("NAN_X", 0)],
     );
     let xin = if mma { "uint32_t" } else { t };
     if rope {

@@ -7,12 +7,22 @@ use std::path::PathBuf;
 
 /// The start of a kernel test program: [`PRELUDE`], the kernel file's device code `header`,
 /// `T` (float16 when `consts` has `F16 = 1`, else bfloat16; also returned), the template
-/// constants `consts`, then those of `defaults` that `consts` lacks.
+/// constants `consts`, then those of `defaults` and of the GEMV-family kernels' own defaults
+/// (`EPI` 3 for the RoPE entry point, which `HD` in `consts` marks, else 0; no norm, eps
+/// 1e-5, no heads) that `consts` lacks.
 pub fn program_head(
     header: &str,
     consts: &[(&str, usize)],
     defaults: &[(&str, usize)],
 ) -> (String, &'static str) {
+    let rope = consts.iter().any(|(n, _)| *n == "HD");
+    let common = [
+        ("EPI", if rope { 3 } else { 0 }),
+        ("NORM", 0),
+        ("EPS_BITS", 1e-5f32.to_bits() as usize),
+        ("HD", 0),
+        ("NQ", 0),
+    ];
     let t = if consts.contains(&("F16", 1)) {
         "__half"
     } else {
@@ -24,7 +34,7 @@ pub fn program_head(
     for (n, v) in consts {
         src += &format!("constexpr int {n} = {v};\n");
     }
-    for (name, default) in defaults {
+    for (name, default) in defaults.iter().chain(&common) {
         if !consts.iter().any(|(n, _)| n == name) {
             src += &format!("constexpr int {name} = {default};\n");
         }
