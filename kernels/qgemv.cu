@@ -282,6 +282,30 @@ __device__ __forceinline__ void mlxcel_cp_wait() {
 #endif
 }
 
+// RoPE (half-split, angle pos[m]·inv_freq[d]) of the pair (a, c), rows d and d + HD/2 of head
+// p / (HD/2) (d = p % (HD/2)) for batch row m, on query and key heads, written where the q/k/v
+// entry points put it: q heads to q [M, NQ, 1, HD], key then value heads to kv [M, 2·NKV, 1, HD]
+template <typename T, int N, int HD, int NQ>
+__device__ __forceinline__ void mlxcel_rope_store(float a, float c, int m, int p, const int32_t* pos,
+                                                  const float* inv_freq, T* q, T* kv) {
+  constexpr int HD2 = HD / 2;
+  constexpr int NKV = (N / HD - NQ) / 2;
+  const int head = p / HD2;
+  const int d = p % HD2;
+  if (head < NQ + NKV) {
+    const float theta = static_cast<float>(pos[m]) * inv_freq[d];
+    const float cs = cosf(theta);
+    const float sn = sinf(theta);
+    const float ra = a * cs - c * sn;
+    c = a * sn + c * cs;
+    a = ra;
+  }
+  T* out = head < NQ ? q + size_t(m) * (NQ * HD) + size_t(head) * HD
+                     : kv + size_t(m) * (N - NQ * HD) + size_t(head - NQ) * HD;
+  out[d] = static_cast<T>(a);
+  out[d + HD2] = static_cast<T>(c);
+}
+
 template <typename T, int M, int N, int K, int G, int BITS, int ROWS, int WPB, int EPI,
           int NORM, int EPS_BITS, int HD, int NQ, int XQ, int MMA, int PG, typename XT>
 __device__ __forceinline__ void mlxcel_qgemv(const XT* x, const uint32_t* w, const T* scales,
@@ -361,22 +385,7 @@ __device__ __forceinline__ void mlxcel_qgemv(const XT* x, const uint32_t* w, con
         const int m = i % M;
         float a, c;
         pair_of(buf, r, m, a, c);
-        const int p = grp * HALF + r;
-        const int head = p / HD2;
-        const int d = p % HD2;
-        constexpr int NKV = (N / HD - NQ) / 2;
-        if (head < NQ + NKV) {
-          const float theta = static_cast<float>(pos[m]) * inv_freq[d];
-          const float cs = cosf(theta);
-          const float sn = sinf(theta);
-          const float ra = a * cs - c * sn;
-          c = a * sn + c * cs;
-          a = ra;
-        }
-        T* out = head < NQ ? y + size_t(m) * (NQ * HD) + size_t(head) * HD
-                           : y2 + size_t(m) * (N - NQ * HD) + size_t(head - NQ) * HD;
-        out[d] = static_cast<T>(a);
-        out[d + HD2] = static_cast<T>(c);
+        mlxcel_rope_store<T, N, HD, NQ>(a, c, m, grp * HALF + r, pos, inv_freq, y, y2);
       }
     } else if constexpr (EPI == 2) {
       for (int i = tid; i < HALF * M; i += TPB) {

@@ -9,7 +9,6 @@ use mlxcel::kernels::gemv;
 use mlxcel::mlx::Dtype;
 
 mod common;
-use common::PRELUDE;
 
 const MAIN: &str = r#"
 int main() {
@@ -17,14 +16,13 @@ int main() {
   std::uniform_real_distribution<float> ux(-1.f, 1.f), uw(-0.05f, 0.05f);
   constexpr int OUT_N = EPI == 2 ? N / 2 : N;
   std::vector<T> x(M * K), w(size_t(N) * K), res(M * N), nw(K), y(M * OUT_N, T(-777.f));
+  std::vector<int32_t> pos;
+  std::vector<float> inv;
+  std::vector<T> yq, ykv;
 #if ROPE
-  // positions per row (one far out, where float angles lose digits) and MLX's inverse
-  // frequencies base^(-2d/HD), base 10000
-  std::vector<int32_t> pos(M);
-  for (int m = 0; m < M; ++m) pos[m] = m == 1 ? 70000 : 3 + 41 * m;
-  std::vector<float> inv(HD / 2);
-  for (int d = 0; d < HD / 2; ++d) inv[d] = float(std::pow(10000.0, -2.0 * d / HD));
-  std::vector<T> yq(M * NQ * HD, T(-777.f)), ykv(M * (N - NQ * HD), T(-777.f));
+  rope_inputs(M, HD, pos, inv);
+  yq.assign(M * NQ * HD, T(-777.f));
+  ykv.assign(M * (N - NQ * HD), T(-777.f));
 #endif
   for (auto& v : x) v = T(ux(rng));
   for (auto& v : w) v = T(uw(rng));
@@ -42,58 +40,17 @@ int main() {
 #endif
     });
   }
-  // the kernel's input row: x, or RMSNorm(x) with weight nw when NORM
-  std::vector<double> xin(M * K);
-  for (int m = 0; m < M; ++m) {
-    double ss = 0;
-    for (int k = 0; k < K; ++k) ss += double(float(x[m * K + k])) * double(float(x[m * K + k]));
-    float eps; int eb = EPS_BITS; std::memcpy(&eps, &eb, 4);
-    double f = NORM ? 1.0 / std::sqrt(ss / K + double(eps)) : 1.0;
-    for (int k = 0; k < K; ++k)
-      xin[m * K + k] = double(float(x[m * K + k])) * f * (NORM ? double(float(nw[k])) : 1.0);
-  }
+  const std::vector<double> xin = ref_input(x, nw, M, K, NORM, EPS_BITS);
   auto dot = [&](int m, int n) {
     double r = 0;
     for (int k = 0; k < K; ++k) r += xin[m * K + k] * double(float(w[size_t(n) * K + k]));
     return r;
   };
-  double max_ref = 0, max_err = 0;
-  auto check = [&](double r, T got) {
-    max_ref = std::fmax(max_ref, std::fabs(r));
-    // a NaN (or an output never written, -777) must fail
-    double e = std::fabs(r - double(float(got)));
-    max_err = std::isnan(e) ? INFINITY : std::fmax(max_err, e);
-  };
-#if ROPE
-  constexpr int NKV = (N / HD - NQ) / 2;
-  for (int m = 0; m < M; ++m)
-    for (int h = 0; h < NQ + 2 * NKV; ++h)
-      for (int d = 0; d < HD / 2; ++d) {
-        double a = dot(m, h * HD + d), c = dot(m, h * HD + d + HD / 2);
-        if (h < NQ + NKV) {
-          double th = double(pos[m]) * double(inv[d]);
-          double ra = a * std::cos(th) - c * std::sin(th);
-          c = a * std::sin(th) + c * std::cos(th);
-          a = ra;
-        }
-        const T* out = h < NQ ? &yq[m * NQ * HD + h * HD] : &ykv[m * (N - NQ * HD) + (h - NQ) * HD];
-        check(a, out[d]);
-        check(c, out[d + HD / 2]);
-      }
-#else
-  for (int m = 0; m < M; ++m)
-    for (int n = 0; n < OUT_N; ++n) {
-      double r = dot(m, n);
-      if (EPI == 1) r += double(float(res[m * N + n]));
-      if (EPI == 2) r = r / (1.0 + std::exp(-r)) * dot(m, n + N / 2);
-      check(r, y[m * OUT_N + n]);
-    }
-#endif
-  std::printf("max_err %.3e max_ref %.3e rel %.3e\n", max_err, max_ref, max_err / max_ref);
   // float32 sums of 16-bit values: the error is the output's rounding, at most half an
-  // ulp of the largest output (bf16: 2^-8 of it, f16: 2^-11), with room for float sums
+  // ulp of the largest output (bf16: 2^-8 of it, f16: 2^-11), with room for float sums;
+  // a NaN, or an output never written (-777), fails
   constexpr double tol = std::is_same_v<T, __half> ? 1.5e-3 : 6e-3;
-  return max_err / max_ref < tol ? 0 : 1;
+  return ref_check(dot, M, N, EPI, HD, NQ, pos, inv, res, y, yq, ykv, tol);
 }
 "#;
 
@@ -110,26 +67,7 @@ fn kernel_parts() -> (String, String, String) {
 fn run(tag: &str, consts: &[(&str, usize)]) {
     let (header, body, body_rope) = kernel_parts();
     let rope = consts.iter().any(|(n, _)| *n == "HD");
-    let t = if consts.contains(&("F16", 1)) {
-        "__half"
-    } else {
-        "__nv_bfloat16"
-    };
-    let mut src = String::from(PRELUDE);
-    src += &header;
-    src += &format!("using T = {t};\n");
-    for (n, v) in consts {
-        src += &format!("constexpr int {n} = {v};\n");
-    }
-    for (name, default) in [
-        ("EPI", if rope { 3 } else { 0 }),
-        ("NORM", 0),
-        ("EPS_BITS", 1e-5f32.to_bits() as usize),
-    ] {
-        if !consts.iter().any(|(n, _)| *n == name) {
-            src += &format!("constexpr int {name} = {default};\n");
-        }
-    }
+    let (mut src, t) = common::program_head(&header, consts, &[]);
     if rope {
         // the signature MLX generates for inputs x, w, nw, pos, inv_freq and outputs q, kv
         src += &format!(

@@ -71,6 +71,45 @@ fn parts(file: &str, markers: &[&str]) -> Vec<String> {
     out
 }
 
+/// With `MLXCEL_PTXAS=path/to/ptxas` (the `nvidia-cuda-nvcc` wheel has one): the kernel's
+/// PTX through `ptxas -v` for sm_90a, its registers and spills printed; the GEMM's variants
+/// must not spill (their accumulators and in-flight loads are sized to fit).
+fn ptxas_report(
+    nvrtc: &str,
+    src: &str,
+    name: &str,
+    expr: &str,
+    options: &[String],
+    ptxas: &std::ffi::OsStr,
+) {
+    let (ptx, _) = nvrtc_compile(nvrtc, src, &format!("{name}.cu"), expr, options, false)
+        .unwrap_or_else(|e| panic!("{name}: {e}"));
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join(format!("{name}.ptx"));
+    std::fs::write(&file, ptx.strip_suffix(&[0]).unwrap_or(&ptx)).unwrap();
+    let out = std::process::Command::new(ptxas)
+        .args(["-arch=sm_90a", "-v", "-o"])
+        .arg(dir.path().join("out.cubin"))
+        .arg(&file)
+        .output()
+        .expect("running MLXCEL_PTXAS");
+    let log = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(out.status.success(), "{name}: ptxas failed:\n{log}");
+    let line = log
+        .lines()
+        .filter(|l| l.contains("registers") || l.contains("spill"))
+        .map(str::trim)
+        .collect::<Vec<_>>()
+        .join("; ");
+    eprintln!("{name}: ptxas: {line}");
+    if name.contains("qgemm") {
+        assert!(
+            log.contains(" 0 bytes spill stores") && log.contains(" 0 bytes spill loads"),
+            "{name} spills: {line}"
+        );
+    }
+}
+
 #[test]
 fn kernels_compile_for_the_cache_with_nvrtc() {
     let library = std::env::var("MLXCEL_NVRTC_LIBRARY").unwrap_or_default();
@@ -222,6 +261,114 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
             ],
         ),
     ));
+    // the quantized GEMM (kernels/qgemm.cu after the GEMV's header, as mlxcel passes them):
+    // launches mlxcel picks for 8B shapes (src/kernels/qgemm.rs `launch_for`), both bodies
+    let g = parts("kernels/qgemm.cu", &["// @@body\n", "// @@body_rope\n"]);
+    let gemm_header = format!("{header}{}", g[0]);
+    let gemm_include =
+        mlxcel::kernels::qgemv::include_header(dir.path(), "g", &gemm_header).unwrap();
+    let gemm = |mt: i64, n: i64, k: i64, g: i64, bits: i64, wn: i64, sk: i64, st: i64| {
+        vec![
+            ("MT", mt),
+            ("N", n),
+            ("K", k),
+            ("G", g),
+            ("BITS", bits),
+            ("WR", 4),
+            ("WN", wn),
+            ("SK", sk),
+            ("ST", st),
+        ]
+    };
+    let gemm_in = |t: &'static str| {
+        vec![
+            ("x", t),
+            ("w", "uint32_t"),
+            ("scales", t),
+            ("biases", t),
+            ("res", t),
+            ("nw", t),
+            ("part", "float"),
+            ("count", "int32_t"),
+            ("prev", t),
+        ]
+    };
+    for (name, t, mut c, epi, norm) in [
+        // gate/up at 32 rows: SwiGLU with the norm, no split
+        (
+            "custom_kernel_mlxcel_qgemm_test_swiglu",
+            bf,
+            gemm(32, 28672, 4096, 64, 4, 1, 1, 3),
+            2,
+            1,
+        ),
+        // down at 128 rows, 8-bit float16: the residual, two warps per row of tiles, 7 splits
+        (
+            "custom_kernel_mlxcel_qgemm_test_res_f16",
+            f16,
+            gemm(128, 4096, 14336, 64, 8, 2, 7, 1),
+            1,
+            0,
+        ),
+        // 4-bit at 128 rows with the norm (gate/up: SwiGLU)
+        (
+            "custom_kernel_mlxcel_qgemm_test_swiglu_128",
+            bf,
+            gemm(128, 28672, 4096, 64, 4, 2, 1, 2),
+            2,
+            1,
+        ),
+        // o at 16 rows, group 32: the plain product, 8 splits
+        (
+            "custom_kernel_mlxcel_qgemm_test_plain",
+            bf,
+            gemm(16, 4096, 4096, 32, 4, 1, 8, 3),
+            0,
+            0,
+        ),
+    ] {
+        c.extend([("EPI", epi), ("NORM", norm), ("EPS_BITS", eps)]);
+        sources.push((
+            name.into(),
+            mlx_source(
+                name,
+                &gemm_include,
+                &g[1],
+                &gemm_in(t),
+                &["x"],
+                &[("y", t), ("tok", t)],
+                t,
+                &c,
+            ),
+        ));
+    }
+    let name = "custom_kernel_mlxcel_qgemm_test_rope";
+    let mut c = gemm(64, 6144, 4096, 128, 4, 1, 4, 2);
+    c.extend([("NORM", 1), ("EPS_BITS", eps), ("HD", 128), ("NQ", 32)]);
+    sources.push((
+        name.into(),
+        mlx_source(
+            name,
+            &gemm_header,
+            &g[2],
+            &[
+                ("x", bf),
+                ("w", "uint32_t"),
+                ("scales", bf),
+                ("biases", bf),
+                ("nw", bf),
+                ("pos", "int32_t"),
+                ("inv_freq", "float"),
+                ("part", "float"),
+                ("count", "int32_t"),
+                ("prev", bf),
+            ],
+            &["x"],
+            &[("q", bf), ("kv", bf), ("tok", bf)],
+            bf,
+            &c,
+        ),
+    ));
     // the dense bf16/f16 GEMV (kernels/gemv.cu): plain with the norm, SwiGLU, and q/k/v with RoPE
     let d = parts("kernels/gemv.cu", &["// @@body\n", "// @@body_rope\n"]);
     let dense = |m: i64, epi: i64, norm: i64| {
@@ -338,6 +485,9 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
         )
         .unwrap_or_else(|e| panic!("{name}: {e}"));
         assert!(bin.starts_with(b"\x7fELF"), "{name}: not a cubin");
+        if let Some(ptxas) = std::env::var_os("MLXCEL_PTXAS") {
+            ptxas_report(&path, &cache_src, name, &expr, &options, &ptxas);
+        }
         assert!(
             lowered.starts_with("_Z") && lowered.contains(name),
             "{name}: lowered name {lowered}"

@@ -7,39 +7,25 @@
 use std::path::Path;
 
 mod common;
-use common::PRELUDE;
 
 const MAIN: &str = r#"
 int main() {
   using bf = T;  // bfloat16, or float16 with F16 = 1
-  constexpr int VPW = 32 / BITS;
   std::mt19937 rng(1234);
-  std::uniform_real_distribution<float> ux(-1.f, 1.f), us(0.001f, 0.02f), ub(-0.05f, 0.05f);
   constexpr int OUT_N = EPI == 2 ? N / 2 : N;
   std::vector<bf> x(M * K), sc(N * (K / G)), bi(N * (K / G)), res(M * N), nw(K), y(M * OUT_N);
+  std::vector<int32_t> pos;
+  std::vector<float> inv;
+  std::vector<bf> yq, ykv;
 #if ROPE
-  // positions per row (one far out, where float angles lose digits) and MLX's inverse
-  // frequencies base^(-2d/HD), base 10000
-  std::vector<int32_t> pos(M);
-  for (int m = 0; m < M; ++m) pos[m] = m == 1 ? 70000 : 3 + 41 * m;
-  std::vector<float> inv(HD / 2);
-  for (int d = 0; d < HD / 2; ++d) inv[d] = float(std::pow(10000.0, -2.0 * d / HD));
-  std::vector<bf> yq(M * NQ * HD), ykv(M * (N - NQ * HD));
+  rope_inputs(M, HD, pos, inv);
+  yq.resize(M * NQ * HD);
+  ykv.resize(M * (N - NQ * HD));
 #endif
-  std::vector<uint32_t> w(size_t(N) * K / VPW);
-  std::vector<int> q(size_t(N) * K);
-  for (auto& v : x) v = bf(ux(rng));
-  if (NAN_X) x[5] = bf(NAN);  // row 0 of x holds a NaN: every output of row 0 must be NaN
-  for (auto& v : sc) v = bf(us(rng));
-  for (auto& v : bi) v = bf(ub(rng));
-  for (auto& v : res) v = bf(ux(rng));
-  for (auto& v : nw) v = bf(0.5f + ux(rng));
-  for (int n = 0; n < N; ++n)
-    for (int k = 0; k < K; ++k) {
-      int v = int(rng() % (1u << BITS));
-      q[size_t(n) * K + k] = v;
-      w[(size_t(n) * K + k) / VPW] |= uint32_t(v) << (BITS * (k % VPW));
-    }
+  std::vector<uint32_t> w;
+  std::vector<int> q;
+  // (row 0 of x holds a NaN with NAN_X: every output of row 0 must be NaN)
+  draw_quantized(rng, N, K, BITS, NAN_X, x, sc, bi, res, nw, w, q);
 #if MMA_X
   // x rounded to int8 per group by the rounding kernel (XQ_TPB threads per block), the
   // GEMV's input
@@ -71,63 +57,15 @@ int main() {
 #endif
     });
   }
-  // the kernel's input row: x, or RMSNorm(x) with weight nw when NORM
-  std::vector<double> xin(M * K);
-  for (int m = 0; m < M; ++m) {
-    double ss = 0;
-    for (int k = 0; k < K; ++k) ss += double(float(x[m * K + k])) * double(float(x[m * K + k]));
-    float eps; int eb = EPS_BITS; std::memcpy(&eps, &eb, 4);
-    double f = NORM ? 1.0 / std::sqrt(ss / K + double(eps)) : 1.0;
-    for (int k = 0; k < K; ++k)
-      xin[m * K + k] = double(float(x[m * K + k])) * f * (NORM ? double(float(nw[k])) : 1.0);
-  }
-  auto dot = [&](int m, int n) {
-    double r = 0;
-    for (int k = 0; k < K; ++k) {
-      int g = k / G;
-      double wv = q[size_t(n) * K + k] * double(float(sc[n * (K / G) + g])) + double(float(bi[n * (K / G) + g]));
-      r += xin[m * K + k] * wv;
-    }
-    return r;
-  };
+  const std::vector<double> xin = ref_input(x, nw, M, K, NORM, EPS_BITS);
+  auto dot = [&](int m, int n) { return ref_qdot(xin, q, sc, bi, K, G, m, n); };
   if (NAN_X) {
     for (int n = 0; n < OUT_N; ++n)
       if (!std::isnan(float(y[n]))) { std::printf("max_err: y[%d] = %g is not NaN\n", n, float(y[n])); return 1; }
     std::printf("max_err 0 (row 0 all NaN)\n");
     return 0;
   }
-  double max_ref = 0, max_err = 0;
-#if ROPE
-  // q heads to yq, key then value heads to ykv; q and k rotated by pos·inv_freq
-  constexpr int NKV = (N / HD - NQ) / 2;
-  for (int m = 0; m < M; ++m)
-    for (int h = 0; h < NQ + 2 * NKV; ++h)
-      for (int d = 0; d < HD / 2; ++d) {
-        double a = dot(m, h * HD + d), c = dot(m, h * HD + d + HD / 2);
-        if (h < NQ + NKV) {
-          double th = double(pos[m]) * double(inv[d]);
-          double ra = a * std::cos(th) - c * std::sin(th);
-          c = a * std::sin(th) + c * std::cos(th);
-          a = ra;
-        }
-        const bf* out = h < NQ ? &yq[m * NQ * HD + h * HD] : &ykv[m * (N - NQ * HD) + (h - NQ) * HD];
-        for (auto [r, got] : {std::pair{a, out[d]}, std::pair{c, out[d + HD / 2]}}) {
-          max_ref = std::fmax(max_ref, std::fabs(r));
-          max_err = std::fmax(max_err, std::fabs(r - double(float(got))));
-        }
-      }
-#else
-  for (int m = 0; m < M; ++m)
-    for (int n = 0; n < OUT_N; ++n) {
-      double r = dot(m, n);
-      if (EPI == 1) r += double(float(res[m * N + n]));
-      if (EPI == 2) r = r / (1.0 + std::exp(-r)) * dot(m, n + N / 2);
-      max_ref = std::fmax(max_ref, std::fabs(r));
-      max_err = std::fmax(max_err, std::fabs(r - double(float(y[m * OUT_N + n]))));
-    }
-#endif
-  std::printf("max_err %.3e max_ref %.3e rel %.3e\n", max_err, max_ref, max_err / max_ref);
-  return max_err / max_ref < (XQ ? 2e-2 : 1e-2) ? 0 : 1;
+  return ref_check(dot, M, N, EPI, HD, NQ, pos, inv, res, y, yq, ykv, XQ ? 2e-2 : 1e-2);
 }
 "#;
 
@@ -155,31 +93,12 @@ fn run(tag: &str, consts: &[(&str, usize)]) {
     // MMA = 1: x comes from the rounding kernel (`@@body_xq`), as uint32 words
     let mma = consts.contains(&("MMA", 1));
     // F16 = 1: float16 activations, scales and biases (T = __half), else bfloat16
-    let t = if consts.contains(&("F16", 1)) {
-        "__half"
-    } else {
-        "__nv_bfloat16"
-    };
+    let (mut src, t) = common::program_head(
+        &header,
+        consts,
+        &[("XQ", 0), ("MMA", 0), ("PG", 0), ("NAN_X", 0)],
+    );
     let xin = if mma { "uint32_t" } else { t };
-    let mut src = String::from(PRELUDE);
-    src += &header;
-    src += &format!("using T = {t};\n");
-    for (n, v) in consts {
-        src += &format!("constexpr int {n} = {v};\n");
-    }
-    for (name, default) in [
-        ("EPI", if rope { 3 } else { 0 }),
-        ("NORM", 0),
-        ("EPS_BITS", 1e-5f32.to_bits() as usize),
-        ("XQ", 0),
-        ("MMA", 0),
-        ("PG", 0),
-        ("NAN_X", 0),
-    ] {
-        if !consts.iter().any(|(n, _)| *n == name) {
-            src += &format!("constexpr int {name} = {default};\n");
-        }
-    }
     if rope {
         // the signature MLX generates for inputs x, w, scales, biases, nw, pos, inv_freq
         // and outputs q, kv

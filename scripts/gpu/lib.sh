@@ -35,27 +35,32 @@ ckpt() {
     python3 -m mlx_lm convert --hf-path "$CK/8b-bf16" --mlx-path "$CK/8b-q4" -q --q-group-size 64 --q-bits 4 2>&1 | tail -1
 }
 
-# config.json of the 8B shape, bf16 (c8b) and 4-bit g64 (c8b-q4), for --load-format dummy
-q4cfg() {
-  [ -f "$CK/c8b-q4/config.json" ] && return
+# config.json of the 8B shape, bf16 (c8b) and BITS-bit g64 (c8b-q4, c8b-q8), for
+# --load-format dummy: qcfg BITS (q4cfg, q8cfg)
+qcfg() {
+  local bits=$1
+  [ -f "$CK/c8b-q$bits/config.json" ] && return
   demo_tokenizer
-  python3 scripts/make_random_checkpoint.py --shape llama3-8b --out "$CK/c8b" \
-    --tokenizer-from "$TOK" --config-only && python3 - "$CK" <<'PY'
+  [ -f "$CK/c8b/config.json" ] || python3 scripts/make_random_checkpoint.py --shape llama3-8b --out "$CK/c8b" \
+    --tokenizer-from "$TOK" --config-only || return
+  python3 - "$CK" "$bits" <<'PY'
 import json, os, shutil, sys
-ck = sys.argv[1]; src, dst = f"{ck}/c8b", f"{ck}/c8b-q4"
+ck, bits = sys.argv[1], int(sys.argv[2]); src, dst = f"{ck}/c8b", f"{ck}/c8b-q{bits}"
 os.makedirs(dst, exist_ok=True)
 for f in os.listdir(src): shutil.copy(f"{src}/{f}", dst)
-c = json.load(open(f"{dst}/config.json")); c["quantization"] = {"group_size": 64, "bits": 4}
+c = json.load(open(f"{dst}/config.json")); c["quantization"] = {"group_size": 64, "bits": bits}
 json.dump(c, open(f"{dst}/config.json", "w"))
 PY
 }
+q4cfg() { qcfg 4; }
+q8cfg() { qcfg 8; }
 
 # one `mlxcel bench` line: decode tok/s at batch 1 and at the comma-separated batches, batch
 # 1's host time per token. bench_line ENV MODEL BATCHES [bench flags...]; ENV: VAR=value
-# settings for this run (X=1: none)
+# settings for this run (X=1: none); DECODE_TOKENS (256) per decode run
 bench_line() {
   local e=$1 m=$2 batches=$3; shift 3
-  env $e timeout ${BENCH_S:-150} $B bench -m "$m" --prompt-lens 128 --decode-tokens 256 --decode-batch "$batches" \
+  env $e timeout ${BENCH_S:-150} $B bench -m "$m" --prompt-lens 128 --decode-tokens ${DECODE_TOKENS:-256} --decode-batch "$batches" \
     --repeats 1 "$@" 2>/dev/null | tail -1 | python3 -c 'import json,sys; d=json.load(sys.stdin)
 print("b1", round(d["decode"]["tokens_per_second"],1), " ".join("b%d %.1f" % (x["batch"], x["tokens_per_second"]) for x in d["decode_batched"]), "tok/s; b1 host", {k: round(v,3) for k,v in d["decode"]["host_per_token"].items()})'
 }

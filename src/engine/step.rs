@@ -457,7 +457,10 @@ impl Worker {
     /// on H200 stalled 34 s when 8 streams first met batch sizes 2–8. With one slot
     /// (`mlxcel generate`) the prompt's kernels compile at its first use, which costs the
     /// same once, so only decode is warmed. Compiled variants are kept in the cache folder
-    /// ([`kernels::cache`]), which makes later starts quicker. A no-op on the CPU.
+    /// ([`kernels::cache`]), which makes later starts quicker. With the quantized GEMM on
+    /// (`MLXCEL_QGEMM=1`) also a decode step and a prompt in each of its variants (whole
+    /// tiles of 8 rows, [`kernels::qgemm::warm_rows`]) as far as the slots and the context
+    /// allow. A no-op on the CPU.
     pub fn warm_up(&mut self) -> Result<(), StepError> {
         if mlx::backend() == mlx::Backend::Cpu || self.cache.slots() == 0 {
             return Ok(());
@@ -465,7 +468,10 @@ impl Worker {
         let start = std::time::Instant::now();
         let max_batch = self.cache.slots().min(kernels::qgemv::MAX_M + 1);
         let mut phases = Vec::new();
-        for b in 1..=max_batch {
+        // with MLXCEL_QGEMM=1, a batch in each of the GEMM's variants too (its kernels are one
+        // per whole tile of 8 rows, not per batch size)
+        let gemm = kernels::qgemm::warm_rows(max_batch + 1, self.cache.slots());
+        for b in (1..=max_batch).chain(gemm.iter().copied()) {
             let slots: Vec<usize> = (0..b).collect();
             for &s in &slots {
                 self.cache.reset(s);
@@ -492,7 +498,12 @@ impl Worker {
         } else {
             1
         };
-        for t in 2..=prompt_max {
+        let gemm_prompts = if self.cache.slots() > 1 {
+            kernels::qgemm::warm_rows(prompt_max + 1, self.cache.max_capacity())
+        } else {
+            Vec::new()
+        };
+        for t in (2..=prompt_max).chain(gemm_prompts.iter().copied()) {
             self.cache.reset(0);
             let ids = Array::from_slice(&vec![0i32; t], &[1, t as i32])?;
             let logits = self.model.forward(
@@ -509,11 +520,16 @@ impl Worker {
                 start.elapsed().as_secs_f64()
             ));
         }
-        for s in 0..max_batch {
+        for s in 0..max_batch.max(gemm.last().copied().unwrap_or(0)) {
             self.cache.reset(s);
         }
         tracing::info!(
-            "decode kernels warmed up (batch 1..={max_batch}) in {:.2} s (cumulative: {}){}",
+            "decode kernels warmed up (batch 1..={max_batch}{}) in {:.2} s (cumulative: {}){}",
+            if gemm.is_empty() {
+                String::new()
+            } else {
+                format!(", GEMM batches {gemm:?}")
+            },
             start.elapsed().as_secs_f64(),
             phases.join(", "),
             kernels::cache::summary().map_or(String::new(), |s| format!("; {s}"))

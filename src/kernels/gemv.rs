@@ -22,7 +22,7 @@ pub const MAX_M: usize = 8;
 const EMBEDDED: &str = include_str!("../../kernels/gemv.cu");
 const HEADER_MARK: &str = "// @@header\n";
 const BODY_MARK: &str = "// @@body\n";
-const ROPE_MARK: &str = "// @@body_rope\n";
+pub(super) const ROPE_MARK: &str = "// @@body_rope\n";
 
 /// The kernel file split into the device-code header and the two kernel bodies.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -354,24 +354,17 @@ pub fn gemv_rope(
     ]
     .map(|v| v as i32);
     let (mi, hd) = (m as i32, head_dim as i32);
-    let mut out = kernel
-        .call(
-            &[x, w, nw, pos, inv_freq],
-            &[&[mi, nq as i32, 1, hd], &[mi, nkv2 as i32, 1, hd]],
-            x.dtype(),
-            tnames,
-            &tvals,
-            x.dtype(),
-            [((n / rows) * 32 * wpb) as i32, 1, 1],
-            [(32 * wpb) as i32, 1, 1],
-        )?
-        .into_iter();
-    match (out.next(), out.next()) {
-        (Some(q), Some(kv)) => Ok((q, kv)),
-        _ => Err(MlxError::Invalid(
-            "gemv_rope: the kernel returned fewer than two outputs".into(),
-        )),
-    }
+    let out = kernel.call(
+        &[x, w, nw, pos, inv_freq],
+        &[&[mi, nq as i32, 1, hd], &[mi, nkv2 as i32, 1, hd]],
+        x.dtype(),
+        tnames,
+        &tvals,
+        x.dtype(),
+        [((n / rows) * 32 * wpb) as i32, 1, 1],
+        [(32 * wpb) as i32, 1, 1],
+    )?;
+    super::qgemv::q_and_kv("gemv_rope", out)
 }
 
 #[cfg(test)]

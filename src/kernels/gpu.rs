@@ -48,6 +48,11 @@ impl Gpu {
         self.cc >= Some(80)
     }
 
+    /// `mma.sync.m16n8k16` with bf16 and f16 (compute capability ≥ 8.0): the quantized GEMM.
+    pub fn has_bf16_mma(&self) -> bool {
+        self.cc >= Some(80)
+    }
+
     /// The streaming GEMV's default grid: [`STREAM_BLOCKS_PER_SM`] per SM.
     pub fn streaming_grid(&self) -> usize {
         STREAM_BLOCKS_PER_SM * self.sms.unwrap_or(DEFAULT_SMS)
@@ -89,9 +94,9 @@ mod tests {
         assert_eq!((h.cc, h.sms), (Some(90), Some(132)));
         // the streaming grid measured on H200: 2 blocks per SM
         assert_eq!(h.streaming_grid(), 264);
-        assert!(h.has_cp_async() && h.has_int8_mma());
+        assert!(h.has_cp_async() && h.has_int8_mma() && h.has_bf16_mma());
         let t = Gpu::from_arch(Some("sm_75"));
-        assert!(!t.has_cp_async() && !t.has_int8_mma() && t.sms.is_none());
+        assert!(!t.has_cp_async() && !t.has_int8_mma() && !t.has_bf16_mma() && t.sms.is_none());
         assert_eq!(t.streaming_grid(), 2 * DEFAULT_SMS);
         let none = Gpu::from_arch(None);
         assert!(none.cc.is_none() && !none.has_cp_async());

@@ -32,6 +32,19 @@ pub struct Knobs {
     pub qgemv_stream_blocks: Option<usize>,
     /// `MLXCEL_QGEMV_SOURCE`: a kernel file read at run time instead of the embedded one.
     pub qgemv_source: Option<PathBuf>,
+    /// `MLXCEL_QGEMM=1`: the quantized GEMM (`kernels/qgemm.cu`) for batches of
+    /// [`super::qgemm::MIN_M`]–[`super::qgemm::MAX_M`] rows on CUDA, instead of the GEMV on
+    /// row chunks and MLX's kernels. Off by default until measured on a GPU.
+    pub qgemm: bool,
+    /// `MLXCEL_QGEMM_MIN_M`, `MLXCEL_QGEMM_MAX_M`: the batch rows the GEMM takes (default
+    /// [`super::qgemm::MIN_M`] and [`super::qgemm::MAX_M`]).
+    pub qgemm_min_m: Option<usize>,
+    pub qgemm_max_m: Option<usize>,
+    /// `MLXCEL_QGEMM_SPLITK`: the most blocks the GEMM splits a row's K over (1: none;
+    /// default [`super::qgemm::MAX_SPLITS`]).
+    pub qgemm_splitk: Option<usize>,
+    /// `MLXCEL_QGEMM_SOURCE`: a GEMM kernel file read at run time instead of the embedded one.
+    pub qgemm_source: Option<PathBuf>,
     /// `MLXCEL_KERNEL_INCLUDE`: pass kernel headers to MLX as an `#include` of a cached
     /// file (`0`: inline).
     pub kernel_include: bool,
@@ -74,6 +87,11 @@ impl Default for Knobs {
             qgemv_stream: true,
             qgemv_stream_blocks: None,
             qgemv_source: None,
+            qgemm: false,
+            qgemm_min_m: None,
+            qgemm_max_m: None,
+            qgemm_splitk: None,
+            qgemm_source: None,
             kernel_include: true,
             attn: true,
             kernel_cache: true,
@@ -97,6 +115,11 @@ pub const VARS: &[&str] = &[
     "MLXCEL_QGEMV_STREAM",
     "MLXCEL_QGEMV_STREAM_BLOCKS",
     "MLXCEL_QGEMV_SOURCE",
+    "MLXCEL_QGEMM",
+    "MLXCEL_QGEMM_MIN_M",
+    "MLXCEL_QGEMM_MAX_M",
+    "MLXCEL_QGEMM_SPLITK",
+    "MLXCEL_QGEMM_SOURCE",
     "MLXCEL_KERNEL_INCLUDE",
     "MLXCEL_ATTN",
     "MLXCEL_KERNEL_CACHE",
@@ -175,6 +198,18 @@ impl Knobs {
         k.qgemv_source = get("MLXCEL_QGEMV_SOURCE")
             .filter(|v| !v.is_empty())
             .map(PathBuf::from);
+        k.qgemm = switch("MLXCEL_QGEMM", k.qgemm)?;
+        let batch = 2..=super::qgemm::MAX_M;
+        k.qgemm_min_m = number("MLXCEL_QGEMM_MIN_M", batch.clone(), "a batch size")?;
+        k.qgemm_max_m = number("MLXCEL_QGEMM_MAX_M", batch, "a batch size")?;
+        k.qgemm_splitk = number(
+            "MLXCEL_QGEMM_SPLITK",
+            1..=super::qgemm::SPLITS_LIMIT,
+            "a number of splits",
+        )?;
+        k.qgemm_source = get("MLXCEL_QGEMM_SOURCE")
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from);
         k.kernel_include = switch("MLXCEL_KERNEL_INCLUDE", k.kernel_include)?;
         k.attn = switch("MLXCEL_ATTN", k.attn)?;
         k.kernel_cache = switch("MLXCEL_KERNEL_CACHE", k.kernel_cache)?;
@@ -203,6 +238,7 @@ impl Knobs {
         switch("MLXCEL_QGEMV_F16", self.qgemv_f16, d.qgemv_f16);
         switch("MLXCEL_QGEMV_CHUNKS", self.qgemv_chunks, d.qgemv_chunks);
         switch("MLXCEL_QGEMV_STREAM", self.qgemv_stream, d.qgemv_stream);
+        switch("MLXCEL_QGEMM", self.qgemm, d.qgemm);
         switch(
             "MLXCEL_KERNEL_INCLUDE",
             self.kernel_include,
@@ -231,6 +267,18 @@ impl Knobs {
         }
         if let Some(p) = &self.qgemv_source {
             out.push(format!("MLXCEL_QGEMV_SOURCE={}", p.display()));
+        }
+        for (var, v) in [
+            ("MLXCEL_QGEMM_MIN_M", self.qgemm_min_m),
+            ("MLXCEL_QGEMM_MAX_M", self.qgemm_max_m),
+            ("MLXCEL_QGEMM_SPLITK", self.qgemm_splitk),
+        ] {
+            if let Some(n) = v {
+                out.push(format!("{var}={n}"));
+            }
+        }
+        if let Some(p) = &self.qgemm_source {
+            out.push(format!("MLXCEL_QGEMM_SOURCE={}", p.display()));
         }
         if let Some(p) = &self.gemv_source {
             out.push(format!("MLXCEL_GEMV_SOURCE={}", p.display()));
@@ -333,6 +381,10 @@ mod tests {
             ("MLXCEL_ADDMM_RESIDUAL", "yes"),
             ("MLXCEL_GEMV_DENSE", "off"),
             ("MLXCEL_KERNEL_REUSE", "2"),
+            ("MLXCEL_QGEMM", "yes"),
+            ("MLXCEL_QGEMM_MIN_M", "1"),
+            ("MLXCEL_QGEMM_MAX_M", "129"),
+            ("MLXCEL_QGEMM_SPLITK", "0"),
         ] {
             let e = parse(&[(var, value)]).unwrap_err();
             assert_eq!(e.var, var);

@@ -3,6 +3,7 @@
 //! the safe MLX binding in [`crate::mlx`] and below the models that call them.
 //!
 //! - [`qgemv`]: the quantized GEMV of decode steps, with fused epilogues;
+//! - [`qgemm`]: the quantized GEMM of batched decode steps (9–128 rows), with the same fusions;
 //! - [`gemv`]: the dense (bf16/f16) GEMV of decode steps, with the same fusions;
 //! - [`attn`]: the decode attention over the KV cache's pools;
 //! - [`mask_wait`]: a constrained step's token masks read from pinned host memory once given;
@@ -17,4 +18,5 @@ pub mod gemv;
 pub mod gpu;
 pub mod knobs;
 pub mod mask_wait;
+pub mod qgemm;
 pub mod qgemv;

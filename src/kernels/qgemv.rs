@@ -210,6 +210,11 @@ pub fn include_header(dir: &Path, name: &str, header: &str) -> std::io::Result<S
     Ok(format!("#include \"{quoted}\"\n"))
 }
 
+/// The device-code header of the GEMV file in use (the GEMM's device code builds on it).
+pub(super) fn header() -> Result<&'static str> {
+    Ok(&source()?.header)
+}
+
 fn source() -> Result<&'static Source> {
     static SOURCE: OnceLock<std::result::Result<Source, String>> = OnceLock::new();
     SOURCE
@@ -605,7 +610,8 @@ pub enum Epilogue<'a> {
 }
 
 impl Epilogue<'_> {
-    fn code(&self) -> usize {
+    /// The kernels' template constant `EPI`.
+    pub(super) fn code(&self) -> usize {
         match self {
             Epilogue::None => 0,
             Epilogue::Residual(_) => 1,
@@ -807,7 +813,7 @@ fn round_x(
 
 /// The kernel's `nw` input and eps: the norm weight (one value per input feature, x's
 /// dtype), or x itself when there is no norm (not read then).
-fn norm_input<'a>(
+pub(super) fn norm_input<'a>(
     who: &str,
     norm: Option<(&'a Array, f32)>,
     x: &'a Array,
@@ -954,31 +960,35 @@ pub fn qgemv_rope(
     .map(|v| v as i32);
     let blocks = if pg > 0 { pg } else { n / rows };
     let (mi, hd) = (m as i32, head_dim as i32);
-    let mut out = kernel
-        .call(
-            &[
-                xr.as_ref().unwrap_or(x),
-                w,
-                scales,
-                biases,
-                nw,
-                pos,
-                inv_freq,
-            ],
-            &[&[mi, nq as i32, 1, hd], &[mi, nkv2 as i32, 1, hd]],
-            x.dtype(),
-            tnames,
-            &tvals,
-            x.dtype(),
-            [(blocks * 32 * wpb) as i32, 1, 1],
-            [(32 * wpb) as i32, 1, 1],
-        )?
-        .into_iter();
+    let out = kernel.call(
+        &[
+            xr.as_ref().unwrap_or(x),
+            w,
+            scales,
+            biases,
+            nw,
+            pos,
+            inv_freq,
+        ],
+        &[&[mi, nq as i32, 1, hd], &[mi, nkv2 as i32, 1, hd]],
+        x.dtype(),
+        tnames,
+        &tvals,
+        x.dtype(),
+        [(blocks * 32 * wpb) as i32, 1, 1],
+        [(32 * wpb) as i32, 1, 1],
+    )?;
+    q_and_kv("qgemv_rope", out)
+}
+
+/// The q and kv outputs of a q/k/v + RoPE kernel (`what` names it in the error).
+pub(super) fn q_and_kv(what: &str, out: Vec<Array>) -> Result<(Array, Array)> {
+    let mut out = out.into_iter();
     match (out.next(), out.next()) {
         (Some(q), Some(kv)) => Ok((q, kv)),
-        _ => Err(MlxError::Invalid(
-            "qgemv_rope: the kernel returned fewer than two outputs".into(),
-        )),
+        _ => Err(MlxError::Invalid(format!(
+            "{what}: the kernel returned fewer than two outputs"
+        ))),
     }
 }
 

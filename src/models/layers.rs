@@ -307,9 +307,17 @@ impl Linear {
                 )
             });
         }
-        let fits = fits && kernels::qgemv::supports_rope(f.m, f.n, f.group, f.bits, nq, head_dim);
+        // the GEMM for 9-128 rows (MLXCEL_QGEMM=1), else the GEMV: the same arguments
+        let (fits, run) = if f.gemm {
+            let fits = fits && kernels::qgemm::supports_rope(f.n, nq, head_dim);
+            (fits, kernels::qgemm::qgemm_rope as QkvRope)
+        } else {
+            let fits =
+                fits && kernels::qgemv::supports_rope(f.m, f.n, f.group, f.bits, nq, head_dim);
+            (fits, kernels::qgemv::qgemv_rope as QkvRope)
+        };
         fits.then(|| {
-            kernels::qgemv::qgemv_rope(
+            run(
                 x,
                 f.w,
                 f.scales,
@@ -325,10 +333,11 @@ impl Linear {
         })
     }
 
-    /// The quantized weight and sizes when mlxcel's GEMV kernel can compute
-    /// `norm(x) · Wᵀ`: a quantized weight with no bias or reduction to apply after an
-    /// epilogue, a shape and dtypes the kernel covers, and (with a norm) a norm weight
-    /// of x's dtype with one value per input feature.
+    /// The quantized weight and sizes when mlxcel's GEMV kernel (or, for batches of
+    /// 9–128 rows with `MLXCEL_QGEMM=1`, its GEMM) can compute `norm(x) · Wᵀ`: a quantized
+    /// weight with no bias or reduction to apply after an epilogue, a shape and dtypes the
+    /// kernel covers, and (with a norm) a norm weight of x's dtype with one value per input
+    /// feature.
     fn fusable(&self, x: &Array, norm: Option<&RmsNorm>) -> Option<Fusable<'_>> {
         if self.bias.is_some() || self.reduce.is_some() {
             return None;
@@ -355,16 +364,21 @@ impl Linear {
                     m,
                     n,
                     dense: true,
+                    gemm: false,
                 });
             }
         };
-        if !kernels::qgemv::enabled() {
+        let (group, bits) = (q.group_size as usize, q.bits as usize);
+        let dtypes = [x.dtype(), scales.dtype()];
+        // batches of 9-128 rows on the GEMM (MLXCEL_QGEMM=1), the rest on the GEMV
+        let gemm =
+            kernels::qgemm::enabled() && kernels::qgemm::supports(m, n, k, group, bits, dtypes);
+        if !gemm && !kernels::qgemv::enabled() {
             return None;
         }
-        let (group, bits) = (q.group_size as usize, q.bits as usize);
         let fits = norm_fits
             && m * k == x.size()
-            && kernels::qgemv::supports(m, n, k, group, bits, [x.dtype(), scales.dtype()]);
+            && (gemm || kernels::qgemv::supports(m, n, k, group, bits, dtypes));
         fits.then_some(Fusable {
             w,
             scales,
@@ -374,6 +388,7 @@ impl Linear {
             m,
             n,
             dense: false,
+            gemm,
         })
     }
 
@@ -392,6 +407,7 @@ impl Linear {
         let epi_fits = match epi {
             Epilogue::Residual(r) => r.dtype() == x.dtype() && r.size() == f.m * f.n,
             Epilogue::SwiGlu if f.dense => kernels::gemv::supports_swiglu(f.m, f.n, self.in_dim()),
+            Epilogue::SwiGlu if f.gemm => kernels::qgemm::supports_swiglu(f.n),
             Epilogue::SwiGlu => kernels::qgemv::supports_swiglu(f.m, f.n, f.group, f.bits),
             Epilogue::None => true,
         };
@@ -399,8 +415,13 @@ impl Linear {
         if f.dense {
             return epi_fits.then(|| kernels::gemv::gemv(x, f.w, shape, epi, norm_w));
         }
+        let run = if f.gemm {
+            kernels::qgemm::qgemm as Product
+        } else {
+            kernels::qgemv::qgemv as Product
+        };
         epi_fits.then(|| {
-            kernels::qgemv::qgemv(
+            run(
                 x,
                 f.w,
                 f.scales,
@@ -428,8 +449,9 @@ impl Linear {
 }
 
 /// What [`Linear::fusable`] found: the quantized weight, its group and bits, and the
-/// product's rows (`m`) and output features (`n`); or (`dense`) a dense weight `w` for
-/// mlxcel's dense GEMV kernel (scales and biases are `w` then, group and bits 0).
+/// product's rows (`m`) and output features (`n`), for the GEMV or (`gemm`) the GEMM; or
+/// (`dense`) a dense weight `w` for mlxcel's dense GEMV kernel (scales and biases are `w`
+/// then, group and bits 0).
 struct Fusable<'a> {
     w: &'a Array,
     scales: &'a Array,
@@ -439,7 +461,38 @@ struct Fusable<'a> {
     m: usize,
     n: usize,
     dense: bool,
+    gemm: bool,
 }
+
+/// `qgemv::qgemv` or `qgemm::qgemm` (the same arguments): x, weight, scales, biases, group,
+/// bits, output shape, epilogue, norm.
+type Product = for<'a, 'b, 'c, 'd, 'e, 'f, 'g, 'h> fn(
+    &'a Array,
+    &'b Array,
+    &'c Array,
+    &'d Array,
+    usize,
+    usize,
+    &'e [i32],
+    Epilogue<'f>,
+    Option<(&'g Array, f32)>,
+) -> mlx::Result<Array>;
+
+/// `qgemv::qgemv_rope` or `qgemm::qgemm_rope`: x, weight, scales, biases, group, bits, norm,
+/// positions, inverse frequencies, query heads, head size.
+type QkvRope = fn(
+    &Array,
+    &Array,
+    &Array,
+    &Array,
+    usize,
+    usize,
+    Option<(&Array, f32)>,
+    &Array,
+    &Array,
+    usize,
+    usize,
+) -> mlx::Result<(Array, Array)>;
 
 /// Whether mlxcel's dense GEMV kernel computes `x · wᵀ` for a dense weight `w [n, k]`:
 /// the kernel on (CUDA, unless `MLXCEL_GEMV_DENSE=0`), x holding whole rows
@@ -465,8 +518,9 @@ fn apply_norm(x: &Array, norm: Option<&RmsNorm>) -> mlx::Result<Array> {
 /// prefill runs at the dense GEMM's speed (4.7× MLX's quantized GEMM on H200).
 const DEQUANT_GEMM_MIN_ROWS: usize = 32;
 
-/// `x · dequantize(w)ᵀ`: mlxcel's GEMV kernel for decode on CUDA, dequantize + GEMM
-/// for long inputs on a GPU, MLX's `quantized_matmul` otherwise.
+/// `x · dequantize(w)ᵀ`: mlxcel's GEMV kernel for decode on CUDA (its GEMM for batches of
+/// 9–128 rows with `MLXCEL_QGEMM=1`), dequantize + GEMM for long inputs on a GPU, MLX's
+/// `quantized_matmul` otherwise.
 fn quantized_forward(
     x: &Array,
     w: &Array,
@@ -478,12 +532,19 @@ fn quantized_forward(
     let n = w.dim(0) as usize;
     let m = x.size().checked_div(k).unwrap_or(0);
     let (group, bits) = (q.group_size as usize, q.bits as usize);
-    if kernels::qgemv::enabled()
-        && kernels::qgemv::supports(m, n, k, group, bits, [x.dtype(), scales.dtype()])
+    let dtypes = [x.dtype(), scales.dtype()];
+    let mut shape = x.shape();
+    *shape.last_mut().expect("x has a last axis") = n as i32;
+    let run = if kernels::qgemm::enabled() && kernels::qgemm::supports(m, n, k, group, bits, dtypes)
     {
-        let mut shape = x.shape();
-        *shape.last_mut().expect("x has a last axis") = n as i32;
-        return kernels::qgemv::qgemv(
+        Some(kernels::qgemm::qgemm as Product)
+    } else if kernels::qgemv::enabled() && kernels::qgemv::supports(m, n, k, group, bits, dtypes) {
+        Some(kernels::qgemv::qgemv as Product)
+    } else {
+        None
+    };
+    if let Some(run) = run {
+        return run(
             x,
             w,
             scales,

@@ -1,9 +1,46 @@
-//! CUDA on the CPU for the kernel tests (`qgemv_emulated`, `attn_emulated`): a prelude
+//! CUDA on the CPU for the kernel tests (`qgemv_emulated`, `qgemm_emulated`, `attn_emulated`): a prelude
 //! that lets a kernel file compile as C++ (one OS thread per CUDA thread, block-wide
 //! barriers for `__syncthreads` and warp shuffles, so a kernel's shuffle counts must be
 //! uniform over its block) and a helper that compiles and runs a test program.
 #![allow(dead_code)]
 use std::path::PathBuf;
+
+/// The start of a kernel test program: [`PRELUDE`], the kernel file's device code `header`,
+/// `T` (float16 when `consts` has `F16 = 1`, else bfloat16; also returned), the template
+/// constants `consts`, then those of `defaults` and of the GEMV-family kernels' own defaults
+/// (`EPI` 3 for the RoPE entry point, which `HD` in `consts` marks, else 0; no norm, eps
+/// 1e-5, no heads) that `consts` lacks.
+pub fn program_head(
+    header: &str,
+    consts: &[(&str, usize)],
+    defaults: &[(&str, usize)],
+) -> (String, &'static str) {
+    let rope = consts.iter().any(|(n, _)| *n == "HD");
+    let common = [
+        ("EPI", if rope { 3 } else { 0 }),
+        ("NORM", 0),
+        ("EPS_BITS", 1e-5f32.to_bits() as usize),
+        ("HD", 0),
+        ("NQ", 0),
+    ];
+    let t = if consts.contains(&("F16", 1)) {
+        "__half"
+    } else {
+        "__nv_bfloat16"
+    };
+    let mut src = String::from(PRELUDE);
+    src += header;
+    src += &format!("using T = {t};\n");
+    for (n, v) in consts {
+        src += &format!("constexpr int {n} = {v};\n");
+    }
+    for (name, default) in defaults.iter().chain(&common) {
+        if !consts.iter().any(|(n, _)| n == name) {
+            src += &format!("constexpr int {name} = {default};\n");
+        }
+    }
+    (src, t)
+}
 use std::process::Command;
 
 pub const PRELUDE: &str = r#"
@@ -122,6 +159,162 @@ static void mlxcel_emulated_mma(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t 
   }
   g_barrier->arrive_and_wait();
   for (int i = 0; i < 4; ++i) c[i] = r[i];
+}
+// pairs of 16-bit floats (kernels/qgemm.cu): T from its bits, two floats packed (lo in the
+// low half) and a·b + c per half, each rounded to T once from a double
+template <class T> static T mlxcel_emu16(uint32_t bits) { T h; h.bits = uint16_t(bits); return h; }
+template <class T> static uint32_t mlxcel_emulated_pack2(float lo, float hi) {
+  return uint32_t(T(lo).bits) | (uint32_t(T(hi).bits) << 16);
+}
+template <class T> static uint32_t mlxcel_emulated_fma2(uint32_t a, uint32_t b, uint32_t c) {
+  auto one = [](uint32_t x, uint32_t y, uint32_t z) {
+    const double d = double(float(mlxcel_emu16<T>(x))) * double(float(mlxcel_emu16<T>(y))) +
+                     double(float(mlxcel_emu16<T>(z)));
+    return uint32_t(T(float(d)).bits);
+  };
+  return one(a, b, c) | (one(a >> 16, b >> 16, c >> 16) << 16);
+}
+// mma.sync.m16n8k16 with T inputs and f32 accumulators of one warp (layouts as in the PTX
+// ISA): A[row][k] is half k % 2 of register (row >= 8) + 2 (k >= 8) of lane (row % 8)·4 + (k % 8)/2,
+// B[k][col] half k % 2 of register 4 + (k >= 8) of lane col·4 + (k % 8)/2
+template <class T> static void mlxcel_emulated_mma16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                                     uint32_t a3, uint32_t b0, uint32_t b1) {
+  const unsigned t = threadIdx.x;
+  const uint32_t mine[6] = {a0, a1, a2, a3, b0, b1};
+  std::memcpy(&g_mma[6 * t], mine, sizeof mine);
+  g_barrier->arrive_and_wait();
+  const unsigned base = t & ~31u, lane = t & 31u, gid = lane >> 2, tg = lane & 3;
+  auto hv = [&](unsigned owner, int reg, int k) {
+    return double(float(mlxcel_emu16<T>(g_mma[6 * (base + owner) + reg] >> (16 * (k % 2)))));
+  };
+  auto A = [&](int row, int k) { return hv((row % 8) * 4 + (k % 8) / 2, (row >= 8) + 2 * (k >= 8), k); };
+  auto B = [&](int k, int col) { return hv(col * 4 + (k % 8) / 2, 4 + (k >= 8), k); };
+  float r[4];
+  for (int i = 0; i < 4; ++i) {
+    const int row = gid + (i >= 2 ? 8 : 0), col = 2 * tg + (i & 1);
+    double d = 0;
+    for (int k = 0; k < 16; ++k) d += A(row, k) * B(k, col);
+    r[i] = c[i] + float(d);
+  }
+  g_barrier->arrive_and_wait();
+  for (int i = 0; i < 4; ++i) c[i] = r[i];
+}
+// The kernels' reference, in double: the kernel's input rows (x, or RMSNorm(x) with
+// weight nw when norm), and its outputs against dot(m, n) (input row m times weight row n)
+// as each epilogue lays them out (y = dot, + res, or SwiGLU of the halves; or q/k/v with
+// RoPE: q heads to yq, key then value heads to ykv)
+template <class X> static std::vector<double> ref_input(const std::vector<X>& x, const std::vector<X>& nw,
+                                                        int M, int K, bool norm, int eps_bits) {
+  std::vector<double> xin(size_t(M) * K);
+  float eps;
+  std::memcpy(&eps, &eps_bits, 4);
+  for (int m = 0; m < M; ++m) {
+    double ss = 0;
+    for (int k = 0; k < K; ++k) ss += double(float(x[m * K + k])) * double(float(x[m * K + k]));
+    double f = norm ? 1.0 / std::sqrt(ss / K + double(eps)) : 1.0;
+    for (int k = 0; k < K; ++k)
+      xin[m * K + k] = double(float(x[m * K + k])) * f * (norm ? double(float(nw[k])) : 1.0);
+  }
+  return xin;
+}
+// largest |reference| and |reference - output| (a NaN output, or one never written, fails)
+struct RefErr {
+  double max_ref = 0, max_err = 0;
+  void add(double r, double got) {
+    max_ref = std::fmax(max_ref, std::fabs(r));
+    const double e = std::fabs(r - got);
+    max_err = std::isnan(e) ? INFINITY : std::fmax(max_err, e);
+  }
+};
+template <class X, class Dot> static void ref_rope(RefErr& e, Dot dot, int M, int N, int HD, int NQ,
+                                                   const int32_t* pos, const float* inv, const X* yq,
+                                                   const X* ykv) {
+  const int nkv = (N / HD - NQ) / 2;
+  for (int m = 0; m < M; ++m)
+    for (int h = 0; h < NQ + 2 * nkv; ++h)
+      for (int d = 0; d < HD / 2; ++d) {
+        double a = dot(m, h * HD + d), c = dot(m, h * HD + d + HD / 2);
+        if (h < NQ + nkv) {
+          double th = double(pos[m]) * double(inv[d]);
+          double ra = a * std::cos(th) - c * std::sin(th);
+          c = a * std::sin(th) + c * std::cos(th);
+          a = ra;
+        }
+        const X* out = h < NQ ? &yq[m * NQ * HD + h * HD] : &ykv[m * (N - NQ * HD) + (h - NQ) * HD];
+        e.add(a, double(float(out[d])));
+        e.add(c, double(float(out[d + HD / 2])));
+      }
+}
+template <class X, class Dot> static void ref_epilogue(RefErr& e, Dot dot, int M, int N, int epi, const X* res,
+                                                       const X* y) {
+  const int out_n = epi == 2 ? N / 2 : N;
+  for (int m = 0; m < M; ++m)
+    for (int n = 0; n < out_n; ++n) {
+      double r = dot(m, n);
+      if (epi == 1) r += double(float(res[m * N + n]));
+      if (epi == 2) r = r / (1.0 + std::exp(-r)) * dot(m, n + N / 2);
+      e.add(r, double(float(y[m * out_n + n])));
+    }
+}
+// every output against the reference: q/k/v with RoPE when hd > 0, else y with epilogue epi;
+// prints the line the tests read and returns the program's exit status (0: the largest error
+// below tol of the largest reference value)
+template <class X, class Dot> static int ref_check(Dot dot, int M, int N, int epi, int hd, int nq,
+                                                   const std::vector<int32_t>& pos, const std::vector<float>& inv,
+                                                   const std::vector<X>& res, const std::vector<X>& y,
+                                                   const std::vector<X>& yq, const std::vector<X>& ykv, double tol) {
+  RefErr e;
+  if (hd > 0) {
+    ref_rope(e, dot, M, N, hd, nq, pos.data(), inv.data(), yq.data(), ykv.data());
+  } else {
+    ref_epilogue(e, dot, M, N, epi, res.data(), y.data());
+  }
+  std::printf("max_err %.3e max_ref %.3e rel %.3e\n", e.max_err, e.max_ref, e.max_err / e.max_ref);
+  return e.max_err / e.max_ref < tol ? 0 : 1;
+}
+// RoPE inputs: a position per row (row 1 far out, where float angles lose digits) and MLX's
+// inverse frequencies base^(-2d/HD), base 10000
+static void rope_inputs(int M, int HD, std::vector<int32_t>& pos, std::vector<float>& inv) {
+  pos.resize(M);
+  for (int m = 0; m < M; ++m) pos[m] = m == 1 ? 70000 : 3 + 41 * m;
+  inv.resize(HD / 2);
+  for (int d = 0; d < HD / 2; ++d) inv[d] = float(std::pow(10000.0, -2.0 * d / HD));
+}
+// The quantized kernels' data (x, scales, biases, residual and norm weight at their sizes):
+// drawn at random, and bits-bit weight values q [N, K], packed into w in MLX's layout; with
+// nan_x a NaN in row 0 of x
+template <class X> static void draw_quantized(std::mt19937& rng, int N, int K, int bits, bool nan_x,
+                                              std::vector<X>& x, std::vector<X>& sc, std::vector<X>& bi,
+                                              std::vector<X>& res, std::vector<X>& nw, std::vector<uint32_t>& w,
+                                              std::vector<int>& q) {
+  std::uniform_real_distribution<float> ux(-1.f, 1.f), us(0.001f, 0.02f), ub(-0.05f, 0.05f);
+  const int vpw = 32 / bits;
+  w.assign(size_t(N) * K / vpw, 0u);
+  q.assign(size_t(N) * K, 0);
+  for (auto& v : x) v = X(ux(rng));
+  if (nan_x) x[5] = X(NAN);
+  for (auto& v : sc) v = X(us(rng));
+  for (auto& v : bi) v = X(ub(rng));
+  for (auto& v : res) v = X(ux(rng));
+  for (auto& v : nw) v = X(0.5f + ux(rng));
+  for (int n = 0; n < N; ++n)
+    for (int k = 0; k < K; ++k) {
+      int v = int(rng() % (1u << bits));
+      q[size_t(n) * K + k] = v;
+      w[(size_t(n) * K + k) / vpw] |= uint32_t(v) << (bits * (k % vpw));
+    }
+}
+// x·dequantize(w)ᵀ of the quantized kernels: weight values q [N, K], group scales and biases
+template <class X> static double ref_qdot(const std::vector<double>& xin, const std::vector<int>& q,
+                                          const std::vector<X>& sc, const std::vector<X>& bi, int K, int G,
+                                          int m, int n) {
+  double r = 0;
+  for (int k = 0; k < K; ++k) {
+    const int g = k / G;
+    const double wv = q[size_t(n) * K + k] * double(float(sc[n * (K / G) + g])) + double(float(bi[n * (K / G) + g]));
+    r += xin[size_t(m) * K + k] * wv;
+  }
+  return r;
 }
 // block-wide atomics and fences: the emulation runs one block at a time
 static int atomicAdd(int* p, int v) { int o = *p; *p += v; return o; }

@@ -1,0 +1,540 @@
+// mlxcel: quantized GEMM for batched decode, y[M, N] = x[M, K] · dequant(w)[N, K]ᵀ for
+// M = 9 … 128 batch rows (a server's concurrent streams, short prompts), reading each weight
+// once per call (the GEMV, kernels/qgemv.cu, takes M ≤ 8; 9–32 rows ran it on row chunks of
+// ≤ 8, reading every weight once per chunk).
+//
+// Weights in MLX's affine layout, as kernels/qgemv.cu reads them:
+//   w      uint32 [N, K·BITS/32]  value j of word i is bits [BITS·j, BITS·(j+1)), k = i·32/BITS + j
+//   scales T      [N, K/G]        w[n, k] = q · scale + bias, G = 32, 64 or 128
+//   biases T      [N, K/G]
+// T is bfloat16 or float16 (x, y, scales, biases, the norm weight). This file's device code
+// comes after kernels/qgemv.cu's header (mlxcel passes both to MLX as one header, so the
+// GEMV's helpers are shared, not copied). Compiled at run time by MLX (`fast::cuda_kernel`);
+// template constants MT, N, K, G, BITS, WR, WN, SK, ST, EPI, NORM, EPS_BITS (and HD, NQ for
+// the RoPE entry point). M itself is not one: the kernel reads it from x's shape (rows of
+// K), and MT (M rounded up to whole tiles of 8 rows) picks the variant, so batch sizes
+// share compiled kernels.
+//
+// Tensor cores, bf16/f16 MMAs (`mma.sync.m16n8k16`, f32 accumulators) with the weights
+// dequantized to T in registers (in the style of Marlin), not the GEMV's int8 path (x
+// rounded to int8 per group by a kernel of its own, `mma.m16n8k32` s8·s8):
+// - MLX's host work per op bounds a decode step on a GPU: the int8 path costs one more op
+//   per product (the rounding kernel), 4 per layer; here x is read as it is.
+// - Accuracy: x is not rounded (an int8 x carries up to 1/254 of its group's largest value);
+//   w is rounded to T once, as `mx.dequantize` does.
+// - Instructions: the int8 path applies scale and bias per group after each MMA, for every
+//   tile of 8 batch rows (4 accumulators × a conversion and two FMAs, per group and n-tile),
+//   which grows with M; here they are applied once per weight while dequantizing, and the
+//   MMAs accumulate across groups. bf16 MMAs run at half the int8 rate, which matters only
+//   where the kernel is compute-bound (M near 128).
+//
+// Work split: a block has WR × WN warps. Warp (wr, wn) takes two 16-row tiles of weight
+// rows (the block's rows BN = 32·WR) and n-tiles wn·NTW … of 8 batch rows (NTW = NT/WN,
+// NT = MT/8), over the block's range of K: the grid is ceil(N/BN) column blocks × SK splits
+// of K (split-K, so that shapes with few column blocks still fill the GPU).
+// K is walked in steps of 128 values. Per step:
+// - x: the block's threads stage x[0..MT)[step] into shared memory (rows ≥ M as zeros),
+//   loaded one step ahead into registers; with NORM they multiply it by the norm weight
+//   and add up Σ x² per row on the way. Staged as the MMAs' B fragments want it: each
+//   8-value word (x0 … x7) as the pairs (x0,x4) (x1,x5) (x2,x6) (x3,x7), the order the
+//   weights' nibbles unpack in (below); a row is 20 16-byte slots (16 words + padding) and
+//   word 4t + c sits at slot 4c + t, so a warp's fragment loads hit distinct banks.
+// - w: lane (g, t) (g = lane/4, t = lane%4) of a warp holds rows g and g + 8 of each of its
+//   tiles, the lane's 32 values k = 32t … 32t+31 of the step (16 bytes of 4-bit weights, 32
+//   of 8-bit: one group, G being a multiple of 32, so one scale and bias per row), loaded
+//   ST steps ahead. Word c (8 values v0 … v7) of a row becomes four T pairs
+//   (v0,v4) (v1,v5) (v2,v6) (v3,v7): 4-bit by masking nibbles j and j + 4 into the
+//   mantissas of T(128) (bf16) or T(1024) (f16), which makes 128 + v exactly, then one
+//   FMA2 subtracting it and one FMA2 with the scale and bias (one rounding, as
+//   `mx.dequantize`); 8-bit by placing the bytes in floats 2^23 + v, subtracting 2^23 and
+//   packing the exact integers to T. The pairs of word c feed two MMAs:
+//     A: a0 = (row g: v0, v4), a1 = (row g+8: v0, v4), a2 = (row g: v1, v5), a3 = (g+8: v1, v5)
+//     B: b0 = (x0, x4) of batch row 8j + g, b1 = (x1, x5)
+//   (which k of the MMA a value takes does not matter to the product as long as A and B
+//   agree), then (v2,v6) (v3,v7) with (x2,x6) (x3,x7). One B fragment load (16 bytes from
+//   shared memory) feeds the four MMAs of the warp's two tiles.
+// Split-K: with SK > 1 each block writes its f32 partial tile (and with NORM its Σ x²) to
+// `part`, in the order of its threads' registers, bumps `count[column block]` after a
+// fence, and the block that brings it to SK adds the others' partials, applies the
+// epilogue and sets the count back to zero. `part` and `count` are mlxcel's own scratch
+// (src/kernels/qgemm.rs), written through MLX's const input pointers; calls that share it
+// are ordered by a token: each call's `tok` output is the next call's `prev` input.
+//
+// EPI picks what is written, as in kernels/qgemv.cu:
+//   0: y[M, N]   = x·Wᵀ
+//   1: y[M, N]   = res + x·Wᵀ                 (res T [M, N])
+//   2: y[M, N/2] = silu(g)·u of the halves g = (x·Wᵀ)[:, :N/2], u = (x·Wᵀ)[:, N/2:]
+//      (a warp's first tile holds gate rows, its second the same up rows)
+//   3: q/k/v with RoPE on q and k (NQ query heads, then key and value heads of HD values;
+//      the first tile holds the rows d of 16 pairs (d, d + HD/2), the second their d + HD/2),
+//      q to y [M, NQ, 1, HD], key then value heads to y2 [M, 2·NKV, 1, HD]
+// NORM = 1: RMSNorm of each row of x first (x · nw · rsqrt(mean(x²) + eps), eps the float
+// with bits EPS_BITS); the rsqrt factor is applied in the epilogue.
+//
+// Parts, split at the marker lines: the header (device code) and two bodies of the
+// `__global__` function MLX generates around them:
+//   @@body       (x, w, scales, biases, res, nw, part, count, prev) -> (y, tok)      EPI 0, 1, 2
+//   @@body_rope  (x, w, scales, biases, nw, pos, inv_freq, part, count, prev) -> (q, kv, tok)
+// (res is read only with EPI 1, nw only with NORM, part/count only with SK > 1; prev and tok
+// are never touched: they only order calls in MLX's graph). The CPU tests
+// (tests/qgemm_emulated.rs) compile this file as C++ with the MMA, FMA2 and conversions
+// emulated (the `#else` branches below); `scripts/check_qgemm.py` runs it on a GPU.
+// mlxcel embeds it; `MLXCEL_QGEMM_SOURCE=path` replaces it at run time.
+// @@header
+
+// Pairs of T: 128 + v for 4 bits v in the mantissa (bf16 0x4300 | v; f16 1024 + v, 0x6400 | v),
+// 1 and minus that offset; bf: whether T is bfloat16
+template <typename T>
+struct mlxcel_k16;
+template <>
+struct mlxcel_k16<__nv_bfloat16> {
+  static constexpr bool bf = true;
+  static constexpr uint32_t magic = 0x43004300u, one = 0x3F803F80u, neg = 0xC300C300u;
+};
+template <>
+struct mlxcel_k16<__half> {
+  static constexpr bool bf = false;
+  static constexpr uint32_t magic = 0x64006400u, one = 0x3C003C00u, neg = 0xE400E400u;
+};
+
+// d = a·b + c on pairs of T (bf16x2 / f16x2), rounded once
+template <typename T>
+__device__ __forceinline__ uint32_t mlxcel_fma2(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t d;
+#if defined(__CUDA_ARCH__)
+  if constexpr (mlxcel_k16<T>::bf) {
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  } else {
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  }
+#else
+  d = mlxcel_emulated_fma2<T>(a, b, c);
+#endif
+  return d;
+}
+// two floats as a pair of T (lo in the low half), rounded to nearest even
+template <typename T>
+__device__ __forceinline__ uint32_t mlxcel_pack2(float lo, float hi) {
+  uint32_t d;
+#if defined(__CUDA_ARCH__)
+  if constexpr (mlxcel_k16<T>::bf) {
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  } else {
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(d) : "f"(hi), "f"(lo));
+  }
+#else
+  d = mlxcel_emulated_pack2<T>(lo, hi);
+#endif
+  return d;
+}
+// c += A·B of one m16n8k16 MMA with T inputs and f32 accumulators (fragments as PTX lays them
+// out: a0 = A[g][2t, 2t+1], a1 = A[g+8][2t, 2t+1], a2 = A[g][2t+8, 2t+9], a3 = A[g+8][2t+8, 2t+9],
+// b0 = B[2t, 2t+1][g], b1 = B[2t+8, 2t+9][g]; c0, c1 = C[g][2t, 2t+1], c2, c3 = C[g+8][2t, 2t+1])
+template <typename T>
+__device__ __forceinline__ void mlxcel_mma16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                             uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__)
+#define MLXCEL_MMA16(TY)                                                                                \
+  asm("mma.sync.aligned.m16n8k16.row.col.f32." TY "." TY ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, " \
+      "{%0,%1,%2,%3};\n"                                                                               \
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                                                 \
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1))
+  if constexpr (mlxcel_k16<T>::bf) {
+    MLXCEL_MMA16("bf16");
+  } else {
+    MLXCEL_MMA16("f16");
+  }
+#undef MLXCEL_MMA16
+#else
+  mlxcel_emulated_mma16<T>(c, a0, a1, a2, a3, b0, b1);
+#endif
+}
+
+// The four T pairs (v0,v4) (v1,v5) (v2,v6) (v3,v7) of the 8 weights of a 4-bit word, or of
+// two 8-bit words (lo: v0 … v3, hi: v4 … v7), dequantized with the pair (s, s) and (b, b).
+template <typename T, int BITS>
+__device__ __forceinline__ void mlxcel_dequant8(uint32_t lo, uint32_t hi, uint32_t s2, uint32_t b2,
+                                                uint32_t (&p)[4]) {
+  if constexpr (BITS == 4) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const uint32_t v = ((lo >> (4 * j)) & 0x000F000Fu) | mlxcel_k16<T>::magic;
+      p[j] = mlxcel_fma2<T>(mlxcel_fma2<T>(v, mlxcel_k16<T>::one, mlxcel_k16<T>::neg), s2, b2);
+    }
+    (void)hi;
+  } else {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      // byte j of each word in a float 2^23 + v (bytes: v, 0, 0, 0x4B), less 2^23: exact
+      const float a = __uint_as_float(__byte_perm(lo, 0x4B000000u, 0x7540 + j)) - 8388608.f;
+      const float c = __uint_as_float(__byte_perm(hi, 0x4B000000u, 0x7540 + j)) - 8388608.f;
+      p[j] = mlxcel_fma2<T>(mlxcel_pack2<T>(a, c), s2, b2);
+    }
+  }
+}
+
+// rows of x: the product of x's dimensions over K (MLX passes the shape zero-padded to
+// MAX_NDIM dimensions)
+#ifndef MAX_NDIM
+#define MAX_NDIM 10
+#endif
+template <int K, typename S>
+__device__ __forceinline__ int mlxcel_qgemm_rows(const S& shape) {
+  long long n = 1;
+#pragma unroll
+  for (int i = 0; i < MAX_NDIM; ++i) {
+    if (shape[i] <= 0) {
+      break;
+    }
+    n *= shape[i];
+  }
+  return int(n / K);
+}
+
+template <typename T, int MT, int N, int K, int G, int BITS, int WR, int WN, int SK, int ST, int EPI,
+          int NORM, int EPS_BITS, int HD, int NQ>
+__device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, const T* scales, const T* biases,
+                                             const T* res, const T* nw, const float* part_in,
+                                             const int32_t* count_in, const int M, const int32_t* pos,
+                                             const float* inv_freq, T* y, T* y2) {
+  static_assert(BITS == 4 || BITS == 8, "qgemm: 4 or 8 bits");
+  static_assert((G == 32 || G == 64 || G == 128) && K % 128 == 0 && K % G == 0,
+                "qgemm: groups of 32, 64 or 128 values, K a multiple of 128");
+  static_assert(MT % 8 == 0 && MT >= 8 && MT <= 128, "qgemm: 8 to 128 batch rows in tiles of 8");
+  static_assert((MT / 8) % WN == 0, "qgemm: the n-tiles split evenly over WN warps");
+  static_assert((K / 128) % SK == 0 && ST >= 1, "qgemm: SK divides the steps of a row");
+  static_assert(EPI < 2 || N % 2 == 0, "qgemm: SwiGLU and RoPE need pairs of rows");
+  static_assert(EPI != 3 || (HD % 2 == 0 && N % HD == 0 && N / HD > NQ && (N / HD - NQ) % 2 == 0),
+                "qgemm: RoPE needs N = (NQ + 2 NKV) HD");
+  constexpr int NT = MT / 8;                     // n-tiles (8 batch rows each)
+  constexpr int NTW = NT / WN;                   // n-tiles per warp
+  constexpr int TPB = 32 * WR * WN;              // threads per block
+  constexpr int BN = 32 * WR;                    // weight rows per block
+  constexpr int NS = K / 128 / SK;               // steps of 128 values per split
+  constexpr int KW = K * BITS / 32;              // words per weight row
+  constexpr int GPR = K / G;                     // groups per row
+  constexpr int LQ = BITS / 4;                   // 16-byte loads per lane, row and step
+  constexpr int RS = 20;                         // shared-memory row of x: 16-byte slots
+  constexpr int XR = (MT * 16 + TPB - 1) / TPB;  // 16-byte slots of x a thread stages
+  constexpr int HALF = N / 2;
+  constexpr int HD2 = HD > 0 ? HD / 2 : 1;
+  constexpr int CB = (N + BN - 1) / BN;          // column blocks
+  static_assert(TPB % 16 == 0, "qgemm: a staging thread keeps its word of x");
+  __shared__ uint4 xs[MT * RS];
+  __shared__ float ss_sm[MT];
+  __shared__ int last_sm;
+
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int wr = warp % WR;
+  const int wn = warp / WR;
+  const int gq = lane >> 2;
+  const int t = lane & 3;
+  const int cb = int(blockIdx.x) / SK;
+  const int split = int(blockIdx.x) % SK;
+
+  // weight row of row r of tile i of this warp, -1 past the end; with EPI 2 and 3 the pair
+  // index p = cb·BN/2 + wr·16 + r names the first tile's row and the second's
+  auto row_of = [&](int i, int r) -> int {
+    if constexpr (EPI == 2 || EPI == 3) {
+      const int p = cb * (BN / 2) + wr * 16 + r;
+      if (p >= HALF) {
+        return -1;
+      }
+      if constexpr (EPI == 2) {
+        return i == 0 ? p : HALF + p;
+      } else {
+        return (p / HD2) * HD + p % HD2 + (i ? HD2 : 0);
+      }
+    } else {
+      const int n = cb * BN + wr * 32 + i * 16 + r;
+      return n < N ? n : -1;
+    }
+  };
+  int rows[2][2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      rows[i][h] = row_of(i, gq + 8 * h);
+    }
+  }
+
+  // ---- loads ----
+  uint4 wb[ST][2][2][LQ];  // step slot, tile, row (gq, gq + 8), 16-byte part
+  uint32_t sb[ST][2][2];   // the row's scale (low half) and bias (high half) for the lane's group
+  const unsigned short* s16 = reinterpret_cast<const unsigned short*>(scales);
+  const unsigned short* b16 = reinterpret_cast<const unsigned short*>(biases);
+  auto load_w = [&](int s, int slot) {
+    const int step = split * NS + s;
+    const int gi = (step * 128 + 32 * t) / G;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = rows[i][h];
+        const bool in = row >= 0 && s < NS;
+        const uint4* p = reinterpret_cast<const uint4*>(w + size_t(in ? row : 0) * KW + size_t(step) * 4 * BITS +
+                                                        t * BITS);
+#pragma unroll
+        for (int l = 0; l < LQ; ++l) {
+          wb[slot][i][h][l] = in ? p[l] : make_uint4(0u, 0u, 0u, 0u);
+        }
+        const size_t si = size_t(in ? row : 0) * GPR + (in ? gi : 0);
+        sb[slot][i][h] = in ? uint32_t(s16[si]) | (uint32_t(b16[si]) << 16) : 0u;
+      }
+    }
+  };
+  uint4 xr[XR];
+  const int xq = tid % 16;                 // the slot this thread stages in its rows
+  const int xw = (xq % 4) * 4 + xq / 4;    // ... holds word xw (8 values) of the step
+  auto load_x = [&](int s) {
+    const int k0 = (split * NS + s) * 128;
+#pragma unroll
+    for (int j = 0; j < XR; ++j) {
+      const int i = tid + j * TPB;
+      const int row = i / 16;
+      const bool in = (MT * 16 % TPB == 0 || i < MT * 16) && row < M && s < NS;
+      xr[j] = in ? *reinterpret_cast<const uint4*>(x + size_t(row) * K + k0 + 8 * xw) : make_uint4(0u, 0u, 0u, 0u);
+    }
+  };
+  float ssr[XR];  // NORM: Σ x² of this thread's part of its rows
+#pragma unroll
+  for (int j = 0; j < XR; ++j) {
+    ssr[j] = 0.f;
+  }
+  auto store_x = [&](int s) {
+    float g8[8];
+    if constexpr (NORM) {
+      const int k0 = (split * NS + s) * 128;
+      mlxcel_h8<T>(*reinterpret_cast<const uint4*>(nw + k0 + 8 * xw), g8);
+    }
+#pragma unroll
+    for (int j = 0; j < XR; ++j) {
+      const int i = tid + j * TPB;
+      if (MT * 16 % TPB == 0 || i < MT * 16) {
+        const uint4 v = xr[j];
+        uint4 o;
+        if constexpr (NORM) {
+          float f[8];
+          mlxcel_h8<T>(v, f);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) {
+            ssr[j] = fmaf(f[e], f[e], ssr[j]);
+            f[e] *= g8[e];
+          }
+          o = make_uint4(mlxcel_pack2<T>(f[0], f[4]), mlxcel_pack2<T>(f[1], f[5]),
+                         mlxcel_pack2<T>(f[2], f[6]), mlxcel_pack2<T>(f[3], f[7]));
+        } else {
+          // (x0,x1) (x2,x3) (x4,x5) (x6,x7) → (x0,x4) (x1,x5) (x2,x6) (x3,x7)
+          o = make_uint4(__byte_perm(v.x, v.z, 0x5410), __byte_perm(v.x, v.z, 0x7632),
+                         __byte_perm(v.y, v.w, 0x5410), __byte_perm(v.y, v.w, 0x7632));
+        }
+        xs[(i / 16) * RS + xq] = o;
+      }
+    }
+  };
+
+  // ---- the product ----
+  float acc[2][NTW][4];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+#pragma unroll
+    for (int j = 0; j < NTW; ++j) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        acc[i][j][c] = 0.f;
+      }
+    }
+  }
+  auto compute = [&](int slot) {
+    uint32_t s2[2][2], b2[2][2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint32_t v = sb[slot][i][h];
+        s2[i][h] = (v & 0xFFFFu) | (v << 16);
+        b2[i][h] = (v >> 16) | (v & 0xFFFF0000u);
+      }
+    }
+    // (one word at a time: unrolled, the compiler dequantized every word up front, which
+    // took 64 more registers and spilled at 8 bits)
+#pragma unroll 1
+    for (int c = 0; c < 4; ++c) {
+      uint32_t a[2][2][4];  // tile, row, pair
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const uint4* q = wb[slot][i][h];
+          uint32_t lo, hi;
+          if constexpr (BITS == 4) {
+            lo = c == 0 ? q[0].x : c == 1 ? q[0].y : c == 2 ? q[0].z : q[0].w;
+            hi = 0u;
+          } else {
+            const uint4 u = c < 2 ? q[0] : q[LQ - 1];
+            lo = (c % 2) ? u.z : u.x;
+            hi = (c % 2) ? u.w : u.y;
+          }
+          mlxcel_dequant8<T, BITS>(lo, hi, s2[i][h], b2[i][h], a[i][h]);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < NTW; ++j) {
+        const uint4 bv = xs[(8 * (wn * NTW + j) + gq) * RS + 4 * c + t];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          mlxcel_mma16<T>(acc[i][j], a[i][0][0], a[i][1][0], a[i][0][1], a[i][1][1], bv.x, bv.y);
+          mlxcel_mma16<T>(acc[i][j], a[i][0][2], a[i][1][2], a[i][0][3], a[i][1][3], bv.z, bv.w);
+        }
+      }
+    }
+  };
+
+#pragma unroll
+  for (int u = 0; u + 1 < ST; ++u) {
+    load_w(u, u);
+  }
+  load_x(0);
+  for (int s0 = 0; s0 < NS; s0 += ST) {
+#pragma unroll
+    for (int u = 0; u < ST; ++u) {
+      const int s = s0 + u;
+      if (s < NS) {  // (uniform over the block)
+        load_w(s + ST - 1, (u + ST - 1) % ST);  // into the slot step s - 1 used
+        __syncthreads();                         // step s - 1's reads of xs are done
+        store_x(s);
+        __syncthreads();
+        load_x(s + 1);
+        compute(u);
+      }
+    }
+  }
+
+  // ---- Σ x² of each row (NORM), the split-K reduction ----
+  if constexpr (NORM) {
+#pragma unroll
+    for (int j = 0; j < XR; ++j) {
+      float v = ssr[j];
+#pragma unroll
+      for (int o = 8; o > 0; o >>= 1) {  // the 16 threads of a row are adjacent lanes
+        v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
+      }
+      const int i = tid + j * TPB;
+      if (xq == 0 && (MT * 16 % TPB == 0 || i < MT * 16)) {
+        ss_sm[i / 16] = v;
+      }
+    }
+  }
+  if constexpr (SK > 1) {
+    constexpr int NV = 2 * NTW;  // float4s per thread
+    float* part = const_cast<float*>(part_in);
+    float4* mine = reinterpret_cast<float4*>(part) + (size_t(cb) * SK + split) * NV * TPB;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+#pragma unroll
+      for (int j = 0; j < NTW; ++j) {
+        mine[(i * NTW + j) * TPB + tid] = make_float4(acc[i][j][0], acc[i][j][1], acc[i][j][2], acc[i][j][3]);
+      }
+    }
+    float* ssp = part + size_t(CB) * SK * NV * TPB * 4;  // after every block's tile
+    if constexpr (NORM) {
+      __syncthreads();  // ss_sm written
+      for (int m = tid; m < MT; m += TPB) {
+        ssp[(size_t(cb) * SK + split) * MT + m] = ss_sm[m];
+      }
+    }
+    __threadfence();
+    __syncthreads();
+    int32_t* count = const_cast<int32_t*>(count_in) + cb;
+    if (tid == 0) {
+      last_sm = atomicAdd(count, 1) == SK - 1;
+    }
+    __syncthreads();
+    if (!last_sm) {
+      return;
+    }
+    __threadfence();
+    for (int o = 0; o < SK; ++o) {
+      if (o == split) {
+        continue;
+      }
+      const float* other = part + (size_t(cb) * SK + o) * NV * TPB * 4;
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+#pragma unroll
+        for (int j = 0; j < NTW; ++j) {
+          const float* p = other + (size_t(i * NTW + j) * TPB + tid) * 4;
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            acc[i][j][c] += __ldcg(p + c);
+          }
+        }
+      }
+    }
+    if constexpr (NORM) {
+      for (int m = tid; m < MT; m += TPB) {
+        float v = 0.f;
+        for (int o = 0; o < SK; ++o) {
+          v += __ldcg(ssp + (size_t(cb) * SK + o) * MT + m);
+        }
+        ss_sm[m] = v;
+      }
+    }
+    if (tid == 0) {
+      atomicExch(count, 0);
+    }
+  }
+  if constexpr (NORM) {
+    __syncthreads();  // ss_sm complete
+  }
+
+  // ---- epilogue: lane (gq, t) holds rows gq (c = 0, 1) and gq + 8 (c = 2, 3) of each tile
+  // for batch rows 8·(wn·NTW + j) + 2t + (c & 1) ----
+#pragma unroll
+  for (int j = 0; j < NTW; ++j) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int h = c >> 1;
+      const int m = 8 * (wn * NTW + j) + 2 * t + (c & 1);
+      if (m >= M) {
+        continue;
+      }
+      float f = 1.f;
+      if constexpr (NORM) {
+        f = rsqrtf(ss_sm[m] / float(K) + __int_as_float(EPS_BITS));
+      }
+      if constexpr (EPI == 0 || EPI == 1) {
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const int row = rows[i][h];
+          if (row >= 0) {
+            const size_t at = size_t(m) * N + row;
+            float v = acc[i][j][c] * f;
+            if constexpr (EPI == 1) {
+              v += static_cast<float>(res[at]);
+            }
+            y[at] = static_cast<T>(v);
+          }
+        }
+      } else if (rows[0][h] >= 0) {
+        const float a = acc[0][j][c] * f;
+        const float b = acc[1][j][c] * f;
+        const int p = cb * (BN / 2) + wr * 16 + gq + 8 * h;
+        if constexpr (EPI == 2) {
+          y[size_t(m) * HALF + p] = static_cast<T>(a / (1.f + expf(-a)) * b);
+        } else {
+          mlxcel_rope_store<T, N, HD, NQ>(a, b, m, p, pos, inv_freq, y, y2);
+        }
+      }
+    }
+  }
+}
+// @@body
+  mlxcel_qgemm<T, MT, N, K, G, BITS, WR, WN, SK, ST, EPI, NORM, EPS_BITS, 0, 0>(
+      x, w, scales, biases, res, nw, part, count, mlxcel_qgemm_rows<K>(x_shape), nullptr, nullptr, y, nullptr);
+// @@body_rope
+  mlxcel_qgemm<T, MT, N, K, G, BITS, WR, WN, SK, ST, 3, NORM, EPS_BITS, HD, NQ>(
+      x, w, scales, biases, nw, nw, part, count, mlxcel_qgemm_rows<K>(x_shape), pos, inv_freq, q, kv);

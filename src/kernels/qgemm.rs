@@ -1,0 +1,726 @@
+//! mlxcel's quantized GEMM (`kernels/qgemm.cu`): `x · dequantize(w)ᵀ` for batches of
+//! [`MIN_M`]–[`MAX_M`] rows (a server's concurrent streams, short prompts) on MLX's CUDA
+//! backend, reading each weight once per call where the GEMV ([`super::qgemv`], up to 8 rows
+//! a launch) reads it once per chunk of 8 rows. 4- and 8-bit weights in groups of 32, 64 or
+//! 128, bf16 or f16 activations, with the GEMV's fusions: RMSNorm of x, the residual add,
+//! SwiGLU of a merged gate/up weight, RoPE on q and k of a merged q/k/v weight.
+//!
+//! Off unless `MLXCEL_QGEMM=1` (until it is checked and timed on a GPU:
+//! `scripts/check_qgemm.py`, `scripts/gpu/qgemm.sh`); callers then keep the GEMV on row
+//! chunks and MLX's kernels. `MLXCEL_QGEMM_SOURCE=path` loads another kernel file at run time.
+use std::cell::RefCell;
+use std::sync::OnceLock;
+
+use super::gemv::{split_source, Source, ROPE_MARK};
+use super::qgemv::{self, check_rope_inputs, fnv1a32, header_for_mlx, norm_input, Epilogue};
+use super::{gpu, knobs};
+use crate::mlx::fast::CudaKernel;
+use crate::mlx::{self, Array, Backend, Dtype, MlxError, Result};
+
+/// Smallest batch the GEMM takes by default: batches up to 8 stay on the GEMV, one launch.
+pub const MIN_M: usize = 9;
+/// Largest batch the kernel covers (16 tiles of 8 rows); longer inputs (prefill) keep
+/// dequantize + GEMM.
+pub const MAX_M: usize = 128;
+/// Most splits of K per column block by default (`MLXCEL_QGEMM_SPLITK` sets another).
+pub const MAX_SPLITS: usize = 16;
+/// Largest value `MLXCEL_QGEMM_SPLITK` takes.
+pub const SPLITS_LIMIT: usize = 64;
+/// Fewest steps of 128 values a split of K takes.
+pub const MIN_SPLIT_STEPS: usize = 2;
+
+const EMBEDDED: &str = include_str!("../../kernels/qgemm.cu");
+
+/// `mlxcel_qgemm_<FNV-1a of the GEMV's header and this source, 32 bits>` (MLX caches
+/// compiled kernels by name; `scripts/check_qgemm.py` names it the same way). The file has
+/// the dense GEMV's layout (a header, `@@body`, `@@body_rope`), so it is split as that one is.
+pub fn kernel_name(src: &Source, gemv_header: &str) -> String {
+    let h = fnv1a32(&[
+        gemv_header,
+        &src.header,
+        &src.body,
+        ROPE_MARK,
+        &src.body_rope,
+    ]);
+    format!("mlxcel_qgemm_{h:08x}")
+}
+
+fn source() -> Result<&'static Source> {
+    static SOURCE: OnceLock<std::result::Result<Source, String>> = OnceLock::new();
+    SOURCE
+        .get_or_init(|| match &knobs::get().qgemm_source {
+            Some(path) => std::fs::read_to_string(path)
+                .map_err(|e| {
+                    format!(
+                        "MLXCEL_QGEMM_SOURCE={}: cannot read it: {e}",
+                        path.display()
+                    )
+                })
+                .and_then(|t| {
+                    split_source(&t)
+                        .map_err(|e| format!("MLXCEL_QGEMM_SOURCE={}: {e}", path.display()))
+                }),
+            None => split_source(EMBEDDED).map_err(|e| format!("embedded kernels/qgemm.cu: {e}")),
+        })
+        .as_ref()
+        .map_err(|e| MlxError::Invalid(e.clone()))
+}
+
+/// The plain kernel's name and the RoPE entry point's (`<name>_rope`), and the header MLX
+/// gets: the GEMV's device code, then the GEMM's (an `#include` of a cached file holding
+/// both, see [`header_for_mlx`]).
+fn kernel() -> Result<&'static (String, String, String)> {
+    static KERNEL: OnceLock<std::result::Result<(String, String, String), String>> =
+        OnceLock::new();
+    KERNEL
+        .get_or_init(|| {
+            let (src, gemv) = match (source(), qgemv::header()) {
+                (Ok(s), Ok(g)) => (s, g),
+                (Err(e), _) | (_, Err(e)) => return Err(e.to_string()),
+            };
+            let name = kernel_name(src, gemv);
+            let header = header_for_mlx(&name, &format!("{gemv}{}", src.header));
+            Ok((name.clone(), name + "_rope", header))
+        })
+        .as_ref()
+        .map_err(|e| MlxError::Invalid(e.clone()))
+}
+
+/// Whether the GEMM is used: `MLXCEL_QGEMM=1`, MLX's CUDA backend, a GPU with bf16 MMAs.
+pub fn enabled() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| {
+        knobs::get().qgemm && mlx::backend() == Backend::Cuda && gpu::this_gpu().has_bf16_mma()
+    })
+}
+
+/// The batch rows the GEMM takes (`MLXCEL_QGEMM_MIN_M`, `MLXCEL_QGEMM_MAX_M`).
+fn batches() -> std::ops::RangeInclusive<usize> {
+    let k = knobs::get();
+    k.qgemm_min_m.unwrap_or(MIN_M)..=k.qgemm_max_m.unwrap_or(MAX_M)
+}
+
+/// Whether the kernel covers `x [m, k] · w [n, k]ᵀ` with these bits, group and dtypes
+/// (besides [`enabled`]): a batch in range, 4 or 8 bits in groups of 32/64/128, k a
+/// multiple of 128, bf16 or f16 activations with scales of the same type.
+pub fn supports(
+    m: usize,
+    n: usize,
+    k: usize,
+    group: usize,
+    bits: usize,
+    dtypes: [Dtype; 2],
+) -> bool {
+    batches().contains(&m) && shape_fits(n, k, group, bits) && dtypes_fit(dtypes)
+}
+
+fn shape_fits(n: usize, k: usize, group: usize, bits: usize) -> bool {
+    matches!(bits, 4 | 8)
+        && matches!(group, 32 | 64 | 128)
+        && n > 0
+        && k > 0
+        && k.is_multiple_of(128)
+        && k.is_multiple_of(group)
+}
+
+fn dtypes_fit(dtypes: [Dtype; 2]) -> bool {
+    matches!(
+        dtypes,
+        [Dtype::BF16, Dtype::BF16] | [Dtype::F16, Dtype::F16]
+    )
+}
+
+/// Whether [`Epilogue::SwiGlu`] fits a merged gate/up weight of `n` rows: pairs of rows.
+pub fn supports_swiglu(n: usize) -> bool {
+    n.is_multiple_of(2)
+}
+
+/// Whether [`qgemm_rope`] covers a merged q/k/v weight of `n` rows for `nq` query heads of
+/// `head_dim`: whole heads, as many key as value heads.
+pub fn supports_rope(n: usize, nq: usize, head_dim: usize) -> bool {
+    head_dim > 0
+        && head_dim.is_multiple_of(2)
+        && n.is_multiple_of(head_dim)
+        && n / head_dim > nq
+        && (n / head_dim - nq).is_multiple_of(2)
+}
+
+/// A launch: `mt` batch rows (M rounded up to the variant's tiles of 8), `wr` × `wn` warps
+/// (each 32 weight rows and `mt / 8 / wn` tiles of 8 batch rows), `sk` splits of K,
+/// `st` steps of weight loads a lane keeps in flight.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Launch {
+    pub mt: usize,
+    pub wr: usize,
+    pub wn: usize,
+    pub sk: usize,
+    pub st: usize,
+}
+
+impl Launch {
+    /// Weight rows per block.
+    pub fn rows(&self) -> usize {
+        32 * self.wr
+    }
+    /// Threads per block.
+    pub fn threads(&self) -> usize {
+        32 * self.wr * self.wn
+    }
+    /// Column blocks of an `n`-row weight (the grid is these × `sk`).
+    pub fn column_blocks(&self, n: usize) -> usize {
+        n.div_ceil(self.rows())
+    }
+    /// f32 scratch the split-K reduction takes for an `n`-row weight: every block's tile
+    /// (in its threads' register order) and Σ x² per batch row.
+    pub fn scratch_floats(&self, n: usize) -> usize {
+        if self.sk < 2 {
+            return 0;
+        }
+        let per_block = 2 * (self.mt / 8 / self.wn) * 4 * self.threads() + self.mt;
+        self.column_blocks(n) * self.sk * per_block
+    }
+}
+
+/// The batch rows of the variant that runs `m` rows: whole tiles of 8, an even number of
+/// them above 8 tiles (two warps share them out).
+pub fn variant_rows(m: usize) -> usize {
+    let mut nt = m.div_ceil(8).max(1);
+    if nt > 8 {
+        nt += nt % 2;
+    }
+    8 * nt
+}
+
+/// Every variant's batch rows from `lo` to `hi` rows (what a warm-up runs to compile them).
+pub fn variants(lo: usize, hi: usize) -> Vec<usize> {
+    let mut v: Vec<usize> = (lo.max(1)..=hi.min(MAX_M)).map(variant_rows).collect();
+    v.dedup();
+    v
+}
+
+/// Batch sizes from `lo` to `hi` rows, one in each of the GEMM's variants there (the
+/// variant's rows, or `hi` for the last): what a warm-up runs so that MLX compiles them at
+/// start-up. Empty when the GEMM is off.
+pub fn warm_rows(lo: usize, hi: usize) -> Vec<usize> {
+    if !enabled() {
+        return Vec::new();
+    }
+    let r = batches();
+    variants(lo.max(*r.start()), hi.min(*r.end()))
+        .into_iter()
+        .map(|v| v.min(hi))
+        .collect()
+}
+
+/// The launch for `m` rows of a `[n, k]` weight on this machine (see [`launch_for`]).
+pub fn launch_config(m: usize, n: usize, k: usize, bits: usize) -> Launch {
+    let sms = gpu::this_gpu().sms.unwrap_or(gpu::DEFAULT_SMS);
+    let splits = knobs::get().qgemm_splitk.unwrap_or(MAX_SPLITS);
+    launch_for(m, n, k, bits, sms, splits)
+}
+
+/// 4 warp rows (128 weight rows a block; x, staged in shared memory, is read once per
+/// block, so fewer rows per block read it more often), one warp per row of tiles up to 8
+/// tiles of batch rows and two above (64 accumulators a lane either way); 3 steps of
+/// 4-bit weight loads in flight, 2 of 8-bit (the same bytes), one fewer from 64 rows. K is split over the fewest
+/// blocks that give the GPU's `sms` at least one block each (dividing the row's steps, at
+/// least [`MIN_SPLIT_STEPS`] each, at most `max_splits`; the most that allows when none
+/// reaches it). Not yet tuned on a GPU (`scripts/check_qgemm.py --sweep` times others).
+pub fn launch_for(
+    m: usize,
+    n: usize,
+    k: usize,
+    bits: usize,
+    sms: usize,
+    max_splits: usize,
+) -> Launch {
+    let mt = variant_rows(m);
+    let wn = if mt > 64 { 2 } else { 1 };
+    let wr = 4;
+    // (from 64 rows one step fewer: the 64 accumulators and the staged x leave no room,
+    // ptxas spilled at 8 bits with 2; tests/kernel_cache.rs checks with MLXCEL_PTXAS)
+    let st = if bits == 4 { 3 } else { 2 } - usize::from(mt >= 64);
+    let cb = n.div_ceil(32 * wr).max(1);
+    let steps = k / 128;
+    let splits: Vec<usize> = (1..=steps)
+        .filter(|&d| {
+            steps.is_multiple_of(d) && (d == 1 || steps / d >= MIN_SPLIT_STEPS) && d <= max_splits
+        })
+        .collect();
+    let want = sms.div_ceil(cb);
+    let sk = splits
+        .iter()
+        .copied()
+        .find(|&d| d >= want)
+        .or_else(|| splits.last().copied())
+        .unwrap_or(1);
+    Launch { mt, wr, wn, sk, st }
+}
+
+/// Per thread: the split-K scratch (f32 partial tiles, i32 counts left at zero by every
+/// call) and the last call's `tok` output. A call that uses the scratch takes the previous
+/// one's `tok` as an input, so MLX's graph orders every call on this thread after the one
+/// before (it would otherwise run calls with no data between them side by side). MLX's
+/// state is per thread, so is this.
+struct Scratch {
+    part: Array,
+    count: Array,
+    floats: usize,
+    blocks: usize,
+    prev: Option<Array>,
+}
+
+thread_local! {
+    static SCRATCH: RefCell<Option<Scratch>> = const { RefCell::new(None) };
+}
+
+/// The scratch with room for `floats` partial values and `blocks` counts, made (zeros,
+/// evaluated now) or grown as needed.
+fn scratch(floats: usize, blocks: usize) -> Result<(Array, Array, Option<Array>)> {
+    SCRATCH.with(|cell| {
+        let mut s = cell.borrow_mut();
+        if s.as_ref()
+            .is_none_or(|s| s.floats < floats || s.blocks < blocks)
+        {
+            let floats = floats
+                .max(s.as_ref().map_or(1, |s| s.floats))
+                .next_power_of_two();
+            let blocks = blocks
+                .max(s.as_ref().map_or(1, |s| s.blocks))
+                .next_power_of_two();
+            let part = Array::zeros(&[floats as i32], Dtype::F32)?;
+            let count = Array::zeros(&[blocks as i32], Dtype::I32)?;
+            // materialised now: the kernel must get these buffers, zeroed
+            mlx::eval(&[&part, &count])?;
+            let prev = s.take().and_then(|s| s.prev);
+            *s = Some(Scratch {
+                part,
+                count,
+                floats,
+                blocks,
+                prev,
+            });
+        }
+        let s = s.as_ref().expect("made above");
+        Ok((s.part.clone(), s.count.clone(), s.prev.clone()))
+    })
+}
+
+fn set_prev(tok: Array) {
+    SCRATCH.with(|cell| {
+        if let Some(s) = cell.borrow_mut().as_mut() {
+            s.prev = Some(tok);
+        }
+    });
+}
+
+/// The template values both bodies start with (MT, N, K, G, BITS, WR, WN, SK, ST), then `rest`.
+fn template_values(l: &Launch, [n, k, group, bits]: [usize; 4], rest: &[usize]) -> Vec<i32> {
+    [l.mt, n, k, group, bits, l.wr, l.wn, l.sk, l.st]
+        .iter()
+        .chain(rest)
+        .map(|&v| v as i32)
+        .collect()
+}
+
+/// `(n, k, m)` of `x · w[n, k]ᵀ` for `bits`-bit weights, or an error naming `what` when x
+/// is not whole rows of k, at most [`MAX_M`] of them, or the shape is not the kernel's.
+fn dims(
+    what: &str,
+    x: &Array,
+    w: &Array,
+    group: usize,
+    bits: usize,
+) -> Result<(usize, usize, usize)> {
+    let n = w.dim(0) as usize;
+    let k = w.dim(1) as usize * 32 / bits.max(1);
+    let m = x.size() / k.max(1);
+    if x.size() != m * k || !(1..=MAX_M).contains(&m) || !shape_fits(n, k, group, bits) {
+        return Err(MlxError::Invalid(format!(
+            "{what}: x of {} elements and a [{n}, {k}] weight ({bits} bits, group {group}) do \
+             not fit the kernel (whole rows of k, 1-{MAX_M} of them, k a multiple of 128)",
+            x.size()
+        )));
+    }
+    Ok((n, k, m))
+}
+
+/// What a call of either body needs besides its own inputs.
+struct Call<'a> {
+    name: &'a str,
+    body: &'a str,
+    input_names: &'a [String],
+    output_names: &'a [String],
+    template_names: &'a [String],
+}
+
+/// Run `call` on `inputs` (the body's inputs before `part`, `count`, `prev`) with
+/// `template_values`, outputs shaped `out_shapes` (and `tok`), for launch `l` of an
+/// `n`-row weight; returns the outputs before `tok`.
+fn launch(
+    call: Call<'_>,
+    inputs: &[&Array],
+    x: &Array,
+    out_shapes: &[&[i32]],
+    template_values: &[i32],
+    l: Launch,
+    n: usize,
+) -> Result<Vec<Array>> {
+    let (_, _, header) = kernel()?;
+    let blocks = l.column_blocks(n);
+    let (part, count, prev) = scratch(l.scratch_floats(n), blocks)?;
+    // only calls that use the scratch are chained; the others take x in its place
+    let chain = l.sk > 1;
+    let prev = prev.filter(|_| chain);
+    let mut all: Vec<&Array> = inputs.to_vec();
+    all.extend([&part, &count, prev.as_ref().unwrap_or(x)]);
+    let mut shapes: Vec<&[i32]> = out_shapes.to_vec();
+    shapes.push(&[1]);
+    let kernel = CudaKernel {
+        name: call.name,
+        input_names: call.input_names,
+        output_names: call.output_names,
+        header,
+        body: call.body,
+    };
+    let threads = l.threads() as i32;
+    let mut out = kernel.call(
+        &all,
+        &shapes,
+        x.dtype(),
+        call.template_names,
+        template_values,
+        x.dtype(),
+        [(blocks * l.sk) as i32 * threads, 1, 1],
+        [threads, 1, 1],
+    )?;
+    let tok = out
+        .pop()
+        .ok_or_else(|| MlxError::Invalid("qgemm: the kernel returned no outputs".into()))?;
+    if chain {
+        set_prev(tok);
+    }
+    Ok(out)
+}
+
+/// `x · dequantize(w, scales, biases)ᵀ` with the kernel, x read as `m` rows of `k` (any
+/// shape of `m · k` elements), the result shaped `out_shape` (`m · n` elements, `m · n / 2`
+/// for [`Epilogue::SwiGlu`]); with `norm = Some((weight, eps))` each row of x is
+/// RMS-normalised first, in the same kernel. The caller checks [`enabled`] and
+/// [`supports`] (and [`supports_swiglu`]).
+#[allow(clippy::too_many_arguments)]
+pub fn qgemm(
+    x: &Array,
+    w: &Array,
+    scales: &Array,
+    biases: &Array,
+    group: usize,
+    bits: usize,
+    out_shape: &[i32],
+    epi: Epilogue<'_>,
+    norm: Option<(&Array, f32)>,
+) -> Result<Array> {
+    let (n, k, m) = dims("qgemm", x, w, group, bits)?;
+    let swiglu = matches!(epi, Epilogue::SwiGlu);
+    let out_n = if swiglu { n / 2 } else { n };
+    let out_size: i64 = out_shape.iter().map(|&d| d as i64).product();
+    if out_size != (m * out_n) as i64 || (swiglu && !supports_swiglu(n)) {
+        return Err(MlxError::Invalid(format!(
+            "qgemm: output {out_shape:?} does not fit {m} rows of a [{n}, {k}] weight{}",
+            if swiglu { " with SwiGLU" } else { "" }
+        )));
+    }
+    let res = match epi {
+        Epilogue::Residual(r) if r.size() != m * n || r.dtype() != x.dtype() => {
+            return Err(MlxError::Invalid(format!(
+                "qgemm: residual {:?} {:?} does not match the output [{m}, {n}] {:?}",
+                r.shape(),
+                r.dtype(),
+                x.dtype()
+            )))
+        }
+        Epilogue::Residual(r) => r,
+        _ => x, // not read
+    };
+    let (nw, eps) = norm_input("qgemm", norm, x, k)?;
+    let src = source()?;
+    let (name, _, _) = kernel()?;
+    static NAMES: OnceLock<([String; 9], [String; 2], [String; 12])> = OnceLock::new();
+    let (inputs, outputs, tnames) = NAMES.get_or_init(|| {
+        (
+            [
+                "x", "w", "scales", "biases", "res", "nw", "part", "count", "prev",
+            ]
+            .map(String::from),
+            ["y", "tok"].map(String::from),
+            [
+                "MT", "N", "K", "G", "BITS", "WR", "WN", "SK", "ST", "EPI", "NORM", "EPS_BITS",
+            ]
+            .map(String::from),
+        )
+    });
+    let l = launch_config(m, n, k, bits);
+    let tvals = template_values(
+        &l,
+        [n, k, group, bits],
+        &[epi.code(), norm.is_some() as usize, eps.to_bits() as usize],
+    );
+    let mut out = launch(
+        Call {
+            name,
+            body: &src.body,
+            input_names: inputs,
+            output_names: outputs,
+            template_names: tnames,
+        },
+        &[x, w, scales, biases, res, nw],
+        x,
+        &[out_shape],
+        &tvals,
+        l,
+        n,
+    )?;
+    out.pop()
+        .ok_or_else(|| MlxError::Invalid("qgemm: the kernel returned no output".into()))
+}
+
+/// The q/k/v projection in one kernel: `norm(x) · Wᵀ` for a merged `[q; k; v]` weight (`nq`
+/// query heads, then equally many key and value heads of `head_dim`), with RoPE (half-split,
+/// angle `pos[m] · inv_freq[d]`) on the q and k heads of row m: q `[m, nq, 1, head_dim]`
+/// and kv `[m, 2·nkv, 1, head_dim]`, as [`qgemv::qgemv_rope`] returns them. The caller
+/// checks [`enabled`], [`supports`] and [`supports_rope`].
+#[allow(clippy::too_many_arguments)]
+pub fn qgemm_rope(
+    x: &Array,
+    w: &Array,
+    scales: &Array,
+    biases: &Array,
+    group: usize,
+    bits: usize,
+    norm: Option<(&Array, f32)>,
+    pos: &Array,
+    inv_freq: &Array,
+    nq: usize,
+    head_dim: usize,
+) -> Result<(Array, Array)> {
+    let (n, k, m) = dims("qgemm_rope", x, w, group, bits)?;
+    if !supports_rope(n, nq, head_dim) {
+        return Err(MlxError::Invalid(format!(
+            "qgemm_rope: {nq} query heads of {head_dim} do not fit a weight of {n} rows"
+        )));
+    }
+    check_rope_inputs("qgemm_rope", pos, inv_freq, m, head_dim)?;
+    let (nw, eps) = norm_input("qgemm_rope", norm, x, k)?;
+    let src = source()?;
+    let (_, name, _) = kernel()?;
+    static NAMES: OnceLock<([String; 10], [String; 3], [String; 13])> = OnceLock::new();
+    let (inputs, outputs, tnames) = NAMES.get_or_init(|| {
+        (
+            [
+                "x", "w", "scales", "biases", "nw", "pos", "inv_freq", "part", "count", "prev",
+            ]
+            .map(String::from),
+            ["q", "kv", "tok"].map(String::from),
+            [
+                "MT", "N", "K", "G", "BITS", "WR", "WN", "SK", "ST", "NORM", "EPS_BITS", "HD", "NQ",
+            ]
+            .map(String::from),
+        )
+    });
+    let l = launch_config(m, n, k, bits);
+    let tvals = template_values(
+        &l,
+        [n, k, group, bits],
+        &[
+            norm.is_some() as usize,
+            eps.to_bits() as usize,
+            head_dim,
+            nq,
+        ],
+    );
+    let (mi, hd) = (m as i32, head_dim as i32);
+    let nkv2 = (n / head_dim - nq) as i32;
+    let out = launch(
+        Call {
+            name,
+            body: &src.body_rope,
+            input_names: inputs,
+            output_names: outputs,
+            template_names: tnames,
+        },
+        &[x, w, scales, biases, nw, pos, inv_freq],
+        x,
+        &[&[mi, nq as i32, 1, hd], &[mi, nkv2, 1, hd]],
+        &tvals,
+        l,
+        n,
+    )?;
+    super::qgemv::q_and_kv("qgemm_rope", out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn embedded_source_splits_and_names_follow_it() {
+        let s = split_source(EMBEDDED).unwrap();
+        assert!(s.header.contains("mlxcel_qgemm") && !s.header.contains("@@"));
+        assert!(s.body.contains("x_shape") && !s.body.contains("@@"));
+        assert!(s.body_rope.contains("HD, NQ") && s.body_rope.contains("x_shape"));
+        let a = kernel_name(&s, "gemv");
+        assert!(a.starts_with("mlxcel_qgemm_") && a.len() == "mlxcel_qgemm_".len() + 8);
+        // another GEMV header, body or RoPE body: another name
+        assert_ne!(a, kernel_name(&s, "gemv2"));
+        let mut b = s.clone();
+        b.body.push_str("\n// edited\n");
+        assert_ne!(a, kernel_name(&b, "gemv"));
+        let mut c = s.clone();
+        c.body_rope.push_str("\n// edited\n");
+        assert_ne!(a, kernel_name(&c, "gemv"));
+        assert_eq!(a, kernel_name(&s.clone(), "gemv"));
+    }
+
+    #[test]
+    fn shapes_the_kernel_covers() {
+        let bf = [Dtype::BF16, Dtype::BF16];
+        // the default batch range (the knobs unset in tests)
+        if knobs::get().qgemm_min_m.is_none() && knobs::get().qgemm_max_m.is_none() {
+            assert!(!supports(8, 4096, 4096, 64, 4, bf));
+            assert!(supports(9, 4096, 4096, 64, 4, bf));
+            assert!(supports(128, 4096, 14336, 32, 8, bf));
+            assert!(!supports(129, 4096, 4096, 64, 4, bf));
+        }
+        assert!(supports(64, 4097, 4096, 128, 4, [Dtype::F16, Dtype::F16])); // any n
+        assert!(!supports(64, 4096, 4096 + 64, 64, 4, bf)); // k not a multiple of 128
+        assert!(!supports(64, 4096, 4096, 16, 4, bf)); // group 16
+        assert!(!supports(64, 4096, 4096, 64, 3, bf)); // 3 bits
+        assert!(!supports(64, 4096, 4096, 64, 4, [Dtype::BF16, Dtype::F16]));
+        assert!(!supports(64, 4096, 4096, 64, 4, [Dtype::F32, Dtype::F32]));
+        assert!(supports_swiglu(28672) && !supports_swiglu(28671));
+        assert!(supports_rope(6144, 32, 128)); // Llama-3 8B
+        assert!(supports_rope(5 * 128, 3, 128)); // a TP rank: 3 q, 1 k, 1 v heads
+        assert!(!supports_rope(6144, 33, 128) && !supports_rope(6144, 48, 128));
+        assert!(!supports_rope(6144 + 64, 32, 128) && !supports_rope(21, 1, 7));
+    }
+
+    #[test]
+    fn variants_round_the_batch_up_to_whole_tiles() {
+        assert_eq!(variant_rows(9), 16);
+        assert_eq!(variant_rows(16), 16);
+        assert_eq!(variant_rows(33), 40);
+        assert_eq!(variant_rows(64), 64);
+        assert_eq!(variant_rows(65), 80); // 9 tiles → 10 (two warps share them)
+        assert_eq!(variant_rows(128), 128);
+        let v = variants(9, 128);
+        assert_eq!(v, [16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128]);
+        assert_eq!(variants(9, 40), [16, 24, 32, 40]);
+        assert!(variants(9, 8).is_empty());
+        for m in 1..=MAX_M {
+            let r = variant_rows(m);
+            assert!(
+                r >= m && r - m < 16 && r <= MAX_M && r.is_multiple_of(8),
+                "{m}"
+            );
+        }
+    }
+
+    #[test]
+    fn launches_split_k_to_fill_the_gpu() {
+        let l = |m, n, k, bits| launch_for(m, n, k, bits, 132, MAX_SPLITS);
+        // 8B shapes at 32 rows: 128 rows a block, K split until 132 blocks
+        let qkv = l(32, 6144, 4096, 4);
+        assert_eq!((qkv.mt, qkv.wr, qkv.wn, qkv.sk, qkv.st), (32, 4, 1, 4, 3));
+        assert_eq!(l(32, 4096, 4096, 4).sk, 8); // o: 32 column blocks
+        assert_eq!(l(32, 28672, 4096, 4).sk, 1); // gate/up: 224 column blocks
+        assert_eq!(l(32, 4096, 14336, 4).sk, 7); // down: 112 steps
+        assert_eq!(l(32, 128256, 4096, 4).sk, 1); // lm_head
+                                                  // 70B TP8 rank shapes: 10 column blocks → 16 splits of 4 steps; K = 1024: 4 of 2
+        assert_eq!(l(64, 1280, 8192, 4).sk, 16);
+        assert_eq!(l(64, 8192, 1024, 4).sk, 4);
+        // 8 bits: fewer weight loads in flight; above 64 rows two warps per row of tiles
+        let big = l(100, 4096, 4096, 8);
+        assert_eq!((big.mt, big.wn, big.st), (112, 2, 1));
+        assert_eq!(l(128, 4096, 4096, 4).st, 2);
+        // capped by the knob's most splits, and by steps per split
+        assert_eq!(launch_for(32, 1280, 8192, 4, 132, 1).sk, 1);
+        assert_eq!(launch_for(32, 1280, 8192, 4, 132, 5).sk, 4);
+        assert_eq!(l(32, 128, 256, 4).sk, 1); // 2 steps: a split would get 1
+        for (n, k) in [
+            (6144, 4096),
+            (4096, 14336),
+            (2560, 8192),
+            (8192, 3584),
+            (8192, 2048),
+        ] {
+            for m in [9, 16, 33, 64, 65, 128] {
+                let x = l(m, n, k, 4);
+                let steps = k / 128;
+                assert!(
+                    steps.is_multiple_of(x.sk) && (x.sk == 1 || steps / x.sk >= MIN_SPLIT_STEPS)
+                );
+                assert!(x.mt >= m && (x.mt / 8).is_multiple_of(x.wn));
+            }
+        }
+    }
+
+    #[test]
+    fn scratch_covers_every_blocks_tile() {
+        let l = launch_for(128, 4096, 4096, 4, 132, MAX_SPLITS);
+        // 32 column blocks × 8 splits × (8 float4 × 256 threads + 128)
+        assert_eq!(l.scratch_floats(4096), 32 * l.sk * (2 * 8 * 4 * 256 + 128));
+        assert_eq!(l.rows() * l.mt, 2 * 8 * 4 * l.threads()); // a tile's values, per thread
+        let one = launch_for(16, 28672, 4096, 4, 132, MAX_SPLITS);
+        assert_eq!((one.sk, one.scratch_floats(28672)), (1, 0));
+    }
+
+    #[test]
+    fn the_check_script_launches_as_mlxcel_does() {
+        // scripts/check_qgemm.py times and checks the launches `launch_for` picks
+        let cases: Vec<(usize, usize, usize, usize)> = [9, 16, 33, 64, 65, 100, 128]
+            .iter()
+            .flat_map(|&m| {
+                [
+                    (6144, 4096),
+                    (4096, 14336),
+                    (1280, 8192),
+                    (8192, 1024),
+                    (28672, 4096),
+                ]
+                .into_iter()
+                .flat_map(move |(n, k)| [4, 8].map(|b| (m, n, k, b)))
+            })
+            .collect();
+        let script = format!(
+            "import sys; sys.path.insert(0, 'scripts'); import check_qgemm as c\n\
+             for m, n, k, b in {cases:?}: print(*c.launch_for(m, n, k, b, {MAX_SPLITS}))"
+        );
+        let out = std::process::Command::new("python3")
+            .args(["-c", &script])
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .output()
+            .expect("python3");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let text = String::from_utf8(out.stdout).unwrap();
+        for ((m, n, k, b), line) in cases.iter().zip(text.lines()) {
+            let l = launch_for(*m, *n, *k, *b, 132, MAX_SPLITS);
+            assert_eq!(
+                line,
+                format!("{} {} {} {} {}", l.mt, l.wr, l.wn, l.sk, l.st),
+                "{m} {n} {k} {b}"
+            );
+        }
+        assert_eq!(text.lines().count(), cases.len());
+    }
+
+    #[test]
+    fn not_used_off_cuda_or_unasked() {
+        if mlx::backend() != Backend::Cuda || !knobs::get().qgemm {
+            assert!(!enabled());
+        }
+    }
+}

@@ -1,0 +1,370 @@
+//! The quantized GEMM (`kernels/qgemm.cu`, after `kernels/qgemv.cu`'s header as mlxcel
+//! passes them to MLX) run on the CPU: compiled as C++ with the CUDA emulation of
+//! `tests/common` (one OS thread per CUDA thread; `mma.sync.m16n8k16` lane by lane as the
+//! PTX ISA lays out its fragments; bf16x2/f16x2 FMAs and conversions), every block of the
+//! grid run in turn, and compared with x · dequantize(w)ᵀ in double precision (and the
+//! epilogues after it). It checks the kernel's indexing, dequantization, fragment layout,
+//! split-K reduction and epilogues without a GPU; `scripts/check_qgemm.py` checks it on
+//! one against MLX. The last test plants bugs in the kernel file and checks they are caught.
+use std::path::Path;
+
+mod common;
+
+const MAIN: &str = r#"
+int main() {
+  using bf = T;  // bfloat16, or float16 with F16 = 1
+  constexpr int M = MROWS;  // the batch rows (MT: rounded up to whole tiles)
+  constexpr int TPB = 32 * WR * WN;
+  constexpr int BN = 32 * WR;
+  constexpr int CB = (N + BN - 1) / BN;
+  constexpr int NV = 2 * (MT / 8 / WN);
+  std::mt19937 rng(4321);
+  constexpr int OUT_N = EPI == 2 ? N / 2 : N;
+  const bf sentinel = bf(12345.f);
+  std::vector<bf> x(M * K), sc(N * (K / G)), bi(N * (K / G)), res(M * N), nw(K);
+  // outputs with room past their end, which must stay as they were
+  std::vector<bf> y(M * OUT_N + 64, sentinel);
+  std::vector<int32_t> pos;
+  std::vector<float> inv;
+  std::vector<bf> yq, ykv;
+#if ROPE
+  rope_inputs(M, HD, pos, inv);
+  yq.assign(M * NQ * HD + 64, sentinel);
+  ykv.assign(M * (N - NQ * HD) + 64, sentinel);
+#endif
+  std::vector<uint32_t> w;
+  std::vector<int> q;
+  // (row 0 of x holds a NaN with NAN_X: every output of row 0 must be NaN, row 1 none)
+  draw_quantized(rng, N, K, BITS, NAN_X, x, sc, bi, res, nw, w, q);
+  // split-K scratch: every block's partial tile, then the Σ x² partials; counts start at 0
+  std::vector<float> part(size_t(CB) * SK * (NV * TPB * 4 + MT), -7.f);
+  std::vector<int32_t> count(CB, 0);
+  // x as a [M, 1, K] array: MLX passes its shape zero-padded to 10 dimensions
+  const int x_shape[10] = {M, 1, K, 0, 0, 0, 0, 0, 0, 0};
+  blockDim.x = TPB;
+  g_shfl.assign(TPB, 0.f);
+  g_mma.assign(6 * TPB, 0u);
+  // twice: the second run finds the counts the first left (all zero) and must write the same
+  for (int run = 0; run < 2; ++run) {
+    for (int blk = 0; blk < CB * SK; ++blk) {
+      run_block(blk, TPB, [&] {
+#if ROPE
+        kernel(x.data(), x_shape, w.data(), sc.data(), bi.data(), nw.data(), pos.data(), inv.data(),
+               part.data(), count.data(), x.data(), yq.data(), ykv.data(), y.data());
+#else
+        kernel(x.data(), x_shape, w.data(), sc.data(), bi.data(), res.data(), nw.data(), part.data(),
+               count.data(), x.data(), y.data(), yq_unused());
+#endif
+      });
+    }
+    for (int c = 0; c < CB; ++c)
+      if (count[c] != 0) { std::printf("max_err: count[%d] = %d after the run\n", c, count[c]); return 1; }
+  }
+  auto untouched = [&](const std::vector<bf>& v, size_t n, const char* what) {
+    for (size_t i = n; i < v.size(); ++i)
+      if (v[i].bits != sentinel.bits) { std::printf("max_err: %s[%zu] written past the end\n", what, i); return false; }
+    return true;
+  };
+  const std::vector<double> xin = ref_input(x, nw, M, K, NORM, EPS_BITS);
+  auto dot = [&](int m, int n) { return ref_qdot(xin, q, sc, bi, K, G, m, n); };
+#if ROPE
+  if (!untouched(yq, M * NQ * HD, "q") || !untouched(ykv, M * (N - NQ * HD), "kv")) return 1;
+#else
+  if (!untouched(y, M * OUT_N, "y")) return 1;
+#endif
+  if (NAN_X) {
+    for (int n = 0; n < OUT_N; ++n) {
+      if (!std::isnan(float(y[n]))) { std::printf("max_err: y[%d] = %g is not NaN\n", n, float(y[n])); return 1; }
+      if (std::isnan(float(y[OUT_N + n]))) { std::printf("max_err: y[1, %d] is NaN\n", n); return 1; }
+    }
+    std::printf("max_err 0 (row 0 all NaN, row 1 none)\n");
+    return 0;
+  }
+  return ref_check(dot, M, N, EPI, HD, NQ, pos, inv, res, y, yq, ykv, 1e-2);
+}
+"#;
+
+/// The GEMV's header followed by the GEMM file's header, plain body and RoPE body (after
+/// `edit`, which plants a bug for the last test).
+fn kernel_parts(edit: &dyn Fn(String) -> String) -> (String, String, String) {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels");
+    let gemv = std::fs::read_to_string(dir.join("qgemv.cu")).unwrap();
+    let gemv_header = gemv
+        .split_once("// @@header\n")
+        .unwrap()
+        .1
+        .split_once("// @@body\n")
+        .unwrap()
+        .0;
+    let text = edit(std::fs::read_to_string(dir.join("qgemm.cu")).unwrap());
+    let (_, rest) = text.split_once("// @@header\n").unwrap();
+    let (header, rest) = rest.split_once("// @@body\n").unwrap();
+    let (body, body_rope) = rest.split_once("// @@body_rope\n").unwrap();
+    (
+        format!("{gemv_header}{header}"),
+        body.to_string(),
+        body_rope.to_string(),
+    )
+}
+
+/// The test program for template constants `consts` (the RoPE entry point when they
+/// include `HD`): the kernel in the signature MLX generates, then [`MAIN`].
+fn program(consts: &[(&str, usize)], edit: &dyn Fn(String) -> String) -> String {
+    let (header, body, body_rope) = kernel_parts(edit);
+    let rope = consts.iter().any(|(n, _)| *n == "HD");
+    let mt = consts.iter().find(|(n, _)| *n == "MT").map_or(8, |c| c.1);
+    let (mut src, t) = common::program_head(
+        &header,
+        consts,
+        &[("NAN_X", 0), ("MROWS", mt), ("ST", 2), ("WN", 1), ("SK", 1)],
+    );
+    if rope {
+        // inputs x (with its shape), w, scales, biases, nw, pos, inv_freq, part, count, prev;
+        // outputs q, kv, tok
+        src += &format!(
+            "void kernel(const {t}* x, const int* x_shape, const uint32_t* w, const {t}* scales,\n\
+                const {t}* biases, const {t}* nw, const int32_t* pos, const float* inv_freq,\n\
+                const float* part, const int32_t* count, const {t}* prev, {t}* q, {t}* kv, {t}* tok) {{\n"
+        );
+        src += &body_rope;
+    } else {
+        // inputs x (with its shape), w, scales, biases, res, nw, part, count, prev; outputs y, tok
+        src += &format!(
+            "static {t}* yq_unused() {{ return nullptr; }}\n\
+             void kernel(const {t}* x, const int* x_shape, const uint32_t* w, const {t}* scales,\n\
+                const {t}* biases, const {t}* res, const {t}* nw, const float* part,\n\
+                const int32_t* count, const {t}* prev, {t}* y, {t}* tok) {{\n"
+        );
+        src += &body;
+    }
+    src += "\n}\n";
+    src += &format!("#define ROPE {}\n", rope as i32);
+    src += MAIN;
+    src
+}
+
+/// Template constants of a test program.
+type Consts = Vec<(&'static str, usize)>;
+
+fn run(tag: &str, consts: &[(&str, usize)]) {
+    let src = program(consts, &|s| s);
+    common::run_checked(&format!("qgemm-{tag}"), &src, &consts, "max_err");
+}
+
+/// Template constants of a launch: batch rows `m` (MT: `m` rounded up to tiles of 8), a
+/// `[n, k]` weight of `bits` in groups of `g`, `wr` warp rows (32 weight rows each), `wn`
+/// warps splitting the n-tiles, `sk` splits of K.
+#[allow(clippy::too_many_arguments)]
+fn cfg(
+    m: usize,
+    n: usize,
+    k: usize,
+    g: usize,
+    bits: usize,
+    wr: usize,
+    wn: usize,
+    sk: usize,
+) -> Consts {
+    vec![
+        ("MROWS", m),
+        ("MT", m.div_ceil(8) * 8),
+        ("N", n),
+        ("K", k),
+        ("G", g),
+        ("BITS", bits),
+        ("WR", wr),
+        ("WN", wn),
+        ("SK", sk),
+    ]
+}
+
+fn with(mut c: Consts, extra: &[(&'static str, usize)]) -> Consts {
+    c.extend_from_slice(extra);
+    c
+}
+
+#[test]
+fn qgemm_4bit_matches_dequantize_matmul() {
+    // every group size; M = 9 (one row past a tile), 16, 33 (5 tiles), 128 (two warps per
+    // row of tiles); N not a multiple of the block's 64 rows (a tail of 16 and of 7 rows)
+    run("4bit_m9_g64", &cfg(9, 64 + 16, 256, 64, 4, 2, 1, 1));
+    run("4bit_m16_g32_tail7", &cfg(16, 32 + 7, 384, 32, 4, 1, 1, 1));
+    run("4bit_m33_g128", &cfg(33, 64, 512, 128, 4, 2, 1, 1));
+    run("4bit_m128_wn2", &cfg(128, 64, 256, 64, 4, 2, 2, 1));
+    // more steps than weight loads in flight (ST = 3 over 5 steps, and 1)
+    run(
+        "4bit_st3",
+        &with(cfg(12, 32, 640, 64, 4, 1, 1, 1), &[("ST", 3)]),
+    );
+    run(
+        "4bit_st1",
+        &with(cfg(12, 32, 384, 32, 4, 1, 1, 1), &[("ST", 1)]),
+    );
+}
+
+#[test]
+fn qgemm_8bit_matches_dequantize_matmul() {
+    run("8bit_m9_g32", &cfg(9, 64, 256, 32, 8, 2, 1, 1));
+    run("8bit_m16_g64_tail", &cfg(16, 32 + 5, 384, 64, 8, 1, 1, 1));
+    run("8bit_m33_g128", &cfg(33, 64, 512, 128, 8, 2, 1, 1));
+    run("8bit_m128", &cfg(128, 32, 256, 64, 8, 1, 2, 1));
+}
+
+#[test]
+fn qgemm_split_k_matches() {
+    // K split over 2, 4 and 3 blocks per column block (the last adds the others' partials),
+    // with the norm's Σ x² split the same way; two column blocks, one with a tail
+    run("split2", &cfg(9, 64 + 16, 512, 64, 4, 1, 1, 2));
+    run(
+        "split4_norm",
+        &with(cfg(20, 32, 512, 32, 4, 1, 1, 4), &[("NORM", 1)]),
+    );
+    run(
+        "split3_8bit_res",
+        &with(cfg(40, 48, 384, 128, 8, 1, 1, 3), &[("EPI", 1)]),
+    );
+    run(
+        "split2_m128_norm_swiglu",
+        &with(
+            cfg(128, 64, 256, 64, 4, 1, 2, 2),
+            &[("EPI", 2), ("NORM", 1)],
+        ),
+    );
+}
+
+#[test]
+fn qgemm_epilogues_match() {
+    // residual add; SwiGLU of the merged halves (N/2 = 40: a tail of 8 pairs); with the norm
+    run(
+        "res_m16",
+        &with(cfg(16, 64, 256, 64, 4, 2, 1, 1), &[("EPI", 1)]),
+    );
+    run(
+        "swiglu_m9_tail",
+        &with(cfg(9, 80, 256, 32, 4, 2, 1, 1), &[("EPI", 2)]),
+    );
+    run(
+        "norm_swiglu_8bit",
+        &with(cfg(33, 64, 384, 64, 8, 1, 1, 1), &[("EPI", 2), ("NORM", 1)]),
+    );
+    run(
+        "norm_res_m128",
+        &with(
+            cfg(128, 32, 256, 128, 4, 1, 2, 1),
+            &[("EPI", 1), ("NORM", 1)],
+        ),
+    );
+    run(
+        "norm_plain_m9",
+        &with(cfg(9, 48, 256, 64, 4, 1, 1, 1), &[("NORM", 1)]),
+    );
+}
+
+#[test]
+fn qgemm_rope_matches() {
+    // q/k/v with RoPE: 4 query, 2 key, 2 value heads of 16 (pairs straddle heads within a
+    // tile), the norm; row 1 at position 70000
+    run(
+        "rope_m9",
+        &with(
+            cfg(9, 8 * 16, 256, 64, 4, 2, 1, 1),
+            &[("NORM", 1), ("HD", 16), ("NQ", 4)],
+        ),
+    );
+    // heads of 64 (GQA 3:1: 3 q, 1 k, 1 v), 8-bit, split-K, a tail of pairs (160 / 64)
+    run(
+        "rope_8bit_split_m17",
+        &with(
+            cfg(17, 5 * 64, 256, 32, 8, 2, 1, 2),
+            &[("NORM", 1), ("HD", 64), ("NQ", 3)],
+        ),
+    );
+}
+
+#[test]
+fn qgemm_float16_matches() {
+    let f16 = |c: Consts| with(c, &[("F16", 1)]);
+    run("f16_4bit_m9", &f16(cfg(9, 64, 256, 64, 4, 2, 1, 1)));
+    run("f16_8bit_m33_split", &f16(cfg(33, 32, 512, 32, 8, 1, 1, 2)));
+    run(
+        "f16_norm_swiglu_m16",
+        &f16(with(
+            cfg(16, 64, 256, 128, 4, 1, 1, 1),
+            &[("EPI", 2), ("NORM", 1)],
+        )),
+    );
+    run(
+        "f16_rope_m12",
+        &f16(with(
+            cfg(12, 8 * 16, 256, 64, 4, 2, 1, 1),
+            &[("NORM", 1), ("HD", 16), ("NQ", 4)],
+        )),
+    );
+    run(
+        "f16_res_m128",
+        &f16(with(cfg(128, 32, 256, 64, 8, 1, 2, 1), &[("EPI", 1)])),
+    );
+}
+
+#[test]
+fn qgemm_nan_reaches_its_row_only() {
+    run(
+        "nan_4bit",
+        &with(cfg(9, 32, 256, 64, 4, 1, 1, 1), &[("NAN_X", 1)]),
+    );
+    run(
+        "nan_8bit_norm",
+        &with(
+            cfg(16, 32, 256, 64, 8, 1, 1, 2),
+            &[("NAN_X", 1), ("NORM", 1)],
+        ),
+    );
+}
+
+/// The tests above fail when the kernel is wrong: bugs planted in the kernel file (the B
+/// fragments' pairing, one nibble of the 4-bit unpacking, one split's partial left out,
+/// the 8-bit byte order, the epilogue's rows of the second tile) each make a run fail.
+#[test]
+fn planted_bugs_are_caught() {
+    let cases: [(&str, &str, &str, Consts); 5] = [
+        (
+            "pairs",
+            "__byte_perm(v.x, v.z, 0x7632)",
+            "__byte_perm(v.x, v.z, 0x3276)",
+            cfg(9, 32, 256, 64, 4, 1, 1, 1),
+        ),
+        (
+            "nibble",
+            "0x000F000Fu) | mlxcel_k16",
+            "0x000F0007u) | mlxcel_k16",
+            cfg(9, 32, 256, 64, 4, 1, 1, 1),
+        ),
+        (
+            "split",
+            "if (o == split) {",
+            "if (o == split || o == 0) {",
+            cfg(9, 32, 512, 64, 4, 1, 1, 2),
+        ),
+        (
+            "bytes",
+            "0x7540 + j)) - 8388608.f;\n      const float c",
+            "0x7540 + (j ^ 1))) - 8388608.f;\n      const float c",
+            cfg(9, 32, 256, 32, 8, 1, 1, 1),
+        ),
+        (
+            "tile2",
+            "const int n = cb * BN + wr * 32 + i * 16 + r;",
+            "const int n = cb * BN + wr * 32 + i * 8 + r;",
+            cfg(16, 64, 256, 64, 4, 2, 1, 1),
+        ),
+    ];
+    for (tag, from, to, consts) in cases {
+        let src = program(&consts, &|s: String| {
+            assert!(s.contains(from), "{tag}: `{from}` not in kernels/qgemm.cu");
+            s.replacen(from, to, 1)
+        });
+        let (ok, out) = common::compile_and_run(&format!("qgemm-bug-{tag}"), &src);
+        eprintln!("qgemm-bug-{tag}: {}", out.trim());
+        assert!(!ok, "planted bug `{tag}` was not caught: {out}");
+    }
+}
