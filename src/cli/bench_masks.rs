@@ -16,6 +16,13 @@
 //!   and with the masks, and the MLX ops each builds.
 //!
 //! CPU numbers: llguidance's masks cost what this machine's cores take, whatever the GPU.
+//!
+//! `--engine` also loads the model and runs the scheduler as the server's engine thread
+//! does: `--streams` requests of one chat prompt decoding `--max-tokens` tokens each at
+//! temperature 0.7, without the schema (ignoring end-of-sequence, so both sides decode
+//! as long) and with it, alternated `--runs` times; per run the decode rate and the
+//! engine thread's ms per pipelined step by part (`mlxcel:decode_host_seconds_total`'s
+//! parts: masks, queue, wait, deliver).
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -28,8 +35,13 @@ use crate::engine::grammar::{
     allowed_all, apply_masks, mask_words, Constraint, GrammarMatcher, GrammarVocab,
 };
 use crate::engine::sampler::{sample_batch_lazy, SamplingParams, SequenceSampler};
+use crate::engine::scheduler::{
+    Event, HostPart, Observer, Request, Scheduler, SchedulerConfig, DEFAULT_MAX_NUM_BATCHED_TOKENS,
+};
+use crate::engine::step::{Executor, LocalExecutor};
 use crate::mlx::{self, Array};
-use crate::runtime::{open_model, ModelArgs};
+use crate::runtime::{load_weights, open_model, ModelArgs, OpenedModel};
+use crate::tokenizer::chat::ChatMessage;
 use crate::tokenizer::Tokenizer;
 
 /// The benchmark's schema, as `scripts/gpu/schema.sh` sends it.
@@ -54,6 +66,15 @@ pub struct BenchMasksArgs {
     /// Seed of the documents.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Also run the engine with the model's weights (see the module docs).
+    #[arg(long)]
+    pub engine: bool,
+    /// Tokens each request decodes in --engine runs.
+    #[arg(long, default_value_t = 128)]
+    pub max_tokens: usize,
+    /// Unconstrained and constrained --engine runs, alternated.
+    #[arg(long, default_value_t = 2)]
+    pub runs: usize,
 }
 
 pub fn run(args: &BenchMasksArgs) -> Result<()> {
@@ -67,9 +88,14 @@ pub fn run(args: &BenchMasksArgs) -> Result<()> {
         .with_context(|| format!("--schema {}: not JSON", p.display()))?,
         None => serde_json::from_str(DEFAULT_SCHEMA).expect("the built-in schema is JSON"),
     };
-    let opened = open_model(&args.model)?;
+    if args.engine && (args.max_tokens < 2 || args.runs == 0) {
+        bail!("--engine: --max-tokens must be at least 2 and --runs at least 1");
+    }
+    let mut margs = args.model.clone();
+    margs.ctx_size = Some(margs.ctx_size.unwrap_or(0).max(args.max_tokens + 256));
+    let opened = open_model(&margs)?;
     let vocab_size = opened.cfg.vocab_size;
-    let tokenizer = opened.tokenizer;
+    let tokenizer = opened.tokenizer.clone();
     let t = Instant::now();
     let tok_json: Value = serde_json::from_str(
         &tokenizer
@@ -140,6 +166,10 @@ pub fn run(args: &BenchMasksArgs) -> Result<()> {
     }
 
     let graph = sampling_graphs(args, vocab_size, &step_words)?;
+    let engine = match args.engine {
+        true => engine_runs(args, &opened, &vocab, &constraint)?,
+        false => Value::Null,
+    };
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     let out = json!({
         "model": opened.dir.root.display().to_string(),
@@ -160,6 +190,7 @@ pub fn run(args: &BenchMasksArgs) -> Result<()> {
             "accept": stats(&mut accept_ms),
         },
         "graph": graph,
+        "engine": engine,
     });
     println!("{}", serde_json::to_string_pretty(&out)?);
     Ok(())
@@ -223,6 +254,129 @@ fn sampling_graphs(args: &BenchMasksArgs, vocab: usize, steps: &[Vec<u32>]) -> R
         }));
     }
     Ok(Value::Array(rows))
+}
+
+/// The engine thread's time by part over the pipelined steps (see [`HostPart`]).
+#[derive(Default)]
+struct Parts {
+    seconds: std::cell::Cell<[f64; 4]>,
+    pipelined: std::cell::Cell<u64>,
+}
+
+impl Observer for Parts {
+    fn host_time(&self, part: HostPart, seconds: f64) {
+        let mut s = self.seconds.get();
+        s[HostPart::ALL
+            .iter()
+            .position(|&p| p == part)
+            .expect("a part")] += seconds;
+        self.seconds.set(s);
+    }
+    fn decode_pipelined(&self) {
+        self.pipelined.set(self.pipelined.get() + 1);
+    }
+}
+
+/// `--engine`: unconstrained and constrained runs of the scheduler, alternated.
+fn engine_runs(
+    args: &BenchMasksArgs,
+    opened: &OpenedModel,
+    vocab: &GrammarVocab,
+    c: &Constraint,
+) -> Result<Value> {
+    let tokenizer = &opened.tokenizer;
+    let prompt = tokenizer.encode_chat(
+        &[ChatMessage::new(
+            "user",
+            "Write a recipe for tomato pasta as JSON: a title, the steps, a rating.",
+        )],
+        true,
+    )?;
+    let ctx = prompt.len() + args.max_tokens + 8;
+    let model = load_weights(&args.model, opened)?;
+    let mut exec = LocalExecutor::new(model, args.streams, ctx);
+    exec.worker.warm_up()?;
+    let mut runs = Vec::new();
+    // the first pair warms up (kernels of every batch size met, the grammar's caches)
+    for run in 0..=args.runs {
+        for constrained in [false, true] {
+            let obs = Parts::default();
+            let mut sched = Scheduler::new(
+                SchedulerConfig {
+                    slots: args.streams,
+                    ctx_size: ctx,
+                    max_num_batched_tokens: DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                    kv: Some(exec.kv_pool()),
+                    prefix_caching: true,
+                },
+                tokenizer.clone(),
+            );
+            let mut rxs = Vec::new();
+            for i in 0..args.streams {
+                let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+                let grammar = match constrained {
+                    true => Some(Box::new(GrammarMatcher::new(vocab, c)?)),
+                    false => None,
+                };
+                sched.submit(
+                    Request {
+                        prompt: prompt.clone(),
+                        params: SamplingParams {
+                            temperature: 0.7,
+                            seed: Some((run * args.streams + i) as u64),
+                            ..SamplingParams::default()
+                        },
+                        max_tokens: args.max_tokens,
+                        stop: Vec::new(),
+                        ignore_eos: !constrained,
+                        skip_special_tokens: true,
+                        grammar,
+                        arrived: Instant::now(),
+                        events: tx,
+                    },
+                    &obs,
+                );
+                rxs.push(rx);
+            }
+            let start = Instant::now();
+            let (mut tokens, mut errors) = (0usize, Vec::new());
+            while sched.has_work() {
+                sched.step(&mut exec, &obs)?;
+                for rx in &mut rxs {
+                    while let Ok(ev) = rx.try_recv() {
+                        match ev {
+                            Event::Delta { .. } => tokens += 1,
+                            Event::Error { message, .. } => errors.push(message),
+                            Event::Done { .. } => {}
+                        }
+                    }
+                }
+            }
+            let secs = start.elapsed().as_secs_f64();
+            if !errors.is_empty() {
+                bail!("--engine: {} requests failed: {}", errors.len(), errors[0]);
+            }
+            if run == 0 {
+                continue;
+            }
+            let steps = obs.pipelined.get().max(1) as f64;
+            let parts: serde_json::Map<String, Value> = HostPart::ALL
+                .iter()
+                .zip(obs.seconds.get())
+                .map(|(p, s)| (p.name().to_string(), json!(s * 1e3 / steps)))
+                .collect();
+            runs.push(json!({
+                "run": run,
+                "schema": constrained,
+                "tokens": tokens,
+                "seconds": secs,
+                "tokens_per_second": tokens as f64 / secs,
+                "pipelined_steps": obs.pipelined.get(),
+                "host_ms_per_step": parts,
+            }));
+        }
+    }
+    Ok(json!({"backend": mlx::backend().to_string(), "max_tokens": args.max_tokens, "runs": runs}))
 }
 
 /// Mean, median, 90th and 99th percentile and maximum.
