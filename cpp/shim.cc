@@ -187,6 +187,27 @@ ArrayPtr from_bytes(rust::Slice<const uint8_t> data, rust::Slice<const int32_t> 
   return wrap(array(std::move(buf), std::move(sh), dt));
 }
 
+ArrayPtr host_bytes(rust::Slice<const int32_t> shape, Dtype dtype, uint8_t byte) {
+  auto dt = to_mx(dtype);
+  auto sh = to_shape(shape);
+  size_t n = dt.size();
+  for (auto d : sh) {
+    if (d < 0) throw std::invalid_argument("negative dimension in shape");
+    n *= static_cast<size_t>(d);
+  }
+  // the allocator's host-visible memory (unified memory on CUDA), as from_bytes uses
+  auto buf = mx::allocator::malloc(std::max<size_t>(n, 1));
+  if (n > 0) std::memset(buf.buffer().raw_ptr(), byte, n);
+  return wrap(array(std::move(buf), std::move(sh), dt));
+}
+
+uint64_t host_data_address(const array& a) {
+  if (a.status() != array::Status::available || !a.flags().row_contiguous) {
+    throw std::invalid_argument("host_data_address: not a constant, row-contiguous array");
+  }
+  return reinterpret_cast<uint64_t>(a.data<uint8_t>());
+}
+
 ArrayPtr scalar_f32(float v, Dtype dtype) { return wrap(array(v, to_mx(dtype))); }
 ArrayPtr scalar_i32(int32_t v) { return wrap(array(v, mx::int32)); }
 ArrayPtr full(rust::Slice<const int32_t> shape, float v, Dtype dtype) {
