@@ -187,7 +187,7 @@ ArrayPtr from_bytes(rust::Slice<const uint8_t> data, rust::Slice<const int32_t> 
   return wrap(array(std::move(buf), std::move(sh), dt));
 }
 
-ArrayPtr host_bytes(rust::Slice<const int32_t> shape, Dtype dtype, uint8_t byte) {
+ArrayPtr host_array(rust::Slice<const int32_t> shape, Dtype dtype) {
   auto dt = to_mx(dtype);
   auto sh = to_shape(shape);
   size_t n = dt.size();
@@ -195,9 +195,9 @@ ArrayPtr host_bytes(rust::Slice<const int32_t> shape, Dtype dtype, uint8_t byte)
     if (d < 0) throw std::invalid_argument("negative dimension in shape");
     n *= static_cast<size_t>(d);
   }
-  // the allocator's host-visible memory (unified memory on CUDA), as from_bytes uses
+  // the allocator's host-visible memory (unified memory on CUDA), as from_bytes uses;
+  // not touched here, so that the thread writing it first is the one that pays for it
   auto buf = mx::allocator::malloc(std::max<size_t>(n, 1));
-  if (n > 0) std::memset(buf.buffer().raw_ptr(), byte, n);
   return wrap(array(std::move(buf), std::move(sh), dt));
 }
 

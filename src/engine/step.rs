@@ -634,13 +634,15 @@ impl Worker {
         }
         let (b, vocab) = (logits.dim(0), logits.dim(1) as usize);
         let w = vocab.div_ceil(32);
-        let mut words = HostWritten::<u32>::filled(&[b, w as i32, 1], 0xFF)?;
+        let mut words = HostWritten::<u32>::new(&[b, w as i32, 1])?;
         let mut built_at = None;
-        // SAFETY: nothing is evaluated before the scope has waited for `fill`: the closure
-        // below only builds graphs (`sample_lazy` and `forward_rows` evaluate nothing).
-        let (array, dst) = unsafe { words.parts() };
+        // SAFETY: nothing is evaluated before the scope has waited for the words to be
+        // set and `fill` to write them: the closure below only builds graphs
+        // (`sample_lazy` and `forward_rows` evaluate nothing).
+        let (array, writer) = unsafe { words.parts() };
         let built = grammar::pool().in_place_scope(|scope| {
-            scope.spawn(move |_| fill(dst, w));
+            // every token allowed, then the masks
+            scope.spawn(move |_| fill(writer.fill(0xFF), w));
             let built = self.build_masked(&q.seq_ids, &logits, array, next);
             built_at = Some(Instant::now());
             built
@@ -718,9 +720,7 @@ impl Worker {
                 }
             };
             if let Some(why) = why {
-                tracing::warn!(
-                    "MLXCEL_DEFER_MASKS: {why}; constrained steps compute their masks first"
-                );
+                tracing::warn!("MLXCEL_DEFER_MASKS: {why}; constrained steps are not deferred");
                 self.mask_buffer = None;
                 self.defer_masks = false;
             }
@@ -1335,7 +1335,9 @@ mod tests {
             panic!("a forward step is queued")
         };
         let logits = logits.clone();
-        let words = HostWritten::<u32>::filled(&[b as i32, 12, 1], 0xFF).unwrap();
+        let mut words = HostWritten::<u32>::new(&[b as i32, 12, 1]).unwrap();
+        // SAFETY: the words are set here, before anything is evaluated
+        unsafe { words.parts() }.1.fill(0xFF);
         let next = rows(b, pos + 1);
         let next = NextForward {
             rows: &next,

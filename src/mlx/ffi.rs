@@ -159,7 +159,7 @@ pub(crate) mod ffi {
         fn clear_cache();
 
         fn from_bytes(data: &[u8], shape: &[i32], dtype: Dtype) -> Result<UniquePtr<Array>>;
-        fn host_bytes(shape: &[i32], dtype: Dtype, byte: u8) -> Result<UniquePtr<Array>>;
+        fn host_array(shape: &[i32], dtype: Dtype) -> Result<UniquePtr<Array>>;
         fn host_data_address(a: &Array) -> Result<u64>;
         fn scalar_f32(v: f32, dtype: Dtype) -> Result<UniquePtr<Array>>;
         fn scalar_i32(v: i32) -> Result<UniquePtr<Array>>;
