@@ -32,13 +32,14 @@ use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
 
 use crate::engine::grammar::{
-    allowed_all, apply_masks, mask_words, Constraint, GrammarMatcher, GrammarVocab,
+    accept_all, apply_mask_words, fill_masks, pool, Constraint, GrammarMatcher, GrammarVocab,
 };
 use crate::engine::sampler::{sample_batch_lazy, SamplingParams, SequenceSampler};
 use crate::engine::scheduler::{
     Event, HostPart, Observer, Request, Scheduler, SchedulerConfig, DEFAULT_MAX_NUM_BATCHED_TOKENS,
 };
 use crate::engine::step::{Executor, LocalExecutor};
+use crate::mlx::host_written::HostWritten;
 use crate::mlx::{self, Array};
 use crate::runtime::{load_weights, open_model, ModelArgs, OpenedModel};
 use crate::tokenizer::chat::ChatMessage;
@@ -136,32 +137,31 @@ pub fn run(args: &BenchMasksArgs) -> Result<()> {
     }
     let (docs_done, tokens_done) = (streams.docs, streams.tokens);
 
-    // the same steps as the engine computes them: every mask of a step at once, the words
+    // the same steps as the engine computes them: every mask of a step on the mask
+    // threads, straight into the words the sampling reads; every grammar's advance
+    let w = vocab_size.div_ceil(32);
     let mut all_ms = Vec::new();
-    let mut words_ms = Vec::new();
     let mut accept_ms = Vec::new();
     let mut step_words: Vec<Vec<u32>> = Vec::new();
     let mut streams = Streams::new(&docs, &vocab, &constraint, args.streams, eos)?;
     for step in 0..args.steps {
+        let mut words = vec![u32::MAX; args.streams * w];
         let t = Instant::now();
-        let masks = {
-            let mut refs: Vec<&mut GrammarMatcher> = streams.matchers.iter_mut().collect();
-            allowed_all(&mut refs)
+        let results = {
+            let mut rows: Vec<(usize, &mut GrammarMatcher)> =
+                streams.matchers.iter_mut().enumerate().collect();
+            fill_masks(&mut rows, &mut words, w)
         };
         all_ms.push(t.elapsed().as_secs_f64() * 1e3);
-        let masks: Vec<Vec<u32>> = masks.into_iter().collect::<Result<_, _>>()?;
-        for (k, m) in masks.iter().enumerate() {
+        results.into_iter().collect::<Result<Vec<()>, _>>()?;
+        for (k, m) in words.chunks(w).enumerate() {
             streams.check(k, m)?;
         }
-        let t = Instant::now();
-        let rows: Vec<Option<&[u32]>> = masks.iter().map(|m| Some(m.as_slice())).collect();
-        let words = mask_words(&rows, vocab_size);
-        words_ms.push(t.elapsed().as_secs_f64() * 1e3);
         if step < args.graph_steps {
             step_words.push(words);
         }
         let t = Instant::now();
-        streams.advance_each(&docs, &vocab, &constraint)?;
+        streams.advance_all(&docs, &vocab, &constraint)?;
         accept_ms.push(t.elapsed().as_secs_f64() * 1e3);
     }
 
@@ -177,6 +177,7 @@ pub fn run(args: &BenchMasksArgs) -> Result<()> {
         "streams": args.streams,
         "steps": args.steps,
         "cores": threads,
+        "mask_threads": pool().current_num_threads(),
         "grammar_vocab_seconds": vocab_secs,
         "documents": {"finished": docs_done, "tokens": tokens_done},
         "forced_fraction": forced as f64 / (args.steps * args.streams) as f64,
@@ -186,7 +187,6 @@ pub fn run(args: &BenchMasksArgs) -> Result<()> {
         "per_step_ms": {
             "masks_serial": mask_us.iter().sum::<f64>() / 1e3 / args.steps as f64,
             "masks": stats(&mut all_ms),
-            "mask_words": stats(&mut words_ms),
             "accept": stats(&mut accept_ms),
         },
         "graph": graph,
@@ -223,17 +223,27 @@ fn sampling_graphs(args: &BenchMasksArgs, vocab: usize, steps: &[Vec<u32>]) -> R
         let (mut build, mut eval) = (Vec::new(), Vec::new());
         let mut ops = None;
         for words in steps {
-            let t = Instant::now();
-            let x = match masked {
+            // the engine thread makes the words' array and builds on it; the mask threads
+            // set and write the words (not timed here)
+            let mut secs = 0.0;
+            let (x, _host) = match masked {
                 true => {
-                    let masks: Vec<Option<&[u32]>> = words.chunks(w).map(Some).collect();
-                    apply_masks(&logits, &masks)?
+                    let t = Instant::now();
+                    let mut host = HostWritten::<u32>::new(&[b as i32, w as i32, 1])?;
+                    secs += t.elapsed().as_secs_f64();
+                    // SAFETY: nothing is evaluated while the slice is alive
+                    unsafe { host.parts() }.1.fill(0xFF).copy_from_slice(words);
+                    let t = Instant::now();
+                    let x = apply_mask_words(&logits, host.array())?;
+                    secs += t.elapsed().as_secs_f64();
+                    (x, Some(host))
                 }
-                false => logits.clone(),
+                false => (logits.clone(), None),
             };
+            let t = Instant::now();
             let mut refs: Vec<&mut SequenceSampler> = samplers.iter_mut().collect();
             let sample = sample_batch_lazy(&x, &mut refs)?;
-            build.push(t.elapsed().as_secs_f64() * 1e3);
+            build.push((secs + t.elapsed().as_secs_f64()) * 1e3);
             if ops.is_none() {
                 ops = Some(mlx::graph::count_ops(&sample.arrays(), &[&logits]));
             }
@@ -455,6 +465,52 @@ impl Streams {
         )
     }
 
+    /// Advance every stream by its token as the engine does, on the mask threads (a
+    /// finished document starts the next one with a new grammar).
+    fn advance_all(&mut self, docs: &Docs, vocab: &GrammarVocab, c: &Constraint) -> Result<()> {
+        let tokens: Vec<u32> = (0..self.matchers.len())
+            .map(|k| self.next_token(k))
+            .collect();
+        for (k, &t) in tokens.iter().enumerate() {
+            if t == self.eos {
+                self.restart(k, docs, vocab, c)?;
+            }
+        }
+        let mut items: Vec<(&mut GrammarMatcher, u32)> = self
+            .matchers
+            .iter_mut()
+            .zip(&tokens)
+            .filter(|(_, &t)| t != self.eos)
+            .map(|(m, &t)| (m, t))
+            .collect();
+        accept_all(&mut items)
+            .into_iter()
+            .collect::<Result<Vec<()>, _>>()?;
+        for (k, &t) in tokens.iter().enumerate() {
+            if t != self.eos {
+                self.docs_of[k].1 += 1;
+                self.tokens += 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// Stream `k` starts its next document with a new grammar.
+    fn restart(
+        &mut self,
+        k: usize,
+        docs: &Docs,
+        vocab: &GrammarVocab,
+        c: &Constraint,
+    ) -> Result<()> {
+        let doc = self.next_doc;
+        self.next_doc += 1;
+        self.matchers[k] = GrammarMatcher::new(vocab, c)?;
+        self.docs_of[k] = (docs.tokens(doc)?, 0, doc);
+        self.docs += 1;
+        Ok(())
+    }
+
     /// Advance every stream by its token, one at a time (a finished document starts the
     /// next one with a new grammar): µs per advance.
     fn advance_each(
@@ -467,11 +523,7 @@ impl Streams {
         for k in 0..self.matchers.len() {
             let t = self.next_token(k);
             if t == self.eos {
-                let doc = self.next_doc;
-                self.next_doc += 1;
-                self.matchers[k] = GrammarMatcher::new(vocab, c)?;
-                self.docs_of[k] = (docs.tokens(doc)?, 0, doc);
-                self.docs += 1;
+                self.restart(k, docs, vocab, c)?;
                 continue;
             }
             let start = Instant::now();
