@@ -64,7 +64,9 @@ defer() {
 engine() {
   step "engine alone: mlxcel bench-masks --engine, $MAX_TOKENS_E tokens, RUNS ${RUNS:-2}"
   timeout ${BENCH_S:-400} $B bench-masks -m "$G" --engine --max-tokens "$MAX_TOKENS_E" --runs "${RUNS:-2}" \
-    > "$OUT/schema-engine.json" 2> "$OUT/schema-engine.log" || { echo "bench-masks failed:"; tail -5 "$OUT/schema-engine.log"; return 1; }
+    > "$OUT/schema-engine.json" 2> "$OUT/schema-engine.log"
+  local rc=$?
+  [ $rc = 0 ] || { echo "bench-masks failed (exit $rc; 124: past BENCH_S ${BENCH_S:-400} s):"; tail -5 "$OUT/schema-engine.log"; return 1; }
   python3 - "$OUT/schema-engine.json" <<'PY' | tee -a "$OUT/schema.txt"
 import json, sys
 d = json.load(open(sys.argv[1]))
