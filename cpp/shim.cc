@@ -188,6 +188,27 @@ ArrayPtr from_bytes(rust::Slice<const uint8_t> data, rust::Slice<const int32_t> 
   return wrap(array(std::move(buf), std::move(sh), dt));
 }
 
+ArrayPtr host_array(rust::Slice<const int32_t> shape, Dtype dtype) {
+  auto dt = to_mx(dtype);
+  auto sh = to_shape(shape);
+  size_t n = dt.size();
+  for (auto d : sh) {
+    if (d < 0) throw std::invalid_argument("negative dimension in shape");
+    n *= static_cast<size_t>(d);
+  }
+  // the allocator's host-visible memory (unified memory on CUDA), as from_bytes uses;
+  // not touched here, so that the thread writing it first is the one that pays for it
+  auto buf = mx::allocator::malloc(std::max<size_t>(n, 1));
+  return wrap(array(std::move(buf), std::move(sh), dt));
+}
+
+uint64_t host_data_address(const array& a) {
+  if (a.status() != array::Status::available || !a.flags().row_contiguous) {
+    throw std::invalid_argument("host_data_address: not a constant, row-contiguous array");
+  }
+  return reinterpret_cast<uint64_t>(a.data<uint8_t>());
+}
+
 ArrayPtr scalar_f32(float v, Dtype dtype) { return wrap(array(v, to_mx(dtype))); }
 ArrayPtr scalar_i32(int32_t v) { return wrap(array(v, mx::int32)); }
 ArrayPtr full(rust::Slice<const int32_t> shape, float v, Dtype dtype) {

@@ -78,6 +78,10 @@ void clear_cache();
 
 // ---- array basics ----
 ArrayPtr from_bytes(rust::Slice<const uint8_t> data, rust::Slice<const int32_t> shape, Dtype dtype);
+// An array in memory the host writes later (its elements not set here), and the address
+// of a constant array's elements: see src/mlx/host_written.rs.
+ArrayPtr host_array(rust::Slice<const int32_t> shape, Dtype dtype);
+uint64_t host_data_address(const array& a);
 ArrayPtr scalar_f32(float v, Dtype dtype);
 ArrayPtr scalar_i32(int32_t v);
 ArrayPtr full(rust::Slice<const int32_t> shape, float v, Dtype dtype);

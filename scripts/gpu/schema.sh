@@ -8,6 +8,9 @@
 #   bash scripts/gpu/schema.sh nopipe     # the same once with --no-pipeline (masks between steps, for reference)
 #   bash scripts/gpu/schema.sh defer      # servers with MLXCEL_DEFER_MASKS=1 and =0 alternated, RUNS (2) each
 #                                         # (docs/tuning.md), one compare per server
+#   bash scripts/gpu/schema.sh engine     # the engine alone, no HTTP: mlxcel bench-masks --engine (32 requests
+#                                         # without and with the schema alternated, RUNS (2) pairs after a warm-up pair;
+#                                         # decode rate and engine-thread ms per step by part) and the host's mask costs
 #   bash scripts/gpu/schema.sh all        # bench, nopipe
 # The model must be staged first (no network on the box): scripts/gpu/gguf.sh's header
 # (stage here, send .gpu/g1 then .gpu/g2). Environment: see scripts/gpu/lib.sh;
@@ -58,8 +61,33 @@ defer() {
   done; done
 }
 
+engine() {
+  step "engine alone: mlxcel bench-masks --engine, $MAX_TOKENS_E tokens, RUNS ${RUNS:-2}"
+  timeout ${BENCH_S:-400} $B bench-masks -m "$G" --engine --max-tokens "$MAX_TOKENS_E" --runs "${RUNS:-2}" \
+    > "$OUT/schema-engine.json" 2> "$OUT/schema-engine.log"
+  local rc=$?
+  [ $rc = 0 ] || { echo "bench-masks failed (exit $rc; 124: past BENCH_S ${BENCH_S:-400} s):"; tail -5 "$OUT/schema-engine.log"; return 1; }
+  python3 - "$OUT/schema-engine.json" <<'PY' | tee -a "$OUT/schema.txt"
+import json, sys
+d = json.load(open(sys.argv[1]))
+p = d["per_step_ms"]
+print(f'[engine alone, {d["streams"]} streams] host ({d["cores"]} cores, {d["mask_threads"]} mask threads): '
+      f'mask {d["mask_us_per_seq"]["mean"]:.1f} us/seq (p50 {d["mask_us_per_seq"]["p50"]:.1f}), '
+      f'all masks {p["masks"]["mean"]:.3f} ms/step, grammar advances {p["accept"]["mean"]:.3f} ms/step')
+runs = d["engine"]["runs"]
+for plain, schema in zip(runs[0::2], runs[1::2]):
+    parts = lambda r: ", ".join(f"{k} {v:.2f}" for k, v in r["host_ms_per_step"].items())
+    print(f'  run {plain["run"]}: unconstrained {plain["tokens_per_second"]:8.1f} tok/s, schema '
+          f'{schema["tokens_per_second"]:8.1f} tok/s; ratio {schema["tokens_per_second"] / plain["tokens_per_second"]:.3f}')
+    print(f'      engine thread ms per step, unconstrained: {parts(plain)}')
+    print(f'      engine thread ms per step, schema: {parts(schema)}')
+PY
+}
+
+MAX_TOKENS_E=${MAX_TOKENS:-256}
 case "$cmd" in
 bench) bench ;;
+engine) engine ;;
 defer) defer ;;
 nopipe) nopipe ;;
 all) bench; nopipe ;;

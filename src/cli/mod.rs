@@ -12,6 +12,7 @@ use tracing_subscriber::EnvFilter;
 use crate::mlx;
 
 pub mod bench;
+pub mod bench_masks;
 pub mod devices;
 pub mod generate;
 pub mod plan;
@@ -41,6 +42,9 @@ pub enum Command {
     Generate(generate::GenerateArgs),
     /// Measure prefill and decode speed; prints JSON.
     Bench(bench::BenchArgs),
+    /// Measure the host's cost of constrained decoding per step (token masks, grammar
+    /// advances, the masked sampling graph) with a JSON schema; prints JSON.
+    BenchMasks(bench_masks::BenchMasksArgs),
     /// List the GPUs MLX sees (and, with --check, test each one in a child process).
     Devices(devices::DevicesArgs),
     /// Show each rank's memory (weights, KV cache, margin) against its device's free memory, without loading.
@@ -74,6 +78,7 @@ pub fn main() -> Result<()> {
     match cli.command {
         Command::Generate(args) => generate::run(&args),
         Command::Bench(args) => bench::run(&args),
+        Command::BenchMasks(args) => bench_masks::run(&args),
         Command::Devices(args) => devices::run(&args),
         Command::Plan(args) => plan::run(&args),
         Command::TpParity(args) => tp_parity::run(&args),

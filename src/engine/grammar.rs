@@ -5,12 +5,15 @@
 //! [`GrammarVocab`] is built once per tokenizer (every token's bytes, as llguidance needs
 //! them); [`GrammarMatcher`] follows one sequence: [`GrammarMatcher::allowed`] gives the
 //! mask for the next token, [`GrammarMatcher::accept`] advances it by the sampled token.
-//! [`apply_masks`] applies the masks of a batch to its logits before sampling.
-use std::sync::Arc;
+//! [`fill_masks`] and [`accept_all`] do so for a batch on the mask threads ([`pool`]),
+//! the masks straight into the words a step's sampling reads; [`apply_mask_words`] (and
+//! [`apply_masks`]) apply them to the batch's logits before sampling.
+use std::sync::{Arc, OnceLock};
 
 use llguidance::api::TopLevelGrammar;
 use llguidance::toktrie::{ApproximateTokEnv, TokEnv, TokRxInfo, TokTrie};
 use llguidance::{Matcher, ParserFactory};
+use rayon::prelude::*;
 use serde_json::Value;
 
 use crate::mlx::{self, Array};
@@ -176,13 +179,28 @@ impl GrammarMatcher {
     /// The tokens allowed next, as a bit set: bit `t % 32` of word `t / 32` (end-of-sequence
     /// ids are allowed once the output is complete).
     pub fn allowed(&mut self) -> Result<Vec<u32>, GrammarError> {
+        let mut words = vec![0; self.vocab_size.div_ceil(32)];
+        self.allowed_into(&mut words)?;
+        Ok(words)
+    }
+
+    /// [`GrammarMatcher::allowed`] written into `dst` (`⌈vocab/32⌉` words; words past the
+    /// tokenizer's tokens are cleared).
+    pub fn allowed_into(&mut self, dst: &mut [u32]) -> Result<(), GrammarError> {
         let v = self
             .m
             .compute_mask_or_eos()
             .map_err(|e| GrammarError::Matcher(e.to_string()))?;
-        let mut words = v.as_slice().to_vec();
-        words.resize(self.vocab_size.div_ceil(32), 0);
-        Ok(words)
+        let src = v.as_slice();
+        let n = src.len().min(dst.len());
+        dst[..n].copy_from_slice(&src[..n]);
+        dst[n..].fill(0);
+        Ok(())
+    }
+
+    /// The model's vocabulary size (the logits' last axis), which its masks cover.
+    pub fn vocab_size(&self) -> usize {
+        self.vocab_size
     }
 
     /// Advance by the sampled token.
@@ -198,35 +216,63 @@ impl GrammarMatcher {
     }
 }
 
-/// [`GrammarMatcher::allowed`] of every matcher, in order: spread over up to 8 threads
-/// when there are several (a mask over a 50k-token vocabulary takes tens to hundreds of
-/// µs, and a batch of 32 constrained sequences needs 32 per step).
+/// The threads that compute masks and advance grammars, made on first use and kept: up to
+/// 8, one per core (a mask over a 50k-token vocabulary takes tens to hundreds of µs, and a
+/// batch of 32 constrained sequences needs 32 per step; a thread spawned per step cost
+/// more than some masks).
+pub fn pool() -> &'static rayon::ThreadPool {
+    static POOL: OnceLock<rayon::ThreadPool> = OnceLock::new();
+    POOL.get_or_init(|| {
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(8));
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("mlxcel-mask-{i}"))
+            .build()
+            .expect("a thread pool for token masks")
+    })
+}
+
+/// [`GrammarMatcher::allowed`] of every matcher, in order, computed on the [`pool`].
 pub fn allowed_all(matchers: &mut [&mut GrammarMatcher]) -> Vec<Result<Vec<u32>, GrammarError>> {
-    const PER_THREAD: usize = 2;
-    let threads = std::thread::available_parallelism()
-        .map_or(1, |n| n.get())
-        .min(8)
-        .min(matchers.len() / PER_THREAD);
-    if threads <= 1 {
+    if matchers.len() < 2 {
         return matchers.iter_mut().map(|m| m.allowed()).collect();
     }
-    let chunk = matchers.len().div_ceil(threads);
-    std::thread::scope(|scope| {
-        let handles: Vec<_> = matchers
-            .chunks_mut(chunk)
-            .map(|part| {
-                scope.spawn(move || part.iter_mut().map(|m| m.allowed()).collect::<Vec<_>>())
-            })
-            .collect();
-        handles
-            .into_iter()
-            .flat_map(|h| {
-                h.join().unwrap_or_else(|_| {
-                    vec![Err(GrammarError::Matcher("a mask thread panicked".into()))]
-                })
+    pool().install(|| matchers.par_iter_mut().map(|m| m.allowed()).collect())
+}
+
+/// The masks of `rows` (`(row, matcher)`, rows distinct) written on the [`pool`] straight
+/// into `words`, the `[B, words_per_row]` block a step's sampling reads (row-major); rows
+/// not named are left as they are. One result per entry of `rows`, in order.
+pub fn fill_masks(
+    rows: &mut [(usize, &mut GrammarMatcher)],
+    words: &mut [u32],
+    words_per_row: usize,
+) -> Vec<Result<(), GrammarError>> {
+    let mut dst: Vec<Option<&mut [u32]>> = words.chunks_mut(words_per_row).map(Some).collect();
+    let mut jobs: Vec<(&mut GrammarMatcher, Option<&mut [u32]>)> = rows
+        .iter_mut()
+        .map(|(row, m)| (&mut **m, dst.get_mut(*row).and_then(Option::take)))
+        .collect();
+    pool().install(|| {
+        jobs.par_iter_mut()
+            .map(|(m, dst)| match dst {
+                Some(dst) => m.allowed_into(dst),
+                None => Err(GrammarError::Matcher(
+                    "a mask row outside the step, or named twice".into(),
+                )),
             })
             .collect()
     })
+}
+
+/// Advance every matcher by its token (see [`GrammarMatcher::accept`]), on the [`pool`]
+/// when there are several (one takes a few µs, about what handing it to the pool costs):
+/// one result per entry, in order.
+pub fn accept_all(items: &mut [(&mut GrammarMatcher, u32)]) -> Vec<Result<(), GrammarError>> {
+    if items.len() < 4 {
+        return items.iter_mut().map(|(m, t)| m.accept(*t)).collect();
+    }
+    pool().install(|| items.par_iter_mut().map(|(m, t)| m.accept(*t)).collect())
 }
 
 /// Logits `[B, V]` with every token a row's mask does not allow set to −∞; rows whose mask
@@ -272,15 +318,17 @@ pub fn apply_mask_words(logits: &Array, words: &Array) -> Result<Array, GrammarE
     let shape = logits.shape();
     let (b, v) = (shape[0], shape[1] as usize);
     let w = v.div_ceil(32);
-    let shifts = Array::arange(0.0, 32.0, 1.0, mlx::Dtype::U32)?.reshape(&[1, 1, 32])?;
-    let one = Array::from_slice(&[1u32], &[1])?;
-    let keep = words
-        .shr(&shifts)?
-        .bitwise_and(&one)?
-        .reshape(&[b, (w * 32) as i32])?
-        .slice_axis(1, 0, v as i32)?
-        .astype(mlx::Dtype::Bool)?;
-    let neg = Array::full(&[], f32::NEG_INFINITY, logits.dtype())?;
+    // each word against the 32 one-bit masks, made on the host (no op): the graph is that
+    // AND, a reshape, a slice where the vocabulary is not a multiple of 32, the cast to
+    // bool and the select (and MLX's broadcasts of the bits, the words and −∞)
+    let bits: Vec<u32> = (0..32).map(|i| 1 << i).collect();
+    let bits = Array::from_slice(&bits, &[1, 1, 32])?;
+    let mut keep = words.bitwise_and(&bits)?.reshape(&[b, (w * 32) as i32])?;
+    if w * 32 != v {
+        keep = keep.slice_axis(1, 0, v as i32)?;
+    }
+    let keep = keep.astype(mlx::Dtype::Bool)?;
+    let neg = Array::scalar(f32::NEG_INFINITY, logits.dtype())?;
     Ok(mlx::where_(&keep, logits, &neg)?)
 }
 

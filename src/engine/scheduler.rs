@@ -42,10 +42,11 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use super::blocks::{block_key, BlockManager};
 use super::generate::FinishReason;
-use super::grammar::{allowed_all, GrammarError, GrammarMatcher};
+use super::grammar::{accept_all, allowed_all, fill_masks, GrammarError, GrammarMatcher};
 use super::sampler::SamplingParams;
 use super::step::{
-    Executor, Fork, KvPool, SampledToken, SeqMask, SeqStart, SeqStep, StepError, StepPlan,
+    Executor, Fork, KvPool, NextForward, SampledToken, SeqMask, SeqStart, SeqStep, StepError,
+    StepPlan,
 };
 use crate::tokenizer::stream::{StopMatcher, StreamDecoder};
 use crate::tokenizer::Tokenizer;
@@ -142,8 +143,9 @@ pub enum Outcome {
 /// [`Observer::host_time`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum HostPart {
-    /// Computing the token masks of constrained sequences (with deferred masks, waiting
-    /// for the thread that computes them while this one queues the next step).
+    /// Waiting for the token masks of constrained sequences: what is left of their
+    /// computation on the mask threads once this thread has built the step on them
+    /// (with deferred masks, once it has queued the next step).
     Masks,
     /// Building steps and handing them to the device (forward passes, sampling).
     Queue,
@@ -1011,6 +1013,7 @@ impl Scheduler {
             obs.step_ran(&summary);
         }
         let now = Instant::now();
+        let mut advanced = self.advance_grammars(result.sampled.iter());
         let mut sampled: HashMap<u64, SampledToken> =
             result.sampled.into_iter().map(|s| (s.seq_id, s)).collect();
         for (id, samples, chunk_end) in in_plan {
@@ -1031,7 +1034,10 @@ impl Scheduler {
                 continue;
             }
             let outcome = match sampled.remove(&id) {
-                Some(tok) => self.deliver(idx, tok, now, obs),
+                Some(tok) => {
+                    let grammar = advanced.remove(&id);
+                    self.deliver(idx, tok, now, grammar, obs)
+                }
                 None => {
                     let seq = &self.running[idx];
                     let _ = seq.req.events.send(Event::Error {
@@ -1124,6 +1130,11 @@ impl Scheduler {
                 Err(e) => bad.push((id, e.to_string())),
             }
         }
+        (masks, self.fail_grammars(bad, obs))
+    }
+
+    /// Fail and retire the sequences whose grammar failed (`(id, message)`); their ids.
+    fn fail_grammars(&mut self, bad: Vec<(u64, String)>, obs: &dyn Observer) -> Vec<u64> {
         let mut failed = Vec::with_capacity(bad.len());
         for (id, message) in bad {
             if let Some(idx) = self.running.iter().position(|s| s.id == id) {
@@ -1136,7 +1147,82 @@ impl Scheduler {
             }
             failed.push(id);
         }
-        (masks, failed)
+        failed
+    }
+
+    /// Sample the pipelined step in flight (rows `ids`, queued unsampled) with the masks
+    /// of its constrained sequences (from the tokens delivered last), then queue `next` on
+    /// its tokens ([`Executor::sample_masked`]: the local executor builds both while the
+    /// mask threads compute the masks). A sequence whose grammar fails is failed and
+    /// retired (its row samples unmasked, and its token is dropped).
+    fn sample_inflight(
+        &mut self,
+        exec: &mut dyn Executor,
+        ids: &[u64],
+        next: Option<NextForward<'_>>,
+        obs: &dyn Observer,
+    ) -> Result<(), StepError> {
+        let (seq_ids, matchers) = self.constrained_matchers(ids);
+        let Some(words_per_row) = matchers.first().map(|m| m.vocab_size().div_ceil(32)) else {
+            return timed(obs, HostPart::Queue, || {
+                exec.sample_queued(&[])?;
+                match next {
+                    Some(n) => exec.queue_forward(n.rows, None, n.tables),
+                    None => Ok(()),
+                }
+            });
+        };
+        let mut rows: Vec<(usize, &mut GrammarMatcher)> = seq_ids
+            .iter()
+            .zip(matchers)
+            .map(|(id, m)| {
+                (
+                    ids.iter().position(|x| x == id).expect("a row of the step"),
+                    m,
+                )
+            })
+            .collect();
+        let mut results = Vec::new();
+        let mut fill = |words: &mut [u32], w: usize| results = fill_masks(&mut rows, words, w);
+        let start = Instant::now();
+        let waited = exec.sample_masked(ids, words_per_row, &mut fill, next);
+        let total = start.elapsed().as_secs_f64();
+        let masks = waited.as_ref().map_or(0.0, |w| w.as_secs_f64());
+        obs.host_time(HostPart::Masks, masks);
+        obs.host_time(HostPart::Queue, total - masks);
+        let bad: Vec<(u64, String)> = seq_ids
+            .into_iter()
+            .zip(results)
+            .filter_map(|(id, r)| Some((id, r.err()?.to_string())))
+            .collect();
+        self.fail_grammars(bad, obs);
+        waited.map(drop)
+    }
+
+    /// Advance the grammars of the running sequences among `sampled` by their tokens, on
+    /// the mask threads when there are several (an end-of-sequence token is not given to
+    /// the grammar: see [`Scheduler::deliver`]). The result per sequence id.
+    fn advance_grammars<'a>(
+        &mut self,
+        sampled: impl Iterator<Item = &'a SampledToken>,
+    ) -> HashMap<u64, Result<(), String>> {
+        let tokens: HashMap<u64, u32> = sampled.map(|t| (t.seq_id, t.token)).collect();
+        let eos = &self.eos;
+        let (ids, mut items): (Vec<u64>, Vec<(&mut GrammarMatcher, u32)>) = self
+            .running
+            .iter_mut()
+            .filter_map(|s| {
+                let token = *tokens.get(&s.id)?;
+                let advance = !eos.contains(&token) || s.req.ignore_eos;
+                let g = s.req.grammar.as_deref_mut().filter(|_| advance)?;
+                Some((s.id, (g, token)))
+            })
+            .unzip();
+        let results = accept_all(&mut items);
+        ids.into_iter()
+            .zip(results)
+            .map(|(id, r)| (id, r.map_err(|e| e.to_string())))
+            .collect()
     }
 
     /// A step failed with `e`: tell the observer (before any request hears of it, so
@@ -1217,9 +1303,10 @@ impl Scheduler {
     ///
     /// With a constrained sequence in the rows, a step's sampling needs its masks, which
     /// need the previous step's tokens: each step's forward pass is queued alone
-    /// ([`Executor::queue_forward`]), and the masks are computed on the host while the
-    /// device runs it (B's masks from A's tokens, just delivered), then its sampling is
-    /// queued ([`Executor::sample_queued`]), then C's forward, then B is read. Where the
+    /// ([`Executor::queue_forward`]); B's masks (from A's tokens, just delivered) are
+    /// computed on the mask threads while the device runs B's forward pass and this
+    /// thread builds B's sampling and C's forward pass on top of it, both queued once the
+    /// masks are written ([`Executor::sample_masked`]); then B is read. Where the
     /// executor defers masks ([`Executor::defers_masks`], `MLXCEL_DEFER_MASKS=1` on a
     /// GPU), B's sampling is queued first, waiting on the device for its masks
     /// ([`Executor::sample_deferred`]), then C's forward, while another thread computes
@@ -1280,20 +1367,16 @@ impl Scheduler {
                         timed(obs, HostPart::Queue, || {
                             exec.queue_forward(&rows, Some(&tokens), &tables)
                         })?;
-                        // the masks, while the device runs the forward pass
-                        let (masks, bad) =
-                            timed(obs, HostPart::Masks, || self.grammar_masks(&ids, obs));
-                        timed(obs, HostPart::Queue, || -> Result<(), StepError> {
-                            exec.sample_queued(&masks)?;
-                            if bad.is_empty() {
-                                exec.queue_forward(&ahead(&rows), None, &[])?;
-                            }
-                            Ok(())
-                        })?;
-                        if bad.is_empty() {
-                            self.inflight = Some(ids.clone());
-                            self.inflight_unsampled = true;
-                        }
+                        // the masks, while the device runs the forward pass and this
+                        // thread builds the sampling and the next step on top of it
+                        let next = ahead(&rows);
+                        let next = NextForward {
+                            rows: &next,
+                            tables: &[],
+                        };
+                        self.sample_inflight(exec, &ids, Some(next), obs)?;
+                        self.inflight = Some(ids.clone());
+                        self.inflight_unsampled = true;
                     } else {
                         timed(obs, HostPart::Queue, || -> Result<(), StepError> {
                             exec.queue_decode(&rows, Some(&tokens), &tables)?;
@@ -1309,19 +1392,13 @@ impl Scheduler {
             Some(queued) => {
                 summary.decode = queued.len();
                 (|| {
+                    let unsampled = std::mem::take(&mut self.inflight_unsampled);
+                    let defer = unsampled && exec.defers_masks();
                     let mut sink = None;
-                    if std::mem::take(&mut self.inflight_unsampled) {
-                        if exec.defers_masks() {
-                            // its sampling waits on the device for the masks, which are
-                            // computed below while the next step is queued
-                            sink = Some(timed(obs, HostPart::Queue, || exec.sample_deferred())?);
-                        } else {
-                            // the masks of the step in flight (from the tokens delivered
-                            // last), while the device runs its forward pass
-                            let (masks, _) =
-                                timed(obs, HostPart::Masks, || self.grammar_masks(&queued, obs));
-                            timed(obs, HostPart::Queue, || exec.sample_queued(&masks))?;
-                        }
+                    if defer {
+                        // its sampling waits on the device for the masks, which are
+                        // computed below while the next step is queued
+                        sink = Some(timed(obs, HostPart::Queue, || exec.sample_deferred())?);
                     }
                     let rows = self.decode_rows();
                     let ids: Option<Vec<u64>> =
@@ -1345,6 +1422,21 @@ impl Scheduler {
                         None => Ok(()),
                     };
                     match sink {
+                        None if unsampled => {
+                            // the masks of the step in flight (from the tokens delivered
+                            // last) on the mask threads, while the device runs its forward
+                            // pass and this thread builds its sampling and the next step
+                            match &next {
+                                Some((rows, tables, true)) => {
+                                    let next = NextForward { rows, tables };
+                                    self.sample_inflight(exec, &queued, Some(next), obs)?
+                                }
+                                _ => {
+                                    self.sample_inflight(exec, &queued, None, obs)?;
+                                    timed(obs, HostPart::Queue, || queue_next(exec))?
+                                }
+                            }
+                        }
                         None => timed(obs, HostPart::Queue, || queue_next(exec))?,
                         Some(sink) => {
                             // the masks on another thread while this one queues the next
@@ -1403,12 +1495,14 @@ impl Scheduler {
         obs.decode_pipelined();
         obs.step_ran(&summary);
         let now = Instant::now();
+        let mut advanced = self.advance_grammars(sampled.iter());
         for tok in sampled {
             // sequences that ended (or whose client left) since the step was queued
             let Some(idx) = self.running.iter().position(|s| s.id == tok.seq_id) else {
                 continue;
             };
-            if let Some(outcome) = self.deliver(idx, tok, now, obs) {
+            let grammar = advanced.remove(&tok.seq_id);
+            if let Some(outcome) = self.deliver(idx, tok, now, grammar, obs) {
                 let seq = self.running.remove(idx);
                 self.retire(seq, outcome, obs);
             }
@@ -1419,12 +1513,15 @@ impl Scheduler {
         Ok(summary)
     }
 
-    /// Hand a sampled token to its request; `Some` when the sequence ends.
+    /// Hand a sampled token to its request; `Some` when the sequence ends. `grammar`: the
+    /// result of advancing its grammar by the token where that was done already
+    /// ([`Scheduler::advance_grammars`]; `None`: it is done here).
     fn deliver(
         &mut self,
         idx: usize,
         tok: SampledToken,
         now: Instant,
+        grammar: Option<Result<(), String>>,
         obs: &dyn Observer,
     ) -> Option<Outcome> {
         let ctx = self.cfg.ctx_size;
@@ -1445,10 +1542,12 @@ impl Scheduler {
             // an end-of-sequence token ends the sequence without the grammar's say
             // (its mask allows one only where the output is complete)
             if !is_eos || seq.req.ignore_eos {
-                if let Err(e) = g.accept(token) {
+                let advanced =
+                    grammar.unwrap_or_else(|| g.accept(token).map_err(|e| e.to_string()));
+                if let Err(message) = advanced {
                     let _ = seq.req.events.send(Event::Error {
                         kind: FailKind::Internal,
-                        message: e.to_string(),
+                        message,
                     });
                     return Some(Outcome::Failed);
                 }

@@ -12,14 +12,16 @@
 //! chunks (run as one pass over all their tokens, see `Model::forward`).
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use serde::{Deserialize, Serialize};
 
-use super::grammar::{apply_mask_words, apply_masks, mask_words};
+use super::grammar::{self, apply_mask_words, apply_masks, mask_words};
 use super::sampler::{sample_batch_lazy, LazySample, SamplingParams, SequenceSampler};
 use crate::kernels;
 use crate::kernels::mask_wait::MaskBuffer;
 use crate::mlx::host_fill::HostFill;
+use crate::mlx::host_written::HostWritten;
 use crate::mlx::{self, Array};
 use crate::models::kv_cache::{KvCache, KvConfig, DEFAULT_BLOCK_SIZE};
 use crate::models::{ForwardError, Logits, Model, SeqInput, StepInput};
@@ -256,6 +258,44 @@ pub trait Executor {
     fn sample_queued(&mut self, _masks: &[SeqMask]) -> Result<(), StepError> {
         Err(StepError::Rank("no forward step queued".into()))
     }
+    /// Sample the newest step queued by [`Executor::queue_forward`] (its rows are the
+    /// sequences `ids`) with the masks `fill` writes, then queue `next`'s forward pass on
+    /// its tokens (as [`Executor::queue_forward`] without tokens). `fill` gets the step's
+    /// mask words, `[rows, words_per_row]` row-major with every bit set (a row left so
+    /// samples unmasked), and `words_per_row` (⌈vocab / 32⌉).
+    ///
+    /// The local executor runs `fill` on the mask threads ([`grammar::pool`]) while this
+    /// thread builds the sampling graph and `next`'s forward pass, with the words as their
+    /// input, and evaluates both (one `async_eval`) once `fill` is done: the masks cost
+    /// this thread only what is left of them when the building is. Returns that wait.
+    /// The default computes the masks first, then [`Executor::sample_queued`] and
+    /// [`Executor::queue_forward`] (the driver of ranks sends them the masks).
+    fn sample_masked(
+        &mut self,
+        ids: &[u64],
+        words_per_row: usize,
+        fill: &mut MaskFill<'_>,
+        next: Option<NextForward<'_>>,
+    ) -> Result<Duration, StepError> {
+        let start = Instant::now();
+        let mut words = vec![u32::MAX; ids.len() * words_per_row];
+        fill(&mut words, words_per_row);
+        let masks: Vec<SeqMask> = ids
+            .iter()
+            .zip(words.chunks(words_per_row.max(1)))
+            .filter(|(_, row)| row.iter().any(|&w| w != u32::MAX))
+            .map(|(&seq_id, row)| SeqMask {
+                seq_id,
+                allowed: row.to_vec(),
+            })
+            .collect();
+        let waited = start.elapsed();
+        self.sample_queued(&masks)?;
+        if let Some(next) = next {
+            self.queue_forward(next.rows, None, next.tables)?;
+        }
+        Ok(waited)
+    }
     /// Whether [`Executor::sample_deferred`] is available and worth it: on a GPU, where
     /// the device can wait for masks that the host gives later.
     fn defers_masks(&self) -> bool {
@@ -273,6 +313,18 @@ pub trait Executor {
     }
     /// Drop queued steps whose tokens are no longer wanted.
     fn discard_queued(&mut self) {}
+}
+
+/// Writes a step's token masks (see [`Executor::sample_masked`]): the words and the
+/// words per row.
+pub type MaskFill<'a> = dyn FnMut(&mut [u32], usize) + Send + 'a;
+
+/// The forward pass [`Executor::sample_masked`] queues after the step it samples: rows
+/// `(seq_id, slot, pos)` and block-table updates, as [`Executor::queue_forward`] takes.
+#[derive(Debug, Clone, Copy)]
+pub struct NextForward<'a> {
+    pub rows: &'a [(u64, usize, usize)],
+    pub tables: &'a [(usize, Vec<u32>)],
 }
 
 /// A decode step queued by [`Worker::queue_decode`] or [`Worker::queue_forward`].
@@ -588,6 +640,93 @@ impl Worker {
         Ok(())
     }
 
+    /// See [`Executor::sample_masked`].
+    pub fn sample_masked(
+        &mut self,
+        ids: &[u64],
+        fill: &mut MaskFill<'_>,
+        next: Option<NextForward<'_>>,
+    ) -> Result<Duration, StepError> {
+        let q = self
+            .queued
+            .pop_back()
+            .ok_or_else(|| StepError::Rank("no forward step queued".into()))?;
+        let Stage::Logits(logits) = q.stage else {
+            self.queued.push_back(q);
+            return Err(StepError::Rank(
+                "the newest queued step is sampled already".into(),
+            ));
+        };
+        if ids != q.seq_ids {
+            return Err(StepError::Rank(format!(
+                "masks for rows {ids:?}, but the queued step has {:?}",
+                q.seq_ids
+            )));
+        }
+        let (b, vocab) = (logits.dim(0), logits.dim(1) as usize);
+        let w = vocab.div_ceil(32);
+        let mut words = HostWritten::<u32>::new(&[b, w as i32, 1])?;
+        let mut built_at = None;
+        // SAFETY: nothing is evaluated before the scope has waited for the words to be
+        // set and `fill` to write them: the closure below only builds graphs
+        // (`sample_lazy` and `forward_rows` evaluate nothing).
+        let (array, writer) = unsafe { words.parts() };
+        let built = grammar::pool().in_place_scope(|scope| {
+            // every token allowed, then the masks
+            scope.spawn(move |_| fill(writer.fill(0xFF), w));
+            let built = self.build_masked(&q.seq_ids, &logits, array, next);
+            built_at = Some(Instant::now());
+            built
+        });
+        let waited = built_at.map_or(Duration::ZERO, |t| t.elapsed());
+        let (sample, next_logits) = built?;
+        let mut outs = sample.arrays();
+        outs.extend(&next_logits);
+        mlx::async_eval(&outs)?;
+        self.check_kv_writes();
+        self.queued.push_back(Queued {
+            seq_ids: q.seq_ids,
+            stage: Stage::Sampled(sample),
+        });
+        if let (Some(n), Some(logits)) = (next, next_logits) {
+            self.queued.push_back(Queued {
+                seq_ids: n.rows.iter().map(|r| r.0).collect(),
+                stage: Stage::Logits(logits),
+            });
+        }
+        Ok(waited)
+    }
+
+    /// The graphs of [`Worker::sample_masked`], unevaluated: the sampling of `logits` (rows
+    /// `ids`) masked by `words`, and `next`'s forward pass on its tokens.
+    fn build_masked(
+        &mut self,
+        ids: &[u64],
+        logits: &Array,
+        words: &Array,
+        next: Option<NextForward<'_>>,
+    ) -> Result<(LazySample, Option<Array>), StepError> {
+        let masked =
+            apply_mask_words(logits, words).map_err(|e| StepError::Params(e.to_string()))?;
+        let sample = self.sample_lazy(ids, &masked)?;
+        let next_logits = match next {
+            Some(n) => {
+                if !n.rows.iter().map(|r| r.0).eq(ids.iter().copied()) {
+                    return Err(StepError::Rank(format!(
+                        "pipelined decode: the next step's rows {:?} are not those sampled ({ids:?})",
+                        n.rows
+                    )));
+                }
+                self.check_rows(n.rows, n.tables)?;
+                let b = ids.len() as i32;
+                let ids = sample.tokens().astype(mlx::Dtype::I32)?.reshape(&[b, 1])?;
+                Some(self.forward_rows(n.rows, &ids)?)
+            }
+            None => None,
+        };
+        Ok((sample, next_logits))
+    }
+
     /// See [`Executor::defers_masks`]: on a GPU backend with `MLXCEL_DEFER_MASKS=1` (off
     /// by default until measured there), or as [`Worker::set_defer_masks`] says.
     pub fn defers_masks(&self) -> bool {
@@ -613,9 +752,7 @@ impl Worker {
                 }
             };
             if let Some(why) = why {
-                tracing::warn!(
-                    "MLXCEL_DEFER_MASKS: {why}; constrained steps compute their masks first"
-                );
+                tracing::warn!("MLXCEL_DEFER_MASKS: {why}; constrained steps are not deferred");
                 self.mask_buffer = None;
                 self.defer_masks = false;
             }
@@ -695,28 +832,7 @@ impl Worker {
         tables: &[(usize, Vec<u32>)],
         sample: bool,
     ) -> Result<(), StepError> {
-        if rows.is_empty() {
-            return Err(StepError::Rank("pipelined decode: an empty step".into()));
-        }
-        for (slot, table) in tables {
-            self.cache.check_slot(*slot).map_err(ForwardError::from)?;
-            self.cache.set_table(*slot, table);
-        }
-        for &(seq_id, slot, pos) in rows {
-            if !self.can_pipeline(seq_id) {
-                return Err(StepError::NotPipelined(seq_id));
-            }
-            self.cache.check_slot(slot).map_err(ForwardError::from)?;
-            let cached = self.cache.len(slot);
-            if cached != pos {
-                return Err(StepError::Position {
-                    seq_id,
-                    slot,
-                    pos,
-                    cached,
-                });
-            }
-        }
+        self.check_rows(rows, tables)?;
         let b = rows.len() as i32;
         let seq_ids: Vec<u64> = rows.iter().map(|r| r.0).collect();
         let ids = match tokens {
@@ -749,19 +865,7 @@ impl Worker {
                 prev.tokens().astype(mlx::Dtype::I32)?.reshape(&[b, 1])?
             }
         };
-        let slots: Vec<usize> = rows.iter().map(|r| r.1).collect();
-        let logits = self
-            .model
-            .forward(
-                &mut self.cache,
-                StepInput::Device {
-                    slots: &slots,
-                    ids: &ids,
-                },
-                Logits::Rows,
-            )?
-            .remove(0);
-        self.count_step(rows.len(), true, &[&logits], &[&ids]);
+        let logits = self.forward_rows(rows, &ids)?;
         let stage = if sample {
             let sample = self.sample_lazy(&seq_ids, &logits)?;
             mlx::async_eval(&sample.arrays())?;
@@ -808,6 +912,58 @@ impl Worker {
                 ops: mlx::graph::count_ops(outputs, inputs),
             });
         }
+    }
+
+    /// Set `tables`, then check that the decode `rows` may be pipelined and sit where
+    /// their slots are.
+    fn check_rows(
+        &mut self,
+        rows: &[(u64, usize, usize)],
+        tables: &[(usize, Vec<u32>)],
+    ) -> Result<(), StepError> {
+        if rows.is_empty() {
+            return Err(StepError::Rank("pipelined decode: an empty step".into()));
+        }
+        for (slot, table) in tables {
+            self.cache.check_slot(*slot).map_err(ForwardError::from)?;
+            self.cache.set_table(*slot, table);
+        }
+        for &(seq_id, slot, pos) in rows {
+            if !self.can_pipeline(seq_id) {
+                return Err(StepError::NotPipelined(seq_id));
+            }
+            self.cache.check_slot(slot).map_err(ForwardError::from)?;
+            let cached = self.cache.len(slot);
+            if cached != pos {
+                return Err(StepError::Position {
+                    seq_id,
+                    slot,
+                    pos,
+                    cached,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// The `[B, vocab]` logits of one decode step of `rows` on the device tokens `ids`
+    /// (`[B, 1]`), unevaluated.
+    fn forward_rows(
+        &mut self,
+        rows: &[(u64, usize, usize)],
+        ids: &Array,
+    ) -> Result<Array, StepError> {
+        let slots: Vec<usize> = rows.iter().map(|r| r.1).collect();
+        let logits = self
+            .model
+            .forward(
+                &mut self.cache,
+                StepInput::Device { slots: &slots, ids },
+                Logits::Rows,
+            )?
+            .remove(0);
+        self.count_step(rows.len(), true, &[&logits], &[ids]);
+        Ok(logits)
     }
 
     /// See [`Executor::take_sampled`].
@@ -1205,6 +1361,15 @@ impl Executor for LocalExecutor {
     fn sample_queued(&mut self, masks: &[SeqMask]) -> Result<(), StepError> {
         self.worker.sample_queued(masks)
     }
+    fn sample_masked(
+        &mut self,
+        ids: &[u64],
+        _words_per_row: usize,
+        fill: &mut MaskFill<'_>,
+        next: Option<NextForward<'_>>,
+    ) -> Result<Duration, StepError> {
+        self.worker.sample_masked(ids, fill, next)
+    }
     fn defers_masks(&self) -> bool {
         self.worker.defers_masks()
     }
@@ -1221,7 +1386,200 @@ impl Executor for LocalExecutor {
 
 #[cfg(test)]
 mod tests {
-    use super::{allocator_limits, OUTSIDE_MLX_BYTES};
+    use super::*;
+    use crate::model_dir::ModelDir;
+    use crate::models::LoadFormat;
+    use rand::{Rng, SeedableRng};
+
+    /// The llama3 fixture (384 tokens) with `streams` sequences prefilled, sampling at
+    /// temperature 0.7: the executor, each sequence's first token and the next position.
+    fn prefilled(streams: usize) -> (LocalExecutor, Vec<u32>, usize) {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama3");
+        let model = crate::models::load(
+            &ModelDir::open(&dir).unwrap(),
+            LoadFormat::Safetensors,
+            |_, _| {},
+        )
+        .unwrap()
+        .model;
+        let mut exec = LocalExecutor::new(model, streams, 32);
+        let prompt = [5u32, 6, 7, 8];
+        let seqs = (0..streams)
+            .map(|i| {
+                let params = SamplingParams {
+                    temperature: 0.7,
+                    seed: Some(i as u64),
+                    ..SamplingParams::default()
+                };
+                SeqStep::whole_prompt(i as u64, i, &prompt, params)
+            })
+            .collect();
+        let first = exec
+            .execute(&StepPlan {
+                seqs,
+                ..StepPlan::default()
+            })
+            .unwrap();
+        let tokens = first.sampled.iter().map(|t| t.token).collect();
+        (exec, tokens, prompt.len())
+    }
+
+    fn rows(streams: usize, pos: usize) -> Vec<(u64, usize, usize)> {
+        (0..streams).map(|i| (i as u64, i, pos)).collect()
+    }
+
+    /// A pipelined constrained step builds the ops of an unconstrained one plus the
+    /// mask's: its sampling and the next forward pass are one graph (the masks are an
+    /// input written on the host), and the mask is an AND, a reshape, a cast and a select.
+    #[test]
+    fn a_constrained_step_builds_the_ops_of_an_unconstrained_one_and_the_mask() {
+        let b = 32;
+        let (mut exec, tokens, pos) = prefilled(b);
+        let w = &mut exec.worker;
+        let ids: Vec<u64> = (0..b as u64).collect();
+        w.queue_forward(&rows(b, pos), Some(&tokens), &[]).unwrap();
+        let Some(Queued {
+            stage: Stage::Logits(logits),
+            ..
+        }) = w.queued.back()
+        else {
+            panic!("a forward step is queued")
+        };
+        let logits = logits.clone();
+        let mut words = HostWritten::<u32>::new(&[b as i32, 12, 1]).unwrap();
+        // SAFETY: the words are set here, before anything is evaluated
+        unsafe { words.parts() }.1.fill(0xFF);
+        let next = rows(b, pos + 1);
+        let next = NextForward {
+            rows: &next,
+            tables: &[],
+        };
+        let (sample, next_logits) = w
+            .build_masked(&ids, &logits, words.array(), Some(next))
+            .unwrap();
+        let next_logits = next_logits.expect("the next step is built");
+        let mut outs = sample.arrays();
+        outs.push(&next_logits);
+        let constrained = mlx::graph::count_ops(&outs, &[&logits]);
+        mlx::eval(&outs).unwrap();
+        // an unconstrained pipelined step: the forward pass on the tokens sampled before,
+        // then its sampling
+        let prev = sample
+            .tokens()
+            .astype(mlx::Dtype::I32)
+            .unwrap()
+            .reshape(&[b as i32, 1])
+            .unwrap();
+        let l = w.forward_rows(&rows(b, pos + 2), &prev).unwrap();
+        let plain = w.sample_lazy(&ids, &l).unwrap();
+        let unconstrained = mlx::graph::count_ops(&plain.arrays(), &[sample.tokens()]);
+        let mask = apply_mask_words(&logits, words.array()).unwrap();
+        let mask = mlx::graph::count_ops(&[&mask], &[&logits, words.array()]);
+        let real: Vec<(&str, usize)> = mask
+            .by_name
+            .iter()
+            .filter(|(k, _)| k.as_str() != "Broadcast")
+            .map(|(k, v)| (k.as_str(), *v))
+            .collect();
+        assert_eq!(
+            real,
+            [
+                ("AsType", 1),
+                ("BitwiseAnd", 1),
+                ("Reshape", 1),
+                ("Select", 1)
+            ],
+            "{mask:?}"
+        );
+        assert!(mask.get("Broadcast") <= 3, "{mask:?}");
+        // (the forward pass of two layers and the sampling: 252 ops when written)
+        assert!(unconstrained.total() > 100, "{unconstrained:?}");
+        assert_eq!(
+            constrained.total(),
+            unconstrained.total() + mask.total(),
+            "constrained {constrained:?}\nunconstrained {unconstrained:?}"
+        );
+    }
+
+    /// Masks written by `sample_masked`'s fill (on the mask threads, while the step is
+    /// built) sample what `sample_queued` samples with the same masks, only allowed
+    /// tokens; the next step is queued on the sampled tokens.
+    #[test]
+    fn masks_written_while_building_sample_as_masks_given_first() {
+        let b = 6;
+        let w = 12; // words per row of 384 tokens
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        // rows 0..4 masked (a few allowed tokens each, one forced), 4..6 unmasked
+        let masks: Vec<SeqMask> = (0..4u64)
+            .map(|id| {
+                let mut allowed = vec![0u32; w];
+                for _ in 0..if id == 2 { 1 } else { 5 } {
+                    let t = rng.random_range(0..384usize);
+                    allowed[t / 32] |= 1 << (t % 32);
+                }
+                SeqMask {
+                    seq_id: id,
+                    allowed,
+                }
+            })
+            .collect();
+        let ids: Vec<u64> = (0..b as u64).collect();
+        let (mut first, tokens, pos) = prefilled(b);
+        first
+            .queue_forward(&rows(b, pos), Some(&tokens), &[])
+            .unwrap();
+        first.sample_queued(&masks).unwrap();
+        let want = first.take_sampled().unwrap();
+        let (mut during, tokens2, _) = prefilled(b);
+        assert_eq!(tokens, tokens2);
+        during
+            .queue_forward(&rows(b, pos), Some(&tokens), &[])
+            .unwrap();
+        let mut calls = 0;
+        let mut fill = |words: &mut [u32], per_row: usize| {
+            calls += 1;
+            assert_eq!((words.len(), per_row), (b * w, w));
+            assert!(
+                words.iter().all(|&x| x == u32::MAX),
+                "every token allowed to start with"
+            );
+            for m in &masks {
+                let row = m.seq_id as usize;
+                words[row * w..(row + 1) * w].copy_from_slice(&m.allowed);
+            }
+        };
+        let next = rows(b, pos + 1);
+        let next = NextForward {
+            rows: &next,
+            tables: &[],
+        };
+        during
+            .sample_masked(&ids, w, &mut fill, Some(next))
+            .unwrap();
+        assert_eq!(calls, 1);
+        let got = during.take_sampled().unwrap();
+        let tok = |s: &[SampledToken]| s.iter().map(|t| t.token).collect::<Vec<_>>();
+        assert_eq!(tok(&got), tok(&want));
+        for m in &masks {
+            let t = got[m.seq_id as usize].token as usize;
+            assert!(
+                m.allowed[t / 32] >> (t % 32) & 1 == 1,
+                "row {}: token {t}",
+                m.seq_id
+            );
+        }
+        // the next step's forward pass is queued on those tokens: its sampling follows
+        during.sample_queued(&[]).unwrap();
+        assert_eq!(during.take_sampled().unwrap().len(), b);
+        // masks for other rows than the queued step's are refused
+        during
+            .queue_forward(&rows(b, pos + 2), Some(&tokens), &[])
+            .unwrap();
+        let e = during
+            .sample_masked(&ids[..3], w, &mut |_, _| {}, None)
+            .unwrap_err();
+        assert!(e.to_string().contains("masks for rows"), "{e}");
+    }
 
     /// The limits follow the memory the device has left, not its size: the server that ran
     /// out of memory on an H200 (16 GB of weights, a 113.76 GB pool) had its limit raised

@@ -159,6 +159,8 @@ pub(crate) mod ffi {
         fn clear_cache();
 
         fn from_bytes(data: &[u8], shape: &[i32], dtype: Dtype) -> Result<UniquePtr<Array>>;
+        fn host_array(shape: &[i32], dtype: Dtype) -> Result<UniquePtr<Array>>;
+        fn host_data_address(a: &Array) -> Result<u64>;
         fn scalar_f32(v: f32, dtype: Dtype) -> Result<UniquePtr<Array>>;
         fn scalar_i32(v: i32) -> Result<UniquePtr<Array>>;
         fn full(shape: &[i32], v: f32, dtype: Dtype) -> Result<UniquePtr<Array>>;

@@ -16,6 +16,7 @@ pub mod fast;
 mod ffi;
 pub mod graph;
 pub mod host_fill;
+pub mod host_written;
 pub mod kernel_cache;
 pub mod memory;
 mod ops;
