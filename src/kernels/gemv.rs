@@ -109,10 +109,17 @@ pub fn enabled() -> bool {
     *ON.get_or_init(|| mlx::backend() == Backend::Cuda && knobs::get().gemv_dense)
 }
 
-/// Whether the kernel is used ([`enabled`]) and covers `x [m, k] · w [n, k]ᵀ` with
-/// `dtypes` = [x's, w's] ([`shape_supported`]).
+/// Largest batch whose decode steps use the kernel (it takes up to [`MAX_M`]): on one H200
+/// the 8B bf16 shape decoded faster on it at batch 1–3 (226.8 / 376.6 / 562.8 tok/s vs
+/// 214.4 / 322.8 / 460.3 on MLX's matmul) and slower from 4 (599.8 / 793.8 / 859.6 vs 630.6 /
+/// 953.2 / 1,281.3 at 4 / 6 / 8), where MLX's GEMM reads the weight once for all rows at
+/// more than the kernel's bandwidth (docs/benchmarks.md).
+pub const USED_MAX_M: usize = 3;
+
+/// Whether the kernel is used ([`enabled`], at most [`USED_MAX_M`] rows) and covers
+/// `x [m, k] · w [n, k]ᵀ` with `dtypes` = [x's, w's] ([`shape_supported`]).
 pub fn supports(m: usize, n: usize, k: usize, dtypes: [Dtype; 2]) -> bool {
-    enabled() && shape_supported(m, n, k, dtypes)
+    enabled() && m <= USED_MAX_M && shape_supported(m, n, k, dtypes)
 }
 
 /// Whether the kernel can compute `x [m, k] · w [n, k]ᵀ`: 1–[`MAX_M`] rows, `k` a
