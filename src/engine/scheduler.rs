@@ -1305,7 +1305,7 @@ impl Scheduler {
     /// need the previous step's tokens: each step's forward pass is queued alone
     /// ([`Executor::queue_forward`]); B's masks (from A's tokens, just delivered) are
     /// computed on the mask threads while the device runs B's forward pass and this
-    /// thread builds B's sampling and C's forward pass on top of it, both queued once the
+    /// thread builds B's sampling and C's forward pass on top of it, each queued once the
     /// masks are written ([`Executor::sample_masked`]); then B is read. Where the
     /// executor defers masks ([`Executor::defers_masks`], `MLXCEL_DEFER_MASKS=1` on a
     /// GPU), B's sampling is queued first, waiting on the device for its masks

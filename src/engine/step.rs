@@ -266,7 +266,8 @@ pub trait Executor {
     ///
     /// The local executor runs `fill` on the mask threads ([`grammar::pool`]) while this
     /// thread builds the sampling graph and `next`'s forward pass, with the words as their
-    /// input, and evaluates both (one `async_eval`) once `fill` is done: the masks cost
+    /// input, and evaluates them once `fill` is done (the sampling first, in an evaluation
+    /// of its own, so the device starts on it before the forward pass is encoded): the masks cost
     /// this thread only what is left of them when the building is. Returns that wait.
     /// The default computes the masks first, then [`Executor::sample_queued`] and
     /// [`Executor::queue_forward`] (the driver of ranks sends them the masks).
@@ -680,9 +681,14 @@ impl Worker {
         });
         let waited = built_at.map_or(Duration::ZERO, |t| t.elapsed());
         let (sample, next_logits) = built?;
-        let mut outs = sample.arrays();
-        outs.extend(&next_logits);
-        mlx::async_eval(&outs)?;
+        // the sampling first, on its own: its tokens are read next, and MLX commits what
+        // one evaluation encoded only at its end (or every MLX_MAX_OPS_PER_BUFFER ops), so
+        // queued together the device would start on it only once the next forward pass
+        // had been encoded too
+        mlx::async_eval(&sample.arrays())?;
+        if let Some(logits) = &next_logits {
+            mlx::async_eval(&[logits])?;
+        }
         self.check_kv_writes();
         self.queued.push_back(Queued {
             seq_ids: q.seq_ids,
