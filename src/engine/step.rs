@@ -619,8 +619,9 @@ impl Worker {
         self.queue_step(rows, tokens, tables, false)
     }
 
-    /// See [`Executor::sample_queued`].
-    pub fn sample_queued(&mut self, masks: &[SeqMask]) -> Result<(), StepError> {
+    /// The newest queued step, taken off the queue, when its forward pass waits for its
+    /// sampling: its rows' sequence ids and logits (left queued otherwise).
+    fn pop_unsampled(&mut self) -> Result<(Vec<u64>, Array), StepError> {
         let q = self
             .queued
             .pop_back()
@@ -631,11 +632,17 @@ impl Worker {
                 "the newest queued step is sampled already".into(),
             ));
         };
-        let logits = masked(&logits, &q.seq_ids, masks)?;
-        let sample = self.sample_lazy(&q.seq_ids, &logits)?;
+        Ok((q.seq_ids, logits))
+    }
+
+    /// See [`Executor::sample_queued`].
+    pub fn sample_queued(&mut self, masks: &[SeqMask]) -> Result<(), StepError> {
+        let (seq_ids, logits) = self.pop_unsampled()?;
+        let logits = masked(&logits, &seq_ids, masks)?;
+        let sample = self.sample_lazy(&seq_ids, &logits)?;
         mlx::async_eval(&sample.arrays())?;
         self.queued.push_back(Queued {
-            seq_ids: q.seq_ids,
+            seq_ids,
             stage: Stage::Sampled(sample),
         });
         Ok(())
@@ -648,20 +655,11 @@ impl Worker {
         fill: &mut MaskFill<'_>,
         next: Option<NextForward<'_>>,
     ) -> Result<Duration, StepError> {
-        let q = self
-            .queued
-            .pop_back()
-            .ok_or_else(|| StepError::Rank("no forward step queued".into()))?;
-        let Stage::Logits(logits) = q.stage else {
-            self.queued.push_back(q);
-            return Err(StepError::Rank(
-                "the newest queued step is sampled already".into(),
-            ));
-        };
-        if ids != q.seq_ids {
+        let (seq_ids, logits) = self.pop_unsampled()?;
+        if ids != seq_ids {
             return Err(StepError::Rank(format!(
                 "masks for rows {ids:?}, but the queued step has {:?}",
-                q.seq_ids
+                seq_ids
             )));
         }
         let (b, vocab) = (logits.dim(0), logits.dim(1) as usize);
@@ -675,7 +673,7 @@ impl Worker {
         let built = grammar::pool().in_place_scope(|scope| {
             // every token allowed, then the masks
             scope.spawn(move |_| fill(writer.fill(0xFF), w));
-            let built = self.build_masked(&q.seq_ids, &logits, array, next);
+            let built = self.build_masked(&seq_ids, &logits, array, next);
             built_at = Some(Instant::now());
             built
         });
@@ -691,7 +689,7 @@ impl Worker {
         }
         self.check_kv_writes();
         self.queued.push_back(Queued {
-            seq_ids: q.seq_ids,
+            seq_ids,
             stage: Stage::Sampled(sample),
         });
         if let (Some(n), Some(logits)) = (next, next_logits) {
@@ -773,16 +771,7 @@ impl Worker {
 
     /// See [`Executor::sample_deferred`].
     pub fn sample_deferred(&mut self) -> Result<MaskSink, StepError> {
-        let q = self
-            .queued
-            .pop_back()
-            .ok_or_else(|| StepError::Rank("no forward step queued".into()))?;
-        let Stage::Logits(logits) = q.stage else {
-            self.queued.push_back(q);
-            return Err(StepError::Rank(
-                "the newest queued step is sampled already".into(),
-            ));
-        };
+        let (seq_ids, logits) = self.pop_unsampled()?;
         let (b, vocab) = (logits.dim(0), logits.dim(1) as usize);
         let w = vocab.div_ceil(32);
         let (words, target) = match self.mask_buffer(b as usize, w) {
@@ -801,7 +790,7 @@ impl Worker {
             // (MLX's CPU-stream-to-GPU event is not used on CUDA: see kernels::mask_wait)
             None if mlx::backend() == mlx::Backend::Cuda => {
                 self.queued.push_back(Queued {
-                    seq_ids: q.seq_ids,
+                    seq_ids,
                     stage: Stage::Logits(logits),
                 });
                 return Err(StepError::Rank(format!(
@@ -815,15 +804,15 @@ impl Worker {
         };
         let masked =
             apply_mask_words(&logits, &words).map_err(|e| StepError::Params(e.to_string()))?;
-        let sample = self.sample_lazy(&q.seq_ids, &masked)?;
+        let sample = self.sample_lazy(&seq_ids, &masked)?;
         mlx::async_eval(&sample.arrays())?;
         let sink = MaskSink {
-            ids: q.seq_ids.clone(),
+            ids: seq_ids.clone(),
             vocab,
             target: Some(target),
         };
         self.queued.push_back(Queued {
-            seq_ids: q.seq_ids,
+            seq_ids,
             stage: Stage::Sampled(sample),
         });
         Ok(sink)
