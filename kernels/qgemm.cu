@@ -173,19 +173,13 @@ __device__ __forceinline__ void mlxcel_dequant8(uint32_t lo, uint32_t hi, uint32
   }
 }
 
-// rows of x: the product of x's dimensions over K (MLX passes the shape zero-padded to
-// MAX_NDIM dimensions)
-#ifndef MAX_NDIM
-#define MAX_NDIM 10
-#endif
+// rows of x: the product of x's first `ndim` dimensions over K. (MLX pads the shape it
+// passes to MAX_NDIM entries without setting the rest, so they hold whatever was in that
+// memory: reading past `ndim` made M garbage, and whole calls wrote nothing.)
 template <int K, typename S>
-__device__ __forceinline__ int mlxcel_qgemm_rows(const S& shape) {
+__device__ __forceinline__ int mlxcel_qgemm_rows(const S& shape, const int ndim) {
   long long n = 1;
-#pragma unroll
-  for (int i = 0; i < MAX_NDIM; ++i) {
-    if (shape[i] <= 0) {
-      break;
-    }
+  for (int i = 0; i < ndim; ++i) {
     n *= shape[i];
   }
   return int(n / K);
@@ -534,7 +528,7 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
 }
 // @@body
   mlxcel_qgemm<T, MT, N, K, G, BITS, WR, WN, SK, ST, EPI, NORM, EPS_BITS, 0, 0>(
-      x, w, scales, biases, res, nw, part, count, mlxcel_qgemm_rows<K>(x_shape), nullptr, nullptr, y, nullptr);
+      x, w, scales, biases, res, nw, part, count, mlxcel_qgemm_rows<K>(x_shape, x_ndim), nullptr, nullptr, y, nullptr);
 // @@body_rope
   mlxcel_qgemm<T, MT, N, K, G, BITS, WR, WN, SK, ST, 3, NORM, EPS_BITS, HD, NQ>(
-      x, w, scales, biases, nw, nw, part, count, mlxcel_qgemm_rows<K>(x_shape), pos, inv_freq, q, kv);
+      x, w, scales, biases, nw, nw, part, count, mlxcel_qgemm_rows<K>(x_shape, x_ndim), pos, inv_freq, q, kv);

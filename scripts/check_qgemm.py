@@ -177,8 +177,11 @@ def check_shape(mx, qv, g, dt, model, n, k, name, nq, bits, group, ms):
         x = mx.random.normal((m, k)).astype(dt)
         ref = x.astype(mx.float32) @ wd.T
         qmm = mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=group, bits=bits)
-        e, eq = qv.rel_err(g.call(x, wq, s, b, group, bits), ref), qv.rel_err(qmm, ref)
+        y = g.call(x, wq, s, b, group, bits)
+        e, eq = qv.rel_err(y, ref), qv.rel_err(qmm, ref)
         rows.append((tag, bits, group, m, "", e, eq, within(e, eq)))
+        if PATTERN and not within(e, eq):
+            pattern(mx, g, qv, tag, x, wq, s, b, group, bits, y, ref)
         if m not in (16, 128):
             continue
         nw = (1 + 0.1 * mx.random.normal((k,))).astype(dt)
@@ -215,6 +218,32 @@ def check_shape(mx, qv, g, dt, model, n, k, name, nq, bits, group, ms):
             eq = max(qv.rel_err(mq, rq), qv.rel_err(mkv, rkv))
             rows.append((tag, bits, group, m, " norm+rope", e, eq, within(e, eq)))
     return rows
+
+
+PATTERN = False  # --pattern
+
+
+def pattern(mx, g, qv, tag, x, wq, s, b, group, bits, y, ref):
+    """What a wrong product looks like (to stderr): which batch rows and 128-row column
+    blocks are off, how much of y is zero or not finite, the split-K counts after the
+    call (all zero when every block finished), and whether three more calls agree."""
+    m, n = y.shape
+    yf = y.astype(mx.float32)
+    scale = mx.maximum(mx.abs(ref).max(), 1e-6)
+    bad = mx.abs(yf - ref) > 0.02 * scale  # [m, n]
+    rows_bad = [i for i, v in enumerate(bad.any(axis=1).tolist()) if v]
+    cols = bad.reshape(m, -1, 128).any(axis=(0, 2)).tolist() if n % 128 == 0 else []
+    cb_bad = [i for i, v in enumerate(cols) if v]
+    zeros = (yf == 0).mean().item()
+    finite = mx.isfinite(yf).mean().item()
+    counts = g.count.tolist()
+    again = [qv.rel_err(g.call(x, wq, s, b, group, bits), yf) for _ in range(3)]
+    print(f"PATTERN {tag} bits {bits} M {m}: launch {launch_for(m, n, x.shape[1], bits)}; "
+          f"{bad.mean().item():.3f} of y off; batch rows off {rows_bad[:20]}{'…' if len(rows_bad) > 20 else ''} "
+          f"({len(rows_bad)} of {m}); column blocks off {cb_bad[:20]}{'…' if len(cb_bad) > 20 else ''} "
+          f"({len(cb_bad)} of {len(cols)}); zeros {zeros:.3f}, finite {finite:.3f}; "
+          f"nonzero counts after {[(i, c) for i, c in enumerate(counts) if c][:10]}; "
+          f"three more calls vs this one: {['%.1e' % a for a in again]}", file=sys.stderr, flush=True)
 
 
 def row_chunks(m):
@@ -273,6 +302,8 @@ def work(idx, jobs, args, lock):
     dt = getattr(mx, args.dtype)
     g = Gemm(mx, dt)
     qv.DT = dt  # (its quantized(), rel_err() and bench() serve here too)
+    global PATTERN
+    PATTERN = args.pattern
     qv.KERNEL, _ = qv.make_kernel(qv.SOURCE)
     shapes = [(mdl, *sh) for mdl in args.models for sh in SHAPES[mdl]]
     if args.quick:
@@ -324,6 +355,8 @@ def main():
     ap.add_argument("--bits", default="4,8", type=lambda v: [int(i) for i in v.split(",")])
     ap.add_argument("--groups", default="64", type=lambda v: [int(i) for i in v.split(",")])
     ap.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
+    ap.add_argument("--pattern", action="store_true",
+                    help="for a wrong product, print which rows/column blocks are off and whether calls agree")
     ap.add_argument("--jobs", type=int, default=8, help="worker processes (they compile in parallel)")
     ap.add_argument("--timeout", type=int, default=600, help="seconds to wait for each worker's report")
     args = ap.parse_args()

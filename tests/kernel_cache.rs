@@ -39,6 +39,10 @@ fn mlx_source(
         if shape_of.contains(n) {
             s += &format!("    const __grid_constant__ Shape {n}_shape,\n");
         }
+        // (MLX adds an input's ndim where the body names it, as it does its shape)
+        if body.contains(&format!("{n}_ndim")) {
+            s += &format!("    const __grid_constant__ int {n}_ndim,\n");
+        }
     }
     for (i, (n, ty)) in outputs.iter().enumerate() {
         s += &format!("    {ty}* {n}");

@@ -39,8 +39,10 @@ int main() {
   // split-K scratch: every block's partial tile, then the Σ x² partials; counts start at 0
   std::vector<float> part(size_t(CB) * SK * (NV * TPB * 4 + MT), -7.f);
   std::vector<int32_t> count(CB, 0);
-  // x as a [M, 1, K] array: MLX passes its shape zero-padded to 10 dimensions
-  const int x_shape[10] = {M, 1, K, 0, 0, 0, 0, 0, 0, 0};
+  // x as a [M, 1, K] array: MLX passes its shape padded to 10 dimensions with whatever
+  // was in that memory (here nonzero junk, which the kernel must not read), and its ndim
+  const int x_shape[10] = {M, 1, K, 7, 3, -1, 5, 9, 2, 11};
+  const int x_ndim = 3;
   blockDim.x = TPB;
   g_shfl.assign(TPB, 0.f);
   g_mma.assign(6 * TPB, 0u);
@@ -49,10 +51,10 @@ int main() {
     for (int blk = 0; blk < CB * SK; ++blk) {
       run_block(blk, TPB, [&] {
 #if ROPE
-        kernel(x.data(), x_shape, w.data(), sc.data(), bi.data(), nw.data(), pos.data(), inv.data(),
+        kernel(x.data(), x_shape, x_ndim, w.data(), sc.data(), bi.data(), nw.data(), pos.data(), inv.data(),
                part.data(), count.data(), x.data(), yq.data(), ykv.data(), y.data());
 #else
-        kernel(x.data(), x_shape, w.data(), sc.data(), bi.data(), res.data(), nw.data(), part.data(),
+        kernel(x.data(), x_shape, x_ndim, w.data(), sc.data(), bi.data(), res.data(), nw.data(), part.data(),
                count.data(), x.data(), y.data(), yq_unused());
 #endif
       });
@@ -119,19 +121,19 @@ fn program(consts: &[(&str, usize)], edit: &dyn Fn(String) -> String) -> String 
         &[("NAN_X", 0), ("MROWS", mt), ("ST", 2), ("WN", 1), ("SK", 1)],
     );
     if rope {
-        // inputs x (with its shape), w, scales, biases, nw, pos, inv_freq, part, count, prev;
+        // inputs x (with its shape and ndim), w, scales, biases, nw, pos, inv_freq, part, count, prev;
         // outputs q, kv, tok
         src += &format!(
-            "void kernel(const {t}* x, const int* x_shape, const uint32_t* w, const {t}* scales,\n\
+            "void kernel(const {t}* x, const int* x_shape, int x_ndim, const uint32_t* w, const {t}* scales,\n\
                 const {t}* biases, const {t}* nw, const int32_t* pos, const float* inv_freq,\n\
                 const float* part, const int32_t* count, const {t}* prev, {t}* q, {t}* kv, {t}* tok) {{\n"
         );
         src += &body_rope;
     } else {
-        // inputs x (with its shape), w, scales, biases, res, nw, part, count, prev; outputs y, tok
+        // inputs x (with its shape and ndim), w, scales, biases, res, nw, part, count, prev; outputs y, tok
         src += &format!(
             "static {t}* yq_unused() {{ return nullptr; }}\n\
-             void kernel(const {t}* x, const int* x_shape, const uint32_t* w, const {t}* scales,\n\
+             void kernel(const {t}* x, const int* x_shape, int x_ndim, const uint32_t* w, const {t}* scales,\n\
                 const {t}* biases, const {t}* res, const {t}* nw, const float* part,\n\
                 const int32_t* count, const {t}* prev, {t}* y, {t}* tok) {{\n"
         );
