@@ -217,13 +217,15 @@ impl GrammarMatcher {
 }
 
 /// The threads that compute masks and advance grammars, made on first use and kept: up to
-/// 8, one per core (a mask over a 50k-token vocabulary takes tens to hundreds of µs, and a
+/// 8, one per core, or `MLXCEL_MASK_THREADS` (a mask over a 50k-token vocabulary takes tens to hundreds of µs, and a
 /// batch of 32 constrained sequences needs 32 per step; a thread spawned per step cost
 /// more than some masks).
 pub fn pool() -> &'static rayon::ThreadPool {
     static POOL: OnceLock<rayon::ThreadPool> = OnceLock::new();
     POOL.get_or_init(|| {
-        let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(8));
+        let threads = crate::kernels::knobs::get().mask_threads.unwrap_or_else(|| {
+            std::thread::available_parallelism().map_or(1, |n| n.get().min(8))
+        });
         rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .thread_name(|i| format!("mlxcel-mask-{i}"))

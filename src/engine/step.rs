@@ -682,10 +682,16 @@ impl Worker {
         // the sampling first, on its own: its tokens are read next, and MLX commits what
         // one evaluation encoded only at its end (or every MLX_MAX_OPS_PER_BUFFER ops), so
         // queued together the device would start on it only once the next forward pass
-        // had been encoded too
-        mlx::async_eval(&sample.arrays())?;
-        if let Some(logits) = &next_logits {
-            mlx::async_eval(&[logits])?;
+        // had been encoded too (`MLXCEL_SAMPLE_FIRST=0`: together, for A/B runs)
+        if crate::kernels::knobs::get().sample_first || next_logits.is_none() {
+            mlx::async_eval(&sample.arrays())?;
+            if let Some(logits) = &next_logits {
+                mlx::async_eval(&[logits])?;
+            }
+        } else {
+            let mut all = sample.arrays();
+            all.extend(next_logits.iter());
+            mlx::async_eval(&all)?;
         }
         self.check_kv_writes();
         self.queued.push_back(Queued {

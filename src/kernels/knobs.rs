@@ -71,6 +71,13 @@ pub struct Knobs {
     /// and the masks are computed meanwhile on another thread. Off by default until
     /// measured on a GPU (docs/tuning.md).
     pub defer_masks: bool,
+    /// `MLXCEL_SAMPLE_FIRST`: a pipelined constrained step's masked sampling is evaluated
+    /// on its own before the next forward pass, so the device starts it at once (`0`: one
+    /// evaluation of both, committed once the forward pass is encoded too).
+    pub sample_first: bool,
+    /// `MLXCEL_MASK_THREADS`: the threads that compute token masks and advance grammars
+    /// (default: one per core, at most 8).
+    pub mask_threads: Option<usize>,
     /// `MLXCEL_GEMV_SOURCE`: a dense GEMV kernel file read at run time instead of the
     /// embedded one.
     pub gemv_source: Option<PathBuf>,
@@ -100,6 +107,8 @@ impl Default for Knobs {
             kernel_reuse: true,
             gemv_dense: true,
             defer_masks: false,
+            sample_first: true,
+            mask_threads: None,
             gemv_source: None,
         }
     }
@@ -129,6 +138,8 @@ pub const VARS: &[&str] = &[
     "MLXCEL_GEMV_DENSE",
     "MLXCEL_GEMV_SOURCE",
     "MLXCEL_DEFER_MASKS",
+    "MLXCEL_SAMPLE_FIRST",
+    "MLXCEL_MASK_THREADS",
 ];
 
 /// A tuning variable with a value it cannot take.
@@ -218,6 +229,8 @@ impl Knobs {
         k.kernel_reuse = switch("MLXCEL_KERNEL_REUSE", k.kernel_reuse)?;
         k.gemv_dense = switch("MLXCEL_GEMV_DENSE", k.gemv_dense)?;
         k.defer_masks = switch("MLXCEL_DEFER_MASKS", k.defer_masks)?;
+        k.sample_first = switch("MLXCEL_SAMPLE_FIRST", k.sample_first)?;
+        k.mask_threads = number("MLXCEL_MASK_THREADS", 1..=256, "a thread count")?;
         k.gemv_source = get("MLXCEL_GEMV_SOURCE")
             .filter(|v| !v.is_empty())
             .map(PathBuf::from);
@@ -259,6 +272,7 @@ impl Knobs {
         switch("MLXCEL_KERNEL_REUSE", self.kernel_reuse, d.kernel_reuse);
         switch("MLXCEL_GEMV_DENSE", self.gemv_dense, d.gemv_dense);
         switch("MLXCEL_DEFER_MASKS", self.defer_masks, d.defer_masks);
+        switch("MLXCEL_SAMPLE_FIRST", self.sample_first, d.sample_first);
         if let Some(n) = self.qgemv_mma {
             out.push(format!("MLXCEL_QGEMV_MMA={n}"));
         }
@@ -272,6 +286,7 @@ impl Knobs {
             ("MLXCEL_QGEMM_MIN_M", self.qgemm_min_m),
             ("MLXCEL_QGEMM_MAX_M", self.qgemm_max_m),
             ("MLXCEL_QGEMM_SPLITK", self.qgemm_splitk),
+            ("MLXCEL_MASK_THREADS", self.mask_threads),
         ] {
             if let Some(n) = v {
                 out.push(format!("{var}={n}"));
