@@ -8,6 +8,8 @@
 #   bash scripts/gpu/schema.sh nopipe     # the same once with --no-pipeline (masks between steps, for reference)
 #   bash scripts/gpu/schema.sh defer      # servers with MLXCEL_DEFER_MASKS=1 and =0 alternated, RUNS (2) each
 #                                         # (docs/tuning.md), one compare per server
+#   bash scripts/gpu/schema.sh ab         # servers with each of SETTINGS ("A=1 A=0,B=2": space-separated, commas
+#                                         # join variables; X=1 the defaults) in turn, RUNS (2) rounds
 #   bash scripts/gpu/schema.sh engine     # the engine alone, no HTTP: mlxcel bench-masks --engine (32 requests
 #                                         # without and with the schema alternated, RUNS (2) pairs after a warm-up pair;
 #                                         # decode rate and engine-thread ms per step by part) and the host's mask costs
@@ -61,6 +63,22 @@ defer() {
   done; done
 }
 
+# servers with each of SETTINGS (space-separated; one setting is VAR=value[,VAR=value...],
+# X=1 for the defaults) in turn, RUNS (2) rounds, one compare per server
+ab() {
+  local set
+  for r in $(seq ${RUNS:-2}); do for set in ${SETTINGS:-MLXCEL_SAMPLE_FIRST=1 MLXCEL_SAMPLE_FIRST=0}; do
+    env ${set//,/ } bash -c true || continue
+    spid=; eval "$(printf 'export %s; ' ${set//,/ })" 2>/dev/null
+    serve "$G" 8134 --parallel 32 --ctx-size 2048 ${SERVER_FLAGS:-} || { unset_settings "$set"; continue; }
+    unset_settings "$set"
+    step "schema vs unconstrained, $set, run $r"
+    echo "[$set, run $r]" >> "$OUT/schema.txt"; compare "ab-${set//[^A-Za-z0-9]/_}-run$r" 8134
+    unserve
+  done; done
+}
+unset_settings() { local v; for v in ${1//,/ }; do unset "${v%%=*}"; done; }
+
 engine() {
   step "engine alone: mlxcel bench-masks --engine, $MAX_TOKENS_E tokens, RUNS ${RUNS:-2}"
   timeout ${BENCH_S:-400} $B bench-masks -m "$G" --engine --max-tokens "$MAX_TOKENS_E" --runs "${RUNS:-2}" \
@@ -89,6 +107,7 @@ case "$cmd" in
 bench) bench ;;
 engine) engine ;;
 defer) defer ;;
+ab) ab ;;
 nopipe) nopipe ;;
 all) bench; nopipe ;;
 *) echo "unknown subcommand $cmd (see the header)"; exit 2 ;;
