@@ -16,7 +16,7 @@
 #   bash scripts/gpu/schema.sh all        # bench, nopipe
 # The model must be staged first (no network on the box): scripts/gpu/gguf.sh's header
 # (stage here, send .gpu/g1 then .gpu/g2). Environment: see scripts/gpu/lib.sh;
-# MAX_TOKENS (256) tokens per request, LEVELS (1,32).
+# MAX_TOKENS (256) tokens per request, LEVELS (1,32), ROUNDS (2: unconstrained and schema alternated per level).
 . "$(dirname "$0")/lib.sh"
 G=$MLXCEL_CACHE/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf
 [ -f "$G" ] || { echo "no $G: stage it with scripts/gpu/gguf.sh (see its header)"; exit 3; }
@@ -26,7 +26,7 @@ cmd=${1:-all}; shift || true
 compare() {
   local tag=$1 port=$2
   timeout ${BENCH_S:-400} python3 scripts/bench_server.py --port "$port" --chat \
-    --concurrency "${LEVELS:-1,32}" --rounds 2 --max-tokens "${MAX_TOKENS:-256}" --warmup 16 \
+    --concurrency "${LEVELS:-1,32}" --rounds "${ROUNDS:-2}" --max-tokens "${MAX_TOKENS:-256}" --warmup 16 \
     --response-format scripts/bench_schema.json > "$OUT/schema-$tag.json" || { echo "bench failed"; return 1; }
   python3 - "$OUT/schema-$tag.json" <<'PY' | tee -a "$OUT/schema.txt"
 import json, sys
