@@ -223,9 +223,9 @@ impl GrammarMatcher {
 pub fn pool() -> &'static rayon::ThreadPool {
     static POOL: OnceLock<rayon::ThreadPool> = OnceLock::new();
     POOL.get_or_init(|| {
-        let threads = crate::kernels::knobs::get().mask_threads.unwrap_or_else(|| {
-            std::thread::available_parallelism().map_or(1, |n| n.get().min(8))
-        });
+        let threads = crate::kernels::knobs::get()
+            .mask_threads
+            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get().min(8)));
         rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
             .thread_name(|i| format!("mlxcel-mask-{i}"))
