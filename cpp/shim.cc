@@ -792,7 +792,7 @@ std::unique_ptr<ArrayVec> cuda_kernel(uint64_t variant, bool reuse, rust::Str na
                                       rust::Slice<const int32_t> out_ndims, Dtype out_dtype,
                                       rust::Slice<const rust::String> tnames, rust::Slice<const int32_t> tvals,
                                       Dtype tdtype, rust::Slice<const int32_t> grid,
-                                      rust::Slice<const int32_t> threadgroup) {
+                                      rust::Slice<const int32_t> threadgroup, int32_t shared_memory) {
   if (tnames.size() != tvals.size() || grid.size() != 3 || threadgroup.size() != 3) {
     throw std::invalid_argument("cuda_kernel: template names/values or grid/threadgroup sizes differ");
   }
@@ -817,7 +817,7 @@ std::unique_ptr<ArrayVec> cuda_kernel(uint64_t variant, bool reuse, rust::Str na
   // for it the first time. Per thread, as MLX's streams are.
   thread_local std::unordered_map<uint64_t, KernelVariant> variants;
   uint64_t launch = variant;
-  for (int32_t v : {grid[0], grid[1], grid[2], threadgroup[0], threadgroup[1], threadgroup[2]}) {
+  for (int32_t v : {grid[0], grid[1], grid[2], threadgroup[0], threadgroup[1], threadgroup[2], shared_memory}) {
     launch = (launch ^ uint32_t(v)) * 0x100000001b3ull;
   }
   if (auto v = reuse ? variants.find(launch) : variants.end(); v != variants.end()) {
@@ -830,17 +830,20 @@ std::unique_ptr<ArrayVec> cuda_kernel(uint64_t variant, bool reuse, rust::Str na
     out->items = mx::array::make_arrays(std::move(shapes), k.dtypes, k.primitive, inputs.items);
     return out;
   }
-  // Keyed by name alone (the caller names each source differently): this runs once
-  // per quantized linear per decode step, so no copy or hash of the source here.
+  // Keyed by name and dynamic shared memory (the caller names each source differently,
+  // and MLX fixes a function's shared memory when it is made): no copy or hash of the
+  // source here.
   static std::unordered_map<std::string, mx::fast::CustomKernelFunction> kernels;
   std::string key(name);
+  key += '#';
+  key += std::to_string(shared_memory);
   auto it = kernels.find(key);
   if (it == kernels.end()) {
     std::vector<std::string> in_names, out_names;
     for (const auto& n : input_names) in_names.emplace_back(std::string(n));
     for (const auto& n : output_names) out_names.emplace_back(std::string(n));
     auto fn = mx::fast::cuda_kernel(std::string(name), in_names, out_names, std::string(source),
-                                    std::string(header), /*ensure_row_contiguous=*/true);
+                                    std::string(header), /*ensure_row_contiguous=*/true, shared_memory);
     it = kernels.emplace(std::move(key), std::move(fn)).first;
   }
   std::vector<std::pair<std::string, mx::fast::TemplateArg>> targs;

@@ -197,8 +197,9 @@ NvrtcOutput nvrtc_compile(rust::Str library, rust::Str source, rust::Str file,
 // `header` device code before it; template ints (`tnames[i] = tvals[i]`) become
 // constexpr ints in the body and `T` names `tdtype`. Outputs `output_names[i]` have
 // dtype `out_dtype` and shape `out_shapes[off_i .. off_i + out_ndims[i]]` (the shapes
-// concatenated). Built kernels are cached by name alone, so a name must identify its
-// source and output names (MLX then caches the compiled module per template set).
+// concatenated). Built kernels are cached by name and `shared_memory` (the launch's
+// dynamic shared memory in bytes, 0 for none), so a name must identify its source and
+// output names (MLX then caches the compiled module per template set).
 // `variant` identifies everything else that changes the generated source (input and
 // output dtypes, template values): from its second call on, a variant's op is made from
 // the source generated at its first (no source generation, template formatting or
@@ -211,7 +212,7 @@ std::unique_ptr<ArrayVec> cuda_kernel(uint64_t variant, bool reuse, rust::Str na
                                       rust::Slice<const int32_t> out_ndims, Dtype out_dtype,
                                       rust::Slice<const rust::String> tnames, rust::Slice<const int32_t> tvals,
                                       Dtype tdtype, rust::Slice<const int32_t> grid,
-                                      rust::Slice<const int32_t> threadgroup);
+                                      rust::Slice<const int32_t> threadgroup, int32_t shared_memory);
 
 // ---- quantization ----
 ArrayPtr quantized_matmul(const array& x, const array& w, const array& scales, const array& biases,

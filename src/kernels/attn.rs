@@ -162,6 +162,7 @@ pub fn decode(
         output_names: outputs,
         header,
         body,
+        shared_memory: 0,
     };
     let tvals = [
         head_dim as i32,

@@ -275,6 +275,7 @@ pub fn gemv(
         output_names: outputs,
         header: mlx_header()?,
         body: &src.body,
+        shared_memory: 0,
     };
     let tvals = [
         m,
@@ -346,6 +347,7 @@ pub fn gemv_rope(
         output_names: outputs,
         header: mlx_header()?,
         body: &src.body_rope,
+        shared_memory: 0,
     };
     let nkv2 = n / head_dim - nq;
     let tvals = [

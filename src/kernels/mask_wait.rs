@@ -172,6 +172,7 @@ impl MaskBuffer {
             output_names: outputs,
             header,
             body,
+            shared_memory: 0,
         };
         let want = Array::from_slice(&[seq], &[1])?;
         let threads = 256i32;

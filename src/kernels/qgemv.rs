@@ -730,6 +730,7 @@ pub fn qgemv(
         output_names: outputs,
         header: mlx_header()?,
         body: &src.body,
+        shared_memory: 0,
     };
     let tvals = [
         m,
@@ -792,6 +793,7 @@ fn round_x(
         output_names: outputs,
         header: mlx_header()?,
         body: &src.body_xq,
+        shared_memory: 0,
     };
     let (nw, eps) = norm.unwrap_or((x, 0.0));
     let tvals = [m, k, group, norm.is_some() as usize, eps.to_bits() as usize].map(|v| v as i32);
@@ -939,6 +941,7 @@ pub fn qgemv_rope(
         output_names: outputs,
         header: mlx_header()?,
         body: &src.body_rope,
+        shared_memory: 0,
     };
     let nkv2 = n / head_dim - nq;
     let tvals = [

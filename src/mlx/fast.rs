@@ -193,13 +193,17 @@ pub fn quantize(w: &Array, group_size: i32, bits: i32) -> Result<(Array, Array, 
 /// device code before it. Template ints (`template_names[i] = template_values[i]`)
 /// become constexpr ints in the body and `T` names `tdtype`. `grid` counts threads,
 /// as in MLX. Only MLX's CUDA backend runs it. The shim caches the kernel function by
-/// `name`, so `name` must change whenever `header`, `body` or the names do.
+/// `name` and `shared_memory`, so `name` must change whenever `header`, `body` or the
+/// names do.
 pub struct CudaKernel<'a> {
     pub name: &'a str,
     pub input_names: &'a [String],
     pub output_names: &'a [String],
     pub header: &'a str,
     pub body: &'a str,
+    /// Dynamic shared memory of each launch in bytes (`extern __shared__`; 0: none). MLX
+    /// raises the kernel's limit when it is over the default 48 KB.
+    pub shared_memory: i32,
 }
 
 /// Whether custom kernels' later calls reuse the op of their variant's first call
@@ -260,6 +264,7 @@ impl CudaKernel<'_> {
             tdtype,
             &grid,
             &threadgroup,
+            self.shared_memory,
         )?)
         .into_vec()?;
         if let (Some(_), Some(first)) = (super::kernel_cache::get(), out.first()) {

@@ -341,6 +341,7 @@ pub(crate) mod ffi {
             tdtype: Dtype,
             grid: &[i32],
             threadgroup: &[i32],
+            shared_memory: i32,
         ) -> Result<UniquePtr<ArrayVec>>;
 
         fn quantized_matmul(
