@@ -53,6 +53,17 @@ impl Gpu {
         self.cc >= Some(80)
     }
 
+    /// Shared memory an SM holds, in bytes (CUDA's per-SM capacity by compute capability:
+    /// 228 KB on sm_90 and sm_100, 164 KB on sm_80/87, 100 KB otherwise, the smallest
+    /// since sm_75 and what unknown GPUs get). A block may take all but 1 KB of it.
+    pub fn shared_memory_per_sm(&self) -> usize {
+        match self.cc {
+            Some(90 | 100 | 103) => 228 * 1024,
+            Some(80 | 87) => 164 * 1024,
+            _ => 100 * 1024,
+        }
+    }
+
     /// The streaming GEMV's default grid: [`STREAM_BLOCKS_PER_SM`] per SM.
     pub fn streaming_grid(&self) -> usize {
         STREAM_BLOCKS_PER_SM * self.sms.unwrap_or(DEFAULT_SMS)
@@ -95,6 +106,11 @@ mod tests {
         // the streaming grid measured on H200: 2 blocks per SM
         assert_eq!(h.streaming_grid(), 264);
         assert!(h.has_cp_async() && h.has_int8_mma() && h.has_bf16_mma());
+        assert_eq!(h.shared_memory_per_sm(), 233_472);
+        assert_eq!(
+            Gpu::from_arch(Some("sm_86")).shared_memory_per_sm(),
+            102_400
+        );
         let t = Gpu::from_arch(Some("sm_75"));
         assert!(!t.has_cp_async() && !t.has_int8_mma() && !t.has_bf16_mma() && t.sms.is_none());
         assert_eq!(t.streaming_grid(), 2 * DEFAULT_SMS);
