@@ -32,17 +32,23 @@
 // rows (the block's rows BN = 32·WR) and n-tiles wn·NTW … of 8 batch rows (NTW = NT/WN,
 // NT = MT/8), over the block's range of K: the grid is ceil(N/BN) column blocks × SK splits
 // of K (split-K, so that shapes with few column blocks still fill the GPU).
-// K is walked in steps of 128 values. Per step:
-// - x: the block's threads stage x[0..MT)[step] into shared memory (rows ≥ M as zeros),
-//   loaded one step ahead into registers; with NORM they multiply it by the norm weight
-//   and add up Σ x² per row on the way. Staged as the MMAs' B fragments want it: each
-//   8-value word (x0 … x7) as the pairs (x0,x4) (x1,x5) (x2,x6) (x3,x7), the order the
-//   weights' nibbles unpack in (below); a row is 20 16-byte slots (16 words + padding) and
-//   word 4t + c sits at slot 4c + t, so a warp's fragment loads hit distinct banks.
-// - w: lane (g, t) (g = lane/4, t = lane%4) of a warp holds rows g and g + 8 of each of its
-//   tiles, the lane's 32 values k = 32t … 32t+31 of the step (16 bytes of 4-bit weights, 32
-//   of 8-bit: one group, G being a multiple of 32, so one scale and bias per row), loaded
-//   ST steps ahead. Word c (8 values v0 … v7) of a row becomes four T pairs
+// K is walked in steps of 128 values, through a ring of ST stages in shared memory (the
+// launch's dynamic shared memory, mlxcel_qgemm_smem_bytes in src/kernels/qgemm.rs): each
+// thread copies its part of step s + ST - 1 with `cp.async` (no registers, nothing waits
+// for it) while the warps multiply step s, so ST - 1 steps of weights and x are in flight
+// per block and no step waits a memory round trip (the previous design loaded into
+// registers a step or two ahead and staged x with two barriers a step: latency-bound at
+// 0.4-0.6 TB/s on an H200). One barrier a step (two with NORM). Per step:
+// - x: rows 0..MT of x[step] (rows ≥ M as zeros) land as they are; with NORM the block
+//   multiplies them by the norm weight (copied with them) in place, adding up Σ x² per row.
+//   Word 4t + c of a row sits at slot (4c + t) ^ 4·(row & 1), so a warp's fragment loads
+//   hit distinct banks; a lane turns the 8-value word (x0 … x7) it loads into the pairs
+//   (x0,x4) (x1,x5) (x2,x6) (x3,x7), the order the weights' nibbles unpack in (below).
+// - w: lane (g, t) (g = lane/4, t = lane%4) of a warp reads rows g and g + 8 of each of its
+//   tiles from the stage, the lane's 32 values k = 32t … 32t+31 of the step (16 bytes of
+//   4-bit weights, 32 of 8-bit: one group, G being a multiple of 32, so one scale and bias
+//   per row; those two are plain loads into registers ST - 1 steps ahead). Word c (8 values
+//   v0 … v7) of a row becomes four T pairs
 //   (v0,v4) (v1,v5) (v2,v6) (v3,v7): 4-bit by masking nibbles j and j + 4 into the
 //   mantissas of T(128) (bf16) or T(1024) (f16), which makes 128 + v exactly, then one
 //   FMA2 subtracting it and one FMA2 with the scale and bias (one rounding, as
@@ -173,6 +179,24 @@ __device__ __forceinline__ void mlxcel_dequant8(uint32_t lo, uint32_t hi, uint32
   }
 }
 
+// 16 bytes global → shared without a register (`cp.async`, cached in L2 only), or 16 zero
+// bytes when !in (the source size 0: nothing is read); the copies a thread has issued since
+// its last commit form one group (mlxcel_cp_commit), and mlxcel_cp_wait<P> waits until at
+// most P of its groups are still in flight (both from the GEMV's header). Plain copies,
+// done at once, before sm_80 and in the CPU emulation.
+__device__ __forceinline__ void mlxcel_cp16z(uint4* dst, const void* src, bool in) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(in ? 16 : 0) : "memory");
+#else
+  if (in) {
+    std::memcpy(dst, src, 16);
+  } else {
+    *dst = make_uint4(0u, 0u, 0u, 0u);
+  }
+#endif
+}
+
 // rows of x: the product of x's first `ndim` dimensions over K. (MLX pads the shape it
 // passes to MAX_NDIM entries without setting the rest, so they hold whatever was in that
 // memory: reading past `ndim` made M garbage, and whole calls wrote nothing.)
@@ -207,14 +231,24 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
   constexpr int NS = K / 128 / SK;               // steps of 128 values per split
   constexpr int KW = K * BITS / 32;              // words per weight row
   constexpr int GPR = K / G;                     // groups per row
-  constexpr int LQ = BITS / 4;                   // 16-byte loads per lane, row and step
-  constexpr int RS = 20;                         // shared-memory row of x: 16-byte slots
-  constexpr int XR = (MT * 16 + TPB - 1) / TPB;  // 16-byte slots of x a thread stages
+  constexpr int LQ = BITS / 4;                   // 16-byte chunks per lane, row and step
+  constexpr int XR = (MT * 16 + TPB - 1) / TPB;  // 16-byte chunks of x a thread normalizes
+  constexpr int W16 = BN * BITS;                 // a stage's 16-byte chunks: weights,
+  constexpr int X16 = MT * 16;                   // x,
+  constexpr int STAGE16 = W16 + X16 + 16;        // the norm weight (mlxcel_qgemm_smem_bytes)
+  constexpr int COPY16 = W16 + X16 + (NORM ? 16 : 0);  // those copied
   constexpr int HALF = N / 2;
   constexpr int HD2 = HD > 0 ? HD / 2 : 1;
   constexpr int CB = (N + BN - 1) / BN;          // column blocks
-  static_assert(TPB % 16 == 0, "qgemm: a staging thread keeps its word of x");
-  __shared__ uint4 xs[MT * RS];
+  static_assert(TPB % 16 == 0, "qgemm: a normalizing thread keeps its row of x");
+  static_assert(ST >= 2 && ST <= 8, "qgemm: 2 to 8 stages in the ring");
+#if defined(__CUDA_ARCH__)
+  extern __shared__ uint4 mlxcel_qgemm_smem[];  // ST × STAGE16 chunks (the launch's dynamic size)
+  uint4* ring = mlxcel_qgemm_smem;
+#else
+  static uint4 mlxcel_qgemm_smem[ST * STAGE16];
+  uint4* ring = mlxcel_qgemm_smem;
+#endif
   __shared__ float ss_sm[MT];
   __shared__ int last_sm;
 
@@ -230,9 +264,9 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
 
   // weight row of row r of tile i of this warp, -1 past the end; with EPI 2 and 3 the pair
   // index p = cb·BN/2 + wr·16 + r names the first tile's row and the second's
-  auto row_of = [&](int i, int r) -> int {
+  auto row_of_slot = [&](int wr_, int i, int r) -> int {
     if constexpr (EPI == 2 || EPI == 3) {
-      const int p = cb * (BN / 2) + wr * 16 + r;
+      const int p = cb * (BN / 2) + wr_ * 16 + r;
       if (p >= HALF) {
         return -1;
       }
@@ -242,10 +276,11 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
         return (p / HD2) * HD + p % HD2 + (i ? HD2 : 0);
       }
     } else {
-      const int n = cb * BN + wr * 32 + i * 16 + r;
+      const int n = cb * BN + wr_ * 32 + i * 16 + r;
       return n < N ? n : -1;
     }
   };
+  auto row_of = [&](int i, int r) { return row_of_slot(wr, i, r); };
   int rows[2][2];
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
@@ -255,42 +290,55 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
     }
   }
 
-  // ---- loads ----
-  uint4 wb[ST][2][2][LQ];  // step slot, tile, row (gq, gq + 8), 16-byte part
-  uint32_t sb[ST][2][2];   // the row's scale (low half) and bias (high half) for the lane's group
+  // ---- the ring: ST stages of (weights, x, norm weight) in shared memory, cp.async ----
+  // Stage s of the block's split holds, for its 128 values k0 … k0+127:
+  //   w:  BN rows × BITS 16-byte chunks (row slot r = wr·32 + i·16 + h·8 + gq of warp wr's
+  //       tile i, the global row rows[i][h]; zeros past N); 8-bit chunk q of row r sits at
+  //       q ^ (r & 1), so that a warp's fragment loads hit distinct banks
+  //   x:  MT rows × 16 chunks of 8 values (zeros past M); word 4t + c of row m sits at
+  //       slot (4c + t) ^ 4·(m & 1), the lanes (gq, t) of a fragment load in distinct banks
+  //   nw: 16 chunks of the norm weight (NORM)
+  uint32_t sb[ST][2][2];  // per stage: the row's scale (low half) and bias (high half) for the lane's group
   const unsigned short* s16 = reinterpret_cast<const unsigned short*>(scales);
   const unsigned short* b16 = reinterpret_cast<const unsigned short*>(biases);
-  auto load_w = [&](int s, int slot) {
+  // the block's copies of step s (< NS) into ring slot `slot`, the lane's scales into sb[slot]
+  auto issue = [&](int s, int slot) {
+    if (s >= NS) {
+      return;
+    }
     const int step = split * NS + s;
-    const int gi = (step * 128 + 32 * t) / G;
+    const int k0 = step * 128;
+    uint4* st = ring + slot * STAGE16;
+#pragma unroll
+    for (int j = 0; j < (COPY16 + TPB - 1) / TPB; ++j) {
+      const int c = tid + j * TPB;
+      if (COPY16 % TPB != 0 && c >= COPY16) {
+        break;
+      }
+      if (c < W16) {
+        const int r = c / BITS, q = c % BITS;
+        const int wr_ = r / 32, i = (r / 16) % 2, h = (r / 8) % 2, g = r % 8;
+        const int row = row_of_slot(wr_, i, g + 8 * h);
+        const uint32_t* src = w + size_t(row >= 0 ? row : 0) * KW + size_t(step) * 4 * BITS + q * 4;
+        mlxcel_cp16z(st + r * BITS + (BITS == 8 ? (q ^ (r & 1)) : q), src, row >= 0);
+      } else if (c < W16 + X16) {
+        const int xc = c - W16, m = xc / 16, wd = xc % 16;
+        const T* src = x + size_t(m < M ? m : 0) * K + k0 + 8 * wd;
+        mlxcel_cp16z(st + W16 + m * 16 + ((4 * (wd % 4) + wd / 4) ^ (4 * (m & 1))), src, m < M);
+      } else if (NORM) {
+        const int q = c - W16 - X16;
+        mlxcel_cp16z(st + W16 + X16 + q, nw + k0 + 8 * q, true);
+      }
+    }
+    const int gi = (k0 + 32 * t) / G;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int row = rows[i][h];
-        const bool in = row >= 0 && s < NS;
-        const uint4* p = reinterpret_cast<const uint4*>(w + size_t(in ? row : 0) * KW + size_t(step) * 4 * BITS +
-                                                        t * BITS);
-#pragma unroll
-        for (int l = 0; l < LQ; ++l) {
-          wb[slot][i][h][l] = in ? p[l] : make_uint4(0u, 0u, 0u, 0u);
-        }
-        const size_t si = size_t(in ? row : 0) * GPR + (in ? gi : 0);
-        sb[slot][i][h] = in ? uint32_t(s16[si]) | (uint32_t(b16[si]) << 16) : 0u;
+        const size_t si = size_t(row >= 0 ? row : 0) * GPR + gi;
+        sb[slot][i][h] = row >= 0 ? uint32_t(s16[si]) | (uint32_t(b16[si]) << 16) : 0u;
       }
-    }
-  };
-  uint4 xr[XR];
-  const int xq = tid % 16;                 // the slot this thread stages in its rows
-  const int xw = (xq % 4) * 4 + xq / 4;    // ... holds word xw (8 values) of the step
-  auto load_x = [&](int s) {
-    const int k0 = (split * NS + s) * 128;
-#pragma unroll
-    for (int j = 0; j < XR; ++j) {
-      const int i = tid + j * TPB;
-      const int row = i / 16;
-      const bool in = (MT * 16 % TPB == 0 || i < MT * 16) && row < M && s < NS;
-      xr[j] = in ? *reinterpret_cast<const uint4*>(x + size_t(row) * K + k0 + 8 * xw) : make_uint4(0u, 0u, 0u, 0u);
     }
   };
   float ssr[XR];  // NORM: Σ x² of this thread's part of its rows
@@ -298,34 +346,25 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
   for (int j = 0; j < XR; ++j) {
     ssr[j] = 0.f;
   }
-  auto store_x = [&](int s) {
-    float g8[8];
-    if constexpr (NORM) {
-      const int k0 = (split * NS + s) * 128;
-      mlxcel_h8<T>(*reinterpret_cast<const uint4*>(nw + k0 + 8 * xw), g8);
-    }
+  // NORM: the stage's x times the norm weight, in place (Σ x² on the way)
+  auto normalize = [&](int slot) {
+    uint4* st = ring + slot * STAGE16;
 #pragma unroll
     for (int j = 0; j < XR; ++j) {
-      const int i = tid + j * TPB;
-      if (MT * 16 % TPB == 0 || i < MT * 16) {
-        const uint4 v = xr[j];
-        uint4 o;
-        if constexpr (NORM) {
-          float f[8];
-          mlxcel_h8<T>(v, f);
+      const int xc = tid + j * TPB;
+      if (MT * 16 % TPB == 0 || xc < MT * 16) {
+        const int m = xc / 16, p = (xc % 16) ^ (4 * (m & 1));
+        const int wd = 4 * (p % 4) + p / 4;  // the word slot p holds
+        float f[8], g8[8];
+        mlxcel_h8<T>(st[W16 + xc], f);
+        mlxcel_h8<T>(st[W16 + X16 + wd], g8);
 #pragma unroll
-          for (int e = 0; e < 8; ++e) {
-            ssr[j] = fmaf(f[e], f[e], ssr[j]);
-            f[e] *= g8[e];
-          }
-          o = make_uint4(mlxcel_pack2<T>(f[0], f[4]), mlxcel_pack2<T>(f[1], f[5]),
-                         mlxcel_pack2<T>(f[2], f[6]), mlxcel_pack2<T>(f[3], f[7]));
-        } else {
-          // (x0,x1) (x2,x3) (x4,x5) (x6,x7) → (x0,x4) (x1,x5) (x2,x6) (x3,x7)
-          o = make_uint4(__byte_perm(v.x, v.z, 0x5410), __byte_perm(v.x, v.z, 0x7632),
-                         __byte_perm(v.y, v.w, 0x5410), __byte_perm(v.y, v.w, 0x7632));
+        for (int e = 0; e < 8; ++e) {
+          ssr[j] = fmaf(f[e], f[e], ssr[j]);
+          f[e] *= g8[e];
         }
-        xs[(i / 16) * RS + xq] = o;
+        st[W16 + xc] = make_uint4(mlxcel_pack2<T>(f[0], f[1]), mlxcel_pack2<T>(f[2], f[3]),
+                                  mlxcel_pack2<T>(f[4], f[5]), mlxcel_pack2<T>(f[6], f[7]));
       }
     }
   };
@@ -343,6 +382,7 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
     }
   }
   auto compute = [&](int slot) {
+    const uint4* st = ring + slot * STAGE16;
     uint32_t s2[2][2], b2[2][2];
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
@@ -353,22 +393,44 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
         b2[i][h] = (v >> 16) | (v & 0xFFFF0000u);
       }
     }
+    // the lane's 16-byte chunk q of its rows (gq, gq + 8) of both tiles: 4-bit, the whole
+    // step's 32 values (chunk t); 8-bit, half of them (chunk 2t + l), loaded per half (both
+    // halves at once took 16 more registers, and spilled at 128 rows)
+    uint4 wq[2][2];  // tile, row
+    auto load_w = [&](int l) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int r = wr * 32 + i * 16 + h * 8 + gq;
+          const int q = LQ * t + l;
+          wq[i][h] = st[r * BITS + (BITS == 8 ? (q ^ (r & 1)) : q)];
+        }
+      }
+    };
+    if constexpr (BITS == 4) {
+      load_w(0);
+    }
     // (one word at a time: unrolled, the compiler dequantized every word up front, which
     // took 64 more registers and spilled at 8 bits)
 #pragma unroll 1
     for (int c = 0; c < 4; ++c) {
+      if constexpr (BITS == 8) {
+        if (c % 2 == 0) {
+          load_w(c / 2);
+        }
+      }
       uint32_t a[2][2][4];  // tile, row, pair
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const uint4* q = wb[slot][i][h];
+          const uint4 u = wq[i][h];
           uint32_t lo, hi;
           if constexpr (BITS == 4) {
-            lo = c == 0 ? q[0].x : c == 1 ? q[0].y : c == 2 ? q[0].z : q[0].w;
+            lo = c == 0 ? u.x : c == 1 ? u.y : c == 2 ? u.z : u.w;
             hi = 0u;
           } else {
-            const uint4 u = c < 2 ? q[0] : q[LQ - 1];
             lo = (c % 2) ? u.z : u.x;
             hi = (c % 2) ? u.w : u.y;
           }
@@ -377,36 +439,44 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
       }
 #pragma unroll
       for (int j = 0; j < NTW; ++j) {
-        const uint4 bv = xs[(8 * (wn * NTW + j) + gq) * RS + 4 * c + t];
+        const int m = 8 * (wn * NTW + j) + gq;
+        const uint4 v = st[W16 + m * 16 + ((4 * c + t) ^ (4 * (m & 1)))];
+        // (x0,x1) (x2,x3) (x4,x5) (x6,x7) → (x0,x4) (x1,x5) (x2,x6) (x3,x7), the weights' order
+        const uint32_t b0 = __byte_perm(v.x, v.z, 0x5410), b1 = __byte_perm(v.x, v.z, 0x7632);
+        const uint32_t b2_ = __byte_perm(v.y, v.w, 0x5410), b3 = __byte_perm(v.y, v.w, 0x7632);
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
-          mlxcel_mma16<T>(acc[i][j], a[i][0][0], a[i][1][0], a[i][0][1], a[i][1][1], bv.x, bv.y);
-          mlxcel_mma16<T>(acc[i][j], a[i][0][2], a[i][1][2], a[i][0][3], a[i][1][3], bv.z, bv.w);
+          mlxcel_mma16<T>(acc[i][j], a[i][0][0], a[i][1][0], a[i][0][1], a[i][1][1], b0, b1);
+          mlxcel_mma16<T>(acc[i][j], a[i][0][2], a[i][1][2], a[i][0][3], a[i][1][3], b2_, b3);
         }
       }
     }
   };
 
+  // the first ST - 1 steps in flight, one copy group each (empty past NS: the counts stay uniform)
 #pragma unroll
   for (int u = 0; u + 1 < ST; ++u) {
-    load_w(u, u);
+    issue(u, u);
+    mlxcel_cp_commit();
   }
-  load_x(0);
   for (int s0 = 0; s0 < NS; s0 += ST) {
 #pragma unroll
     for (int u = 0; u < ST; ++u) {
       const int s = s0 + u;
-      if (s < NS) {  // (uniform over the block)
-        load_w(s + ST - 1, (u + ST - 1) % ST);  // into the slot step s - 1 used
-        __syncthreads();                         // step s - 1's reads of xs are done
-        store_x(s);
-        __syncthreads();
-        load_x(s + 1);
+      if (s < NS) {                     // (uniform over the block)
+        mlxcel_cp_wait<ST - 2>();       // this thread's copies of step s have landed …
+        __syncthreads();                // … everyone's, and step s - 1's reads are done
+        issue(s + ST - 1, (u + ST - 1) % ST);  // into the slot step s - 1 used
+        mlxcel_cp_commit();
+        if constexpr (NORM) {
+          normalize(u);
+          __syncthreads();
+        }
         compute(u);
       }
     }
   }
-
+  mlxcel_cp_wait<0>();  // (no copy left in flight when the block exits)
   // ---- Σ x² of each row (NORM), the split-K reduction ----
   if constexpr (NORM) {
 #pragma unroll
@@ -417,7 +487,7 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
         v += __shfl_xor_sync(0xFFFFFFFFu, v, o);
       }
       const int i = tid + j * TPB;
-      if (xq == 0 && (MT * 16 % TPB == 0 || i < MT * 16)) {
+      if (tid % 16 == 0 && (MT * 16 % TPB == 0 || i < MT * 16)) {
         ss_sm[i / 16] = v;
       }
     }

@@ -193,14 +193,23 @@ fn qgemm_4bit_matches_dequantize_matmul() {
     run("4bit_m16_g32_tail7", &cfg(16, 32 + 7, 384, 32, 4, 1, 1, 1));
     run("4bit_m33_g128", &cfg(33, 64, 512, 128, 4, 2, 1, 1));
     run("4bit_m128_wn2", &cfg(128, 64, 256, 64, 4, 2, 2, 1));
-    // more steps than weight loads in flight (ST = 3 over 5 steps, and 1)
+    // rings of 3 stages over 5 steps, 6 over 7 (a second round of the ring), and more
+    // stages than steps (5 over 3)
     run(
         "4bit_st3",
         &with(cfg(12, 32, 640, 64, 4, 1, 1, 1), &[("ST", 3)]),
     );
     run(
-        "4bit_st1",
-        &with(cfg(12, 32, 384, 32, 4, 1, 1, 1), &[("ST", 1)]),
+        "4bit_st6_norm",
+        &with(cfg(24, 64, 896, 64, 4, 2, 1, 1), &[("ST", 6), ("NORM", 1)]),
+    );
+    run(
+        "4bit_st5_short",
+        &with(cfg(12, 32, 384, 32, 4, 1, 1, 1), &[("ST", 5)]),
+    );
+    run(
+        "8bit_st4_split",
+        &with(cfg(40, 64, 1024, 64, 8, 2, 1, 2), &[("ST", 4)]),
     );
 }
 
@@ -325,10 +334,11 @@ fn qgemm_nan_reaches_its_row_only() {
 
 /// The tests above fail when the kernel is wrong: bugs planted in the kernel file (the B
 /// fragments' pairing, one nibble of the 4-bit unpacking, one split's partial left out,
-/// the 8-bit byte order, the epilogue's rows of the second tile) each make a run fail.
+/// the 8-bit byte order, the epilogue's rows of the second tile, x's slots in a stage, the
+/// 8-bit weights' swizzle, a step copied into the slot still being read) each make a run fail.
 #[test]
 fn planted_bugs_are_caught() {
-    let cases: [(&str, &str, &str, Consts); 5] = [
+    let cases: [(&str, &str, &str, Consts); 8] = [
         (
             "pairs",
             "__byte_perm(v.x, v.z, 0x7632)",
@@ -355,9 +365,27 @@ fn planted_bugs_are_caught() {
         ),
         (
             "tile2",
-            "const int n = cb * BN + wr * 32 + i * 16 + r;",
-            "const int n = cb * BN + wr * 32 + i * 8 + r;",
+            "const int n = cb * BN + wr_ * 32 + i * 16 + r;",
+            "const int n = cb * BN + wr_ * 32 + i * 8 + r;",
             cfg(16, 64, 256, 64, 4, 2, 1, 1),
+        ),
+        (
+            "x-slots",
+            "st[W16 + m * 16 + ((4 * c + t) ^ (4 * (m & 1)))]",
+            "st[W16 + m * 16 + (4 * c + t)]",
+            cfg(9, 32, 256, 64, 4, 1, 1, 1),
+        ),
+        (
+            "8bit-swizzle",
+            "wq[i][h] = st[r * BITS + (BITS == 8 ? (q ^ (r & 1)) : q)];",
+            "wq[i][h] = st[r * BITS + q];",
+            cfg(9, 32, 256, 64, 8, 1, 1, 1),
+        ),
+        (
+            "ring-slot",
+            "issue(s + ST - 1, (u + ST - 1) % ST);",
+            "issue(s + ST - 1, (u + ST - 2) % ST);",
+            with(cfg(9, 32, 640, 64, 4, 1, 1, 1), &[("ST", 3)]),
         ),
     ];
     for (tag, from, to, consts) in cases {
