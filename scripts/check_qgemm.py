@@ -6,7 +6,7 @@ Runs on a CUDA box with the `mlx` Python package (MLX's CUDA backend):
     python3 scripts/check_qgemm.py            # every 8B and 70B-rank shape, M = 9..128, 4 and 8 bits
     python3 scripts/check_qgemm.py --time     # also µs per call against MLX and the GEMV's row chunks
     python3 scripts/check_qgemm.py --quick    # two 8B shapes, 4-bit, M = 16 and 64
-    python3 scripts/check_qgemm.py --sweep    # time other launches (WR, WN, SK, ST) on the 8B shapes
+    python3 scripts/check_qgemm.py --sweep    # time other launches (ring stages ST, splits SK) on the 8B shapes
 
 For every shape (N×K) of a Llama-3.1 8B decode step and of one 70B rank at TP 8 and TP 4,
 4 and 8 bits (group 64; `--groups` adds others) and M = 9, 16, 32, 64, 128 batch rows, it
@@ -52,7 +52,11 @@ SHAPES = {
 ROPE_MARK = "// @@body_rope\n"
 MAX_SPLITS = 16      # src/kernels/qgemm.rs
 MIN_SPLIT_STEPS = 2
+RING_BYTES = 112 * 1024
+MIN_STAGES, MAX_STAGES = 2, 6
+STATIC_SHARED = 1024
 SMS = int(os.environ.get("MLXCEL_QGEMM_SMS", "132"))  # H200 / H100 SXM
+SMEM = 228 * 1024  # shared memory an sm_90 SM holds (src/kernels/gpu.rs)
 
 
 def fnv1a32(text):
@@ -82,6 +86,11 @@ def variant_rows(m):
     return 8 * nt
 
 
+def stage_bytes(mt, wr, bits):
+    """src/kernels/qgemm.rs `stage_bytes`: one stage of the shared-memory ring."""
+    return 16 * (32 * wr * bits + mt * 16 + 16)
+
+
 def launch_for(m, n, k, bits, max_splits=None):
     """(MT, WR, WN, SK, ST) as src/kernels/qgemm.rs `launch_for` picks them."""
     if max_splits is None:
@@ -89,12 +98,15 @@ def launch_for(m, n, k, bits, max_splits=None):
     mt = variant_rows(m)
     wn = 2 if mt > 64 else 1
     wr = 4
-    st = (3 if bits == 4 else 2) - (1 if mt >= 64 else 0)
+    stage = stage_bytes(mt, wr, bits)
+    room = min(RING_BYTES, SMEM - STATIC_SHARED)
+    st = min(max(room // stage, MIN_STAGES), MAX_STAGES)
+    per_sm = max(1, SMEM // (st * stage + STATIC_SHARED))
     cb = max(1, -(-n // (32 * wr)))
     steps = k // 128
     splits = [d for d in range(1, steps + 1)
               if steps % d == 0 and (d == 1 or steps // d >= MIN_SPLIT_STEPS) and d <= max_splits]
-    want = -(-SMS // cb)
+    want = -(-(SMS * per_sm) // cb)
     sk = next((d for d in splits if d >= want), splits[-1] if splits else 1)
     return mt, wr, wn, sk, st
 
@@ -104,16 +116,25 @@ class Gemm:
 
     def __init__(self, mx, dt):
         self.mx, self.dt = mx, dt
-        name, header, body, body_rope = sources()
-        self.plain = mx.fast.cuda_kernel(
-            name=name, input_names=["x", "w", "scales", "biases", "res", "nw", "part", "count", "prev"],
-            output_names=["y", "tok"], source=body, header=header)
-        self.rope = mx.fast.cuda_kernel(
-            name=name + "_rope",
-            input_names=["x", "w", "scales", "biases", "nw", "pos", "inv_freq", "part", "count", "prev"],
-            output_names=["q", "kv", "tok"], source=body_rope, header=header)
+        self.src = sources()
+        self.made = {}  # (rope, dynamic shared memory) -> kernel (MLX fixes the size per kernel)
         self.part = self.count = None
         self.prev = None
+
+    def kernel(self, rope, smem):
+        if (rope, smem) not in self.made:
+            name, header, body, body_rope = self.src
+            if rope:
+                k = self.mx.fast.cuda_kernel(
+                    name=name + "_rope",
+                    input_names=["x", "w", "scales", "biases", "nw", "pos", "inv_freq", "part", "count", "prev"],
+                    output_names=["q", "kv", "tok"], source=body_rope, header=header, shared_memory=smem)
+            else:
+                k = self.mx.fast.cuda_kernel(
+                    name=name, input_names=["x", "w", "scales", "biases", "res", "nw", "part", "count", "prev"],
+                    output_names=["y", "tok"], source=body, header=header, shared_memory=smem)
+            self.made[(rope, smem)] = k
+        return self.made[(rope, smem)]
 
     def scratch(self, floats, blocks):
         mx = self.mx
@@ -141,9 +162,10 @@ class Gemm:
         common = [("T", self.dt), ("MT", mt), ("N", n), ("K", k), ("G", group), ("BITS", bits),
                   ("WR", wr), ("WN", wn), ("SK", sk), ("ST", st)]
         grid = (cb * sk * threads, 1, 1)
+        smem = st * stage_bytes(mt, wr, bits)
         if rope is not None:
             pos, inv_freq, nq, hd = rope
-            out = self.rope(
+            out = self.kernel(True, smem)(
                 inputs=[x, w, s, b, nw, pos, inv_freq, self.part, self.count, prev],
                 template=common + [("NORM", int(norm is not None)), ("EPS_BITS", eps), ("HD", hd), ("NQ", nq)],
                 grid=grid, threadgroup=(threads, 1, 1),
@@ -151,7 +173,7 @@ class Gemm:
                 output_dtypes=[self.dt] * 3)
         else:
             epi = 2 if swiglu else (1 if res is not None else 0)
-            out = self.plain(
+            out = self.kernel(False, smem)(
                 inputs=[x, w, s, b, x if res is None else res, nw, self.part, self.count, prev],
                 template=common + [("EPI", epi), ("NORM", int(norm is not None)), ("EPS_BITS", eps)],
                 grid=grid, threadgroup=(threads, 1, 1),
@@ -325,12 +347,12 @@ def work(idx, jobs, args, lock):
                 return None
             base = launch_for(m, n, k, bits)
             out = [base]
-            # (8 warp rows only with one warp per row of tiles: 16 warps of ~250
-            # registers do not fit an SM)
-            for wr in (2, 4, 8) if base[2] == 1 else (2, 4):
-                for sk in sorted({1, base[3], 2 * base[3]}):
-                    l = (base[0], wr, base[2], sk, base[4])
-                    if (k // 128) % sk == 0 and l not in out:
+            # other ring depths and splits of K (a block's ring within 227 KB)
+            for st in (2, 3, 4, 6, 8):
+                for sk in sorted({1, max(1, base[3] // 2), base[3], 2 * base[3]}):
+                    l = (base[0], base[1], base[2], sk, st)
+                    fits = st * stage_bytes(base[0], base[1], bits) + STATIC_SHARED <= SMEM - 1024
+                    if fits and (k // 128) % sk == 0 and l not in out:
                         out.append(l)
             return out
         # compile everything first (all workers at once), then take turns on the GPU

@@ -298,11 +298,11 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
         ]
     };
     for (name, t, mut c, epi, norm) in [
-        // gate/up at 32 rows: SwiGLU with the norm, no split
+        // gate/up at 32 rows: SwiGLU with the norm, 2 splits, a ring of 6 stages
         (
             "custom_kernel_mlxcel_qgemm_test_swiglu",
             bf,
-            gemm(32, 28672, 4096, 64, 4, 1, 1, 3),
+            gemm(32, 28672, 4096, 64, 4, 1, 2, 6),
             2,
             1,
         ),
@@ -310,7 +310,7 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
         (
             "custom_kernel_mlxcel_qgemm_test_res_f16",
             f16,
-            gemm(128, 4096, 14336, 64, 8, 2, 7, 1),
+            gemm(128, 4096, 14336, 64, 8, 2, 7, 2),
             1,
             0,
         ),
@@ -322,11 +322,11 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
             2,
             1,
         ),
-        // o at 16 rows, group 32: the plain product, 8 splits
+        // o at 16 rows, group 32: the plain product, 16 splits
         (
             "custom_kernel_mlxcel_qgemm_test_plain",
             bf,
-            gemm(16, 4096, 4096, 32, 4, 1, 8, 3),
+            gemm(16, 4096, 4096, 32, 4, 1, 16, 6),
             0,
             0,
         ),
@@ -347,7 +347,7 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
         ));
     }
     let name = "custom_kernel_mlxcel_qgemm_test_rope";
-    let mut c = gemm(64, 6144, 4096, 128, 4, 1, 4, 2);
+    let mut c = gemm(64, 6144, 4096, 128, 4, 1, 8, 4);
     c.extend([("NORM", 1), ("EPS_BITS", eps), ("HD", 128), ("NQ", 32)]);
     sources.push((
         name.into(),

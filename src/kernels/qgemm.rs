@@ -28,6 +28,14 @@ pub const MAX_SPLITS: usize = 16;
 pub const SPLITS_LIMIT: usize = 64;
 /// Fewest steps of 128 values a split of K takes.
 pub const MIN_SPLIT_STEPS: usize = 2;
+/// Shared memory the ring of a block takes at most, in bytes (with 1 KB of static shared
+/// memory, two such blocks fit an sm_90 SM's 228 KB).
+pub const RING_BYTES: usize = 112 * 1024;
+/// Stages of the ring: at least 2 (one step in flight while one is multiplied), at most 6.
+pub const MIN_STAGES: usize = 2;
+pub const MAX_STAGES: usize = 6;
+/// Static shared memory of a block besides the ring (Σ x² per batch row, a flag), rounded up.
+const STATIC_SHARED: usize = 1024;
 
 const EMBEDDED: &str = include_str!("../../kernels/qgemm.cu");
 
@@ -147,7 +155,8 @@ pub fn supports_rope(n: usize, nq: usize, head_dim: usize) -> bool {
 
 /// A launch: `mt` batch rows (M rounded up to the variant's tiles of 8), `wr` × `wn` warps
 /// (each 32 weight rows and `mt / 8 / wn` tiles of 8 batch rows), `sk` splits of K,
-/// `st` steps of weight loads a lane keeps in flight.
+/// `st` stages of the shared-memory ring (`st - 1` steps of 128 values in flight), and
+/// `bits` of the weights (which, with `mt`, size a stage).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Launch {
     pub mt: usize,
@@ -155,9 +164,20 @@ pub struct Launch {
     pub wn: usize,
     pub sk: usize,
     pub st: usize,
+    pub bits: usize,
+}
+
+/// Bytes of one stage of the ring (`mlxcel_qgemm`'s STAGE16 chunks of 16 bytes): a step of
+/// `32·wr` weight rows at `bits`, `mt` rows of x and the norm weight, 128 values each.
+pub fn stage_bytes(mt: usize, wr: usize, bits: usize) -> usize {
+    16 * (32 * wr * bits + mt * 16 + 16)
 }
 
 impl Launch {
+    /// The launch's dynamic shared memory: the ring's `st` stages.
+    pub fn shared_memory(&self) -> usize {
+        self.st * stage_bytes(self.mt, self.wr, self.bits)
+    }
     /// Weight rows per block.
     pub fn rows(&self) -> usize {
         32 * self.wr
@@ -214,32 +234,37 @@ pub fn warm_rows(lo: usize, hi: usize) -> Vec<usize> {
 
 /// The launch for `m` rows of a `[n, k]` weight on this machine (see [`launch_for`]).
 pub fn launch_config(m: usize, n: usize, k: usize, bits: usize) -> Launch {
-    let sms = gpu::this_gpu().sms.unwrap_or(gpu::DEFAULT_SMS);
+    let g = gpu::this_gpu();
+    let sms = g.sms.unwrap_or(gpu::DEFAULT_SMS);
     let splits = knobs::get().qgemm_splitk.unwrap_or(MAX_SPLITS);
-    launch_for(m, n, k, bits, sms, splits)
+    launch_for(m, n, k, bits, sms, g.shared_memory_per_sm(), splits)
 }
 
 /// 4 warp rows (128 weight rows a block; x, staged in shared memory, is read once per
 /// block, so fewer rows per block read it more often), one warp per row of tiles up to 8
-/// tiles of batch rows and two above (64 accumulators a lane either way); 3 steps of
-/// 4-bit weight loads in flight, 2 of 8-bit (the same bytes), one fewer from 64 rows. K is split over the fewest
-/// blocks that give the GPU's `sms` at least one block each (dividing the row's steps, at
-/// least [`MIN_SPLIT_STEPS`] each, at most `max_splits`; the most that allows when none
-/// reaches it). Not yet tuned on a GPU (`scripts/check_qgemm.py --sweep` times others).
+/// tiles of batch rows and two above (64 accumulators a lane either way). The ring gets as
+/// many stages as [`RING_BYTES`] (and the SM's `smem` bytes less 1 KB) hold, from
+/// [`MIN_STAGES`] to [`MAX_STAGES`]: 4-bit, 6 stages up to 32 rows, 4 at 64, 2 at 128;
+/// 8-bit 5, 4, 3, 2. K is split over the fewest blocks that give each of the GPU's `sms`
+/// as many blocks as its shared memory holds (dividing the row's steps, at least
+/// [`MIN_SPLIT_STEPS`] each, at most `max_splits`; the most that allows when none reaches
+/// it). `scripts/check_qgemm.py --sweep` times others.
 pub fn launch_for(
     m: usize,
     n: usize,
     k: usize,
     bits: usize,
     sms: usize,
+    smem: usize,
     max_splits: usize,
 ) -> Launch {
     let mt = variant_rows(m);
     let wn = if mt > 64 { 2 } else { 1 };
     let wr = 4;
-    // (from 64 rows one step fewer: the 64 accumulators and the staged x leave no room,
-    // ptxas spilled at 8 bits with 2; tests/kernel_cache.rs checks with MLXCEL_PTXAS)
-    let st = if bits == 4 { 3 } else { 2 } - usize::from(mt >= 64);
+    let stage = stage_bytes(mt, wr, bits);
+    let room = RING_BYTES.min(smem.saturating_sub(STATIC_SHARED));
+    let st = (room / stage).clamp(MIN_STAGES, MAX_STAGES);
+    let per_sm = (smem / (st * stage + STATIC_SHARED)).max(1);
     let cb = n.div_ceil(32 * wr).max(1);
     let steps = k / 128;
     let splits: Vec<usize> = (1..=steps)
@@ -247,14 +272,21 @@ pub fn launch_for(
             steps.is_multiple_of(d) && (d == 1 || steps / d >= MIN_SPLIT_STEPS) && d <= max_splits
         })
         .collect();
-    let want = sms.div_ceil(cb);
+    let want = (sms * per_sm).div_ceil(cb);
     let sk = splits
         .iter()
         .copied()
         .find(|&d| d >= want)
         .or_else(|| splits.last().copied())
         .unwrap_or(1);
-    Launch { mt, wr, wn, sk, st }
+    Launch {
+        mt,
+        wr,
+        wn,
+        sk,
+        st,
+        bits,
+    }
 }
 
 /// Per thread: the split-K scratch (f32 partial tiles, i32 counts left at zero by every
@@ -382,6 +414,7 @@ fn launch(
         output_names: call.output_names,
         header,
         body: call.body,
+        shared_memory: l.shared_memory() as i32,
     };
     let threads = l.threads() as i32;
     let mut out = kernel.call(
@@ -627,24 +660,32 @@ mod tests {
 
     #[test]
     fn launches_split_k_to_fill_the_gpu() {
-        let l = |m, n, k, bits| launch_for(m, n, k, bits, 132, MAX_SPLITS);
-        // 8B shapes at 32 rows: 128 rows a block, K split until 132 blocks
+        const H200: usize = 228 * 1024;
+        let l = |m, n, k, bits| launch_for(m, n, k, bits, 132, H200, MAX_SPLITS);
+        // 8B shapes at 32 rows: 128 rows a block, 6 stages (99,840 bytes: 2 blocks an SM),
+        // K split until 264 blocks
         let qkv = l(32, 6144, 4096, 4);
-        assert_eq!((qkv.mt, qkv.wr, qkv.wn, qkv.sk, qkv.st), (32, 4, 1, 4, 3));
-        assert_eq!(l(32, 4096, 4096, 4).sk, 8); // o: 32 column blocks
-        assert_eq!(l(32, 28672, 4096, 4).sk, 1); // gate/up: 224 column blocks
-        assert_eq!(l(32, 4096, 14336, 4).sk, 7); // down: 112 steps
+        assert_eq!((qkv.mt, qkv.wr, qkv.wn, qkv.sk, qkv.st), (32, 4, 1, 8, 6));
+        assert_eq!(qkv.shared_memory(), 6 * 16 * (128 * 4 + 32 * 16 + 16));
+        assert_eq!(l(32, 4096, 4096, 4).sk, 16); // o: 32 column blocks
+        assert_eq!(l(32, 28672, 4096, 4).sk, 2); // gate/up: 224 column blocks
+        assert_eq!(l(32, 4096, 14336, 4).sk, 14); // down: 112 steps
         assert_eq!(l(32, 128256, 4096, 4).sk, 1); // lm_head
                                                   // 70B TP8 rank shapes: 10 column blocks → 16 splits of 4 steps; K = 1024: 4 of 2
         assert_eq!(l(64, 1280, 8192, 4).sk, 16);
         assert_eq!(l(64, 8192, 1024, 4).sk, 4);
-        // 8 bits: fewer weight loads in flight; above 64 rows two warps per row of tiles
+        // stages by what 112 KB hold: 4-bit 6, 6, 4, 2 at 16, 32, 64, 128 rows; 8-bit 5, 4, 3, 2
+        let st = |bits| [16, 32, 64, 128].map(|m| l(m, 4096, 4096, bits).st);
+        assert_eq!((st(4), st(8)), ([6, 6, 4, 2], [5, 4, 3, 2]));
+        // above 64 rows two warps per row of tiles
         let big = l(100, 4096, 4096, 8);
-        assert_eq!((big.mt, big.wn, big.st), (112, 2, 1));
-        assert_eq!(l(128, 4096, 4096, 4).st, 2);
+        assert_eq!((big.mt, big.wn, big.st), (112, 2, 2));
+        // a GPU with 100 KB an SM: the ring fits in 99 KB, one block an SM
+        let small = launch_for(32, 4096, 4096, 4, 132, 100 * 1024, MAX_SPLITS);
+        assert!(small.shared_memory() <= 99 * 1024 && small.st == 6 && small.sk == 8);
         // capped by the knob's most splits, and by steps per split
-        assert_eq!(launch_for(32, 1280, 8192, 4, 132, 1).sk, 1);
-        assert_eq!(launch_for(32, 1280, 8192, 4, 132, 5).sk, 4);
+        assert_eq!(launch_for(32, 1280, 8192, 4, 132, H200, 1).sk, 1);
+        assert_eq!(launch_for(32, 1280, 8192, 4, 132, H200, 5).sk, 4);
         assert_eq!(l(32, 128, 256, 4).sk, 1); // 2 steps: a split would get 1
         for (n, k) in [
             (6144, 4096),
@@ -666,11 +707,11 @@ mod tests {
 
     #[test]
     fn scratch_covers_every_blocks_tile() {
-        let l = launch_for(128, 4096, 4096, 4, 132, MAX_SPLITS);
-        // 32 column blocks × 8 splits × (8 float4 × 256 threads + 128)
+        let l = launch_for(128, 4096, 4096, 4, 132, 228 * 1024, MAX_SPLITS);
+        // 32 column blocks × 16 splits × (8 float4 × 256 threads + 128)
         assert_eq!(l.scratch_floats(4096), 32 * l.sk * (2 * 8 * 4 * 256 + 128));
         assert_eq!(l.rows() * l.mt, 2 * 8 * 4 * l.threads()); // a tile's values, per thread
-        let one = launch_for(16, 28672, 4096, 4, 132, MAX_SPLITS);
+        let one = launch_for(16, 28672, 4096, 4, 132, 228 * 1024, 1);
         assert_eq!((one.sk, one.scratch_floats(28672)), (1, 0));
     }
 
@@ -707,7 +748,7 @@ mod tests {
         );
         let text = String::from_utf8(out.stdout).unwrap();
         for ((m, n, k, b), line) in cases.iter().zip(text.lines()) {
-            let l = launch_for(*m, *n, *k, *b, 132, MAX_SPLITS);
+            let l = launch_for(*m, *n, *k, *b, 132, 228 * 1024, MAX_SPLITS);
             assert_eq!(
                 line,
                 format!("{} {} {} {} {}", l.mt, l.wr, l.wn, l.sk, l.st),
