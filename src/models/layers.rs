@@ -514,9 +514,19 @@ fn apply_norm(x: &Array, norm: Option<&RmsNorm>) -> mlx::Result<Array> {
 }
 
 /// Rows of x from which a GPU multiplies by the dequantized weight (one bf16 GEMM,
-/// the weight dequantized into a temporary) rather than with `quantized_matmul`:
-/// prefill runs at the dense GEMM's speed (4.7× MLX's quantized GEMM on H200).
-const DEQUANT_GEMM_MIN_ROWS: usize = 32;
+/// the weight dequantized into a temporary) rather than with `quantized_matmul`. On CUDA
+/// (H200, MLX 0.32.4, `scripts/qmm_crossover.py`: the 8B shapes' down, gate_up and qkv)
+/// MLX's quantized GEMM on `[m, k]` is 1.7–3.9× faster than dequantize + GEMM at 16–128
+/// rows, the two meet near 256 rows at 4 bits and 512 at 8 (fewer bytes to dequantize per
+/// row than the quantized GEMM reads), and dequantize + GEMM wins above (3.4× at 2048
+/// rows, 4-bit); elsewhere the earlier 32 rows.
+fn dequant_gemm_min_rows(bits: usize) -> usize {
+    match (mlx::backend(), bits) {
+        (mlx::Backend::Cuda, 8) => 512,
+        (mlx::Backend::Cuda, _) => 256,
+        _ => 32,
+    }
+}
 
 /// `x · dequantize(w)ᵀ`: mlxcel's GEMV kernel for decode on CUDA (its GEMM for batches of
 /// 9–128 rows with `MLXCEL_QGEMM=1`), dequantize + GEMM for long inputs on a GPU, MLX's
@@ -556,8 +566,23 @@ fn quantized_forward(
             None,
         );
     }
-    if m >= DEQUANT_GEMM_MIN_ROWS && mlx::backend() != mlx::Backend::Cpu {
+    if m >= dequant_gemm_min_rows(bits) && mlx::backend() != mlx::Backend::Cpu {
         return dequant_gemm(x, w, scales, biases, q);
+    }
+    if x.ndim() > 2 && m > 1 && x.dim(-2) != m as i32 {
+        // MLX's CUDA quantized GEMM takes each leading index of x as its own batch: decode's
+        // `[b, 1, k]` runs b one-row products, each reading the whole weight (4–19× slower
+        // than `[b, k]` at 12–64 rows on H200). As `[m, k]` it reads the weight once.
+        let y = fast::quantized_matmul(
+            &x.reshape(&[m as i32, k as i32])?,
+            w,
+            scales,
+            biases,
+            true,
+            q.group_size,
+            q.bits,
+        )?;
+        return y.reshape(&shape);
     }
     fast::quantized_matmul(x, w, scales, biases, true, q.group_size, q.bits)
 }
@@ -835,6 +860,46 @@ mod tests {
             y.iter().zip(&want).all(|(a, b)| (a - b).abs() < 1e-5),
             "{y:?} vs {want:?}"
         );
+    }
+
+    #[test]
+    fn quantized_forward_of_batched_rows_keeps_shape_and_values() {
+        // decode's [b, 1, k] and a batch of prompts' [b, l, k] go to quantized_matmul as
+        // [m, k]: the result has x's leading shape and each row's product is the dequantized
+        // weight's
+        let (n, k) = (64usize, 128usize);
+        let q = QuantConfig {
+            group_size: 64,
+            bits: 4,
+        };
+        let key = mlx::random::key(7).unwrap();
+        let w = mlx::random::normal(&[n as i32, k as i32], Dtype::F32, 0.0, 0.05, &key).unwrap();
+        let (wq, s, b) = fast::quantize(&w, 64, 4).unwrap();
+        let wd = fast::dequantize(&wq, &s, &b, 64, 4).unwrap();
+        for shape in [
+            vec![5, 1, k as i32],
+            vec![3, 2, k as i32],
+            vec![1, 4, k as i32],
+        ] {
+            let rows: i32 = shape[..2].iter().product();
+            let key = mlx::random::key(rows as u64).unwrap();
+            let x = mlx::random::normal(&shape, Dtype::F32, 0.0, 1.0, &key).unwrap();
+            let y = quantized_forward(&x, &wq, &s, &b, &q).unwrap();
+            assert_eq!(y.shape(), vec![shape[0], shape[1], n as i32]);
+            let want = x
+                .reshape(&[rows, k as i32])
+                .unwrap()
+                .matmul(&wd.t().unwrap())
+                .unwrap();
+            let (y, want) = (y.to_vec::<f32>().unwrap(), want.to_vec::<f32>().unwrap());
+            assert_eq!(y.len(), want.len());
+            let worst = y
+                .iter()
+                .zip(&want)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0.0f32, f32::max);
+            assert!(worst < 1e-3, "{shape:?}: off by {worst}");
+        }
     }
 
     #[test]
