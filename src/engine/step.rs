@@ -474,6 +474,22 @@ fn lock(buf: &Mutex<MaskBuffer>) -> std::sync::MutexGuard<'_, MaskBuffer> {
 /// allowed (the host failed to give them; that step's tokens are discarded).
 const MASK_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
 
+/// One step of [`Worker::warm_up`]: a decode step at a batch size, or a prompt of a length.
+#[derive(Debug, Clone, Copy)]
+enum WarmStep {
+    Decode(usize),
+    Prompt(usize),
+}
+
+impl std::fmt::Display for WarmStep {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            WarmStep::Decode(b) => write!(f, "decode {b}"),
+            WarmStep::Prompt(t) => write!(f, "prompt {t}"),
+        }
+    }
+}
+
 impl Worker {
     /// A worker of `slots` sequences of `ctx_size` tokens over a KV pool of `kv`.
     pub fn new(
@@ -518,32 +534,17 @@ impl Worker {
         if mlx::backend() == mlx::Backend::Cpu || self.cache.slots() == 0 {
             return Ok(());
         }
+        self.run_warm_up(kernels::cache::summary().is_some())
+    }
+
+    /// [`Worker::warm_up`]'s steps on any backend; `build_first`: every step's graph is
+    /// built (and dropped) before any is evaluated.
+    fn run_warm_up(&mut self, build_first: bool) -> Result<(), StepError> {
         let start = std::time::Instant::now();
         let max_batch = self.cache.slots().min(kernels::qgemv::MAX_M + 1);
-        let mut phases = Vec::new();
         // with MLXCEL_QGEMM=1, a batch in each of the GEMM's variants too (its kernels are one
         // per whole tile of 8 rows, not per batch size)
         let gemm = kernels::qgemm::warm_rows(max_batch + 1, self.cache.slots());
-        for b in (1..=max_batch).chain(gemm.iter().copied()) {
-            let slots: Vec<usize> = (0..b).collect();
-            for &s in &slots {
-                self.cache.reset(s);
-            }
-            let ids = Array::from_slice(&vec![0i32; b], &[b as i32, 1])?;
-            let logits = self.model.forward(
-                &mut self.cache,
-                StepInput::Device {
-                    slots: &slots,
-                    ids: &ids,
-                },
-                Logits::Rows,
-            )?;
-            logits[0].argmax(-1, false)?.eval()?;
-            phases.push(format!(
-                "decode {b}: {:.1} s",
-                start.elapsed().as_secs_f64()
-            ));
-        }
         // prompts (or last prefill chunks) of 2..=MAX_M tokens take the kernel at M = T with
         // the norm as its own op
         let prompt_max = if self.cache.slots() > 1 {
@@ -556,22 +557,29 @@ impl Worker {
         } else {
             Vec::new()
         };
-        for t in (2..=prompt_max).chain(gemm_prompts.iter().copied()) {
-            self.cache.reset(0);
-            let ids = Array::from_slice(&vec![0i32; t], &[1, t as i32])?;
-            let logits = self.model.forward(
-                &mut self.cache,
-                StepInput::Device {
-                    slots: &[0],
-                    ids: &ids,
-                },
-                Logits::Last,
-            )?;
-            logits[0].argmax(-1, false)?.eval()?;
-            phases.push(format!(
-                "prompt {t}: {:.1} s",
-                start.elapsed().as_secs_f64()
-            ));
+        let steps: Vec<WarmStep> = (1..=max_batch)
+            .chain(gemm.iter().copied())
+            .map(WarmStep::Decode)
+            .chain(
+                (2..=prompt_max)
+                    .chain(gemm_prompts.iter().copied())
+                    .map(WarmStep::Prompt),
+            )
+            .collect();
+        // With the compiled-kernel cache on, every step's graph is built once before any is
+        // evaluated: building a graph names its kernel variants, and the cache compiles each
+        // missing one on its own thread at once, so the first evaluation waits for all of
+        // them together rather than step after step (on H200 one variant compiles in ~10 s;
+        // the steps one by one took 86 s for 60 variants). The graphs are dropped unevaluated.
+        if build_first {
+            for &step in &steps {
+                self.warm_graph(step)?;
+            }
+        }
+        let mut phases = Vec::new();
+        for &step in &steps {
+            self.warm_graph(step)?.eval()?;
+            phases.push(format!("{step}: {:.1} s", start.elapsed().as_secs_f64()));
         }
         for s in 0..max_batch.max(gemm.last().copied().unwrap_or(0)) {
             self.cache.reset(s);
@@ -588,6 +596,35 @@ impl Worker {
             kernels::cache::summary().map_or(String::new(), |s| format!("; {s}"))
         );
         Ok(())
+    }
+
+    /// The (unevaluated) graph of one warm-up step, from reset slots: the argmax of its
+    /// logits.
+    fn warm_graph(&mut self, step: WarmStep) -> Result<Array, StepError> {
+        let (slots, ids, logits): (Vec<usize>, Array, Logits) = match step {
+            WarmStep::Decode(b) => (
+                (0..b).collect(),
+                Array::from_slice(&vec![0i32; b], &[b as i32, 1])?,
+                Logits::Rows,
+            ),
+            WarmStep::Prompt(t) => (
+                vec![0],
+                Array::from_slice(&vec![0i32; t], &[1, t as i32])?,
+                Logits::Last,
+            ),
+        };
+        for &s in &slots {
+            self.cache.reset(s);
+        }
+        let out = self.model.forward(
+            &mut self.cache,
+            StepInput::Device {
+                slots: &slots,
+                ids: &ids,
+            },
+            logits,
+        )?;
+        Ok(out[0].argmax(-1, false)?)
     }
 
     /// See [`Executor::can_pipeline`].
@@ -1423,6 +1460,72 @@ mod tests {
             .unwrap();
         let tokens = first.sampled.iter().map(|t| t.token).collect();
         (exec, tokens, prompt.len())
+    }
+
+    #[test]
+    fn warm_up_leaves_the_slots_as_it_found_them() {
+        // the warm-up's graphs, built first and dropped unevaluated, then run one by one,
+        // must not change what the slots compute next: the same seeded prompt and decode
+        // give the same tokens as on an executor never warmed up
+        let run = |warm: Option<bool>| {
+            let dir =
+                std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama3");
+            let model = crate::models::load(
+                &ModelDir::open(&dir).unwrap(),
+                LoadFormat::Safetensors,
+                |_, _| {},
+            )
+            .unwrap()
+            .model;
+            let mut exec = LocalExecutor::new(model, 4, 32);
+            if let Some(build_first) = warm {
+                exec.worker.run_warm_up(build_first).unwrap();
+            }
+            let prompt = [5u32, 6, 7, 8];
+            let mut tokens: Vec<u32> = Vec::new();
+            let seqs = (0..2)
+                .map(|i| {
+                    let params = SamplingParams {
+                        temperature: 0.7,
+                        seed: Some(i as u64),
+                        ..SamplingParams::default()
+                    };
+                    SeqStep::whole_prompt(i as u64, i, &prompt, params)
+                })
+                .collect();
+            let mut out = exec
+                .execute(&StepPlan {
+                    seqs,
+                    ..StepPlan::default()
+                })
+                .unwrap();
+            for pos in prompt.len()..prompt.len() + 4 {
+                let last: Vec<u32> = out.sampled.iter().map(|t| t.token).collect();
+                tokens.extend(&last);
+                let seqs = (0..2)
+                    .map(|i| SeqStep {
+                        seq_id: i as u64,
+                        slot: i,
+                        pos,
+                        tokens: vec![last[i]],
+                        start: None,
+                        sample: true,
+                        blocks: None,
+                        restart: false,
+                    })
+                    .collect();
+                out = exec
+                    .execute(&StepPlan {
+                        seqs,
+                        ..StepPlan::default()
+                    })
+                    .unwrap();
+            }
+            tokens
+        };
+        let cold = run(None);
+        assert_eq!(run(Some(true)), cold);
+        assert_eq!(run(Some(false)), cold);
     }
 
     fn rows(streams: usize, pos: usize) -> Vec<(u64, usize, usize)> {
