@@ -4,8 +4,10 @@
 #                                               # shape at M = 9..128, 4 and 8 bits, against dequantize +
 #                                               # matmul, and µs per call against today's path (< 4 min)
 #   bash scripts/gpu/qgemm.sh bench             # mlxcel bench --decode-batch 8,16,32,64 on the 8B 4-bit g64,
-#                                               # 8-bit g64 and bf16 configs (dummy weights), MLXCEL_QGEMM=1
-#                                               # and =0 alternated, RUNS (2) times (< 8 min)
+#                                               # 8-bit g64 and bf16 configs (dummy weights), each of SETTINGS
+#                                               # (default "MLXCEL_QGEMM=1 MLXCEL_QGEMM=0"; commas join
+#                                               # variables, e.g. "MLXCEL_QGEMV_CHUNKS=0 X=1") alternated,
+#                                               # RUNS (2) times (< 8 min)
 #   bash scripts/gpu/qgemm.sh all               # both
 # Targets (issue 25): 4-bit decode ≥ 1.3× bf16 at batch 8, 32 and 64 and rising with the batch;
 # 8-bit ≥ bf16 at 32 and 64. Environment: scripts/gpu/lib.sh; BATCHES (8,16,32,64), RUNS,
@@ -20,11 +22,15 @@ check() {
 bench() {
   q4cfg; q8cfg
   local b=${BATCHES:-8,16,32,64}
-  step "decode 8B (dummy weights) at batches $b, MLXCEL_QGEMM=1 and =0 alternated, ${RUNS:-2} runs"
+  step "decode 8B (dummy weights) at batches $b, settings ${SETTINGS:-MLXCEL_QGEMM=1 MLXCEL_QGEMM=0} alternated, ${RUNS:-2} runs"
   for r in $(seq ${RUNS:-2}); do
     for m in c8b-q4 c8b-q8 c8b; do
-      for e in MLXCEL_QGEMM=1 MLXCEL_QGEMM=0; do
-        [ $m = c8b ] && [ $e = MLXCEL_QGEMM=1 ] && continue  # (bf16 has no quantized linears)
+      local first=1
+      for e in ${SETTINGS:-MLXCEL_QGEMM=1 MLXCEL_QGEMM=0}; do
+        # (bf16 has no quantized linears: one run, with the first setting)
+        [ $m = c8b ] && [ $first = 0 ] && continue
+        first=0
+        e=${e//,/ }
         # (the first runs with MLXCEL_QGEMM=1 also compile its kernels, before bench's timing)
         echo "$m [$e] run $r: $(DECODE_TOKENS=${DECODE_TOKENS:-128} bench_line "$e" "$CK/$m" "$b" --load-format dummy)"
       done
