@@ -4,7 +4,9 @@
 #   bash scripts/gpu/server.sh knobs SETTING...   # 8B 4-bit dummy weights, --parallel 32, once per setting
 #                                                 # (e.g. MLXCEL_QGEMV_CHUNKS=0 X=1): bench at 1/8/32 streams
 #   bash scripts/gpu/server.sh compare [B,...]    # 8B bf16 and 4-bit g64 dummy weights: engine (bench --serve-workload)
-#                                                 # and server (--parallel max B, --ctx-size 1024) side by side
+#                                                 # and server (--parallel max B, --ctx-size 1024) side by side, once
+#                                                 # per server token budget in BUDGETS (default 2048; e.g. "512 1024
+#                                                 # 2048" to choose the default); MODELS (default "c8b c8b-q4")
 #   bash scripts/gpu/server.sh pipeline           # 8B bf16, 1/8 streams, pipelined vs --no-pipeline
 #   bash scripts/gpu/server.sh cold               # 8B 4-bit, cold kernel cache: the warm-up takes the compiles
 #   bash scripts/gpu/server.sh tp                 # TP=2 (emulated on one GPU): openai client, kill -9 of rank 1
@@ -29,10 +31,13 @@ bench)
 compare)
   q4cfg
   levels=${1:-1,8,32,64}
-  for m in c8b c8b-q4; do
-    step "engine vs server, $m (dummy weights), B = $levels"
-    python3 scripts/bench_server.py --compare-engine --mlxcel "$B" -m "$CK/$m" --load-format dummy \
-      --concurrency "$levels" --warmup 16 --server-args "--max-queue 256" | tee "$OUT/compare-$m.txt"
+  for m in ${MODELS:-c8b c8b-q4}; do
+    for t in ${BUDGETS:-2048}; do
+      step "engine vs server, $m (dummy weights), B = $levels, --max-num-batched-tokens $t"
+      python3 scripts/bench_server.py --compare-engine --mlxcel "$B" -m "$CK/$m" --load-format dummy \
+        --concurrency "$levels" --warmup 16 --server-args "--max-queue 256 --max-num-batched-tokens $t" |
+        tee "$OUT/compare-$m-t$t.txt"
+    done
   done
   ;;
 knobs)
