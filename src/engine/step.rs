@@ -474,6 +474,14 @@ fn lock(buf: &Mutex<MaskBuffer>) -> std::sync::MutexGuard<'_, MaskBuffer> {
 /// allowed (the host failed to give them; that step's tokens are discarded).
 const MASK_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
 
+/// Longer prompts a server's warm-up runs too (those that fit a slot): 64 tokens take the
+/// quantized GEMM of MLX (9–255 rows at 4 bits), 512 dequantize + GEMM (from 256 rows at 4
+/// bits, 512 at 8), and both MLX's causal attention over a chunk, so MLX's own kernels for
+/// a batch of prompts compile at start too. Without them the first requests did: on one
+/// H200 the first 8 streams after a cold start waited 12.4 s for their first tokens. On
+/// CUDA only (where MLX compiles its kernels at run time).
+const WARM_LONG_PROMPTS: [usize; 2] = [64, 512];
+
 /// One step of [`Worker::warm_up`]: a decode step at a batch size, or a prompt of a length.
 #[derive(Debug, Clone, Copy)]
 enum WarmStep {
@@ -529,17 +537,23 @@ impl Worker {
     /// ([`kernels::cache`]), which makes later starts quicker. With the quantized GEMM on
     /// (`MLXCEL_QGEMM=1`) also a decode step and a prompt in each of its variants (whole
     /// tiles of 8 rows, [`kernels::qgemm::warm_rows`]) as far as the slots and the context
-    /// allow. A no-op on the CPU.
+    /// allow. With more than one slot on CUDA also prompts of [`WARM_LONG_PROMPTS`] tokens
+    /// (MLX's kernels for prefill). A no-op on the CPU.
     pub fn warm_up(&mut self) -> Result<(), StepError> {
         if mlx::backend() == mlx::Backend::Cpu || self.cache.slots() == 0 {
             return Ok(());
         }
-        self.run_warm_up(kernels::cache::summary().is_some())
+        self.run_warm_up(kernels::cache::summary().is_some(), false)
     }
 
     /// [`Worker::warm_up`]'s steps on any backend; `build_first`: every step's graph is
-    /// built (and dropped) before any is evaluated.
-    fn run_warm_up(&mut self, build_first: bool) -> Result<(), StepError> {
+    /// built (and dropped) before any is evaluated; `long_prompts_anywhere`: the
+    /// [`WARM_LONG_PROMPTS`] off CUDA too.
+    fn run_warm_up(
+        &mut self,
+        build_first: bool,
+        long_prompts_anywhere: bool,
+    ) -> Result<(), StepError> {
         let start = std::time::Instant::now();
         let max_batch = self.cache.slots().min(kernels::qgemv::MAX_M + 1);
         // with MLXCEL_QGEMM=1, a batch in each of the GEMM's variants too (its kernels are one
@@ -552,10 +566,20 @@ impl Worker {
         } else {
             1
         };
-        let gemm_prompts = if self.cache.slots() > 1 {
-            kernels::qgemm::warm_rows(prompt_max + 1, self.cache.max_capacity())
+        let (gemm_prompts, long_prompts) = if self.cache.slots() > 1 {
+            let cap = self.cache.max_capacity();
+            (
+                kernels::qgemm::warm_rows(prompt_max + 1, cap),
+                WARM_LONG_PROMPTS
+                    .iter()
+                    .copied()
+                    .filter(|&t| {
+                        t <= cap && (long_prompts_anywhere || mlx::backend() == mlx::Backend::Cuda)
+                    })
+                    .collect(),
+            )
         } else {
-            Vec::new()
+            (Vec::new(), Vec::new())
         };
         let steps: Vec<WarmStep> = (1..=max_batch)
             .chain(gemm.iter().copied())
@@ -563,6 +587,7 @@ impl Worker {
             .chain(
                 (2..=prompt_max)
                     .chain(gemm_prompts.iter().copied())
+                    .chain(long_prompts)
                     .map(WarmStep::Prompt),
             )
             .collect();
@@ -1477,9 +1502,10 @@ mod tests {
             )
             .unwrap()
             .model;
-            let mut exec = LocalExecutor::new(model, 4, 32);
+            // (a context that holds the warm-up's longer prompts)
+            let mut exec = LocalExecutor::new(model, 4, 544);
             if let Some(build_first) = warm {
-                exec.worker.run_warm_up(build_first).unwrap();
+                exec.worker.run_warm_up(build_first, true).unwrap();
             }
             let prompt = [5u32, 6, 7, 8];
             let mut tokens: Vec<u32> = Vec::new();
