@@ -50,6 +50,10 @@ pub struct Knobs {
     pub kernel_include: bool,
     /// `MLXCEL_ATTN`: mlxcel's decode attention kernel for batched steps on CUDA.
     pub attn: bool,
+    /// `MLXCEL_ATTN_SINGLE`: a single sequence's decode step (blocks in one run) takes the
+    /// batched path too, with that kernel (one op per layer for attention), instead of MLX's
+    /// sdpa over two views of the pool (three ops).
+    pub attn_single: bool,
     /// `MLXCEL_KERNEL_CACHE`: keep compiled kernels in the cache folder between runs.
     pub kernel_cache: bool,
     /// `MLXCEL_VOCAB_PARALLEL`: under tensor parallelism each rank holds its rows of the
@@ -101,6 +105,7 @@ impl Default for Knobs {
             qgemm_source: None,
             kernel_include: true,
             attn: true,
+            attn_single: false,
             kernel_cache: true,
             vocab_parallel: true,
             addmm_residual: false,
@@ -131,6 +136,7 @@ pub const VARS: &[&str] = &[
     "MLXCEL_QGEMM_SOURCE",
     "MLXCEL_KERNEL_INCLUDE",
     "MLXCEL_ATTN",
+    "MLXCEL_ATTN_SINGLE",
     "MLXCEL_KERNEL_CACHE",
     "MLXCEL_VOCAB_PARALLEL",
     "MLXCEL_ADDMM_RESIDUAL",
@@ -223,6 +229,7 @@ impl Knobs {
             .map(PathBuf::from);
         k.kernel_include = switch("MLXCEL_KERNEL_INCLUDE", k.kernel_include)?;
         k.attn = switch("MLXCEL_ATTN", k.attn)?;
+        k.attn_single = switch("MLXCEL_ATTN_SINGLE", k.attn_single)?;
         k.kernel_cache = switch("MLXCEL_KERNEL_CACHE", k.kernel_cache)?;
         k.vocab_parallel = switch("MLXCEL_VOCAB_PARALLEL", k.vocab_parallel)?;
         k.addmm_residual = switch("MLXCEL_ADDMM_RESIDUAL", k.addmm_residual)?;
@@ -258,6 +265,7 @@ impl Knobs {
             d.kernel_include,
         );
         switch("MLXCEL_ATTN", self.attn, d.attn);
+        switch("MLXCEL_ATTN_SINGLE", self.attn_single, d.attn_single);
         switch("MLXCEL_KERNEL_CACHE", self.kernel_cache, d.kernel_cache);
         switch(
             "MLXCEL_VOCAB_PARALLEL",

@@ -450,9 +450,14 @@ impl Model {
         let pos = cache.len(slot);
         cache.prepare(self.layers.len(), &[(slot, pos + t as usize)])?;
         let rows = cache.seq_rows(slot, pos, t as usize)?;
-        if t == 1 && !rows.is_run() {
+        let single_kernel = t == 1
+            && kernels::knobs::get().attn_single
+            && self.attn_kernel_fits()
+            && kernels::attn::block_size_fits(cache.block_size());
+        if t == 1 && (!rows.is_run() || single_kernel) {
             // one token over scattered blocks: the batched decode path reads through the
-            // block table (the kernel, or a gather)
+            // block table (the kernel, or a gather); with `MLXCEL_ATTN_SINGLE=1` one run of
+            // blocks too (the kernel)
             return Ok(self
                 .forward_decode_batch_ids(cache, &[slot], ids)?
                 .reshape(&[-1, self.cfg.vocab_size as i32])?);
