@@ -543,7 +543,7 @@ impl Worker {
         if mlx::backend() == mlx::Backend::Cpu || self.cache.slots() == 0 {
             return Ok(());
         }
-        self.run_warm_up(kernels::cache::summary().is_some(), false)
+        self.run_warm_up(mlx::kernel_cache::get().is_some(), false)
     }
 
     /// [`Worker::warm_up`]'s steps on any backend; `build_first`: every step's graph is
@@ -1457,6 +1457,16 @@ mod tests {
     /// The llama3 fixture (384 tokens) with `streams` sequences prefilled, sampling at
     /// temperature 0.7: the executor, each sequence's first token and the next position.
     fn prefilled(streams: usize) -> (LocalExecutor, Vec<u32>, usize) {
+        prefilled_after(streams, 32, |_| {})
+    }
+
+    /// [`prefilled`] with room for `ctx` tokens per slot, `before` run on the executor
+    /// first.
+    fn prefilled_after(
+        streams: usize,
+        ctx: usize,
+        before: impl FnOnce(&mut LocalExecutor),
+    ) -> (LocalExecutor, Vec<u32>, usize) {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama3");
         let model = crate::models::load(
             &ModelDir::open(&dir).unwrap(),
@@ -1465,7 +1475,8 @@ mod tests {
         )
         .unwrap()
         .model;
-        let mut exec = LocalExecutor::new(model, streams, 32);
+        let mut exec = LocalExecutor::new(model, streams, ctx);
+        before(&mut exec);
         let prompt = [5u32, 6, 7, 8];
         let seqs = (0..streams)
             .map(|i| {
@@ -1493,40 +1504,14 @@ mod tests {
         // must not change what the slots compute next: the same seeded prompt and decode
         // give the same tokens as on an executor never warmed up
         let run = |warm: Option<bool>| {
-            let dir =
-                std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama3");
-            let model = crate::models::load(
-                &ModelDir::open(&dir).unwrap(),
-                LoadFormat::Safetensors,
-                |_, _| {},
-            )
-            .unwrap()
-            .model;
             // (a context that holds the warm-up's longer prompts)
-            let mut exec = LocalExecutor::new(model, 4, 544);
-            if let Some(build_first) = warm {
-                exec.worker.run_warm_up(build_first, true).unwrap();
-            }
-            let prompt = [5u32, 6, 7, 8];
+            let (mut exec, mut last, prompt) = prefilled_after(2, 544, |exec| {
+                if let Some(build_first) = warm {
+                    exec.worker.run_warm_up(build_first, true).unwrap();
+                }
+            });
             let mut tokens: Vec<u32> = Vec::new();
-            let seqs = (0..2)
-                .map(|i| {
-                    let params = SamplingParams {
-                        temperature: 0.7,
-                        seed: Some(i as u64),
-                        ..SamplingParams::default()
-                    };
-                    SeqStep::whole_prompt(i as u64, i, &prompt, params)
-                })
-                .collect();
-            let mut out = exec
-                .execute(&StepPlan {
-                    seqs,
-                    ..StepPlan::default()
-                })
-                .unwrap();
-            for pos in prompt.len()..prompt.len() + 4 {
-                let last: Vec<u32> = out.sampled.iter().map(|t| t.token).collect();
+            for pos in prompt..prompt + 4 {
                 tokens.extend(&last);
                 let seqs = (0..2)
                     .map(|i| SeqStep {
@@ -1540,12 +1525,13 @@ mod tests {
                         restart: false,
                     })
                     .collect();
-                out = exec
+                let out = exec
                     .execute(&StepPlan {
                         seqs,
                         ..StepPlan::default()
                     })
                     .unwrap();
+                last = out.sampled.iter().map(|t| t.token).collect();
             }
             tokens
         };

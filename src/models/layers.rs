@@ -569,22 +569,19 @@ fn quantized_forward(
     if m >= dequant_gemm_min_rows(bits) && mlx::backend() != mlx::Backend::Cpu {
         return dequant_gemm(x, w, scales, biases, q);
     }
-    if x.ndim() > 2 && m > 1 && x.dim(-2) != m as i32 {
-        // MLX's CUDA quantized GEMM takes each leading index of x as its own batch: decode's
-        // `[b, 1, k]` runs b one-row products, each reading the whole weight (4–19× slower
-        // than `[b, k]` at 12–64 rows on H200). As `[m, k]` it reads the weight once.
-        let y = fast::quantized_matmul(
-            &x.reshape(&[m as i32, k as i32])?,
-            w,
-            scales,
-            biases,
-            true,
-            q.group_size,
-            q.bits,
-        )?;
-        return y.reshape(&shape);
+    // MLX's CUDA quantized GEMM takes each leading index of x as its own batch: decode's
+    // `[b, 1, k]` runs b one-row products, each reading the whole weight (4–19× slower
+    // than `[b, k]` at 12–64 rows on H200). As `[m, k]` it reads the weight once.
+    let flat = x.ndim() > 2 && m > 1 && x.dim(-2) != m as i32;
+    let rows = match flat {
+        true => x.reshape(&[m as i32, k as i32])?,
+        false => x.clone(),
+    };
+    let y = fast::quantized_matmul(&rows, w, scales, biases, true, q.group_size, q.bits)?;
+    match flat {
+        true => y.reshape(&shape),
+        false => Ok(y),
     }
-    fast::quantized_matmul(x, w, scales, biases, true, q.group_size, q.bits)
 }
 
 /// `x · dequantize(w)ᵀ` as a dense GEMM. The dequantization is ordered after `x`
