@@ -43,11 +43,13 @@
 //   multiplies them by the norm weight (copied with them) in place, adding up Σ x² per row.
 //   Word 4t + c of a row sits at slot (4c + t) ^ 4·(row & 1), so a warp's fragment loads
 //   hit distinct banks; a lane turns the 8-value word (x0 … x7) it loads into the pairs
-//   (x0,x4) (x1,x5) (x2,x6) (x3,x7), the order the weights' nibbles unpack in (below).
+//   (x0,x4) (x1,x5) (x2,x6) (x3,x7), the order the weights' nibbles unpack in (below);
+//   with NORM the block stores them so once, in the same pass as the norm.
 // - w: lane (g, t) (g = lane/4, t = lane%4) of a warp reads rows g and g + 8 of each of its
 //   tiles from the stage, the lane's 32 values k = 32t … 32t+31 of the step (16 bytes of
 //   4-bit weights, 32 of 8-bit: one group, G being a multiple of 32, so one scale and bias
-//   per row; those two are plain loads into registers ST - 1 steps ahead). Word c (8 values
+//   per row; those two are plain loads into registers a step ahead: they share cache lines
+//   with the steps before). Word c (8 values
 //   v0 … v7) of a row becomes four T pairs
 //   (v0,v4) (v1,v5) (v2,v6) (v3,v7): 4-bit by masking nibbles j and j + 4 into the
 //   mantissas of T(128) (bf16) or T(1024) (f16), which makes 128 + v exactly, then one
@@ -235,8 +237,7 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
   constexpr int XR = (MT * 16 + TPB - 1) / TPB;  // 16-byte chunks of x a thread normalizes
   constexpr int W16 = BN * BITS;                 // a stage's 16-byte chunks: weights,
   constexpr int X16 = MT * 16;                   // x,
-  constexpr int STAGE16 = W16 + X16 + 16;        // the norm weight (mlxcel_qgemm_smem_bytes)
-  constexpr int COPY16 = W16 + X16 + (NORM ? 16 : 0);  // those copied
+  constexpr int STAGE16 = W16 + X16 + 16;        // and the norm weight (mlxcel_qgemm_smem_bytes)
   constexpr int HALF = N / 2;
   constexpr int HD2 = HD > 0 ? HD / 2 : 1;
   constexpr int CB = (N + BN - 1) / BN;          // column blocks
@@ -298,46 +299,71 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
   //   x:  MT rows × 16 chunks of 8 values (zeros past M); word 4t + c of row m sits at
   //       slot (4c + t) ^ 4·(m & 1), the lanes (gq, t) of a fragment load in distinct banks
   //   nw: 16 chunks of the norm weight (NORM)
-  uint32_t sb[ST][2][2];  // per stage: the row's scale (low half) and bias (high half) for the lane's group
+  // A thread copies the same chunks of every stage: chunk tid + j·TPB of the weights (j <
+  // WJ) and of x (j < XJ), the norm weight's chunk tid (tid < 16). Where they come from is
+  // worked out once, here (per step it was most of the kernel's instructions).
+  static_assert(W16 % TPB == 0 && TPB % 32 == 0, "qgemm: whole weight chunks per thread");
+  constexpr int WJ = W16 / TPB;
+  constexpr int XJ = (X16 + TPB - 1) / TPB;
+  int woff[WJ];  // the chunk's first word in w at step 0, -1 past N
+#pragma unroll
+  for (int j = 0; j < WJ; ++j) {
+    const int c = tid + j * TPB;
+    const int r = c / BITS, q = c % BITS;
+    const int row = row_of_slot(r / 32, (r / 16) % 2, r % 8 + 8 * ((r / 8) % 2));
+    woff[j] = row >= 0 ? row * KW + q * 4 : -1;
+  }
+  const int xw = tid % 16;                                 // the thread's word of an x row,
+  const int xm0 = tid / 16;                                // its first row (then + j·TPB/16,
+  const int xslot = (4 * (xw % 4) + xw / 4) ^ (4 * (xm0 & 1));  // of the same parity) and slot
+  // the lane's scale (low half) and bias (high half) of its rows' group, per step: loaded
+  // one step ahead (two sets, by the step's parity); srow: the rows' first group, -1 past N
+  uint32_t sb[2][2][2];
+  int srow[2][2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      srow[i][h] = rows[i][h] >= 0 ? rows[i][h] * GPR : -1;
+    }
+  }
   const unsigned short* s16 = reinterpret_cast<const unsigned short*>(scales);
   const unsigned short* b16 = reinterpret_cast<const unsigned short*>(biases);
-  // the block's copies of step s (< NS) into ring slot `slot`, the lane's scales into sb[slot]
-  auto issue = [&](int s, int slot) {
+  // the block's copies of step s (< NS) into ring slot `slot`
+  auto copy = [&](int s, int slot) {
     if (s >= NS) {
       return;
     }
     const int step = split * NS + s;
     const int k0 = step * 128;
     uint4* st = ring + slot * STAGE16;
+    const uint32_t* ws = w + size_t(step) * 4 * BITS;
 #pragma unroll
-    for (int j = 0; j < (COPY16 + TPB - 1) / TPB; ++j) {
+    for (int j = 0; j < WJ; ++j) {
       const int c = tid + j * TPB;
-      if (COPY16 % TPB != 0 && c >= COPY16) {
-        break;
-      }
-      if (c < W16) {
-        const int r = c / BITS, q = c % BITS;
-        const int wr_ = r / 32, i = (r / 16) % 2, h = (r / 8) % 2, g = r % 8;
-        const int row = row_of_slot(wr_, i, g + 8 * h);
-        const uint32_t* src = w + size_t(row >= 0 ? row : 0) * KW + size_t(step) * 4 * BITS + q * 4;
-        mlxcel_cp16z(st + r * BITS + (BITS == 8 ? (q ^ (r & 1)) : q), src, row >= 0);
-      } else if (c < W16 + X16) {
-        const int xc = c - W16, m = xc / 16, wd = xc % 16;
-        const T* src = x + size_t(m < M ? m : 0) * K + k0 + 8 * wd;
-        mlxcel_cp16z(st + W16 + m * 16 + ((4 * (wd % 4) + wd / 4) ^ (4 * (m & 1))), src, m < M);
-      } else if (NORM) {
-        const int q = c - W16 - X16;
-        mlxcel_cp16z(st + W16 + X16 + q, nw + k0 + 8 * q, true);
+      const int r = c / BITS, q = c % BITS;
+      mlxcel_cp16z(st + r * BITS + (BITS == 8 ? (q ^ (r & 1)) : q), ws + (woff[j] >= 0 ? woff[j] : 0),
+                   woff[j] >= 0);
+    }
+#pragma unroll
+    for (int j = 0; j < XJ; ++j) {
+      const int m = xm0 + j * (TPB / 16);
+      if (X16 % TPB == 0 || m < MT) {
+        mlxcel_cp16z(st + W16 + m * 16 + xslot, x + size_t(m < M ? m : 0) * K + k0 + 8 * xw, m < M);
       }
     }
-    const int gi = (k0 + 32 * t) / G;
+    if (NORM && tid < 16) {
+      mlxcel_cp16z(st + W16 + X16 + tid, nw + k0 + 8 * tid, true);
+    }
+  };
+  auto scales_of = [&](int s, uint32_t (&out)[2][2]) {
+    const int gi = ((split * NS + s) * 128 + 32 * t) / G;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int row = rows[i][h];
-        const size_t si = size_t(row >= 0 ? row : 0) * GPR + gi;
-        sb[slot][i][h] = row >= 0 ? uint32_t(s16[si]) | (uint32_t(b16[si]) << 16) : 0u;
+        const int si = srow[i][h] + gi;
+        out[i][h] = srow[i][h] >= 0 ? uint32_t(s16[si]) | (uint32_t(b16[si]) << 16) : 0u;
       }
     }
   };
@@ -346,7 +372,9 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
   for (int j = 0; j < XR; ++j) {
     ssr[j] = 0.f;
   }
-  // NORM: the stage's x times the norm weight, in place (Σ x² on the way)
+  // NORM: the stage's x times the norm weight, in place (Σ x² on the way), each word
+  // stored as the pairs (x0,x4) (x1,x5) (x2,x6) (x3,x7) the MMAs take (without NORM the
+  // fragment loads pair them)
   auto normalize = [&](int slot) {
     uint4* st = ring + slot * STAGE16;
 #pragma unroll
@@ -363,8 +391,8 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
           ssr[j] = fmaf(f[e], f[e], ssr[j]);
           f[e] *= g8[e];
         }
-        st[W16 + xc] = make_uint4(mlxcel_pack2<T>(f[0], f[1]), mlxcel_pack2<T>(f[2], f[3]),
-                                  mlxcel_pack2<T>(f[4], f[5]), mlxcel_pack2<T>(f[6], f[7]));
+        st[W16 + xc] = make_uint4(mlxcel_pack2<T>(f[0], f[4]), mlxcel_pack2<T>(f[1], f[5]),
+                                  mlxcel_pack2<T>(f[2], f[6]), mlxcel_pack2<T>(f[3], f[7]));
       }
     }
   };
@@ -381,14 +409,14 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
       }
     }
   }
-  auto compute = [&](int slot) {
+  auto compute = [&](int slot, const uint32_t (&sbs)[2][2]) {
     const uint4* st = ring + slot * STAGE16;
     uint32_t s2[2][2], b2[2][2];
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const uint32_t v = sb[slot][i][h];
+        const uint32_t v = sbs[i][h];
         s2[i][h] = (v & 0xFFFFu) | (v << 16);
         b2[i][h] = (v >> 16) | (v & 0xFFFF0000u);
       }
@@ -441,9 +469,13 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
       for (int j = 0; j < NTW; ++j) {
         const int m = 8 * (wn * NTW + j) + gq;
         const uint4 v = st[W16 + m * 16 + ((4 * c + t) ^ (4 * (m & 1)))];
-        // (x0,x1) (x2,x3) (x4,x5) (x6,x7) → (x0,x4) (x1,x5) (x2,x6) (x3,x7), the weights' order
-        const uint32_t b0 = __byte_perm(v.x, v.z, 0x5410), b1 = __byte_perm(v.x, v.z, 0x7632);
-        const uint32_t b2_ = __byte_perm(v.y, v.w, 0x5410), b3 = __byte_perm(v.y, v.w, 0x7632);
+        // (x0,x1) (x2,x3) (x4,x5) (x6,x7) → (x0,x4) (x1,x5) (x2,x6) (x3,x7), the weights'
+        // order (NORM stored them so)
+        uint32_t b0 = v.x, b1 = v.y, b2_ = v.z, b3 = v.w;
+        if constexpr (!NORM) {
+          b0 = __byte_perm(v.x, v.z, 0x5410), b1 = __byte_perm(v.x, v.z, 0x7632);
+          b2_ = __byte_perm(v.y, v.w, 0x5410), b3 = __byte_perm(v.y, v.w, 0x7632);
+        }
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
           mlxcel_mma16<T>(acc[i][j], a[i][0][0], a[i][1][0], a[i][0][1], a[i][1][1], b0, b1);
@@ -453,26 +485,34 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
     }
   };
 
-  // the first ST - 1 steps in flight, one copy group each (empty past NS: the counts stay uniform)
+  // the first ST - 1 steps in flight, one copy group each (empty past NS: the counts stay
+  // uniform), and the first step's scales
 #pragma unroll
   for (int u = 0; u + 1 < ST; ++u) {
-    issue(u, u);
+    copy(u, u);
     mlxcel_cp_commit();
   }
-  for (int s0 = 0; s0 < NS; s0 += ST) {
+  scales_of(0, sb[0]);
+  // two steps an iteration, so that the scale sets are named at compile time (unrolled
+  // over all ST slots, the kernel's code outgrew the instruction cache)
+  for (int s0 = 0; s0 < NS; s0 += 2) {
 #pragma unroll
-    for (int u = 0; u < ST; ++u) {
-      const int s = s0 + u;
-      if (s < NS) {                     // (uniform over the block)
-        mlxcel_cp_wait<ST - 2>();       // this thread's copies of step s have landed …
-        __syncthreads();                // … everyone's, and step s - 1's reads are done
-        issue(s + ST - 1, (u + ST - 1) % ST);  // into the slot step s - 1 used
+    for (int par = 0; par < 2; ++par) {
+      const int s = s0 + par;
+      if (s < NS) {                           // (uniform over the block)
+        mlxcel_cp_wait<ST - 2>();             // this thread's copies of step s have landed …
+        __syncthreads();                      // … everyone's, and step s - 1's reads are done
+        copy(s + ST - 1, (s + ST - 1) % ST);  // into the slot step s - 1 used
         mlxcel_cp_commit();
+        if (s + 1 < NS) {
+          scales_of(s + 1, sb[par ^ 1]);
+        }
+        const int slot = s % ST;
         if constexpr (NORM) {
-          normalize(u);
+          normalize(slot);
           __syncthreads();
         }
-        compute(u);
+        compute(slot, sb[par]);
       }
     }
   }

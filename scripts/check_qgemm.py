@@ -347,13 +347,25 @@ def work(idx, jobs, args, lock):
                 return None
             base = launch_for(m, n, k, bits)
             out = [base]
-            # other ring depths and splits of K (a block's ring within 227 KB)
-            for st in (2, 3, 4, 6, 8):
-                for sk in sorted({1, max(1, base[3] // 2), base[3], 2 * base[3]}):
-                    l = (base[0], base[1], base[2], sk, st)
-                    fits = st * stage_bytes(base[0], base[1], bits) + STATIC_SHARED <= SMEM - 1024
-                    if fits and (k // 128) % sk == 0 and l not in out:
-                        out.append(l)
+            mt, steps = base[0], k // 128
+            splits = [d for d in range(1, steps + 1)
+                      if steps % d == 0 and (d == 1 or steps // d >= MIN_SPLIT_STEPS)]
+            # other block shapes (warp rows WR, warps per row of tiles WN), ring depths ST
+            # (a block's ring within 227 KB) and, for each, the split of K that fills the
+            # GPU with as many blocks as the SMs' shared memory holds, and the next one up
+            for wr, wn in ((4, 1), (4, 2), (2, 1)):
+                if (mt // 8) % wn:
+                    continue
+                for st in (2, 3, 4, 6):
+                    smem = st * stage_bytes(mt, wr, bits) + STATIC_SHARED
+                    if smem > SMEM - 1024:
+                        continue
+                    want = -(-(SMS * (SMEM // smem)) // -(-n // (32 * wr)))
+                    i = next((j for j, d in enumerate(splits) if d >= want), len(splits) - 1)
+                    for sk in splits[i:i + 2]:
+                        l = (mt, wr, wn, sk, st)
+                        if l not in out:
+                            out.append(l)
             return out
         # compile everything first (all workers at once), then take turns on the GPU
         for model, n, k, name, bits, m in cases:

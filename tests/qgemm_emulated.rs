@@ -383,8 +383,8 @@ fn planted_bugs_are_caught() {
         ),
         (
             "ring-slot",
-            "issue(s + ST - 1, (u + ST - 1) % ST);",
-            "issue(s + ST - 1, (u + ST - 2) % ST);",
+            "copy(s + ST - 1, (s + ST - 1) % ST);",
+            "copy(s + ST - 1, (s + ST - 2) % ST);",
             with(cfg(9, 32, 640, 64, 4, 1, 1, 1), &[("ST", 3)]),
         ),
     ];
