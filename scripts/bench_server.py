@@ -240,6 +240,49 @@ def run_level(args, model, concurrency, response_format=None):
 PIPELINED = "mlxcel:pipelined_decode_steps_total"
 
 
+def mean(xs):
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def merge_runs(rs):
+    """Runs of one level and mode as one: mean rates, summed counts, mean host parts."""
+    out = dict(rs[0])
+    for k in ("tokens_per_s", "decode_tokens_per_s"):
+        out[k] = mean(r[k] for r in rs)
+    for k in ("pipelined_steps", "errors", "requests"):
+        if all(isinstance(r.get(k), (int, float)) for r in rs):
+            out[k] = sum(r[k] for r in rs)
+    parts = [r.get("host_ms_per_step") for r in rs if r.get("host_ms_per_step")]
+    if parts:
+        out["host_ms_per_step"] = {k: mean(p.get(k) for p in parts) for k in parts[0]}
+    out["runs"] = len(rs)
+    return out
+
+
+def compare_pairs(us, ks):
+    """Constrained vs unconstrained at one level over alternated pairs of runs: the ratio
+    of the mean rates, and each pair's own ratio (with their median)."""
+    u, k = merge_runs(us), merge_runs(ks)
+    per = [ratio(b["tokens_per_s"], a["tokens_per_s"]) for a, b in zip(us, ks)]
+    per_decode = [ratio(b["decode_tokens_per_s"], a["decode_tokens_per_s"]) for a, b in zip(us, ks)]
+    known = [x for x in per if x is not None]
+    return {
+        "concurrency": u["concurrency"],
+        "pairs": len(us),
+        "tokens_per_s": [u["tokens_per_s"], k["tokens_per_s"]],
+        "decode_tokens_per_s": [u["decode_tokens_per_s"], k["decode_tokens_per_s"]],
+        "ratio_tokens_per_s": ratio(k["tokens_per_s"], u["tokens_per_s"]),
+        "ratio_decode": ratio(k["decode_tokens_per_s"], u["decode_tokens_per_s"]),
+        "ratio_per_pair": per,
+        "ratio_decode_per_pair": per_decode,
+        "ratio_median": statistics.median(known) if known else None,
+        "pipelined_steps": [u["pipelined_steps"], k["pipelined_steps"]],
+        "errors": [u["errors"], k["errors"]],
+        "host_ms_per_step": [u.get("host_ms_per_step"), k.get("host_ms_per_step")],
+    }
+
+
 def ratio(a, b):
     return a / b if a is not None and b else None
 
@@ -455,6 +498,10 @@ def main():
         "json_schema); each level runs unconstrained and constrained, side by side (a "
         "constrained stream ends when its JSON is complete, so compare rates, not times)",
     )
+    ap.add_argument("--pairs", type=int, default=1,
+                    help="with --response-format: run the unconstrained/constrained pair this many "
+                    "times at each level, alternated (the comparison: ratio of the mean rates, and "
+                    "each pair's ratio with their median)")
     ap.add_argument("--no-compare", action="store_true",
                     help="with --response-format: the constrained runs only")
     ap.add_argument("--warmup", type=int, default=0,
@@ -502,28 +549,23 @@ def main():
             for m in modes:
                 run_level(warm, model, c, m)
     runs = {id(m): [] for m in modes}
+    pairs = max(1, args.pairs) if rf and not args.no_compare else 1
     for c in levels:
-        # the modes alternate at each level, so drift hits both alike
-        for m in modes:
-            runs[id(m)].append(run_level(args, model, c, m))
+        # the modes alternate at each level (`--pairs` times), so drift hits both alike
+        for _ in range(pairs):
+            for m in modes:
+                runs[id(m)].append(run_level(args, model, c, m))
     results = runs[id(modes[0])]
     extra = {}
     if rf and not args.no_compare:
         constrained = runs[id(rf)]
         extra["constrained_results"] = constrained
         extra["comparison"] = [
-            {
-                "concurrency": u["concurrency"],
-                "tokens_per_s": [u["tokens_per_s"], k["tokens_per_s"]],
-                "decode_tokens_per_s": [u["decode_tokens_per_s"], k["decode_tokens_per_s"]],
-                "ratio_tokens_per_s": ratio(k["tokens_per_s"], u["tokens_per_s"]),
-                "ratio_decode": ratio(k["decode_tokens_per_s"], u["decode_tokens_per_s"]),
-                "pipelined_steps": [u["pipelined_steps"], k["pipelined_steps"]],
-                "errors": [u["errors"], k["errors"]],
-                "host_ms_per_step": [u["host_ms_per_step"], k["host_ms_per_step"]],
-            }
-            for u, k in zip(results, constrained)
+            compare_pairs(results[i:i + pairs], constrained[i:i + pairs])
+            for i in range(0, len(results), pairs)
         ]
+        if pairs > 1:
+            results = [merge_runs(results[i:i + pairs]) for i in range(0, len(results), pairs)]
     json.dump(
         {
             "server": f"http://{args.host}:{args.port}",

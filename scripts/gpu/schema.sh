@@ -16,7 +16,8 @@
 #   bash scripts/gpu/schema.sh all        # bench, nopipe
 # The model must be staged first (no network on the box): scripts/gpu/gguf.sh's header
 # (stage here, send .gpu/g1 then .gpu/g2). Environment: see scripts/gpu/lib.sh;
-# MAX_TOKENS (256) tokens per request, LEVELS (1,32), ROUNDS (2: unconstrained and schema alternated per level).
+# MAX_TOKENS (256) tokens per request, LEVELS (1,32), ROUNDS (2) requests per stream, PAIRS (1) unconstrained/schema
+# pairs alternated per level (more pairs: drift on a shared host hits both sides alike).
 . "$(dirname "$0")/lib.sh"
 G=$MLXCEL_CACHE/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf
 [ -f "$G" ] || { echo "no $G: stage it with scripts/gpu/gguf.sh (see its header)"; exit 3; }
@@ -26,7 +27,7 @@ cmd=${1:-all}; shift || true
 compare() {
   local tag=$1 port=$2
   timeout ${BENCH_S:-400} python3 scripts/bench_server.py --port "$port" --chat \
-    --concurrency "${LEVELS:-1,32}" --rounds "${ROUNDS:-2}" --max-tokens "${MAX_TOKENS:-256}" --warmup 16 \
+    --concurrency "${LEVELS:-1,32}" --rounds "${ROUNDS:-2}" --pairs "${PAIRS:-1}" --max-tokens "${MAX_TOKENS:-256}" --warmup 16 \
     --response-format scripts/bench_schema.json > "$OUT/schema-$tag.json" || { echo "bench failed"; return 1; }
   python3 - "$OUT/schema-$tag.json" <<'PY' | tee -a "$OUT/schema.txt"
 import json, sys
@@ -36,6 +37,9 @@ for c in d["comparison"]:
     print(f'{c["concurrency"]:>3} streams: unconstrained {u:8.1f} tok/s (decode {du:8.1f}), '
           f'schema {k:8.1f} tok/s (decode {dk:8.1f}); ratio {c["ratio_tokens_per_s"]:.3f}, '
           f'decode ratio {c["ratio_decode"]:.3f}; pipelined steps {c["pipelined_steps"]}; errors {c["errors"]}')
+    if c.get("pairs", 1) > 1:
+        print(f'      {c["pairs"]} alternated pairs: ratio per pair ' + " ".join(f"{r:.3f}" for r in c["ratio_per_pair"])
+              + f'; median {c["ratio_median"]:.3f}')
     for tag, h in zip(("unconstrained", "schema"), c.get("host_ms_per_step") or []):
         if h:
             print(f'      engine thread ms per step, {tag}: ' + ", ".join(f"{k} {v:.2f}" for k, v in h.items()))
