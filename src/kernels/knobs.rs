@@ -32,12 +32,13 @@ pub struct Knobs {
     pub qgemv_stream_blocks: Option<usize>,
     /// `MLXCEL_QGEMV_SOURCE`: a kernel file read at run time instead of the embedded one.
     pub qgemv_source: Option<PathBuf>,
-    /// `MLXCEL_QGEMM=1`: the quantized GEMM (`kernels/qgemm.cu`) for batches of
-    /// [`super::qgemm::MIN_M`]–[`super::qgemm::MAX_M`] rows on CUDA, instead of the GEMV on
-    /// row chunks and MLX's kernels. Off by default until measured on a GPU.
+    /// `MLXCEL_QGEMM` (default 1): the quantized GEMM (`kernels/qgemm.cu`) for batches of
+    /// [`super::qgemm::MIN_M`] (4-bit: [`super::qgemm::MIN_M_4BIT`])–[`super::qgemm::MAX_M`]
+    /// rows on CUDA; 0: the GEMV on row chunks and MLX's kernels there.
     pub qgemm: bool,
-    /// `MLXCEL_QGEMM_MIN_M`, `MLXCEL_QGEMM_MAX_M`: the batch rows the GEMM takes (default
-    /// [`super::qgemm::MIN_M`] and [`super::qgemm::MAX_M`]).
+    /// `MLXCEL_QGEMM_MIN_M`, `MLXCEL_QGEMM_MAX_M`: the batch rows the GEMM takes, whatever
+    /// the bits (default [`super::qgemm::MIN_M`], 4-bit [`super::qgemm::MIN_M_4BIT`], and
+    /// [`super::qgemm::MAX_M`]).
     pub qgemm_min_m: Option<usize>,
     pub qgemm_max_m: Option<usize>,
     /// `MLXCEL_QGEMM_SPLITK`: the most blocks the GEMM splits a row's K over (1: none;
@@ -98,7 +99,7 @@ impl Default for Knobs {
             qgemv_stream: true,
             qgemv_stream_blocks: None,
             qgemv_source: None,
-            qgemm: false,
+            qgemm: true,
             qgemm_min_m: None,
             qgemm_max_m: None,
             qgemm_splitk: None,

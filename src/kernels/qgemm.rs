@@ -5,9 +5,10 @@
 //! 128, bf16 or f16 activations, with the GEMV's fusions: RMSNorm of x, the residual add,
 //! SwiGLU of a merged gate/up weight, RoPE on q and k of a merged q/k/v weight.
 //!
-//! Off unless `MLXCEL_QGEMM=1` (until it is checked and timed on a GPU:
-//! `scripts/check_qgemm.py`, `scripts/gpu/qgemm.sh`); callers then keep the GEMV on row
-//! chunks and MLX's kernels. `MLXCEL_QGEMM_SOURCE=path` loads another kernel file at run time.
+//! On by default on CUDA for the batches where it measured faster than the other paths
+//! (one H200, 8B shape: 8-bit from 9 rows, 4-bit from 17; `scripts/gpu/qgemm.sh bench`,
+//! docs/benchmarks.md "Quantized GEMM"); `MLXCEL_QGEMM=0` keeps the GEMV on row chunks and
+//! MLX's kernels. `MLXCEL_QGEMM_SOURCE=path` loads another kernel file at run time.
 use std::cell::RefCell;
 use std::sync::OnceLock;
 
@@ -19,6 +20,10 @@ use crate::mlx::{self, Array, Backend, Dtype, MlxError, Result};
 
 /// Smallest batch the GEMM takes by default: batches up to 8 stay on the GEMV, one launch.
 pub const MIN_M: usize = 9;
+/// Smallest batch of 4-bit weights the GEMM takes by default: at 16 rows the GEMV's two row
+/// chunks decoded 7% faster on an H200 (8B, 1,985 against 1,854 tok/s), from 24 rows the
+/// GEMM (2,609 against 2,282; 8-bit was faster with the GEMM from 16 rows).
+pub const MIN_M_4BIT: usize = 17;
 /// Largest batch the kernel covers (16 tiles of 8 rows); longer inputs (prefill) keep
 /// dequantize + GEMM.
 pub const MAX_M: usize = 128;
@@ -94,7 +99,7 @@ fn kernel() -> Result<&'static (String, String, String)> {
         .map_err(|e| MlxError::Invalid(e.clone()))
 }
 
-/// Whether the GEMM is used: `MLXCEL_QGEMM=1`, MLX's CUDA backend, a GPU with bf16 MMAs.
+/// Whether the GEMM is used: `MLXCEL_QGEMM` not 0, MLX's CUDA backend, a GPU with bf16 MMAs.
 pub fn enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
     *ON.get_or_init(|| {
@@ -102,10 +107,21 @@ pub fn enabled() -> bool {
     })
 }
 
-/// The batch rows the GEMM takes (`MLXCEL_QGEMM_MIN_M`, `MLXCEL_QGEMM_MAX_M`).
-fn batches() -> std::ops::RangeInclusive<usize> {
+/// The batch rows the GEMM takes for `bits`-bit weights (`MLXCEL_QGEMM_MIN_M`,
+/// `MLXCEL_QGEMM_MAX_M`; by default [`MIN_M`] or, at 4 bits, [`MIN_M_4BIT`] to [`MAX_M`]);
+/// `None`: any bits (from the smallest default).
+fn batches(bits: Option<usize>) -> std::ops::RangeInclusive<usize> {
     let k = knobs::get();
-    k.qgemm_min_m.unwrap_or(MIN_M)..=k.qgemm_max_m.unwrap_or(MAX_M)
+    let lo = k.qgemm_min_m.unwrap_or(default_min_rows(bits));
+    lo..=k.qgemm_max_m.unwrap_or(MAX_M)
+}
+
+/// The default smallest batch for `bits`-bit weights (`None`: any).
+pub fn default_min_rows(bits: Option<usize>) -> usize {
+    match bits {
+        Some(4) => MIN_M_4BIT,
+        _ => MIN_M,
+    }
 }
 
 /// Whether the kernel covers `x [m, k] · w [n, k]ᵀ` with these bits, group and dtypes
@@ -119,7 +135,7 @@ pub fn supports(
     bits: usize,
     dtypes: [Dtype; 2],
 ) -> bool {
-    batches().contains(&m) && shape_fits(n, k, group, bits) && dtypes_fit(dtypes)
+    batches(Some(bits)).contains(&m) && shape_fits(n, k, group, bits) && dtypes_fit(dtypes)
 }
 
 fn shape_fits(n: usize, k: usize, group: usize, bits: usize) -> bool {
@@ -225,7 +241,7 @@ pub fn warm_rows(lo: usize, hi: usize) -> Vec<usize> {
     if !enabled() {
         return Vec::new();
     }
-    let r = batches();
+    let r = batches(None);
     variants(lo.max(*r.start()), hi.min(*r.end()))
         .into_iter()
         .map(|v| v.min(hi))
@@ -619,8 +635,11 @@ mod tests {
         let bf = [Dtype::BF16, Dtype::BF16];
         // the default batch range (the knobs unset in tests)
         if knobs::get().qgemm_min_m.is_none() && knobs::get().qgemm_max_m.is_none() {
-            assert!(!supports(8, 4096, 4096, 64, 4, bf));
-            assert!(supports(9, 4096, 4096, 64, 4, bf));
+            // 8-bit from 9 rows, 4-bit from 17 (the GEMV's row chunks below)
+            assert!(!supports(8, 4096, 4096, 64, 8, bf));
+            assert!(supports(9, 4096, 4096, 64, 8, bf));
+            assert!(!supports(16, 4096, 4096, 64, 4, bf));
+            assert!(supports(17, 4096, 4096, 64, 4, bf));
             assert!(supports(128, 4096, 14336, 32, 8, bf));
             assert!(!supports(129, 4096, 4096, 64, 4, bf));
         }
