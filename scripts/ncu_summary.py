@@ -3,6 +3,12 @@
 time, throughputs, occupancy, L1 wavefronts and the warp stall reasons, largest first.
 
     python3 scripts/ncu_summary.py f.csv
+    python3 scripts/ncu_summary.py --totals STEPS f.csv   # kernel time by kind, per step
+
+With `--totals`, the kernels (e.g. those of `mlxcel bench --profile-steps STEPS` under
+`ncu --profile-from-start off --metrics gpu__time_duration.sum`) are grouped by kind (the
+name without template arguments, hashes and shapes) with their count and µs per step,
+largest first, and the sum: what one step costs the GPU, kernel by kernel.
 """
 import csv
 import re
@@ -52,6 +58,34 @@ def num(v):
         return None
 
 
+def kind(name):
+    """A kernel's name without its arguments, template values, hashes and shapes."""
+    n = re.sub(r"^void ", "", name.split("(")[0])
+    inner = re.search(r"<\s*((?:cutlass|sm\d+|ampere|hopper)\w*)", n)  # a library GEMM's own name
+    n = inner[1] if inner else re.sub(r"<.*", "", n)
+    n = re.sub(r"^(custom_kernel_)?(mlxcel_\w+?)_[0-9a-f]{8}(_rope)?.*", r"\2\3", n)
+    n = re.sub(r"(_[0-9a-z]+_t)?(_\d+)+$", "", n)
+    return n[:80]
+
+
+def totals(path, steps):
+    by = {}
+    for r, u in rows(path):
+        v = num(r.get("gpu__time_duration.sum", ""))
+        if v is None:
+            continue
+        scale = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1, "us": 1, "msecond": 1e3}.get(
+            u.get("gpu__time_duration.sum", ""), 1)
+        k = kind(r.get("Kernel Name", "?"))
+        c, t = by.get(k, (0, 0.0))
+        by[k] = (c + 1, t + v * scale)
+    total = sum(t for _, t in by.values())
+    print(f"| kernel | launches per step | µs per step | share |\n|---|---|---|---|")
+    for k, (c, t) in sorted(by.items(), key=lambda kv: -kv[1][1]):
+        print(f"| {k} | {c / steps:.1f} | {t / steps:.1f} | {100 * t / total:.1f}% |")
+    print(f"| all | {sum(c for c, _ in by.values()) / steps:.1f} | {total / steps:.1f} | |")
+
+
 def main(path):
     for r, u in rows(path):
         name = r.get("Kernel Name", "?")
@@ -75,4 +109,7 @@ def main(path):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if len(sys.argv) == 4 and sys.argv[1] == "--totals":
+        totals(sys.argv[3], float(sys.argv[2]))
+    else:
+        main(sys.argv[1])

@@ -8,7 +8,11 @@
 #                                               # (default "MLXCEL_QGEMM=1 MLXCEL_QGEMM=0"; commas join
 #                                               # variables, e.g. "MLXCEL_QGEMV_CHUNKS=0 X=1") alternated,
 #                                               # RUNS (2) times (< 8 min)
-#   bash scripts/gpu/qgemm.sh all               # both
+#   bash scripts/gpu/qgemm.sh steps             # Nsight kernel times of one decode step at batch STEP_BATCH (64)
+#                                               # of the 8B 4-bit, 8-bit and bf16 configs (mlxcel bench
+#                                               # --profile-steps under ncu --profile-from-start off), by kernel
+#                                               # kind: what a step costs the GPU besides the GEMMs (< 5 min)
+#   bash scripts/gpu/qgemm.sh all               # check and bench
 # Targets (issue 25): 4-bit decode ≥ 1.3× bf16 at batch 8, 32 and 64 and rising with the batch;
 # 8-bit ≥ bf16 at 32 and 64. Environment: scripts/gpu/lib.sh; BATCHES (8,16,32,64), RUNS,
 # DECODE_TOKENS (128).
@@ -37,9 +41,22 @@ bench() {
     done
   done 2>&1 | tee -a "$OUT/qgemm-bench.txt"
 }
+steps() {
+  q4cfg; q8cfg
+  local b=${STEP_BATCH:-64} m
+  for m in c8b-q4 c8b-q8 c8b; do
+    step "Nsight: one decode step at batch $b, $m"
+    timeout ${NCU_S:-150} ncu --profile-from-start off --clock-control none --csv --page raw \
+      --metrics gpu__time_duration.sum $B bench -m "$CK/$m" --load-format dummy --prompt-lens 128 \
+      --decode-tokens 16 --decode-batch "$b" --repeats 1 --profile-steps 2 > "$OUT/ncu-step-$m-b$b.csv" 2> "$OUT/ncu-step-$m-b$b.err" ||
+      { echo "failed:"; tail -3 "$OUT/ncu-step-$m-b$b.err"; continue; }
+    python3 scripts/ncu_summary.py --totals 2 "$OUT/ncu-step-$m-b$b.csv" | tee "$OUT/ncu-step-$m-b$b.txt" | head -25
+  done
+}
 case "$cmd" in
 check) check "$@" ;;
 bench) bench ;;
+steps) steps ;;
 all) check "$@"; bench ;;
-*) echo "unknown: $cmd (check, bench, all)" >&2; exit 2 ;;
+*) echo "unknown: $cmd (check, bench, steps, all)" >&2; exit 2 ;;
 esac

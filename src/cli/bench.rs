@@ -59,6 +59,11 @@ pub struct BenchArgs {
     /// Repeat each measurement and keep the best.
     #[arg(long, default_value_t = 2)]
     pub repeats: usize,
+    /// After each --decode-batch timing, decode this many more steps inside the CUDA
+    /// profiler's capture range (`cuProfilerStart` … `cuProfilerStop`), so that
+    /// `ncu --profile-from-start off` profiles those steps' kernels alone (CUDA only).
+    #[arg(long, default_value_t = 0)]
+    pub profile_steps: usize,
 }
 
 /// Prompt tokens of the warm-up prefill (before any timing), plus a few decode steps.
@@ -71,7 +76,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         .copied()
         .max()
         .unwrap_or(0)
-        .max(args.decode_context + args.decode_tokens + 1)
+        .max(args.decode_context + args.decode_tokens + args.profile_steps + 1)
         .max(args.workload_prompt + args.workload_tokens + 1)
         .max(WARM_UP_PROMPT + 8);
     let mut margs = args.model.clone();
@@ -91,6 +96,9 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         .max()
         .unwrap_or(1)
         .max(1);
+    if args.profile_steps > 0 && mlx::backend() != mlx::Backend::Cuda {
+        anyhow::bail!("--profile-steps: the CUDA profiler's range needs MLX's CUDA backend");
+    }
     check_single_device_memory(&margs, &opened, max_batch, args.prefill_chunk, None)?;
     let m = crate::runtime::LoadedModel {
         model: load_weights(&margs, &opened)?,
@@ -164,6 +172,15 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             decode_batch_loop(&m.model, &mut bcache, b, args.decode_tokens, None)?;
             best = best.min(t.elapsed().as_secs_f64());
         }
+        if args.profile_steps > 0 {
+            mlx::synchronize()?;
+            crate::kernels::driver::profiler(true)
+                .map_err(|e| anyhow::anyhow!("--profile-steps: {e}"))?;
+            decode_batch_loop(&m.model, &mut bcache, b, args.profile_steps, None)?;
+            mlx::synchronize()?;
+            crate::kernels::driver::profiler(false)
+                .map_err(|e| anyhow::anyhow!("--profile-steps: {e}"))?;
+        }
         let steps = args.decode_tokens as f64;
         batched.push(json!({
             "batch": b,
@@ -171,6 +188,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             "seconds": best,
             "tokens_per_second": b as f64 * steps / best,
             "ms_per_step": best * 1e3 / steps,
+            "profiled_steps": args.profile_steps,
         }));
     }
     let mut workload = Vec::new();

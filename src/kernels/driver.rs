@@ -54,3 +54,34 @@ pub fn mem_info() -> Option<(u64, u64)> {
         (mem_get_info(&mut free, &mut total) == 0).then_some((free as u64, total as u64))
     }
 }
+
+type ProfilerToggle = unsafe extern "C" fn() -> i32;
+
+/// Open (`on`) or close the CUDA profiler's capture range on this thread's context
+/// (`cuProfilerStart` / `cuProfilerStop`): under `ncu --profile-from-start off` (or a
+/// profiler capturing the `cudaProfilerApi` range) only the work queued in between is
+/// profiled. An error says why not (no driver, no current context, the call's status).
+pub fn profiler(on: bool) -> Result<(), String> {
+    let lib = libcuda().ok_or("no CUDA driver (libcuda.so.1)")?;
+    let name = if on {
+        c"cuProfilerStart"
+    } else {
+        c"cuProfilerStop"
+    };
+    // SAFETY: the CUDA driver's functions of these types (cudaProfiler.h, cuda.h), an
+    // out-pointer to a local.
+    unsafe {
+        let ctx_get_current: CtxGetCurrent =
+            sym(lib, c"cuCtxGetCurrent").ok_or("no cuCtxGetCurrent in the driver")?;
+        let mut ctx: *mut c_void = std::ptr::null_mut();
+        if ctx_get_current(&mut ctx) != 0 || ctx.is_null() {
+            return Err("no current CUDA context on this thread".into());
+        }
+        let toggle: ProfilerToggle =
+            sym(lib, name).ok_or_else(|| format!("no {} in the driver", name.to_string_lossy()))?;
+        match toggle() {
+            0 => Ok(()),
+            e => Err(format!("{} returned {e}", name.to_string_lossy())),
+        }
+    }
+}
