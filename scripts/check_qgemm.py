@@ -25,7 +25,9 @@ many calls on distinct weight copies, MLX's host work per op included: a lower b
 kernels' bandwidth at small shapes; Nsight gives kernel times).
 
 The GEMM's launch follows src/kernels/qgemm.rs (`launch_for`); `MLXCEL_QGEMM_SOURCE=path`
-checks another kernel file and `MLXCEL_QGEMM_SPLITK=n` caps the splits, as for mlxcel.
+checks another kernel file, `MLXCEL_QGEMM_SPLITK=n` caps the splits and
+`MLXCEL_QGEMM_BOUNDED=1` takes launches of up to 32 rows (two warps per row of tiles) in
+the 128-register flavour, as for mlxcel.
 """
 import argparse
 import math
@@ -57,6 +59,10 @@ MIN_STAGES, MAX_STAGES = 2, 6
 STATIC_SHARED = 1024
 SMS = int(os.environ.get("MLXCEL_QGEMM_SMS", "132"))  # H200 / H100 SXM
 SMEM = 228 * 1024  # shared memory an sm_90 SM holds (src/kernels/gpu.rs)
+BOUNDED = os.environ.get("MLXCEL_QGEMM_BOUNDED") == "1"
+BOUNDED_MAX_M = 32  # src/kernels/qgemm.rs
+BOUNDED_PREFIX = ("#if defined(__CUDA_ARCH__)\n#undef __global__\n"
+                  "#define __global__ __location__(global) __launch_bounds__(256, 2)\n#endif\n")
 
 
 def fnv1a32(text):
@@ -66,15 +72,17 @@ def fnv1a32(text):
     return h & 0xFFFFFFFF
 
 
-def sources():
+def sources(bounded=False):
     """(name, header, body, body_rope): the GEMV's header then the GEMM's, as mlxcel
-    passes them, named as mlxcel names them."""
+    passes them, named as mlxcel names them (`bounded`: the 128-register flavour)."""
     gemv = (ROOT / "kernels" / "qgemv.cu").read_text()
     gemv_header = gemv.split("// @@header\n", 1)[1].split("// @@body\n", 1)[0]
     path = os.environ.get("MLXCEL_QGEMM_SOURCE") or str(ROOT / "kernels" / "qgemm.cu")
     text = pathlib.Path(path).read_text()
     header, rest = text.split("// @@header\n", 1)[1].split("// @@body\n", 1)
     body, body_rope = rest.split(ROPE_MARK, 1)
+    if bounded:
+        header = BOUNDED_PREFIX + header
     name = f"mlxcel_qgemm_{fnv1a32(gemv_header + header + body + ROPE_MARK + body_rope):08x}"
     return name, gemv_header + header, body, body_rope
 
@@ -108,7 +116,14 @@ def launch_for(m, n, k, bits, max_splits=None):
               if steps % d == 0 and (d == 1 or steps // d >= MIN_SPLIT_STEPS) and d <= max_splits]
     want = -(-(SMS * per_sm) // cb)
     sk = next((d for d in splits if d >= want), splits[-1] if splits else 1)
+    if BOUNDED and is_boundable(mt):
+        wn = 2
     return mt, wr, wn, sk, st
+
+
+def is_boundable(mt):
+    """src/kernels/qgemm.rs `bounded`: up to BOUNDED_MAX_M rows in an even number of tiles."""
+    return mt <= BOUNDED_MAX_M and (mt // 8) % 2 == 0
 
 
 class Gemm:
@@ -116,14 +131,14 @@ class Gemm:
 
     def __init__(self, mx, dt):
         self.mx, self.dt = mx, dt
-        self.src = sources()
-        self.made = {}  # (rope, dynamic shared memory) -> kernel (MLX fixes the size per kernel)
+        self.srcs = {False: sources(), True: sources(bounded=True)}
+        self.made = {}  # (rope, dynamic shared memory, bounded) -> kernel (MLX fixes the size per kernel)
         self.part = self.count = None
         self.prev = None
 
-    def kernel(self, rope, smem):
-        if (rope, smem) not in self.made:
-            name, header, body, body_rope = self.src
+    def kernel(self, rope, smem, bounded=False):
+        if (rope, smem, bounded) not in self.made:
+            name, header, body, body_rope = self.srcs[bounded]
             if rope:
                 k = self.mx.fast.cuda_kernel(
                     name=name + "_rope",
@@ -133,8 +148,8 @@ class Gemm:
                 k = self.mx.fast.cuda_kernel(
                     name=name, input_names=["x", "w", "scales", "biases", "res", "nw", "part", "count", "prev"],
                     output_names=["y", "tok"], source=body, header=header, shared_memory=smem)
-            self.made[(rope, smem)] = k
-        return self.made[(rope, smem)]
+            self.made[(rope, smem, bounded)] = k
+        return self.made[(rope, smem, bounded)]
 
     def scratch(self, floats, blocks):
         mx = self.mx
@@ -163,9 +178,10 @@ class Gemm:
                   ("WR", wr), ("WN", wn), ("SK", sk), ("ST", st)]
         grid = (cb * sk * threads, 1, 1)
         smem = st * stage_bytes(mt, wr, bits)
+        bounded = BOUNDED and is_boundable(mt) and wn == 2
         if rope is not None:
             pos, inv_freq, nq, hd = rope
-            out = self.kernel(True, smem)(
+            out = self.kernel(True, smem, bounded)(
                 inputs=[x, w, s, b, nw, pos, inv_freq, self.part, self.count, prev],
                 template=common + [("NORM", int(norm is not None)), ("EPS_BITS", eps), ("HD", hd), ("NQ", nq)],
                 grid=grid, threadgroup=(threads, 1, 1),
@@ -173,7 +189,7 @@ class Gemm:
                 output_dtypes=[self.dt] * 3)
         else:
             epi = 2 if swiglu else (1 if res is not None else 0)
-            out = self.kernel(False, smem)(
+            out = self.kernel(False, smem, bounded)(
                 inputs=[x, w, s, b, x if res is None else res, nw, self.part, self.count, prev],
                 template=common + [("EPI", epi), ("NORM", int(norm is not None)), ("EPS_BITS", eps)],
                 grid=grid, threadgroup=(threads, 1, 1),

@@ -373,6 +373,69 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
             &c,
         ),
     ));
+    // the GEMM's 128-register flavour (MLXCEL_QGEMM_BOUNDED, `qgemm::bounded`): two warps per
+    // row of tiles up to 32 rows, spill-free within the bound; gate/up with the norm at 32
+    // rows, 8-bit down with the residual at 32, the q/k/v projection with RoPE at 16
+    let bounded_header = format!("{header}{}{}", mlxcel::kernels::qgemm::BOUNDED_PREFIX, g[0]);
+    let mut c = gemm(32, 28672, 4096, 64, 4, 2, 2, 6);
+    c.extend([("EPI", 2), ("NORM", 1), ("EPS_BITS", eps)]);
+    let name = "custom_kernel_mlxcel_qgemm_test_bounded_swiglu";
+    sources.push((
+        name.into(),
+        mlx_source(
+            name,
+            &bounded_header,
+            &g[1],
+            &gemm_in(bf),
+            &["x"],
+            &[("y", bf), ("tok", bf)],
+            bf,
+            &c,
+        ),
+    ));
+    let mut c = gemm(32, 4096, 14336, 64, 8, 2, 14, 4);
+    c.extend([("EPI", 1), ("NORM", 0), ("EPS_BITS", eps)]);
+    let name = "custom_kernel_mlxcel_qgemm_test_bounded_res_8bit";
+    sources.push((
+        name.into(),
+        mlx_source(
+            name,
+            &bounded_header,
+            &g[1],
+            &gemm_in(bf),
+            &["x"],
+            &[("y", bf), ("tok", bf)],
+            bf,
+            &c,
+        ),
+    ));
+    let mut c = gemm(16, 6144, 4096, 64, 4, 2, 8, 6);
+    c.extend([("NORM", 1), ("EPS_BITS", eps), ("HD", 128), ("NQ", 32)]);
+    let name = "custom_kernel_mlxcel_qgemm_test_bounded_rope";
+    sources.push((
+        name.into(),
+        mlx_source(
+            name,
+            &bounded_header,
+            &g[2],
+            &[
+                ("x", bf),
+                ("w", "uint32_t"),
+                ("scales", bf),
+                ("biases", bf),
+                ("nw", bf),
+                ("pos", "int32_t"),
+                ("inv_freq", "float"),
+                ("part", "float"),
+                ("count", "int32_t"),
+                ("prev", bf),
+            ],
+            &["x"],
+            &[("q", bf), ("kv", bf), ("tok", bf)],
+            bf,
+            &c,
+        ),
+    ));
     // the dense bf16/f16 GEMV (kernels/gemv.cu): plain with the norm, SwiGLU, and q/k/v with RoPE
     let d = parts("kernels/gemv.cu", &["// @@body\n", "// @@body_rope\n"]);
     let dense = |m: i64, epi: i64, norm: i64| {

@@ -193,6 +193,12 @@ fn qgemm_4bit_matches_dequantize_matmul() {
     run("4bit_m16_g32_tail7", &cfg(16, 32 + 7, 384, 32, 4, 1, 1, 1));
     run("4bit_m33_g128", &cfg(33, 64, 512, 128, 4, 2, 1, 1));
     run("4bit_m128_wn2", &cfg(128, 64, 256, 64, 4, 2, 2, 1));
+    // the bounded flavour's launches (MLXCEL_QGEMM_BOUNDED): two warps share 2 or 4 tiles
+    run("4bit_m16_wn2", &cfg(16, 64, 256, 64, 4, 2, 2, 1));
+    run(
+        "4bit_m32_wn2_norm_split",
+        &with(cfg(27, 64, 512, 64, 4, 2, 2, 2), &[("NORM", 1), ("ST", 3)]),
+    );
     // rings of 3 stages over 5 steps, 6 over 7 (a second round of the ring), and more
     // stages than steps (5 over 3)
     run(

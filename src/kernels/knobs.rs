@@ -46,6 +46,10 @@ pub struct Knobs {
     pub qgemm_splitk: Option<usize>,
     /// `MLXCEL_QGEMM_SOURCE`: a GEMM kernel file read at run time instead of the embedded one.
     pub qgemm_source: Option<PathBuf>,
+    /// `MLXCEL_QGEMM_BOUNDED=1`: launches of up to [`super::qgemm::BOUNDED_MAX_M`] rows in
+    /// the GEMM's 128-register flavour, two warps per row of tiles
+    /// ([`super::qgemm::bounded`]). Off until measured in the engine.
+    pub qgemm_bounded: bool,
     /// `MLXCEL_KERNEL_INCLUDE`: pass kernel headers to MLX as an `#include` of a cached
     /// file (`0`: inline).
     pub kernel_include: bool,
@@ -104,6 +108,7 @@ impl Default for Knobs {
             qgemm_max_m: None,
             qgemm_splitk: None,
             qgemm_source: None,
+            qgemm_bounded: false,
             kernel_include: true,
             attn: true,
             attn_single: false,
@@ -135,6 +140,7 @@ pub const VARS: &[&str] = &[
     "MLXCEL_QGEMM_MAX_M",
     "MLXCEL_QGEMM_SPLITK",
     "MLXCEL_QGEMM_SOURCE",
+    "MLXCEL_QGEMM_BOUNDED",
     "MLXCEL_KERNEL_INCLUDE",
     "MLXCEL_ATTN",
     "MLXCEL_ATTN_SINGLE",
@@ -228,6 +234,7 @@ impl Knobs {
         k.qgemm_source = get("MLXCEL_QGEMM_SOURCE")
             .filter(|v| !v.is_empty())
             .map(PathBuf::from);
+        k.qgemm_bounded = switch("MLXCEL_QGEMM_BOUNDED", k.qgemm_bounded)?;
         k.kernel_include = switch("MLXCEL_KERNEL_INCLUDE", k.kernel_include)?;
         k.attn = switch("MLXCEL_ATTN", k.attn)?;
         k.attn_single = switch("MLXCEL_ATTN_SINGLE", k.attn_single)?;
@@ -260,6 +267,7 @@ impl Knobs {
         switch("MLXCEL_QGEMV_CHUNKS", self.qgemv_chunks, d.qgemv_chunks);
         switch("MLXCEL_QGEMV_STREAM", self.qgemv_stream, d.qgemv_stream);
         switch("MLXCEL_QGEMM", self.qgemm, d.qgemm);
+        switch("MLXCEL_QGEMM_BOUNDED", self.qgemm_bounded, d.qgemm_bounded);
         switch(
             "MLXCEL_KERNEL_INCLUDE",
             self.kernel_include,

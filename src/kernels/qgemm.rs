@@ -41,6 +41,16 @@ pub const MIN_STAGES: usize = 2;
 pub const MAX_STAGES: usize = 6;
 /// Static shared memory of a block besides the ring (Σ x² per batch row, a flag), rounded up.
 const STATIC_SHARED: usize = 1024;
+/// Largest variant (batch rows) `MLXCEL_QGEMM_BOUNDED` compiles for 128 registers: at 64
+/// rows the accumulators no longer fit without spilling (ptxas for sm_90a).
+pub const BOUNDED_MAX_M: usize = 32;
+/// Put before the kernel file's header for the bounded flavour (`MLXCEL_QGEMM_BOUNDED`):
+/// the `__global__` function MLX generates after it is declared for two resident blocks
+/// of up to 256 threads an SM, so the compiler keeps to 128 registers a thread. (MLX
+/// writes the signature itself, so the attribute comes in through `__global__`; only
+/// device compilation sees it, the CPU emulation compiles the file as it is.)
+pub const BOUNDED_PREFIX: &str = "#if defined(__CUDA_ARCH__)\n#undef __global__\n\
+#define __global__ __location__(global) __launch_bounds__(256, 2)\n#endif\n";
 
 const EMBEDDED: &str = include_str!("../../kernels/qgemm.cu");
 
@@ -81,15 +91,26 @@ fn source() -> Result<&'static Source> {
 
 /// The plain kernel's name and the RoPE entry point's (`<name>_rope`), and the header MLX
 /// gets: the GEMV's device code, then the GEMM's (an `#include` of a cached file holding
-/// both, see [`header_for_mlx`]).
-fn kernel() -> Result<&'static (String, String, String)> {
-    static KERNEL: OnceLock<std::result::Result<(String, String, String), String>> =
-        OnceLock::new();
-    KERNEL
+/// both, see [`header_for_mlx`]); `bounded`: the flavour compiled for 128 registers
+/// ([`BOUNDED_PREFIX`] first: another source, so another name).
+fn kernel(bounded: bool) -> Result<&'static (String, String, String)> {
+    type Made = OnceLock<std::result::Result<(String, String, String), String>>;
+    static KERNEL: [Made; 2] = [OnceLock::new(), OnceLock::new()];
+    KERNEL[bounded as usize]
         .get_or_init(|| {
             let (src, gemv) = match (source(), qgemv::header()) {
                 (Ok(s), Ok(g)) => (s, g),
                 (Err(e), _) | (_, Err(e)) => return Err(e.to_string()),
+            };
+            let flavour;
+            let src = if bounded {
+                flavour = Source {
+                    header: format!("{BOUNDED_PREFIX}{}", src.header),
+                    ..src.clone()
+                };
+                &flavour
+            } else {
+                src
             };
             let name = kernel_name(src, gemv);
             let header = header_for_mlx(&name, &format!("{gemv}{}", src.header));
@@ -181,6 +202,8 @@ pub struct Launch {
     pub sk: usize,
     pub st: usize,
     pub bits: usize,
+    /// The flavour compiled for 128 registers a thread ([`BOUNDED_PREFIX`]).
+    pub bounded: bool,
 }
 
 /// Bytes of one stage of the ring (`mlxcel_qgemm`'s STAGE16 chunks of 16 bytes): a step of
@@ -253,7 +276,11 @@ pub fn launch_config(m: usize, n: usize, k: usize, bits: usize) -> Launch {
     let g = gpu::this_gpu();
     let sms = g.sms.unwrap_or(gpu::DEFAULT_SMS);
     let splits = knobs::get().qgemm_splitk.unwrap_or(MAX_SPLITS);
-    launch_for(m, n, k, bits, sms, g.shared_memory_per_sm(), splits)
+    let l = launch_for(m, n, k, bits, sms, g.shared_memory_per_sm(), splits);
+    match knobs::get().qgemm_bounded {
+        true => bounded(l),
+        false => l,
+    }
 }
 
 /// 4 warp rows (128 weight rows a block; x, staged in shared memory, is read once per
@@ -302,6 +329,23 @@ pub fn launch_for(
         sk,
         st,
         bits,
+        bounded: false,
+    }
+}
+
+/// `l` in the bounded flavour where it has one (`MLXCEL_QGEMM_BOUNDED`): up to
+/// [`BOUNDED_MAX_M`] rows in an even number of tiles of 8, two warps per row of tiles
+/// (half the accumulators each) and 128 registers a thread, so that the two blocks the
+/// ring's shared memory allows an SM hold 16 warps instead of 8 (the kernel is bound by
+/// latency: issue slots 18-19% active on an H200). Other launches stay as they are.
+pub fn bounded(l: Launch) -> Launch {
+    if l.mt > BOUNDED_MAX_M || !(l.mt / 8).is_multiple_of(2) {
+        return l;
+    }
+    Launch {
+        wn: 2,
+        bounded: true,
+        ..l
     }
 }
 
@@ -414,7 +458,7 @@ fn launch(
     l: Launch,
     n: usize,
 ) -> Result<Vec<Array>> {
-    let (_, _, header) = kernel()?;
+    let (_, _, header) = kernel(l.bounded)?;
     let blocks = l.column_blocks(n);
     let (part, count, prev) = scratch(l.scratch_floats(n), blocks)?;
     // only calls that use the scratch are chained; the others take x in its place
@@ -493,7 +537,6 @@ pub fn qgemm(
     };
     let (nw, eps) = norm_input("qgemm", norm, x, k)?;
     let src = source()?;
-    let (name, _, _) = kernel()?;
     static NAMES: OnceLock<([String; 9], [String; 2], [String; 12])> = OnceLock::new();
     let (inputs, outputs, tnames) = NAMES.get_or_init(|| {
         (
@@ -509,6 +552,7 @@ pub fn qgemm(
         )
     });
     let l = launch_config(m, n, k, bits);
+    let (name, _, _) = kernel(l.bounded)?;
     let tvals = template_values(
         &l,
         [n, k, group, bits],
@@ -561,7 +605,6 @@ pub fn qgemm_rope(
     check_rope_inputs("qgemm_rope", pos, inv_freq, m, head_dim)?;
     let (nw, eps) = norm_input("qgemm_rope", norm, x, k)?;
     let src = source()?;
-    let (_, name, _) = kernel()?;
     static NAMES: OnceLock<([String; 10], [String; 3], [String; 13])> = OnceLock::new();
     let (inputs, outputs, tnames) = NAMES.get_or_init(|| {
         (
@@ -577,6 +620,7 @@ pub fn qgemm_rope(
         )
     });
     let l = launch_config(m, n, k, bits);
+    let (_, name, _) = kernel(l.bounded)?;
     let tvals = template_values(
         &l,
         [n, k, group, bits],
@@ -758,6 +802,7 @@ mod tests {
         let out = std::process::Command::new("python3")
             .args(["-c", &script])
             .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .env_remove("MLXCEL_QGEMM_BOUNDED")
             .output()
             .expect("python3");
         assert!(
@@ -775,6 +820,49 @@ mod tests {
             );
         }
         assert_eq!(text.lines().count(), cases.len());
+    }
+
+    #[test]
+    fn bounded_launches_split_the_tiles_and_keep_the_rest() {
+        let l = |m| launch_for(m, 28672, 4096, 4, 132, 228 * 1024, MAX_SPLITS);
+        for m in [9, 16, 25, 32] {
+            let b = bounded(l(m));
+            assert_eq!((b.wn, b.bounded), (2, true), "{m}");
+            assert_eq!(
+                (b.mt, b.sk, b.st, b.threads()),
+                (l(m).mt, l(m).sk, l(m).st, 256)
+            );
+        }
+        // 24 rows (3 tiles) and above 32 rows: as launch_for picks them
+        for m in [17, 24, 33, 64, 128] {
+            assert_eq!(bounded(l(m)), l(m), "{m}");
+        }
+        // scripts/check_qgemm.py takes the same flavour with MLXCEL_QGEMM_BOUNDED=1
+        let script = "import sys; sys.path.insert(0, 'scripts'); import check_qgemm as c\n\
+                      print(repr(c.BOUNDED_PREFIX)); print([c.launch_for(m, 28672, 4096, 4, 16)[2] \
+                      for m in (9, 16, 17, 24, 25, 32, 33, 64)])";
+        let out = std::process::Command::new("python3")
+            .args(["-c", script])
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .env("MLXCEL_QGEMM_BOUNDED", "1")
+            .output()
+            .expect("python3");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let text = String::from_utf8(out.stdout).unwrap();
+        let mut lines = text.lines();
+        let prefix = lines.next().unwrap();
+        assert_eq!(
+            prefix.trim_matches('\'').replace("\\n", "\n"),
+            BOUNDED_PREFIX
+        );
+        let wn: Vec<usize> = [9, 16, 17, 24, 25, 32, 33, 64]
+            .map(|m| bounded(l(m)).wn)
+            .to_vec();
+        assert_eq!(lines.next().unwrap(), format!("{wn:?}"));
     }
 
     #[test]
