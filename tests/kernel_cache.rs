@@ -297,11 +297,15 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
             ("prev", t),
         ]
     };
-    for (name, t, mut c, epi, norm) in [
+    // the GEMM's 128-register flavour (MLXCEL_QGEMM_BOUNDED, `qgemm::bounded`: two warps
+    // per row of tiles up to 32 rows) must stay spill-free within the bound too
+    let bounded_header = format!("{header}{}{}", mlxcel::kernels::qgemm::BOUNDED_PREFIX, g[0]);
+    for (name, t, head, mut c, epi, norm) in [
         // gate/up at 32 rows: SwiGLU with the norm, 2 splits, a ring of 6 stages
         (
             "custom_kernel_mlxcel_qgemm_test_swiglu",
             bf,
+            &gemm_include,
             gemm(32, 28672, 4096, 64, 4, 1, 2, 6),
             2,
             1,
@@ -310,6 +314,7 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
         (
             "custom_kernel_mlxcel_qgemm_test_res_f16",
             f16,
+            &gemm_include,
             gemm(128, 4096, 14336, 64, 8, 2, 7, 2),
             1,
             0,
@@ -318,6 +323,7 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
         (
             "custom_kernel_mlxcel_qgemm_test_swiglu_128",
             bf,
+            &gemm_include,
             gemm(128, 28672, 4096, 64, 4, 2, 1, 2),
             2,
             1,
@@ -326,8 +332,26 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
         (
             "custom_kernel_mlxcel_qgemm_test_plain",
             bf,
+            &gemm_include,
             gemm(16, 4096, 4096, 32, 4, 1, 16, 6),
             0,
+            0,
+        ),
+        // the bounded flavour: gate/up with the norm at 32 rows, 8-bit down with the residual
+        (
+            "custom_kernel_mlxcel_qgemm_test_bounded_swiglu",
+            bf,
+            &bounded_header,
+            gemm(32, 28672, 4096, 64, 4, 2, 2, 6),
+            2,
+            1,
+        ),
+        (
+            "custom_kernel_mlxcel_qgemm_test_bounded_res_8bit",
+            bf,
+            &bounded_header,
+            gemm(32, 4096, 14336, 64, 8, 2, 14, 4),
+            1,
             0,
         ),
     ] {
@@ -336,7 +360,7 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
             name.into(),
             mlx_source(
                 name,
-                &gemm_include,
+                head,
                 &g[1],
                 &gemm_in(t),
                 &["x"],
@@ -346,96 +370,46 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
             ),
         ));
     }
-    let name = "custom_kernel_mlxcel_qgemm_test_rope";
-    let mut c = gemm(64, 6144, 4096, 128, 4, 1, 8, 4);
-    c.extend([("NORM", 1), ("EPS_BITS", eps), ("HD", 128), ("NQ", 32)]);
-    sources.push((
-        name.into(),
-        mlx_source(
-            name,
+    // the q/k/v projection with RoPE: 64 rows of group 128, and 16 rows in the bounded flavour
+    let rope_in = [
+        ("x", bf),
+        ("w", "uint32_t"),
+        ("scales", bf),
+        ("biases", bf),
+        ("nw", bf),
+        ("pos", "int32_t"),
+        ("inv_freq", "float"),
+        ("part", "float"),
+        ("count", "int32_t"),
+        ("prev", bf),
+    ];
+    for (name, head, mut c) in [
+        (
+            "custom_kernel_mlxcel_qgemm_test_rope",
             &gemm_header,
-            &g[2],
-            &[
-                ("x", bf),
-                ("w", "uint32_t"),
-                ("scales", bf),
-                ("biases", bf),
-                ("nw", bf),
-                ("pos", "int32_t"),
-                ("inv_freq", "float"),
-                ("part", "float"),
-                ("count", "int32_t"),
-                ("prev", bf),
-            ],
-            &["x"],
-            &[("q", bf), ("kv", bf), ("tok", bf)],
-            bf,
-            &c,
+            gemm(64, 6144, 4096, 128, 4, 1, 8, 4),
         ),
-    ));
-    // the GEMM's 128-register flavour (MLXCEL_QGEMM_BOUNDED, `qgemm::bounded`): two warps per
-    // row of tiles up to 32 rows, spill-free within the bound; gate/up with the norm at 32
-    // rows, 8-bit down with the residual at 32, the q/k/v projection with RoPE at 16
-    let bounded_header = format!("{header}{}{}", mlxcel::kernels::qgemm::BOUNDED_PREFIX, g[0]);
-    let mut c = gemm(32, 28672, 4096, 64, 4, 2, 2, 6);
-    c.extend([("EPI", 2), ("NORM", 1), ("EPS_BITS", eps)]);
-    let name = "custom_kernel_mlxcel_qgemm_test_bounded_swiglu";
-    sources.push((
-        name.into(),
-        mlx_source(
-            name,
+        (
+            "custom_kernel_mlxcel_qgemm_test_bounded_rope",
             &bounded_header,
-            &g[1],
-            &gemm_in(bf),
-            &["x"],
-            &[("y", bf), ("tok", bf)],
-            bf,
-            &c,
+            gemm(16, 6144, 4096, 64, 4, 2, 8, 6),
         ),
-    ));
-    let mut c = gemm(32, 4096, 14336, 64, 8, 2, 14, 4);
-    c.extend([("EPI", 1), ("NORM", 0), ("EPS_BITS", eps)]);
-    let name = "custom_kernel_mlxcel_qgemm_test_bounded_res_8bit";
-    sources.push((
-        name.into(),
-        mlx_source(
-            name,
-            &bounded_header,
-            &g[1],
-            &gemm_in(bf),
-            &["x"],
-            &[("y", bf), ("tok", bf)],
-            bf,
-            &c,
-        ),
-    ));
-    let mut c = gemm(16, 6144, 4096, 64, 4, 2, 8, 6);
-    c.extend([("NORM", 1), ("EPS_BITS", eps), ("HD", 128), ("NQ", 32)]);
-    let name = "custom_kernel_mlxcel_qgemm_test_bounded_rope";
-    sources.push((
-        name.into(),
-        mlx_source(
-            name,
-            &bounded_header,
-            &g[2],
-            &[
-                ("x", bf),
-                ("w", "uint32_t"),
-                ("scales", bf),
-                ("biases", bf),
-                ("nw", bf),
-                ("pos", "int32_t"),
-                ("inv_freq", "float"),
-                ("part", "float"),
-                ("count", "int32_t"),
-                ("prev", bf),
-            ],
-            &["x"],
-            &[("q", bf), ("kv", bf), ("tok", bf)],
-            bf,
-            &c,
-        ),
-    ));
+    ] {
+        c.extend([("NORM", 1), ("EPS_BITS", eps), ("HD", 128), ("NQ", 32)]);
+        sources.push((
+            name.into(),
+            mlx_source(
+                name,
+                head,
+                &g[2],
+                &rope_in,
+                &["x"],
+                &[("q", bf), ("kv", bf), ("tok", bf)],
+                bf,
+                &c,
+            ),
+        ));
+    }
     // the dense bf16/f16 GEMV (kernels/gemv.cu): plain with the norm, SwiGLU, and q/k/v with RoPE
     let d = parts("kernels/gemv.cu", &["// @@body\n", "// @@body_rope\n"]);
     let dense = |m: i64, epi: i64, norm: i64| {

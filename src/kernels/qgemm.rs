@@ -778,6 +778,25 @@ mod tests {
         assert_eq!((one.sk, one.scratch_floats(28672)), (1, 0));
     }
 
+    /// What python3 prints for `script` (run in the project's root, which imports
+    /// scripts/check_qgemm.py), with `MLXCEL_QGEMM_BOUNDED=1` or without it.
+    fn check_script(script: &str, bounded: bool) -> String {
+        let mut cmd = std::process::Command::new("python3");
+        cmd.args(["-c", script])
+            .current_dir(env!("CARGO_MANIFEST_DIR"));
+        match bounded {
+            true => cmd.env("MLXCEL_QGEMM_BOUNDED", "1"),
+            false => cmd.env_remove("MLXCEL_QGEMM_BOUNDED"),
+        };
+        let out = cmd.output().expect("python3");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    }
+
     #[test]
     fn the_check_script_launches_as_mlxcel_does() {
         // scripts/check_qgemm.py times and checks the launches `launch_for` picks
@@ -799,18 +818,7 @@ mod tests {
             "import sys; sys.path.insert(0, 'scripts'); import check_qgemm as c\n\
              for m, n, k, b in {cases:?}: print(*c.launch_for(m, n, k, b, {MAX_SPLITS}))"
         );
-        let out = std::process::Command::new("python3")
-            .args(["-c", &script])
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .env_remove("MLXCEL_QGEMM_BOUNDED")
-            .output()
-            .expect("python3");
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let text = String::from_utf8(out.stdout).unwrap();
+        let text = check_script(&script, false);
         for ((m, n, k, b), line) in cases.iter().zip(text.lines()) {
             let l = launch_for(*m, *n, *k, *b, 132, 228 * 1024, MAX_SPLITS);
             assert_eq!(
@@ -841,18 +849,7 @@ mod tests {
         let script = "import sys; sys.path.insert(0, 'scripts'); import check_qgemm as c\n\
                       print(repr(c.BOUNDED_PREFIX)); print([c.launch_for(m, 28672, 4096, 4, 16)[2] \
                       for m in (9, 16, 17, 24, 25, 32, 33, 64)])";
-        let out = std::process::Command::new("python3")
-            .args(["-c", script])
-            .current_dir(env!("CARGO_MANIFEST_DIR"))
-            .env("MLXCEL_QGEMM_BOUNDED", "1")
-            .output()
-            .expect("python3");
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let text = String::from_utf8(out.stdout).unwrap();
+        let text = check_script(script, true);
         let mut lines = text.lines();
         let prefix = lines.next().unwrap();
         assert_eq!(
