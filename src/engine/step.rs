@@ -535,7 +535,7 @@ impl Worker {
     /// (`mlxcel generate`) the prompt's kernels compile at its first use, which costs the
     /// same once, so only decode is warmed. Compiled variants are kept in the cache folder
     /// ([`kernels::cache`]), which makes later starts quicker. With the quantized GEMM on
-    /// (`MLXCEL_QGEMM=1`) also a decode step and a prompt in each of its variants (whole
+    /// (the default on CUDA; `MLXCEL_QGEMM=0` off) also a decode step and a prompt in each of its variants (whole
     /// tiles of 8 rows, [`kernels::qgemm::warm_rows`]) as far as the slots and the context
     /// allow. With more than one slot on CUDA also prompts of [`WARM_LONG_PROMPTS`] tokens
     /// (MLX's kernels for prefill). A no-op on the CPU.
@@ -556,7 +556,7 @@ impl Worker {
     ) -> Result<(), StepError> {
         let start = std::time::Instant::now();
         let max_batch = self.cache.slots().min(kernels::qgemv::MAX_M + 1);
-        // with MLXCEL_QGEMM=1, a batch in each of the GEMM's variants too (its kernels are one
+        // with the GEMM on, a batch in each of the GEMM's variants too (its kernels are one
         // per whole tile of 8 rows, not per batch size)
         let gemm = kernels::qgemm::warm_rows(max_batch + 1, self.cache.slots());
         // prompts (or last prefill chunks) of 2..=MAX_M tokens take the kernel at M = T with

@@ -307,7 +307,7 @@ impl Linear {
                 )
             });
         }
-        // the GEMM for 9-128 rows (MLXCEL_QGEMM=1), else the GEMV: the same arguments
+        // the GEMM for 9-128 rows (4-bit: 17-128; MLXCEL_QGEMM=0 off), else the GEMV: the same arguments
         let (fits, run) = if f.gemm {
             let fits = fits && kernels::qgemm::supports_rope(f.n, nq, head_dim);
             (fits, kernels::qgemm::qgemm_rope as QkvRope)
@@ -334,7 +334,7 @@ impl Linear {
     }
 
     /// The quantized weight and sizes when mlxcel's GEMV kernel (or, for batches of
-    /// 9–128 rows with `MLXCEL_QGEMM=1`, its GEMM) can compute `norm(x) · Wᵀ`: a quantized
+    /// 9–128 rows, 17–128 at 4 bits, its GEMM) can compute `norm(x) · Wᵀ`: a quantized
     /// weight with no bias or reduction to apply after an epilogue, a shape and dtypes the
     /// kernel covers, and (with a norm) a norm weight of x's dtype with one value per input
     /// feature.
@@ -370,7 +370,7 @@ impl Linear {
         };
         let (group, bits) = (q.group_size as usize, q.bits as usize);
         let dtypes = [x.dtype(), scales.dtype()];
-        // batches of 9-128 rows on the GEMM (MLXCEL_QGEMM=1), the rest on the GEMV
+        // batches of 9-128 rows (4-bit: 17-128) on the GEMM, the rest on the GEMV
         let gemm =
             kernels::qgemm::enabled() && kernels::qgemm::supports(m, n, k, group, bits, dtypes);
         if !gemm && !kernels::qgemv::enabled() {
@@ -529,7 +529,7 @@ fn dequant_gemm_min_rows(bits: usize) -> usize {
 }
 
 /// `x · dequantize(w)ᵀ`: mlxcel's GEMV kernel for decode on CUDA (its GEMM for batches of
-/// 9–128 rows with `MLXCEL_QGEMM=1`), dequantize + GEMM for long inputs on a GPU, MLX's
+/// 9–128 rows, 17–128 at 4 bits, unless `MLXCEL_QGEMM=0`), dequantize + GEMM for long inputs on a GPU, MLX's
 /// `quantized_matmul` otherwise.
 fn quantized_forward(
     x: &Array,
