@@ -307,7 +307,8 @@ impl Linear {
                 )
             });
         }
-        // the GEMM for 9-128 rows (4-bit: 17-128; MLXCEL_QGEMM=0 off), else the GEMV: the same arguments
+        // the GEMM for 9-128 rows (4-bit: 17-128; MLXCEL_QGEMM=0 off), else the GEMV: the
+        // same arguments
         let (fits, run) = if f.gemm {
             let fits = fits && kernels::qgemm::supports_rope(f.n, nq, head_dim);
             (fits, kernels::qgemm::qgemm_rope as QkvRope)
