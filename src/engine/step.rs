@@ -535,9 +535,9 @@ impl Worker {
     /// (`mlxcel generate`) the prompt's kernels compile at its first use, which costs the
     /// same once, so only decode is warmed. Compiled variants are kept in the cache folder
     /// ([`kernels::cache`]), which makes later starts quicker. With the quantized GEMM on
-    /// (the default on CUDA; `MLXCEL_QGEMM=0` off) also a decode step and a prompt in each of its variants (whole
-    /// tiles of 8 rows, [`kernels::qgemm::warm_rows`]) as far as the slots and the context
-    /// allow. With more than one slot on CUDA also prompts of [`WARM_LONG_PROMPTS`] tokens
+    /// (the default on CUDA; `MLXCEL_QGEMM=0` off) also a decode step and a prompt in each
+    /// of its variants (whole tiles of 8 rows, [`kernels::qgemm::warm_rows`]) as far as the
+    /// slots and the context allow. With more than one slot on CUDA also prompts of [`WARM_LONG_PROMPTS`] tokens
     /// (MLX's kernels for prefill). A no-op on the CPU.
     pub fn warm_up(&mut self) -> Result<(), StepError> {
         if mlx::backend() == mlx::Backend::Cpu || self.cache.slots() == 0 {

@@ -530,8 +530,8 @@ fn dequant_gemm_min_rows(bits: usize) -> usize {
 }
 
 /// `x · dequantize(w)ᵀ`: mlxcel's GEMV kernel for decode on CUDA (its GEMM for batches of
-/// 9–128 rows, 17–128 at 4 bits, unless `MLXCEL_QGEMM=0`), dequantize + GEMM for long inputs on a GPU, MLX's
-/// `quantized_matmul` otherwise.
+/// 9–128 rows, 17–128 at 4 bits, unless `MLXCEL_QGEMM=0`), dequantize + GEMM for long
+/// inputs on a GPU, MLX's `quantized_matmul` otherwise.
 fn quantized_forward(
     x: &Array,
     w: &Array,
