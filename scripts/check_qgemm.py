@@ -99,6 +99,12 @@ def stage_bytes(mt, wr, bits):
     return 16 * (32 * wr * bits + mt * 16 + 16)
 
 
+def k_splits(steps):
+    """The splits of a row's `steps` steps of 128 values: dividing them, each split at least
+    MIN_SPLIT_STEPS steps (src/kernels/qgemm.rs `launch_for`)."""
+    return [d for d in range(1, steps + 1) if steps % d == 0 and (d == 1 or steps // d >= MIN_SPLIT_STEPS)]
+
+
 def launch_for(m, n, k, bits, max_splits=None):
     """(MT, WR, WN, SK, ST) as src/kernels/qgemm.rs `launch_for` picks them."""
     if max_splits is None:
@@ -112,8 +118,7 @@ def launch_for(m, n, k, bits, max_splits=None):
     per_sm = max(1, SMEM // (st * stage + STATIC_SHARED))
     cb = max(1, -(-n // (32 * wr)))
     steps = k // 128
-    splits = [d for d in range(1, steps + 1)
-              if steps % d == 0 and (d == 1 or steps // d >= MIN_SPLIT_STEPS) and d <= max_splits]
+    splits = [d for d in k_splits(steps) if d <= max_splits]
     want = -(-(SMS * per_sm) // cb)
     sk = next((d for d in splits if d >= want), splits[-1] if splits else 1)
     if BOUNDED and is_boundable(mt):
@@ -364,8 +369,7 @@ def work(idx, jobs, args, lock):
             base = launch_for(m, n, k, bits)
             out = [base]
             mt, steps = base[0], k // 128
-            splits = [d for d in range(1, steps + 1)
-                      if steps % d == 0 and (d == 1 or steps // d >= MIN_SPLIT_STEPS)]
+            splits = k_splits(steps)
             # other block shapes (warp rows WR, warps per row of tiles WN), ring depths ST
             # (a block's ring within 227 KB) and, for each, the split of K that fills the
             # GPU with as many blocks as the SMs' shared memory holds, and the next one up

@@ -58,6 +58,11 @@ def num(v):
         return None
 
 
+def micros(v, unit):
+    """A duration `v` in `unit` (as ncu names it) in µs."""
+    return v * {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1, "us": 1, "msecond": 1e3}.get(unit, 1)
+
+
 def kind(name):
     """A kernel's name without its arguments, template values, hashes and shapes."""
     n = re.sub(r"^void ", "", name.split("(")[0])
@@ -74,11 +79,9 @@ def totals(path, steps):
         v = num(r.get("gpu__time_duration.sum", ""))
         if v is None:
             continue
-        scale = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1, "us": 1, "msecond": 1e3}.get(
-            u.get("gpu__time_duration.sum", ""), 1)
         k = kind(r.get("Kernel Name", "?"))
         c, t = by.get(k, (0, 0.0))
-        by[k] = (c + 1, t + v * scale)
+        by[k] = (c + 1, t + micros(v, u.get("gpu__time_duration.sum", "")))
     total = sum(t for _, t in by.values())
     print(f"| kernel | launches per step | µs per step | share |\n|---|---|---|---|")
     for k, (c, t) in sorted(by.items(), key=lambda kv: -kv[1][1]):
@@ -97,8 +100,7 @@ def main(path):
             if key in r and r[key] != "":
                 v, unit = r[key], u.get(key, "")
                 if key == "gpu__time_duration.sum" and num(v) is not None:
-                    scale = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1, "us": 1, "msecond": 1e3}.get(unit, 1)
-                    v, unit = f"{num(v) * scale:.2f}", "us"
+                    v, unit = f"{micros(num(v), unit):.2f}", "us"
                 print(f"   {label:20s} {v} {unit}")
         stalls = sorted(((num(v) or 0.0, STALL.match(k)[1]) for k, v in r.items() if STALL.match(k)),
                         reverse=True)

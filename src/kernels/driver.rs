@@ -36,20 +36,29 @@ pub unsafe fn sym<F: Copy>(lib: *mut c_void, name: &CStr) -> Option<F> {
 type CtxGetCurrent = unsafe extern "C" fn(*mut *mut c_void) -> i32;
 type MemGetInfo = unsafe extern "C" fn(*mut usize, *mut usize) -> i32;
 
+/// Whether this thread has a current CUDA context (`cuCtxGetCurrent`; none is made
+/// here); `None` where the driver lacks the function.
+fn has_context(lib: *mut c_void) -> Option<bool> {
+    // SAFETY: the CUDA driver's function of this type (cuda.h), an out-pointer to a local.
+    unsafe {
+        let ctx_get_current: CtxGetCurrent = sym(lib, c"cuCtxGetCurrent")?;
+        let mut ctx: *mut c_void = std::ptr::null_mut();
+        Some(ctx_get_current(&mut ctx) == 0 && !ctx.is_null())
+    }
+}
+
 /// The free and total memory of the GPU of this thread's current CUDA context, as the
 /// driver reports them to this process (`cuMemGetInfo`: what allocations can still get,
 /// which NVML's device-wide numbers, MLX's `device_info`, overstate by the memory the
 /// driver reserves); `None` without a driver or a current context (none is made here).
 pub fn mem_info() -> Option<(u64, u64)> {
     let lib = libcuda()?;
-    // SAFETY: the CUDA driver's functions of these types (cuda.h), out-pointers to locals.
+    if !has_context(lib)? {
+        return None;
+    }
+    // SAFETY: the CUDA driver's function of this type (cuda.h), out-pointers to locals.
     unsafe {
-        let ctx_get_current: CtxGetCurrent = sym(lib, c"cuCtxGetCurrent")?;
         let mem_get_info: MemGetInfo = sym(lib, c"cuMemGetInfo_v2")?;
-        let mut ctx: *mut c_void = std::ptr::null_mut();
-        if ctx_get_current(&mut ctx) != 0 || ctx.is_null() {
-            return None;
-        }
         let (mut free, mut total) = (0usize, 0usize);
         (mem_get_info(&mut free, &mut total) == 0).then_some((free as u64, total as u64))
     }
@@ -68,15 +77,11 @@ pub fn profiler(on: bool) -> Result<(), String> {
     } else {
         c"cuProfilerStop"
     };
-    // SAFETY: the CUDA driver's functions of these types (cudaProfiler.h, cuda.h), an
-    // out-pointer to a local.
+    if !has_context(lib).ok_or("no cuCtxGetCurrent in the driver")? {
+        return Err("no current CUDA context on this thread".into());
+    }
+    // SAFETY: the CUDA driver's function of this type (cudaProfiler.h).
     unsafe {
-        let ctx_get_current: CtxGetCurrent =
-            sym(lib, c"cuCtxGetCurrent").ok_or("no cuCtxGetCurrent in the driver")?;
-        let mut ctx: *mut c_void = std::ptr::null_mut();
-        if ctx_get_current(&mut ctx) != 0 || ctx.is_null() {
-            return Err("no current CUDA context on this thread".into());
-        }
         let toggle: ProfilerToggle =
             sym(lib, name).ok_or_else(|| format!("no {} in the driver", name.to_string_lossy()))?;
         match toggle() {

@@ -138,7 +138,7 @@ fn batches(bits: Option<usize>) -> std::ops::RangeInclusive<usize> {
 }
 
 /// The default smallest batch for `bits`-bit weights (`None`: any).
-pub fn default_min_rows(bits: Option<usize>) -> usize {
+fn default_min_rows(bits: Option<usize>) -> usize {
     match bits {
         Some(4) => MIN_M_4BIT,
         _ => MIN_M,
