@@ -36,10 +36,29 @@
 //   @@body       (const T* x, const T* w, const T* res, const T* nw, T* y)       EPI 0, 1, 2
 //   @@body_rope  (const T* x, const T* w, const T* nw, const int32_t* pos,
 //                 const float* inv_freq, T* q, T* kv)                          EPI 3
+//   @@body_rope_kv (const T* x, const T* w, const T* nw, const int32_t* pos,
+//                 const float* inv_freq, const T* pool, <pool's shape>, const int32_t* dst,
+//                 T* q)
+//                 EPI 3 with the key and value heads written into a layer's KV pool
+//                 (T [1, 2·NKV, R, HD], key heads first) at row dst[m] of batch row m: the
+//                 decode step's cache write, without an op of its own
 // (res is read only when EPI = 1, nw only when NORM = 1; callers pass any array there).
+// MLX hands inputs to a kernel as const pointers: the pool is mlxcel's own array, read only
+// by kernels that take this kernel's q (so run after it), and passed as a view that holds
+// no reference to it (src/models/kv_cache.rs).
 // mlxcel embeds it and `MLXCEL_GEMV_SOURCE=path` replaces it at run time;
 // `scripts/check_gemv.py` loads the same file from Python to check and time it.
 // @@header
+// Every kernel of this file runs blocks of at most 512 threads (16 warps). Saying so lets
+// ptxas give a thread the registers for all of a round's loads at once (80-92 for the
+// launches used): without it ptxas kept 40-60 registers and spread a round's loads between
+// the math, 2-4 in flight per thread. MLX writes the `__global__` signature itself, so the
+// bound comes in through that macro (device compilation only; the CPU emulation compiles
+// the file as it is).
+#if defined(__CUDA_ARCH__)
+#undef __global__
+#define __global__ __location__(global) __launch_bounds__(512)
+#endif
 // 16-bit floats from their bits, picked by overload on a null T pointer: a bfloat16 is the
 // top half of an f32, a float16 goes through the hardware conversion.
 __device__ __forceinline__ float mlxcel_gv_f16bits(uint32_t h, const __nv_bfloat16*) {
@@ -68,11 +87,27 @@ __device__ __forceinline__ void mlxcel_gv_h8(const uint4 v, float* f) {
 #define MLXCEL_GEMV_LOADS 8
 #endif
 
+// One 16-byte vector of the weight: read once, so past L1 (`.nc`, no L1 line kept). The
+// asm is volatile so that the compiler keeps a round's loads ahead of its math: as plain
+// loads it sank each next to its use, which left 2-4 loads in flight per thread and made
+// the launches with few blocks (the q/k/v shapes of the 70B ranks) latency-bound.
+__device__ __forceinline__ uint4 mlxcel_gv_ldw(const uint4* p) {
+#if defined(__CUDA_ARCH__)
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+#else
+  return *p;
+#endif
+}
+
 template <typename T, int M, int N, int K, int ROWS, int WPB, int EPI, int NORM, int EPS_BITS,
           int HD, int NQ>
 __device__ __forceinline__ void mlxcel_gemv(const T* x, const T* w, const T* res, const T* nw,
                                             const int32_t* pos, const float* inv_freq, T* y,
-                                            T* y2) {
+                                            T* y2, const int32_t* kvdst, int kvrows) {
   static_assert(M >= 1 && M <= 8, "gemv: 1 to 8 rows of x");
   static_assert(K % 8 == 0, "gemv: K must be a multiple of 8 (16-byte vectors)");
   static_assert(N % ROWS == 0, "gemv: ROWS must divide N");
@@ -136,7 +171,7 @@ __device__ __forceinline__ void mlxcel_gemv(const T* x, const T* w, const T* res
       const bool in = ((ITERS % U) == 0 || it0 + u < ITERS) && ((CPR % TPB) == 0 || c < CPR);
 #pragma unroll
       for (int r = 0; r < ROWS; ++r) {
-        q[u][r] = in ? wv[rows[r] + c] : make_uint4(0u, 0u, 0u, 0u);
+        q[u][r] = in ? mlxcel_gv_ldw(wv + rows[r] + c) : make_uint4(0u, 0u, 0u, 0u);
       }
     }
 #pragma unroll
@@ -254,8 +289,14 @@ __device__ __forceinline__ void mlxcel_gemv(const T* x, const T* w, const T* res
         c = a * sn + c * cs;
         a = ra;
       }
-      T* out = head < NQ ? y + size_t(m) * (NQ * HD) + size_t(head) * HD
-                         : y2 + size_t(m) * (N - NQ * HD) + size_t(head - NQ) * HD;
+      T* out;
+      if (head < NQ) {
+        out = y + size_t(m) * (NQ * HD) + size_t(head) * HD;
+      } else if (kvdst != nullptr) {  // the KV pool's row kvdst[m] of kv head (head - NQ)
+        out = y2 + (size_t(head - NQ) * size_t(kvrows) + size_t(kvdst[m])) * HD;
+      } else {
+        out = y2 + size_t(m) * (N - NQ * HD) + size_t(head - NQ) * HD;
+      }
       out[d] = static_cast<T>(a);
       out[d + HD2] = static_cast<T>(c);
     }
@@ -287,6 +328,11 @@ __device__ __forceinline__ void mlxcel_gemv(const T* x, const T* w, const T* res
 }
 // @@body
   mlxcel_gemv<T, M, N, K, ROWS, WPB, EPI, NORM, EPS_BITS, 0, 0>(x, w, res, nw, nullptr, nullptr, y,
-                                                                nullptr);
+                                                                nullptr, nullptr, 0);
 // @@body_rope
-  mlxcel_gemv<T, M, N, K, ROWS, WPB, 3, NORM, EPS_BITS, HD, NQ>(x, w, nw, nw, pos, inv_freq, q, kv);
+  mlxcel_gemv<T, M, N, K, ROWS, WPB, 3, NORM, EPS_BITS, HD, NQ>(x, w, nw, nw, pos, inv_freq, q, kv,
+                                                                nullptr, 0);
+// @@body_rope_kv
+  mlxcel_gemv<T, M, N, K, ROWS, WPB, 3, NORM, EPS_BITS, HD, NQ>(x, w, nw, nw, pos, inv_freq, q,
+                                                                const_cast<T*>(pool), dst,
+                                                                int(pool_shape[2]));

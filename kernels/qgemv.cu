@@ -33,6 +33,13 @@
 //   @@body_rope  (const X* x, const uint32_t* w, const T* scales, const T* biases,
 //                 const T* nw, const int32_t* pos, const float* inv_freq, T* q, T* kv)
 //   @@body_xq    (const T* x, const T* nw, uint32_t* xq)    x rounded for MMA = 1
+//   @@body_rope_kv (const X* x, const uint32_t* w, const T* scales, const T* biases,
+//                 const T* nw, const int32_t* pos, const float* inv_freq, const T* pool,
+//                 <pool's shape>, const int32_t* dst, T* q)   @@body_rope with the key and
+//                 value heads written into a layer's KV pool (T [1, 2·NKV, R, HD]) at row
+//                 dst[m] of batch row m: the decode step's cache write, without an op of
+//                 its own (the pool is mlxcel's, passed as a view that holds no reference;
+//                 every reader of it takes q, so runs after this kernel)
 // (X is T, or with MMA = 1 uint32_t: the rounding kernel's output, which carries the
 // norm then; res is read only when EPI = 1, nw only when NORM = 1 and MMA = 0; callers
 // pass any array there). MLX declares the template constants as constexpr locals of that function,
@@ -284,10 +291,12 @@ __device__ __forceinline__ void mlxcel_cp_wait() {
 
 // RoPE (half-split, angle pos[m]·inv_freq[d]) of the pair (a, c), rows d and d + HD/2 of head
 // p / (HD/2) (d = p % (HD/2)) for batch row m, on query and key heads, written where the q/k/v
-// entry points put it: q heads to q [M, NQ, 1, HD], key then value heads to kv [M, 2·NKV, 1, HD]
+// entry points put it: q heads to q [M, NQ, 1, HD], key then value heads to kv [M, 2·NKV, 1, HD],
+// or with kvdst to a layer's KV pool kv [2·NKV, kvrows, HD] at row kvdst[m]
 template <typename T, int N, int HD, int NQ>
 __device__ __forceinline__ void mlxcel_rope_store(float a, float c, int m, int p, const int32_t* pos,
-                                                  const float* inv_freq, T* q, T* kv) {
+                                                  const float* inv_freq, T* q, T* kv,
+                                                  const int32_t* kvdst = nullptr, int kvrows = 0) {
   constexpr int HD2 = HD / 2;
   constexpr int NKV = (N / HD - NQ) / 2;
   const int head = p / HD2;
@@ -300,8 +309,9 @@ __device__ __forceinline__ void mlxcel_rope_store(float a, float c, int m, int p
     c = a * sn + c * cs;
     a = ra;
   }
-  T* out = head < NQ ? q + size_t(m) * (NQ * HD) + size_t(head) * HD
-                     : kv + size_t(m) * (N - NQ * HD) + size_t(head - NQ) * HD;
+  T* out = head < NQ        ? q + size_t(m) * (NQ * HD) + size_t(head) * HD
+           : kvdst != nullptr ? kv + (size_t(head - NQ) * size_t(kvrows) + size_t(kvdst[m])) * HD
+                              : kv + size_t(m) * (N - NQ * HD) + size_t(head - NQ) * HD;
   out[d] = static_cast<T>(a);
   out[d + HD2] = static_cast<T>(c);
 }
@@ -311,7 +321,7 @@ template <typename T, int M, int N, int K, int G, int BITS, int ROWS, int WPB, i
 __device__ __forceinline__ void mlxcel_qgemv(const XT* x, const uint32_t* w, const T* scales,
                                              const T* biases, const T* res, const T* nw,
                                              const int32_t* pos, const float* inv_freq, T* y,
-                                             T* y2) {
+                                             T* y2, const int32_t* kvdst = nullptr, int kvrows = 0) {
   static_assert(BITS == 4 || BITS == 8, "qgemv: 4 or 8 bits");
   static_assert(PG == 0 || MMA == 0, "qgemv: streaming (PG > 0) is a launch of the dp4a path, not of the tensor cores");
   static_assert(XQ == 0 || BITS == 4, "qgemv: int8 activations only with 4-bit weights");
@@ -385,7 +395,7 @@ __device__ __forceinline__ void mlxcel_qgemv(const XT* x, const uint32_t* w, con
         const int m = i % M;
         float a, c;
         pair_of(buf, r, m, a, c);
-        mlxcel_rope_store<T, N, HD, NQ>(a, c, m, grp * HALF + r, pos, inv_freq, y, y2);
+        mlxcel_rope_store<T, N, HD, NQ>(a, c, m, grp * HALF + r, pos, inv_freq, y, y2, kvdst, kvrows);
       }
     } else if constexpr (EPI == 2) {
       for (int i = tid; i < HALF * M; i += TPB) {
@@ -1044,3 +1054,7 @@ __device__ __forceinline__ void mlxcel_round_x(const T* x, const T* nw, uint32_t
       x, w, scales, biases, nw, nw, pos, inv_freq, q, kv);
 // @@body_xq
   mlxcel_round_x<T, M, K, G, NORM, EPS_BITS>(x, nw, xq);
+// @@body_rope_kv
+  mlxcel_qgemv<T, M, N, K, G, BITS, ROWS, WPB, 3, NORM, EPS_BITS, HD, NQ, XQ, MMA, PG>(
+      x, w, scales, biases, nw, nw, pos, inv_freq, q, const_cast<T*>(pool), dst,
+      int(pool_shape[2]));

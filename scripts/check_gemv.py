@@ -23,6 +23,7 @@ target is ≥ 3.5 TB/s on the large shapes (gate/up, down, lm_head).
 """
 import argparse
 import math
+import os
 import pathlib
 import struct
 import sys
@@ -34,7 +35,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 SOURCE = ROOT / "kernels" / "gemv.cu"
 
 ROPE_MARK = "// @@body_rope\n"
+ROPE_KV_MARK = "// @@body_rope_kv\n"
 DT = mx.bfloat16  # weights, activations and outputs (--dtype)
+ROPE_KV = None  # the q/k/v entry point that writes the KV pool (make_kernel sets it)
 
 # (N, K, name, query heads for the q/k/v shape or None)
 SHAPES_8B = [(6144, 4096, "qkv", 32), (4096, 4096, "o", None), (28672, 4096, "gate_up", None),
@@ -49,20 +52,25 @@ def load_source(path):
     text = path.read_text()
     head, body = text.split("// @@header\n", 1)[1].split("// @@body\n", 1)
     body, body_rope = body.split(ROPE_MARK, 1)
-    return head, body, body_rope
+    body_rope, _, body_rope_kv = body_rope.partition(ROPE_KV_MARK)
+    return head, body, body_rope, body_rope_kv
 
 
-def kernel_name(header, body, body_rope):
+def kernel_name(header, body, body_rope, body_rope_kv):
     """`mlxcel_gemv_<FNV-1a of the source>`, as src/kernels/gemv.rs names it."""
     h = 0xcbf29ce484222325
-    for b in (header + body + ROPE_MARK + body_rope).encode():
+    for b in (header + body + ROPE_MARK + body_rope + ROPE_KV_MARK + body_rope_kv).encode():
         h = ((h ^ b) * 0x100000001b3) & 0xFFFFFFFFFFFFFFFF
     return f"mlxcel_gemv_{h & 0xFFFFFFFF:08x}"
 
 
 def make_kernel(path):
-    header, body, body_rope = load_source(path)
-    name = kernel_name(header, body, body_rope)
+    global ROPE_KV
+    header, body, body_rope, body_rope_kv = load_source(path)
+    name = kernel_name(header, body, body_rope, body_rope_kv)
+    ROPE_KV = mx.fast.cuda_kernel(
+        name=name + "_rope_kv", input_names=["x", "w", "nw", "pos", "inv_freq", "pool", "dst"],
+        output_names=["q"], source=body_rope_kv, header=header)
     plain = mx.fast.cuda_kernel(name=name, input_names=["x", "w", "res", "nw"], output_names=["y"],
                                 source=body, header=header)
     rope = mx.fast.cuda_kernel(name=name + "_rope", input_names=["x", "w", "nw", "pos", "inv_freq"],
@@ -71,11 +79,20 @@ def make_kernel(path):
 
 
 def launch_config(m, n, k):
-    """ROWS and WPB as mlxcel picks them (src/kernels/gemv.rs `launch_config`)."""
-    r = 4 if m <= 4 else 2
-    while n % r:
-        r //= 2
+    """ROWS and WPB as mlxcel picks them (src/kernels/gemv.rs `launch_config`; the previous
+    launch with MLXCEL_GEMV_WIDE=0 in the environment)."""
+    def fit(r):
+        while n % r:
+            r //= 2
+        return max(r, 1)
     vectors = k // 8
+    if os.environ.get("MLXCEL_GEMV_WIDE", "1") != "0":
+        wpb = 4
+        while wpb < 16 and -(-vectors // (32 * wpb)) > 4:
+            wpb *= 2
+        iters = max(1, -(-vectors // (32 * wpb)))
+        return fit(2 if m > 4 else min(4, max(2, 8 // iters))), wpb
+    r = fit(4 if m <= 4 else 2)
     wpb = 4
     while wpb < 8 and -(-vectors // (32 * wpb)) > 8:
         wpb *= 2
@@ -104,10 +121,11 @@ def gemv(kernel, x, w, res=None, swiglu=False, norm=None, rows=None, wpb=None):
     )[0]
 
 
-def gemv_rope(kernel, x, w, norm, pos, inv_freq, nq, hd):
+def gemv_rope(kernel, x, w, norm, pos, inv_freq, nq, hd, rows=None, wpb=None):
     m, k = x.shape
     n = w.shape[0]
-    rows, wpb = launch_config(m, n, k)
+    r0, w0 = launch_config(m, n, k)
+    rows, wpb = rows or r0, wpb or w0
     return kernel(
         inputs=[x, w, norm[0], pos, inv_freq],
         template=[("T", DT), ("M", m), ("N", n), ("K", k), ("ROWS", rows), ("WPB", wpb),
@@ -189,7 +207,38 @@ def check_rope(kernel, x, w, wf, nw, n, nq, m, hd=128, base=500000.0):
     mq, mkv = heads_rope(mx.fast.rms_norm(x, nw, 1e-5) @ w.T)
     e = max(rel_err(q, ref_q), rel_err(kv, ref_kv))
     em = max(rel_err(mq, ref_q), rel_err(mkv, ref_kv))
-    return (m, " norm+rope", e, em, within(e, em))
+    # the entry point that writes k and v into a KV pool: the same values at the given rows
+    q2, pool, rows = gemv_rope_kv(x, w, (nw, 1e-5), pos, inv_freq, nq, hd)
+    e2 = max(rel_err(q2, ref_q), rel_err(pool[0][:, rows].transpose(1, 0, 2)[:, :, None], ref_kv))
+    return (m, " norm+rope", max(e, e2), em, within(max(e, e2), em))
+
+
+def gemv_rope_kv(x, w, norm, pos, inv_freq, nq, hd):
+    """q of the q/k/v + RoPE entry point that writes k and v into a pool [1, 2·nkv, R, hd]
+    (R = 2·M + 5, batch row m at row R - 1 - 2m; other rows stay -7); returns q, the pool
+    and the rows."""
+    m, k = x.shape
+    n = w.shape[0]
+    rows, wpb = launch_config(m, n, k)
+    nkv2, r = n // hd - nq, 2 * m + 5
+    at = [r - 1 - 2 * i for i in range(m)]
+    pool = mx.full((1, nkv2, r, hd), -7.0, dtype=DT)
+    dst = mx.array(at, dtype=mx.int32)
+    mx.eval(pool, dst)
+    q = ROPE_KV(
+        inputs=[x, w, norm[0], pos, inv_freq, pool, dst],
+        template=[("T", DT), ("M", m), ("N", n), ("K", k), ("ROWS", rows), ("WPB", wpb),
+                  ("NORM", 1), ("EPS_BITS", eps_bits(norm[1])), ("HD", hd), ("NQ", nq)],
+        grid=(n // rows * 32 * wpb, 1, 1),
+        threadgroup=(32 * wpb, 1, 1),
+        output_shapes=[(m, nq, 1, hd)],
+        output_dtypes=[DT],
+    )[0]
+    mx.eval(q)
+    untouched = [i for i in range(r) if i not in at]
+    if untouched and (pool[0][:, untouched] != -7.0).any().item():
+        return q, mx.full(pool.shape, float("nan"), dtype=DT), mx.array(at)
+    return q, pool, mx.array(at)
 
 
 def bench(fn, reps=5):

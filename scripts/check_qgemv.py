@@ -43,8 +43,10 @@ SHAPES_70B = [(10240, 8192, "qkv"), (8192, 8192, "o"), (57344, 8192, "gate_up"),
 
 ROPE_MARK = "// @@body_rope\n"
 XQ_MARK = "// @@body_xq\n"
+ROPE_KV_MARK = "// @@body_rope_kv\n"
 DT = mx.bfloat16  # activations, scales and biases (--dtype)
 ROUND_X = None  # the x-rounding kernel of the tensor-core path (make_kernel sets it)
+ROPE_KV = None  # the q/k/v entry point that writes the KV pool (make_kernel sets it)
 
 
 def load_source(path):
@@ -52,14 +54,16 @@ def load_source(path):
     head, body = text.split("// @@header\n", 1)[1].split("// @@body\n", 1)
     body, body_rope = body.split(ROPE_MARK, 1)
     body_rope, body_xq = body_rope.split(XQ_MARK, 1)
-    return head, body, body_rope, body_xq
+    body_xq, _, body_rope_kv = body_xq.partition(ROPE_KV_MARK)
+    return head, body, body_rope, body_xq, body_rope_kv
 
 
-def kernel_name(header, body, body_rope, body_xq):
+def kernel_name(header, body, body_rope, body_xq, body_rope_kv=""):
     """`mlxcel_qgemv_<FNV-1a of the source>`, as mlxcel names it: MLX caches compiled
     kernels by name (also on disk), so another source must get another name."""
     h = 0xcbf29ce484222325
-    for b in (header + body + ROPE_MARK + body_rope + XQ_MARK + body_xq).encode():
+    for b in (header + body + ROPE_MARK + body_rope + XQ_MARK + body_xq + ROPE_KV_MARK
+              + body_rope_kv).encode():
         h = ((h ^ b) * 0x100000001b3) & 0xFFFFFFFFFFFFFFFF
     return f"mlxcel_qgemv_{h & 0xFFFFFFFF:08x}"
 
@@ -67,8 +71,13 @@ def kernel_name(header, body, body_rope, body_xq):
 def make_kernel(path):
     """The plain kernel (epilogues 0-2) and the q/k/v + RoPE entry point (and ROUND_X)."""
     global ROUND_X
-    header, body, body_rope, body_xq = load_source(path)
-    name = kernel_name(header, body, body_rope, body_xq)
+    global ROPE_KV
+    header, body, body_rope, body_xq, body_rope_kv = load_source(path)
+    name = kernel_name(header, body, body_rope, body_xq, body_rope_kv)
+    ROPE_KV = mx.fast.cuda_kernel(
+        name=name + "_rope_kv",
+        input_names=["x", "w", "scales", "biases", "nw", "pos", "inv_freq", "pool", "dst"],
+        output_names=["q"], source=body_rope_kv, header=header)
     ROUND_X = mx.fast.cuda_kernel(
         name=name + "_xq",
         input_names=["x", "nw"],
@@ -236,6 +245,37 @@ def qgemv_rope(kernel, x, w, s, b, group, bits, norm, pos, inv_freq, nq, hd):
     )
 
 
+def qgemv_rope_kv(x, w, s, b, group, bits, norm, pos, inv_freq, nq, hd):
+    """q of the entry point that writes k and v into a pool [1, 2·nkv, R, hd] (R = 2·M + 5,
+    batch row m at row R - 1 - 2m), and the pool; NaNs if it wrote any other row."""
+    m, k = x.shape
+    n = w.shape[0]
+    rows, wpb, mma, pg = launch(m, n, k, bits, group, pairs=True)
+    xin = round_x(x, group, norm) if mma else x
+    nkv2, r = n // hd - nq, 2 * m + 5
+    at = [r - 1 - 2 * i for i in range(m)]
+    pool = mx.full((1, nkv2, r, hd), -7.0, dtype=DT)
+    dst = mx.array(at, dtype=mx.int32)
+    mx.eval(pool, dst)
+    q = ROPE_KV(
+        inputs=[xin, w, s, b, norm[0], pos, inv_freq, pool, dst],
+        template=[("T", DT), ("M", m), ("N", n), ("K", k), ("G", group),
+                  ("BITS", bits), ("ROWS", rows), ("WPB", wpb), ("NORM", 1),
+                  ("EPS_BITS", struct.unpack("<i", struct.pack("<f", norm[1]))[0]),
+                  ("HD", hd), ("NQ", nq), ("XQ", int(XQ and bits == 4)), ("MMA", mma),
+                  ("PG", pg)],
+        grid=((pg or n // rows) * 32 * wpb, 1, 1),
+        threadgroup=(32 * wpb, 1, 1),
+        output_shapes=[(m, nq, 1, hd)],
+        output_dtypes=[DT],
+    )[0]
+    mx.eval(q)
+    untouched = [i for i in range(r) if i not in at]
+    if untouched and (pool[0][:, untouched] != -7.0).any().item():
+        return q, mx.full(pool.shape, float("nan"), dtype=DT)
+    return q, pool
+
+
 def check_rope(kernel, n, k, group, bits, ms, nq, hd=128, seed=0):
     """The q/k/v + RoPE entry point against rms_norm, quantized_matmul and MLX's
     fast.rope (base 500000, positions up to 30000), all in float32 for the reference."""
@@ -267,6 +307,12 @@ def check_rope(kernel, n, k, group, bits, ms, nq, hd=128, seed=0):
         e = max(rel_err(q, ref_q), rel_err(kv, ref_kv))
         eq = max(rel_err(mq, ref_q), rel_err(mkv, ref_kv))
         rows.append((m, " norm+rope", e, eq, within(e, eq, bits)))
+        if m <= 8:  # the entry point that writes k and v into a KV pool (no row chunks)
+            q2, pool = qgemv_rope_kv(x, wq, s, b, group, bits, (nw, 1e-5), pos, inv_freq, nq, hd)
+            at = [2 * m + 4 - 2 * i for i in range(m)]
+            e2 = max(rel_err(q2, ref_q),
+                     rel_err(pool[0][:, mx.array(at)].transpose(1, 0, 2)[:, :, None], ref_kv))
+            rows.append((m, " norm+rope into pool", e2, eq, within(e2, eq, bits)))
     return rows
 
 

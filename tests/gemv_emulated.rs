@@ -28,18 +28,49 @@ int main() {
   for (auto& v : w) v = T(uw(rng));
   for (auto& v : res) v = T(ux(rng));
   for (auto& v : nw) v = T(0.5f + ux(rng));
+#if ROPE_KV
+  // k and v go into a pool of R rows per kv head, batch row m at row R - 1 - 2m; every other
+  // row must keep its -777
+  const int R = 2 * M + 5;
+  const int nkv2 = N / HD - NQ;
+  std::vector<T> pool(size_t(nkv2) * R * HD, T(-777.f));
+  const int pool_shape[10] = {1, nkv2, R, HD, -1, -1, -1, -1, -1, -1};
+  std::vector<int32_t> dst(M);
+  for (int m = 0; m < M; ++m) dst[m] = R - 1 - 2 * m;
+#endif
   const int tpb = 32 * WPB;
   blockDim.x = tpb;
   g_shfl.assign(tpb, 0.f);
   for (int blk = 0; blk < N / ROWS; ++blk) {
     run_block(blk, tpb, [&] {
-#if ROPE
+#if ROPE_KV
+      kernel(x.data(), w.data(), nw.data(), pos.data(), inv.data(), pool.data(), pool_shape, dst.data(),
+             yq.data());
+#elif ROPE
       kernel(x.data(), w.data(), nw.data(), pos.data(), inv.data(), yq.data(), ykv.data());
 #else
       kernel(x.data(), w.data(), res.data(), nw.data(), y.data());
 #endif
     });
   }
+#if ROPE_KV
+  // the pool's rows back into kv's layout [M, 2·NKV, 1, HD]; a row written that was not
+  // asked for fails
+  for (int j = 0; j < nkv2; ++j) {
+    for (int r = 0; r < R; ++r) {
+      const bool asked = r < R && (R - 1 - r) % 2 == 0 && (R - 1 - r) / 2 < M;
+      for (int d = 0; d < HD; ++d) {
+        const T v = pool[(size_t(j) * R + r) * HD + d];
+        if (asked) {
+          ykv[(size_t((R - 1 - r) / 2) * nkv2 + j) * HD + d] = v;
+        } else if (float(v) != float(T(-777.f))) {
+          std::printf("pool row %d of kv head %d written\n", r, j);
+          return 1;
+        }
+      }
+    }
+  }
+#endif
   const std::vector<double> xin = ref_input(x, nw, M, K, NORM, EPS_BITS);
   auto dot = [&](int m, int n) {
     double r = 0;
@@ -54,21 +85,36 @@ int main() {
 }
 "#;
 
-/// The kernel file's header, plain body and RoPE body.
-fn kernel_parts() -> (String, String, String) {
+/// The kernel file's header, plain body, RoPE body and the RoPE body writing a KV pool.
+fn kernel_parts() -> (String, String, String, String) {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels/gemv.cu");
     let text = std::fs::read_to_string(&path).unwrap();
     let src = gemv::split_source(&text).unwrap();
-    (src.header, src.body, src.body_rope)
+    (src.header, src.body, src.body_rope, src.body_rope_kv)
 }
 
 /// Compile and run the emulated kernel with template constants `consts` (`F16` = 1: float16,
 /// else bfloat16); the RoPE entry point when they include `HD` and `NQ`.
 fn run(tag: &str, consts: &[(&str, usize)]) {
-    let (header, body, body_rope) = kernel_parts();
+    let (header, body, body_rope, body_rope_kv) = kernel_parts();
     let rope = consts.iter().any(|(n, _)| *n == "HD");
-    let (mut src, t) = common::program_head(&header, consts, &[]);
-    if rope {
+    let rope_kv = consts.contains(&("KVW", 1));
+    let consts: Vec<(&str, usize)> = consts
+        .iter()
+        .copied()
+        .filter(|(n, _)| *n != "KVW")
+        .collect();
+    let (mut src, t) = common::program_head(&header, &consts, &[]);
+    if rope_kv {
+        // inputs x, w, nw, pos, inv_freq, pool (and its shape, as MLX passes it when the
+        // body names `pool_shape`), dst and output q
+        src += &format!(
+            "void kernel(const {t}* x, const {t}* w, const {t}* nw, const int32_t* pos,\n\
+                const float* inv_freq, const {t}* pool, const int* pool_shape,\n\
+                const int32_t* dst, {t}* q) {{\n"
+        );
+        src += &body_rope_kv;
+    } else if rope {
         // the signature MLX generates for inputs x, w, nw, pos, inv_freq and outputs q, kv
         src += &format!(
             "void kernel(const {t}* x, const {t}* w, const {t}* nw, const int32_t* pos,\n\
@@ -83,7 +129,10 @@ fn run(tag: &str, consts: &[(&str, usize)]) {
         src += &body;
     }
     src += "\n}\n";
-    src += &format!("#define ROPE {}\n", rope as i32);
+    src += &format!(
+        "#define ROPE {}\n#define ROPE_KV {}\n",
+        rope as i32, rope_kv as i32
+    );
     src += MAIN;
     common::run_checked(&format!("gemv-{tag}"), &src, &consts, "max_err");
 }
@@ -252,6 +301,32 @@ fn gemv_fused_rope_matches() {
 }
 
 #[test]
+fn gemv_rope_into_the_kv_pool_matches() {
+    // the q/k/v entry point that writes k and v into a layer's pool (the decode step's
+    // cache write): q and the pool rows asked for as the plain RoPE entry point gives
+    // them, no other row touched
+    for (dt, f16) in [("bf16", 0), ("f16", 1)] {
+        for m in [1, 3, 8] {
+            run(
+                &format!("{dt}_rope_kv_m{m}"),
+                &[
+                    ("M", m),
+                    ("N", 8 * 16),
+                    ("K", 512),
+                    ("ROWS", 2),
+                    ("WPB", 2),
+                    ("NORM", 1),
+                    ("HD", 16),
+                    ("NQ", 4),
+                    ("F16", f16),
+                    ("KVW", 1),
+                ],
+            );
+        }
+    }
+}
+
+#[test]
 fn gemv_with_the_launch_config() {
     // the rows and warps launch_config picks, on shapes of the 8B model's layers scaled
     // down in N (the launch depends on K and on which row counts divide N)
@@ -294,7 +369,7 @@ fn launch_code_refuses_what_the_kernel_does_not_take() {
         ] {
             let l = gemv::launch_config(m, n, k);
             assert!(
-                n.is_multiple_of(l.rows) && l.rows >= 1 && (1..=8).contains(&l.wpb),
+                n.is_multiple_of(l.rows) && l.rows >= 1 && (1..=16).contains(&l.wpb),
                 "{m} {n} {k}: {l:?}"
             );
             if n.is_multiple_of(2) {

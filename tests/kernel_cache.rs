@@ -135,9 +135,14 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
 
     let q = parts(
         "kernels/qgemv.cu",
-        &["// @@body\n", "// @@body_rope\n", "// @@body_xq\n"],
+        &[
+            "// @@body\n",
+            "// @@body_rope\n",
+            "// @@body_xq\n",
+            "// @@body_rope_kv\n",
+        ],
     );
-    let (header, body, body_rope, body_xq) = (&q[0], &q[1], &q[2], &q[3]);
+    let (header, body, body_rope, body_xq, body_rope_kv) = (&q[0], &q[1], &q[2], &q[3], &q[4]);
     // the header as mlxcel passes it to MLX: an #include of a file holding it
     let dir = tempfile::tempdir().unwrap();
     let include_line = mlxcel::kernels::qgemv::include_header(dir.path(), "q", header).unwrap();
@@ -241,6 +246,31 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
             ],
             &[],
             &[("q", bf), ("kv", bf)],
+            bf,
+            &rope,
+        ),
+    ));
+    // the same writing k and v into a KV pool (its shape passed, as the body names it)
+    let name = "custom_kernel_mlxcel_qgemv_test_rope_kv";
+    sources.push((
+        name.into(),
+        mlx_source(
+            name,
+            header,
+            body_rope_kv,
+            &[
+                ("x", bf),
+                ("w", "uint32_t"),
+                ("scales", bf),
+                ("biases", bf),
+                ("nw", bf),
+                ("pos", "int32_t"),
+                ("inv_freq", "float"),
+                ("pool", bf),
+                ("dst", "int32_t"),
+            ],
+            &["pool"],
+            &[("q", bf)],
             bf,
             &rope,
         ),
@@ -411,7 +441,10 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
         ));
     }
     // the dense bf16/f16 GEMV (kernels/gemv.cu): plain with the norm, SwiGLU, and q/k/v with RoPE
-    let d = parts("kernels/gemv.cu", &["// @@body\n", "// @@body_rope\n"]);
+    let d = parts(
+        "kernels/gemv.cu",
+        &["// @@body\n", "// @@body_rope\n", "// @@body_rope_kv\n"],
+    );
     let dense = |m: i64, epi: i64, norm: i64| {
         vec![
             ("M", m),
@@ -462,6 +495,28 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
             ],
             &[],
             &[("q", bf), ("kv", bf)],
+            bf,
+            &rope_d,
+        ),
+    ));
+    let name = "custom_kernel_mlxcel_gemv_test_rope_kv";
+    sources.push((
+        name.into(),
+        mlx_source(
+            name,
+            &d[0],
+            &d[3],
+            &[
+                ("x", bf),
+                ("w", bf),
+                ("nw", bf),
+                ("pos", "int32_t"),
+                ("inv_freq", "float"),
+                ("pool", bf),
+                ("dst", "int32_t"),
+            ],
+            &["pool"],
+            &[("q", bf)],
             bf,
             &rope_d,
         ),

@@ -42,6 +42,16 @@ int main() {
 #else
   const bf* xarg = x.data();
 #endif
+#if ROPE_KV
+  // k and v go into a pool of R rows per kv head, batch row m at row R - 1 - 2m; every other
+  // row must keep its -777
+  const int R = 2 * M + 5;
+  const int nkv2 = N / HD - NQ;
+  std::vector<bf> pool(size_t(nkv2) * R * HD, bf(-777.f));
+  const int pool_shape[10] = {1, nkv2, R, HD, -1, -1, -1, -1, -1, -1};
+  std::vector<int32_t> dst(M);
+  for (int m = 0; m < M; ++m) dst[m] = R - 1 - 2 * m;
+#endif
   const int tpb = 32 * WPB;
   blockDim.x = tpb;
   g_shfl.assign(tpb, 0.f);
@@ -49,7 +59,10 @@ int main() {
   // PG > 0: the streaming path's grid of PG blocks, each looping over row groups
   for (int blk = 0; blk < (PG > 0 ? PG : N / ROWS); ++blk) {
     run_block(blk, tpb, [&] {
-#if ROPE
+#if ROPE_KV
+      kernel(xarg, w.data(), sc.data(), bi.data(), nw.data(), pos.data(), inv.data(), pool.data(),
+             pool_shape, dst.data(), yq.data());
+#elif ROPE
       kernel(xarg, w.data(), sc.data(), bi.data(), nw.data(), pos.data(), inv.data(),
              yq.data(), ykv.data());
 #else
@@ -57,6 +70,24 @@ int main() {
 #endif
     });
   }
+#if ROPE_KV
+  // the pool's rows back into kv's layout [M, 2·NKV, 1, HD]; a row written that was not
+  // asked for fails
+  for (int j = 0; j < nkv2; ++j) {
+    for (int r = 0; r < R; ++r) {
+      const bool asked = (R - 1 - r) % 2 == 0 && (R - 1 - r) / 2 < M;
+      for (int d = 0; d < HD; ++d) {
+        const bf v = pool[(size_t(j) * R + r) * HD + d];
+        if (asked) {
+          ykv[(size_t((R - 1 - r) / 2) * nkv2 + j) * HD + d] = v;
+        } else if (float(v) != float(bf(-777.f))) {
+          std::printf("pool row %d of kv head %d written\n", r, j);
+          return 1;
+        }
+      }
+    }
+  }
+#endif
   const std::vector<double> xin = ref_input(x, nw, M, K, NORM, EPS_BITS);
   auto dot = [&](int m, int n) { return ref_qdot(xin, q, sc, bi, K, G, m, n); };
   if (NAN_X) {
@@ -69,37 +100,46 @@ int main() {
 }
 "#;
 
-/// The kernel file's header, plain body, RoPE body and x-rounding body.
-fn kernel_parts() -> (String, String, String, String) {
+/// The kernel file split as mlxcel splits it (header, bodies).
+fn kernel_parts() -> mlxcel::kernels::qgemv::Source {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels/qgemv.cu");
     let text = std::fs::read_to_string(&path).unwrap();
-    let (_, rest) = text.split_once("// @@header\n").unwrap();
-    let (header, rest) = rest.split_once("// @@body\n").unwrap();
-    let (body, rest) = rest.split_once("// @@body_rope\n").unwrap();
-    let (body_rope, body_xq) = rest.split_once("// @@body_xq\n").unwrap();
-    (
-        header.to_string(),
-        body.to_string(),
-        body_rope.to_string(),
-        body_xq.to_string(),
-    )
+    mlxcel::kernels::qgemv::split_source(&text).unwrap()
 }
 
 /// Compile and run the emulated kernel with template constants `consts`; the RoPE
 /// entry point (`@@body_rope`) when they include `HD` and `NQ`.
 fn run(tag: &str, consts: &[(&str, usize)]) {
-    let (header, body, body_rope, body_xq) = kernel_parts();
+    let parts = kernel_parts();
     let rope = consts.iter().any(|(n, _)| *n == "HD");
+    // KVW = 1: the RoPE entry point that writes k and v into a KV pool (`@@body_rope_kv`)
+    let rope_kv = consts.contains(&("KVW", 1));
+    let consts: Vec<(&str, usize)> = consts
+        .iter()
+        .copied()
+        .filter(|(n, _)| *n != "KVW")
+        .collect();
+    let consts = consts.as_slice();
     // MMA = 1: x comes from the rounding kernel (`@@body_xq`), as uint32 words
     let mma = consts.contains(&("MMA", 1));
     // F16 = 1: float16 activations, scales and biases (T = __half), else bfloat16
     let (mut src, t) = common::program_head(
-        &header,
+        &parts.header,
         consts,
         &[("XQ", 0), ("MMA", 0), ("PG", 0), ("NAN_X", 0)],
     );
     let xin = if mma { "uint32_t" } else { t };
-    if rope {
+    if rope_kv {
+        // inputs x, w, scales, biases, nw, pos, inv_freq, pool (and its shape, as MLX passes
+        // it when the body names `pool_shape`), dst and output q
+        src += &format!(
+            "void kernel(const {xin}* x, const uint32_t* w, const {t}* scales,\n\
+                const {t}* biases, const {t}* nw, const int32_t* pos,\n\
+                const float* inv_freq, const {t}* pool, const int* pool_shape,\n\
+                const int32_t* dst, {t}* q) {{\n"
+        );
+        src += &parts.body_rope_kv;
+    } else if rope {
         // the signature MLX generates for inputs x, w, scales, biases, nw, pos, inv_freq
         // and outputs q, kv
         src += &format!(
@@ -107,7 +147,7 @@ fn run(tag: &str, consts: &[(&str, usize)]) {
                 const {t}* biases, const {t}* nw, const int32_t* pos,\n\
                 const float* inv_freq, {t}* q, {t}* kv) {{\n"
         );
-        src += &body_rope;
+        src += &parts.body_rope;
     } else {
         // the signature MLX generates for inputs x, w, scales, biases, res, nw and output y
         src += &format!(
@@ -115,18 +155,18 @@ fn run(tag: &str, consts: &[(&str, usize)]) {
                 const {t}* biases, const {t}* res, const {t}* nw,\n\
                 {t}* y) {{\n"
         );
-        src += &body;
+        src += &parts.body;
     }
     src += "\n}\n";
     if mma {
         // inputs x, nw and output xq
         src += &format!("void kernel_xq(const {t}* x, const {t}* nw, uint32_t* xq) {{\n");
-        src += &body_xq;
+        src += &parts.body_xq;
         src += "\n}\n";
     }
     src += &format!(
-        "#define ROPE {}\n#define MMA_X {}\n",
-        rope as i32, mma as i32
+        "#define ROPE {}\n#define ROPE_KV {}\n#define MMA_X {}\n",
+        rope as i32, rope_kv as i32, mma as i32
     );
     src += MAIN;
     common::run_checked(&format!("qgemv-{tag}"), &src, &consts, "max_err");
@@ -314,6 +354,25 @@ fn qgemv_fused_rope_matches() {
             ("NQ", 4),
         ],
     );
+    // the same writing k and v into a KV pool (the decode step's cache write)
+    for m in [1, 3] {
+        run(
+            &format!("4bit_rope_kv_m{m}"),
+            &[
+                ("M", m),
+                ("N", 8 * 16),
+                ("K", 512),
+                ("G", 64),
+                ("BITS", 4),
+                ("ROWS", 4),
+                ("WPB", 2),
+                ("NORM", 1),
+                ("HD", 16),
+                ("NQ", 4),
+                ("KVW", 1),
+            ],
+        );
+    }
     // one row per pair half (ROWS 2), 8-bit, the guarded tail, GQA 3:1 (3 q, 1 k, 1 v)
     run(
         "8bit_rope_tail",

@@ -23,6 +23,7 @@ const EMBEDDED: &str = include_str!("../../kernels/gemv.cu");
 const HEADER_MARK: &str = "// @@header\n";
 const BODY_MARK: &str = "// @@body\n";
 pub(super) const ROPE_MARK: &str = "// @@body_rope\n";
+pub(super) const ROPE_KV_MARK: &str = "// @@body_rope_kv\n";
 
 /// The kernel file split into the device-code header and the two kernel bodies.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -32,6 +33,9 @@ pub struct Source {
     pub body: String,
     /// The q/k/v projection with RoPE (epilogue 3), outputs q and kv.
     pub body_rope: String,
+    /// The same with k and v written into the KV pool (output q); empty in files without
+    /// a `// @@body_rope_kv` part (the quantized GEMM's).
+    pub body_rope_kv: String,
 }
 
 impl Source {
@@ -39,12 +43,20 @@ impl Source {
     /// name, so an edited source must not reuse the old one; `scripts/check_gemv.py`
     /// names it the same way).
     pub fn kernel_name(&self) -> String {
-        let h = fnv1a32(&[&self.header, &self.body, ROPE_MARK, &self.body_rope]);
+        let h = fnv1a32(&[
+            &self.header,
+            &self.body,
+            ROPE_MARK,
+            &self.body_rope,
+            ROPE_KV_MARK,
+            &self.body_rope_kv,
+        ]);
         format!("mlxcel_gemv_{h:08x}")
     }
 }
 
-/// Split a kernel file at its `// @@header`, `// @@body` and `// @@body_rope` marker lines.
+/// Split a kernel file at its `// @@header`, `// @@body` and `// @@body_rope` marker lines
+/// (and an optional last `// @@body_rope_kv`).
 pub fn split_source(text: &str) -> std::result::Result<Source, String> {
     let (_, rest) = text
         .split_once(HEADER_MARK)
@@ -52,9 +64,10 @@ pub fn split_source(text: &str) -> std::result::Result<Source, String> {
     let (header, rest) = rest
         .split_once(BODY_MARK)
         .ok_or("no `// @@body` marker line after `// @@header`")?;
-    let (body, body_rope) = rest
+    let (body, rest) = rest
         .split_once(ROPE_MARK)
         .ok_or("no `// @@body_rope` marker line after `// @@body`")?;
+    let (body_rope, body_rope_kv) = rest.split_once(ROPE_KV_MARK).unwrap_or((rest, ""));
     for (text, mark) in [(body, "@@body"), (body_rope, "@@body_rope")] {
         if text.trim().is_empty() {
             return Err(format!("the kernel body after `// {mark}` is empty"));
@@ -64,6 +77,7 @@ pub fn split_source(text: &str) -> std::result::Result<Source, String> {
         header: header.to_string(),
         body: body.to_string(),
         body_rope: body_rope.to_string(),
+        body_rope_kv: body_rope_kv.to_string(),
     })
 }
 
@@ -87,12 +101,13 @@ fn source() -> Result<&'static Source> {
         .map_err(|e| MlxError::Invalid(e.clone()))
 }
 
-/// The plain kernel's name and the RoPE entry point's (`<name>_rope`).
-fn kernel_names() -> &'static (String, String) {
-    static NAMES: OnceLock<(String, String)> = OnceLock::new();
+/// The plain kernel's name, the RoPE entry point's (`<name>_rope`) and the one writing
+/// the KV pool (`<name>_rope_kv`).
+fn kernel_names() -> &'static (String, String, String) {
+    static NAMES: OnceLock<(String, String, String)> = OnceLock::new();
     NAMES.get_or_init(|| {
         let n = source().map(|s| s.kernel_name()).unwrap_or_default();
-        (n.clone(), n + "_rope")
+        (n.clone(), n.clone() + "_rope", n + "_rope_kv")
     })
 }
 
@@ -142,16 +157,31 @@ pub struct Launch {
     pub wpb: usize,
 }
 
-/// Vectors per thread and row that the launch keeps a block's threads within (more warps
-/// for longer rows): 4096-wide rows get 4 warps (4 vectors each), the 8B and 70B-rank
-/// down projections (K = 14336, 3584–7168) 8 or 4.
+/// Vectors per thread and row that the previous launch (`MLXCEL_GEMV_WIDE=0`) keeps a
+/// block's threads within (more warps for longer rows): 4096-wide rows get 4 warps (4
+/// vectors each), the 8B and 70B-rank down projections (K = 14336, 3584–7168) 8 or 4.
 pub const MAX_VECTORS_PER_THREAD: usize = 8;
 
-/// Rows and warps per block for `x [m, k] · w [n, k]ᵀ`: 4 rows per block up to batch 4,
-/// 2 above (the accumulators grow with rows × batch), fewer where they do not divide `n`
-/// (never fewer than 2 where `n` is even: the epilogues pair rows); 4 warps, up to 8 while a
-/// thread would take more than [`MAX_VECTORS_PER_THREAD`] vectors of a row. Not yet
-/// tuned on a GPU (`scripts/check_gemv.py --sweep` times the alternatives).
+/// Vectors of a row per thread in the one-round launch: with two rows per block, a
+/// thread's 8 loads (`MLXCEL_GEMV_LOADS`) are all in flight at once.
+pub const WIDE_VECTORS_PER_THREAD: usize = 4;
+
+/// Rows and warps per block for `x [m, k] · w [n, k]ᵀ`.
+///
+/// By default (`MLXCEL_GEMV_WIDE`) one round: the fewest warps (4, 8 or 16) that leave a
+/// thread at most [`WIDE_VECTORS_PER_THREAD`] vectors of a row, and as many rows (2 to 4;
+/// 2 above batch 4) as a thread's 8 in-flight loads cover, so every thread issues all its
+/// loads before any math and the small products (the 70B ranks' q/k/v: 1,280 rows of
+/// 8,192) launch 2.5× the warps they did. On one H100 the q/k/v kernel of a 70B TP=8 rank
+/// took 28 µs of a decode step under the previous launch where a read of its 21 MB takes
+/// 9.4 (docs/benchmarks.md, "Dense GEMV").
+///
+/// The previous launch (`MLXCEL_GEMV_WIDE=0`): 4 rows per block up to batch 4, 2 above
+/// (the accumulators grow with rows × batch); 4 warps, up to 8 while a thread would take
+/// more than [`MAX_VECTORS_PER_THREAD`] vectors of a row.
+///
+/// Either way fewer rows where they do not divide `n` (never fewer than 2 where `n` is
+/// even: the epilogues pair rows).
 pub fn launch_config(m: usize, n: usize, k: usize) -> Launch {
     let fit = |r: usize| {
         (0..=r.trailing_zeros())
@@ -159,8 +189,20 @@ pub fn launch_config(m: usize, n: usize, k: usize) -> Launch {
             .find(|&d| n.is_multiple_of(d))
             .unwrap_or(1)
     };
-    let rows = fit(if m <= 4 { 4 } else { 2 });
     let vectors = k / 8;
+    if knobs::get().gemv_wide {
+        let mut wpb = 4;
+        while wpb < 16 && vectors.div_ceil(32 * wpb) > WIDE_VECTORS_PER_THREAD {
+            wpb *= 2;
+        }
+        let iters = vectors.div_ceil(32 * wpb).max(1);
+        let rows = if m > 4 { 2 } else { (8 / iters).clamp(2, 4) };
+        return Launch {
+            rows: fit(rows),
+            wpb,
+        };
+    }
+    let rows = fit(if m <= 4 { 4 } else { 2 });
     let mut wpb = 4;
     while wpb < 8 && vectors.div_ceil(32 * wpb) > MAX_VECTORS_PER_THREAD {
         wpb *= 2;
@@ -316,6 +358,44 @@ pub fn gemv_rope(
     nq: usize,
     head_dim: usize,
 ) -> Result<(Array, Array)> {
+    let out = rope_call(x, w, norm, pos, inv_freq, nq, head_dim, None)?;
+    super::qgemv::q_and_kv("gemv_rope", out)
+}
+
+/// [`gemv_rope`] with the key and value heads written straight into a layer's KV pool
+/// (the decode step's cache write, one op less): `pool` `[1, 2·nkv, R, head_dim]` of x's
+/// dtype (a view that holds no reference to it), batch row m's at pool row `dst[m]`
+/// (`dst` int32 `[m]`, [`super::qgemv::check_kv_dst`]). Returns q.
+#[allow(clippy::too_many_arguments)]
+pub fn gemv_rope_into(
+    x: &Array,
+    w: &Array,
+    norm: Option<(&Array, f32)>,
+    pos: &Array,
+    inv_freq: &Array,
+    nq: usize,
+    head_dim: usize,
+    pool: &Array,
+    dst: &Array,
+) -> Result<Array> {
+    let mut out = rope_call(x, w, norm, pos, inv_freq, nq, head_dim, Some((pool, dst)))?;
+    out.pop()
+        .ok_or_else(|| MlxError::Invalid("gemv_rope_into: the kernel returned no output".into()))
+}
+
+/// The launch behind [`gemv_rope`] (outputs q and kv) and [`gemv_rope_into`] (`into`:
+/// the pool and its rows; output q).
+#[allow(clippy::too_many_arguments)]
+fn rope_call(
+    x: &Array,
+    w: &Array,
+    norm: Option<(&Array, f32)>,
+    pos: &Array,
+    inv_freq: &Array,
+    nq: usize,
+    head_dim: usize,
+    into: Option<(&Array, &Array)>,
+) -> Result<Vec<Array>> {
     let (n, k) = (w.dim(0) as usize, w.dim(1) as usize);
     let m = x.size() / k.max(1);
     if w.ndim() != 2
@@ -330,26 +410,55 @@ pub fn gemv_rope(
         )));
     }
     check_rope_inputs("gemv_rope", pos, inv_freq, m, head_dim)?;
+    let nkv2 = n / head_dim - nq;
+    if let Some((pool, dst)) = into {
+        super::qgemv::check_kv_dst("gemv_rope_into", pool, dst, x.dtype(), m, nkv2, head_dim)?;
+    }
     let (nw, eps) = norm_input("gemv_rope", norm, x, k)?;
     let src = source()?;
+    if into.is_some() && src.body_rope_kv.trim().is_empty() {
+        return Err(MlxError::Invalid(
+            "gemv_rope_into: the kernel file has no `// @@body_rope_kv` part".into(),
+        ));
+    }
     let Launch { rows, wpb } = launch_config(m, n, k);
-    static NAMES: OnceLock<([String; 5], [String; 2], [String; 9])> = OnceLock::new();
-    let (inputs, outputs, tnames) = NAMES.get_or_init(|| {
+    type Names = (
+        [String; 5],
+        [String; 2],
+        [String; 7],
+        [String; 1],
+        [String; 9],
+    );
+    static NAMES: OnceLock<Names> = OnceLock::new();
+    let (inputs, outputs, inputs_kv, outputs_kv, tnames) = NAMES.get_or_init(|| {
         (
             ["x", "w", "nw", "pos", "inv_freq"].map(String::from),
             ["q", "kv"].map(String::from),
+            ["x", "w", "nw", "pos", "inv_freq", "pool", "dst"].map(String::from),
+            ["q".to_string()],
             ["M", "N", "K", "ROWS", "WPB", "NORM", "EPS_BITS", "HD", "NQ"].map(String::from),
         )
     });
     let kernel = CudaKernel {
-        name: &kernel_names().1,
-        input_names: inputs,
-        output_names: outputs,
+        name: match into {
+            Some(_) => &kernel_names().2,
+            None => &kernel_names().1,
+        },
+        input_names: match into {
+            Some(_) => inputs_kv.as_slice(),
+            None => inputs.as_slice(),
+        },
+        output_names: match into {
+            Some(_) => outputs_kv.as_slice(),
+            None => outputs.as_slice(),
+        },
         header: mlx_header()?,
-        body: &src.body_rope,
+        body: match into {
+            Some(_) => &src.body_rope_kv,
+            None => &src.body_rope,
+        },
         shared_memory: 0,
     };
-    let nkv2 = n / head_dim - nq;
     let tvals = [
         m,
         n,
@@ -363,17 +472,22 @@ pub fn gemv_rope(
     ]
     .map(|v| v as i32);
     let (mi, hd) = (m as i32, head_dim as i32);
-    let out = kernel.call(
-        &[x, w, nw, pos, inv_freq],
-        &[&[mi, nq as i32, 1, hd], &[mi, nkv2 as i32, 1, hd]],
+    let q_shape = [mi, nq as i32, 1, hd];
+    let kv_shape = [mi, nkv2 as i32, 1, hd];
+    let (ins, shapes): (Vec<&Array>, Vec<&[i32]>) = match into {
+        Some((pool, dst)) => (vec![x, w, nw, pos, inv_freq, pool, dst], vec![&q_shape]),
+        None => (vec![x, w, nw, pos, inv_freq], vec![&q_shape, &kv_shape]),
+    };
+    kernel.call(
+        &ins,
+        &shapes,
         x.dtype(),
         tnames,
         &tvals,
         x.dtype(),
         [((n / rows) * 32 * wpb) as i32, 1, 1],
         [(32 * wpb) as i32, 1, 1],
-    )?;
-    super::qgemv::q_and_kv("gemv_rope", out)
+    )
 }
 
 #[cfg(test)]

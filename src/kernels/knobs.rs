@@ -75,6 +75,17 @@ pub struct Knobs {
     /// `MLXCEL_GEMV_DENSE`: mlxcel's dense GEMV kernel (with the quantized kernel's fusions)
     /// for bf16/f16 linears of decode steps on CUDA (the default; `0`: MLX's matmul).
     pub gemv_dense: bool,
+    /// `MLXCEL_GEMV_WIDE` (default 1): the dense GEMV's one-round launch
+    /// ([`super::gemv::launch_config`]); 0: the previous 4-rows-per-block launch.
+    pub gemv_wide: bool,
+    /// `MLXCEL_DEVICE_INPUTS` (default 1): a step's int32 kernel inputs (positions, KV
+    /// write rows, block tables) in device memory on CUDA (`crate::mlx::device_inputs`);
+    /// 0: host arrays in MLX's unified memory, as before.
+    pub device_inputs: bool,
+    /// `MLXCEL_KV_FUSED` (default 1): a decode step's q/k/v kernel (the GEMV's, up to 8
+    /// rows) writes the new keys and values straight into the KV pool; 0: a cache write
+    /// op per layer, as before.
+    pub kv_fused: bool,
     /// `MLXCEL_DEFER_MASKS=1`: on a GPU, a constrained decode step's sampling and the next
     /// forward pass are queued before its token masks exist (the device waits for them),
     /// and the masks are computed meanwhile on another thread. Off by default until
@@ -117,6 +128,9 @@ impl Default for Knobs {
             addmm_residual: false,
             kernel_reuse: true,
             gemv_dense: true,
+            gemv_wide: true,
+            device_inputs: true,
+            kv_fused: true,
             defer_masks: false,
             sample_first: true,
             mask_threads: None,
@@ -149,6 +163,9 @@ pub const VARS: &[&str] = &[
     "MLXCEL_ADDMM_RESIDUAL",
     "MLXCEL_KERNEL_REUSE",
     "MLXCEL_GEMV_DENSE",
+    "MLXCEL_GEMV_WIDE",
+    "MLXCEL_DEVICE_INPUTS",
+    "MLXCEL_KV_FUSED",
     "MLXCEL_GEMV_SOURCE",
     "MLXCEL_DEFER_MASKS",
     "MLXCEL_SAMPLE_FIRST",
@@ -243,6 +260,9 @@ impl Knobs {
         k.addmm_residual = switch("MLXCEL_ADDMM_RESIDUAL", k.addmm_residual)?;
         k.kernel_reuse = switch("MLXCEL_KERNEL_REUSE", k.kernel_reuse)?;
         k.gemv_dense = switch("MLXCEL_GEMV_DENSE", k.gemv_dense)?;
+        k.gemv_wide = switch("MLXCEL_GEMV_WIDE", k.gemv_wide)?;
+        k.device_inputs = switch("MLXCEL_DEVICE_INPUTS", k.device_inputs)?;
+        k.kv_fused = switch("MLXCEL_KV_FUSED", k.kv_fused)?;
         k.defer_masks = switch("MLXCEL_DEFER_MASKS", k.defer_masks)?;
         k.sample_first = switch("MLXCEL_SAMPLE_FIRST", k.sample_first)?;
         k.mask_threads = number("MLXCEL_MASK_THREADS", 1..=256, "a thread count")?;
@@ -288,6 +308,9 @@ impl Knobs {
         );
         switch("MLXCEL_KERNEL_REUSE", self.kernel_reuse, d.kernel_reuse);
         switch("MLXCEL_GEMV_DENSE", self.gemv_dense, d.gemv_dense);
+        switch("MLXCEL_GEMV_WIDE", self.gemv_wide, d.gemv_wide);
+        switch("MLXCEL_DEVICE_INPUTS", self.device_inputs, d.device_inputs);
+        switch("MLXCEL_KV_FUSED", self.kv_fused, d.kv_fused);
         switch("MLXCEL_DEFER_MASKS", self.defer_masks, d.defer_masks);
         switch("MLXCEL_SAMPLE_FIRST", self.sample_first, d.sample_first);
         if let Some(n) = self.qgemv_mma {

@@ -26,6 +26,7 @@ const HEADER_MARK: &str = "// @@header\n";
 const BODY_MARK: &str = "// @@body\n";
 const ROPE_MARK: &str = "// @@body_rope\n";
 const XQ_MARK: &str = "// @@body_xq\n";
+const ROPE_KV_MARK: &str = super::gemv::ROPE_KV_MARK;
 
 /// The kernel file split into the device-code header and the three kernel bodies.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -37,6 +38,9 @@ pub struct Source {
     pub body_rope: String,
     /// x rounded to int8 per group, the tensor-core path's input (output xq).
     pub body_xq: String,
+    /// The q/k/v projection with k and v written into the KV pool (output q); empty in
+    /// a file without a last `// @@body_rope_kv` part.
+    pub body_rope_kv: String,
 }
 
 impl Source {
@@ -51,6 +55,8 @@ impl Source {
             &self.body_rope,
             XQ_MARK,
             &self.body_xq,
+            ROPE_KV_MARK,
+            &self.body_rope_kv,
         ]);
         format!("mlxcel_qgemv_{h:08x}")
     }
@@ -78,9 +84,10 @@ pub fn split_source(text: &str) -> std::result::Result<Source, String> {
     let (body, rest) = rest
         .split_once(ROPE_MARK)
         .ok_or("no `// @@body_rope` marker line after `// @@body`")?;
-    let (body_rope, body_xq) = rest
+    let (body_rope, rest) = rest
         .split_once(XQ_MARK)
         .ok_or("no `// @@body_xq` marker line after `// @@body_rope`")?;
+    let (body_xq, body_rope_kv) = rest.split_once(ROPE_KV_MARK).unwrap_or((rest, ""));
     for (text, mark) in [
         (body, "@@body"),
         (body_rope, "@@body_rope"),
@@ -95,6 +102,7 @@ pub fn split_source(text: &str) -> std::result::Result<Source, String> {
         body: body.to_string(),
         body_rope: body_rope.to_string(),
         body_xq: body_xq.to_string(),
+        body_rope_kv: body_rope_kv.to_string(),
     })
 }
 
@@ -115,6 +123,12 @@ fn load_source() -> std::result::Result<Source, String> {
 
 /// The plain kernel's name, the RoPE entry point's (`<name>_rope`) and the rounding
 /// kernel's (`<name>_xq`).
+/// The name of the q/k/v entry point that writes the KV pool (`<name>_rope_kv`).
+fn rope_kv_name() -> &'static str {
+    static NAME: OnceLock<String> = OnceLock::new();
+    NAME.get_or_init(|| kernel_names().0.clone() + "_rope_kv")
+}
+
 fn kernel_names() -> &'static (String, String, String) {
     static NAMES: OnceLock<(String, String, String)> = OnceLock::new();
     NAMES.get_or_init(|| {
@@ -879,6 +893,90 @@ pub fn qgemv_rope(
     nq: usize,
     head_dim: usize,
 ) -> Result<(Array, Array)> {
+    let out = rope_call(
+        x, w, scales, biases, group, bits, norm, pos, inv_freq, nq, head_dim, None,
+    )?;
+    q_and_kv("qgemv_rope", out)
+}
+
+/// [`qgemv_rope`] with the key and value heads written straight into a layer's KV pool
+/// (the decode step's cache write, one op less): `pool` `[1, 2·nkv, R, head_dim]` of x's
+/// dtype (a view that holds no reference to it), batch row m's at pool row `dst[m]`
+/// (`dst` int32 `[m]`, [`check_kv_dst`]). Batches up to [`MAX_M`] rows (no row chunks).
+/// Returns q.
+#[allow(clippy::too_many_arguments)]
+pub fn qgemv_rope_into(
+    x: &Array,
+    w: &Array,
+    scales: &Array,
+    biases: &Array,
+    group: usize,
+    bits: usize,
+    norm: Option<(&Array, f32)>,
+    pos: &Array,
+    inv_freq: &Array,
+    nq: usize,
+    head_dim: usize,
+    pool: &Array,
+    dst: &Array,
+) -> Result<Array> {
+    let into = Some((pool, dst));
+    let mut out = rope_call(
+        x, w, scales, biases, group, bits, norm, pos, inv_freq, nq, head_dim, into,
+    )?;
+    out.pop()
+        .ok_or_else(|| MlxError::Invalid("qgemv_rope_into: the kernel returned no output".into()))
+}
+
+/// A KV pool and its rows for a q/k/v kernel that writes the pool (`what` names it in
+/// errors): `pool` `[1, nkv2, R, head_dim]` of `dtype` (key then value heads), `dst` int32
+/// `[m]`: each batch row's pool row.
+pub(super) fn check_kv_dst(
+    what: &str,
+    pool: &Array,
+    dst: &Array,
+    dtype: crate::mlx::Dtype,
+    m: usize,
+    nkv2: usize,
+    head_dim: usize,
+) -> Result<()> {
+    let ps = pool.shape();
+    if ps.len() != 4
+        || ps[0] != 1
+        || ps[1] as usize != nkv2
+        || ps[3] as usize != head_dim
+        || pool.dtype() != dtype
+        || dst.dtype() != crate::mlx::Dtype::I32
+        || dst.size() != m
+    {
+        return Err(MlxError::Invalid(format!(
+            "{what}: pool {ps:?} {:?} and rows {:?} {:?} do not fit {nkv2} kv heads of \
+             {head_dim} in {dtype:?} for {m} rows",
+            pool.dtype(),
+            dst.shape(),
+            dst.dtype()
+        )));
+    }
+    Ok(())
+}
+
+/// The launch behind [`qgemv_rope`] (outputs q and kv) and [`qgemv_rope_into`] (`into`:
+/// the pool and its rows; output q).
+#[allow(clippy::too_many_arguments)]
+fn rope_call(
+    x: &Array,
+    w: &Array,
+    scales: &Array,
+    biases: &Array,
+    group: usize,
+    bits: usize,
+    norm: Option<(&Array, f32)>,
+    pos: &Array,
+    inv_freq: &Array,
+    nq: usize,
+    head_dim: usize,
+    into: Option<(&Array, &Array)>,
+) -> Result<Vec<Array>> {
     let n = w.dim(0) as usize;
     let k = w.dim(1) as usize * 32 / bits;
     let m = x.size() / k.max(1);
@@ -890,6 +988,15 @@ pub fn qgemv_rope(
         )));
     }
     check_rope_inputs("qgemv_rope", pos, inv_freq, m, head_dim)?;
+    if m > MAX_M && into.is_some() {
+        return Err(MlxError::Invalid(format!(
+            "qgemv_rope_into: {m} rows, more than the kernel's {MAX_M}"
+        )));
+    }
+    let nkv2 = n / head_dim - nq;
+    if let Some((pool, dst)) = into {
+        check_kv_dst("qgemv_rope_into", pool, dst, x.dtype(), m, nkv2, head_dim)?;
+    }
     if m > MAX_M {
         // row chunks, each a run of the kernel (see MAX_CHUNKED_M)
         let x2 = x.reshape(&[m as i32, k as i32])?;
@@ -913,7 +1020,7 @@ pub fn qgemv_rope(
         })?
         .into_iter();
         return match (out.next(), out.next()) {
-            (Some(q), Some(kv)) => Ok((q, kv)),
+            (Some(q), Some(kv)) => Ok(vec![q, kv]),
             _ => Err(MlxError::Invalid("qgemv_rope: no rows".into())),
         };
     }
@@ -923,11 +1030,29 @@ pub fn qgemv_rope(
     let xr = mma
         .then(|| round_x(x, m, k, group, norm.map(|_| (nw, eps))))
         .transpose()?;
-    static NAMES: OnceLock<([String; 7], [String; 2], [String; 14])> = OnceLock::new();
-    let (inputs, outputs, tnames) = NAMES.get_or_init(|| {
+    if into.is_some() && src.body_rope_kv.trim().is_empty() {
+        return Err(MlxError::Invalid(
+            "qgemv_rope_into: the kernel file has no `// @@body_rope_kv` part".into(),
+        ));
+    }
+    type Names = (
+        [String; 7],
+        [String; 2],
+        [String; 9],
+        [String; 1],
+        [String; 14],
+    );
+    static NAMES: OnceLock<Names> = OnceLock::new();
+    let (inputs, outputs, inputs_kv, outputs_kv, tnames) = NAMES.get_or_init(|| {
+        let ins = ["x", "w", "scales", "biases", "nw", "pos", "inv_freq"];
+        let ins_kv = [
+            "x", "w", "scales", "biases", "nw", "pos", "inv_freq", "pool", "dst",
+        ];
         (
-            ["x", "w", "scales", "biases", "nw", "pos", "inv_freq"].map(String::from),
+            ins.map(String::from),
             ["q", "kv"].map(String::from),
+            ins_kv.map(String::from),
+            ["q".to_string()],
             [
                 "M", "N", "K", "G", "BITS", "ROWS", "WPB", "NORM", "EPS_BITS", "HD", "NQ", "XQ",
                 "MMA", "PG",
@@ -935,15 +1060,24 @@ pub fn qgemv_rope(
             .map(String::from),
         )
     });
-    let kernel = CudaKernel {
-        name: &kernel_names().1,
-        input_names: inputs,
-        output_names: outputs,
-        header: mlx_header()?,
-        body: &src.body_rope,
-        shared_memory: 0,
+    let kernel = match into {
+        Some(_) => CudaKernel {
+            name: rope_kv_name(),
+            input_names: inputs_kv,
+            output_names: outputs_kv,
+            header: mlx_header()?,
+            body: &src.body_rope_kv,
+            shared_memory: 0,
+        },
+        None => CudaKernel {
+            name: &kernel_names().1,
+            input_names: inputs,
+            output_names: outputs,
+            header: mlx_header()?,
+            body: &src.body_rope,
+            shared_memory: 0,
+        },
     };
-    let nkv2 = n / head_dim - nq;
     let tvals = [
         m,
         n,
@@ -963,25 +1097,34 @@ pub fn qgemv_rope(
     .map(|v| v as i32);
     let blocks = if pg > 0 { pg } else { n / rows };
     let (mi, hd) = (m as i32, head_dim as i32);
-    let out = kernel.call(
-        &[
-            xr.as_ref().unwrap_or(x),
-            w,
-            scales,
-            biases,
-            nw,
-            pos,
-            inv_freq,
-        ],
-        &[&[mi, nq as i32, 1, hd], &[mi, nkv2 as i32, 1, hd]],
+    let mut ins = vec![
+        xr.as_ref().unwrap_or(x),
+        w,
+        scales,
+        biases,
+        nw,
+        pos,
+        inv_freq,
+    ];
+    let q_shape = [mi, nq as i32, 1, hd];
+    let kv_shape = [mi, nkv2 as i32, 1, hd];
+    let shapes: Vec<&[i32]> = match into {
+        Some((pool, dst)) => {
+            ins.extend([pool, dst]);
+            vec![&q_shape]
+        }
+        None => vec![&q_shape, &kv_shape],
+    };
+    kernel.call(
+        &ins,
+        &shapes,
         x.dtype(),
         tnames,
         &tvals,
         x.dtype(),
         [(blocks * 32 * wpb) as i32, 1, 1],
         [(32 * wpb) as i32, 1, 1],
-    )?;
-    q_and_kv("qgemv_rope", out)
+    )
 }
 
 /// The q and kv outputs of a q/k/v + RoPE kernel (`what` names it in the error).

@@ -11,6 +11,7 @@
 
 mod array;
 mod device;
+pub mod device_inputs;
 pub mod distributed;
 pub mod fast;
 mod ffi;

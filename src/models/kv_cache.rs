@@ -55,6 +55,8 @@ impl KvConfig {
 /// Where a batched decode step writes and reads (see [`KvCache::batch_index`]).
 pub struct BatchIndex {
     rows: usize,
+    /// each batch row's position (its new token's), int32 `[B]`
+    positions: Array,
     /// pool row of each batch row's new token, int32 `[B]`, and on the host
     write_rows: Array,
     write: Vec<i32>,
@@ -68,6 +70,17 @@ impl BatchIndex {
     /// The rows' block tables, int32 `[B, max blocks]` (made when the kernel attends).
     pub fn table(&self) -> Option<&Array> {
         self.table.as_ref()
+    }
+
+    /// Each batch row's position, int32 `[B]` (the RoPE angle and the attention's length).
+    pub fn positions(&self) -> &Array {
+        &self.positions
+    }
+
+    /// Each batch row's pool row, int32 `[B]`: where the step's keys and values go (also
+    /// for a q/k/v kernel that writes the pool).
+    pub fn kv_dst(&self) -> &Array {
+        &self.write_rows
     }
 }
 
@@ -101,10 +114,13 @@ impl SeqRows {
 }
 
 /// A step's new keys and values (`[B, kv_heads, T, head_dim]` each), or both as one
-/// array (`[B, 2·kv_heads, T, head_dim]`, key heads first) as the pool stores them.
+/// array (`[B, 2·kv_heads, T, head_dim]`, key heads first) as the pool stores them, or
+/// already in the pool (`Written`: the q/k/v kernel wrote them at the rows of
+/// [`KvCache::seq_kv_dst`] / [`BatchIndex::kv_dst`]).
 pub enum NewKv {
     Split(Array, Array),
     Merged(Array),
+    Written,
 }
 
 impl NewKv {
@@ -112,6 +128,9 @@ impl NewKv {
         match self {
             NewKv::Merged(kv) => Ok(kv.clone()),
             NewKv::Split(k, v) => mlx::concatenate(&[k, v], 1),
+            NewKv::Written => Err(mlx::MlxError::Invalid(
+                "KV cache: keys and values already written into the pool".into(),
+            )),
         }
     }
 }
@@ -120,6 +139,8 @@ impl NewKv {
 /// a batched decode's rows first, then each prefill chunk's, in order.
 pub struct StepWrites {
     rows: Array,
+    /// the batched decode's rows at the front of `rows`
+    decode_rows: i32,
 }
 
 pub struct KvCache {
@@ -188,7 +209,18 @@ pub fn pool_copies_total() -> u64 {
 }
 
 fn i32_array(v: &[i32], shape: &[i32]) -> mlx::Result<Array> {
-    Array::from_slice(v, shape)
+    let mut a = step_i32(&[(v, shape)])?;
+    Ok(a.pop().expect("one part"))
+}
+
+/// Int32 inputs of a step's kernels: in device memory on CUDA
+/// ([`mlx::device_inputs`]; `MLXCEL_DEVICE_INPUTS=0`: host arrays, as MLX makes them).
+pub fn step_i32(parts: &[(&[i32], &[i32])]) -> mlx::Result<Vec<Array>> {
+    if kernels::knobs::get().device_inputs {
+        mlx::device_inputs::device_i32_parts(parts)
+    } else {
+        parts.iter().map(|(v, s)| Array::from_slice(v, s)).collect()
+    }
 }
 
 impl KvCache {
@@ -440,6 +472,25 @@ impl KvCache {
         Ok(())
     }
 
+    /// After a kernel wrote `layer`'s pool in place (no MLX write): forget the views of it
+    /// already evaluated, as a write does (those not yet evaluated are kept for the next
+    /// MLX write, which must not copy the pool).
+    fn written_by_kernel(&self, layer: usize) {
+        if let Some(r) = self.reads.borrow_mut().get_mut(layer) {
+            r.retain(|v| v.buffer_id() == 0);
+        }
+    }
+
+    /// The pool row where a q/k/v kernel writes one sequence's one new position `rows` (a
+    /// run of rows, `t` = 1; [`BatchIndex::kv_dst`] for one sequence); `None` for other
+    /// steps.
+    pub fn seq_kv_dst(&self, rows: &SeqRows) -> Option<i32> {
+        match rows {
+            SeqRows::Run { start, pos, t: 1 } => Some((start + pos) as i32),
+            _ => None,
+        }
+    }
+
     /// Writes so far that copied a layer's pool (see [`KvCache::check_in_place`]).
     pub fn pool_copies(&self) -> u64 {
         self.copies
@@ -480,6 +531,10 @@ impl KvCache {
 
     /// Write `new` (one sequence, `T` positions) at `rows` of `layer`.
     pub fn write(&mut self, layer: usize, rows: &SeqRows, new: &NewKv) -> mlx::Result<()> {
+        if let NewKv::Written = new {
+            self.written_by_kernel(layer);
+            return Ok(());
+        }
         self.settle(layer)?;
         let (h, d) = (self.kv_heads as i32, self.head_dim as i32);
         let ones = [1, 1, 1, 1];
@@ -497,6 +552,7 @@ impl KvCache {
                             &ones,
                         )?;
                     }
+                    NewKv::Written => {}
                     NewKv::Split(k, v) => {
                         *pool = pool.slice_update(
                             &k.astype(self.dtype)?,
@@ -572,9 +628,11 @@ impl KvCache {
         decode: Option<&BatchIndex>,
         chunks: &[SeqRows],
     ) -> mlx::Result<StepWrites> {
+        let decode_rows = decode.map_or(0, |d| d.rows as i32);
         if let (Some(d), true) = (decode, chunks.is_empty()) {
             return Ok(StepWrites {
                 rows: d.write_rows.clone(),
+                decode_rows,
             });
         }
         let mut rows: Vec<i32> = decode.map_or_else(Vec::new, |d| d.write.clone());
@@ -583,6 +641,7 @@ impl KvCache {
         }
         Ok(StepWrites {
             rows: i32_array(&rows, &[rows.len() as i32])?,
+            decode_rows,
         })
     }
 
@@ -600,9 +659,22 @@ impl KvCache {
     ) -> mlx::Result<()> {
         let (h2, d) = (2 * self.kv_heads as i32, self.head_dim as i32);
         let mut parts = Vec::with_capacity(2);
-        if let Some(new) = decode {
-            let kv = new.merged()?;
-            parts.push(kv.reshape(&[kv.dim(0), 1, h2, 1, d])?);
+        // the decode rows' keys and values already in the pool (written by the q/k/v kernel):
+        // the scatter takes the chunks' rows only, behind them in `writes`
+        let mut rows = writes.rows.clone();
+        match decode {
+            Some(NewKv::Written) => {
+                self.written_by_kernel(layer);
+                if chunks.is_empty() {
+                    return Ok(());
+                }
+                rows = rows.slice_axis(0, writes.decode_rows, rows.dim(0))?;
+            }
+            Some(new) => {
+                let kv = new.merged()?;
+                parts.push(kv.reshape(&[kv.dim(0), 1, h2, 1, d])?);
+            }
+            None => {}
         }
         if !chunks.is_empty() {
             // the chunks' positions end to end, [1, 2H, N, D] → [N, 1, 2H, 1, D]
@@ -622,16 +694,16 @@ impl KvCache {
             1 => parts.pop().expect("one part"),
             _ => mlx::concatenate(&parts.iter().collect::<Vec<_>>(), 0)?,
         };
-        if upd.dim(0) != writes.rows.dim(0) {
+        if upd.dim(0) != rows.dim(0) {
             return Err(mlx::MlxError::Invalid(format!(
                 "write_step: {} new positions for {} rows",
                 upd.dim(0),
-                writes.rows.dim(0)
+                rows.dim(0)
             )));
         }
         self.settle(layer)?;
         let pool = &mut self.kv[layer];
-        *pool = pool.scatter(&[&writes.rows], &upd.astype(self.dtype)?, &[2])?;
+        *pool = pool.scatter(&[&rows], &upd.astype(self.dtype)?, &[2])?;
         Ok(())
     }
 
@@ -685,7 +757,7 @@ impl KvCache {
                     t[r * width + j] = self.block(s, j)? as i32;
                 }
             }
-            table = Some(i32_array(&t, &[b as i32, width as i32])?);
+            table = Some((t, width));
         } else {
             let l = positions.iter().max().map_or(0, |&p| p + 1);
             let mut rows = Vec::with_capacity(b * l);
@@ -703,11 +775,22 @@ impl KvCache {
                 .lt(&lens)?;
             gather = Some((i32_array(&rows, &[(b * l) as i32])?, mask, l));
         }
+        // positions, write rows and (kernel) tables: one array for the device
+        let pos: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
+        let bi = b as i32;
+        let mut parts: Vec<(&[i32], Vec<i32>)> = vec![(&pos, vec![bi]), (&write, vec![bi])];
+        if let Some((t, width)) = &table {
+            parts.push((t, vec![bi, *width as i32]));
+        }
+        let parts: Vec<(&[i32], &[i32])> = parts.iter().map(|(v, s)| (*v, s.as_slice())).collect();
+        let mut arrays = step_i32(&parts)?.into_iter();
+        let mut next = || arrays.next().expect("one array per part");
         Ok(BatchIndex {
             rows: b,
-            write_rows: i32_array(&write, &[b as i32])?,
+            positions: next(),
+            write_rows: next(),
+            table: table.map(|_| next()),
             write,
-            table,
             gather,
         })
     }
@@ -715,6 +798,10 @@ impl KvCache {
     /// Batched decode: write one token per sequence (`[B, kv_heads, 1, head_dim]` keys and
     /// values) at its row, with one scatter.
     pub fn write_batch(&mut self, layer: usize, idx: &BatchIndex, new: &NewKv) -> mlx::Result<()> {
+        if let NewKv::Written = new {
+            self.written_by_kernel(layer);
+            return Ok(());
+        }
         let (h, d) = (self.kv_heads as i32, self.head_dim as i32);
         let kv = new
             .merged()?

@@ -280,8 +280,12 @@ impl Linear {
     /// heads and equally many key and value heads of `head_dim`, with `rope` applied to
     /// q and k at positions `pos` (one per row of x), in one run of mlxcel's GEMV kernel:
     /// q `[B, nq, 1, head_dim]` and kv `[B, 2·nkv, 1, head_dim]` (key heads, then value
-    /// heads, as the KV cache stores them). `None` when the kernel does not cover it
-    /// (see [`Linear::fused`]; also a partial rotary dimension): the caller runs the plain ops.
+    /// heads, as the KV cache stores them). With `into` (a layer's KV pool and its rows,
+    /// see `kernels::gemv::gemv_rope_into`) k and v go straight into the pool and kv is
+    /// `None`; the GEMV kernels do that, the quantized GEMM (9–128 rows) does not, so
+    /// `into` is ignored there. `None` when the kernel does not cover it (see
+    /// [`Linear::fused`]; also a partial rotary dimension): the caller runs the plain ops.
+    #[allow(clippy::too_many_arguments)]
     pub fn forward_qkv_rope(
         &self,
         x: &Array,
@@ -290,21 +294,28 @@ impl Linear {
         rope: &Rope,
         nq: usize,
         head_dim: usize,
-    ) -> Option<mlx::Result<(Array, Array)>> {
+        into: Option<(&Array, &Array)>,
+    ) -> Option<mlx::Result<(Array, Option<Array>)>> {
         let f = self.fusable(x, norm)?;
         let fits = rope.dims as usize == head_dim && pos.size() == f.m && pos.dtype() == Dtype::I32;
+        let norm_w = norm.map(|n| (&n.weight, n.eps));
         if f.dense {
             let fits = fits && kernels::gemv::supports_rope(f.m, f.n, nq, head_dim);
-            return fits.then(|| {
-                kernels::gemv::gemv_rope(
+            return fits.then(|| match into {
+                Some((pool, dst)) => kernels::gemv::gemv_rope_into(
                     x,
                     f.w,
-                    norm.map(|n| (&n.weight, n.eps)),
+                    norm_w,
                     pos,
                     &rope.inv_freq,
                     nq,
                     head_dim,
+                    pool,
+                    dst,
                 )
+                .map(|q| (q, None)),
+                None => kernels::gemv::gemv_rope(x, f.w, norm_w, pos, &rope.inv_freq, nq, head_dim)
+                    .map(|(q, kv)| (q, Some(kv))),
             });
         }
         // the GEMM for 9-128 rows (4-bit: 17-128; MLXCEL_QGEMM=0 off), else the GEMV: the
@@ -317,20 +328,19 @@ impl Linear {
                 fits && kernels::qgemv::supports_rope(f.m, f.n, f.group, f.bits, nq, head_dim);
             (fits, kernels::qgemv::qgemv_rope as QkvRope)
         };
-        fits.then(|| {
-            run(
-                x,
-                f.w,
-                f.scales,
-                f.biases,
-                f.group,
-                f.bits,
-                norm.map(|n| (&n.weight, n.eps)),
-                pos,
-                &rope.inv_freq,
-                nq,
-                head_dim,
+        let inv_freq = &rope.inv_freq;
+        fits.then(|| match into {
+            Some((pool, dst)) if !f.gemm && f.m <= kernels::qgemv::MAX_M => {
+                kernels::qgemv::qgemv_rope_into(
+                    x, f.w, f.scales, f.biases, f.group, f.bits, norm_w, pos, inv_freq, nq,
+                    head_dim, pool, dst,
+                )
+                .map(|q| (q, None))
+            }
+            _ => run(
+                x, f.w, f.scales, f.biases, f.group, f.bits, norm_w, pos, inv_freq, nq, head_dim,
             )
+            .map(|(q, kv)| (q, Some(kv))),
         })
     }
 

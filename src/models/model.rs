@@ -462,7 +462,20 @@ impl Model {
                 .forward_decode_batch_ids(cache, &[slot], ids)?
                 .reshape(&[-1, self.cfg.vocab_size as i32])?);
         }
-        let offset = Array::scalar_i32(pos as i32)?;
+        // (on CUDA in device memory: every layer's q/k/v kernel reads it) and, where the
+        // q/k/v kernel writes the new keys and values into the pool, the rows it writes
+        // (each its own array: a single value is made on the device by an `arange`)
+        let dst = match kernels::knobs::get().kv_fused {
+            true => cache.seq_kv_dst(&rows),
+            false => None,
+        };
+        let one = |v: i32, shape: &[i32]| -> mlx::Result<Array> {
+            Ok(kv_cache::step_i32(&[(&[v], shape)])?
+                .pop()
+                .expect("one part"))
+        };
+        let offset = one(pos as i32, &[])?;
+        let dst = dst.map(|row| one(row, &[1])).transpose()?;
         let mut h = self.embed(ids)?;
         if t == 1 {
             h = self.decode_rows(h)?;
@@ -479,7 +492,12 @@ impl Model {
         }
         for (li, block) in self.layers.iter().enumerate() {
             let a = &block.self_attn;
-            let (q, kv) = a.qkv(&h, &block.input_layernorm, 1, t, &self.rope, &offset)?;
+            let pool = match &dst {
+                Some(_) => Self::pool_for(cache, li, &h)?,
+                None => None,
+            };
+            let into = pool.as_ref().zip(dst.as_ref());
+            let (q, kv) = a.qkv(&h, &block.input_layernorm, 1, t, &self.rope, &offset, into)?;
             // one sequence whose blocks are one run of rows reads them as views with MLX's
             // attention: at batch 1 that beat mlxcel's kernel (`kernels::attn`, used for
             // batched steps) on H200; scattered blocks (a prefill after a cached prefix)
@@ -538,8 +556,6 @@ impl Model {
         cache.prepare(self.layers.len(), &needs)?;
         // the decode rows: positions, block tables (or gathers), the kernel's scratch
         let positions: Vec<usize> = slots.iter().map(|&s| cache.len(s)).collect();
-        let pos_i32: Vec<i32> = positions.iter().map(|&p| p as i32).collect();
-        let offset_d = Array::from_slice(&pos_i32, &[b])?;
         // mlxcel's attention kernel: one op per layer whatever the rows' blocks and
         // lengths, read through their block tables (MLX's needs a gather and a mask);
         // 8B 4-bit on H200, batch 8: 2,111-2,517 tok/s with it, 1,612-1,731 without
@@ -582,12 +598,18 @@ impl Model {
         for (li, block) in self.layers.iter().enumerate() {
             let a = &block.self_attn;
             let norm = &block.input_layernorm;
-            let (q_d, kv_d) = match &hd {
-                Some(h) => {
-                    let (q, kv) = a.qkv(h, norm, b, 1, &self.rope, &offset_d)?;
+            let (q_d, kv_d) = match (&hd, &index) {
+                (Some(h), Some(index)) => {
+                    let pool = match kernels::knobs::get().kv_fused {
+                        true => Self::pool_for(cache, li, h)?,
+                        false => None,
+                    };
+                    let into = pool.as_ref().map(|p| (p, index.kv_dst()));
+                    let positions = index.positions();
+                    let (q, kv) = a.qkv(h, norm, b, 1, &self.rope, positions, into)?;
                     (Some(q), Some(kv))
                 }
-                None => (None, None),
+                _ => (None, None),
             };
             let (q_c, kv_c): (Vec<Array>, Vec<_>) = match &hc {
                 Some(h) => a
@@ -604,7 +626,7 @@ impl Model {
                         q,
                         &cache.pool_view(li)?,
                         index.table().expect("made for the kernel"),
-                        &offset_d,
+                        index.positions(),
                         scratch,
                         cache.block_size(),
                     )?,
@@ -759,6 +781,17 @@ impl Model {
             false => Vec::new(),
         };
         Ok(DecodeOps { step, layers })
+    }
+
+    /// `layer`'s KV pool as a view for a q/k/v kernel to write the step's keys and values
+    /// into (`MLXCEL_KV_FUSED`), when it holds the activations' dtype (the kernel writes
+    /// that); `None`: the cache writes them.
+    fn pool_for(cache: &KvCache, layer: usize, h: &Array) -> mlx::Result<Option<Array>> {
+        let kernel = kernels::gemv::enabled() || kernels::qgemv::enabled();
+        match kernel && cache.pool(layer).dtype() == h.dtype() {
+            true => Ok(Some(cache.pool_view(layer)?)),
+            false => Ok(None),
+        }
     }
 
     /// A decode step's residual stream (`[B, 1, hidden]` from the embedding) as `[B, hidden]`:

@@ -169,7 +169,10 @@ impl Attention {
     }
 
     /// Project `norm(x)` to q/k/v `[B, heads, T, head_dim]`, with q/k norm and RoPE applied;
-    /// k and v come as one array when the fused kernel made them so.
+    /// k and v come as one array when the fused kernel made them so, or (one-token steps
+    /// given `into`, a layer's KV pool and its rows, when the GEMV kernel runs) already
+    /// written into the pool ([`NewKv::Written`]).
+    #[allow(clippy::too_many_arguments)]
     pub fn qkv(
         &self,
         x: &Array,
@@ -178,6 +181,7 @@ impl Attention {
         t: i32,
         rope: &Rope,
         offset: &Array,
+        into: Option<(&Array, &Array)>,
     ) -> mlx::Result<(Array, NewKv)> {
         let (nq, nkv) = (self.n_heads, self.n_kv_heads);
         if t == 1 && self.q_norm.is_none() && self.k_norm.is_none() {
@@ -189,9 +193,12 @@ impl Attention {
                 rope,
                 nq as usize,
                 self.head_dim as usize,
+                into,
             ) {
-                let (q, kv) = r?;
-                return Ok((q, NewKv::Merged(kv)));
+                return Ok(match r? {
+                    (q, Some(kv)) => (q, NewKv::Merged(kv)),
+                    (q, None) => (q, NewKv::Written),
+                });
             }
         }
         if t == 1 {
