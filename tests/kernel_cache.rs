@@ -229,21 +229,22 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
     rope[1].1 = 6144;
     rope.retain(|(n, _)| *n != "EPI");
     rope.extend([("HD", 128), ("NQ", 32)]);
+    let q_rope_in = vec![
+        ("x", bf),
+        ("w", "uint32_t"),
+        ("scales", bf),
+        ("biases", bf),
+        ("nw", bf),
+        ("pos", "int32_t"),
+        ("inv_freq", "float"),
+    ];
     sources.push((
         name.into(),
         mlx_source(
             name,
             header,
             body_rope,
-            &[
-                ("x", bf),
-                ("w", "uint32_t"),
-                ("scales", bf),
-                ("biases", bf),
-                ("nw", bf),
-                ("pos", "int32_t"),
-                ("inv_freq", "float"),
-            ],
+            &q_rope_in,
             &[],
             &[("q", bf), ("kv", bf)],
             bf,
@@ -252,23 +253,14 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
     ));
     // the same writing k and v into a KV pool (its shape passed, as the body names it)
     let name = "custom_kernel_mlxcel_qgemv_test_rope_kv";
+    let kv_in = [("pool", bf), ("dst", "int32_t")];
     sources.push((
         name.into(),
         mlx_source(
             name,
             header,
             body_rope_kv,
-            &[
-                ("x", bf),
-                ("w", "uint32_t"),
-                ("scales", bf),
-                ("biases", bf),
-                ("nw", bf),
-                ("pos", "int32_t"),
-                ("inv_freq", "float"),
-                ("pool", bf),
-                ("dst", "int32_t"),
-            ],
+            &[q_rope_in.as_slice(), &kv_in].concat(),
             &["pool"],
             &[("q", bf)],
             bf,
@@ -480,19 +472,20 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
     rope_d[1].1 = 6144;
     rope_d.retain(|(n, _)| *n != "EPI");
     rope_d.extend([("HD", 128), ("NQ", 32)]);
+    let d_rope_in = [
+        ("x", bf),
+        ("w", bf),
+        ("nw", bf),
+        ("pos", "int32_t"),
+        ("inv_freq", "float"),
+    ];
     sources.push((
         name.into(),
         mlx_source(
             name,
             &d[0],
             &d[2],
-            &[
-                ("x", bf),
-                ("w", bf),
-                ("nw", bf),
-                ("pos", "int32_t"),
-                ("inv_freq", "float"),
-            ],
+            &d_rope_in,
             &[],
             &[("q", bf), ("kv", bf)],
             bf,
@@ -506,15 +499,7 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
             name,
             &d[0],
             &d[3],
-            &[
-                ("x", bf),
-                ("w", bf),
-                ("nw", bf),
-                ("pos", "int32_t"),
-                ("inv_freq", "float"),
-                ("pool", bf),
-                ("dst", "int32_t"),
-            ],
+            &[d_rope_in.as_slice(), &kv_in].concat(),
             &["pool"],
             &[("q", bf)],
             bf,

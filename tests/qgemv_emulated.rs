@@ -338,26 +338,15 @@ fn qgemv_fused_rms_norm_matches() {
 #[test]
 fn qgemv_fused_rope_matches() {
     // merged q/k/v with RoPE: 4 query heads, 2 key and 2 value heads of 16, with the norm;
-    // row 1 at position 70000
-    run(
-        "4bit_rope_norm",
-        &[
-            ("M", 2),
-            ("N", 8 * 16),
-            ("K", 512),
-            ("G", 64),
-            ("BITS", 4),
-            ("ROWS", 4),
-            ("WPB", 2),
-            ("NORM", 1),
-            ("HD", 16),
-            ("NQ", 4),
-        ],
-    );
-    // the same writing k and v into a KV pool (the decode step's cache write)
-    for m in [1, 3] {
+    // row 1 at position 70000; and (KVW) the same writing k and v into a KV pool (the
+    // decode step's cache write)
+    for (tag, m, kvw) in [
+        ("4bit_rope_norm", 2, 0),
+        ("4bit_rope_kv_m1", 1, 1),
+        ("4bit_rope_kv_m3", 3, 1),
+    ] {
         run(
-            &format!("4bit_rope_kv_m{m}"),
+            tag,
             &[
                 ("M", m),
                 ("N", 8 * 16),
@@ -369,7 +358,7 @@ fn qgemv_fused_rope_matches() {
                 ("NORM", 1),
                 ("HD", 16),
                 ("NQ", 4),
-                ("KVW", 1),
+                ("KVW", kvw),
             ],
         );
     }

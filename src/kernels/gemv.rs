@@ -347,8 +347,11 @@ pub fn gemv(
 /// The q/k/v projection of a decode step in one kernel for a dense merged `[q; k; v]`
 /// weight: `y = norm(x) · Wᵀ` with RoPE (half-split, angle `pos[m] · inv_freq[d]`) on the
 /// q and k heads of row m. Returns q `[m, nq, 1, head_dim]` and kv `[m, 2·nkv, 1,
-/// head_dim]` (key heads, then value heads), as [`super::qgemv::qgemv_rope`] does. The
-/// caller checks [`supports`] and [`supports_rope`].
+/// head_dim]` (key heads, then value heads), as [`super::qgemv::qgemv_rope`] does; with
+/// `into` (a layer's KV pool and the step's rows there, as that takes them) k and v go
+/// straight into the pool and kv is `None`. The caller checks [`supports`] and
+/// [`supports_rope`].
+#[allow(clippy::too_many_arguments)]
 pub fn gemv_rope(
     x: &Array,
     w: &Array,
@@ -357,45 +360,8 @@ pub fn gemv_rope(
     inv_freq: &Array,
     nq: usize,
     head_dim: usize,
-) -> Result<(Array, Array)> {
-    let out = rope_call(x, w, norm, pos, inv_freq, nq, head_dim, None)?;
-    super::qgemv::q_and_kv("gemv_rope", out)
-}
-
-/// [`gemv_rope`] with the key and value heads written straight into a layer's KV pool
-/// (the decode step's cache write, one op less): `pool` `[1, 2·nkv, R, head_dim]` of x's
-/// dtype (a view that holds no reference to it), batch row m's at pool row `dst[m]`
-/// (`dst` int32 `[m]`, [`super::qgemv::check_kv_dst`]). Returns q.
-#[allow(clippy::too_many_arguments)]
-pub fn gemv_rope_into(
-    x: &Array,
-    w: &Array,
-    norm: Option<(&Array, f32)>,
-    pos: &Array,
-    inv_freq: &Array,
-    nq: usize,
-    head_dim: usize,
-    pool: &Array,
-    dst: &Array,
-) -> Result<Array> {
-    let mut out = rope_call(x, w, norm, pos, inv_freq, nq, head_dim, Some((pool, dst)))?;
-    out.pop()
-        .ok_or_else(|| MlxError::Invalid("gemv_rope_into: the kernel returned no output".into()))
-}
-
-/// The launch behind [`gemv_rope`] (outputs q and kv) and [`gemv_rope_into`] (`into`:
-/// the pool and its rows; output q).
-#[allow(clippy::too_many_arguments)]
-fn rope_call(
-    x: &Array,
-    w: &Array,
-    norm: Option<(&Array, f32)>,
-    pos: &Array,
-    inv_freq: &Array,
-    nq: usize,
-    head_dim: usize,
     into: Option<(&Array, &Array)>,
-) -> Result<Vec<Array>> {
+) -> Result<(Array, Option<Array>)> {
     let (n, k) = (w.dim(0) as usize, w.dim(1) as usize);
     let m = x.size() / k.max(1);
     if w.ndim() != 2
@@ -412,13 +378,13 @@ fn rope_call(
     check_rope_inputs("gemv_rope", pos, inv_freq, m, head_dim)?;
     let nkv2 = n / head_dim - nq;
     if let Some((pool, dst)) = into {
-        super::qgemv::check_kv_dst("gemv_rope_into", pool, dst, x.dtype(), m, nkv2, head_dim)?;
+        super::qgemv::check_kv_dst("gemv_rope", pool, dst, x.dtype(), m, nkv2, head_dim)?;
     }
     let (nw, eps) = norm_input("gemv_rope", norm, x, k)?;
     let src = source()?;
     if into.is_some() && src.body_rope_kv.trim().is_empty() {
         return Err(MlxError::Invalid(
-            "gemv_rope_into: the kernel file has no `// @@body_rope_kv` part".into(),
+            "gemv_rope: the kernel file has no `// @@body_rope_kv` part".into(),
         ));
     }
     let Launch { rows, wpb } = launch_config(m, n, k);
@@ -478,7 +444,7 @@ fn rope_call(
         Some((pool, dst)) => (vec![x, w, nw, pos, inv_freq, pool, dst], vec![&q_shape]),
         None => (vec![x, w, nw, pos, inv_freq], vec![&q_shape, &kv_shape]),
     };
-    kernel.call(
+    let out = kernel.call(
         &ins,
         &shapes,
         x.dtype(),
@@ -487,7 +453,8 @@ fn rope_call(
         x.dtype(),
         [((n / rows) * 32 * wpb) as i32, 1, 1],
         [(32 * wpb) as i32, 1, 1],
-    )
+    )?;
+    super::qgemv::q_and_kv("gemv_rope", out, into.is_some())
 }
 
 #[cfg(test)]

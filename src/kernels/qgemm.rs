@@ -595,7 +595,7 @@ pub fn qgemm_rope(
     inv_freq: &Array,
     nq: usize,
     head_dim: usize,
-) -> Result<(Array, Array)> {
+) -> Result<(Array, Option<Array>)> {
     let (n, k, m) = dims("qgemm_rope", x, w, group, bits)?;
     if !supports_rope(n, nq, head_dim) {
         return Err(MlxError::Invalid(format!(
@@ -648,7 +648,7 @@ pub fn qgemm_rope(
         l,
         n,
     )?;
-    super::qgemv::q_and_kv("qgemm_rope", out)
+    super::qgemv::q_and_kv("qgemm_rope", out, false)
 }
 
 #[cfg(test)]

@@ -872,62 +872,6 @@ pub fn supports_rope(
         && (n / 2).is_multiple_of(rows / 2)
 }
 
-/// The q/k/v projection of a decode step in one kernel: `y = norm(x) · Wᵀ` for a merged
-/// `[q; k; v]` weight (`nq` query heads, then equally many key and value heads of
-/// `head_dim`), with RoPE (half-split, angle `pos[m] · inv_freq[d]`) applied to the
-/// q and k heads of row m. Returns q `[m, nq, 1, head_dim]` and kv `[m, 2·nkv, 1,
-/// head_dim]` (key heads, then value heads). `pos`: int32, one position per row of x;
-/// `inv_freq`: float32 `[head_dim / 2]`. The caller checks [`enabled`], [`supports`]
-/// and [`supports_rope`].
-#[allow(clippy::too_many_arguments)]
-pub fn qgemv_rope(
-    x: &Array,
-    w: &Array,
-    scales: &Array,
-    biases: &Array,
-    group: usize,
-    bits: usize,
-    norm: Option<(&Array, f32)>,
-    pos: &Array,
-    inv_freq: &Array,
-    nq: usize,
-    head_dim: usize,
-) -> Result<(Array, Array)> {
-    let out = rope_call(
-        x, w, scales, biases, group, bits, norm, pos, inv_freq, nq, head_dim, None,
-    )?;
-    q_and_kv("qgemv_rope", out)
-}
-
-/// [`qgemv_rope`] with the key and value heads written straight into a layer's KV pool
-/// (the decode step's cache write, one op less): `pool` `[1, 2·nkv, R, head_dim]` of x's
-/// dtype (a view that holds no reference to it), batch row m's at pool row `dst[m]`
-/// (`dst` int32 `[m]`, [`check_kv_dst`]). Batches up to [`MAX_M`] rows (no row chunks).
-/// Returns q.
-#[allow(clippy::too_many_arguments)]
-pub fn qgemv_rope_into(
-    x: &Array,
-    w: &Array,
-    scales: &Array,
-    biases: &Array,
-    group: usize,
-    bits: usize,
-    norm: Option<(&Array, f32)>,
-    pos: &Array,
-    inv_freq: &Array,
-    nq: usize,
-    head_dim: usize,
-    pool: &Array,
-    dst: &Array,
-) -> Result<Array> {
-    let into = Some((pool, dst));
-    let mut out = rope_call(
-        x, w, scales, biases, group, bits, norm, pos, inv_freq, nq, head_dim, into,
-    )?;
-    out.pop()
-        .ok_or_else(|| MlxError::Invalid("qgemv_rope_into: the kernel returned no output".into()))
-}
-
 /// A KV pool and its rows for a q/k/v kernel that writes the pool (`what` names it in
 /// errors): `pool` `[1, nkv2, R, head_dim]` of `dtype` (key then value heads), `dst` int32
 /// `[m]`: each batch row's pool row.
@@ -960,10 +904,20 @@ pub(super) fn check_kv_dst(
     Ok(())
 }
 
-/// The launch behind [`qgemv_rope`] (outputs q and kv) and [`qgemv_rope_into`] (`into`:
-/// the pool and its rows; output q).
+/// The q/k/v projection of a decode step in one kernel: `y = norm(x) · Wᵀ` for a merged
+/// `[q; k; v]` weight (`nq` query heads, then equally many key and value heads of
+/// `head_dim`), with RoPE (half-split, angle `pos[m] · inv_freq[d]`) applied to the
+/// q and k heads of row m. Returns q `[m, nq, 1, head_dim]` and kv `[m, 2·nkv, 1,
+/// head_dim]` (key heads, then value heads). `pos`: int32, one position per row of x;
+/// `inv_freq`: float32 `[head_dim / 2]`. The caller checks [`enabled`], [`supports`]
+/// and [`supports_rope`].
+///
+/// With `into` (a layer's KV pool `[1, 2·nkv, R, head_dim]` of x's dtype, as a view that
+/// holds no reference to it, and int32 rows `[m]`: [`check_kv_dst`]) the key and value
+/// heads of batch row i go straight into the pool at row `rows[i]` (the decode step's cache
+/// write, one op less) and kv is `None`; up to [`MAX_M`] rows then (no row chunks).
 #[allow(clippy::too_many_arguments)]
-fn rope_call(
+pub fn qgemv_rope(
     x: &Array,
     w: &Array,
     scales: &Array,
@@ -976,7 +930,7 @@ fn rope_call(
     nq: usize,
     head_dim: usize,
     into: Option<(&Array, &Array)>,
-) -> Result<Vec<Array>> {
+) -> Result<(Array, Option<Array>)> {
     let n = w.dim(0) as usize;
     let k = w.dim(1) as usize * 32 / bits;
     let m = x.size() / k.max(1);
@@ -990,18 +944,18 @@ fn rope_call(
     check_rope_inputs("qgemv_rope", pos, inv_freq, m, head_dim)?;
     if m > MAX_M && into.is_some() {
         return Err(MlxError::Invalid(format!(
-            "qgemv_rope_into: {m} rows, more than the kernel's {MAX_M}"
+            "qgemv_rope: {m} rows into the KV pool, more than the kernel's {MAX_M}"
         )));
     }
     let nkv2 = n / head_dim - nq;
     if let Some((pool, dst)) = into {
-        check_kv_dst("qgemv_rope_into", pool, dst, x.dtype(), m, nkv2, head_dim)?;
+        check_kv_dst("qgemv_rope", pool, dst, x.dtype(), m, nkv2, head_dim)?;
     }
     if m > MAX_M {
         // row chunks, each a run of the kernel (see MAX_CHUNKED_M)
         let x2 = x.reshape(&[m as i32, k as i32])?;
         let pos1 = pos.reshape(&[m as i32])?;
-        let mut out = by_row_chunks(m, |lo, rows| {
+        let out = by_row_chunks(m, |lo, rows| {
             let (a, b) = (lo as i32, (lo + rows) as i32);
             let (q, kv) = qgemv_rope(
                 &x2.slice_axis(0, a, b)?,
@@ -1015,14 +969,11 @@ fn rope_call(
                 inv_freq,
                 nq,
                 head_dim,
+                None,
             )?;
-            Ok(vec![q, kv])
-        })?
-        .into_iter();
-        return match (out.next(), out.next()) {
-            (Some(q), Some(kv)) => Ok(vec![q, kv]),
-            _ => Err(MlxError::Invalid("qgemv_rope: no rows".into())),
-        };
+            Ok(std::iter::once(q).chain(kv).collect())
+        })?;
+        return q_and_kv("qgemv_rope", out, false);
     }
     let (nw, eps) = norm_input("qgemv_rope", norm, x, k)?;
     let src = source()?;
@@ -1032,7 +983,7 @@ fn rope_call(
         .transpose()?;
     if into.is_some() && src.body_rope_kv.trim().is_empty() {
         return Err(MlxError::Invalid(
-            "qgemv_rope_into: the kernel file has no `// @@body_rope_kv` part".into(),
+            "qgemv_rope: the kernel file has no `// @@body_rope_kv` part".into(),
         ));
     }
     type Names = (
@@ -1115,7 +1066,7 @@ fn rope_call(
         }
         None => vec![&q_shape, &kv_shape],
     };
-    kernel.call(
+    let out = kernel.call(
         &ins,
         &shapes,
         x.dtype(),
@@ -1124,16 +1075,20 @@ fn rope_call(
         x.dtype(),
         [(blocks * 32 * wpb) as i32, 1, 1],
         [(32 * wpb) as i32, 1, 1],
-    )
+    )?;
+    q_and_kv("qgemv_rope", out, into.is_some())
 }
 
-/// The q and kv outputs of a q/k/v + RoPE kernel (`what` names it in the error).
-pub(super) fn q_and_kv(what: &str, out: Vec<Array>) -> Result<(Array, Array)> {
+/// The outputs of a q/k/v + RoPE kernel (`what` names it in the error): q, and kv unless
+/// the kernel wrote the keys and values into the KV pool (`into`).
+pub(super) fn q_and_kv(what: &str, out: Vec<Array>, into: bool) -> Result<(Array, Option<Array>)> {
     let mut out = out.into_iter();
-    match (out.next(), out.next()) {
-        (Some(q), Some(kv)) => Ok((q, kv)),
+    match (out.next(), out.next(), into) {
+        (Some(q), None, true) => Ok((q, None)),
+        (Some(q), Some(kv), false) => Ok((q, Some(kv))),
         _ => Err(MlxError::Invalid(format!(
-            "{what}: the kernel returned fewer than two outputs"
+            "{what}: the kernel did not return q{}",
+            if into { " alone" } else { " and kv" }
         ))),
     }
 }

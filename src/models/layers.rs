@@ -280,9 +280,9 @@ impl Linear {
     /// heads and equally many key and value heads of `head_dim`, with `rope` applied to
     /// q and k at positions `pos` (one per row of x), in one run of mlxcel's GEMV kernel:
     /// q `[B, nq, 1, head_dim]` and kv `[B, 2·nkv, 1, head_dim]` (key heads, then value
-    /// heads, as the KV cache stores them). With `into` (a layer's KV pool and its rows,
-    /// see `kernels::gemv::gemv_rope_into`) k and v go straight into the pool and kv is
-    /// `None`; the GEMV kernels do that, the quantized GEMM (9–128 rows) does not, so
+    /// heads, as the KV cache stores them). With `into` (a layer's KV pool and the step's
+    /// rows there, see `kernels::qgemv::qgemv_rope`) k and v go straight into the pool and
+    /// kv is `None`; the GEMV kernels do that, the quantized GEMM (9–128 rows) does not, so
     /// `into` is ignored there. `None` when the kernel does not cover it (see
     /// [`Linear::fused`]; also a partial rotary dimension): the caller runs the plain ops.
     #[allow(clippy::too_many_arguments)]
@@ -298,49 +298,27 @@ impl Linear {
     ) -> Option<mlx::Result<(Array, Option<Array>)>> {
         let f = self.fusable(x, norm)?;
         let fits = rope.dims as usize == head_dim && pos.size() == f.m && pos.dtype() == Dtype::I32;
-        let norm_w = norm.map(|n| (&n.weight, n.eps));
+        let (nw, inv) = (norm.map(|n| (&n.weight, n.eps)), &rope.inv_freq);
+        let (w, scales, biases, group, bits) = (f.w, f.scales, f.biases, f.group, f.bits);
         if f.dense {
             let fits = fits && kernels::gemv::supports_rope(f.m, f.n, nq, head_dim);
-            return fits.then(|| match into {
-                Some((pool, dst)) => kernels::gemv::gemv_rope_into(
-                    x,
-                    f.w,
-                    norm_w,
-                    pos,
-                    &rope.inv_freq,
-                    nq,
-                    head_dim,
-                    pool,
-                    dst,
+            return fits.then(|| kernels::gemv::gemv_rope(x, w, nw, pos, inv, nq, head_dim, into));
+        }
+        // the GEMM for 9-128 rows (4-bit: 17-128; MLXCEL_QGEMM=0 off), else the GEMV
+        if f.gemm {
+            let fits = fits && kernels::qgemm::supports_rope(f.n, nq, head_dim);
+            return fits.then(|| {
+                kernels::qgemm::qgemm_rope(
+                    x, w, scales, biases, group, bits, nw, pos, inv, nq, head_dim,
                 )
-                .map(|q| (q, None)),
-                None => kernels::gemv::gemv_rope(x, f.w, norm_w, pos, &rope.inv_freq, nq, head_dim)
-                    .map(|(q, kv)| (q, Some(kv))),
             });
         }
-        // the GEMM for 9-128 rows (4-bit: 17-128; MLXCEL_QGEMM=0 off), else the GEMV: the
-        // same arguments
-        let (fits, run) = if f.gemm {
-            let fits = fits && kernels::qgemm::supports_rope(f.n, nq, head_dim);
-            (fits, kernels::qgemm::qgemm_rope as QkvRope)
-        } else {
-            let fits =
-                fits && kernels::qgemv::supports_rope(f.m, f.n, f.group, f.bits, nq, head_dim);
-            (fits, kernels::qgemv::qgemv_rope as QkvRope)
-        };
-        let inv_freq = &rope.inv_freq;
-        fits.then(|| match into {
-            Some((pool, dst)) if !f.gemm && f.m <= kernels::qgemv::MAX_M => {
-                kernels::qgemv::qgemv_rope_into(
-                    x, f.w, f.scales, f.biases, f.group, f.bits, norm_w, pos, inv_freq, nq,
-                    head_dim, pool, dst,
-                )
-                .map(|q| (q, None))
-            }
-            _ => run(
-                x, f.w, f.scales, f.biases, f.group, f.bits, norm_w, pos, inv_freq, nq, head_dim,
+        let fits = fits && kernels::qgemv::supports_rope(f.m, f.n, group, bits, nq, head_dim);
+        let into = into.filter(|_| f.m <= kernels::qgemv::MAX_M);
+        fits.then(|| {
+            kernels::qgemv::qgemv_rope(
+                x, w, scales, biases, group, bits, nw, pos, inv, nq, head_dim, into,
             )
-            .map(|(q, kv)| (q, Some(kv))),
         })
     }
 
@@ -488,22 +466,6 @@ type Product = for<'a, 'b, 'c, 'd, 'e, 'f, 'g, 'h> fn(
     Epilogue<'f>,
     Option<(&'g Array, f32)>,
 ) -> mlx::Result<Array>;
-
-/// `qgemv::qgemv_rope` or `qgemm::qgemm_rope`: x, weight, scales, biases, group, bits, norm,
-/// positions, inverse frequencies, query heads, head size.
-type QkvRope = fn(
-    &Array,
-    &Array,
-    &Array,
-    &Array,
-    usize,
-    usize,
-    Option<(&Array, f32)>,
-    &Array,
-    &Array,
-    usize,
-    usize,
-) -> mlx::Result<(Array, Array)>;
 
 /// Whether mlxcel's dense GEMV kernel computes `x · wᵀ` for a dense weight `w [n, k]`:
 /// the kernel on (CUDA, unless `MLXCEL_GEMV_DENSE=0`), x holding whole rows
