@@ -29,14 +29,7 @@ int main() {
   for (auto& v : res) v = T(ux(rng));
   for (auto& v : nw) v = T(0.5f + ux(rng));
 #if ROPE_KV
-  // k and v go into a pool of R rows per kv head, batch row m at row R - 1 - 2m; every other
-  // row must keep its -777
-  const int R = 2 * M + 5;
-  const int nkv2 = N / HD - NQ;
-  std::vector<T> pool(size_t(nkv2) * R * HD, T(-777.f));
-  const int pool_shape[10] = {1, nkv2, R, HD, -1, -1, -1, -1, -1, -1};
-  std::vector<int32_t> dst(M);
-  for (int m = 0; m < M; ++m) dst[m] = R - 1 - 2 * m;
+  KvPool<T> kv(M, N / HD - NQ, HD);
 #endif
   const int tpb = 32 * WPB;
   blockDim.x = tpb;
@@ -44,8 +37,8 @@ int main() {
   for (int blk = 0; blk < N / ROWS; ++blk) {
     run_block(blk, tpb, [&] {
 #if ROPE_KV
-      kernel(x.data(), w.data(), nw.data(), pos.data(), inv.data(), pool.data(), pool_shape, dst.data(),
-             yq.data());
+      kernel(x.data(), w.data(), nw.data(), pos.data(), inv.data(), kv.pool.data(), kv.shape,
+             kv.dst.data(), yq.data());
 #elif ROPE
       kernel(x.data(), w.data(), nw.data(), pos.data(), inv.data(), yq.data(), ykv.data());
 #else
@@ -54,22 +47,8 @@ int main() {
     });
   }
 #if ROPE_KV
-  // the pool's rows back into kv's layout [M, 2·NKV, 1, HD]; a row written that was not
-  // asked for fails
-  for (int j = 0; j < nkv2; ++j) {
-    for (int r = 0; r < R; ++r) {
-      const bool asked = r < R && (R - 1 - r) % 2 == 0 && (R - 1 - r) / 2 < M;
-      for (int d = 0; d < HD; ++d) {
-        const T v = pool[(size_t(j) * R + r) * HD + d];
-        if (asked) {
-          ykv[(size_t((R - 1 - r) / 2) * nkv2 + j) * HD + d] = v;
-        } else if (float(v) != float(T(-777.f))) {
-          std::printf("pool row %d of kv head %d written\n", r, j);
-          return 1;
-        }
-      }
-    }
-  }
+  // the pool's rows back into kv's layout; a row written that was not asked for fails
+  if (!kv.read_back(ykv)) return 1;
 #endif
   const std::vector<double> xin = ref_input(x, nw, M, K, NORM, EPS_BITS);
   auto dot = [&](int m, int n) {

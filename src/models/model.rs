@@ -476,6 +476,12 @@ impl Model {
         };
         let offset = one(pos as i32, &[])?;
         let dst = dst.map(|row| one(row, &[1])).transpose()?;
+        if probe.is_some() {
+            // (counting ops per layer: the step's inputs are made once per step, not in
+            // each layer that reads them, so they are evaluated before the layers are counted)
+            let inputs: Vec<&Array> = std::iter::once(&offset).chain(dst.as_ref()).collect();
+            mlx::eval(&inputs)?;
+        }
         let mut h = self.embed(ids)?;
         if t == 1 {
             h = self.decode_rows(h)?;

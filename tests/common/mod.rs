@@ -256,6 +256,38 @@ template <class X, class Dot> static void ref_epilogue(RefErr& e, Dot dot, int M
       e.add(r, double(float(y[m * out_n + n])));
     }
 }
+// The KV pool a q/k/v entry point writes into (`@@body_rope_kv`): R = 2·M + 5 rows per kv
+// head, batch row m at row R - 1 - 2m, every row -777 first; `shape` as MLX passes it.
+template <class X> struct KvPool {
+  int M, nkv2, hd, R;
+  std::vector<X> pool;
+  int shape[10];
+  std::vector<int32_t> dst;
+  KvPool(int m, int nkv2_, int hd_) : M(m), nkv2(nkv2_), hd(hd_), R(2 * m + 5), dst(m) {
+    pool.assign(size_t(nkv2) * R * hd, X(-777.f));
+    const int s[10] = {1, nkv2, R, hd, -1, -1, -1, -1, -1, -1};
+    for (int i = 0; i < 10; ++i) shape[i] = s[i];
+    for (int i = 0; i < M; ++i) dst[i] = R - 1 - 2 * i;
+  }
+  // the rows asked for into kv's layout [M, nkv2, 1, hd]; false (and a line saying which) if
+  // any other row was written
+  bool read_back(std::vector<X>& ykv) const {
+    for (int j = 0; j < nkv2; ++j)
+      for (int r = 0; r < R; ++r) {
+        const bool asked = (R - 1 - r) % 2 == 0 && (R - 1 - r) / 2 < M;
+        for (int d = 0; d < hd; ++d) {
+          const X v = pool[(size_t(j) * R + r) * hd + d];
+          if (asked) {
+            ykv[(size_t((R - 1 - r) / 2) * nkv2 + j) * hd + d] = v;
+          } else if (float(v) != float(X(-777.f))) {
+            std::printf("pool row %d of kv head %d written\n", r, j);
+            return false;
+          }
+        }
+      }
+    return true;
+  }
+};
 // every output against the reference: q/k/v with RoPE when hd > 0, else y with epilogue epi;
 // prints the line the tests read and returns the program's exit status (0: the largest error
 // below tol of the largest reference value)
