@@ -915,7 +915,8 @@ pub(super) fn check_kv_dst(
 /// With `into` (a layer's KV pool `[1, 2·nkv, R, head_dim]` of x's dtype, as a view that
 /// holds no reference to it, and int32 rows `[m]`: [`check_kv_dst`]) the key and value
 /// heads of batch row i go straight into the pool at row `rows[i]` (the decode step's cache
-/// write, one op less) and kv is `None`; up to [`MAX_M`] rows then (no row chunks).
+/// write, without a kernel of its own) and kv is `None`; up to [`MAX_M`] rows then (no row
+/// chunks).
 #[allow(clippy::too_many_arguments)]
 pub fn qgemv_rope(
     x: &Array,

@@ -604,12 +604,12 @@ impl Model {
         for (li, block) in self.layers.iter().enumerate() {
             let a = &block.self_attn;
             let norm = &block.input_layernorm;
+            let mut pool = None;
             let (q_d, kv_d) = match (&hd, &index) {
                 (Some(h), Some(index)) => {
-                    let pool = match kernels::knobs::get().kv_fused {
-                        true => Self::pool_for(cache, li, h)?,
-                        false => None,
-                    };
+                    if kernels::knobs::get().kv_fused {
+                        pool = Self::pool_for(cache, li, h)?;
+                    }
                     let into = pool.as_ref().map(|p| (p, index.kv_dst()));
                     let positions = index.positions();
                     let (q, kv) = a.qkv(h, norm, b, 1, &self.rope, positions, into)?;
@@ -628,9 +628,14 @@ impl Model {
             if let (Some(h), Some(q), Some(index)) = (&hd, &q_d, &index) {
                 let o = match &scratch {
                     // every row its own slot and length, in one kernel
+                    // (the view the q/k/v kernel wrote through, unless prefill chunks were
+                    // written into the pool since: a view made after their write)
                     Some(scratch) => a.decode_attention(
                         q,
-                        &cache.pool_view(li)?,
+                        &match pool.take().filter(|_| chunks.is_empty()) {
+                            Some(p) => p,
+                            None => cache.pool_view(li)?,
+                        },
                         index.table().expect("made for the kernel"),
                         index.positions(),
                         scratch,
