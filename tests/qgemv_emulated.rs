@@ -567,14 +567,17 @@ fn qgemv_mma_epilogues_match() {
         "mma_norm_swiglu",
         &with(mma(4, 64, 512, 64, 32, 2), &[("EPI", 2), ("NORM", 1)]),
     );
-    // RoPE: 4 query, 2 key, 2 value heads of 16; row 1 at position 70000
-    run(
-        "mma_rope_norm",
-        &with(
-            mma(7, 8 * 16, 512, 64, 16, 2),
-            &[("NORM", 1), ("HD", 16), ("NQ", 4)],
-        ),
-    );
+    // RoPE: 4 query, 2 key, 2 value heads of 16; row 1 at position 70000; and (KVW) the
+    // same writing k and v into a KV pool, as batched decode steps of 5-8 rows do
+    for (tag, kvw) in [("mma_rope_norm", 0), ("mma_rope_kv_norm", 1)] {
+        run(
+            tag,
+            &with(
+                mma(7, 8 * 16, 512, 64, 16, 2),
+                &[("NORM", 1), ("HD", 16), ("NQ", 4), ("KVW", kvw)],
+            ),
+        );
+    }
     // SwiGLU with one tile per block (8 gate rows and 8 up rows), group 32, the norm
     run(
         "mma_swiglu_rows16_g32",
