@@ -1167,6 +1167,55 @@ mod tests {
         drop(held);
     }
 
+    /// Where a q/k/v kernel wrote a step's decode keys and values itself
+    /// ([`NewKv::Written`]), the step's one write scatters only the prefill chunks' rows
+    /// (behind the decode rows in the step's rows) and leaves the decode rows as written.
+    #[test]
+    fn a_step_written_by_the_kernel_scatters_only_its_chunks() {
+        let (layers, h, d) = (1usize, 2i32, 4i32);
+        let mut c = small_cache(layers, 2, 8, true);
+        c.restart(0, 0, Some(&[0, 1]));
+        c.restart(1, 0, Some(&[5]));
+        c.prepare(layers, &[(0, 5)]).unwrap();
+        let r0 = c.seq_rows(0, 0, 5).unwrap();
+        c.write(0, &r0, &NewKv::Merged(values(&[1, 2 * h, 5, d], 0.0)))
+            .unwrap();
+        c.advance(0, 5);
+        c.prepare(layers, &[(0, 6), (1, 3)]).unwrap();
+        // slot 0's new position: the row a kernel writes (here written by the cache first,
+        // standing in for the kernel)
+        let one = c.seq_rows(0, 5, 1).unwrap();
+        assert_eq!(c.seq_kv_dst(&one), Some(5));
+        c.write(0, &one, &NewKv::Merged(values(&[1, 2 * h, 1, d], 500.0)))
+            .unwrap();
+        let idx = c.batch_index(&[0], &[5], false).unwrap();
+        let chunks = [c.seq_rows(1, 0, 3).unwrap()];
+        let writes = c.step_writes(Some(&idx), &chunks).unwrap();
+        let news = [NewKv::Merged(values(&[1, 2 * h, 3, d], 1000.0))];
+        c.write_step(0, &writes, Some(&NewKv::Written), &news)
+            .unwrap();
+        let (k0, v0, _) = c.read_batch(0, &idx).unwrap();
+        let (k1, v1) = c.read(0, &chunks[0]).unwrap();
+        let (k0, v0) = (read(&k0), read(&v0));
+        assert_eq!(k0[5 * d as usize], 500.0);
+        assert_eq!(v0[5 * d as usize], 500.0 + (h * d) as f32);
+        assert_eq!(
+            k0[4 * d as usize],
+            (4 * d) as f32,
+            "the positions before stay"
+        );
+        let new = values(&[1, 2 * h, 3, d], 1000.0);
+        let ones = [1, 1, 1, 1];
+        let k1v = new.slice(&[0, 0, 0, 0], &[1, h, 3, d], &ones).unwrap();
+        let v1v = new.slice(&[0, h, 0, 0], &[1, 2 * h, 3, d], &ones).unwrap();
+        assert_eq!(read(&k1), read(&k1v));
+        assert_eq!(read(&v1), read(&v1v));
+        // only decode rows and nothing else: nothing to write
+        let writes = c.step_writes(Some(&idx), &[]).unwrap();
+        c.write_step(0, &writes, Some(&NewKv::Written), &[])
+            .unwrap();
+    }
+
     /// Without a table a slot owns the blocks j·slots + slot: one slot's positions are
     /// one run.
     #[test]
