@@ -26,6 +26,11 @@ pub fn device_i32_parts(parts: &[(&[i32], &[i32])]) -> Result<Vec<Array>> {
     if backend() != Backend::Cuda {
         return parts.iter().map(|(v, s)| Array::from_slice(v, s)).collect();
     }
+    made_by_ops(parts, &Stream::default_for(true)?)
+}
+
+/// `parts` as views of one array made by ops on `stream` (an `arange`, or a copy there).
+fn made_by_ops(parts: &[(&[i32], &[i32])], stream: &Stream) -> Result<Vec<Array>> {
     let mut all: Vec<i32> = parts.iter().flat_map(|(v, _)| v.iter().copied()).collect();
     let n = all.len().max(MIN_LEN);
     let consecutive = all.windows(2).all(|w| w[0].checked_add(1) == Some(w[1]));
@@ -36,7 +41,7 @@ pub fn device_i32_parts(parts: &[(&[i32], &[i32])]) -> Result<Vec<Array>> {
         }
         _ => {
             all.resize(n, 0);
-            Array::from_slice(&all, &[n as i32])?.copy_to_stream(&Stream::default_for(true)?)?
+            Array::from_slice(&all, &[n as i32])?.copy_to_stream(stream)?
         }
     };
     let mut out = Vec::with_capacity(parts.len());
@@ -53,4 +58,31 @@ pub fn device_i32_parts(parts: &[(&[i32], &[i32])]) -> Result<Vec<Array>> {
 pub fn device_i32(values: &[i32], shape: &[i32]) -> Result<Array> {
     let mut v = device_i32_parts(&[(values, shape)])?;
     Ok(v.pop().expect("one part"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every part comes back with its values and shape, from an `arange` (one value, or a
+    /// run) or from the copy (anything else), padded or not.
+    #[test]
+    fn parts_come_back_as_given() {
+        let cpu = Stream::new_cpu().unwrap();
+        let cases: [&[(&[i32], &[i32])]; 4] = [
+            &[(&[7], &[])],
+            &[(&[7], &[1]), (&[8, 9], &[2])],
+            &[(&[5, 3], &[2]), (&[40, 41, 40, 9], &[2, 2])],
+            &[(&[-3], &[1, 1]), (&[100], &[1])],
+        ];
+        for parts in cases {
+            let got = made_by_ops(parts, &cpu).unwrap();
+            assert_eq!(got.len(), parts.len());
+            for (a, (v, s)) in got.iter().zip(parts) {
+                assert_eq!(a.shape(), s.to_vec(), "{parts:?}");
+                assert_eq!(a.dtype(), Dtype::I32);
+                assert_eq!(a.to_vec::<i32>().unwrap(), v.to_vec(), "{parts:?}");
+            }
+        }
+    }
 }
