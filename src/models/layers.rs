@@ -276,6 +276,17 @@ impl Linear {
         }
     }
 
+    /// Whether a one-token step's product may run on one of mlxcel's GEMV kernels (CUDA,
+    /// the kernel for its weight's kind on, no bias or reduction after it): what
+    /// [`Linear::forward_qkv_rope`] needs before the shapes are looked at.
+    pub fn on_gemv_kernel(&self) -> bool {
+        let kernel = match &self.weight {
+            Weight::Dense(_) => kernels::gemv::enabled(),
+            Weight::Quantized { .. } => kernels::qgemv::enabled(),
+        };
+        kernel && self.bias.is_none() && self.reduce.is_none()
+    }
+
     /// The merged q/k/v projection of a one-token step, `norm(x) · Wᵀ` for `nq` query
     /// heads and equally many key and value heads of `head_dim`, with `rope` applied to
     /// q and k at positions `pos` (one per row of x), in one run of mlxcel's GEMV kernel:

@@ -499,7 +499,7 @@ impl Model {
         for (li, block) in self.layers.iter().enumerate() {
             let a = &block.self_attn;
             let pool = match &dst {
-                Some(_) => Self::pool_for(cache, li, &h)?,
+                Some(_) => Self::pool_for(cache, li, a, &h)?,
                 None => None,
             };
             let into = pool.as_ref().zip(dst.as_ref());
@@ -608,7 +608,7 @@ impl Model {
             let (q_d, kv_d) = match (&hd, &index) {
                 (Some(h), Some(index)) => {
                     if kernels::knobs::get().kv_fused {
-                        pool = Self::pool_for(cache, li, h)?;
+                        pool = Self::pool_for(cache, li, a, h)?;
                     }
                     let into = pool.as_ref().map(|p| (p, index.kv_dst()));
                     let positions = index.positions();
@@ -794,12 +794,16 @@ impl Model {
         Ok(DecodeOps { step, layers })
     }
 
-    /// `layer`'s KV pool as a view for a q/k/v kernel to write the step's keys and values
-    /// into (`MLXCEL_KV_FUSED`), when it holds the activations' dtype (the kernel writes
-    /// that); `None`: the cache writes them.
-    fn pool_for(cache: &KvCache, layer: usize, h: &Array) -> mlx::Result<Option<Array>> {
-        let kernel = kernels::gemv::enabled() || kernels::qgemv::enabled();
-        match kernel && cache.pool(layer).dtype() == h.dtype() {
+    /// `layer`'s KV pool as a view for its q/k/v kernel to write the step's keys and values
+    /// into (`MLXCEL_KV_FUSED`), when attention `a` runs that kernel and the pool holds the
+    /// activations' dtype (the kernel writes that); `None`: the cache writes them.
+    fn pool_for(
+        cache: &KvCache,
+        layer: usize,
+        a: &Attention,
+        h: &Array,
+    ) -> mlx::Result<Option<Array>> {
+        match a.qkv_on_kernel() && cache.pool(layer).dtype() == h.dtype() {
             true => Ok(Some(cache.pool_view(layer)?)),
             false => Ok(None),
         }

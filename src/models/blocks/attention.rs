@@ -168,6 +168,12 @@ impl Attention {
         )
     }
 
+    /// Whether a one-token step's q/k/v may come from the GEMV kernel that applies RoPE and
+    /// can write k and v into the KV pool (no q/k norm, no biases, the kernel on).
+    pub fn qkv_on_kernel(&self) -> bool {
+        self.q_norm.is_none() && self.k_norm.is_none() && self.qkv_proj.on_gemv_kernel()
+    }
+
     /// Project `norm(x)` to q/k/v `[B, heads, T, head_dim]`, with q/k norm and RoPE applied;
     /// k and v come as one array when the fused kernel made them so, or (one-token steps
     /// given `into`, a layer's KV pool and its rows, when the GEMV kernel runs) already
