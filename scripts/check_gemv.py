@@ -208,23 +208,37 @@ def check_rope(kernel, x, w, wf, nw, n, nq, m, hd=128, base=500000.0):
     e = max(rel_err(q, ref_q), rel_err(kv, ref_kv))
     em = max(rel_err(mq, ref_q), rel_err(mkv, ref_kv))
     # the entry point that writes k and v into a KV pool: the same values at the given rows
-    q2, pool, rows = gemv_rope_kv(x, w, (nw, 1e-5), pos, inv_freq, nq, hd)
-    e2 = max(rel_err(q2, ref_q), rel_err(pool[0][:, rows].transpose(1, 0, 2)[:, :, None], ref_kv))
+    q2, kv2 = gemv_rope_kv(x, w, (nw, 1e-5), pos, inv_freq, nq, hd)
+    e2 = max(rel_err(q2, ref_q), rel_err(kv2, ref_kv))
     return (m, " norm+rope", max(e, e2), em, within(max(e, e2), em))
 
 
+def kv_pool(m, nkv2, hd, dt):
+    """A KV pool [1, nkv2, R, hd] of -7 for a pool-writing q/k/v entry point (R = 2·M + 5)
+    and the rows it is to write, batch row i at R - 1 - 2i (int32)."""
+    r = 2 * m + 5
+    pool = mx.full((1, nkv2, r, hd), -7.0, dtype=dt)
+    dst = mx.array([r - 1 - 2 * i for i in range(m)], dtype=mx.int32)
+    mx.eval(pool, dst)
+    return pool, dst
+
+
+def pool_rows(pool, dst):
+    """The rows `dst` of `pool` as kv [M, nkv2, 1, hd]; NaNs if any other row was written."""
+    at = dst.tolist()
+    untouched = [i for i in range(pool.shape[2]) if i not in at]
+    if untouched and (pool[0][:, untouched] != -7.0).any().item():
+        return mx.full((len(at), pool.shape[1], 1, pool.shape[3]), float("nan"))
+    return pool[0][:, dst].transpose(1, 0, 2)[:, :, None]
+
+
 def gemv_rope_kv(x, w, norm, pos, inv_freq, nq, hd):
-    """q of the q/k/v + RoPE entry point that writes k and v into a pool [1, 2·nkv, R, hd]
-    (R = 2·M + 5, batch row m at row R - 1 - 2m; other rows stay -7); returns q, the pool
-    and the rows."""
+    """q of the q/k/v + RoPE entry point that writes k and v into a pool ([`kv_pool`]), and
+    the rows it wrote as kv ([`pool_rows`])."""
     m, k = x.shape
     n = w.shape[0]
     rows, wpb = launch_config(m, n, k)
-    nkv2, r = n // hd - nq, 2 * m + 5
-    at = [r - 1 - 2 * i for i in range(m)]
-    pool = mx.full((1, nkv2, r, hd), -7.0, dtype=DT)
-    dst = mx.array(at, dtype=mx.int32)
-    mx.eval(pool, dst)
+    pool, dst = kv_pool(m, n // hd - nq, hd, DT)
     q = ROPE_KV(
         inputs=[x, w, norm[0], pos, inv_freq, pool, dst],
         template=[("T", DT), ("M", m), ("N", n), ("K", k), ("ROWS", rows), ("WPB", wpb),
@@ -235,10 +249,7 @@ def gemv_rope_kv(x, w, norm, pos, inv_freq, nq, hd):
         output_dtypes=[DT],
     )[0]
     mx.eval(q)
-    untouched = [i for i in range(r) if i not in at]
-    if untouched and (pool[0][:, untouched] != -7.0).any().item():
-        return q, mx.full(pool.shape, float("nan"), dtype=DT), mx.array(at)
-    return q, pool, mx.array(at)
+    return q, pool_rows(pool, dst)
 
 
 def bench(fn, reps=5):

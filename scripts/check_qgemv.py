@@ -246,17 +246,14 @@ def qgemv_rope(kernel, x, w, s, b, group, bits, norm, pos, inv_freq, nq, hd):
 
 
 def qgemv_rope_kv(x, w, s, b, group, bits, norm, pos, inv_freq, nq, hd):
-    """q of the entry point that writes k and v into a pool [1, 2·nkv, R, hd] (R = 2·M + 5,
-    batch row m at row R - 1 - 2m), and the pool; NaNs if it wrote any other row."""
+    """q of the entry point that writes k and v into a pool (check_gemv.kv_pool), and the
+    rows it wrote as kv (check_gemv.pool_rows: NaNs if it wrote any other row)."""
+    from check_gemv import kv_pool, pool_rows
     m, k = x.shape
     n = w.shape[0]
     rows, wpb, mma, pg = launch(m, n, k, bits, group, pairs=True)
     xin = round_x(x, group, norm) if mma else x
-    nkv2, r = n // hd - nq, 2 * m + 5
-    at = [r - 1 - 2 * i for i in range(m)]
-    pool = mx.full((1, nkv2, r, hd), -7.0, dtype=DT)
-    dst = mx.array(at, dtype=mx.int32)
-    mx.eval(pool, dst)
+    pool, dst = kv_pool(m, n // hd - nq, hd, DT)
     q = ROPE_KV(
         inputs=[xin, w, s, b, norm[0], pos, inv_freq, pool, dst],
         template=[("T", DT), ("M", m), ("N", n), ("K", k), ("G", group),
@@ -270,10 +267,7 @@ def qgemv_rope_kv(x, w, s, b, group, bits, norm, pos, inv_freq, nq, hd):
         output_dtypes=[DT],
     )[0]
     mx.eval(q)
-    untouched = [i for i in range(r) if i not in at]
-    if untouched and (pool[0][:, untouched] != -7.0).any().item():
-        return q, mx.full(pool.shape, float("nan"), dtype=DT)
-    return q, pool
+    return q, pool_rows(pool, dst)
 
 
 def check_rope(kernel, n, k, group, bits, ms, nq, hd=128, seed=0):
@@ -308,10 +302,8 @@ def check_rope(kernel, n, k, group, bits, ms, nq, hd=128, seed=0):
         eq = max(rel_err(mq, ref_q), rel_err(mkv, ref_kv))
         rows.append((m, " norm+rope", e, eq, within(e, eq, bits)))
         if m <= 8:  # the entry point that writes k and v into a KV pool (no row chunks)
-            q2, pool = qgemv_rope_kv(x, wq, s, b, group, bits, (nw, 1e-5), pos, inv_freq, nq, hd)
-            at = [2 * m + 4 - 2 * i for i in range(m)]
-            e2 = max(rel_err(q2, ref_q),
-                     rel_err(pool[0][:, mx.array(at)].transpose(1, 0, 2)[:, :, None], ref_kv))
+            q2, kv2 = qgemv_rope_kv(x, wq, s, b, group, bits, (nw, 1e-5), pos, inv_freq, nq, hd)
+            e2 = max(rel_err(q2, ref_q), rel_err(kv2, ref_kv))
             rows.append((m, " norm+rope into pool", e2, eq, within(e2, eq, bits)))
     return rows
 
