@@ -121,20 +121,27 @@ def gemv(kernel, x, w, res=None, swiglu=False, norm=None, rows=None, wpb=None):
     )[0]
 
 
-def gemv_rope(kernel, x, w, norm, pos, inv_freq, nq, hd, rows=None, wpb=None):
+def gemv_rope(kernel, x, w, norm, pos, inv_freq, nq, hd, rows=None, wpb=None, into=False):
+    """q and kv of the q/k/v + RoPE entry point; with `into` the one that writes k and v
+    into a KV pool ([`kv_pool`]), kv then the rows it wrote ([`pool_rows`])."""
     m, k = x.shape
     n = w.shape[0]
     r0, w0 = launch_config(m, n, k)
     rows, wpb = rows or r0, wpb or w0
-    return kernel(
-        inputs=[x, w, norm[0], pos, inv_freq],
+    pool, dst = kv_pool(m, n // hd - nq, hd, DT) if into else (None, None)
+    out = (ROPE_KV if into else kernel)(
+        inputs=[x, w, norm[0], pos, inv_freq] + ([pool, dst] if into else []),
         template=[("T", DT), ("M", m), ("N", n), ("K", k), ("ROWS", rows), ("WPB", wpb),
                   ("NORM", 1), ("EPS_BITS", eps_bits(norm[1])), ("HD", hd), ("NQ", nq)],
         grid=(n // rows * 32 * wpb, 1, 1),
         threadgroup=(32 * wpb, 1, 1),
-        output_shapes=[(m, nq, 1, hd), (m, n // hd - nq, 1, hd)],
-        output_dtypes=[DT, DT],
+        output_shapes=[(m, nq, 1, hd)] + ([] if into else [(m, n // hd - nq, 1, hd)]),
+        output_dtypes=[DT] * (1 if into else 2),
     )
+    if not into:
+        return out
+    mx.eval(out)
+    return out[0], pool_rows(pool, dst)
 
 
 def rel_err(a, ref):
@@ -208,7 +215,7 @@ def check_rope(kernel, x, w, wf, nw, n, nq, m, hd=128, base=500000.0):
     e = max(rel_err(q, ref_q), rel_err(kv, ref_kv))
     em = max(rel_err(mq, ref_q), rel_err(mkv, ref_kv))
     # the entry point that writes k and v into a KV pool: the same values at the given rows
-    q2, kv2 = gemv_rope_kv(x, w, (nw, 1e-5), pos, inv_freq, nq, hd)
+    q2, kv2 = gemv_rope(kernel, x, w, (nw, 1e-5), pos, inv_freq, nq, hd, into=True)
     e2 = max(rel_err(q2, ref_q), rel_err(kv2, ref_kv))
     return (m, " norm+rope", max(e, e2), em, within(max(e, e2), em))
 
@@ -230,26 +237,6 @@ def pool_rows(pool, dst):
     if untouched and (pool[0][:, untouched] != -7.0).any().item():
         return mx.full((len(at), pool.shape[1], 1, pool.shape[3]), float("nan"))
     return pool[0][:, dst].transpose(1, 0, 2)[:, :, None]
-
-
-def gemv_rope_kv(x, w, norm, pos, inv_freq, nq, hd):
-    """q of the q/k/v + RoPE entry point that writes k and v into a pool ([`kv_pool`]), and
-    the rows it wrote as kv ([`pool_rows`])."""
-    m, k = x.shape
-    n = w.shape[0]
-    rows, wpb = launch_config(m, n, k)
-    pool, dst = kv_pool(m, n // hd - nq, hd, DT)
-    q = ROPE_KV(
-        inputs=[x, w, norm[0], pos, inv_freq, pool, dst],
-        template=[("T", DT), ("M", m), ("N", n), ("K", k), ("ROWS", rows), ("WPB", wpb),
-                  ("NORM", 1), ("EPS_BITS", eps_bits(norm[1])), ("HD", hd), ("NQ", nq)],
-        grid=(n // rows * 32 * wpb, 1, 1),
-        threadgroup=(32 * wpb, 1, 1),
-        output_shapes=[(m, nq, 1, hd)],
-        output_dtypes=[DT],
-    )[0]
-    mx.eval(q)
-    return q, pool_rows(pool, dst)
 
 
 def bench(fn, reps=5):

@@ -225,37 +225,18 @@ def qgemv(kernel, x, w, s, b, group, bits, rows=None, wpb=None, res=None, swiglu
     )[0]
 
 
-def qgemv_rope(kernel, x, w, s, b, group, bits, norm, pos, inv_freq, nq, hd):
-    """q [M, nq, 1, hd] and kv [M, 2·nkv, 1, hd] of norm(x)·Wᵀ with RoPE on q and k."""
-    m, k = x.shape
-    n = w.shape[0]
-    rows, wpb, mma, pg = launch(m, n, k, bits, group, pairs=True)
-    xin = round_x(x, group, norm) if mma else x
-    return kernel(
-        inputs=[xin, w, s, b, norm[0], pos, inv_freq],
-        template=[("T", DT), ("M", m), ("N", n), ("K", k), ("G", group),
-                  ("BITS", bits), ("ROWS", rows), ("WPB", wpb), ("NORM", 1),
-                  ("EPS_BITS", struct.unpack("<i", struct.pack("<f", norm[1]))[0]),
-                  ("HD", hd), ("NQ", nq), ("XQ", int(XQ and bits == 4)), ("MMA", mma),
-                  ("PG", pg)],
-        grid=((pg or n // rows) * 32 * wpb, 1, 1),
-        threadgroup=(32 * wpb, 1, 1),
-        output_shapes=[(m, nq, 1, hd), (m, n // hd - nq, 1, hd)],
-        output_dtypes=[DT, DT],
-    )
-
-
-def qgemv_rope_kv(x, w, s, b, group, bits, norm, pos, inv_freq, nq, hd):
-    """q of the entry point that writes k and v into a pool (check_gemv.kv_pool), and the
-    rows it wrote as kv (check_gemv.pool_rows: NaNs if it wrote any other row)."""
+def qgemv_rope(kernel, x, w, s, b, group, bits, norm, pos, inv_freq, nq, hd, into=False):
+    """q [M, nq, 1, hd] and kv [M, 2·nkv, 1, hd] of norm(x)·Wᵀ with RoPE on q and k; with
+    `into` the entry point that writes k and v into a KV pool (check_gemv.kv_pool), kv then
+    the rows it wrote (check_gemv.pool_rows: NaNs if it wrote any other row)."""
     from check_gemv import kv_pool, pool_rows
     m, k = x.shape
     n = w.shape[0]
     rows, wpb, mma, pg = launch(m, n, k, bits, group, pairs=True)
     xin = round_x(x, group, norm) if mma else x
-    pool, dst = kv_pool(m, n // hd - nq, hd, DT)
-    q = ROPE_KV(
-        inputs=[xin, w, s, b, norm[0], pos, inv_freq, pool, dst],
+    pool, dst = kv_pool(m, n // hd - nq, hd, DT) if into else (None, None)
+    out = (ROPE_KV if into else kernel)(
+        inputs=[xin, w, s, b, norm[0], pos, inv_freq] + ([pool, dst] if into else []),
         template=[("T", DT), ("M", m), ("N", n), ("K", k), ("G", group),
                   ("BITS", bits), ("ROWS", rows), ("WPB", wpb), ("NORM", 1),
                   ("EPS_BITS", struct.unpack("<i", struct.pack("<f", norm[1]))[0]),
@@ -263,11 +244,13 @@ def qgemv_rope_kv(x, w, s, b, group, bits, norm, pos, inv_freq, nq, hd):
                   ("PG", pg)],
         grid=((pg or n // rows) * 32 * wpb, 1, 1),
         threadgroup=(32 * wpb, 1, 1),
-        output_shapes=[(m, nq, 1, hd)],
-        output_dtypes=[DT],
-    )[0]
-    mx.eval(q)
-    return q, pool_rows(pool, dst)
+        output_shapes=[(m, nq, 1, hd)] + ([] if into else [(m, n // hd - nq, 1, hd)]),
+        output_dtypes=[DT] * (1 if into else 2),
+    )
+    if not into:
+        return out
+    mx.eval(out)
+    return out[0], pool_rows(pool, dst)
 
 
 def check_rope(kernel, n, k, group, bits, ms, nq, hd=128, seed=0):
@@ -302,7 +285,8 @@ def check_rope(kernel, n, k, group, bits, ms, nq, hd=128, seed=0):
         eq = max(rel_err(mq, ref_q), rel_err(mkv, ref_kv))
         rows.append((m, " norm+rope", e, eq, within(e, eq, bits)))
         if m <= 8:  # the entry point that writes k and v into a KV pool (no row chunks)
-            q2, kv2 = qgemv_rope_kv(x, wq, s, b, group, bits, (nw, 1e-5), pos, inv_freq, nq, hd)
+            q2, kv2 = qgemv_rope(kernel, x, wq, s, b, group, bits, (nw, 1e-5), pos, inv_freq,
+                                 nq, hd, into=True)
             e2 = max(rel_err(q2, ref_q), rel_err(kv2, ref_kv))
             rows.append((m, " norm+rope into pool", e2, eq, within(e2, eq, bits)))
     return rows
