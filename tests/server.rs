@@ -693,6 +693,24 @@ fn concurrent_greedy(tp: &[&str]) {
     assert!(metric(&m, "mlxcel:request_queue_time_seconds_count") >= 19.0);
 }
 
+/// `--max-itl-ratio` must be 0 or above 1: anything else stops the server before it
+/// loads, with an error naming the flag.
+#[test]
+fn a_bad_itl_ratio_names_the_flag() {
+    for bad in ["0.5", "1", "-2", "nan"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_mlxcel-server"))
+            .arg("-m")
+            .arg(fixture("llama3"))
+            .args(["--port", "0", &format!("--max-itl-ratio={bad}")])
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{bad}: {err}");
+        assert!(err.contains("--max-itl-ratio"), "{bad}: {err}");
+    }
+}
+
 /// Streams with prompts longer than the step's token budget (`--max-num-batched-tokens
 /// 16` over 4 slots): each gives the greedy text of its request alone, and no engine
 /// step holds more than 16 tokens (`mlxcel:step_tokens`), decodes and prefill chunks

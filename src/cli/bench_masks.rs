@@ -36,7 +36,8 @@ use crate::engine::grammar::{
 };
 use crate::engine::sampler::{sample_batch_lazy, SamplingParams, SequenceSampler};
 use crate::engine::scheduler::{
-    Event, HostPart, Observer, Request, Scheduler, SchedulerConfig, DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    default_max_itl_ratio, Event, HostPart, Observer, Request, Scheduler, SchedulerConfig,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
 };
 use crate::engine::step::{Executor, LocalExecutor};
 use crate::mlx::host_written::HostWritten;
@@ -318,6 +319,9 @@ fn engine_runs(
                     max_num_batched_tokens: DEFAULT_MAX_NUM_BATCHED_TOKENS,
                     kv: Some(exec.kv_pool()),
                     prefix_caching: true,
+                    max_itl_ratio: default_max_itl_ratio(
+                        crate::mlx::backend() != crate::mlx::Backend::Cpu,
+                    ),
                 },
                 tokenizer.clone(),
             );

@@ -5,3 +5,4 @@ pub mod grammar;
 pub mod sampler;
 pub mod scheduler;
 pub mod step;
+pub mod step_cost;

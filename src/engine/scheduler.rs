@@ -8,6 +8,9 @@
 //! as fit, a long prompt split across steps (the last chunk of a prompt samples its
 //! first token). So a burst of arrivals is prefilled together instead of one chunk per
 //! step behind each other, and a long prompt never stalls the streams already running.
+//! While any sequence decodes, the prefill part is further cut to what keeps the step
+//! within `max_itl_ratio` × a step of its decodes alone, by the step times learned so far
+//! ([`StepCost`]), so arrivals do not stretch the running streams' inter-token gaps.
 //!
 //! Per sequence the scheduler keeps the prompt, the generated ids, a
 //! [`StreamDecoder`] and a [`StopMatcher`] (text that may still start a stop
@@ -48,6 +51,7 @@ use super::step::{
     Executor, Fork, KvPool, NextForward, SampledToken, SeqMask, SeqStart, SeqStep, StepError,
     StepPlan,
 };
+use super::step_cost::StepCost;
 use crate::tokenizer::stream::{StopMatcher, StreamDecoder};
 use crate::tokenizer::Tokenizer;
 
@@ -256,6 +260,28 @@ pub struct SchedulerConfig {
     /// Share full blocks of equal prefixes between sequences (`--no-enable-prefix-caching`
     /// turns it off).
     pub prefix_caching: bool,
+    /// While sequences are decoding, a step's prefill chunks are cut so that the step
+    /// takes at most this many times a step of its decodes alone, by the step times
+    /// learned so far ([`StepCost`]; `--max-itl-ratio`): a burst of long prompts does not
+    /// stretch the running streams' inter-token gaps. 0: the token budget alone.
+    pub max_itl_ratio: f64,
+}
+
+/// `--max-itl-ratio`'s default on a GPU: a step that prefills beside decodes takes at
+/// most 3× a decode step of the same sequences.
+pub const DEFAULT_MAX_ITL_RATIO: f64 = 3.0;
+
+/// `--max-itl-ratio`'s default: [`DEFAULT_MAX_ITL_RATIO`] on a GPU, where a step's
+/// fixed cost (reading the weights) dominates and prefill beside decodes comes cheap up
+/// to a point; off on the CPU, where every token costs about the same, so the cut leaves
+/// a few tokens of prefill per step and admits a burst slower (measured: docs/benchmarks.md,
+/// "Prefill beside decodes").
+pub fn default_max_itl_ratio(gpu: bool) -> f64 {
+    if gpu {
+        DEFAULT_MAX_ITL_RATIO
+    } else {
+        0.0
+    }
 }
 
 struct Seq {
@@ -372,6 +398,10 @@ pub struct Scheduler {
     pipeline: bool,
     /// Decode steps run pipelined so far.
     pipelined_steps: u64,
+    /// Step times by token count, which size the prefill beside decodes.
+    cost: StepCost,
+    /// Whether steps are timed into `cost` (tests set the cost and keep it).
+    learn_cost: bool,
 }
 
 impl Scheduler {
@@ -409,6 +439,8 @@ impl Scheduler {
             inflight_unsampled: false,
             pipeline: true,
             pipelined_steps: 0,
+            cost: StepCost::default(),
+            learn_cost: true,
         }
     }
 
@@ -780,7 +812,7 @@ impl Scheduler {
             let need = s.computed() + 1;
             self.grow(id, need, obs);
         }
-        let mut budget = self.cfg.max_num_batched_tokens.saturating_sub(decodes);
+        let mut budget = self.prefill_budget(decodes);
         let mut waiting: Vec<u64> = self
             .running
             .iter()
@@ -806,6 +838,27 @@ impl Scheduler {
         // (a chunk's blocks preempt the newest sequences first, which have no chunk yet)
         chunks.retain(|(id, _)| self.running.iter().any(|s| s.id == *id));
         chunks
+    }
+
+    /// Prefill tokens for a step with `decodes` decoding sequences: what the token budget
+    /// leaves, cut while anything decodes to what keeps the step within
+    /// `max_itl_ratio` × a step of the decodes alone.
+    fn prefill_budget(&self, decodes: usize) -> usize {
+        let most = self.cfg.max_num_batched_tokens.saturating_sub(decodes);
+        let cap = self
+            .cost
+            .prefill_cap(decodes, self.cfg.max_itl_ratio, most)
+            .min(most);
+        if cap < most {
+            tracing::debug!(
+                decodes,
+                cap,
+                decode_s = self.cost.seconds(decodes),
+                step_s = self.cost.seconds(decodes + cap),
+                "prefill cut beside decodes"
+            );
+        }
+        cap
     }
 
     /// Sequences waiting for `id`'s prefill prefill themselves.
@@ -920,6 +973,24 @@ impl Scheduler {
     /// executes nothing) without work. On a step error every sequence in that
     /// plan has been failed, and the error is returned.
     pub fn step(
+        &mut self,
+        exec: &mut dyn Executor,
+        obs: &dyn Observer,
+    ) -> Result<StepSummary, StepError> {
+        let start = Instant::now();
+        let summary = self.step_once(exec, obs)?;
+        if self.learn_cost {
+            // (a pipelined call queues the next step and reads this one: in a run of
+            // them, each call lasts one step's interval)
+            let tokens = summary.decode + summary.prefill_tokens;
+            let secs = start.elapsed().as_secs_f64();
+            tracing::trace!(tokens, secs, "step timed");
+            self.cost.observe(tokens, secs);
+        }
+        Ok(summary)
+    }
+
+    fn step_once(
         &mut self,
         exec: &mut dyn Executor,
         obs: &dyn Observer,
@@ -1754,6 +1825,7 @@ fn fail(req: Request, kind: FailKind, message: String, obs: &dyn Observer) {
 mod tests {
     use super::*;
     use crate::engine::step::StepResult;
+    use crate::engine::step_cost;
     use std::path::Path;
     use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
@@ -1952,6 +2024,7 @@ mod tests {
                 max_num_batched_tokens: chunk,
                 kv: None,
                 prefix_caching: true,
+                max_itl_ratio: 0.0,
             },
             tokenizer(),
         );
@@ -1994,6 +2067,7 @@ mod tests {
                 max_num_batched_tokens: 4,
                 kv: None,
                 prefix_caching: true,
+                max_itl_ratio: 0.0,
             },
             tokenizer(),
         );
@@ -2034,6 +2108,159 @@ mod tests {
         assert!(exec.live.is_empty(), "{:?}", exec.live);
     }
 
+    /// Every step that ran is timed into the cost that sizes the prefill beside decodes:
+    /// after a prompt and its decodes, the cost knows steps of both sizes.
+    #[test]
+    fn steps_teach_the_step_cost() {
+        let mut exec = FakeExec::new(2, 256);
+        let mut s = Scheduler::new(
+            SchedulerConfig {
+                slots: 2,
+                ctx_size: 256,
+                max_num_batched_tokens: 64,
+                kv: None,
+                prefix_caching: false,
+                max_itl_ratio: DEFAULT_MAX_ITL_RATIO,
+            },
+            tokenizer(),
+        );
+        assert_eq!(s.cost.seconds(1), None);
+        let (req, mut rx) = request((1..=40).collect(), 4);
+        s.submit(req, &NoObserver);
+        while s.has_work() {
+            s.step(&mut exec, &NoObserver).unwrap();
+        }
+        assert_eq!(drain(&mut rx).0.len(), 4);
+        // steps of 40 tokens and of 1
+        let (t1, t40) = (s.cost.seconds(1).unwrap(), s.cost.seconds(40).unwrap());
+        assert!(t1 > 0.0 && t40 >= t1, "{t1} {t40}");
+        assert_eq!(s.cost.buckets_seen(), 2);
+    }
+
+    /// The issue's burst on a simulated clock: `slots` streams of 128 random prompt
+    /// tokens and 128 generated each, arriving together, under the server's default token
+    /// budget (2048). The scheduler is given `cost` (seconds of a step by its tokens) as
+    /// if it had learned it, and every step advances the clock by it. Returns the p99 gap
+    /// between a stream's tokens, the TTFT p50, the largest step of decodes with prefill
+    /// beside them as a multiple of the decodes' own step, and the burst's wall time.
+    fn burst_on(cost: &dyn Fn(usize) -> f64, slots: usize, ratio: f64) -> (f64, f64, f64, f64) {
+        let (prompt_len, gen) = (128, 128);
+        let mut exec = FakeExec::new(slots, 512);
+        let mut s = Scheduler::new(
+            SchedulerConfig {
+                slots,
+                ctx_size: 512,
+                max_num_batched_tokens: DEFAULT_MAX_NUM_BATCHED_TOKENS,
+                kv: None,
+                prefix_caching: false,
+                max_itl_ratio: ratio,
+            },
+            tokenizer(),
+        );
+        s.learn_cost = false;
+        for n in [1, 8, 16, 32, 64, 128, 512, 2048] {
+            s.cost.observe(n, cost(n));
+        }
+        let mut rxs = vec![];
+        for i in 0..slots {
+            let prompt = (0..prompt_len)
+                .map(|t| ((t * 31 + i * 7) % 250 + 1) as u32)
+                .collect();
+            let (req, rx) = request(prompt, gen);
+            s.submit(req, &NoObserver);
+            rxs.push(rx);
+        }
+        let mut clock = 0.0;
+        let mut times: Vec<Vec<f64>> = vec![Vec::new(); slots];
+        let mut worst: f64 = 0.0;
+        while s.has_work() {
+            let summary = s.step(&mut exec, &NoObserver).unwrap();
+            let n = summary.decode + summary.prefill_tokens;
+            if n > 0 {
+                clock += cost(n);
+            }
+            if summary.decode > 0 && summary.prefill_tokens > step_cost::MIN_PREFILL {
+                worst = worst.max(cost(n) / cost(summary.decode));
+            }
+            for (t, rx) in times.iter_mut().zip(rxs.iter_mut()) {
+                t.extend(std::iter::repeat_n(clock, drain(rx).0.len()));
+            }
+        }
+        assert!(times.iter().all(|t| t.len() == gen));
+        let mut gaps: Vec<f64> = times
+            .iter()
+            .flat_map(|t| t.windows(2).map(|w| w[1] - w[0]))
+            .collect();
+        gaps.sort_by(f64::total_cmp);
+        let p99 = gaps[gaps.len() * 99 / 100];
+        let mut ttft: Vec<f64> = times.iter().map(|t| t[0]).collect();
+        ttft.sort_by(f64::total_cmp);
+        (p99, ttft[slots / 2], worst, clock)
+    }
+
+    /// The issue's targets for a burst of 64, on the simulated clock, for two step costs
+    /// of an 8B model on one H200: a line (4.4 ms + 22.3 µs a token: batch 1's decode
+    /// step, and 2048 tokens in ~50 ms) and the polyline through the measured decode
+    /// steps (4.4, 6.15, 8.2, 10.6 ms at 1, 8, 32, 64 rows) and that prefill. With the
+    /// default `max_itl_ratio` the p99 inter-token gap stays within 3× the decode step at
+    /// batch 64, the TTFT p50 within 1.5 × (64 × 128 tokens at the 2048-token prefill
+    /// rate + one decode step), and the burst takes at most 5% longer; with the token
+    /// budget alone the gap does not stay within 3× (the prefill steps of the burst are
+    /// 7–11× the decode step beside them).
+    #[test]
+    fn a_burst_keeps_the_running_streams_gaps_within_the_ratio() {
+        let line = |n: usize| 4.4e-3 + 22.3e-6 * n as f64;
+        let pts = [
+            (1.0, 4.4e-3),
+            (8.0, 6.15e-3),
+            (32.0, 8.2e-3),
+            (64.0, 10.6e-3),
+            (2048.0, 50e-3),
+        ];
+        let measured = move |n: usize| {
+            let n = n as f64;
+            let i = pts
+                .iter()
+                .position(|p| p.0 >= n)
+                .unwrap_or(pts.len() - 1)
+                .max(1);
+            let (a, b) = (pts[i - 1], pts[i]);
+            a.1 + (b.1 - a.1) * (n - a.0) / (b.0 - a.0)
+        };
+        let curves: [(&str, &dyn Fn(usize) -> f64); 2] = [("line", &line), ("measured", &measured)];
+        for (name, cost) in curves {
+            let decode64 = cost(64);
+            let ttft_bound = 1.5 * (64.0 * 128.0 * cost(2048) / 2048.0 + decode64);
+            let (p99, ttft, worst, wall) = burst_on(cost, 64, DEFAULT_MAX_ITL_RATIO);
+            let (p99_off, ttft_off, worst_off, wall_off) = burst_on(cost, 64, 0.0);
+            eprintln!(
+                "{name}: decode step at 64 {:.2} ms; ratio {DEFAULT_MAX_ITL_RATIO}: p99 gap {:.2}×, \
+                 TTFT p50 {:.1} ms (bound {:.1}), worst step {worst:.2}×, burst {:.1} ms; budget \
+                 alone: p99 gap {:.2}×, TTFT p50 {:.1} ms, worst step {worst_off:.2}×, burst {:.1} ms",
+                decode64 * 1e3,
+                p99 / decode64,
+                ttft * 1e3,
+                ttft_bound * 1e3,
+                wall * 1e3,
+                p99_off / decode64,
+                ttft_off * 1e3,
+                wall_off * 1e3
+            );
+            assert!(
+                p99 <= 3.0 * decode64,
+                "{name}: p99 gap {p99} > 3 × {decode64}"
+            );
+            assert!(worst <= DEFAULT_MAX_ITL_RATIO + 1e-9, "{name}: {worst}");
+            assert!(ttft <= ttft_bound, "{name}: TTFT p50 {ttft} > {ttft_bound}");
+            assert!(wall <= 1.05 * wall_off, "{name}: {wall} vs {wall_off}");
+            assert!(p99_off > 3.0 * decode64, "{name}: {p99_off}");
+            assert!(
+                worst_off > 2.0 * DEFAULT_MAX_ITL_RATIO,
+                "{name}: {worst_off}"
+            );
+        }
+    }
+
     /// A burst of `--parallel` streams with long prompts (two longer than the budget)
     /// submitted together: their prefills share steps under the budget, so every stream
     /// has its first token before any has decoded 32 (one chunk per step would take a
@@ -2054,6 +2281,7 @@ mod tests {
                 max_num_batched_tokens: budget,
                 kv: None,
                 prefix_caching: true,
+                max_itl_ratio: 0.0,
             },
             tokenizer(),
         );
@@ -2113,6 +2341,7 @@ mod tests {
                 max_num_batched_tokens: 8,
                 kv: None,
                 prefix_caching: true,
+                max_itl_ratio: 0.0,
             },
             tokenizer(),
         );
@@ -2255,6 +2484,7 @@ mod tests {
                 max_num_batched_tokens: 4,
                 kv: Some(exec.kv_pool()),
                 prefix_caching,
+                max_itl_ratio: 0.0,
             },
             tokenizer(),
         );
@@ -2357,6 +2587,7 @@ mod tests {
             max_num_batched_tokens: 4,
             kv: Some(exec.kv_pool()),
             prefix_caching,
+            max_itl_ratio: 0.0,
         };
         (exec, Scheduler::new(cfg, tokenizer()))
     }
@@ -2557,6 +2788,7 @@ mod tests {
                     max_num_batched_tokens: 4,
                     kv: Some(exec.kv_pool()),
                     prefix_caching: true,
+                    max_itl_ratio: 0.0,
                 },
                 tokenizer(),
             );
@@ -2637,6 +2869,7 @@ mod tests {
                 max_num_batched_tokens: 64,
                 kv: Some(exec.kv_pool()),
                 prefix_caching: true,
+                max_itl_ratio: 0.0,
             },
             tokenizer(),
         );
@@ -2749,6 +2982,7 @@ mod tests {
                     max_num_batched_tokens: 4,
                     kv: None,
                     prefix_caching: true,
+                    max_itl_ratio: 0.0,
                 },
                 tokenizer(),
             );
@@ -2858,6 +3092,7 @@ mod tests {
                     max_num_batched_tokens: 4,
                     kv: Some(exec.kv_pool()),
                     prefix_caching: caching,
+                    max_itl_ratio: 0.0,
                 },
                 tokenizer(),
             );
@@ -2916,6 +3151,7 @@ mod tests {
                     max_num_batched_tokens: 4 + 3,
                     kv: Some(exec.kv_pool()),
                     prefix_caching: caching,
+                    max_itl_ratio: 0.0,
                 },
                 tokenizer(),
             );
@@ -2966,6 +3202,7 @@ mod tests {
                 max_num_batched_tokens: 8,
                 kv: Some(exec.kv_pool()),
                 prefix_caching: true,
+                max_itl_ratio: 0.0,
             },
             tokenizer(),
         );

@@ -31,8 +31,8 @@ use clap::Args;
 use crate::engine::grammar::GrammarVocab;
 use crate::engine::sampler::SamplingParams;
 use crate::engine::scheduler::{
-    Command, Event, HostPart, Observer, Outcome, Request, RunEnd, Scheduler, SchedulerConfig,
-    StepSummary, Usage, DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    default_max_itl_ratio, Command, Event, HostPart, Observer, Outcome, Request, RunEnd, Scheduler,
+    SchedulerConfig, StepSummary, Usage, DEFAULT_MAX_NUM_BATCHED_TOKENS,
 };
 use crate::engine::step::{
     Executor, KvPool, LocalExecutor, SampledToken, SeqMask, SeqStep, StepError, StepPlan,
@@ -90,6 +90,13 @@ pub struct ServeArgs {
     /// margin. At least --parallel is used.
     #[arg(long, visible_alias = "prefill-chunk", default_value_t = DEFAULT_MAX_NUM_BATCHED_TOKENS)]
     pub max_num_batched_tokens: usize,
+    /// While streams are decoding, a step that also prefills waiting prompts takes at
+    /// most this many times a decode step of the same streams (the prefill tokens per
+    /// step are cut to fit, by the step times the server has measured), so arrivals do
+    /// not stretch the running streams' inter-token gaps. 0: --max-num-batched-tokens
+    /// alone sizes the prefill. Default: 3 on a GPU, 0 on the CPU.
+    #[arg(long)]
+    pub max_itl_ratio: Option<f64>,
     /// Seconds to let running requests finish after SIGINT/SIGTERM before cancelling them.
     #[arg(long, default_value_t = 30)]
     pub shutdown_timeout: u64,
@@ -638,6 +645,9 @@ fn engine_main(
             max_num_batched_tokens: args.max_num_batched_tokens,
             kv: Some(exec.kv_pool()),
             prefix_caching: !args.no_enable_prefix_caching,
+            max_itl_ratio: args.max_itl_ratio.unwrap_or_else(|| {
+                default_max_itl_ratio(crate::mlx::backend() != crate::mlx::Backend::Cpu)
+            }),
         },
         m.tokenizer.clone(),
     );
@@ -759,6 +769,11 @@ pub fn run(args: &ServeArgs) -> Result<()> {
     }
     if args.max_num_batched_tokens == 0 {
         bail!("--max-num-batched-tokens must be at least 1");
+    }
+    if let Some(r) = args.max_itl_ratio {
+        if !(r == 0.0 || r.is_finite() && r > 1.0) {
+            bail!("--max-itl-ratio must be 0 (off) or a number above 1 (got {r})");
+        }
     }
     if args.max_connections == 0 {
         bail!("--max-connections must be at least 1");
