@@ -6,7 +6,9 @@
 #   bash scripts/gpu/server.sh compare [B,...]    # 8B bf16 and 4-bit g64 dummy weights: engine (bench --serve-workload)
 #                                                 # and server (--parallel max B, --ctx-size 1024) side by side, once
 #                                                 # per server token budget in BUDGETS (default 2048; e.g. "512 1024
-#                                                 # 2048" to choose the default); MODELS (default "c8b c8b-q4")
+#                                                 # 2048" to choose the default), and per --max-itl-ratio in
+#                                                 # ITL_RATIOS (default "3"; "0 3" A/Bs the cut of prefill beside
+#                                                 # decodes); MODELS (default "c8b c8b-q4")
 #   bash scripts/gpu/server.sh pipeline           # 8B bf16, 1/8 streams, pipelined vs --no-pipeline
 #   bash scripts/gpu/server.sh cold               # 8B 4-bit, cold kernel cache: the warm-up takes the compiles
 #   bash scripts/gpu/server.sh tp                 # TP=2 (emulated on one GPU): openai client, kill -9 of rank 1
@@ -33,10 +35,13 @@ compare)
   levels=${1:-1,8,32,64}
   for m in ${MODELS:-c8b c8b-q4}; do
     for t in ${BUDGETS:-2048}; do
-      step "engine vs server, $m (dummy weights), B = $levels, --max-num-batched-tokens $t"
-      python3 scripts/bench_server.py --compare-engine --mlxcel "$B" -m "$CK/$m" --load-format dummy \
-        --concurrency "$levels" --warmup 16 --server-args "--max-queue 256 --max-num-batched-tokens $t" |
-        tee "$OUT/compare-$m-t$t.txt"
+      for r in ${ITL_RATIOS:-3}; do
+        step "engine vs server, $m (dummy weights), B = $levels, --max-num-batched-tokens $t --max-itl-ratio $r"
+        python3 scripts/bench_server.py --compare-engine --mlxcel "$B" -m "$CK/$m" --load-format dummy \
+          --concurrency "$levels" --warmup 16 \
+          --server-args "--max-queue 256 --max-num-batched-tokens $t --max-itl-ratio $r" |
+          tee "$OUT/compare-$m-t$t-r$r.txt"
+      done
     done
   done
   ;;
