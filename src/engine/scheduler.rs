@@ -2142,8 +2142,13 @@ mod tests {
     /// budget (2048). The scheduler is given `cost` (seconds of a step by its tokens) as
     /// if it had learned it, and every step advances the clock by it. Returns the p99 gap
     /// between a stream's tokens, the TTFT p50, the largest step of decodes with prefill
-    /// beside them as a multiple of the decodes' own step, and the burst's wall time.
-    fn burst_on(cost: &dyn Fn(usize) -> f64, slots: usize, ratio: f64) -> (f64, f64, f64, f64) {
+    /// beside them as a multiple of the decodes' own step, the burst's wall time, and the
+    /// steps that prefilled.
+    fn burst_on(
+        cost: &dyn Fn(usize) -> f64,
+        slots: usize,
+        ratio: f64,
+    ) -> (f64, f64, f64, f64, usize) {
         let (prompt_len, gen) = (128, 128);
         let mut exec = FakeExec::new(slots, 512);
         let mut s = Scheduler::new(
@@ -2173,9 +2178,11 @@ mod tests {
         let mut clock = 0.0;
         let mut times: Vec<Vec<f64>> = vec![Vec::new(); slots];
         let mut worst: f64 = 0.0;
+        let mut prefill_steps = 0;
         while s.has_work() {
             let summary = s.step(&mut exec, &NoObserver).unwrap();
             let n = summary.decode + summary.prefill_tokens;
+            prefill_steps += usize::from(summary.prefill_tokens > 0);
             if n > 0 {
                 clock += cost(n);
             }
@@ -2195,7 +2202,7 @@ mod tests {
         let p99 = gaps[gaps.len() * 99 / 100];
         let mut ttft: Vec<f64> = times.iter().map(|t| t[0]).collect();
         ttft.sort_by(f64::total_cmp);
-        (p99, ttft[slots / 2], worst, clock)
+        (p99, ttft[slots / 2], worst, clock, prefill_steps)
     }
 
     /// The issue's targets for a burst of 64, on the simulated clock, for two step costs
@@ -2231,12 +2238,13 @@ mod tests {
         for (name, cost) in curves {
             let decode64 = cost(64);
             let ttft_bound = 1.5 * (64.0 * 128.0 * cost(2048) / 2048.0 + decode64);
-            let (p99, ttft, worst, wall) = burst_on(cost, 64, DEFAULT_MAX_ITL_RATIO);
-            let (p99_off, ttft_off, worst_off, wall_off) = burst_on(cost, 64, 0.0);
+            let (p99, ttft, worst, wall, steps) = burst_on(cost, 64, DEFAULT_MAX_ITL_RATIO);
+            let (p99_off, ttft_off, worst_off, wall_off, steps_off) = burst_on(cost, 64, 0.0);
             eprintln!(
                 "{name}: decode step at 64 {:.2} ms; ratio {DEFAULT_MAX_ITL_RATIO}: p99 gap {:.2}×, \
-                 TTFT p50 {:.1} ms (bound {:.1}), worst step {worst:.2}×, burst {:.1} ms; budget \
-                 alone: p99 gap {:.2}×, TTFT p50 {:.1} ms, worst step {worst_off:.2}×, burst {:.1} ms",
+                 TTFT p50 {:.1} ms (bound {:.1}), worst step {worst:.2}×, burst {:.1} ms, {steps} \
+                 prefill steps; budget alone: p99 gap {:.2}×, TTFT p50 {:.1} ms, worst step \
+                 {worst_off:.2}×, burst {:.1} ms, {steps_off} prefill steps",
                 decode64 * 1e3,
                 p99 / decode64,
                 ttft * 1e3,
