@@ -4,17 +4,20 @@
 # prompts of 2-8 tokens) started three times, each time until /health answers:
 #   1. an empty cache folder (first start: the warm-up waits for the compiles),
 #   2. the same folder again (second start: the compiled kernels are read back),
-#   3. MLXCEL_KERNEL_CACHE=0 with another empty folder (MLX compiles every variant itself),
+#   3. MLXCEL_WARM_BACKGROUND=1 with another empty folder (first start that waits for batch 1's
+#      compiles only; the rest compile in the background while it serves),
+#   4. MLXCEL_KERNEL_CACHE=0 with another empty folder (MLX compiles every variant itself),
 # printing each start's wall seconds, the warm-up line (its seconds and the cache's counts)
-# and the decode rate of 8 streams (scripts/bench_server.py), which a cached kernel must not
-# change.
+# and the decode rate and TTFT of 8 streams sent at once after /health (scripts/bench_server.py),
+# which a cached kernel must not change (in the background start they meet what is still
+# compiling).
 #   bash scripts/gpu/kernel-cache.sh
 # Environment: see scripts/gpu/lib.sh; PARALLEL (16).
 . "$(dirname "$0")/lib.sh"
 q4cfg
 PORT=${PORT:-18490}
 P=${PARALLEL:-16}
-dir=$(mktemp -d) off=$(mktemp -d)
+dir=$(mktemp -d) off=$(mktemp -d) bg=$(mktemp -d)
 run() {
   local tag=$1 d=$2; shift 2
   step "$tag"
@@ -34,5 +37,6 @@ run() {
 {
   run first-start "$dir" X=1
   run second-start "$dir" X=1
+  run background-first-start "$bg" MLXCEL_WARM_BACKGROUND=1
   run cache-off "$off" MLXCEL_KERNEL_CACHE=0
 } 2>&1 | tee "$OUT/kernel-cache.txt"

@@ -483,7 +483,7 @@ const MASK_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
 const WARM_LONG_PROMPTS: [usize; 2] = [64, 512];
 
 /// One step of [`Worker::warm_up`]: a decode step at a batch size, or a prompt of a length.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum WarmStep {
     Decode(usize),
     Prompt(usize),
@@ -543,17 +543,21 @@ impl Worker {
         if mlx::backend() == mlx::Backend::Cpu || self.cache.slots() == 0 {
             return Ok(());
         }
-        self.run_warm_up(mlx::kernel_cache::get().is_some(), false)
+        let build_first = mlx::kernel_cache::get().is_some();
+        let background = build_first && kernels::knobs::get().warm_background;
+        self.run_warm_up(build_first, false, background).map(drop)
     }
 
     /// [`Worker::warm_up`]'s steps on any backend; `build_first`: every step's graph is
     /// built (and dropped) before any is evaluated; `long_prompts_anywhere`: the
-    /// [`WARM_LONG_PROMPTS`] off CUDA too.
+    /// [`WARM_LONG_PROMPTS`] off CUDA too; `background` (with `build_first`): only batch
+    /// 1 is evaluated. Returns the steps evaluated.
     fn run_warm_up(
         &mut self,
         build_first: bool,
         long_prompts_anywhere: bool,
-    ) -> Result<(), StepError> {
+        background: bool,
+    ) -> Result<usize, StepError> {
         let start = std::time::Instant::now();
         let max_batch = self.cache.slots().min(kernels::qgemv::MAX_M + 1);
         // with the GEMM on, a batch in each of the GEMM's variants too (its kernels are one
@@ -601,10 +605,32 @@ impl Worker {
                 self.warm_graph(step)?;
             }
         }
+        // With `MLXCEL_WARM_BACKGROUND=1` only batch 1 is evaluated now: the other steps'
+        // kernels go on compiling in the background, and a step that meets one still
+        // compiling waits for that one (MLX's own kernels of those steps compile at their
+        // first use).
+        let background = build_first && background;
+        let now: Vec<WarmStep> = if background {
+            mlx::kernel_cache::forget_needed();
+            steps
+                .iter()
+                .copied()
+                .filter(|&s| s == WarmStep::Decode(1))
+                .collect()
+        } else {
+            steps.clone()
+        };
         let mut phases = Vec::new();
-        for &step in &steps {
+        for &step in &now {
             self.warm_graph(step)?.eval()?;
             phases.push(format!("{step}: {:.1} s", start.elapsed().as_secs_f64()));
+        }
+        if background {
+            phases.push(format!(
+                "{} steps left to the background with {} compilations under way",
+                steps.len() - now.len(),
+                mlx::kernel_cache::pending()
+            ));
         }
         for s in 0..max_batch.max(gemm.last().copied().unwrap_or(0)) {
             self.cache.reset(s);
@@ -620,7 +646,7 @@ impl Worker {
             phases.join(", "),
             kernels::cache::summary().map_or(String::new(), |s| format!("; {s}"))
         );
-        Ok(())
+        Ok(now.len())
     }
 
     /// The (unevaluated) graph of one warm-up step, from reset slots: the argmax of its
@@ -1503,11 +1529,24 @@ mod tests {
         // the warm-up's graphs, built first and dropped unevaluated, then run one by one,
         // must not change what the slots compute next: the same seeded prompt and decode
         // give the same tokens as on an executor never warmed up
-        let run = |warm: Option<bool>| {
+        #[derive(PartialEq, Clone, Copy)]
+        enum Warm {
+            Steps,
+            BuildFirst,
+            Background,
+        }
+        let run = |warm: Option<Warm>| {
             // (a context that holds the warm-up's longer prompts)
             let (mut exec, mut last, prompt) = prefilled_after(2, 544, |exec| {
                 if let Some(build_first) = warm {
-                    exec.worker.run_warm_up(build_first, true).unwrap();
+                    let (build_first, background) =
+                        (build_first != Warm::Steps, build_first == Warm::Background);
+                    let evaluated = exec
+                        .worker
+                        .run_warm_up(build_first, true, background)
+                        .unwrap();
+                    // (batch 1 only in the background mode, every step otherwise)
+                    assert_eq!(evaluated == 1, background, "{evaluated} steps evaluated");
                 }
             });
             let mut tokens: Vec<u32> = Vec::new();
@@ -1536,8 +1575,9 @@ mod tests {
             tokens
         };
         let cold = run(None);
-        assert_eq!(run(Some(true)), cold);
-        assert_eq!(run(Some(false)), cold);
+        assert_eq!(run(Some(Warm::BuildFirst)), cold);
+        assert_eq!(run(Some(Warm::Steps)), cold);
+        assert_eq!(run(Some(Warm::Background)), cold);
     }
 
     fn rows(streams: usize, pos: usize) -> Vec<(u64, usize, usize)> {

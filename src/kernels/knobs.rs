@@ -86,6 +86,12 @@ pub struct Knobs {
     /// rows) writes the new keys and values straight into the KV pool; 0: a cache write
     /// op per layer, as before.
     pub kv_fused: bool,
+    /// `MLXCEL_WARM_BACKGROUND=1`: with the compiled-kernel cache on, a server's warm-up
+    /// starts compiling every warm-up step's kernels but waits only for batch 1's; the
+    /// others compile in the background, and a step that meets one still compiling waits
+    /// for that one only (MLX's own kernels of those steps compile at their first use).
+    /// Off by default until the first start is measured on a GPU.
+    pub warm_background: bool,
     /// `MLXCEL_DEFER_MASKS=1`: on a GPU, a constrained decode step's sampling and the next
     /// forward pass are queued before its token masks exist (the device waits for them),
     /// and the masks are computed meanwhile on another thread. Off by default until
@@ -131,6 +137,7 @@ impl Default for Knobs {
             gemv_wide: true,
             device_inputs: true,
             kv_fused: true,
+            warm_background: false,
             defer_masks: false,
             sample_first: true,
             mask_threads: None,
@@ -166,6 +173,7 @@ pub const VARS: &[&str] = &[
     "MLXCEL_GEMV_WIDE",
     "MLXCEL_DEVICE_INPUTS",
     "MLXCEL_KV_FUSED",
+    "MLXCEL_WARM_BACKGROUND",
     "MLXCEL_GEMV_SOURCE",
     "MLXCEL_DEFER_MASKS",
     "MLXCEL_SAMPLE_FIRST",
@@ -263,6 +271,7 @@ impl Knobs {
         k.gemv_wide = switch("MLXCEL_GEMV_WIDE", k.gemv_wide)?;
         k.device_inputs = switch("MLXCEL_DEVICE_INPUTS", k.device_inputs)?;
         k.kv_fused = switch("MLXCEL_KV_FUSED", k.kv_fused)?;
+        k.warm_background = switch("MLXCEL_WARM_BACKGROUND", k.warm_background)?;
         k.defer_masks = switch("MLXCEL_DEFER_MASKS", k.defer_masks)?;
         k.sample_first = switch("MLXCEL_SAMPLE_FIRST", k.sample_first)?;
         k.mask_threads = number("MLXCEL_MASK_THREADS", 1..=256, "a thread count")?;
@@ -311,6 +320,11 @@ impl Knobs {
         switch("MLXCEL_GEMV_WIDE", self.gemv_wide, d.gemv_wide);
         switch("MLXCEL_DEVICE_INPUTS", self.device_inputs, d.device_inputs);
         switch("MLXCEL_KV_FUSED", self.kv_fused, d.kv_fused);
+        switch(
+            "MLXCEL_WARM_BACKGROUND",
+            self.warm_background,
+            d.warm_background,
+        );
         switch("MLXCEL_DEFER_MASKS", self.defer_masks, d.defer_masks);
         switch("MLXCEL_SAMPLE_FIRST", self.sample_first, d.sample_first);
         if let Some(n) = self.qgemv_mma {

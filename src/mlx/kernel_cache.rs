@@ -12,9 +12,11 @@
 //! MLX does (`<kernel name>_<std::hash of the source>`), and if no valid entry exists
 //! compiles the same source with NVRTC on a background thread (the headers MLX
 //! includes replaced by the few that the kernels need, the options MLX uses) and writes
-//! the entry. Evaluations wait for pending compilations ([`wait_pending`]), so MLX
-//! finds the entry instead of compiling again; the variants of one step compile in
-//! parallel.
+//! the entry. An evaluation waits for the compilations still pending among the variants
+//! its thread launched since its last evaluation ([`wait_pending`]), so MLX finds their
+//! entries instead of compiling again, and compilations it does not need (started for
+//! steps not run yet: [`forget_needed`]) go on in the background; the variants of one
+//! step compile in parallel.
 //!
 //! Entries are keyed by the module name (which hashes the whole source, template
 //! constants included) inside a folder per MLX version, GPU architecture and NVRTC
@@ -23,6 +25,7 @@
 //! it, or that has none (written by someone else, or cut short), is rebuilt before MLX
 //! reads it. Where anything fails (no NVRTC, a compile error, an unwritable folder),
 //! MLX compiles the variant itself as it always did.
+use std::cell::RefCell;
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -86,8 +89,9 @@ pub struct Cache {
     compiler: Arc<Compiler>,
     jobs: usize,
     seen: Mutex<HashSet<u64>>,
-    /// compilations started and not finished; `idle` is notified when it reaches 0
-    pending: Arc<(Mutex<usize>, Condvar)>,
+    /// the launch keys of the compilations started and not finished; the condition
+    /// variable is notified as each finishes
+    pending: Arc<(Mutex<HashSet<u64>>, Condvar)>,
     pending_fast: Arc<AtomicUsize>,
     running: Arc<(Mutex<usize>, Condvar)>,
     hits: AtomicU64,
@@ -103,7 +107,7 @@ impl Cache {
             compiler,
             jobs: jobs.max(1),
             seen: Mutex::new(HashSet::new()),
-            pending: Arc::new((Mutex::new(0), Condvar::new())),
+            pending: Arc::new((Mutex::new(HashSet::new()), Condvar::new())),
             pending_fast: Arc::new(AtomicUsize::new(0)),
             running: Arc::new((Mutex::new(0), Condvar::new())),
             hits: AtomicU64::new(0),
@@ -131,10 +135,20 @@ impl Cache {
         self.seen.lock().map(|mut s| s.insert(key)).unwrap_or(false)
     }
 
-    /// Make sure the module of kernel `id` has a valid entry: nothing when it has,
-    /// else (after removing a bad one) a compilation on a background thread, which
-    /// [`Cache::wait`] waits for. Returns whether a compilation started.
-    pub fn ensure(&self, id: &ffi::KernelIdentity) -> bool {
+    /// Whether the compilation of the variant with launch key `key` is under way.
+    pub fn is_pending(&self, key: u64) -> bool {
+        self.pending_fast.load(Ordering::SeqCst) > 0
+            && self.pending.0.lock().is_ok_and(|p| p.contains(&key))
+    }
+
+    /// Make sure the module of kernel `id` (launch key `key`) has a valid entry: nothing
+    /// when it has, else (after removing a bad one) a compilation on a background thread,
+    /// which [`Cache::wait`] and [`Cache::wait_for`] wait for. Returns whether a
+    /// compilation started.
+    pub fn ensure(&self, key: u64, id: &ffi::KernelIdentity) -> bool {
+        if self.is_pending(key) {
+            return true;
+        }
         let paths = EntryPaths::new(&self.dir, &id.module_name);
         match paths.check() {
             Entry::Valid => {
@@ -168,16 +182,16 @@ impl Cache {
             self.running.clone(),
             self.jobs,
         );
-        *pending.0.lock().unwrap() += 1;
+        if !pending.0.lock().unwrap().insert(key) {
+            // (already compiling: a second `ensure` of the key waits for the first)
+            return true;
+        }
         fast.fetch_add(1, Ordering::SeqCst);
         let done = move || {
             let (m, cv) = &*pending;
-            let mut n = m.lock().unwrap();
-            *n -= 1;
+            m.lock().unwrap().remove(&key);
             fast.fetch_sub(1, Ordering::SeqCst);
-            if *n == 0 {
-                cv.notify_all();
-            }
+            cv.notify_all();
         };
         let job = move || {
             {
@@ -212,10 +226,9 @@ impl Cache {
             .spawn(job)
             .is_err()
         {
-            // (the job was dropped unrun: undo its pending count)
+            // (the job was dropped unrun: undo its pending entry)
             let (m, cv) = &*self.pending;
-            let mut n = m.lock().unwrap();
-            *n -= 1;
+            m.lock().unwrap().remove(&key);
             self.pending_fast.fetch_sub(1, Ordering::SeqCst);
             cv.notify_all();
             self.failed.fetch_add(1, Ordering::Relaxed);
@@ -230,7 +243,18 @@ impl Cache {
             return;
         }
         let (m, cv) = &*self.pending;
-        let _unused = cv.wait_while(m.lock().unwrap(), |n| *n > 0).unwrap();
+        let _unused = cv.wait_while(m.lock().unwrap(), |p| !p.is_empty()).unwrap();
+    }
+
+    /// Wait until none of the variants `keys` is still compiling (others may be).
+    pub fn wait_for(&self, keys: &[u64]) {
+        if keys.is_empty() || self.pending_fast.load(Ordering::SeqCst) == 0 {
+            return;
+        }
+        let (m, cv) = &*self.pending;
+        let _unused = cv
+            .wait_while(m.lock().unwrap(), |p| keys.iter().any(|k| p.contains(k)))
+            .unwrap();
     }
 }
 
@@ -412,22 +436,47 @@ pub fn nvrtc_compile(
 /// module has a cache entry.
 pub(crate) fn note_variant(key: u64, out: &Array) {
     let Some(cache) = get() else { return };
-    if !cache.first_sight(key) {
-        return;
-    }
-    match ffi::kernel_identity(out.raw()) {
-        Ok(id) => {
-            cache.ensure(&id);
+    let compiling = if cache.first_sight(key) {
+        match ffi::kernel_identity(out.raw()) {
+            Ok(id) => cache.ensure(key, &id),
+            Err(e) => {
+                tracing::debug!("kernel cache: {}", e.what());
+                false
+            }
         }
-        Err(e) => tracing::debug!("kernel cache: {}", e.what()),
+    } else {
+        cache.is_pending(key)
+    };
+    if compiling {
+        NEEDED.with(|n| n.borrow_mut().push(key));
     }
 }
 
-/// Before an evaluation: wait for pending compilations (nothing when there are none).
+thread_local! {
+    /// The variants this thread launched since its last evaluation whose compilation
+    /// was pending then: what its next evaluation waits for.
+    static NEEDED: RefCell<Vec<u64>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Before an evaluation: wait for the compilations still pending among the variants
+/// this thread launched since its last evaluation (nothing when there are none).
 pub(crate) fn wait_pending() {
-    if let Some(c) = get() {
-        c.wait();
+    let keys = NEEDED.with(|n| std::mem::take(&mut *n.borrow_mut()));
+    if let (false, Some(c)) = (keys.is_empty(), get()) {
+        c.wait_for(&keys);
     }
+}
+
+/// The variants this thread launched so far are not needed by its next evaluation
+/// (their graphs were dropped): their compilations go on in the background, and a later
+/// launch of one still compiling waits for it then.
+pub fn forget_needed() {
+    NEEDED.with(|n| n.borrow_mut().clear());
+}
+
+/// Compilations under way in this process.
+pub fn pending() -> usize {
+    get().map_or(0, |c| c.pending_fast.load(Ordering::SeqCst))
 }
 
 /// The launch key of a custom-kernel call: its name and everything that changes the
@@ -470,6 +519,10 @@ mod tests {
         }
     }
 
+    fn key(module: &str) -> u64 {
+        fnv1a(module.as_bytes())
+    }
+
     fn counting(calls: Arc<AtomicUsize>) -> Arc<Compiler> {
         Arc::new(move |src: &str, file: &str, name: &str| {
             calls.fetch_add(1, Ordering::SeqCst);
@@ -487,8 +540,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let calls = Arc::new(AtomicUsize::new(0));
         let c = Cache::new(dir.path().to_path_buf(), 2, counting(calls.clone()));
-        assert!(c.ensure(&id("k1")));
-        assert!(c.ensure(&id("k2")));
+        assert!(c.ensure(key("k1"), &id("k1")));
+        assert!(c.ensure(key("k2"), &id("k2")));
         c.wait();
         assert_eq!(calls.load(Ordering::SeqCst), 2);
         // the files MLX reads: the binary and `name\tlowered`
@@ -500,20 +553,20 @@ mod tests {
         );
         // a second process (a fresh cache on the folder) finds both: no compilation
         let c2 = Cache::new(dir.path().to_path_buf(), 2, counting(calls.clone()));
-        assert!(!c2.ensure(&id("k1")) && !c2.ensure(&id("k2")));
+        assert!(!c2.ensure(key("k1"), &id("k1")) && !c2.ensure(key("k2"), &id("k2")));
         assert_eq!(calls.load(Ordering::SeqCst), 2);
         assert_eq!(c2.stats().hits, 2);
         // a corrupted binary, a missing check file: both rebuilt
         std::fs::write(dir.path().join("k1.ptx"), b"binary of something else").unwrap();
         std::fs::remove_file(dir.path().join("k2.sum")).unwrap();
         let c3 = Cache::new(dir.path().to_path_buf(), 1, counting(calls.clone()));
-        assert!(c3.ensure(&id("k1")) && c3.ensure(&id("k2")));
+        assert!(c3.ensure(key("k1"), &id("k1")) && c3.ensure(key("k2"), &id("k2")));
         c3.wait();
         assert_eq!(calls.load(Ordering::SeqCst), 4);
         assert_eq!(c3.stats().invalid, 2);
         assert_eq!(c3.stats().built, 2);
         let c4 = Cache::new(dir.path().to_path_buf(), 1, counting(calls.clone()));
-        assert!(!c4.ensure(&id("k1")) && !c4.ensure(&id("k2")));
+        assert!(!c4.ensure(key("k1"), &id("k1")) && !c4.ensure(key("k2"), &id("k2")));
         // no temporary files are left behind
         let names: Vec<String> = std::fs::read_dir(dir.path())
             .unwrap()
@@ -523,19 +576,52 @@ mod tests {
         assert_eq!(names.len(), 6, "{names:?}");
     }
 
+    /// Waiting for some variants returns once they are written, while another is still
+    /// compiling; that one's entry appears when its compilation ends.
+    #[test]
+    fn a_wait_for_some_variants_leaves_the_others_compiling() {
+        let dir = tempfile::tempdir().unwrap();
+        // "slow" compiles only once released
+        let (release, gate) = std::sync::mpsc::channel::<()>();
+        let gate = Mutex::new(gate);
+        let compiler: Arc<Compiler> = Arc::new(move |_: &str, file: &str, name: &str| {
+            if file.starts_with("slow") {
+                gate.lock().unwrap().recv().map_err(|e| e.to_string())?;
+            }
+            Ok((format!("binary of {name}").into_bytes(), "_Z1".into()))
+        });
+        let c = Cache::new(dir.path().to_path_buf(), 4, compiler);
+        assert!(c.ensure(key("slow"), &id("slow")));
+        assert!(c.ensure(key("fast"), &id("fast")));
+        // a second `ensure` of a variant still compiling starts nothing more
+        assert!(c.ensure(key("slow"), &id("slow")));
+        c.wait_for(&[key("fast")]);
+        assert!(dir.path().join("fast.ptx").exists());
+        assert!(!c.is_pending(key("fast")));
+        assert!(c.is_pending(key("slow")));
+        assert!(!dir.path().join("slow.ptx").exists());
+        assert_eq!(c.stats().built, 1);
+        release.send(()).unwrap();
+        c.wait_for(&[key("slow"), key("fast")]);
+        assert!(!c.is_pending(key("slow")));
+        assert!(dir.path().join("slow.ptx").exists());
+        assert_eq!(c.stats().built, 2);
+        c.wait();
+    }
+
     #[test]
     fn failed_compilations_leave_no_entry() {
         let dir = tempfile::tempdir().unwrap();
         let failing: Arc<Compiler> = Arc::new(|_: &str, _: &str, _: &str| Err("no".into()));
         let c = Cache::new(dir.path().to_path_buf(), 1, failing);
-        assert!(c.ensure(&id("k")));
+        assert!(c.ensure(key("k"), &id("k")));
         c.wait();
         assert_eq!(c.stats().failed, 1);
         assert!(!dir.path().join("k.ptx").exists());
         // a source without MLX's header line is left to MLX, not compiled
         let mut other = id("j");
         other.source = "no header here".into();
-        assert!(!c.ensure(&other));
+        assert!(!c.ensure(key("j"), &other));
         assert_eq!(c.stats().failed, 2);
     }
 
