@@ -11,8 +11,15 @@
 //! Without it the test says so and passes, except under CI (`CI` set), where it fails.
 use std::path::Path;
 
+use std::ffi::OsString;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+use std::time::Instant;
+
 use mlxcel::kernels::cache::{cuda_include_dirs, nvrtc_options};
-use mlxcel::mlx::kernel_cache::{compile_source, nvrtc, nvrtc_compile};
+use mlxcel::mlx::kernel_cache::{
+    compile_in_worker, compile_source, nvrtc, nvrtc_compile, CompileJob, WorkerError,
+};
 
 /// A custom kernel's source as MLX generates it: `inputs` and `outputs` are (name, CUDA
 /// type), `shape_of` the inputs whose `_shape` the body uses, `consts` the template
@@ -553,21 +560,73 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
             &[("N", 32 * 1536)],
         ),
     ));
-    for (name, src) in &sources {
-        let cache_src = compile_source(src).expect("MLX's header line is replaced");
-        let expr = format!("mlx::core::cu::{name}");
-        let (bin, lowered) = nvrtc_compile(
-            &path,
-            &cache_src,
-            &format!("{name}.cu"),
-            &expr,
-            &options,
-            true,
-        )
-        .unwrap_or_else(|e| panic!("{name}: {e}"));
+    let jobs: Vec<CompileJob> = sources
+        .iter()
+        .map(|(name, src)| CompileJob {
+            library: path.clone(),
+            source: compile_source(src).expect("MLX's header line is replaced"),
+            file: format!("{name}.cu"),
+            name_expr: format!("mlx::core::cu::{name}"),
+            options: options.clone(),
+            cubin: true,
+        })
+        .collect();
+    let t = Instant::now();
+    let here: Vec<(Vec<u8>, String)> = jobs
+        .iter()
+        .map(|j| j.run().unwrap_or_else(|e| panic!("{}: {e}", j.file)))
+        .collect();
+    let serial = t.elapsed().as_secs_f64();
+    // the same in compile processes (the cache's way), as many at once as there are
+    // cores: the same binaries
+    let worker = [
+        OsString::from(env!("CARGO_BIN_EXE_mlxcel")),
+        OsString::from(mlxcel::kernels::cache::WORKER_COMMAND),
+    ];
+    let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+    let t = Instant::now();
+    let next = AtomicUsize::new(0);
+    let mut apart: Vec<Option<(Vec<u8>, String)>> = vec![None; jobs.len()];
+    let done = Mutex::new(&mut apart);
+    std::thread::scope(|scope| {
+        for _ in 0..cores {
+            scope.spawn(|| loop {
+                let i = next.fetch_add(1, Ordering::SeqCst);
+                let Some(j) = jobs.get(i) else { break };
+                let out = compile_in_worker(&worker, j)
+                    .unwrap_or_else(|e| panic!("{} in a compile process: {e}", j.file));
+                done.lock().unwrap()[i] = Some(out);
+            });
+        }
+    });
+    let parallel = t.elapsed().as_secs_f64();
+    // (and on threads of this process, as the cache compiled before: NVRTC holds a lock
+    // of its process for most of a compilation, so they overlap little)
+    let t = Instant::now();
+    let next = AtomicUsize::new(0);
+    std::thread::scope(|scope| {
+        for _ in 0..cores {
+            scope.spawn(|| {
+                while let Some(j) = jobs.get(next.fetch_add(1, Ordering::SeqCst)) {
+                    j.run().unwrap_or_else(|e| panic!("{}: {e}", j.file));
+                }
+            });
+        }
+    });
+    let threads = t.elapsed().as_secs_f64();
+    eprintln!(
+        "{} kernels: {serial:.1} s one after another in this process, {threads:.1} s on \
+         {cores} threads of it, {parallel:.1} s in compile processes, {cores} at once",
+        jobs.len()
+    );
+    for (i, out) in apart.into_iter().enumerate() {
+        assert_eq!(out.as_ref(), Some(&here[i]), "{}", jobs[i].file);
+    }
+    for (((name, _), job), (bin, lowered)) in sources.iter().zip(&jobs).zip(here) {
+        let (cache_src, expr) = (&job.source, &job.name_expr);
         assert!(bin.starts_with(b"\x7fELF"), "{name}: not a cubin");
         if let Some(ptxas) = std::env::var_os("MLXCEL_PTXAS") {
-            ptxas_report(&path, &cache_src, name, &expr, &options, &ptxas);
+            ptxas_report(&path, cache_src, name, expr, &options, &ptxas);
         }
         assert!(
             lowered.starts_with("_Z") && lowered.contains(name),
@@ -597,4 +656,17 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
     )
     .unwrap_err();
     assert!(e.contains("broken.cu"), "{e}");
+    // and from a compile process, as its error
+    let job = CompileJob {
+        library: path.clone(),
+        source: bad,
+        file: "broken.cu".into(),
+        name_expr: "mlx::core::cu::custom_kernel_broken".into(),
+        options: options.clone(),
+        cubin: true,
+    };
+    match compile_in_worker(&worker, &job) {
+        Err(WorkerError::Compile(e)) => assert!(e.contains("broken.cu"), "{e}"),
+        other => panic!("{other:?}"),
+    }
 }

@@ -69,11 +69,20 @@ pub enum Command {
     /// (internal) Join a distributed group, all_sum and all_gather; prints one JSON line.
     #[command(name = "_allsum-probe", hide = true)]
     AllsumProbe(probe::AllsumProbeArgs),
+
+    /// (internal) Compile one kernel with NVRTC for the compiled-kernel cache: a job
+    /// (JSON) on stdin, the binary on stdout (`kernels::cache::WORKER_COMMAND`).
+    #[command(name = "_nvrtc", hide = true)]
+    Nvrtc,
 }
 
 /// Entry point of the `mlxcel` binary.
 pub fn main() -> Result<()> {
     let cli = Cli::parse();
+    if let Command::Nvrtc = cli.command {
+        // (before the start-up: a compile process touches nothing of MLX but NVRTC)
+        return mlx::kernel_cache::serve_worker().map_err(anyhow::Error::msg);
+    }
     startup(cli.verbose)?;
     match cli.command {
         Command::Generate(args) => generate::run(&args),
@@ -91,6 +100,7 @@ pub fn main() -> Result<()> {
         Command::Rank(args) => crate::parallel::rank::run(&args),
         Command::ProbeDevice(args) => probe::probe_device(&args),
         Command::AllsumProbe(args) => probe::allsum_probe(&args),
+        Command::Nvrtc => unreachable!("handled before the start-up"),
     }
 }
 

@@ -56,6 +56,13 @@ pub fn cuda_include_dirs(library: &Path, mlx: Option<&Path>) -> Vec<PathBuf> {
     out
 }
 
+/// Kernels one process compiles at once, at most.
+pub const MAX_COMPILE_JOBS: usize = 16;
+
+/// The hidden subcommand of every mlxcel binary that compiles one kernel
+/// ([`kernel_cache::serve_worker`]).
+pub const WORKER_COMMAND: &str = "_nvrtc";
+
 /// Turn the compiled-kernel cache on for this process (CUDA, `MLXCEL_KERNEL_CACHE` not
 /// 0, NVRTC loadable); `MLXCEL_NVRTC_LIBRARY` names the NVRTC library to use. Call it
 /// before MLX compiles anything (the binaries' start-up). Returns the folder.
@@ -100,17 +107,35 @@ pub fn init() -> Option<PathBuf> {
         tracing::info!("compiled-kernel cache off: {}: {e}", dir.display());
         return None;
     }
-    let jobs = std::thread::available_parallelism().map_or(4, |n| n.get());
+    // the cores this process may take: under tensor parallelism the node's ranks share
+    // them (each compiles the same kernels), and at most MAX_COMPILE_JOBS (each NVRTC
+    // process holds a few hundred MB while it runs)
+    let ranks = std::env::var("MLX_WORLD_SIZE")
+        .ok()
+        .and_then(|v| v.parse::<usize>().ok())
+        .unwrap_or(1)
+        .max(1);
+    let cores = std::thread::available_parallelism().map_or(4, |n| n.get());
+    let jobs = (cores / ranks).clamp(1, MAX_COMPILE_JOBS);
+    // each kernel in a process of its own: NVRTC compiles one program at a time per process
+    let worker = knobs::get()
+        .nvrtc_processes
+        .then(|| std::env::current_exe().ok())
+        .flatten()
+        .map(|exe| vec![exe.into_os_string(), WORKER_COMMAND.into()]);
+    let processes = worker.is_some();
     kernel_cache::enable(kernel_cache::Config {
         dir: dir.clone(),
         nvrtc: path.clone(),
         options: nvrtc_options(cc, &include),
         cubin: true,
         jobs,
+        worker,
     });
     tracing::debug!(
-        "compiled-kernel cache in {} (NVRTC {path}, {jobs} compile jobs)",
-        dir.display()
+        "compiled-kernel cache in {} (NVRTC {path}, {jobs} compile jobs{})",
+        dir.display(),
+        if processes { ", each in a process" } else { "" }
     );
     Some(dir)
 }

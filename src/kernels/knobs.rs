@@ -86,6 +86,11 @@ pub struct Knobs {
     /// rows) writes the new keys and values straight into the KV pool; 0: a cache write
     /// op per layer, as before.
     pub kv_fused: bool,
+    /// `MLXCEL_NVRTC_PROCESSES` (default 1): the compiled-kernel cache compiles each
+    /// kernel in a process of its own (`<this program> _nvrtc`), so several compile at
+    /// once (NVRTC runs one compilation at a time per process); 0: on threads of this
+    /// process.
+    pub nvrtc_processes: bool,
     /// `MLXCEL_WARM_BACKGROUND=1`: with the compiled-kernel cache on, a server's warm-up
     /// starts compiling every warm-up step's kernels but waits only for batch 1's; the
     /// others compile in the background, and a step that meets one still compiling waits
@@ -138,6 +143,7 @@ impl Default for Knobs {
             device_inputs: true,
             kv_fused: true,
             warm_background: false,
+            nvrtc_processes: true,
             defer_masks: false,
             sample_first: true,
             mask_threads: None,
@@ -174,6 +180,7 @@ pub const VARS: &[&str] = &[
     "MLXCEL_DEVICE_INPUTS",
     "MLXCEL_KV_FUSED",
     "MLXCEL_WARM_BACKGROUND",
+    "MLXCEL_NVRTC_PROCESSES",
     "MLXCEL_GEMV_SOURCE",
     "MLXCEL_DEFER_MASKS",
     "MLXCEL_SAMPLE_FIRST",
@@ -272,6 +279,7 @@ impl Knobs {
         k.device_inputs = switch("MLXCEL_DEVICE_INPUTS", k.device_inputs)?;
         k.kv_fused = switch("MLXCEL_KV_FUSED", k.kv_fused)?;
         k.warm_background = switch("MLXCEL_WARM_BACKGROUND", k.warm_background)?;
+        k.nvrtc_processes = switch("MLXCEL_NVRTC_PROCESSES", k.nvrtc_processes)?;
         k.defer_masks = switch("MLXCEL_DEFER_MASKS", k.defer_masks)?;
         k.sample_first = switch("MLXCEL_SAMPLE_FIRST", k.sample_first)?;
         k.mask_threads = number("MLXCEL_MASK_THREADS", 1..=256, "a thread count")?;
@@ -324,6 +332,11 @@ impl Knobs {
             "MLXCEL_WARM_BACKGROUND",
             self.warm_background,
             d.warm_background,
+        );
+        switch(
+            "MLXCEL_NVRTC_PROCESSES",
+            self.nvrtc_processes,
+            d.nvrtc_processes,
         );
         switch("MLXCEL_DEFER_MASKS", self.defer_masks, d.defer_masks);
         switch("MLXCEL_SAMPLE_FIRST", self.sample_first, d.sample_first);

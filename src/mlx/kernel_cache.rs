@@ -27,6 +27,8 @@
 //! MLX compiles the variant itself as it always did.
 use std::cell::RefCell;
 use std::collections::HashSet;
+use std::ffi::OsString;
+use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
@@ -47,6 +49,11 @@ pub struct Config {
     pub cubin: bool,
     /// Compilations running at once.
     pub jobs: usize,
+    /// A command (program and arguments) that compiles one kernel in a process of its own
+    /// ([`serve_worker`] on the other side); `None`: in this process. NVRTC compiles one
+    /// program at a time per process (its threads wait for each other), so only worker
+    /// processes compile `jobs` kernels at once.
+    pub worker: Option<Vec<OsString>>,
 }
 
 /// What the cache did in this process.
@@ -382,14 +389,38 @@ static CACHE: OnceLock<Cache> = OnceLock::new();
 /// The caller sets `MLX_PTX_CACHE_DIR` to `cfg.dir` before MLX compiles anything.
 pub fn enable(cfg: Config) -> bool {
     let (lib, options, cubin) = (cfg.nvrtc.clone(), cfg.options.clone(), cfg.cubin);
+    let worker = cfg.worker.clone();
     let compiler: Arc<Compiler> = Arc::new(move |src: &str, file: &str, name: &str| {
-        let out = ffi::nvrtc_compile(&lib, src, file, &[name.to_string()], &options, cubin)
-            .map_err(|e| e.what().to_string())?;
-        let lowered = out.lowered.into_iter().next().unwrap_or_default();
-        if out.binary.is_empty() || lowered.is_empty() {
+        let job = CompileJob {
+            library: lib.clone(),
+            source: src.to_string(),
+            file: file.to_string(),
+            name_expr: name.to_string(),
+            options: options.clone(),
+            cubin,
+        };
+        let in_worker = worker
+            .as_ref()
+            .filter(|_| !WORKERS_BROKEN.load(Ordering::Relaxed));
+        let (binary, lowered) = match in_worker {
+            Some(cmd) => match compile_in_worker(cmd, &job) {
+                Err(e @ (WorkerError::Start(_) | WorkerError::Broken(_))) => {
+                    if !WORKERS_BROKEN.swap(true, Ordering::Relaxed) {
+                        tracing::warn!(
+                            "kernel cache: a compile process failed ({e}); compiling in this \
+                             process from now on"
+                        );
+                    }
+                    job.run()?
+                }
+                other => other.map_err(|e| e.to_string())?,
+            },
+            None => job.run()?,
+        };
+        if binary.is_empty() || lowered.is_empty() {
             return Err("NVRTC returned no binary or no lowered name".into());
         }
-        Ok((out.binary, lowered))
+        Ok((binary, lowered))
     });
     CACHE.set(Cache::new(cfg.dir, cfg.jobs, compiler)).is_ok()
 }
@@ -429,6 +460,141 @@ pub fn nvrtc_compile(
         out.binary,
         out.lowered.into_iter().next().unwrap_or_default(),
     ))
+}
+
+/// One kernel for NVRTC: what [`nvrtc_compile`] takes, and what a compile process reads
+/// on its standard input (JSON).
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub struct CompileJob {
+    pub library: String,
+    pub source: String,
+    pub file: String,
+    pub name_expr: String,
+    pub options: Vec<String>,
+    pub cubin: bool,
+}
+
+impl CompileJob {
+    /// Compile in this process: (binary, lowered name).
+    pub fn run(&self) -> Result<(Vec<u8>, String), String> {
+        nvrtc_compile(
+            &self.library,
+            &self.source,
+            &self.file,
+            &self.name_expr,
+            &self.options,
+            self.cubin,
+        )
+    }
+}
+
+/// Why a compile process gave no binary.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    /// It could not be started.
+    #[error("starting it: {0}")]
+    Start(std::io::Error),
+    /// It failed or answered nonsense.
+    #[error("{0}")]
+    Broken(String),
+    /// NVRTC failed: its log.
+    #[error("{0}")]
+    Compile(String),
+}
+
+/// A compile process failed once: later kernels compile in this process.
+static WORKERS_BROKEN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// The first line a compile process writes: its result, the binary's bytes after it.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+struct WorkerAnswer {
+    lowered: String,
+    len: usize,
+    error: Option<String>,
+}
+
+/// Compile `job` in a process of its own, started as `worker` (program, then arguments),
+/// which runs [`serve_worker`].
+pub fn compile_in_worker(
+    worker: &[OsString],
+    job: &CompileJob,
+) -> Result<(Vec<u8>, String), WorkerError> {
+    let (program, args) = worker
+        .split_first()
+        .ok_or_else(|| WorkerError::Broken("no compile command".into()))?;
+    let mut child = std::process::Command::new(program)
+        .args(args)
+        // (NVRTC needs no GPU: the process gets none, so nothing in it can claim one)
+        .env("CUDA_VISIBLE_DEVICES", "")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .map_err(WorkerError::Start)?;
+    let request = serde_json::to_vec(job).map_err(|e| WorkerError::Broken(e.to_string()))?;
+    let mut stdin = child.stdin.take().expect("piped");
+    // (a process that died at once shows in its exit status below)
+    let _ = stdin.write_all(&request);
+    drop(stdin);
+    let out = child
+        .wait_with_output()
+        .map_err(|e| WorkerError::Broken(format!("waiting for the compile process: {e}")))?;
+    let failed = |what: &str| {
+        WorkerError::Broken(format!(
+            "the compile process {what} ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    };
+    let Some(nl) = out.stdout.iter().position(|&b| b == b'\n') else {
+        return Err(failed("gave no answer"));
+    };
+    let answer: WorkerAnswer =
+        serde_json::from_slice(&out.stdout[..nl]).map_err(|_| failed("answered nonsense"))?;
+    if let Some(e) = answer.error {
+        return Err(WorkerError::Compile(e));
+    }
+    let binary = &out.stdout[nl + 1..];
+    if binary.len() != answer.len {
+        return Err(failed("cut its answer short"));
+    }
+    Ok((binary.to_vec(), answer.lowered))
+}
+
+/// A compile process's side of [`compile_in_worker`]: read a [`CompileJob`] (JSON) from
+/// standard input, compile it, and write the answer line and the binary to standard
+/// output. Touches nothing of MLX but NVRTC.
+pub fn serve_worker() -> Result<(), String> {
+    let mut request = Vec::new();
+    std::io::stdin()
+        .read_to_end(&mut request)
+        .map_err(|e| format!("reading the job: {e}"))?;
+    let job: CompileJob =
+        serde_json::from_slice(&request).map_err(|e| format!("reading the job: {e}"))?;
+    let (answer, binary) = match job.run() {
+        Ok((binary, lowered)) => (
+            WorkerAnswer {
+                lowered,
+                len: binary.len(),
+                error: None,
+            },
+            binary,
+        ),
+        Err(e) => (
+            WorkerAnswer {
+                lowered: String::new(),
+                len: 0,
+                error: Some(e),
+            },
+            Vec::new(),
+        ),
+    };
+    let mut out = std::io::stdout().lock();
+    let line = serde_json::to_string(&answer).map_err(|e| e.to_string())?;
+    writeln!(out, "{line}")
+        .and_then(|()| out.write_all(&binary))
+        .and_then(|()| out.flush())
+        .map_err(|e| format!("writing the answer: {e}"))
 }
 
 /// A custom-kernel launch (called by [`super::fast::CudaKernel::call`] with its launch
@@ -607,6 +773,50 @@ mod tests {
         assert!(dir.path().join("slow.ptx").exists());
         assert_eq!(c.stats().built, 2);
         c.wait();
+    }
+
+    /// A compile process's answer as [`serve_worker`] writes it is read back; a process
+    /// that cannot start, dies, or cuts its answer short is told apart from a compile
+    /// error (which comes back as NVRTC's log).
+    #[test]
+    fn compile_processes_answer_or_fail_plainly() {
+        let job = CompileJob {
+            library: String::new(),
+            source: "k".into(),
+            file: "k.cu".into(),
+            name_expr: "k".into(),
+            options: vec![],
+            cubin: true,
+        };
+        let sh = |script: &str| -> Vec<OsString> {
+            vec![
+                "sh".into(),
+                "-c".into(),
+                format!("cat >/dev/null; {script}").into(),
+            ]
+        };
+        let ok = sh(r#"printf '{"lowered":"_Z1k","len":3,"error":null}\nabc'"#);
+        let (bin, lowered) = compile_in_worker(&ok, &job).unwrap();
+        assert_eq!((bin.as_slice(), lowered.as_str()), (&b"abc"[..], "_Z1k"));
+        let log = sh(r#"printf '{"lowered":"","len":0,"error":"k.cu(1): error"}\n'"#);
+        assert!(
+            matches!(compile_in_worker(&log, &job), Err(WorkerError::Compile(e)) if e == "k.cu(1): error")
+        );
+        let short = sh(r#"printf '{"lowered":"_Z1k","len":9,"error":null}\nabc'"#);
+        assert!(matches!(
+            compile_in_worker(&short, &job),
+            Err(WorkerError::Broken(_))
+        ));
+        let died = sh("echo oops >&2; exit 3");
+        match compile_in_worker(&died, &job) {
+            Err(WorkerError::Broken(e)) => assert!(e.contains("oops"), "{e}"),
+            other => panic!("{other:?}"),
+        }
+        let missing = vec![OsString::from("/nonexistent/mlxcel")];
+        assert!(matches!(
+            compile_in_worker(&missing, &job),
+            Err(WorkerError::Start(_))
+        ));
     }
 
     #[test]
