@@ -19,6 +19,7 @@ use std::time::Instant;
 use mlxcel::kernels::cache::{cuda_include_dirs, nvrtc_options};
 use mlxcel::mlx::kernel_cache::{
     compile_in_worker, compile_source, nvrtc, nvrtc_compile, CompileJob, WorkerError,
+    COMPILE_TIMEOUT,
 };
 
 /// A custom kernel's source as MLX generates it: `inputs` and `outputs` are (name, CUDA
@@ -593,7 +594,7 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
             scope.spawn(|| loop {
                 let i = next.fetch_add(1, Ordering::SeqCst);
                 let Some(j) = jobs.get(i) else { break };
-                let out = compile_in_worker(&worker, j)
+                let out = compile_in_worker(&worker, j, COMPILE_TIMEOUT)
                     .unwrap_or_else(|e| panic!("{} in a compile process: {e}", j.file));
                 done.lock().unwrap()[i] = Some(out);
             });
@@ -665,7 +666,7 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
         options: options.clone(),
         cubin: true,
     };
-    match compile_in_worker(&worker, &job) {
+    match compile_in_worker(&worker, &job, COMPILE_TIMEOUT) {
         Err(WorkerError::Compile(e)) => assert!(e.contains("broken.cu"), "{e}"),
         other => panic!("{other:?}"),
     }

@@ -32,6 +32,7 @@ use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
 use super::ffi::ffi;
 use super::Array;
@@ -403,7 +404,7 @@ pub fn enable(cfg: Config) -> bool {
             .as_ref()
             .filter(|_| !WORKERS_BROKEN.load(Ordering::Relaxed));
         let (binary, lowered) = match in_worker {
-            Some(cmd) => match compile_in_worker(cmd, &job) {
+            Some(cmd) => match compile_in_worker(cmd, &job, COMPILE_TIMEOUT) {
                 Err(e @ (WorkerError::Start(_) | WorkerError::Broken(_))) => {
                     if !WORKERS_BROKEN.swap(true, Ordering::Relaxed) {
                         tracing::warn!(
@@ -513,11 +514,16 @@ struct WorkerAnswer {
     error: Option<String>,
 }
 
+/// How long a compile process may take before it is stopped (a variant compiles in a few
+/// seconds).
+pub const COMPILE_TIMEOUT: Duration = Duration::from_secs(300);
+
 /// Compile `job` in a process of its own, started as `worker` (program, then arguments),
-/// which runs [`serve_worker`].
+/// which runs [`serve_worker`]; one that runs past `timeout` is stopped.
 pub fn compile_in_worker(
     worker: &[OsString],
     job: &CompileJob,
+    timeout: Duration,
 ) -> Result<(Vec<u8>, String), WorkerError> {
     let (program, args) = worker
         .split_first()
@@ -532,29 +538,56 @@ pub fn compile_in_worker(
         .spawn()
         .map_err(WorkerError::Start)?;
     let request = serde_json::to_vec(job).map_err(|e| WorkerError::Broken(e.to_string()))?;
+    let drain = |mut r: Box<dyn Read + Send>| {
+        std::thread::spawn(move || {
+            let mut b = Vec::new();
+            let _ = r.read_to_end(&mut b);
+            b
+        })
+    };
+    let stdout = drain(Box::new(child.stdout.take().expect("piped")));
+    let stderr = drain(Box::new(child.stderr.take().expect("piped")));
     let mut stdin = child.stdin.take().expect("piped");
     // (a process that died at once shows in its exit status below)
     let _ = stdin.write_all(&request);
     drop(stdin);
-    let out = child
-        .wait_with_output()
-        .map_err(|e| WorkerError::Broken(format!("waiting for the compile process: {e}")))?;
+    let deadline = Instant::now() + timeout;
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(status)) => break status,
+            Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(5)),
+            Ok(None) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(WorkerError::Broken(format!(
+                    "the compile process ran past {:.1} s and was stopped",
+                    timeout.as_secs_f64()
+                )));
+            }
+            Err(e) => {
+                return Err(WorkerError::Broken(format!(
+                    "waiting for the compile process: {e}"
+                )))
+            }
+        }
+    };
+    let stdout = stdout.join().unwrap_or_default();
+    let stderr = stderr.join().unwrap_or_default();
     let failed = |what: &str| {
         WorkerError::Broken(format!(
-            "the compile process {what} ({}): {}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr).trim()
+            "the compile process {what} ({status}): {}",
+            String::from_utf8_lossy(&stderr).trim()
         ))
     };
-    let Some(nl) = out.stdout.iter().position(|&b| b == b'\n') else {
+    let Some(nl) = stdout.iter().position(|&b| b == b'\n') else {
         return Err(failed("gave no answer"));
     };
     let answer: WorkerAnswer =
-        serde_json::from_slice(&out.stdout[..nl]).map_err(|_| failed("answered nonsense"))?;
+        serde_json::from_slice(&stdout[..nl]).map_err(|_| failed("answered nonsense"))?;
     if let Some(e) = answer.error {
         return Err(WorkerError::Compile(e));
     }
-    let binary = &out.stdout[nl + 1..];
+    let binary = &stdout[nl + 1..];
     if binary.len() != answer.len {
         return Err(failed("cut its answer short"));
     }
@@ -788,6 +821,7 @@ mod tests {
             options: vec![],
             cubin: true,
         };
+        const T: Duration = Duration::from_secs(60);
         let sh = |script: &str| -> Vec<OsString> {
             vec![
                 "sh".into(),
@@ -796,27 +830,34 @@ mod tests {
             ]
         };
         let ok = sh(r#"printf '{"lowered":"_Z1k","len":3,"error":null}\nabc'"#);
-        let (bin, lowered) = compile_in_worker(&ok, &job).unwrap();
+        let (bin, lowered) = compile_in_worker(&ok, &job, T).unwrap();
         assert_eq!((bin.as_slice(), lowered.as_str()), (&b"abc"[..], "_Z1k"));
         let log = sh(r#"printf '{"lowered":"","len":0,"error":"k.cu(1): error"}\n'"#);
         assert!(
-            matches!(compile_in_worker(&log, &job), Err(WorkerError::Compile(e)) if e == "k.cu(1): error")
+            matches!(compile_in_worker(&log, &job, T), Err(WorkerError::Compile(e)) if e == "k.cu(1): error")
         );
         let short = sh(r#"printf '{"lowered":"_Z1k","len":9,"error":null}\nabc'"#);
         assert!(matches!(
-            compile_in_worker(&short, &job),
+            compile_in_worker(&short, &job, T),
             Err(WorkerError::Broken(_))
         ));
         let died = sh("echo oops >&2; exit 3");
-        match compile_in_worker(&died, &job) {
+        match compile_in_worker(&died, &job, T) {
             Err(WorkerError::Broken(e)) => assert!(e.contains("oops"), "{e}"),
             other => panic!("{other:?}"),
         }
         let missing = vec![OsString::from("/nonexistent/mlxcel")];
         assert!(matches!(
-            compile_in_worker(&missing, &job),
+            compile_in_worker(&missing, &job, T),
             Err(WorkerError::Start(_))
         ));
+        // one that hangs is stopped at the timeout
+        let t = Instant::now();
+        match compile_in_worker(&sh("sleep 30"), &job, Duration::from_millis(300)) {
+            Err(WorkerError::Broken(e)) => assert!(e.contains("ran past"), "{e}"),
+            other => panic!("{other:?}"),
+        }
+        assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
     }
 
     #[test]
