@@ -602,7 +602,12 @@ impl Worker {
         // the steps one by one took 86 s for 60 variants). The graphs are dropped unevaluated.
         if build_first {
             for &step in &steps {
+                // (each from the same cache: a graph built on the last one's pools would
+                // have them evaluated with the next step, and its writes settle the views
+                // of the one before, which waits for their kernels)
+                let saved = self.cache.save();
                 self.warm_graph(step)?;
+                self.cache.restore(saved);
             }
         }
         // With `MLXCEL_WARM_BACKGROUND=1` only batch 1 is evaluated now: the other steps'

@@ -173,6 +173,16 @@ pub struct KvCache {
     copies: u64,
 }
 
+/// What [`KvCache::save`] keeps.
+pub struct CacheState {
+    kv: Vec<Array>,
+    lens: Vec<usize>,
+    tables: Vec<Option<Vec<u32>>>,
+    cap_blocks: usize,
+    reads: Vec<Vec<Array>>,
+    buffers: Vec<u64>,
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum KvError {
     #[error("sequence needs {needed} positions but the context is {max} (--ctx-size)")]
@@ -297,6 +307,30 @@ impl KvCache {
     pub fn reset(&mut self, slot: usize) {
         self.lens[slot] = 0;
         self.tables[slot] = None;
+    }
+
+    /// The pools and the slots' state as they are now (array handles: no copy), for
+    /// [`KvCache::restore`]: a graph built between the two (and never evaluated) leaves
+    /// nothing behind that later steps build on or evaluate.
+    pub fn save(&self) -> CacheState {
+        CacheState {
+            kv: self.kv.clone(),
+            lens: self.lens.clone(),
+            tables: self.tables.clone(),
+            cap_blocks: self.cap_blocks,
+            reads: self.reads.borrow().clone(),
+            buffers: self.buffers.clone(),
+        }
+    }
+
+    /// Back to the state [`KvCache::save`] took.
+    pub fn restore(&mut self, s: CacheState) {
+        self.kv = s.kv;
+        self.lens = s.lens;
+        self.tables = s.tables;
+        self.cap_blocks = s.cap_blocks;
+        *self.reads.borrow_mut() = s.reads;
+        self.buffers = s.buffers;
     }
 
     /// Start `slot` over with its first `pos` positions already in the blocks of `table`
@@ -1214,6 +1248,42 @@ mod tests {
         let writes = c.step_writes(Some(&idx), &[]).unwrap();
         c.write_step(0, &writes, Some(&NewKv::Written), &[])
             .unwrap();
+    }
+
+    /// A write made between `save` and `restore` (and never evaluated) leaves nothing: the
+    /// pools read back what they held before it, the slot its length, and the next write
+    /// builds on the saved pools, not on the dropped one.
+    #[test]
+    fn a_restored_cache_forgets_a_graph_built_after_its_save() {
+        let (layers, h, d) = (1usize, 2i32, 4i32);
+        let mut c = small_cache(layers, 2, 8, true);
+        c.restart(0, 0, Some(&[0, 1]));
+        c.prepare(layers, &[(0, 3)]).unwrap();
+        let r = c.seq_rows(0, 0, 3).unwrap();
+        c.write(0, &r, &NewKv::Merged(values(&[1, 2 * h, 3, d], 0.0)))
+            .unwrap();
+        c.advance(0, 3);
+        let before = read(&c.read(0, &r).unwrap().0);
+        let views = c.reads.borrow()[0].len();
+        let saved = c.save();
+        c.reset(0);
+        c.restart(0, 0, Some(&[0, 1]));
+        c.prepare(layers, &[(0, 3)]).unwrap();
+        c.write(0, &r, &NewKv::Merged(values(&[1, 2 * h, 3, d], 900.0)))
+            .unwrap();
+        c.advance(0, 3);
+        assert_eq!(c.len(0), 3);
+        let dropped = c.read(0, &r).unwrap().0;
+        c.restore(saved);
+        // the views a later write settles are the ones made before the save
+        assert_eq!(c.reads.borrow()[0].len(), views);
+        assert_eq!(c.len(0), 3);
+        assert_eq!(read(&c.read(0, &r).unwrap().0), before);
+        assert_eq!(
+            read(&dropped)[0],
+            900.0,
+            "the dropped graph itself still computes"
+        );
     }
 
     /// Without a table a slot owns the blocks j·slots + slot: one slot's positions are
