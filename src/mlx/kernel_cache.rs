@@ -31,7 +31,7 @@ use std::ffi::OsString;
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::sync::{Arc, Condvar, Mutex, OnceLock, PoisonError};
 use std::time::{Duration, Instant};
 
 use super::ffi::ffi;
@@ -68,6 +68,32 @@ pub struct Stats {
     pub invalid: u64,
     /// Variants that could not be compiled or written (MLX compiled them).
     pub failed: u64,
+}
+
+/// The end of a compilation job: frees its compile slot, then its pending entry (the
+/// entry is written by then), waking whoever waits for either.
+struct JobEnd {
+    pending: Arc<(Mutex<HashSet<u64>>, Condvar)>,
+    fast: Arc<AtomicUsize>,
+    key: u64,
+    /// set once the job holds a compile slot
+    running: Option<Arc<(Mutex<usize>, Condvar)>>,
+}
+
+impl Drop for JobEnd {
+    fn drop(&mut self) {
+        if let Some(running) = &self.running {
+            let (m, cv) = &**running;
+            *m.lock().unwrap_or_else(PoisonError::into_inner) -= 1;
+            cv.notify_one();
+        }
+        let (m, cv) = &*self.pending;
+        m.lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(&self.key);
+        self.fast.fetch_sub(1, Ordering::SeqCst);
+        cv.notify_all();
+    }
 }
 
 /// The header line MLX puts at the top of every custom kernel's source; its headers
@@ -195,19 +221,25 @@ impl Cache {
             return true;
         }
         fast.fetch_add(1, Ordering::SeqCst);
-        let done = move || {
-            let (m, cv) = &*pending;
-            m.lock().unwrap().remove(&key);
-            fast.fetch_sub(1, Ordering::SeqCst);
-            cv.notify_all();
-        };
         let job = move || {
+            // (however the job ends, a panic included, its slot and pending entry go)
+            let mut end = JobEnd {
+                pending,
+                fast,
+                key,
+                running: None,
+            };
             {
                 // at most `jobs` compilations at once
                 let (m, cv) = &*running;
-                let mut n = cv.wait_while(m.lock().unwrap(), |n| *n >= jobs).unwrap();
+                let mut n = cv
+                    .wait_while(m.lock().unwrap_or_else(PoisonError::into_inner), |n| {
+                        *n >= jobs
+                    })
+                    .unwrap_or_else(PoisonError::into_inner);
                 *n += 1;
             }
+            end.running = Some(running);
             let result = compiler(&source, &file, &name_expr).and_then(|(bin, lowered)| {
                 paths
                     .write(&bin, &format!("{name_expr}\t{lowered}\n"))
@@ -222,12 +254,6 @@ impl Cache {
                     tracing::warn!("kernel cache: {name_expr}: {e}; MLX compiles it instead");
                 }
             }
-            {
-                let (m, cv) = &*running;
-                *m.lock().unwrap() -= 1;
-                cv.notify_one();
-            }
-            done();
         };
         if std::thread::Builder::new()
             .name("kernel-compile".into())
@@ -405,7 +431,15 @@ pub fn enable(cfg: Config) -> bool {
             .filter(|_| !WORKERS_BROKEN.load(Ordering::Relaxed));
         let (binary, lowered) = match in_worker {
             Some(cmd) => match compile_in_worker(cmd, &job, COMPILE_TIMEOUT) {
-                Err(e @ (WorkerError::Start(_) | WorkerError::Broken(_))) => {
+                Ok(out) => {
+                    WORKERS_OK.store(true, Ordering::Relaxed);
+                    out
+                }
+                // compile processes do not work here at all (none ever did): this kernel
+                // and the rest compile in this process
+                Err(e @ (WorkerError::Start(_) | WorkerError::Broken(_)))
+                    if !WORKERS_OK.load(Ordering::Relaxed) =>
+                {
                     if !WORKERS_BROKEN.swap(true, Ordering::Relaxed) {
                         tracing::warn!(
                             "kernel cache: a compile process failed ({e}); compiling in this \
@@ -414,7 +448,8 @@ pub fn enable(cfg: Config) -> bool {
                     }
                     job.run()?
                 }
-                other => other.map_err(|e| e.to_string())?,
+                // this kernel's process died or hung (others worked): MLX compiles it
+                Err(e) => return Err(e.to_string()),
             },
             None => job.run()?,
         };
@@ -498,13 +533,18 @@ pub enum WorkerError {
     /// It failed or answered nonsense.
     #[error("{0}")]
     Broken(String),
+    /// It ran past its time and was stopped.
+    #[error("the compile process ran past {0:.1} s and was stopped")]
+    Timeout(f64),
     /// NVRTC failed: its log.
     #[error("{0}")]
     Compile(String),
 }
 
-/// A compile process failed once: later kernels compile in this process.
+/// A compile process failed before any worked: later kernels compile in this process.
 static WORKERS_BROKEN: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+/// A compile process has worked in this process.
+static WORKERS_OK: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 /// The first line a compile process writes: its result, the binary's bytes after it.
 #[derive(Debug, serde::Serialize, serde::Deserialize)]
@@ -528,6 +568,7 @@ pub fn compile_in_worker(
     let (program, args) = worker
         .split_first()
         .ok_or_else(|| WorkerError::Broken("no compile command".into()))?;
+    let request = serde_json::to_vec(job).map_err(|e| WorkerError::Broken(e.to_string()))?;
     let mut child = std::process::Command::new(program)
         .args(args)
         // (NVRTC needs no GPU: the process gets none, so nothing in it can claim one)
@@ -537,37 +578,56 @@ pub fn compile_in_worker(
         .stderr(std::process::Stdio::piped())
         .spawn()
         .map_err(WorkerError::Start)?;
-    let request = serde_json::to_vec(job).map_err(|e| WorkerError::Broken(e.to_string()))?;
-    let drain = |mut r: Box<dyn Read + Send>| {
-        std::thread::spawn(move || {
+    let deadline = Instant::now() + timeout;
+    // the job written and the answer read on threads of their own, so that only the wait
+    // below can block, and it has a deadline (a process that died at once shows in its exit
+    // status)
+    let mut stdin = child.stdin.take().expect("piped");
+    let mut stdout = child.stdout.take().expect("piped");
+    let mut stderr = child.stderr.take().expect("piped");
+    let thread = || std::thread::Builder::new().name("kernel-compile-io".into());
+    let io = thread()
+        .spawn(move || {
+            let _ = stdin.write_all(&request);
+            drop(stdin);
             let mut b = Vec::new();
-            let _ = r.read_to_end(&mut b);
+            let _ = stdout.read_to_end(&mut b);
             b
         })
+        .and_then(|out| {
+            let err = thread().spawn(move || {
+                let mut b = Vec::new();
+                let _ = stderr.read_to_end(&mut b);
+                b
+            })?;
+            Ok((out, err))
+        });
+    let stop = |child: &mut std::process::Child| {
+        let _ = child.kill();
+        let _ = child.wait();
     };
-    let stdout = drain(Box::new(child.stdout.take().expect("piped")));
-    let stderr = drain(Box::new(child.stderr.take().expect("piped")));
-    let mut stdin = child.stdin.take().expect("piped");
-    // (a process that died at once shows in its exit status below)
-    let _ = stdin.write_all(&request);
-    drop(stdin);
-    let deadline = Instant::now() + timeout;
+    let (stdout, stderr) = match io {
+        Ok(threads) => threads,
+        Err(e) => {
+            stop(&mut child);
+            return Err(WorkerError::Broken(format!(
+                "no thread for its output: {e}"
+            )));
+        }
+    };
     let status = loop {
         match child.try_wait() {
             Ok(Some(status)) => break status,
             Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(5)),
             Ok(None) => {
-                let _ = child.kill();
-                let _ = child.wait();
-                return Err(WorkerError::Broken(format!(
-                    "the compile process ran past {:.1} s and was stopped",
-                    timeout.as_secs_f64()
-                )));
+                stop(&mut child);
+                return Err(WorkerError::Timeout(timeout.as_secs_f64()));
             }
             Err(e) => {
+                stop(&mut child);
                 return Err(WorkerError::Broken(format!(
                     "waiting for the compile process: {e}"
-                )))
+                )));
             }
         }
     };
@@ -854,10 +914,36 @@ mod tests {
         // one that hangs is stopped at the timeout
         let t = Instant::now();
         match compile_in_worker(&sh("sleep 30"), &job, Duration::from_millis(300)) {
-            Err(WorkerError::Broken(e)) => assert!(e.contains("ran past"), "{e}"),
+            Err(e @ WorkerError::Timeout(_)) => assert!(e.to_string().contains("ran past"), "{e}"),
             other => panic!("{other:?}"),
         }
         assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
+    }
+
+    /// A compiler that panics ends its job all the same: the variant is no longer pending
+    /// and its compile slot is free for the next one.
+    #[test]
+    fn a_panicking_compilation_still_ends_its_job() {
+        let dir = tempfile::tempdir().unwrap();
+        let compiler: Arc<Compiler> = Arc::new(|_: &str, file: &str, name: &str| {
+            if file.starts_with("boom") {
+                panic!("the compiler crashed");
+            }
+            Ok((format!("binary of {name}").into_bytes(), "_Z1".into()))
+        });
+        let c = Arc::new(Cache::new(dir.path().to_path_buf(), 1, compiler));
+        assert!(c.ensure(key("boom"), &id("boom")));
+        assert!(c.ensure(key("next"), &id("next")));
+        let (tx, rx) = std::sync::mpsc::channel();
+        let waiter = c.clone();
+        std::thread::spawn(move || {
+            waiter.wait_for(&[key("boom"), key("next")]);
+            tx.send(()).unwrap();
+        });
+        rx.recv_timeout(std::time::Duration::from_secs(20))
+            .expect("the wait ended");
+        assert!(!c.is_pending(key("boom")));
+        assert!(dir.path().join("next.ptx").exists());
     }
 
     #[test]
