@@ -64,7 +64,8 @@ impl StepCost {
             .map(|b| {
                 let mut v: Vec<(usize, f64)> = b.iter().copied().collect();
                 v.sort_by(|x, y| x.1.total_cmp(&y.1));
-                let (n, t) = v[v.len() / 2];
+                // (the lower median: of two steps, the quicker)
+                let (n, t) = v[(v.len() - 1) / 2];
                 (n as f64, t)
             })
             .collect();
