@@ -1998,6 +1998,19 @@ mod tests {
         }
     }
 
+    /// The tests' scheduler: `slots` sequences of `ctx_size` tokens, `budget` tokens a step,
+    /// a pool of every slot's whole context, prefix caching on, no prefill cut.
+    fn config(slots: usize, ctx_size: usize, budget: usize) -> SchedulerConfig {
+        SchedulerConfig {
+            slots,
+            ctx_size,
+            max_num_batched_tokens: budget,
+            kv: None,
+            prefix_caching: true,
+            max_itl_ratio: 0.0,
+        }
+    }
+
     fn tokenizer() -> Tokenizer {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama3");
         let cfg: serde_json::Value =
@@ -2038,17 +2051,7 @@ mod tests {
 
     fn run_alone(prompt: Vec<u32>, max_tokens: usize, chunk: usize) -> Vec<u32> {
         let mut exec = FakeExec::new(1, 64);
-        let mut s = Scheduler::new(
-            SchedulerConfig {
-                slots: 1,
-                ctx_size: 64,
-                max_num_batched_tokens: chunk,
-                kv: None,
-                prefix_caching: true,
-                max_itl_ratio: 0.0,
-            },
-            tokenizer(),
-        );
+        let mut s = Scheduler::new(config(1, 64, chunk), tokenizer());
         let (req, mut rx) = request(prompt, max_tokens);
         s.submit(req, &NoObserver);
         while s.has_work() {
@@ -2081,17 +2084,7 @@ mod tests {
             .collect();
         let alone: Vec<Vec<u32>> = prompts.iter().map(|p| run_alone(p.clone(), 9, 4)).collect();
         let mut exec = FakeExec::new(3, 64);
-        let mut s = Scheduler::new(
-            SchedulerConfig {
-                slots: 3,
-                ctx_size: 64,
-                max_num_batched_tokens: 4,
-                kv: None,
-                prefix_caching: true,
-                max_itl_ratio: 0.0,
-            },
-            tokenizer(),
-        );
+        let mut s = Scheduler::new(config(3, 64, 4), tokenizer());
         let mut rxs = vec![];
         for p in &prompts {
             let (req, rx) = request(p.clone(), 9);
@@ -2136,12 +2129,9 @@ mod tests {
         let mut exec = FakeExec::new(2, 256);
         let mut s = Scheduler::new(
             SchedulerConfig {
-                slots: 2,
-                ctx_size: 256,
-                max_num_batched_tokens: 64,
-                kv: None,
                 prefix_caching: false,
                 max_itl_ratio: DEFAULT_MAX_ITL_RATIO,
+                ..config(2, 256, 64)
             },
             tokenizer(),
         );
@@ -2179,12 +2169,9 @@ mod tests {
         exec.sim = Some((clock.clone(), cost.clone()));
         let mut s = Scheduler::new(
             SchedulerConfig {
-                slots,
-                ctx_size: 512,
-                max_num_batched_tokens: budget,
-                kv: None,
                 prefix_caching: false,
                 max_itl_ratio: ratio,
+                ..config(slots, 512, budget)
             },
             tokenizer(),
         );
@@ -2335,17 +2322,7 @@ mod tests {
             .collect();
         assert!(lens.iter().filter(|&&l| l > budget).count() >= 2);
         let mut exec = FakeExec::new(slots, 512);
-        let mut s = Scheduler::new(
-            SchedulerConfig {
-                slots,
-                ctx_size: 512,
-                max_num_batched_tokens: budget,
-                kv: None,
-                prefix_caching: true,
-                max_itl_ratio: 0.0,
-            },
-            tokenizer(),
-        );
+        let mut s = Scheduler::new(config(slots, 512, budget), tokenizer());
         let mut rxs = vec![];
         for (i, &n) in lens.iter().enumerate() {
             let prompt = (0..n)
@@ -2395,17 +2372,7 @@ mod tests {
     #[test]
     fn context_limit_disconnect_and_fatal_error() {
         let mut exec = FakeExec::new(2, 16);
-        let mut s = Scheduler::new(
-            SchedulerConfig {
-                slots: 2,
-                ctx_size: 16,
-                max_num_batched_tokens: 8,
-                kv: None,
-                prefix_caching: true,
-                max_itl_ratio: 0.0,
-            },
-            tokenizer(),
-        );
+        let mut s = Scheduler::new(config(2, 16, 8), tokenizer());
         // prompt 10 + generated 6 = ctx 16
         let (req, mut rx) = request((1..=10).collect(), 100);
         s.submit(req, &NoObserver);
@@ -2540,12 +2507,9 @@ mod tests {
         };
         let mut s = Scheduler::new(
             SchedulerConfig {
-                slots,
-                ctx_size: 96,
-                max_num_batched_tokens: 4,
                 kv: Some(exec.kv_pool()),
                 prefix_caching,
-                max_itl_ratio: 0.0,
+                ..config(slots, 96, 4)
             },
             tokenizer(),
         );
@@ -2643,12 +2607,9 @@ mod tests {
         let kv = KvConfig::for_slots(slots, ctx_size, block_size);
         let exec = crate::engine::step::LocalExecutor::with_kv(model, slots, ctx_size, kv);
         let cfg = SchedulerConfig {
-            slots,
-            ctx_size,
-            max_num_batched_tokens: 4,
             kv: Some(exec.kv_pool()),
             prefix_caching,
-            max_itl_ratio: 0.0,
+            ..config(slots, ctx_size, 4)
         };
         (exec, Scheduler::new(cfg, tokenizer()))
     }
@@ -2844,12 +2805,8 @@ mod tests {
             let mut exec = LocalExecutor::with_kv(model, slots, 64, kv);
             let mut s = Scheduler::new(
                 SchedulerConfig {
-                    slots,
-                    ctx_size: 64,
-                    max_num_batched_tokens: 4,
                     kv: Some(exec.kv_pool()),
-                    prefix_caching: true,
-                    max_itl_ratio: 0.0,
+                    ..config(slots, 64, 4)
                 },
                 tokenizer(),
             );
@@ -2925,12 +2882,8 @@ mod tests {
         let mut exec = LocalExecutor::with_kv(model, 4, 64, kv);
         let mut s = Scheduler::new(
             SchedulerConfig {
-                slots: 4,
-                ctx_size: 64,
-                max_num_batched_tokens: 64,
                 kv: Some(exec.kv_pool()),
-                prefix_caching: true,
-                max_itl_ratio: 0.0,
+                ..config(4, 64, 64)
             },
             tokenizer(),
         );
@@ -3036,17 +2989,7 @@ mod tests {
                 96,
             );
             exec.worker.set_defer_masks(defer);
-            let mut s = Scheduler::new(
-                SchedulerConfig {
-                    slots: 2,
-                    ctx_size: 96,
-                    max_num_batched_tokens: 4,
-                    kv: None,
-                    prefix_caching: true,
-                    max_itl_ratio: 0.0,
-                },
-                tokenizer(),
-            );
+            let mut s = Scheduler::new(config(2, 96, 4), tokenizer());
             s.set_pipeline(pipeline);
             let (mut req, mut rx) = request(vec![1, 2, 3, 4, 5], 40);
             req.ignore_eos = false;
@@ -3148,12 +3091,9 @@ mod tests {
             let mut exec = FakeExec::with_pool(3, 64, 4, 14);
             let mut s = Scheduler::new(
                 SchedulerConfig {
-                    slots: 3,
-                    ctx_size: 64,
-                    max_num_batched_tokens: 4,
                     kv: Some(exec.kv_pool()),
                     prefix_caching: caching,
-                    max_itl_ratio: 0.0,
+                    ..config(3, 64, 4)
                 },
                 tokenizer(),
             );
@@ -3258,12 +3198,8 @@ mod tests {
         let mut exec = FakeExec::with_pool(2, 64, 4, 10);
         let mut s = Scheduler::new(
             SchedulerConfig {
-                slots: 2,
-                ctx_size: 64,
-                max_num_batched_tokens: 8,
                 kv: Some(exec.kv_pool()),
-                prefix_caching: true,
-                max_itl_ratio: 0.0,
+                ..config(2, 64, 8)
             },
             tokenizer(),
         );
