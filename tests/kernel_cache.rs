@@ -122,6 +122,30 @@ fn ptxas_report(
     }
 }
 
+/// `f` of every job, on `threads` threads taking the next job as they finish one; the
+/// results in the jobs' order.
+fn on_threads<T: Send>(
+    jobs: &[CompileJob],
+    threads: usize,
+    f: impl Fn(&CompileJob) -> T + Sync,
+) -> Vec<T> {
+    let next = AtomicUsize::new(0);
+    let done = Mutex::new(Vec::new());
+    std::thread::scope(|scope| {
+        for _ in 0..threads {
+            scope.spawn(|| loop {
+                let i = next.fetch_add(1, Ordering::SeqCst);
+                let Some(j) = jobs.get(i) else { break };
+                let out = f(j);
+                done.lock().unwrap().push((i, out));
+            });
+        }
+    });
+    let mut done = done.into_inner().unwrap();
+    done.sort_by_key(|(i, _)| *i);
+    done.into_iter().map(|(_, out)| out).collect()
+}
+
 #[test]
 fn kernels_compile_for_the_cache_with_nvrtc() {
     let library = std::env::var("MLXCEL_NVRTC_LIBRARY").unwrap_or_default();
@@ -586,33 +610,16 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
     ];
     let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
     let t = Instant::now();
-    let next = AtomicUsize::new(0);
-    let mut apart: Vec<Option<(Vec<u8>, String)>> = vec![None; jobs.len()];
-    let done = Mutex::new(&mut apart);
-    std::thread::scope(|scope| {
-        for _ in 0..cores {
-            scope.spawn(|| loop {
-                let i = next.fetch_add(1, Ordering::SeqCst);
-                let Some(j) = jobs.get(i) else { break };
-                let out = compile_in_worker(&worker, j, COMPILE_TIMEOUT)
-                    .unwrap_or_else(|e| panic!("{} in a compile process: {e}", j.file));
-                done.lock().unwrap()[i] = Some(out);
-            });
-        }
+    let apart = on_threads(&jobs, cores, |j| {
+        compile_in_worker(&worker, j, COMPILE_TIMEOUT)
+            .unwrap_or_else(|e| panic!("{} in a compile process: {e}", j.file))
     });
     let parallel = t.elapsed().as_secs_f64();
     // (and on threads of this process, as the cache compiled before: NVRTC holds a lock
     // of its process for most of a compilation, so they overlap little)
     let t = Instant::now();
-    let next = AtomicUsize::new(0);
-    std::thread::scope(|scope| {
-        for _ in 0..cores {
-            scope.spawn(|| {
-                while let Some(j) = jobs.get(next.fetch_add(1, Ordering::SeqCst)) {
-                    j.run().unwrap_or_else(|e| panic!("{}: {e}", j.file));
-                }
-            });
-        }
+    on_threads(&jobs, cores, |j| {
+        j.run().unwrap_or_else(|e| panic!("{}: {e}", j.file))
     });
     let threads = t.elapsed().as_secs_f64();
     eprintln!(
@@ -620,8 +627,8 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
          {cores} threads of it, {parallel:.1} s in compile processes, {cores} at once",
         jobs.len()
     );
-    for (i, out) in apart.into_iter().enumerate() {
-        assert_eq!(out.as_ref(), Some(&here[i]), "{}", jobs[i].file);
+    for (i, out) in apart.iter().enumerate() {
+        assert_eq!(out, &here[i], "{}", jobs[i].file);
     }
     for (((name, _), job), (bin, lowered)) in sources.iter().zip(&jobs).zip(here) {
         let (cache_src, expr) = (&job.source, &job.name_expr);
