@@ -25,3 +25,15 @@ pub fn cache_root() -> std::path::PathBuf {
         .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/mlxcel")))
         .unwrap_or_else(|| std::env::temp_dir().join("mlxcel"))
 }
+
+/// This process's program, for the child processes that run it again (ranks, kernel
+/// compiles): on Linux `/proc/self/exe`, this very binary even if its file was replaced
+/// or deleted since the start; elsewhere its path.
+pub fn this_executable() -> Option<std::path::PathBuf> {
+    let this_exe = std::path::Path::new("/proc/self/exe");
+    if cfg!(target_os = "linux") && this_exe.exists() {
+        Some(this_exe.to_path_buf())
+    } else {
+        std::env::current_exe().ok()
+    }
+}

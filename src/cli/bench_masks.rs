@@ -319,9 +319,7 @@ fn engine_runs(
                     max_num_batched_tokens: DEFAULT_MAX_NUM_BATCHED_TOKENS,
                     kv: Some(exec.kv_pool()),
                     prefix_caching: true,
-                    max_itl_ratio: default_max_itl_ratio(
-                        crate::mlx::backend() != crate::mlx::Backend::Cpu,
-                    ),
+                    max_itl_ratio: default_max_itl_ratio(),
                 },
                 tokenizer.clone(),
             );

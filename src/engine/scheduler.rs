@@ -276,11 +276,11 @@ pub const DEFAULT_MAX_ITL_RATIO: f64 = 3.0;
 /// to a point; off on the CPU, where every token costs about the same, so the cut leaves
 /// a few tokens of prefill per step and admits a burst slower (measured: docs/benchmarks.md,
 /// "Prefill beside decodes").
-pub fn default_max_itl_ratio(gpu: bool) -> f64 {
-    if gpu {
-        DEFAULT_MAX_ITL_RATIO
-    } else {
+pub fn default_max_itl_ratio() -> f64 {
+    if crate::mlx::backend() == crate::mlx::Backend::Cpu {
         0.0
+    } else {
+        DEFAULT_MAX_ITL_RATIO
     }
 }
 

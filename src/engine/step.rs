@@ -543,9 +543,9 @@ impl Worker {
         if mlx::backend() == mlx::Backend::Cpu || self.cache.slots() == 0 {
             return Ok(());
         }
-        let build_first = mlx::kernel_cache::get().is_some();
-        let background = build_first && kernels::knobs::get().warm_background;
-        self.run_warm_up(build_first, false, background).map(drop)
+        let background = kernels::knobs::get().warm_background;
+        self.run_warm_up(mlx::kernel_cache::get().is_some(), false, background)
+            .map(drop)
     }
 
     /// [`Worker::warm_up`]'s steps on any backend; `build_first`: every step's graph is

@@ -118,14 +118,7 @@ pub fn init() -> Option<PathBuf> {
     let cores = std::thread::available_parallelism().map_or(4, |n| n.get());
     let jobs = (cores / ranks).clamp(1, MAX_COMPILE_JOBS);
     // each kernel in a process of its own: NVRTC compiles one program at a time per process
-    // (this very binary, even if its file was replaced or deleted since the start)
-    let this_exe = Path::new("/proc/self/exe");
-    let exe = if cfg!(target_os = "linux") && this_exe.exists() {
-        Some(this_exe.to_path_buf())
-    } else {
-        std::env::current_exe().ok()
-    };
-    let worker = exe
+    let worker = crate::this_executable()
         .filter(|_| knobs::get().nvrtc_processes)
         .map(|exe| vec![exe.into_os_string(), WORKER_COMMAND.into()]);
     let processes = worker.is_some();

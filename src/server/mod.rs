@@ -573,10 +573,7 @@ fn start_executor(
         opts.kv = kv;
         // Ranks (and the ranks of every restart) run this very binary, even
         // if its file has been replaced or deleted since the server started.
-        let this_exe = std::path::Path::new("/proc/self/exe");
-        if cfg!(target_os = "linux") && this_exe.exists() {
-            opts.program = Some(this_exe.to_path_buf());
-        }
+        opts.program = crate::this_executable();
         let exec = TpExecutor::launch(&m.dir, opts)?;
         metrics.set_tp_ranks(exec.reports());
         Box::new(ServedTp {
@@ -645,9 +642,7 @@ fn engine_main(
             max_num_batched_tokens: args.max_num_batched_tokens,
             kv: Some(exec.kv_pool()),
             prefix_caching: !args.no_enable_prefix_caching,
-            max_itl_ratio: args.max_itl_ratio.unwrap_or_else(|| {
-                default_max_itl_ratio(crate::mlx::backend() != crate::mlx::Backend::Cpu)
-            }),
+            max_itl_ratio: args.max_itl_ratio.unwrap_or_else(default_max_itl_ratio),
         },
         m.tokenizer.clone(),
     );
