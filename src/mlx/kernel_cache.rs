@@ -221,14 +221,17 @@ impl Cache {
             return true;
         }
         fast.fetch_add(1, Ordering::SeqCst);
+        // however the job ends (a panic included, or dropped unrun where no thread could
+        // be started), its slot and pending entry go
+        let end = JobEnd {
+            pending,
+            fast,
+            key,
+            running: None,
+        };
         let job = move || {
-            // (however the job ends, a panic included, its slot and pending entry go)
-            let mut end = JobEnd {
-                pending,
-                fast,
-                key,
-                running: None,
-            };
+            // (the whole guard moves into the job: it ends with the job)
+            let mut end = end;
             {
                 // at most `jobs` compilations at once
                 let (m, cv) = &*running;
@@ -260,11 +263,6 @@ impl Cache {
             .spawn(job)
             .is_err()
         {
-            // (the job was dropped unrun: undo its pending entry)
-            let (m, cv) = &*self.pending;
-            m.lock().unwrap().remove(&key);
-            self.pending_fast.fetch_sub(1, Ordering::SeqCst);
-            cv.notify_all();
             self.failed.fetch_add(1, Ordering::Relaxed);
             return false;
         }
