@@ -86,6 +86,10 @@ pub struct Knobs {
     /// rows) writes the new keys and values straight into the KV pool; 0: a cache write
     /// op per layer, as before.
     pub kv_fused: bool,
+    /// `MLXCEL_POOL_VIEW` (default 1): a layer's whole-pool view, once evaluated, is kept
+    /// and given to later steps as an input (one op per layer less where the q/k/v kernel
+    /// writes the pool or a kernel or gather reads it whole); 0: a new view op every step.
+    pub pool_view: bool,
     /// `MLXCEL_NVRTC_PROCESSES` (default 1): the compiled-kernel cache compiles each
     /// kernel in a process of its own (`<this program> _nvrtc`), so several compile at
     /// once (NVRTC runs one compilation at a time per process); 0: on threads of this
@@ -142,6 +146,7 @@ impl Default for Knobs {
             gemv_wide: true,
             device_inputs: true,
             kv_fused: true,
+            pool_view: true,
             warm_background: false,
             nvrtc_processes: true,
             defer_masks: false,
@@ -179,6 +184,7 @@ pub const VARS: &[&str] = &[
     "MLXCEL_GEMV_WIDE",
     "MLXCEL_DEVICE_INPUTS",
     "MLXCEL_KV_FUSED",
+    "MLXCEL_POOL_VIEW",
     "MLXCEL_WARM_BACKGROUND",
     "MLXCEL_NVRTC_PROCESSES",
     "MLXCEL_GEMV_SOURCE",
@@ -278,6 +284,7 @@ impl Knobs {
         k.gemv_wide = switch("MLXCEL_GEMV_WIDE", k.gemv_wide)?;
         k.device_inputs = switch("MLXCEL_DEVICE_INPUTS", k.device_inputs)?;
         k.kv_fused = switch("MLXCEL_KV_FUSED", k.kv_fused)?;
+        k.pool_view = switch("MLXCEL_POOL_VIEW", k.pool_view)?;
         k.warm_background = switch("MLXCEL_WARM_BACKGROUND", k.warm_background)?;
         k.nvrtc_processes = switch("MLXCEL_NVRTC_PROCESSES", k.nvrtc_processes)?;
         k.defer_masks = switch("MLXCEL_DEFER_MASKS", k.defer_masks)?;
@@ -328,6 +335,7 @@ impl Knobs {
         switch("MLXCEL_GEMV_WIDE", self.gemv_wide, d.gemv_wide);
         switch("MLXCEL_DEVICE_INPUTS", self.device_inputs, d.device_inputs);
         switch("MLXCEL_KV_FUSED", self.kv_fused, d.kv_fused);
+        switch("MLXCEL_POOL_VIEW", self.pool_view, d.pool_view);
         switch(
             "MLXCEL_WARM_BACKGROUND",
             self.warm_background,

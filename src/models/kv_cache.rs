@@ -167,6 +167,8 @@ pub struct KvCache {
     /// per layer the unowned views of its pool made since its last write (see
     /// [`KvCache::settle`])
     reads: std::cell::RefCell<Vec<Vec<Array>>>,
+    /// per layer the last whole-pool view made (see [`KvCache::pool_view`])
+    whole: std::cell::RefCell<Vec<Option<Array>>>,
     /// per layer the pool's buffer as last seen (0: not seen since it was made)
     buffers: Vec<u64>,
     /// writes that copied a layer's pool instead of updating it in place
@@ -267,6 +269,7 @@ impl KvCache {
             dtype,
             attn_scratch: None,
             reads: std::cell::RefCell::new(vec![Vec::new(); layers]),
+            whole: std::cell::RefCell::new(vec![None; layers]),
             buffers: Vec::new(),
             copies: 0,
         }
@@ -530,10 +533,29 @@ impl KvCache {
         self.copies
     }
 
-    /// The whole pool of `layer` as an unowned view (for the decode kernel and gathers).
+    /// The whole pool of `layer` as an unowned view (for the q/k/v kernel that writes it,
+    /// the decode kernel and gathers). Once such a view has been evaluated it is kept and
+    /// handed out again while the pool is still that buffer (updated in place), so a step
+    /// gets it as an input that is already there, not as one more op of its graph (one op
+    /// per layer less for MLX to build and run); a pool copied or grown gets a new one.
     pub fn pool_view(&self, layer: usize) -> mlx::Result<Array> {
-        let shape = self.kv[layer].shape();
-        self.unowned(layer, &vec![0; shape.len()], &shape)
+        let pool = &self.kv[layer];
+        let id = pool.buffer_id();
+        let shape = pool.shape();
+        let mut whole = self.whole.borrow_mut();
+        if whole.len() <= layer {
+            whole.resize(layer + 1, None);
+        }
+        let keep = kernels::knobs::get().pool_view;
+        if let (Some(v), true) = (&whole[layer], keep) {
+            // (an evaluated view of this pool shares its buffer, so their identities match)
+            if id != 0 && v.buffer_id() == id && v.shape() == shape {
+                return Ok(v.clone());
+            }
+        }
+        let v = self.unowned(layer, &vec![0; shape.len()], &shape)?;
+        whole[layer] = (keep && id != 0).then(|| v.clone());
+        Ok(v)
     }
 
     /// Where one step of `t` positions from `pos` of `slot` writes and reads, built once
@@ -1284,6 +1306,71 @@ mod tests {
             900.0,
             "the dropped graph itself still computes"
         );
+    }
+
+    /// The whole-pool view is an op of the step that first makes it; once evaluated it is
+    /// handed out again as an input (no op) while the pool is updated in place, and reads
+    /// through it see the pool's writes; a pool that was copied or grew gets a new view.
+    #[test]
+    fn an_evaluated_pool_view_serves_until_the_pool_moves() {
+        let (h, d) = (2i32, 4i32);
+        let kv = KvConfig {
+            block_size: 4,
+            num_blocks: 128,
+            preallocate: false,
+        };
+        let mut c = KvCache::new(1, 2, h as usize, d as usize, Dtype::F32, 512, kv);
+        c.restart(0, 0, Some(&[0, 1]));
+        c.prepare(1, &[(0, 5)]).unwrap();
+        let r = c.seq_rows(0, 0, 5).unwrap();
+        c.write(0, &r, &NewKv::Merged(values(&[1, 2 * h, 5, d], 0.0)))
+            .unwrap();
+        c.advance(0, 5);
+        c.pool(0).eval().unwrap();
+        let ops = |a: &Array| mlx::graph::count_ops(&[a], &[]).total();
+        let first = c.pool_view(0).unwrap();
+        assert_eq!(ops(&first), 1, "made by the step that first asks");
+        first.eval().unwrap();
+        let again = c.pool_view(0).unwrap();
+        assert_eq!(ops(&again), 0, "then an input");
+        assert_eq!(again.buffer_id(), c.pool(0).buffer_id());
+        // a write in place: the same view, which reads what was written
+        let one = c.seq_rows(0, 5, 1).unwrap();
+        c.prepare(1, &[(0, 6)]).unwrap();
+        c.write(0, &one, &NewKv::Merged(values(&[1, 2 * h, 1, d], 500.0)))
+            .unwrap();
+        c.advance(0, 1);
+        c.pool(0).eval().unwrap();
+        assert_eq!(c.check_in_place(), 0);
+        let after = c.pool_view(0).unwrap();
+        assert_eq!(ops(&after), 0);
+        let row =
+            |v: &Array, p: i32| read(&v.slice(&[0, 0, p, 0], &[1, 1, p + 1, d], &[1; 4]).unwrap());
+        assert_eq!(row(&after, 5), vec![500.0, 501.0, 502.0, 503.0]);
+        // a write that copies the pool (a clone held): a new view of the new buffer
+        let held = c.pool(0).clone();
+        let two = c.seq_rows(0, 6, 1).unwrap();
+        c.prepare(1, &[(0, 7)]).unwrap();
+        c.write(0, &two, &NewKv::Merged(values(&[1, 2 * h, 1, d], 700.0)))
+            .unwrap();
+        c.advance(0, 1);
+        c.pool(0).eval().unwrap();
+        assert_eq!(c.check_in_place(), 1);
+        let copied = c.pool_view(0).unwrap();
+        assert_eq!(ops(&copied), 1);
+        assert_eq!(row(&copied, 6), vec![700.0, 701.0, 702.0, 703.0]);
+        assert_eq!(row(&copied, 5), vec![500.0, 501.0, 502.0, 503.0]);
+        drop(held);
+        // a pool that grows (a block past its rows): a new view of the grown pool
+        let rows = c.pool(0).shape()[2];
+        c.restart(1, 0, Some(&[rows as u32 / 4]));
+        c.prepare(1, &[(1, 1)]).unwrap();
+        c.pool(0).eval().unwrap();
+        assert!(c.pool(0).shape()[2] > rows);
+        let grown = c.pool_view(0).unwrap();
+        assert_eq!(ops(&grown), 1);
+        assert_eq!(grown.shape(), c.pool(0).shape());
+        assert_eq!(row(&grown, 5), vec![500.0, 501.0, 502.0, 503.0]);
     }
 
     /// Without a table a slot owns the blocks j·slots + slot: one slot's positions are
