@@ -367,67 +367,96 @@ ArrayPtr slice_dynamic(const array& a, const array& start, rust::Slice<const int
 }
 namespace {
 
-// See `unowned_slice` in shim.h. Evaluated on whatever stream the read runs on; it sets up a
-// view and runs no kernel.
-class UnownedSlice : public mx::UnaryPrimitive {
+// See `unowned_slices` in shim.h. Evaluated on whatever stream the read runs on; it sets
+// up its views and runs no kernel. One op, however many views.
+class UnownedSlices : public mx::Primitive {
  public:
-  UnownedSlice(mx::Stream s, mx::Shape start) : mx::UnaryPrimitive(s), start_(std::move(start)) {}
+  UnownedSlices(mx::Stream s, std::vector<mx::Shape> starts)
+      : mx::Primitive(s), starts_(std::move(starts)) {}
 
-  void eval_cpu(const std::vector<array>& inputs, array& out) override { view(inputs, out); }
-  void eval_gpu(const std::vector<array>& inputs, array& out) override { view(inputs, out); }
+  void eval_cpu(const std::vector<array>& inputs, std::vector<array>& outputs) override {
+    views(inputs, outputs);
+  }
+  void eval_gpu(const std::vector<array>& inputs, std::vector<array>& outputs) override {
+    views(inputs, outputs);
+  }
   const char* name() const override { return "UnownedSlice"; }
   bool is_equivalent(const mx::Primitive&) const override { return false; }
 
  private:
-  void view(const std::vector<array>& inputs, array& out) {
+  void views(const std::vector<array>& inputs, std::vector<array>& outputs) {
     const array& in = inputs[0];
-    // strides, offset and data size as MLX's own slice computes them (unit steps)
     const auto& st = in.strides();
-    int64_t offset = 0;
-    size_t data_end = 1;
-    for (size_t i = 0; i < start_.size(); ++i) {
-      offset += int64_t(start_[i]) * st[i];
-      if (in.shape(i) > 1) data_end += size_t(int64_t(start_[i] + out.shape(i) - 1) * st[i]);
+    for (size_t o = 0; o < outputs.size(); ++o) {
+      array& out = outputs[o];
+      const mx::Shape& start = starts_[o];
+      // strides, offset and data size as MLX's own slice computes them (unit steps)
+      int64_t offset = 0;
+      size_t data_end = 1;
+      for (size_t i = 0; i < start.size(); ++i) {
+        offset += int64_t(start[i]) * st[i];
+        if (in.shape(i) > 1) data_end += size_t(int64_t(start[i] + out.shape(i) - 1) * st[i]);
+      }
+      size_t data_size = data_end - size_t(offset);
+      auto [no_bsx_size, row, col] = mx::check_contiguity(out.shape(), st);
+      auto flags = in.flags();
+      flags.row_contiguous = row;
+      flags.col_contiguous = col;
+      flags.contiguous = no_bsx_size == data_size;
+      // a Data of its own over the same buffer, which frees nothing
+      out.set_data(mx::allocator::Data(in.buffer(), [](mx::allocator::Buffer) {}), data_size, st,
+                   flags, in.offset() + offset * int64_t(in.itemsize()));
     }
-    size_t data_size = data_end - size_t(offset);
-    auto [no_bsx_size, row, col] = mx::check_contiguity(out.shape(), st);
-    auto flags = in.flags();
-    flags.row_contiguous = row;
-    flags.col_contiguous = col;
-    flags.contiguous = no_bsx_size == data_size;
-    // a Data of its own over the same buffer, which frees nothing
-    out.set_data(mx::allocator::Data(in.buffer(), [](mx::allocator::Buffer) {}), data_size, st, flags,
-                 in.offset() + offset * int64_t(in.itemsize()));
     // MLX keeps every input of an evaluated op until the device is done with the op (its
     // "temporaries"), and a buffer still referenced then cannot be reused by the next
-    // update: this op hands its input back now. `inputs` is the array's own input list
-    // (what MLX's eval passes); the array itself stands in for it, which MLX skips as an
-    // input sharing the output's data, and the graph is detached right after evaluation.
-    const_cast<std::vector<array>&>(inputs)[0] = out;
+    // update: this op hands its input back now. Each output's input list (`inputs` is the
+    // evaluated one's, what MLX's eval passes) gets the output itself instead, which MLX
+    // skips as an input sharing the output's data (the others it keeps are these views,
+    // which hold no reference to the buffer); the graph is detached right after evaluation.
+    for (auto& out : outputs) out.inputs()[0] = out;
   }
 
-  mx::Shape start_;
+  std::vector<mx::Shape> starts_;
 };
 
 }  // namespace
+
+std::unique_ptr<ArrayVec> unowned_slices(const array& a, rust::Slice<const int32_t> starts,
+                                         rust::Slice<const int32_t> stops) {
+  const size_t nd = a.ndim();
+  if (nd == 0 || starts.size() != stops.size() || starts.size() == 0 || starts.size() % nd != 0) {
+    throw std::invalid_argument("unowned_slices: start and stop need one entry per axis per view");
+  }
+  std::vector<mx::Shape> shapes, begins;
+  for (size_t v = 0; v < starts.size() / nd; ++v) {
+    mx::Shape shape(nd), begin(nd);
+    for (size_t i = 0; i < nd; ++i) {
+      const int32_t lo = starts[v * nd + i], hi = stops[v * nd + i];
+      if (lo < 0 || hi > a.shape(i) || lo > hi) {
+        throw std::invalid_argument("unowned_slice: axis " + std::to_string(i) + " range " +
+                                    std::to_string(lo) + ".." + std::to_string(hi) +
+                                    " is outside 0.." + std::to_string(a.shape(i)));
+      }
+      shape[i] = hi - lo;
+      begin[i] = lo;
+    }
+    shapes.push_back(std::move(shape));
+    begins.push_back(std::move(begin));
+  }
+  auto s = mx::default_stream(mx::default_device());
+  std::vector<mx::Dtype> dtypes(shapes.size(), a.dtype());
+  auto out = std::make_unique<ArrayVec>();
+  out->items = array::make_arrays(std::move(shapes), dtypes,
+                                  std::make_shared<UnownedSlices>(s, std::move(begins)), {a});
+  return out;
+}
 
 ArrayPtr unowned_slice(const array& a, rust::Slice<const int32_t> start,
                        rust::Slice<const int32_t> stop) {
   if (start.size() != a.ndim() || stop.size() != a.ndim()) {
     throw std::invalid_argument("unowned_slice: start and stop need one entry per axis");
   }
-  mx::Shape shape(a.ndim());
-  for (size_t i = 0; i < a.ndim(); ++i) {
-    if (start[i] < 0 || stop[i] > a.shape(i) || start[i] > stop[i]) {
-      throw std::invalid_argument("unowned_slice: axis " + std::to_string(i) + " range " +
-                                  std::to_string(start[i]) + ".." + std::to_string(stop[i]) +
-                                  " is outside 0.." + std::to_string(a.shape(i)));
-    }
-    shape[i] = stop[i] - start[i];
-  }
-  auto s = mx::default_stream(mx::default_device());
-  return wrap(array(std::move(shape), a.dtype(), std::make_shared<UnownedSlice>(s, to_shape(start)),
-                    std::vector<array>{a}));
+  return wrap(unowned_slices(a, start, stop)->items[0]);
 }
 
 uint64_t buffer_id(const array& a) {

@@ -139,6 +139,11 @@ ArrayPtr slice_dynamic(const array& a, const array& start, rust::Slice<const int
 // read; the KV cache keeps its pools alive for this (see src/models/kv_cache.rs).
 ArrayPtr unowned_slice(const array& a, rust::Slice<const int32_t> start,
                        rust::Slice<const int32_t> stop);
+// Several such views of `a` made by one op: view v is `a[starts[v·n .. v·n+n] :
+// stops[...]]` (n = a.ndim()), so a graph that reads several parts of one buffer (a
+// layer's keys and its values) builds and runs one op for all of them.
+std::unique_ptr<ArrayVec> unowned_slices(const array& a, rust::Slice<const int32_t> starts,
+                                         rust::Slice<const int32_t> stops);
 // The identity of `a`'s buffer (0 while it has none, e.g. not yet evaluated): equal for
 // two arrays that share one buffer, so an update that reused its input's buffer keeps it.
 uint64_t buffer_id(const array& a);

@@ -70,13 +70,20 @@ fn counter_accounts_for_the_whole_step() {
 }
 
 /// Ops per layer of the llama3 fixture's batch-1 decode step, as measured after the decode
-/// path was trimmed (33 before): with `MLXCEL_ADDMM_RESIDUAL=0` the two residual adds are
-/// ops of their own again.
+/// path was trimmed (33 before) and the keys and values came to be read by one op: 19.
+/// `MLXCEL_ADDMM_RESIDUAL=1` folds the two residual adds into the products (17);
+/// `MLXCEL_POOL_VIEW=0` reads the keys and values by an op each (one more).
 fn max_layer_ops() -> usize {
-    if mlxcel::kernels::knobs::get().addmm_residual {
-        18
-    } else {
-        20
+    let k = mlxcel::kernels::knobs::get();
+    let base = if k.addmm_residual { 17 } else { 19 };
+    base + usize::from(!k.pool_view)
+}
+
+/// Views of the pool a layer's reads take: one op for keys and values, or one each.
+fn view_ops() -> usize {
+    match mlxcel::kernels::knobs::get().pool_view {
+        true => 1,
+        false => 2,
     }
 }
 
@@ -94,6 +101,8 @@ fn llama3_decode_layer_ops_stay_down() {
     let l = &ops.layers[0];
     assert_eq!(l.get("Matmul") + l.get("AddMM"), 4, "{l:?}");
     assert_eq!(l.get("SliceUpdate"), 2, "{l:?}");
+    // the layer's keys and values read back as two views of the pool by one op
+    assert_eq!(l.get("UnownedSlice"), view_ops(), "{l:?}");
     // no per-step weight transposes, no flatten/unflatten around the products
     for name in ["Transpose", "Flatten", "Unflatten"] {
         assert_eq!(l.get(name), 0, "{name}: {l:?}");

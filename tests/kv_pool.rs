@@ -220,12 +220,19 @@ fn a_write_while_a_read_is_queued_updates_the_pool_in_place() {
 
 /// What the KV cache's reads rely on: an update of an array whose earlier read is still
 /// queued (here behind a long task on the same stream) reuses the array's buffer when
-/// the read went through an unowned view, and copies the whole array when it went
-/// through an ordinary slice; the read sees the contents from before the update.
+/// the read went through unowned views (one, or two made by one op), and copies the whole
+/// array when it went through an ordinary slice; the read sees the contents from before
+/// the update.
 #[test]
 fn an_update_after_a_queued_unowned_read_reuses_the_buffer() {
     let _one = serial();
-    let update_after_read = |unowned: bool| -> (bool, f32) {
+    #[derive(Clone, Copy, Debug)]
+    enum Read {
+        Slice,
+        Unowned,
+        UnownedPair,
+    }
+    let update_after_read = |how: Read| -> (bool, f32) {
         let pool = mlx::Array::zeros(&[1, 4, 256, 8], mlx::Dtype::F32).unwrap();
         pool.eval().unwrap();
         let id = pool.buffer_id();
@@ -233,12 +240,17 @@ fn an_update_after_a_queued_unowned_read_reuses_the_buffer() {
         // a long task first, so that the read is still queued when the update is built
         let busy = busy();
         let (lo, hi) = ([0, 0, 0, 0], [1, 4, 2, 8]);
-        let view = match unowned {
-            true => pool.unowned_slice(&lo, &hi).unwrap(),
-            false => pool.slice(&lo, &hi, &[1; 4]).unwrap(),
+        let (lo2, hi2) = ([0, 2, 0, 0], [1, 4, 3, 8]);
+        let views = match how {
+            Read::Unowned => vec![pool.unowned_slice(&lo, &hi).unwrap()],
+            Read::Slice => vec![pool.slice(&lo, &hi, &[1; 4]).unwrap()],
+            Read::UnownedPair => pool.unowned_slices(&[(&lo, &hi), (&lo2, &hi2)]).unwrap(),
         };
-        let read = view.sum(&[0, 1, 2, 3], false).unwrap();
-        drop(view);
+        let mut read = views[0].sum(&[0, 1, 2, 3], false).unwrap();
+        for v in &views[1..] {
+            read = read.add(&v.sum(&[0, 1, 2, 3], false).unwrap()).unwrap();
+        }
+        drop(views);
         mlx::async_eval(&[&read]).unwrap();
         let ones = mlx::Array::full(&[1, 4, 1, 8], 1.0, mlx::Dtype::F32).unwrap();
         let updated = pool
@@ -250,6 +262,7 @@ fn an_update_after_a_queued_unowned_read_reuses_the_buffer() {
         busy.eval().unwrap();
         (in_place, read.item::<f32>().unwrap())
     };
-    assert_eq!(update_after_read(true), (true, 0.0));
-    assert_eq!(update_after_read(false), (false, 0.0));
+    assert_eq!(update_after_read(Read::Unowned), (true, 0.0));
+    assert_eq!(update_after_read(Read::UnownedPair), (true, 0.0));
+    assert_eq!(update_after_read(Read::Slice), (false, 0.0));
 }

@@ -86,9 +86,11 @@ pub struct Knobs {
     /// rows) writes the new keys and values straight into the KV pool; 0: a cache write
     /// op per layer, as before.
     pub kv_fused: bool,
-    /// `MLXCEL_POOL_VIEW` (default 1): a layer's whole-pool view, once evaluated, is kept
-    /// and given to later steps as an input (one op per layer less where the q/k/v kernel
-    /// writes the pool or a kernel or gather reads it whole); 0: a new view op every step.
+    /// `MLXCEL_POOL_VIEW` (default 1): views of the KV pool cost fewer ops: a layer's
+    /// whole-pool view, once evaluated, is kept and given to later steps as an input (one
+    /// op per layer less where the q/k/v kernel writes the pool or a kernel or gather reads
+    /// it whole), and a sequence's keys and values are read as two views made by one op;
+    /// 0: a new whole-pool view every step, one op per view.
     pub pool_view: bool,
     /// `MLXCEL_NVRTC_PROCESSES` (default 1): the compiled-kernel cache compiles each
     /// kernel in a process of its own (`<this program> _nvrtc`), so several compile at

@@ -223,6 +223,7 @@ pub(crate) mod ffi {
             slice_size: &[i32],
         ) -> Result<UniquePtr<Array>>;
         fn unowned_slice(a: &Array, start: &[i32], stop: &[i32]) -> Result<UniquePtr<Array>>;
+        fn unowned_slices(a: &Array, starts: &[i32], stops: &[i32]) -> Result<UniquePtr<ArrayVec>>;
         fn buffer_id(a: &Array) -> u64;
         fn slice_update(
             src: &Array,

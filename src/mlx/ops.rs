@@ -196,6 +196,23 @@ impl Array {
         )?))
     }
 
+    /// Several [`Array::unowned_slice`] views of `self` made by one op: one view per
+    /// `(start, stop)` pair, so a graph reading several parts of one buffer builds and
+    /// runs one op for all of them.
+    pub fn unowned_slices(&self, ranges: &[(&[i32], &[i32])]) -> Result<Vec<Array>> {
+        let nd = self.ndim();
+        if let Some((a, b)) = ranges.iter().find(|r| r.0.len() != nd || r.1.len() != nd) {
+            return Err(MlxError::Invalid(format!(
+                "unowned_slices: a range of {} starts and {} stops for {nd} axes",
+                a.len(),
+                b.len()
+            )));
+        }
+        let starts: Vec<i32> = ranges.iter().flat_map(|r| r.0.iter().copied()).collect();
+        let stops: Vec<i32> = ranges.iter().flat_map(|r| r.1.iter().copied()).collect();
+        ArrayList(ffi::unowned_slices(self.raw(), &starts, &stops)?).into_vec()
+    }
+
     /// The identity of the buffer holding this array's data (0 while it has none, i.e.
     /// not evaluated yet): an update that reused its input's buffer in place has the
     /// input's identity, a copy has a new one.

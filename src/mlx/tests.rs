@@ -531,3 +531,34 @@ fn unowned_slices_read_like_slices() {
     assert!(x.unowned_slice(&[0, 0, 4, 0], &[2, 4, 3, 3]).is_err());
     assert!(x.unowned_slice(&[0, 0], &[2, 4]).is_err());
 }
+
+#[test]
+fn unowned_slices_are_one_op_that_reads_like_slices() {
+    let a = rand_vec(2 * 4 * 6 * 3);
+    let x = Array::from_slice(&a, &[2, 4, 6, 3]).unwrap();
+    let ranges: [([i32; 4], [i32; 4]); 3] = [
+        ([0, 0, 0, 0], [1, 2, 5, 3]),
+        ([0, 2, 0, 0], [1, 4, 5, 3]),
+        ([1, 1, 2, 1], [2, 3, 6, 3]),
+    ];
+    let refs: Vec<(&[i32], &[i32])> = ranges.iter().map(|(a, b)| (&a[..], &b[..])).collect();
+    let views = x.unowned_slices(&refs).unwrap();
+    assert_eq!(views.len(), 3);
+    let outputs: Vec<&Array> = views.iter().collect();
+    let ops = crate::mlx::graph::count_ops(&outputs, &[]);
+    assert_eq!((ops.total(), ops.get("UnownedSlice")), (1, 1));
+    for (v, (lo, hi)) in views.iter().zip(&ranges) {
+        let owned = x.slice(lo, hi, &[1; 4]).unwrap();
+        assert_eq!(v.shape(), owned.shape());
+        assert_eq!(v.to_vec::<f32>().unwrap(), owned.to_vec::<f32>().unwrap());
+    }
+    // a range with too few entries, or out of range: an error, not a bad view
+    assert!(x.unowned_slices(&[(&[0, 0], &[1, 1])]).is_err());
+    assert!(x
+        .unowned_slices(&[
+            (&[0, 0, 0, 0], &[1, 1, 1, 1]),
+            (&[0, 0, 0, 0], &[3, 1, 1, 1])
+        ])
+        .is_err());
+    assert!(x.unowned_slices(&[]).is_err());
+}

@@ -494,6 +494,22 @@ impl KvCache {
         Ok(v)
     }
 
+    /// Two unowned views of `layer`'s pool made by one op (see [`KvCache::unowned`]).
+    fn unowned_pair(
+        &self,
+        layer: usize,
+        a: (&[i32], &[i32]),
+        b: (&[i32], &[i32]),
+    ) -> mlx::Result<(Array, Array)> {
+        let mut v = self.kv[layer].unowned_slices(&[a, b])?;
+        if let Some(r) = self.reads.borrow_mut().get_mut(layer) {
+            r.extend(v.iter().cloned());
+        }
+        let second = v.pop().expect("two views");
+        let first = v.pop().expect("two views");
+        Ok((first, second))
+    }
+
     /// Before a write into `layer`'s pool: evaluate the views of it made since its last
     /// write that are not yet (a view not yet evaluated holds the pool, so the write would
     /// copy it; once evaluated it does not). The steps write each pool once, after
@@ -660,10 +676,13 @@ impl KvCache {
         match rows {
             SeqRows::Run { start, pos, t } => {
                 let (r0, r1) = (*start as i32, (start + pos + t) as i32);
-                Ok((
-                    self.unowned(layer, &[0, 0, r0, 0], &[1, h, r1, d])?,
-                    self.unowned(layer, &[0, h, r0, 0], &[1, 2 * h, r1, d])?,
-                ))
+                let (k, v) = ([0, 0, r0, 0], [1, h, r1, d]);
+                let (vs, ve) = ([0, h, r0, 0], [1, 2 * h, r1, d]);
+                match kernels::knobs::get().pool_view {
+                    // keys and values: two views, one op
+                    true => self.unowned_pair(layer, (&k, &v), (&vs, &ve)),
+                    false => Ok((self.unowned(layer, &k, &v)?, self.unowned(layer, &vs, &ve)?)),
+                }
             }
             SeqRows::Gather { read, .. } => {
                 let kv = self.pool_view(layer)?.take(read, 2)?;
