@@ -195,6 +195,36 @@ pub const VARS: &[&str] = &[
     "MLXCEL_MASK_THREADS",
 ];
 
+/// Where an on/off knob keeps its value.
+type Field = fn(&mut Knobs) -> &mut bool;
+
+/// The on/off knobs: each variable and its field, in the order they are parsed and listed.
+const SWITCHES: &[(&str, Field)] = &[
+    ("MLXCEL_QGEMV", |k| &mut k.qgemv),
+    ("MLXCEL_QGEMV_XQ", |k| &mut k.qgemv_xq),
+    ("MLXCEL_QGEMV_F16", |k| &mut k.qgemv_f16),
+    ("MLXCEL_QGEMV_CHUNKS", |k| &mut k.qgemv_chunks),
+    ("MLXCEL_QGEMV_STREAM", |k| &mut k.qgemv_stream),
+    ("MLXCEL_QGEMM", |k| &mut k.qgemm),
+    ("MLXCEL_QGEMM_BOUNDED", |k| &mut k.qgemm_bounded),
+    ("MLXCEL_KERNEL_INCLUDE", |k| &mut k.kernel_include),
+    ("MLXCEL_ATTN", |k| &mut k.attn),
+    ("MLXCEL_ATTN_SINGLE", |k| &mut k.attn_single),
+    ("MLXCEL_KERNEL_CACHE", |k| &mut k.kernel_cache),
+    ("MLXCEL_VOCAB_PARALLEL", |k| &mut k.vocab_parallel),
+    ("MLXCEL_ADDMM_RESIDUAL", |k| &mut k.addmm_residual),
+    ("MLXCEL_KERNEL_REUSE", |k| &mut k.kernel_reuse),
+    ("MLXCEL_GEMV_DENSE", |k| &mut k.gemv_dense),
+    ("MLXCEL_GEMV_WIDE", |k| &mut k.gemv_wide),
+    ("MLXCEL_DEVICE_INPUTS", |k| &mut k.device_inputs),
+    ("MLXCEL_KV_FUSED", |k| &mut k.kv_fused),
+    ("MLXCEL_POOL_VIEW", |k| &mut k.pool_view),
+    ("MLXCEL_WARM_BACKGROUND", |k| &mut k.warm_background),
+    ("MLXCEL_NVRTC_PROCESSES", |k| &mut k.nvrtc_processes),
+    ("MLXCEL_DEFER_MASKS", |k| &mut k.defer_masks),
+    ("MLXCEL_SAMPLE_FIRST", |k| &mut k.sample_first),
+];
+
 /// A tuning variable with a value it cannot take.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("environment variable {var}={value:?}: {expected}")]
@@ -248,21 +278,19 @@ impl Knobs {
                 },
             }
         };
-        k.qgemv = switch("MLXCEL_QGEMV", k.qgemv)?;
-        k.qgemv_xq = switch("MLXCEL_QGEMV_XQ", k.qgemv_xq)?;
-        k.qgemv_f16 = switch("MLXCEL_QGEMV_F16", k.qgemv_f16)?;
+        for (var, field) in SWITCHES {
+            let f = field(&mut k);
+            *f = switch(var, *f)?;
+        }
         k.qgemv_mma = number(
             "MLXCEL_QGEMV_MMA",
             0..=super::qgemv::MAX_M,
             "0 (off) or the smallest batch on the tensor cores,",
         )?;
-        k.qgemv_chunks = switch("MLXCEL_QGEMV_CHUNKS", k.qgemv_chunks)?;
-        k.qgemv_stream = switch("MLXCEL_QGEMV_STREAM", k.qgemv_stream)?;
         k.qgemv_stream_blocks = number("MLXCEL_QGEMV_STREAM_BLOCKS", 1..=65535, "a block count")?;
         k.qgemv_source = get("MLXCEL_QGEMV_SOURCE")
             .filter(|v| !v.is_empty())
             .map(PathBuf::from);
-        k.qgemm = switch("MLXCEL_QGEMM", k.qgemm)?;
         let batch = 2..=super::qgemm::MAX_M;
         k.qgemm_min_m = number("MLXCEL_QGEMM_MIN_M", batch.clone(), "a batch size")?;
         k.qgemm_max_m = number("MLXCEL_QGEMM_MAX_M", batch, "a batch size")?;
@@ -274,23 +302,6 @@ impl Knobs {
         k.qgemm_source = get("MLXCEL_QGEMM_SOURCE")
             .filter(|v| !v.is_empty())
             .map(PathBuf::from);
-        k.qgemm_bounded = switch("MLXCEL_QGEMM_BOUNDED", k.qgemm_bounded)?;
-        k.kernel_include = switch("MLXCEL_KERNEL_INCLUDE", k.kernel_include)?;
-        k.attn = switch("MLXCEL_ATTN", k.attn)?;
-        k.attn_single = switch("MLXCEL_ATTN_SINGLE", k.attn_single)?;
-        k.kernel_cache = switch("MLXCEL_KERNEL_CACHE", k.kernel_cache)?;
-        k.vocab_parallel = switch("MLXCEL_VOCAB_PARALLEL", k.vocab_parallel)?;
-        k.addmm_residual = switch("MLXCEL_ADDMM_RESIDUAL", k.addmm_residual)?;
-        k.kernel_reuse = switch("MLXCEL_KERNEL_REUSE", k.kernel_reuse)?;
-        k.gemv_dense = switch("MLXCEL_GEMV_DENSE", k.gemv_dense)?;
-        k.gemv_wide = switch("MLXCEL_GEMV_WIDE", k.gemv_wide)?;
-        k.device_inputs = switch("MLXCEL_DEVICE_INPUTS", k.device_inputs)?;
-        k.kv_fused = switch("MLXCEL_KV_FUSED", k.kv_fused)?;
-        k.pool_view = switch("MLXCEL_POOL_VIEW", k.pool_view)?;
-        k.warm_background = switch("MLXCEL_WARM_BACKGROUND", k.warm_background)?;
-        k.nvrtc_processes = switch("MLXCEL_NVRTC_PROCESSES", k.nvrtc_processes)?;
-        k.defer_masks = switch("MLXCEL_DEFER_MASKS", k.defer_masks)?;
-        k.sample_first = switch("MLXCEL_SAMPLE_FIRST", k.sample_first)?;
         k.mask_threads = number("MLXCEL_MASK_THREADS", 1..=256, "a thread count")?;
         k.gemv_source = get("MLXCEL_GEMV_SOURCE")
             .filter(|v| !v.is_empty())
@@ -300,56 +311,14 @@ impl Knobs {
 
     /// `VAR=value` of every knob that differs from its default.
     pub fn non_default(&self) -> Vec<String> {
-        let d = Knobs::default();
         let mut out = Vec::new();
-        let mut switch = |var: &str, v: bool, dv: bool| {
-            if v != dv {
+        let (mut me, mut d) = (self.clone(), Knobs::default());
+        for (var, field) in SWITCHES {
+            let v = *field(&mut me);
+            if v != *field(&mut d) {
                 out.push(format!("{var}={}", u8::from(v)));
             }
-        };
-        switch("MLXCEL_QGEMV", self.qgemv, d.qgemv);
-        switch("MLXCEL_QGEMV_XQ", self.qgemv_xq, d.qgemv_xq);
-        switch("MLXCEL_QGEMV_F16", self.qgemv_f16, d.qgemv_f16);
-        switch("MLXCEL_QGEMV_CHUNKS", self.qgemv_chunks, d.qgemv_chunks);
-        switch("MLXCEL_QGEMV_STREAM", self.qgemv_stream, d.qgemv_stream);
-        switch("MLXCEL_QGEMM", self.qgemm, d.qgemm);
-        switch("MLXCEL_QGEMM_BOUNDED", self.qgemm_bounded, d.qgemm_bounded);
-        switch(
-            "MLXCEL_KERNEL_INCLUDE",
-            self.kernel_include,
-            d.kernel_include,
-        );
-        switch("MLXCEL_ATTN", self.attn, d.attn);
-        switch("MLXCEL_ATTN_SINGLE", self.attn_single, d.attn_single);
-        switch("MLXCEL_KERNEL_CACHE", self.kernel_cache, d.kernel_cache);
-        switch(
-            "MLXCEL_VOCAB_PARALLEL",
-            self.vocab_parallel,
-            d.vocab_parallel,
-        );
-        switch(
-            "MLXCEL_ADDMM_RESIDUAL",
-            self.addmm_residual,
-            d.addmm_residual,
-        );
-        switch("MLXCEL_KERNEL_REUSE", self.kernel_reuse, d.kernel_reuse);
-        switch("MLXCEL_GEMV_DENSE", self.gemv_dense, d.gemv_dense);
-        switch("MLXCEL_GEMV_WIDE", self.gemv_wide, d.gemv_wide);
-        switch("MLXCEL_DEVICE_INPUTS", self.device_inputs, d.device_inputs);
-        switch("MLXCEL_KV_FUSED", self.kv_fused, d.kv_fused);
-        switch("MLXCEL_POOL_VIEW", self.pool_view, d.pool_view);
-        switch(
-            "MLXCEL_WARM_BACKGROUND",
-            self.warm_background,
-            d.warm_background,
-        );
-        switch(
-            "MLXCEL_NVRTC_PROCESSES",
-            self.nvrtc_processes,
-            d.nvrtc_processes,
-        );
-        switch("MLXCEL_DEFER_MASKS", self.defer_masks, d.defer_masks);
-        switch("MLXCEL_SAMPLE_FIRST", self.sample_first, d.sample_first);
+        }
         if let Some(n) = self.qgemv_mma {
             out.push(format!("MLXCEL_QGEMV_MMA={n}"));
         }
