@@ -487,30 +487,22 @@ impl KvCache {
         copied
     }
 
-    /// An unowned view `[start, stop)` of `layer`'s pool, remembered until the pool's next
-    /// write (see [`KvCache::settle`]).
-    fn unowned(&self, layer: usize, start: &[i32], stop: &[i32]) -> mlx::Result<Array> {
-        let v = self.kv[layer].unowned_slice(start, stop)?;
+    /// Unowned views `[start, stop)` of `layer`'s pool, made by one op and remembered until
+    /// the pool's next write (see [`KvCache::settle`]).
+    fn unowned_views(&self, layer: usize, ranges: &[(&[i32], &[i32])]) -> mlx::Result<Vec<Array>> {
+        let v = self.kv[layer].unowned_slices(ranges)?;
         if let Some(r) = self.reads.borrow_mut().get_mut(layer) {
-            r.push(v.clone());
+            r.extend(v.iter().cloned());
         }
         Ok(v)
     }
 
-    /// Two unowned views of `layer`'s pool made by one op (see [`KvCache::unowned`]).
-    fn unowned_pair(
-        &self,
-        layer: usize,
-        a: (&[i32], &[i32]),
-        b: (&[i32], &[i32]),
-    ) -> mlx::Result<(Array, Array)> {
-        let mut v = self.kv[layer].unowned_slices(&[a, b])?;
-        if let Some(r) = self.reads.borrow_mut().get_mut(layer) {
-            r.extend(v.iter().cloned());
-        }
-        let second = v.pop().expect("two views");
-        let first = v.pop().expect("two views");
-        Ok((first, second))
+    /// One unowned view of `layer`'s pool (see [`KvCache::unowned_views`]).
+    fn unowned(&self, layer: usize, start: &[i32], stop: &[i32]) -> mlx::Result<Array> {
+        Ok(self
+            .unowned_views(layer, &[(start, stop)])?
+            .pop()
+            .expect("one view"))
     }
 
     /// Before a write into `layer`'s pool: evaluate the views of it made since its last
@@ -683,7 +675,11 @@ impl KvCache {
                 let (vs, ve) = ([0, h, r0, 0], [1, 2 * h, r1, d]);
                 match kernels::knobs::get().pool_view {
                     // keys and values: two views, one op
-                    true => self.unowned_pair(layer, (&k, &v), (&vs, &ve)),
+                    true => {
+                        let mut kv = self.unowned_views(layer, &[(&k, &v), (&vs, &ve)])?;
+                        let values = kv.pop().expect("two views");
+                        Ok((kv.pop().expect("two views"), values))
+                    }
                     false => Ok((self.unowned(layer, &k, &v)?, self.unowned(layer, &vs, &ve)?)),
                 }
             }
@@ -1019,6 +1015,23 @@ mod tests {
         a.to_vec::<f32>().unwrap()
     }
 
+    /// Write `t` more positions of `slot` into layer 0 (keys and values counting up from
+    /// `from`), advance the slot and evaluate the pool.
+    fn append(c: &mut KvCache, slot: usize, t: usize, from: f32) {
+        let (h, d) = (c.kv_heads as i32, c.head_dim as i32);
+        let pos = c.len(slot);
+        c.prepare(1, &[(slot, pos + t)]).unwrap();
+        let rows = c.seq_rows(slot, pos, t).unwrap();
+        c.write(
+            0,
+            &rows,
+            &NewKv::Merged(values(&[1, 2 * h, t as i32, d], from)),
+        )
+        .unwrap();
+        c.advance(slot, t);
+        c.pool(0).eval().unwrap();
+    }
+
     /// A cache of `layers` layers and `slots` slots (32 positions each) over `blocks`
     /// blocks of 4 tokens, of 2 float32 kv heads of 4.
     fn small_cache(layers: usize, slots: usize, blocks: usize, preallocate: bool) -> KvCache {
@@ -1343,12 +1356,7 @@ mod tests {
         };
         let mut c = KvCache::new(1, 2, h as usize, d as usize, Dtype::F32, 512, kv);
         c.restart(0, 0, Some(&[0, 1]));
-        c.prepare(1, &[(0, 5)]).unwrap();
-        let r = c.seq_rows(0, 0, 5).unwrap();
-        c.write(0, &r, &NewKv::Merged(values(&[1, 2 * h, 5, d], 0.0)))
-            .unwrap();
-        c.advance(0, 5);
-        c.pool(0).eval().unwrap();
+        append(&mut c, 0, 5, 0.0);
         let ops = |a: &Array| mlx::graph::count_ops(&[a], &[]).total();
         // (with MLXCEL_POOL_VIEW=0 every view is an op of its own)
         let kept = usize::from(!kernels::knobs::get().pool_view);
@@ -1361,12 +1369,7 @@ mod tests {
             assert_eq!(again.buffer_id(), c.pool(0).buffer_id());
         }
         // a write in place: the same view, which reads what was written
-        let one = c.seq_rows(0, 5, 1).unwrap();
-        c.prepare(1, &[(0, 6)]).unwrap();
-        c.write(0, &one, &NewKv::Merged(values(&[1, 2 * h, 1, d], 500.0)))
-            .unwrap();
-        c.advance(0, 1);
-        c.pool(0).eval().unwrap();
+        append(&mut c, 0, 1, 500.0);
         assert_eq!(c.check_in_place(), 0);
         let after = c.pool_view(0).unwrap();
         assert_eq!(ops(&after), kept);
@@ -1375,12 +1378,7 @@ mod tests {
         assert_eq!(row(&after, 5), vec![500.0, 501.0, 502.0, 503.0]);
         // a write that copies the pool (a clone held): a new view of the new buffer
         let held = c.pool(0).clone();
-        let two = c.seq_rows(0, 6, 1).unwrap();
-        c.prepare(1, &[(0, 7)]).unwrap();
-        c.write(0, &two, &NewKv::Merged(values(&[1, 2 * h, 1, d], 700.0)))
-            .unwrap();
-        c.advance(0, 1);
-        c.pool(0).eval().unwrap();
+        append(&mut c, 0, 1, 700.0);
         assert_eq!(c.check_in_place(), 1);
         let copied = c.pool_view(0).unwrap();
         assert_eq!(ops(&copied), 1);
@@ -1403,24 +1401,14 @@ mod tests {
     /// past the restore: the next write still updates the pool in place.
     #[test]
     fn a_restore_forgets_a_pool_view_made_after_the_save() {
-        let (h, d) = (2i32, 4i32);
         let mut c = small_cache(1, 2, 8, true);
         c.restart(0, 0, Some(&[0, 1]));
-        c.prepare(1, &[(0, 3)]).unwrap();
-        let r = c.seq_rows(0, 0, 3).unwrap();
-        c.write(0, &r, &NewKv::Merged(values(&[1, 2 * h, 3, d], 0.0)))
-            .unwrap();
-        c.advance(0, 3);
-        c.pool(0).eval().unwrap();
+        append(&mut c, 0, 3, 0.0);
         assert_eq!(c.check_in_place(), 0);
         let saved = c.save();
         drop(c.pool_view(0).unwrap());
         c.restore(saved);
-        c.prepare(1, &[(0, 4)]).unwrap();
-        let one = c.seq_rows(0, 3, 1).unwrap();
-        c.write(0, &one, &NewKv::Merged(values(&[1, 2 * h, 1, d], 9.0)))
-            .unwrap();
-        c.pool(0).eval().unwrap();
+        append(&mut c, 0, 1, 9.0);
         assert_eq!(c.check_in_place(), 0, "the write copied the pool");
     }
 
