@@ -92,6 +92,12 @@ pub struct Knobs {
     /// it whole), and a sequence's keys and values are read as two views made by one op;
     /// 0: a new whole-pool view every step, one op per view.
     pub pool_view: bool,
+    /// `MLXCEL_TP_RESIDUAL` (default 1): under tensor parallelism a row-parallel linear
+    /// that feeds the residual stream (o_proj, down_proj) has rank 0 add the residual to
+    /// its partial product (in the GEMV/GEMM kernel's epilogue where one runs), so the
+    /// reduction already gives `res + x·Wᵀ`: no add op after the reduction; 0: the add
+    /// after it, as before.
+    pub tp_residual: bool,
     /// `MLXCEL_NVRTC_PROCESSES` (default 1): the compiled-kernel cache compiles each
     /// kernel in a process of its own (`<this program> _nvrtc`), so several compile at
     /// once (NVRTC runs one compilation at a time per process); 0: on threads of this
@@ -149,6 +155,7 @@ impl Default for Knobs {
             device_inputs: true,
             kv_fused: true,
             pool_view: true,
+            tp_residual: true,
             warm_background: false,
             nvrtc_processes: true,
             defer_masks: false,
@@ -187,6 +194,7 @@ pub const VARS: &[&str] = &[
     "MLXCEL_DEVICE_INPUTS",
     "MLXCEL_KV_FUSED",
     "MLXCEL_POOL_VIEW",
+    "MLXCEL_TP_RESIDUAL",
     "MLXCEL_WARM_BACKGROUND",
     "MLXCEL_NVRTC_PROCESSES",
     "MLXCEL_GEMV_SOURCE",
@@ -219,6 +227,7 @@ const SWITCHES: &[(&str, Field)] = &[
     ("MLXCEL_DEVICE_INPUTS", |k| &mut k.device_inputs),
     ("MLXCEL_KV_FUSED", |k| &mut k.kv_fused),
     ("MLXCEL_POOL_VIEW", |k| &mut k.pool_view),
+    ("MLXCEL_TP_RESIDUAL", |k| &mut k.tp_residual),
     ("MLXCEL_WARM_BACKGROUND", |k| &mut k.warm_background),
     ("MLXCEL_NVRTC_PROCESSES", |k| &mut k.nvrtc_processes),
     ("MLXCEL_DEFER_MASKS", |k| &mut k.defer_masks),

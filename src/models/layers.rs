@@ -155,26 +155,10 @@ impl Linear {
     }
 
     pub fn forward(&self, x: &Array) -> mlx::Result<Array> {
-        let y = match (&self.weight, &self.bias, &self.reduce) {
-            (Weight::Dense(_), Some(b), None) => return x.addmm(self.dense_t(), b),
-            // a decode step's rows on mlxcel's dense GEMV kernel (CUDA; MLXCEL_GEMV_DENSE=0 turns it off)
-            (Weight::Dense(w), _, _) if dense_gemv_fits(x, w) => {
-                let mut shape = x.shape();
-                *shape.last_mut().expect("x has a last axis") = w.dim(0);
-                kernels::gemv::gemv(x, w, &shape, Epilogue::None, None)?
-            }
-            (Weight::Dense(_), _, _) => x.matmul(self.dense_t())?,
-            (
-                Weight::Quantized {
-                    w,
-                    scales,
-                    biases,
-                    q,
-                },
-                _,
-                _,
-            ) => quantized_forward(x, w, scales, biases, q)?,
-        };
+        if let (Weight::Dense(_), Some(b), None) = (&self.weight, &self.bias, &self.reduce) {
+            return x.addmm(self.dense_t(), b);
+        }
+        let y = self.local(x)?;
         let y = match &self.reduce {
             Some(g) => g.all_sum(&y)?,
             None => y,
@@ -182,6 +166,25 @@ impl Linear {
         match &self.bias {
             Some(b) => y.add(b),
             None => Ok(y),
+        }
+    }
+
+    /// `x · Wᵀ` of this rank's block alone: no reduction, no bias.
+    fn local(&self, x: &Array) -> mlx::Result<Array> {
+        match &self.weight {
+            // a decode step's rows on mlxcel's dense GEMV kernel (CUDA; MLXCEL_GEMV_DENSE=0 turns it off)
+            Weight::Dense(w) if dense_gemv_fits(x, w) => {
+                let mut shape = x.shape();
+                *shape.last_mut().expect("x has a last axis") = w.dim(0);
+                kernels::gemv::gemv(x, w, &shape, Epilogue::None, None)
+            }
+            Weight::Dense(_) => x.matmul(self.dense_t()),
+            Weight::Quantized {
+                w,
+                scales,
+                biases,
+                q,
+            } => quantized_forward(x, w, scales, biases, q),
         }
     }
 
@@ -207,13 +210,22 @@ impl Linear {
     /// `AddMM` op; row-parallel, rank 0's, before the reduction; `MLXCEL_ADDMM_RESIDUAL=0`:
     /// a matmul and an add).
     pub fn forward_residual(&self, x: &Array, res: &Array) -> mlx::Result<Array> {
+        let knobs = kernels::knobs::get();
+        if let Some(g) = self.reduce.as_ref().filter(|_| self.bias.is_none()) {
+            if knobs.tp_residual {
+                // row-parallel: rank 0 adds the (replicated) residual to its partial
+                // product, so the reduction's result is already `res + x · Wᵀ` on every
+                // rank (MLXCEL_TP_RESIDUAL=0: the add after the reduction)
+                return g.all_sum(&self.local_residual(x, res, g.rank() == 0)?);
+            }
+        }
         if let Some(y) = self.fused(x, &res.shape(), Epilogue::Residual(res), None) {
             return y;
         }
         if res.ndim() == 2
             && self.bias.is_none()
             && matches!(self.weight, Weight::Dense(_))
-            && kernels::knobs::get().addmm_residual
+            && knobs.addmm_residual
         {
             let x = x.reshape(&[res.dim(0), self.in_dim() as i32])?;
             return match &self.reduce {
@@ -224,16 +236,44 @@ impl Linear {
                 Some(g) => g.all_sum(&x.matmul(self.dense_t())?),
             };
         }
+        res.add(&self.forward(&self.input_like(x, res)?)?)
+    }
+
+    /// This rank's `res + x · Wᵀ` (`add`) or `x · Wᵀ`, shaped like `res`, with no
+    /// reduction and no bias: in the GEMV/GEMM kernel's epilogue where one runs, else one
+    /// `AddMM` for a dense weight and a 2-D `res` (`MLXCEL_ADDMM_RESIDUAL=1`), else the
+    /// product and an add.
+    fn local_residual(&self, x: &Array, res: &Array, add: bool) -> mlx::Result<Array> {
+        let epi = match add {
+            true => Epilogue::Residual(res),
+            false => Epilogue::None,
+        };
+        if let Some(y) = self.fused_local(x, &res.shape(), epi, None) {
+            return y;
+        }
+        let dense = matches!(self.weight, Weight::Dense(_));
+        if add && res.ndim() == 2 && dense && kernels::knobs::get().addmm_residual {
+            let x = x.reshape(&[res.dim(0), self.in_dim() as i32])?;
+            return x.addmm(self.dense_t(), res);
+        }
+        let y = self.local(&self.input_like(x, res)?)?;
+        match add {
+            true => res.add(&y),
+            false => Ok(y),
+        }
+    }
+
+    /// `x` shaped like `res` with this layer's input size as its last axis (`x` may hold
+    /// `res`'s rows in another shape, e.g. `[B, heads, 1, head_dim]`).
+    fn input_like(&self, x: &Array, res: &Array) -> mlx::Result<Array> {
         // same rank as res too: a [B, heads, 1, D] input with D equal to the input size
         // (one head per rank) would otherwise broadcast against res
-        let x = if x.dim(-1) as usize == self.in_dim() && x.ndim() == res.ndim() {
-            x.clone()
-        } else {
-            let mut shape = res.shape();
-            *shape.last_mut().expect("res has a last axis") = self.in_dim() as i32;
-            x.reshape(&shape)?
-        };
-        res.add(&self.forward(&x)?)
+        if x.dim(-1) as usize == self.in_dim() && x.ndim() == res.ndim() {
+            return Ok(x.clone());
+        }
+        let mut shape = res.shape();
+        *shape.last_mut().expect("res has a last axis") = self.in_dim() as i32;
+        x.reshape(&shape)
     }
 
     /// `silu(g) · u` for a merged `[gate; up]` projection of `norm(x)` (`[.., 2 · inter]` →
@@ -307,6 +347,9 @@ impl Linear {
         head_dim: usize,
         into: Option<(&Array, &Array)>,
     ) -> Option<mlx::Result<(Array, Option<Array>)>> {
+        if self.reduce.is_some() {
+            return None;
+        }
         let f = self.fusable(x, norm)?;
         let fits = rope.dims as usize == head_dim && pos.size() == f.m && pos.dtype() == Dtype::I32;
         let (nw, inv) = (norm.map(|n| (&n.weight, n.eps)), &rope.inv_freq);
@@ -334,12 +377,13 @@ impl Linear {
     }
 
     /// The quantized weight and sizes when mlxcel's GEMV kernel (or, for batches of
-    /// 9–128 rows, 17–128 at 4 bits, its GEMM) can compute `norm(x) · Wᵀ`: a quantized
-    /// weight with no bias or reduction to apply after an epilogue, a shape and dtypes the
+    /// 9–128 rows, 17–128 at 4 bits, its GEMM) can compute `norm(x) · Wᵀ` of this rank's
+    /// block: a quantized weight with no bias to apply after an epilogue (the callers
+    /// decide about a reduction), a shape and dtypes the
     /// kernel covers, and (with a norm) a norm weight of x's dtype with one value per input
     /// feature.
     fn fusable(&self, x: &Array, norm: Option<&RmsNorm>) -> Option<Fusable<'_>> {
-        if self.bias.is_some() || self.reduce.is_some() {
+        if self.bias.is_some() {
             return None;
         }
         let (n, k) = (self.out_dim(), self.in_dim());
@@ -397,6 +441,21 @@ impl Linear {
     /// per block; a residual of the output's size and x's dtype). `None`: the caller runs
     /// the plain ops.
     fn fused(
+        &self,
+        x: &Array,
+        shape: &[i32],
+        epi: Epilogue<'_>,
+        norm: Option<&RmsNorm>,
+    ) -> Option<mlx::Result<Array>> {
+        match self.reduce {
+            Some(_) => None,
+            None => self.fused_local(x, shape, epi, norm),
+        }
+    }
+
+    /// [`Linear::fused`] of this rank's block alone, for a caller that reduces the result
+    /// itself (the epilogue then must be one that sums: none, or rank 0's residual).
+    fn fused_local(
         &self,
         x: &Array,
         shape: &[i32],
