@@ -321,7 +321,8 @@ template <typename T, int M, int N, int K, int G, int BITS, int ROWS, int WPB, i
 __device__ __forceinline__ void mlxcel_qgemv(const XT* x, const uint32_t* w, const T* scales,
                                              const T* biases, const T* res, const T* nw,
                                              const int32_t* pos, const float* inv_freq, T* y,
-                                             T* y2, const int32_t* kvdst = nullptr, int kvrows = 0) {
+                                             T* y2, const int32_t* kvdst = nullptr, int kvrows = 0,
+                                             int blk = -1) {
   static_assert(BITS == 4 || BITS == 8, "qgemv: 4 or 8 bits");
   static_assert(PG == 0 || MMA == 0, "qgemv: streaming (PG > 0) is a launch of the dp4a path, not of the tensor cores");
   static_assert(XQ == 0 || BITS == 4, "qgemv: int8 activations only with 4-bit weights");
@@ -344,6 +345,9 @@ __device__ __forceinline__ void mlxcel_qgemv(const XT* x, const uint32_t* w, con
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int warp = tid >> 5;
+  // the block's index in this product: blk where a kernel runs several products in stages
+  // (mlxcel_qgemv_mlp), else the grid's
+  const int bx = blk >= 0 ? blk : int(blockIdx.x);
   // output row of this block's row r: ROWS consecutive rows, or (EPI 2) ROWS/2 rows of
   // the gate half followed by the same rows of the up half, or (EPI 3) the first
   // rows d of ROWS/2 pairs (d, d + HD/2) of a head followed by their second rows
@@ -360,7 +364,7 @@ __device__ __forceinline__ void mlxcel_qgemv(const XT* x, const uint32_t* w, con
       return grp * ROWS + r;
     }
   };
-  auto row_of = [&](int r) -> int { return row_in(int(blockIdx.x), r); };
+  auto row_of = [&](int r) -> int { return row_in(bx, r); };
   // NORM: rsqrt(mean(x²) + eps) of row m, which scales its dot products
   auto norm_of = [&](int m) -> float {
     if constexpr (NORM && !MMA) {  // MMA: in x's scales (mlxcel_round_x)
@@ -750,10 +754,10 @@ __device__ __forceinline__ void mlxcel_qgemv(const XT* x, const uint32_t* w, con
     };
 #pragma unroll
     for (int j = 0; j + 1 < STAGES; ++j) {
-      issue(int(blockIdx.x) + j * PG, j);
+      issue(bx + j * PG, j);
     }
     int i = 0;
-    for (int grp = int(blockIdx.x); grp < NG; grp += PG, ++i) {
+    for (int grp = bx; grp < NG; grp += PG, ++i) {
       const int st = i % STAGES;
       issue(grp + (STAGES - 1) * PG, (i + STAGES - 1) % STAGES);
       mlxcel_cp_wait<STAGES - 1>();  // this group's copies have landed
@@ -939,7 +943,97 @@ __device__ __forceinline__ void mlxcel_qgemv(const XT* x, const uint32_t* w, con
   }
   if constexpr (PG == 0) {
     __syncthreads();
-    finish(int(blockIdx.x), 0);
+    finish(bx, 0);
+  }
+}
+
+// Products in stages of one kernel (mlxcel_qgemv_mlp): blocks [0, B1) run the first
+// product, blocks [B1, B1 + B2) the second, which reads what the first wrote. A block of
+// the second stage waits until all B1 blocks of the first have counted themselves done.
+// That cannot deadlock: blocks start in the order of their index, so every block waited
+// for has started before the waiting one, and it waits for nothing. (The CPU emulation
+// runs blocks one at a time in that order, so its waits are already met.) A kernel that
+// waited longer than about two seconds traps, an error MLX reports, rather than hanging.
+// Memory order as in a grid-wide barrier: the writer's block passes a barrier, one
+// thread fences and adds one to the count; the waiting block's thread 0 reads the count
+// with acquire semantics, fences, and the block passes a barrier before reading.
+__device__ __forceinline__ int mlxcel_ld_acquire(const int* p) {
+#if defined(__CUDA_ARCH__)
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+#else
+  return *p;
+#endif
+}
+// this block's writes are done: count it in *c
+__device__ __forceinline__ void mlxcel_stage_arrive(int* c) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    atomicAdd(c, 1);
+  }
+}
+// wait until *c reaches n
+__device__ __forceinline__ void mlxcel_stage_wait(const int* c, int n) {
+  if (threadIdx.x == 0) {
+#if defined(__CUDA_ARCH__)
+    const long long t0 = clock64();
+    while (mlxcel_ld_acquire(c) < n) {
+      __nanosleep(100);
+      if (clock64() - t0 > (1ll << 32)) {
+        __trap();
+      }
+    }
+#else
+    while (mlxcel_ld_acquire(c) < n) {
+    }
+#endif
+    __threadfence();
+  }
+  __syncthreads();
+}
+
+// A SwiGLU MLP of a decode step in one kernel, two stages (the host's work per MLX op
+// bounds decode, and this is one op where the gate/up and down GEMVs were two):
+//   act[M, NI] = silu(g)·u of [g | u] = norm(x)·W1ᵀ    (W1 [2·NI, K]: EPI 2, NORM)
+//   y[M, K]    = res + act·W2ᵀ (EPI2 = 1), or act·W2ᵀ (EPI2 = 0: a tensor-parallel rank
+//                that does not add the residual)          (W2 [K, NI])
+// with the two products' own rows per block (R1, R2) and the same warps per block. act
+// and count are mlxcel's scratch (written through MLX's const input pointers; MLX never
+// reads them): count[0] counts the first stage's blocks done, count[1] the second's,
+// and the second stage's last block sets both back to zero, so the next call (the next
+// layer's, after this kernel) finds them so. The dp4a/FMA path only (no tensor cores,
+// no streaming grid): M ≤ 4.
+template <typename T, int M, int NI, int K, int G, int BITS, int R1, int R2, int WPB, int NORM,
+          int EPS_BITS, int XQ, int EPI2>
+__device__ __forceinline__ void mlxcel_qgemv_mlp(const T* x, const uint32_t* w1, const T* s1,
+                                                 const T* b1, const T* nw, const uint32_t* w2,
+                                                 const T* s2, const T* b2, const T* res,
+                                                 const T* act_in, const int32_t* count_in, T* y) {
+  static_assert((2 * NI) % R1 == 0 && K % R2 == 0 && M <= 4 && (EPI2 == 0 || EPI2 == 1),
+                "qgemv_mlp: whole row groups, at most 4 rows, a residual or none");
+  constexpr int B1 = 2 * NI / R1;
+  constexpr int B2 = K / R2;
+  T* act = const_cast<T*>(act_in);
+  int* count = const_cast<int*>(reinterpret_cast<const int*>(count_in));
+  const int bx = int(blockIdx.x);
+  if (bx < B1) {
+    mlxcel_qgemv<T, M, 2 * NI, K, G, BITS, R1, WPB, 2, NORM, EPS_BITS, 0, 0, XQ, 0, 0>(
+        x, w1, s1, b1, res, nw, nullptr, nullptr, act, nullptr, nullptr, 0, bx);
+    mlxcel_stage_arrive(count);
+    return;
+  }
+  mlxcel_stage_wait(count, B1);
+  mlxcel_qgemv<T, M, K, NI, G, BITS, R2, WPB, EPI2, 0, EPS_BITS, 0, 0, XQ, 0, 0>(
+      act, w2, s2, b2, res, nw, nullptr, nullptr, y, nullptr, nullptr, 0, bx - B1);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    if (atomicAdd(count + 1, 1) == B2 - 1) {  // the last block: every block has passed its wait
+      atomicExch(count, 0);
+      atomicExch(count + 1, 0);
+    }
   }
 }
 
@@ -1058,3 +1152,6 @@ __device__ __forceinline__ void mlxcel_round_x(const T* x, const T* nw, uint32_t
   mlxcel_qgemv<T, M, N, K, G, BITS, ROWS, WPB, 3, NORM, EPS_BITS, HD, NQ, XQ, MMA, PG>(
       x, w, scales, biases, nw, nw, pos, inv_freq, q, const_cast<T*>(pool), dst,
       int(pool_shape[2]));
+// @@body_mlp
+  mlxcel_qgemv_mlp<T, M, NI, K, G, BITS, R1, R2, WPB, NORM, EPS_BITS, XQ, EPI2>(
+      x, w1, s1, b1, nw, w2, s2, b2, res, act, count, y);

@@ -44,6 +44,7 @@ SHAPES_70B = [(10240, 8192, "qkv"), (8192, 8192, "o"), (57344, 8192, "gate_up"),
 ROPE_MARK = "// @@body_rope\n"
 XQ_MARK = "// @@body_xq\n"
 ROPE_KV_MARK = "// @@body_rope_kv\n"
+MLP_MARK = "// @@body_mlp\n"
 DT = mx.bfloat16  # activations, scales and biases (--dtype)
 ROUND_X = None  # the x-rounding kernel of the tensor-core path (make_kernel sets it)
 ROPE_KV = None  # the q/k/v entry point that writes the KV pool (make_kernel sets it)
@@ -55,15 +56,16 @@ def load_source(path):
     body, body_rope = body.split(ROPE_MARK, 1)
     body_rope, body_xq = body_rope.split(XQ_MARK, 1)
     body_xq, _, body_rope_kv = body_xq.partition(ROPE_KV_MARK)
-    return head, body, body_rope, body_xq, body_rope_kv
+    body_rope_kv, _, body_mlp = body_rope_kv.partition(MLP_MARK)
+    return head, body, body_rope, body_xq, body_rope_kv, body_mlp
 
 
-def kernel_name(header, body, body_rope, body_xq, body_rope_kv=""):
+def kernel_name(header, body, body_rope, body_xq, body_rope_kv="", body_mlp=""):
     """`mlxcel_qgemv_<FNV-1a of the source>`, as mlxcel names it: MLX caches compiled
     kernels by name (also on disk), so another source must get another name."""
     h = 0xcbf29ce484222325
     for b in (header + body + ROPE_MARK + body_rope + XQ_MARK + body_xq + ROPE_KV_MARK
-              + body_rope_kv).encode():
+              + body_rope_kv + MLP_MARK + body_mlp).encode():
         h = ((h ^ b) * 0x100000001b3) & 0xFFFFFFFFFFFFFFFF
     return f"mlxcel_qgemv_{h & 0xFFFFFFFF:08x}"
 
@@ -72,8 +74,8 @@ def make_kernel(path):
     """The plain kernel (epilogues 0-2) and the q/k/v + RoPE entry point (and ROUND_X)."""
     global ROUND_X
     global ROPE_KV
-    header, body, body_rope, body_xq, body_rope_kv = load_source(path)
-    name = kernel_name(header, body, body_rope, body_xq, body_rope_kv)
+    header, body, body_rope, body_xq, body_rope_kv, body_mlp = load_source(path)
+    name = kernel_name(header, body, body_rope, body_xq, body_rope_kv, body_mlp)
     ROPE_KV = mx.fast.cuda_kernel(
         name=name + "_rope_kv",
         input_names=["x", "w", "scales", "biases", "nw", "pos", "inv_freq", "pool", "dst"],

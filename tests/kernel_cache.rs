@@ -172,9 +172,11 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
             "// @@body_rope\n",
             "// @@body_xq\n",
             "// @@body_rope_kv\n",
+            "// @@body_mlp\n",
         ],
     );
-    let (header, body, body_rope, body_xq, body_rope_kv) = (&q[0], &q[1], &q[2], &q[3], &q[4]);
+    let (header, body, body_rope, body_xq, body_rope_kv, body_mlp) =
+        (&q[0], &q[1], &q[2], &q[3], &q[4], &q[5]);
     // the header as mlxcel passes it to MLX: an #include of a file holding it
     let dir = tempfile::tempdir().unwrap();
     let include_line = mlxcel::kernels::qgemv::include_header(dir.path(), "q", header).unwrap();
@@ -319,6 +321,62 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
             ],
         ),
     ));
+    // the one-kernel MLP (MLXCEL_QGEMV_MLP) of a 70B TP=8 rank at batch 1 (gate/up 7168 ×
+    // 8192 on 16 rows a block, down 8192 × 3584 on 8, 8 warps: `qgemv::mlp_launch`), and
+    // an 8-bit float16 one at batch 3 without the residual (a TP rank other than 0)
+    for (name, t, consts) in [
+        (
+            "custom_kernel_mlxcel_qgemv_test_mlp",
+            bf,
+            [3584, 8192, 64, 4, 16, 8, 8, 1, 1, 1],
+        ),
+        (
+            "custom_kernel_mlxcel_qgemv_test_mlp_8bit_f16",
+            f16,
+            [1024, 4096, 32, 8, 4, 4, 4, 3, 0, 0],
+        ),
+    ] {
+        let [ni, k, g, bits, r1, r2, wpb, m, xq, epi2] = consts;
+        let mlp_in = vec![
+            ("x", t),
+            ("w1", "uint32_t"),
+            ("s1", t),
+            ("b1", t),
+            ("nw", t),
+            ("w2", "uint32_t"),
+            ("s2", t),
+            ("b2", t),
+            ("res", t),
+            ("act", t),
+            ("count", "int32_t"),
+        ];
+        sources.push((
+            name.into(),
+            mlx_source(
+                name,
+                &include_line,
+                body_mlp,
+                &mlp_in,
+                &[],
+                &[("y", t)],
+                t,
+                &[
+                    ("M", m),
+                    ("NI", ni),
+                    ("K", k),
+                    ("G", g),
+                    ("BITS", bits),
+                    ("R1", r1),
+                    ("R2", r2),
+                    ("WPB", wpb),
+                    ("NORM", 1),
+                    ("EPS_BITS", eps),
+                    ("XQ", xq),
+                    ("EPI2", epi2),
+                ],
+            ),
+        ));
+    }
     // the quantized GEMM (kernels/qgemm.cu after the GEMV's header, as mlxcel passes them):
     // launches mlxcel picks for 8B shapes (src/kernels/qgemm.rs `launch_for`), both bodies
     let g = parts("kernels/qgemm.cu", &["// @@body\n", "// @@body_rope\n"]);

@@ -781,3 +781,133 @@ fn qgemv_float16_matches() {
         c
     });
 }
+
+/// The one-kernel SwiGLU MLP (`@@body_mlp`): blocks of the gate/up stage, then of the down
+/// stage, one at a time in index order (as a GPU starts them), twice with the same scratch
+/// (the counts must be back at zero after each call), against gate/up, SwiGLU (rounded to
+/// T, as the kernel stores it) and down in double precision.
+const MAIN_MLP: &str = r#"
+int main() {
+  using bf = T;
+  std::mt19937 rng(99);
+  std::vector<bf> x(M * K), sc1(2 * NI * (K / G)), bi1(2 * NI * (K / G)), r1(M * 2 * NI), nw(K);
+  std::vector<bf> xd(M * NI), sc2(K * (NI / G)), bi2(K * (NI / G)), res(M * K), nwd(NI), y(M * K);
+  std::vector<uint32_t> w1, w2;
+  std::vector<int> q1, q2;
+  draw_quantized(rng, 2 * NI, K, BITS, false, x, sc1, bi1, r1, nw, w1, q1);
+  draw_quantized(rng, K, NI, BITS, false, xd, sc2, bi2, res, nwd, w2, q2);
+  std::vector<bf> act(4 * NI, bf(NAN));
+  std::vector<int32_t> count(2, 0);
+  constexpr int B = 2 * NI / R1 + K / R2;
+  const int tpb = 32 * WPB;
+  blockDim.x = tpb;
+  g_shfl.assign(tpb, 0.f);
+  g_mma.assign(6 * tpb, 0u);
+  // the reference: act rounded to T as the kernel stores it, then the down product
+  const std::vector<double> xin = ref_input(x, nw, M, K, NORM, EPS_BITS);
+  std::vector<bf> actr(M * NI);
+  for (int m = 0; m < M; ++m)
+    for (int i = 0; i < NI; ++i) {
+      const double g = ref_qdot(xin, q1, sc1, bi1, K, G, m, i), u = ref_qdot(xin, q1, sc1, bi1, K, G, m, i + NI);
+      actr[m * NI + i] = bf(float(g / (1.0 + std::exp(-g)) * u));
+    }
+  const std::vector<double> ain = ref_input(actr, nwd, M, NI, false, EPS_BITS);
+  int status = 0;
+  for (int run = 0; run < 2; ++run) {
+    std::fill(y.begin(), y.end(), bf(NAN));
+    for (int blk = 0; blk < B; ++blk) {
+      run_block(blk, tpb, [&] {
+        kernel(x.data(), w1.data(), sc1.data(), bi1.data(), nw.data(), w2.data(), sc2.data(), bi2.data(),
+               res.data(), act.data(), count.data(), y.data());
+      });
+    }
+    if (count[0] != 0 || count[1] != 0) {
+      std::printf("max_err: counts left at %d, %d\n", count[0], count[1]);
+      return 1;
+    }
+    RefErr e;
+    for (int m = 0; m < M; ++m)
+      for (int n = 0; n < K; ++n) {
+        double r = ref_qdot(ain, q2, sc2, bi2, NI, G, m, n);
+        if (EPI2 == 1) r += double(float(res[m * K + n]));
+        e.add(r, double(float(y[m * K + n])));
+      }
+    std::printf("run %d: max_err %.3e max_ref %.3e rel %.3e\n", run, e.max_err, e.max_ref, e.max_err / e.max_ref);
+    if (!(e.max_err / e.max_ref < (XQ ? 2e-2 : 1e-2))) status = 1;
+  }
+  return status;
+}
+"#;
+
+/// Compile and run the one-kernel MLP with template constants `consts`.
+fn run_mlp(tag: &str, consts: &[(&str, usize)]) {
+    let parts = kernel_parts();
+    assert!(!parts.body_mlp.trim().is_empty(), "no @@body_mlp part");
+    // the MLP's norm (post-attention) comes with it: NORM 1 unless a test says otherwise
+    let mut consts = consts.to_vec();
+    if !consts.iter().any(|(n, _)| *n == "NORM") {
+        consts.push(("NORM", 1));
+    }
+    let consts = consts.as_slice();
+    let (mut src, t) = common::program_head(&parts.header, consts, &[("XQ", 0), ("EPI2", 1)]);
+    // the signature MLX generates for inputs x, w1, s1, b1, nw, w2, s2, b2, res, act,
+    // count and output y
+    src += &format!(
+        "void kernel(const {t}* x, const uint32_t* w1, const {t}* s1, const {t}* b1,\n\
+            const {t}* nw, const uint32_t* w2, const {t}* s2, const {t}* b2,\n\
+            const {t}* res, const {t}* act, const int32_t* count, {t}* y) {{\n"
+    );
+    src += &parts.body_mlp;
+    src += "\n}\n";
+    src += MAIN_MLP;
+    common::run_checked(&format!("qgemv-mlp-{tag}"), &src, &consts, "run 1: max_err");
+}
+
+#[test]
+fn qgemv_mlp_matches_its_two_products() {
+    // batch 1 with int8 activations, the stages' own rows per block (gate/up 8, down 4)
+    run_mlp(
+        "4bit_xq_m1",
+        &[
+            ("M", 1),
+            ("NI", 256),
+            ("K", 512),
+            ("G", 64),
+            ("BITS", 4),
+            ("R1", 8),
+            ("R2", 4),
+            ("WPB", 2),
+            ("XQ", 1),
+        ],
+    );
+    // batch 3, float math, 8-bit, no residual (a tensor-parallel rank other than 0)
+    run_mlp(
+        "8bit_m3_nores",
+        &[
+            ("M", 3),
+            ("NI", 128),
+            ("K", 256),
+            ("G", 32),
+            ("BITS", 8),
+            ("R1", 4),
+            ("R2", 2),
+            ("WPB", 1),
+            ("EPI2", 0),
+        ],
+    );
+    // float16, 4-bit float math at batch 2
+    run_mlp(
+        "4bit_f16_m2",
+        &[
+            ("M", 2),
+            ("NI", 128),
+            ("K", 384),
+            ("G", 32),
+            ("BITS", 4),
+            ("R1", 4),
+            ("R2", 4),
+            ("WPB", 2),
+            ("F16", 1),
+        ],
+    );
+}

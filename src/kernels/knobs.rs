@@ -28,6 +28,10 @@ pub struct Knobs {
     pub qgemv_chunks: bool,
     /// `MLXCEL_QGEMV_STREAM`: the streaming launch for long batch-1 rows.
     pub qgemv_stream: bool,
+    /// `MLXCEL_QGEMV_MLP=1`: a quantized SwiGLU MLP of a decode step of up to 4 rows runs
+    /// its gate/up and down GEMVs as one kernel of two stages (one MLX op instead of two;
+    /// [`super::qgemv::qgemv_mlp`]); off by default until timed on a GPU.
+    pub qgemv_mlp: bool,
     /// `MLXCEL_QGEMV_STREAM_BLOCKS`: the streaming launch's grid (default: from the GPU).
     pub qgemv_stream_blocks: Option<usize>,
     /// `MLXCEL_QGEMV_SOURCE`: a kernel file read at run time instead of the embedded one.
@@ -135,6 +139,7 @@ impl Default for Knobs {
             qgemv_mma: None,
             qgemv_chunks: true,
             qgemv_stream: true,
+            qgemv_mlp: false,
             qgemv_stream_blocks: None,
             qgemv_source: None,
             qgemm: true,
@@ -175,6 +180,7 @@ pub const VARS: &[&str] = &[
     "MLXCEL_QGEMV_CHUNKS",
     "MLXCEL_QGEMV_STREAM",
     "MLXCEL_QGEMV_STREAM_BLOCKS",
+    "MLXCEL_QGEMV_MLP",
     "MLXCEL_QGEMV_SOURCE",
     "MLXCEL_QGEMM",
     "MLXCEL_QGEMM_MIN_M",
@@ -213,6 +219,7 @@ const SWITCHES: &[(&str, Field)] = &[
     ("MLXCEL_QGEMV_F16", |k| &mut k.qgemv_f16),
     ("MLXCEL_QGEMV_CHUNKS", |k| &mut k.qgemv_chunks),
     ("MLXCEL_QGEMV_STREAM", |k| &mut k.qgemv_stream),
+    ("MLXCEL_QGEMV_MLP", |k| &mut k.qgemv_mlp),
     ("MLXCEL_QGEMM", |k| &mut k.qgemm),
     ("MLXCEL_QGEMM_BOUNDED", |k| &mut k.qgemm_bounded),
     ("MLXCEL_KERNEL_INCLUDE", |k| &mut k.kernel_include),

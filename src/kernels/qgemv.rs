@@ -27,6 +27,7 @@ const BODY_MARK: &str = "// @@body\n";
 const ROPE_MARK: &str = "// @@body_rope\n";
 const XQ_MARK: &str = "// @@body_xq\n";
 const ROPE_KV_MARK: &str = super::gemv::ROPE_KV_MARK;
+const MLP_MARK: &str = "// @@body_mlp\n";
 
 /// The kernel file split into the device-code header and the three kernel bodies.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -39,8 +40,11 @@ pub struct Source {
     /// x rounded to int8 per group, the tensor-core path's input (output xq).
     pub body_xq: String,
     /// The q/k/v projection with k and v written into the KV pool (output q); empty in
-    /// a file without a last `// @@body_rope_kv` part.
+    /// a file without a `// @@body_rope_kv` part.
     pub body_rope_kv: String,
+    /// A SwiGLU MLP's gate/up and down products in one kernel (output y); empty in a file
+    /// without a last `// @@body_mlp` part.
+    pub body_mlp: String,
 }
 
 impl Source {
@@ -57,6 +61,8 @@ impl Source {
             &self.body_xq,
             ROPE_KV_MARK,
             &self.body_rope_kv,
+            MLP_MARK,
+            &self.body_mlp,
         ]);
         format!("mlxcel_qgemv_{h:08x}")
     }
@@ -87,7 +93,8 @@ pub fn split_source(text: &str) -> std::result::Result<Source, String> {
     let (body_rope, rest) = rest
         .split_once(XQ_MARK)
         .ok_or("no `// @@body_xq` marker line after `// @@body_rope`")?;
-    let (body_xq, body_rope_kv) = rest.split_once(ROPE_KV_MARK).unwrap_or((rest, ""));
+    let (body_xq, rest) = rest.split_once(ROPE_KV_MARK).unwrap_or((rest, ""));
+    let (body_rope_kv, body_mlp) = rest.split_once(MLP_MARK).unwrap_or((rest, ""));
     for (text, mark) in [
         (body, "@@body"),
         (body_rope, "@@body_rope"),
@@ -103,6 +110,7 @@ pub fn split_source(text: &str) -> std::result::Result<Source, String> {
         body_rope: body_rope.to_string(),
         body_xq: body_xq.to_string(),
         body_rope_kv: body_rope_kv.to_string(),
+        body_mlp: body_mlp.to_string(),
     })
 }
 
@@ -775,6 +783,198 @@ pub fn qgemv(
     )?;
     out.pop()
         .ok_or_else(|| MlxError::Invalid("qgemv: the kernel returned no output".into()))
+}
+
+/// Most batch rows [`qgemv_mlp`] takes: the dp4a/FMA path's ([`DP4A_MAX_M`]).
+pub const MLP_MAX_M: usize = DP4A_MAX_M;
+
+/// A quantized weight in MLX's affine layout: packed values, scales, biases.
+#[derive(Clone, Copy)]
+pub struct QWeight<'a> {
+    pub w: &'a Array,
+    pub scales: &'a Array,
+    pub biases: &'a Array,
+}
+
+/// [`qgemv_mlp`]'s scratch for one MLP: the activations between its two stages
+/// (`[MLP_MAX_M, inter]`) and the stages' two counts, which start at zero and are left
+/// at zero by every call. Evaluated at once, so the kernel gets buffers of their own.
+pub struct MlpScratch {
+    act: Array,
+    count: Array,
+    inter: usize,
+}
+
+impl MlpScratch {
+    pub fn new(inter: usize, dtype: Dtype) -> Result<Self> {
+        let act = Array::zeros(&[(MLP_MAX_M * inter) as i32], dtype)?;
+        let count = Array::zeros(&[2], Dtype::I32)?;
+        mlx::eval(&[&act, &count])?;
+        Ok(MlpScratch { act, count, inter })
+    }
+}
+
+/// The launch of [`qgemv_mlp`] for `m` rows, intermediate size `inter` (this rank's) and
+/// hidden size `hidden`: rows per block of the gate/up stage and of the down stage, and
+/// the warps per block both take (the larger of their own launches'); `None` where either
+/// stage would take the tensor cores or the gate/up stage an odd number of rows.
+pub fn mlp_launch(
+    m: usize,
+    inter: usize,
+    hidden: usize,
+    group: usize,
+    bits: usize,
+) -> Option<(usize, usize, usize)> {
+    if m == 0 || m > MLP_MAX_M {
+        return None;
+    }
+    let up = launch_config(m, 2 * inter, hidden, group, bits);
+    let down = launch_config(m, hidden, inter, group, bits);
+    if up.mma || down.mma || !up.rows.is_multiple_of(2) {
+        return None;
+    }
+    Some((up.rows, down.rows, up.wpb.max(down.wpb)))
+}
+
+/// Whether [`qgemv_mlp`] runs for these shapes: `MLXCEL_QGEMV_MLP=1`, the kernel on,
+/// both products and the SwiGLU pairs within what the GEMV takes, and a launch
+/// ([`mlp_launch`]).
+pub fn mlp_supported(
+    m: usize,
+    inter: usize,
+    hidden: usize,
+    group: usize,
+    bits: usize,
+    dtypes: [Dtype; 2],
+) -> bool {
+    knobs::get().qgemv_mlp
+        && enabled()
+        && source().is_ok_and(|s| !s.body_mlp.trim().is_empty())
+        && supports(m, 2 * inter, hidden, group, bits, dtypes)
+        && supports(m, hidden, inter, group, bits, dtypes)
+        && supports_swiglu(m, 2 * inter, group, bits)
+        && mlp_launch(m, inter, hidden, group, bits).is_some()
+}
+
+/// `res + down(silu(g) · u)` (or without `res` when `add_res` is false: a
+/// tensor-parallel rank that does not add it) where `[g | u] = norm(x) · gate_upᵀ`, for
+/// the `m` rows of x (`m` ≤ [`MLP_MAX_M`]), in one kernel of two stages
+/// (`mlxcel_qgemv_mlp` in kernels/qgemv.cu): one MLX op where the two GEMVs were two.
+/// Shaped like `res` (`m · hidden` elements, x's dtype). Calls sharing `scratch` run one
+/// after another (each layer its own, and a layer's calls are ordered by the residual
+/// stream). The caller checks [`mlp_supported`].
+#[allow(clippy::too_many_arguments)]
+pub fn qgemv_mlp(
+    x: &Array,
+    gate_up: QWeight<'_>,
+    down: QWeight<'_>,
+    group: usize,
+    bits: usize,
+    norm: Option<(&Array, f32)>,
+    res: &Array,
+    add_res: bool,
+    scratch: &MlpScratch,
+) -> Result<Array> {
+    let inter = gate_up.w.dim(0) as usize / 2;
+    let hidden = gate_up.w.dim(1) as usize * 32 / bits.max(1);
+    let m = x.size() / hidden.max(1);
+    let down_k = down.w.dim(1) as usize * 32 / bits.max(1);
+    if x.size() != m * hidden
+        || res.size() != m * hidden
+        || res.dtype() != x.dtype()
+        || down.w.dim(0) as usize != hidden
+        || down_k != inter
+        || scratch.inter != inter
+        || scratch.act.dtype() != x.dtype()
+    {
+        return Err(MlxError::Invalid(format!(
+            "qgemv_mlp: x {:?}, residual {:?} {:?}, gate/up {:?}, down {:?} and a scratch of \
+             {} columns {:?} do not make one MLP of {bits}-bit weights",
+            x.shape(),
+            res.shape(),
+            res.dtype(),
+            gate_up.w.shape(),
+            down.w.shape(),
+            scratch.inter,
+            scratch.act.dtype()
+        )));
+    }
+    let (r1, r2, wpb) = mlp_launch(m, inter, hidden, group, bits).ok_or_else(|| {
+        MlxError::Invalid(format!(
+            "qgemv_mlp: no launch for {m} rows of an MLP {hidden} → {inter} ({bits}-bit, group {group})"
+        ))
+    })?;
+    let src = source()?;
+    if src.body_mlp.trim().is_empty() {
+        return Err(MlxError::Invalid(
+            "qgemv_mlp: the kernel file has no `// @@body_mlp` part".into(),
+        ));
+    }
+    let (nw, eps) = norm_input("qgemv_mlp", norm, x, hidden)?;
+    static NAME: OnceLock<String> = OnceLock::new();
+    let name = NAME.get_or_init(|| kernel_names().0.clone() + "_mlp");
+    static NAMES: OnceLock<([String; 11], [String; 1], [String; 12])> = OnceLock::new();
+    let (inputs, outputs, tnames) = NAMES.get_or_init(|| {
+        (
+            [
+                "x", "w1", "s1", "b1", "nw", "w2", "s2", "b2", "res", "act", "count",
+            ]
+            .map(String::from),
+            ["y".to_string()],
+            [
+                "M", "NI", "K", "G", "BITS", "R1", "R2", "WPB", "NORM", "EPS_BITS", "XQ", "EPI2",
+            ]
+            .map(String::from),
+        )
+    });
+    let kernel = CudaKernel {
+        name,
+        input_names: inputs,
+        output_names: outputs,
+        header: mlx_header()?,
+        body: &src.body_mlp,
+        shared_memory: 0,
+    };
+    let tvals = [
+        m,
+        inter,
+        hidden,
+        group,
+        bits,
+        r1,
+        r2,
+        wpb,
+        norm.is_some() as usize,
+        eps.to_bits() as usize,
+        xq(bits) as usize,
+        add_res as usize,
+    ]
+    .map(|v| v as i32);
+    let blocks = 2 * inter / r1 + hidden / r2;
+    let mut out = kernel.call(
+        &[
+            x,
+            gate_up.w,
+            gate_up.scales,
+            gate_up.biases,
+            nw,
+            down.w,
+            down.scales,
+            down.biases,
+            res,
+            &scratch.act,
+            &scratch.count,
+        ],
+        &[&res.shape()],
+        x.dtype(),
+        tnames,
+        &tvals,
+        x.dtype(),
+        [(blocks * 32 * wpb) as i32, 1, 1],
+        [(32 * wpb) as i32, 1, 1],
+    )?;
+    out.pop()
+        .ok_or_else(|| MlxError::Invalid("qgemv_mlp: the kernel returned no output".into()))
 }
 
 /// Threads per block of the rounding kernel (`XQ_TPB` in kernels/qgemv.cu).

@@ -507,6 +507,84 @@ impl Linear {
     }
 }
 
+/// `h + down(silu(g) · u)` where `[g | u] = gate_up(norm(h))`, for a decode step's rows of
+/// `h` (at most [`kernels::qgemv::MLP_MAX_M`]), as one kernel of two stages
+/// (`kernels::qgemv::qgemv_mlp`, `MLXCEL_QGEMV_MLP=1`) where it covers these linears:
+/// both quantized alike, no biases, gate/up not reduced. Under tensor parallelism rank 0
+/// adds the residual and the result is reduced (as [`Linear::forward_residual`] does).
+/// `scratch` is the MLP's own, made at its first call. `None`: the caller runs the two
+/// products.
+pub fn mlp_fused(
+    gate_up: &Linear,
+    down: &Linear,
+    h: &Array,
+    norm: &RmsNorm,
+    scratch: &std::cell::OnceCell<kernels::qgemv::MlpScratch>,
+) -> Option<mlx::Result<Array>> {
+    let knobs = kernels::knobs::get();
+    if !knobs.qgemv_mlp || gate_up.bias.is_some() || down.bias.is_some() || gate_up.reduce.is_some()
+    {
+        return None;
+    }
+    let (
+        Weight::Quantized {
+            w: w1,
+            scales: s1,
+            biases: b1,
+            q: q1,
+        },
+        Weight::Quantized {
+            w: w2,
+            scales: s2,
+            biases: b2,
+            q: q2,
+        },
+    ) = (&gate_up.weight, &down.weight)
+    else {
+        return None;
+    };
+    let add = match &down.reduce {
+        None => true,
+        Some(g) if knobs.tp_residual => g.rank() == 0,
+        Some(_) => return None,
+    };
+    let (hidden, inter) = (gate_up.in_dim(), gate_up.out_dim() / 2);
+    let m = h.size().checked_div(hidden).unwrap_or(0);
+    let (group, bits) = (q1.group_size as usize, q1.bits as usize);
+    let fits = q1 == q2
+        && m * hidden == h.size()
+        && norm.weight.size() == hidden
+        && norm.weight.dtype() == h.dtype()
+        && (down.in_dim(), down.out_dim()) == (inter, hidden)
+        && kernels::qgemv::mlp_supported(m, inter, hidden, group, bits, [h.dtype(), s1.dtype()]);
+    if !fits {
+        return None;
+    }
+    let run = || -> mlx::Result<Array> {
+        if scratch.get().is_none() {
+            let _ = scratch.set(kernels::qgemv::MlpScratch::new(inter, h.dtype())?);
+        }
+        let scratch = scratch.get().expect("the scratch was made above");
+        let q = |w, scales, biases| kernels::qgemv::QWeight { w, scales, biases };
+        let y = kernels::qgemv::qgemv_mlp(
+            h,
+            q(w1, s1, b1),
+            q(w2, s2, b2),
+            group,
+            bits,
+            Some((&norm.weight, norm.eps)),
+            h,
+            add,
+            scratch,
+        )?;
+        match &down.reduce {
+            Some(g) => g.all_sum(&y),
+            None => Ok(y),
+        }
+    };
+    Some(run())
+}
+
 /// What [`Linear::fusable`] found: the quantized weight, its group and bits, and the
 /// product's rows (`m`) and output features (`n`), for the GEMV or (`gemm`) the GEMM; or
 /// (`dense`) a dense weight `w` for mlxcel's dense GEMV kernel (scales and biases are `w`

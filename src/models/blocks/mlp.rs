@@ -3,11 +3,14 @@
 use std::ops::Range;
 use std::rc::Rc;
 
+use std::cell::OnceCell;
+
+use crate::kernels::qgemv::MlpScratch;
 use crate::mlx::distributed::Group;
 use crate::mlx::{self, Array};
 
 use super::super::config::{ModelConfig, QuantConfig};
-use super::super::layers::{Linear, Result};
+use super::super::layers::{mlp_fused, Linear, Result};
 use super::super::layout::{ParamSpec, Split};
 use super::super::weights::WeightSource;
 use super::norm::RmsNorm;
@@ -65,6 +68,8 @@ pub struct Mlp {
     /// gate and up projections merged (this rank's columns of each): one matmul.
     pub gate_up_proj: Linear,
     pub down_proj: Linear,
+    /// The scratch of the one-kernel MLP (`MLXCEL_QGEMV_MLP=1`), made at its first use.
+    scratch: OnceCell<MlpScratch>,
 }
 
 impl Mlp {
@@ -73,6 +78,7 @@ impl Mlp {
         Ok(Mlp {
             gate_up_proj: Linear::load_merged(src, &[&layout.gate_proj, &layout.up_proj])?,
             down_proj: Linear::load(src, &layout.down_proj, tp)?,
+            scratch: OnceCell::new(),
         })
     }
 
@@ -85,6 +91,10 @@ impl Mlp {
 
     /// `h + down(silu(gate(x)) · up(x))` with `x = norm(h)`
     pub fn forward_residual(&self, h: &Array, norm: &RmsNorm) -> mlx::Result<Array> {
+        // a decode step's rows of a quantized MLP: one kernel for both products
+        if let Some(y) = mlp_fused(&self.gate_up_proj, &self.down_proj, h, norm, &self.scratch) {
+            return y;
+        }
         self.down_proj
             .forward_residual(&self.gate_up_proj.forward_swiglu(h, Some(norm))?, h)
     }
