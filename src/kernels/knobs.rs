@@ -32,6 +32,12 @@ pub struct Knobs {
     /// its gate/up and down GEMVs as one kernel of two stages (one MLX op instead of two;
     /// [`super::qgemv::qgemv_mlp`]); off by default until timed on a GPU.
     pub qgemv_mlp: bool,
+    /// `MLXCEL_QGEMV_MLP_ROWS2`: rows per block of the one-kernel MLP's down stage
+    /// (default: [`super::qgemv::mlp_launch`]'s choice).
+    pub qgemv_mlp_rows2: Option<usize>,
+    /// `MLXCEL_QGEMV_MLP_BOUNDED=1`: the one-kernel MLP compiled for two blocks per SM
+    /// (`__launch_bounds__(256, 2)`: at most 128 registers a thread).
+    pub qgemv_mlp_bounded: bool,
     /// `MLXCEL_QGEMV_STREAM_BLOCKS`: the streaming launch's grid (default: from the GPU).
     pub qgemv_stream_blocks: Option<usize>,
     /// `MLXCEL_QGEMV_SOURCE`: a kernel file read at run time instead of the embedded one.
@@ -140,6 +146,8 @@ impl Default for Knobs {
             qgemv_chunks: true,
             qgemv_stream: true,
             qgemv_mlp: false,
+            qgemv_mlp_rows2: None,
+            qgemv_mlp_bounded: false,
             qgemv_stream_blocks: None,
             qgemv_source: None,
             qgemm: true,
@@ -181,6 +189,8 @@ pub const VARS: &[&str] = &[
     "MLXCEL_QGEMV_STREAM",
     "MLXCEL_QGEMV_STREAM_BLOCKS",
     "MLXCEL_QGEMV_MLP",
+    "MLXCEL_QGEMV_MLP_ROWS2",
+    "MLXCEL_QGEMV_MLP_BOUNDED",
     "MLXCEL_QGEMV_SOURCE",
     "MLXCEL_QGEMM",
     "MLXCEL_QGEMM_MIN_M",
@@ -220,6 +230,7 @@ const SWITCHES: &[(&str, Field)] = &[
     ("MLXCEL_QGEMV_CHUNKS", |k| &mut k.qgemv_chunks),
     ("MLXCEL_QGEMV_STREAM", |k| &mut k.qgemv_stream),
     ("MLXCEL_QGEMV_MLP", |k| &mut k.qgemv_mlp),
+    ("MLXCEL_QGEMV_MLP_BOUNDED", |k| &mut k.qgemv_mlp_bounded),
     ("MLXCEL_QGEMM", |k| &mut k.qgemm),
     ("MLXCEL_QGEMM_BOUNDED", |k| &mut k.qgemm_bounded),
     ("MLXCEL_KERNEL_INCLUDE", |k| &mut k.kernel_include),
@@ -304,6 +315,7 @@ impl Knobs {
             "0 (off) or the smallest batch on the tensor cores,",
         )?;
         k.qgemv_stream_blocks = number("MLXCEL_QGEMV_STREAM_BLOCKS", 1..=65535, "a block count")?;
+        k.qgemv_mlp_rows2 = number("MLXCEL_QGEMV_MLP_ROWS2", 1..=32, "rows per block")?;
         k.qgemv_source = get("MLXCEL_QGEMV_SOURCE")
             .filter(|v| !v.is_empty())
             .map(PathBuf::from);
@@ -340,6 +352,9 @@ impl Knobs {
         }
         if let Some(n) = self.qgemv_stream_blocks {
             out.push(format!("MLXCEL_QGEMV_STREAM_BLOCKS={n}"));
+        }
+        if let Some(n) = self.qgemv_mlp_rows2 {
+            out.push(format!("MLXCEL_QGEMV_MLP_ROWS2={n}"));
         }
         if let Some(p) = &self.qgemv_source {
             out.push(format!("MLXCEL_QGEMV_SOURCE={}", p.display()));

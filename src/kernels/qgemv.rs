@@ -788,6 +788,9 @@ pub fn qgemv(
 /// Most batch rows [`qgemv_mlp`] takes: the dp4a/FMA path's ([`DP4A_MAX_M`]).
 pub const MLP_MAX_M: usize = DP4A_MAX_M;
 
+/// Size of [`MlpScratch`]'s count array in int32 words (two are used).
+const COUNT_WORDS: usize = 16;
+
 /// A quantized weight in MLX's affine layout: packed values, scales, biases.
 #[derive(Clone, Copy)]
 pub struct QWeight<'a> {
@@ -808,7 +811,11 @@ pub struct MlpScratch {
 impl MlpScratch {
     pub fn new(inter: usize, dtype: Dtype) -> Result<Self> {
         let act = Array::zeros(&[(MLP_MAX_M * inter) as i32], dtype)?;
-        let count = Array::zeros(&[2], Dtype::I32)?;
+        // (more than the two counts it needs: MLX's CUDA allocator puts arrays of 8 bytes
+        // or less in unified memory, where every block's atomic add on a count became a
+        // page-fault round trip: the two-stage kernel ran its blocks one after another,
+        // ~1.6 µs each, on an H100)
+        let count = Array::zeros(&[COUNT_WORDS as i32], Dtype::I32)?;
         mlx::eval(&[&act, &count])?;
         Ok(MlpScratch { act, count, inter })
     }
@@ -833,7 +840,24 @@ pub fn mlp_launch(
     if up.mma || down.mma || !up.rows.is_multiple_of(2) {
         return None;
     }
-    Some((up.rows, down.rows, up.wpb.max(down.wpb)))
+    let wpb = up.wpb.max(down.wpb);
+    // The down stage runs at the gate/up stage's warps per block and registers (one
+    // block per SM at 8 warps on an H100), so it takes as many rows per block as a
+    // thread's weight loads allow (M1_LOADS, or its own launch's when that holds more):
+    // fewer, longer blocks instead of many short waves of them
+    let per_row = (inter / (128 / bits.max(1))).div_ceil(32 * wpb);
+    let most = M1_LOADS.max(down.rows * per_row);
+    let rows2 = match knobs::get().qgemv_mlp_rows2 {
+        Some(r) => r,
+        None => [16, 8, 4, 2, 1]
+            .into_iter()
+            .find(|&r| hidden.is_multiple_of(r) && r * per_row <= most)
+            .unwrap_or(down.rows),
+    };
+    if !hidden.is_multiple_of(rows2) {
+        return None;
+    }
+    Some((up.rows, rows2, wpb))
 }
 
 /// Whether [`qgemv_mlp`] runs for these shapes: `MLXCEL_QGEMV_MLP=1`, the kernel on,
@@ -911,8 +935,22 @@ pub fn qgemv_mlp(
         ));
     }
     let (nw, eps) = norm_input("qgemv_mlp", norm, x, hidden)?;
-    static NAME: OnceLock<String> = OnceLock::new();
-    let name = NAME.get_or_init(|| kernel_names().0.clone() + "_mlp");
+    // MLXCEL_QGEMV_MLP_BOUNDED: compiled for two blocks per SM (another source, another name)
+    let bounded = knobs::get().qgemv_mlp_bounded;
+    static NAME: OnceLock<[String; 2]> = OnceLock::new();
+    let name = &NAME.get_or_init(|| {
+        let n = kernel_names().0.clone();
+        [n.clone() + "_mlp", n + "_mlp_bounded"]
+    })[bounded as usize];
+    static BOUNDED_HEADER: OnceLock<Result<String>> = OnceLock::new();
+    let header = match bounded {
+        false => mlx_header()?,
+        true => BOUNDED_HEADER
+            .get_or_init(|| Ok(format!("{}{}", super::qgemm::BOUNDED_PREFIX, mlx_header()?)))
+            .as_ref()
+            .map_err(|e| MlxError::Invalid(e.to_string()))?
+            .as_str(),
+    };
     static NAMES: OnceLock<([String; 11], [String; 1], [String; 12])> = OnceLock::new();
     let (inputs, outputs, tnames) = NAMES.get_or_init(|| {
         (
@@ -931,7 +969,7 @@ pub fn qgemv_mlp(
         name,
         input_names: inputs,
         output_names: outputs,
-        header: mlx_header()?,
+        header,
         body: &src.body_mlp,
         shared_memory: 0,
     };
