@@ -324,11 +324,18 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
     // the one-kernel MLP (MLXCEL_QGEMV_MLP) of a 70B TP=8 rank at batch 1 (gate/up 7168 ×
     // 8192 on 16 rows a block, down 8192 × 3584 on 8, 8 warps: `qgemv::mlp_launch`), and
     // an 8-bit float16 one at batch 3 without the residual (a TP rank other than 0)
+    // and (MLXCEL_QGEMV_MLP_BOUNDED) the first compiled for two blocks per SM
+    let bounded_mlp = format!("{}{include_line}", mlxcel::kernels::qgemm::BOUNDED_PREFIX);
     for (name, t, consts) in [
         (
             "custom_kernel_mlxcel_qgemv_test_mlp",
             bf,
             [3584, 8192, 64, 4, 16, 8, 8, 1, 1, 1],
+        ),
+        (
+            "custom_kernel_mlxcel_qgemv_test_mlp_bounded",
+            bf,
+            [3584, 8192, 64, 4, 16, 16, 8, 1, 1, 1],
         ),
         (
             "custom_kernel_mlxcel_qgemv_test_mlp_8bit_f16",
@@ -354,7 +361,10 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
             name.into(),
             mlx_source(
                 name,
-                &include_line,
+                match name.ends_with("_bounded") {
+                    true => &bounded_mlp,
+                    false => &include_line,
+                },
                 body_mlp,
                 &mlp_in,
                 &[],
