@@ -947,13 +947,15 @@ __device__ __forceinline__ void mlxcel_qgemv(const XT* x, const uint32_t* w, con
   }
 }
 
-// Products in stages of one kernel (mlxcel_qgemv_mlp): blocks [0, B1) run the first
-// product, blocks [B1, B1 + B2) the second, which reads what the first wrote. A block of
+// Products in stages of one kernel (mlxcel_qgemv_mlp): the first B1 blocks to start run
+// the first product, the next B2 the second, which reads what the first wrote. A block of
 // the second stage waits until all B1 blocks of the first have counted themselves done.
-// That cannot deadlock: blocks start in the order of their index, so every block waited
-// for has started before the waiting one, and it waits for nothing. (The CPU emulation
-// runs blocks one at a time in that order, so its waits are already met.) A kernel that
-// waited longer than about two seconds traps, an error MLX reports, rather than hanging.
+// That cannot deadlock: a block's place comes from a ticket it takes when it starts (not
+// from its index: CUDA does not promise to start blocks in index order), so every block
+// waited for has started before the waiting one, and it waits for nothing. (The CPU
+// emulation runs blocks one at a time, so its waits are already met.) A kernel that
+// waited longer than about two seconds traps rather than hanging (the CUDA context is
+// then lost: the process ends with MLX's error).
 // Memory order as in a grid-wide barrier: the writer's block passes a barrier, one
 // thread fences and adds one to the count; the waiting block's thread 0 reads the count
 // with acquire semantics, fences, and the block passes a barrier before reading.
@@ -995,16 +997,19 @@ __device__ __forceinline__ void mlxcel_stage_wait(const int* c, int n) {
 }
 
 // A SwiGLU MLP of a decode step in one kernel, two stages (the host's work per MLX op
-// bounds decode, and this is one op where the gate/up and down GEMVs were two):
+// bounds decode, and this is one op where the gate/up and down GEMVs were two; on an H100
+// it measured slower than the two, docs/benchmarks.md):
 //   act[M, NI] = silu(g)·u of [g | u] = norm(x)·W1ᵀ    (W1 [2·NI, K]: EPI 2, NORM)
 //   y[M, K]    = res + act·W2ᵀ (EPI2 = 1), or act·W2ᵀ (EPI2 = 0: a tensor-parallel rank
 //                that does not add the residual)          (W2 [K, NI])
 // with the two products' own rows per block (R1, R2) and the same warps per block. act
 // and count are mlxcel's scratch (written through MLX's const input pointers; MLX never
-// reads them): count[0] counts the first stage's blocks done, count[1] the second's,
-// and the second stage's last block sets both back to zero, so the next call (the next
-// layer's, after this kernel) finds them so. The dp4a/FMA path only (no tensor cores,
-// no streaming grid): M ≤ 4.
+// reads them; 16 int32 counts, since MLX keeps arrays of 8 bytes or less in unified
+// memory): count[0] counts the first stage's blocks done, count[1] the second's, count[2]
+// hands out the tickets, and the second stage's last block sets all three back to zero,
+// so the next call finds them so. Calls sharing the scratch are ordered by `prev` (the
+// previous call's output, never read). The dp4a/FMA path only (no tensor cores, no
+// streaming grid): M ≤ 4.
 template <typename T, int M, int NI, int K, int G, int BITS, int R1, int R2, int WPB, int NORM,
           int EPS_BITS, int XQ, int EPI2>
 __device__ __forceinline__ void mlxcel_qgemv_mlp(const T* x, const uint32_t* w1, const T* s1,
@@ -1017,7 +1022,12 @@ __device__ __forceinline__ void mlxcel_qgemv_mlp(const T* x, const uint32_t* w1,
   constexpr int B2 = K / R2;
   T* act = const_cast<T*>(act_in);
   int* count = const_cast<int*>(reinterpret_cast<const int*>(count_in));
-  const int bx = int(blockIdx.x);
+  __shared__ int ticket;
+  if (threadIdx.x == 0) {
+    ticket = atomicAdd(count + 2, 1);
+  }
+  __syncthreads();
+  const int bx = ticket;
   if (bx < B1) {
     mlxcel_qgemv<T, M, 2 * NI, K, G, BITS, R1, WPB, 2, NORM, EPS_BITS, 0, 0, XQ, 0, 0>(
         x, w1, s1, b1, res, nw, nullptr, nullptr, act, nullptr, nullptr, 0, bx);
@@ -1033,6 +1043,7 @@ __device__ __forceinline__ void mlxcel_qgemv_mlp(const T* x, const uint32_t* w1,
     if (atomicAdd(count + 1, 1) == B2 - 1) {  // the last block: every block has passed its wait
       atomicExch(count, 0);
       atomicExch(count + 1, 0);
+      atomicExch(count + 2, 0);  // (every block has its ticket: all have counted themselves)
     }
   }
 }

@@ -55,8 +55,8 @@ def load_source(path):
     head, body = text.split("// @@header\n", 1)[1].split("// @@body\n", 1)
     body, body_rope = body.split(ROPE_MARK, 1)
     body_rope, body_xq = body_rope.split(XQ_MARK, 1)
+    body_xq, _, body_mlp = body_xq.partition(MLP_MARK)
     body_xq, _, body_rope_kv = body_xq.partition(ROPE_KV_MARK)
-    body_rope_kv, _, body_mlp = body_rope_kv.partition(MLP_MARK)
     return head, body, body_rope, body_xq, body_rope_kv, body_mlp
 
 

@@ -322,13 +322,19 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
         ),
     ));
     // the one-kernel MLP (MLXCEL_QGEMV_MLP) of a 70B TP=8 rank at batch 1 (gate/up 7168 ×
-    // 8192 on 16 rows a block, down 8192 × 3584 on 8, 8 warps: `qgemv::mlp_launch`), and
-    // an 8-bit float16 one at batch 3 without the residual (a TP rank other than 0)
+    // 8192 and down 8192 × 3584 on 16 rows a block, 8 warps: `qgemv::mlp_launch`), the
+    // same with 8 rows a block in the down stage (MLXCEL_QGEMV_MLP_ROWS2=8), and an 8-bit
+    // float16 one at batch 3 without the residual (a TP rank other than 0)
     // and (MLXCEL_QGEMV_MLP_BOUNDED) the first compiled for two blocks per SM
     let bounded_mlp = format!("{}{include_line}", mlxcel::kernels::qgemm::BOUNDED_PREFIX);
     for (name, t, consts) in [
         (
             "custom_kernel_mlxcel_qgemv_test_mlp",
+            bf,
+            [3584, 8192, 64, 4, 16, 16, 8, 1, 1, 1],
+        ),
+        (
+            "custom_kernel_mlxcel_qgemv_test_mlp_rows8",
             bf,
             [3584, 8192, 64, 4, 16, 8, 8, 1, 1, 1],
         ),
@@ -356,6 +362,7 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
             ("res", t),
             ("act", t),
             ("count", "int32_t"),
+            ("prev", t),
         ];
         sources.push((
             name.into(),

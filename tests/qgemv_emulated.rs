@@ -797,7 +797,7 @@ int main() {
   draw_quantized(rng, 2 * NI, K, BITS, false, x, sc1, bi1, r1, nw, w1, q1);
   draw_quantized(rng, K, NI, BITS, false, xd, sc2, bi2, res, nwd, w2, q2);
   std::vector<bf> act(4 * NI, bf(NAN));
-  std::vector<int32_t> count(2, 0);
+  std::vector<int32_t> count(16, 0);
   constexpr int B = 2 * NI / R1 + K / R2;
   const int tpb = 32 * WPB;
   blockDim.x = tpb;
@@ -818,11 +818,11 @@ int main() {
     for (int blk = 0; blk < B; ++blk) {
       run_block(blk, tpb, [&] {
         kernel(x.data(), w1.data(), sc1.data(), bi1.data(), nw.data(), w2.data(), sc2.data(), bi2.data(),
-               res.data(), act.data(), count.data(), y.data());
+               res.data(), act.data(), count.data(), x.data(), y.data());
       });
     }
-    if (count[0] != 0 || count[1] != 0) {
-      std::printf("max_err: counts left at %d, %d\n", count[0], count[1]);
+    if (count[0] != 0 || count[1] != 0 || count[2] != 0) {
+      std::printf("max_err: counts left at %d, %d, %d\n", count[0], count[1], count[2]);
       return 1;
     }
     RefErr e;
@@ -851,11 +851,11 @@ fn run_mlp(tag: &str, consts: &[(&str, usize)]) {
     let consts = consts.as_slice();
     let (mut src, t) = common::program_head(&parts.header, consts, &[("XQ", 0), ("EPI2", 1)]);
     // the signature MLX generates for inputs x, w1, s1, b1, nw, w2, s2, b2, res, act,
-    // count and output y
+    // count, prev and output y
     src += &format!(
         "void kernel(const {t}* x, const uint32_t* w1, const {t}* s1, const {t}* b1,\n\
             const {t}* nw, const uint32_t* w2, const {t}* s2, const {t}* b2,\n\
-            const {t}* res, const {t}* act, const int32_t* count, {t}* y) {{\n"
+            const {t}* res, const {t}* act, const int32_t* count, const {t}* prev, {t}* y) {{\n"
     );
     src += &parts.body_mlp;
     src += "\n}\n";

@@ -106,6 +106,24 @@ fn quantized_tp2_tp4_match() {
     check_family("llama_q4", &[2, 4]);
 }
 
+#[test]
+fn residual_added_before_the_reduction_matches() {
+    let _g = serial();
+    // MLXCEL_TP_RESIDUAL=1 (the rank processes inherit it): rank 0 adds the residual to its
+    // partial products of o_proj and down_proj before the all_sum, the others do not
+    // SAFETY: the tests of this file run one at a time (serial), and this one removes it
+    // again before it returns or fails
+    unsafe { std::env::set_var("MLXCEL_TP_RESIDUAL", "1") };
+    let r = std::panic::catch_unwind(|| {
+        check_family("llama3", &[2, 4]);
+        check_family("llama_q4", &[2]);
+    });
+    unsafe { std::env::remove_var("MLXCEL_TP_RESIDUAL") };
+    if let Err(e) = r {
+        std::panic::resume_unwind(e);
+    }
+}
+
 fn mlxcel() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_mlxcel"));
     c.env("RUST_LOG", "info");

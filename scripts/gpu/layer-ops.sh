@@ -22,7 +22,7 @@ demo_tokenizer
 only=$(IFS=,; echo "${names[*]}")
 python3 scripts/rank_proxies.py --out "$CK/proxies" --only "$only" --tokenizer-from "$TOK" ${TINY:+--tiny} >/dev/null || exit 1
 one() { # one NAME SETTING: a bench run, a line
-  pkill -f "mlxcel _nvrtc" 2>/dev/null # (compile processes a timed-out run left would load the host)
+  pkill -u "$(id -u)" -f "mlxcel _nvrtc" 2>/dev/null # (compile processes a timed-out run left would load the host)
   local f="$OUT/layer-ops-$1-${2//[=,]/-}.json"
   env ${2//,/ } timeout ${BENCH_S:-60} $B bench -m "$CK/proxies/$1" --load-format dummy --prompt-lens 128 \
     --decode-tokens "${DECODE:-128}" --repeats 1 2>/dev/null | tail -1 >"$f"

@@ -102,11 +102,12 @@ pub struct Knobs {
     /// it whole), and a sequence's keys and values are read as two views made by one op;
     /// 0: a new whole-pool view every step, one op per view.
     pub pool_view: bool,
-    /// `MLXCEL_TP_RESIDUAL` (default 1): under tensor parallelism a row-parallel linear
-    /// that feeds the residual stream (o_proj, down_proj) has rank 0 add the residual to
-    /// its partial product (in the GEMV/GEMM kernel's epilogue where one runs), so the
-    /// reduction already gives `res + x·Wᵀ`: no add op after the reduction; 0: the add
-    /// after it, as before.
+    /// `MLXCEL_TP_RESIDUAL=1`: under tensor parallelism a row-parallel linear that feeds
+    /// the residual stream (o_proj, down_proj) has rank 0 add the residual to its partial
+    /// product (in the GEMV/GEMM kernel's epilogue where one runs), so the reduction
+    /// already gives `res + x·Wᵀ`: no add op after the reduction. Off by default: each
+    /// step of the reduction then rounds at the residual's magnitude (16-bit activations),
+    /// not yet measured on GPUs.
     pub tp_residual: bool,
     /// `MLXCEL_NVRTC_PROCESSES` (default 1): the compiled-kernel cache compiles each
     /// kernel in a process of its own (`<this program> _nvrtc`), so several compile at
@@ -168,7 +169,7 @@ impl Default for Knobs {
             device_inputs: true,
             kv_fused: true,
             pool_view: true,
-            tp_residual: true,
+            tp_residual: false,
             warm_background: false,
             nvrtc_processes: true,
             defer_masks: false,

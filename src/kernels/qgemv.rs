@@ -93,8 +93,9 @@ pub fn split_source(text: &str) -> std::result::Result<Source, String> {
     let (body_rope, rest) = rest
         .split_once(XQ_MARK)
         .ok_or("no `// @@body_xq` marker line after `// @@body_rope`")?;
-    let (body_xq, rest) = rest.split_once(ROPE_KV_MARK).unwrap_or((rest, ""));
-    let (body_rope_kv, body_mlp) = rest.split_once(MLP_MARK).unwrap_or((rest, ""));
+    // (the last two parts are each optional: the MLP's, then the KV-writing q/k/v's)
+    let (rest, body_mlp) = rest.split_once(MLP_MARK).unwrap_or((rest, ""));
+    let (body_xq, body_rope_kv) = rest.split_once(ROPE_KV_MARK).unwrap_or((rest, ""));
     for (text, mark) in [
         (body, "@@body"),
         (body_rope, "@@body_rope"),
@@ -800,12 +801,16 @@ pub struct QWeight<'a> {
 }
 
 /// [`qgemv_mlp`]'s scratch for one MLP: the activations between its two stages
-/// (`[MLP_MAX_M, inter]`) and the stages' two counts, which start at zero and are left
-/// at zero by every call. Evaluated at once, so the kernel gets buffers of their own.
+/// (`[MLP_MAX_M, inter]`) and the stages' counts, which start at zero and are left at zero
+/// by every call. Evaluated at once, so the kernel gets buffers of their own. `last` is
+/// the last call's output, the next call's `prev` input (never read): calls sharing the
+/// scratch (a step's decode rows and its prefill chunks go through one layer's MLP twice)
+/// run one after another, since MLX orders kernels only by the arrays they read.
 pub struct MlpScratch {
     act: Array,
     count: Array,
     inter: usize,
+    last: std::cell::RefCell<Option<Array>>,
 }
 
 impl MlpScratch {
@@ -817,7 +822,12 @@ impl MlpScratch {
         // ~1.6 µs each, on an H100)
         let count = Array::zeros(&[COUNT_WORDS as i32], Dtype::I32)?;
         mlx::eval(&[&act, &count])?;
-        Ok(MlpScratch { act, count, inter })
+        Ok(MlpScratch {
+            act,
+            count,
+            inter,
+            last: std::cell::RefCell::new(None),
+        })
     }
 }
 
@@ -884,9 +894,8 @@ pub fn mlp_supported(
 /// tensor-parallel rank that does not add it) where `[g | u] = norm(x) · gate_upᵀ`, for
 /// the `m` rows of x (`m` ≤ [`MLP_MAX_M`]), in one kernel of two stages
 /// (`mlxcel_qgemv_mlp` in kernels/qgemv.cu): one MLX op where the two GEMVs were two.
-/// Shaped like `res` (`m · hidden` elements, x's dtype). Calls sharing `scratch` run one
-/// after another (each layer its own, and a layer's calls are ordered by the residual
-/// stream). The caller checks [`mlp_supported`].
+/// Shaped like `res` (`m · hidden` elements, x's dtype). Calls sharing `scratch` are
+/// ordered by it ([`MlpScratch`]). The caller checks [`mlp_supported`].
 #[allow(clippy::too_many_arguments)]
 pub fn qgemv_mlp(
     x: &Array,
@@ -951,11 +960,11 @@ pub fn qgemv_mlp(
             .map_err(|e| MlxError::Invalid(e.to_string()))?
             .as_str(),
     };
-    static NAMES: OnceLock<([String; 11], [String; 1], [String; 12])> = OnceLock::new();
+    static NAMES: OnceLock<([String; 12], [String; 1], [String; 12])> = OnceLock::new();
     let (inputs, outputs, tnames) = NAMES.get_or_init(|| {
         (
             [
-                "x", "w1", "s1", "b1", "nw", "w2", "s2", "b2", "res", "act", "count",
+                "x", "w1", "s1", "b1", "nw", "w2", "s2", "b2", "res", "act", "count", "prev",
             ]
             .map(String::from),
             ["y".to_string()],
@@ -989,6 +998,7 @@ pub fn qgemv_mlp(
     ]
     .map(|v| v as i32);
     let blocks = 2 * inter / r1 + hidden / r2;
+    let prev = scratch.last.borrow().clone();
     let mut out = kernel.call(
         &[
             x,
@@ -1002,6 +1012,7 @@ pub fn qgemv_mlp(
             res,
             &scratch.act,
             &scratch.count,
+            prev.as_ref().unwrap_or(x),
         ],
         &[&res.shape()],
         x.dtype(),
@@ -1011,8 +1022,11 @@ pub fn qgemv_mlp(
         [(blocks * 32 * wpb) as i32, 1, 1],
         [(32 * wpb) as i32, 1, 1],
     )?;
-    out.pop()
-        .ok_or_else(|| MlxError::Invalid("qgemv_mlp: the kernel returned no output".into()))
+    let y = out
+        .pop()
+        .ok_or_else(|| MlxError::Invalid("qgemv_mlp: the kernel returned no output".into()))?;
+    *scratch.last.borrow_mut() = Some(y.clone());
+    Ok(y)
 }
 
 /// Threads per block of the rounding kernel (`XQ_TPB` in kernels/qgemv.cu).
@@ -1371,9 +1385,32 @@ mod tests {
         assert!(s.body.contains("WPB") && s.body.contains("EPI") && !s.body.contains("@@"));
         assert!(s.body_rope.contains("HD, NQ") && !s.body_rope.contains("@@"));
         assert!(s.body_xq.contains("mlxcel_round_x") && !s.body_xq.contains("@@"));
+        assert!(s.body_rope_kv.contains("pool_shape") && !s.body_rope_kv.contains("@@"));
+        assert!(s.body_mlp.contains("mlxcel_qgemv_mlp") && !s.body_mlp.contains("@@"));
         assert!(s
             .header
             .contains(&format!("constexpr int XQ_TPB = {XQ_TPB};")));
+    }
+
+    #[test]
+    fn the_last_two_parts_are_each_optional() {
+        let head =
+            "// @@header\nint h;\n// @@body\nf();\n// @@body_rope\nr();\n// @@body_xq\nq();\n";
+        let s = split_source(&format!("{head}// @@body_mlp\nm();\n")).unwrap();
+        assert_eq!(
+            (s.body_xq.trim(), s.body_rope_kv.as_str(), s.body_mlp.trim()),
+            ("q();", "", "m();")
+        );
+        let s = split_source(&format!("{head}// @@body_rope_kv\nk();\n")).unwrap();
+        assert_eq!(
+            (s.body_xq.trim(), s.body_rope_kv.trim(), s.body_mlp.as_str()),
+            ("q();", "k();", "")
+        );
+        let s = split_source(&format!(
+            "{head}// @@body_rope_kv\nk();\n// @@body_mlp\nm();\n"
+        ))
+        .unwrap();
+        assert_eq!((s.body_rope_kv.trim(), s.body_mlp.trim()), ("k();", "m();"));
     }
 
     #[test]

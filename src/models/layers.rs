@@ -208,14 +208,23 @@ impl Linear {
     /// decode step). On the quantized GEMV kernel the add is fused into the kernel; a
     /// dense weight with a 2-D `res` (a decode step's rows) adds it in the matmul (one
     /// `AddMM` op; row-parallel, rank 0's, before the reduction; `MLXCEL_ADDMM_RESIDUAL=0`:
-    /// a matmul and an add).
+    /// a matmul and an add). Row-parallel with `MLXCEL_TP_RESIDUAL=1`: rank 0 adds the
+    /// residual before the reduction (in the kernel's epilogue where one runs), the other
+    /// ranks reduce their product alone, and no add follows the reduction.
     pub fn forward_residual(&self, x: &Array, res: &Array) -> mlx::Result<Array> {
         let knobs = kernels::knobs::get();
-        if let Some(g) = self.reduce.as_ref().filter(|_| self.bias.is_none()) {
+        // (every rank must reduce the same dtype: a residual of another dtype would make
+        // rank 0's sum wider than the others')
+        let same_dtype = res.dtype() == x.dtype();
+        if let Some(g) = self
+            .reduce
+            .as_ref()
+            .filter(|_| self.bias.is_none() && same_dtype)
+        {
             if knobs.tp_residual {
-                // row-parallel: rank 0 adds the (replicated) residual to its partial
-                // product, so the reduction's result is already `res + x · Wᵀ` on every
-                // rank (MLXCEL_TP_RESIDUAL=0: the add after the reduction)
+                // row-parallel, MLXCEL_TP_RESIDUAL=1: rank 0 adds the (replicated)
+                // residual to its partial product, so the reduction's result is already
+                // `res + x · Wᵀ` on every rank
                 return g.all_sum(&self.local_residual(x, res, g.rank() == 0)?);
             }
         }
@@ -543,6 +552,8 @@ pub fn mlp_fused(
     else {
         return None;
     };
+    // (under TP only with MLXCEL_TP_RESIDUAL=1: the kernel adds the residual before the
+    // reduction on rank 0)
     let add = match &down.reduce {
         None => true,
         Some(g) if knobs.tp_residual => g.rank() == 0,
