@@ -69,7 +69,7 @@ pub struct Mlp {
     pub gate_up_proj: Linear,
     pub down_proj: Linear,
     /// The scratch of the one-kernel MLP (`MLXCEL_QGEMV_MLP=1`), made at its first use.
-    scratch: OnceCell<MlpScratch>,
+    scratch: Box<OnceCell<MlpScratch>>,
 }
 
 impl Mlp {
@@ -78,7 +78,7 @@ impl Mlp {
         Ok(Mlp {
             gate_up_proj: Linear::load_merged(src, &[&layout.gate_proj, &layout.up_proj])?,
             down_proj: Linear::load(src, &layout.down_proj, tp)?,
-            scratch: OnceCell::new(),
+            scratch: Box::default(),
         })
     }
 
