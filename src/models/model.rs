@@ -752,13 +752,13 @@ impl Model {
         Ok(logits.expect("decode rows give logits"))
     }
 
-    /// The MLX ops of one batch-1 decode step of `slot` (after one step run first), as
+    /// The MLX ops of one batch-1 decode step of `slot` (after two steps run first), as
     /// [`Model::forward`] builds it from device ids (`mlxcel bench`'s decode loop), counted
     /// before evaluation ([`mlx::graph::count_ops`]): the whole step (embedding, layers
     /// with their KV-cache writes, head) and each layer alone. MLX's fast ops count as one
     /// op each, as on a GPU ([`mlx::graph::FastOpsAsGpu`]); other choices of the backend
     /// are this one's (on a CPU, 4-bit linears are MLX's `quantized_matmul`, not mlxcel's
-    /// CUDA GEMV kernel). The counted step is built, not run: it leaves `slot` two positions
+    /// CUDA GEMV kernel). The counted step is built, not run: it leaves `slot` three positions
     /// on, the last with keys and values that can never be evaluated on a CPU, so `cache`
     /// is for counting only afterwards (reset the slot, or drop the cache).
     pub fn decode_ops(
@@ -768,9 +768,14 @@ impl Model {
     ) -> std::result::Result<DecodeOps, ForwardError> {
         cache.check_slot(slot)?;
         let ids = Array::from_slice(&[1i32], &[1, 1])?;
-        // a step run first makes what a model makes on first use (its weights' views)
-        let warm = self.forward_slot_ids(cache, slot, &ids, Logits::Last)?;
-        mlx::eval(&[&warm])?;
+        // steps run first make what a model makes on first use (its weights' views), and
+        // what a decode loop keeps from one step to the next: the KV cache's whole-pool
+        // views are kept only once their pool has been evaluated, which a new cache's
+        // first step has not (MLXCEL_POOL_VIEW)
+        for _ in 0..2 {
+            let warm = self.forward_slot_ids(cache, slot, &ids, Logits::Last)?;
+            mlx::eval(&[&warm])?;
+        }
         cache.prepare(self.layers.len(), &[(slot, cache.len(slot) + 1)])?;
         // the pools' own growth is not the step's
         let pools: Vec<Array> = (0..self.layers.len())
