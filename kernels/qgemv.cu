@@ -1004,8 +1004,7 @@ __device__ __forceinline__ void mlxcel_stage_wait(const int* c, int n) {
 //                that does not add the residual)          (W2 [K, NI])
 // with the two products' own rows per block (R1, R2) and the same warps per block. act
 // and count are mlxcel's scratch (written through MLX's const input pointers; MLX never
-// reads them; 16 int32 counts, since MLX keeps arrays of 8 bytes or less in unified
-// memory): count[0] counts the first stage's blocks done, count[1] the second's, count[2]
+// reads them; the counts in device memory, src/mlx/device_inputs.rs `counts_i32`): count[0] counts the first stage's blocks done, count[1] the second's, count[2]
 // hands out the tickets, and the second stage's last block sets all three back to zero,
 // so the next call finds them so. Calls sharing the scratch are ordered by `prev` (the
 // previous call's output, never read). The dp4a/FMA path only (no tensor cores, no

@@ -62,10 +62,8 @@ impl Scratch {
         let g = q_heads / kv_heads.max(1);
         let n = slots * kv_heads * NSPLIT * g * (head_dim + 2);
         let part = Array::zeros(&[n as i32], Dtype::F32)?;
-        // (at least 16 words: MLX's CUDA allocator puts arrays of 8 bytes or less in
-        // unified memory, where the kernel's atomic adds became page-fault round trips; one
-        // slot of one kv head, a 70B TP=8 rank's batch 1, would have had 4 bytes)
-        let count = Array::zeros(&[(slots * kv_heads).max(16) as i32], Dtype::I32)?;
+        // (in device memory even for one slot of one kv head, a 70B TP=8 rank's batch 1)
+        let count = crate::mlx::device_inputs::counts_i32(slots * kv_heads)?;
         // materialised now: MLX's zeros is a fill op, and the kernel must get these buffers
         mlx::eval(&[&part, &count])?;
         Ok(Scratch {

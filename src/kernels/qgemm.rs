@@ -381,8 +381,7 @@ fn scratch(floats: usize, blocks: usize) -> Result<(Array, Array, Option<Array>)
                 .max(s.as_ref().map_or(1, |s| s.blocks))
                 .next_power_of_two();
             let part = Array::zeros(&[floats as i32], Dtype::F32)?;
-            // (at least 16 words: MLX puts arrays of 8 bytes or less in unified memory)
-            let count = Array::zeros(&[blocks.max(16) as i32], Dtype::I32)?;
+            let count = crate::mlx::device_inputs::counts_i32(blocks)?;
             // materialised now: the kernel must get these buffers, zeroed
             mlx::eval(&[&part, &count])?;
             let prev = s.take().and_then(|s| s.prev);

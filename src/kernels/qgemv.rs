@@ -789,9 +789,6 @@ pub fn qgemv(
 /// Most batch rows [`qgemv_mlp`] takes: the dp4a/FMA path's ([`DP4A_MAX_M`]).
 pub const MLP_MAX_M: usize = DP4A_MAX_M;
 
-/// Size of [`MlpScratch`]'s count array in int32 words (two are used).
-const COUNT_WORDS: usize = 16;
-
 /// A quantized weight in MLX's affine layout: packed values, scales, biases.
 #[derive(Clone, Copy)]
 pub struct QWeight<'a> {
@@ -816,11 +813,8 @@ pub struct MlpScratch {
 impl MlpScratch {
     pub fn new(inter: usize, dtype: Dtype) -> Result<Self> {
         let act = Array::zeros(&[(MLP_MAX_M * inter) as i32], dtype)?;
-        // (more than the two counts it needs: MLX's CUDA allocator puts arrays of 8 bytes
-        // or less in unified memory, where every block's atomic add on a count became a
-        // page-fault round trip: the two-stage kernel ran its blocks one after another,
-        // ~1.6 µs each, on an H100)
-        let count = Array::zeros(&[COUNT_WORDS as i32], Dtype::I32)?;
+        // (the stages' done counts and the tickets)
+        let count = crate::mlx::device_inputs::counts_i32(3)?;
         mlx::eval(&[&act, &count])?;
         Ok(MlpScratch {
             act,
@@ -951,14 +945,11 @@ pub fn qgemv_mlp(
         let n = kernel_names().0.clone();
         [n.clone() + "_mlp", n + "_mlp_bounded"]
     })[bounded as usize];
-    static BOUNDED_HEADER: OnceLock<Result<String>> = OnceLock::new();
+    let base = mlx_header()?;
+    static BOUNDED_HEADER: OnceLock<String> = OnceLock::new();
     let header = match bounded {
-        false => mlx_header()?,
-        true => BOUNDED_HEADER
-            .get_or_init(|| Ok(format!("{}{}", super::qgemm::BOUNDED_PREFIX, mlx_header()?)))
-            .as_ref()
-            .map_err(|e| MlxError::Invalid(e.to_string()))?
-            .as_str(),
+        false => base,
+        true => BOUNDED_HEADER.get_or_init(|| format!("{}{base}", super::qgemm::BOUNDED_PREFIX)),
     };
     static NAMES: OnceLock<([String; 12], [String; 1], [String; 12])> = OnceLock::new();
     let (inputs, outputs, tnames) = NAMES.get_or_init(|| {

@@ -54,6 +54,16 @@ fn made_by_ops(parts: &[(&[i32], &[i32])], stream: &Stream) -> Result<Vec<Array>
     Ok(out)
 }
 
+/// At least `len` int32 zeros (a 1-D array) that land in device memory on CUDA: a kernel's
+/// own counts, which its blocks update with atomics. MLX keeps results of 8 bytes or less
+/// in unified memory, where every atomic add was a page round trip (a kernel of two stages
+/// counting its blocks with 2 int32 ran them one after another, ~1.6 µs each, on an H100;
+/// docs/benchmarks.md, "The MLP in one kernel"), so the array has at least [`MIN_LEN`]
+/// elements. Not evaluated (the callers evaluate it with the rest of their scratch).
+pub fn counts_i32(len: usize) -> Result<Array> {
+    Array::zeros(&[len.max(MIN_LEN) as i32], Dtype::I32)
+}
+
 /// One array of `values` shaped `shape` (see [`device_i32_parts`]).
 pub fn device_i32(values: &[i32], shape: &[i32]) -> Result<Array> {
     let mut v = device_i32_parts(&[(values, shape)])?;
