@@ -38,13 +38,14 @@
 // for it) while the warps multiply step s, so ST - 1 steps of weights and x are in flight
 // per block and no step waits a memory round trip (the previous design loaded into
 // registers a step or two ahead and staged x with two barriers a step: latency-bound at
-// 0.4-0.6 TB/s on an H200). One barrier a step (two with NORM). Per step:
+// 0.4-0.6 TB/s on an H200). One barrier a step (two with NORM or MLXCEL_QGEMM_XPAIR). Per step:
 // - x: rows 0..MT of x[step] (rows ≥ M as zeros) land as they are; with NORM the block
 //   multiplies them by the norm weight (copied with them) in place, adding up Σ x² per row.
 //   Word 4t + c of a row sits at slot (4c + t) ^ 4·(row & 1), so a warp's fragment loads
 //   hit distinct banks; a lane turns the 8-value word (x0 … x7) it loads into the pairs
 //   (x0,x4) (x1,x5) (x2,x6) (x3,x7), the order the weights' nibbles unpack in (below);
-//   with NORM the block stores them so once, in the same pass as the norm.
+//   with NORM the block stores them so once, in the same pass as the norm, and without it
+//   in a pass of its own (MLXCEL_QGEMM_XPAIR, below).
 // - w: lane (g, t) (g = lane/4, t = lane%4) of a warp reads rows g and g + 8 of each of its
 //   tiles from the stage, the lane's 32 values k = 32t … 32t+31 of the step (16 bytes of
 //   4-bit weights, 32 of 8-bit: one group, G being a multiple of 32, so one scale and bias
@@ -89,6 +90,20 @@
 // emulated (the `#else` branches below); `scripts/check_qgemm.py` runs it on a GPU.
 // mlxcel embeds it; `MLXCEL_QGEMM_SOURCE=path` replaces it at run time.
 // @@header
+// Tuning switches (a kernel file sent through MLXCEL_QGEMM_SOURCE may define them first):
+// MLXCEL_QGEMM_XPAIR 1: without NORM a pass over each landed stage stores x in the MMAs'
+//   pair order once per block (one more barrier a step), as the norm's pass does; 0 (the
+//   default until it is measured): every warp pairs the x fragments it loads (4 byte
+//   permutes per fragment, in each of the WR warps that load the same fragment).
+// MLXCEL_QGEMM_CUNROLL: how far the loop over a step's 4 words is unrolled for 4-bit launches
+//   of at most 32 batch rows (their accumulators leave registers to spare at two blocks an
+//   SM); 1: not unrolled (larger launches, and 8-bit, always).
+#ifndef MLXCEL_QGEMM_XPAIR
+#define MLXCEL_QGEMM_XPAIR 0
+#endif
+#ifndef MLXCEL_QGEMM_CUNROLL
+#define MLXCEL_QGEMM_CUNROLL 1
+#endif
 
 // Pairs of T: 128 + v for 4 bits v in the mantissa (bf16 0x4300 | v; f16 1024 + v, 0x6400 | v),
 // 1 and minus that offset; bf: whether T is bfloat16
@@ -397,6 +412,21 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
     }
   };
 
+  // without NORM (MLXCEL_QGEMM_XPAIR): the stage's x words stored in that pair order, in place
+  constexpr bool PAIRED = NORM || MLXCEL_QGEMM_XPAIR;
+  auto pair_x = [&](int slot) {
+    uint4* st = ring + slot * STAGE16;
+#pragma unroll
+    for (int j = 0; j < XR; ++j) {
+      const int xc = tid + j * TPB;
+      if (MT * 16 % TPB == 0 || xc < MT * 16) {
+        const uint4 v = st[W16 + xc];
+        st[W16 + xc] = make_uint4(__byte_perm(v.x, v.z, 0x5410), __byte_perm(v.x, v.z, 0x7632),
+                                  __byte_perm(v.y, v.w, 0x5410), __byte_perm(v.y, v.w, 0x7632));
+      }
+    }
+  };
+
   // ---- the product ----
   float acc[2][NTW][4];
 #pragma unroll
@@ -439,9 +469,10 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
     if constexpr (BITS == 4) {
       load_w(0);
     }
-    // (one word at a time: unrolled, the compiler dequantized every word up front, which
-    // took 64 more registers and spilled at 8 bits)
-#pragma unroll 1
+    // (one word at a time by default: unrolled, the compiler dequantized every word up
+    // front, which took 64 more registers and spilled at 8 bits)
+    constexpr int CU = (BITS == 4 && MT <= 32) ? MLXCEL_QGEMM_CUNROLL : 1;
+#pragma unroll CU
     for (int c = 0; c < 4; ++c) {
       if constexpr (BITS == 8) {
         if (c % 2 == 0) {
@@ -470,9 +501,9 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
         const int m = 8 * (wn * NTW + j) + gq;
         const uint4 v = st[W16 + m * 16 + ((4 * c + t) ^ (4 * (m & 1)))];
         // (x0,x1) (x2,x3) (x4,x5) (x6,x7) → (x0,x4) (x1,x5) (x2,x6) (x3,x7), the weights'
-        // order (NORM stored them so)
+        // order (the norm's or the pair pass stored them so)
         uint32_t b0 = v.x, b1 = v.y, b2_ = v.z, b3 = v.w;
-        if constexpr (!NORM) {
+        if constexpr (!PAIRED) {
           b0 = __byte_perm(v.x, v.z, 0x5410), b1 = __byte_perm(v.x, v.z, 0x7632);
           b2_ = __byte_perm(v.y, v.w, 0x5410), b3 = __byte_perm(v.y, v.w, 0x7632);
         }
@@ -510,6 +541,9 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
         const int slot = s % ST;
         if constexpr (NORM) {
           normalize(slot);
+          __syncthreads();
+        } else if constexpr (PAIRED) {
+          pair_x(slot);
           __syncthreads();
         }
         compute(slot, sb[par]);

@@ -429,6 +429,9 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
     // the GEMM's 128-register flavour (MLXCEL_QGEMM_BOUNDED, `qgemm::bounded`: two warps
     // per row of tiles up to 32 rows) must stay spill-free within the bound too
     let bounded_header = format!("{header}{}{}", mlxcel::kernels::qgemm::BOUNDED_PREFIX, g[0]);
+    // the word loop unrolled (MLXCEL_QGEMM_CUNROLL, set in a kernel file sent through
+    // MLXCEL_QGEMM_SOURCE): 4-bit up to 32 rows, where two blocks an SM leave 255 registers
+    let unrolled_header = format!("{header}#define MLXCEL_QGEMM_CUNROLL 4\n{}", g[0]);
     for (name, t, head, mut c, epi, norm) in [
         // gate/up at 32 rows: SwiGLU with the norm, 2 splits, a ring of 6 stages
         (
@@ -474,6 +477,22 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
             gemm(32, 28672, 4096, 64, 4, 2, 2, 6),
             2,
             1,
+        ),
+        (
+            "custom_kernel_mlxcel_qgemm_test_unroll4_swiglu",
+            bf,
+            &unrolled_header,
+            gemm(32, 28672, 4096, 64, 4, 1, 2, 6),
+            2,
+            1,
+        ),
+        (
+            "custom_kernel_mlxcel_qgemm_test_unroll4_res",
+            bf,
+            &unrolled_header,
+            gemm(32, 4096, 14336, 64, 4, 1, 14, 6),
+            1,
+            0,
         ),
         (
             "custom_kernel_mlxcel_qgemm_test_bounded_res_8bit",

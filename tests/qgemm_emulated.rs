@@ -219,6 +219,41 @@ fn qgemm_4bit_matches_dequantize_matmul() {
     );
 }
 
+/// A launch run with the kernel file's tuning switches set (defined before its header, as
+/// a file sent through `MLXCEL_QGEMM_SOURCE` may).
+fn run_switched(tag: &str, defines: &str, consts: &[(&str, usize)]) {
+    let edit = |s: String| s.replacen("// @@header\n", &format!("// @@header\n{defines}"), 1);
+    let src = program(consts, &edit);
+    common::run_checked(&format!("qgemm-{tag}"), &src, &consts, "max_err");
+}
+
+#[test]
+fn qgemm_tuning_switches_match() {
+    // x paired by a pass over the stage instead of each warp's fragment loads (without the
+    // norm), and the word loop unrolled (4-bit, up to 32 rows), each with the plain and
+    // residual epilogues
+    for (tag, d) in [
+        ("pair_pass", "#define MLXCEL_QGEMM_XPAIR 1\n"),
+        ("unroll4", "#define MLXCEL_QGEMM_CUNROLL 4\n"),
+        (
+            "unroll2_pair_pass",
+            "#define MLXCEL_QGEMM_CUNROLL 2\n#define MLXCEL_QGEMM_XPAIR 1\n",
+        ),
+    ] {
+        run_switched(
+            &format!("{tag}_m24"),
+            d,
+            &cfg(24, 64 + 16, 384, 64, 4, 2, 1, 1),
+        );
+        run_switched(
+            &format!("{tag}_res_split"),
+            d,
+            &with(cfg(32, 64, 512, 32, 4, 2, 2, 2), &[("EPI", 1), ("ST", 3)]),
+        );
+        run_switched(&format!("{tag}_8bit"), d, &cfg(17, 32, 256, 64, 8, 1, 1, 1));
+    }
+}
+
 #[test]
 fn qgemm_8bit_matches_dequantize_matmul() {
     run("8bit_m9_g32", &cfg(9, 64, 256, 32, 8, 2, 1, 1));
@@ -339,16 +374,17 @@ fn qgemm_nan_reaches_its_row_only() {
 }
 
 /// The tests above fail when the kernel is wrong: bugs planted in the kernel file (the B
-/// fragments' pairing, one nibble of the 4-bit unpacking, one split's partial left out,
-/// the 8-bit byte order, the epilogue's rows of the second tile, x's slots in a stage, the
-/// 8-bit weights' swizzle, a step copied into the slot still being read) each make a run fail.
+/// fragments' pairing, in the warps' loads and in the pair pass; one nibble of the 4-bit
+/// unpacking, one split's partial left out, the 8-bit byte order, the epilogue's rows of the
+/// second tile, x's slots in a stage, the 8-bit weights' swizzle, a step copied into the slot
+/// still being read) each make a run fail.
 #[test]
 fn planted_bugs_are_caught() {
     let cases: [(&str, &str, &str, Consts); 8] = [
         (
             "pairs",
-            "__byte_perm(v.x, v.z, 0x7632)",
-            "__byte_perm(v.x, v.z, 0x3276)",
+            "b1 = __byte_perm(v.x, v.z, 0x7632)",
+            "b1 = __byte_perm(v.x, v.z, 0x3276)",
             cfg(9, 32, 256, 64, 4, 1, 1, 1),
         ),
         (
@@ -403,4 +439,24 @@ fn planted_bugs_are_caught() {
         eprintln!("qgemm-bug-{tag}: {}", out.trim());
         assert!(!ok, "planted bug `{tag}` was not caught: {out}");
     }
+    // the pair pass (MLXCEL_QGEMM_XPAIR 1) with two of its pairs swapped
+    let (from, to) = (
+        "make_uint4(__byte_perm(v.x, v.z, 0x5410), __byte_perm(v.x, v.z, 0x7632),",
+        "make_uint4(__byte_perm(v.x, v.z, 0x7632), __byte_perm(v.x, v.z, 0x5410),",
+    );
+    let src = program(&cfg(9, 32, 256, 64, 4, 1, 1, 1), &|s: String| {
+        assert!(
+            s.contains(from),
+            "pair pass: `{from}` not in kernels/qgemm.cu"
+        );
+        s.replacen(
+            "// @@header\n",
+            "// @@header\n#define MLXCEL_QGEMM_XPAIR 1\n",
+            1,
+        )
+        .replacen(from, to, 1)
+    });
+    let (ok, out) = common::compile_and_run("qgemm-bug-pair-pass", &src);
+    eprintln!("qgemm-bug-pair-pass: {}", out.trim());
+    assert!(!ok, "planted bug `pair-pass` was not caught: {out}");
 }
