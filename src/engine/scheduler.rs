@@ -267,6 +267,15 @@ pub struct SchedulerConfig {
     pub max_itl_ratio: f64,
 }
 
+/// Where a step's prefill is cut beside decodes (`--max-itl-ratio`), its partial chunks
+/// end on multiples of this many positions, so that chunks come in few shapes. A chunk's
+/// attention runs on MLX's fused kernel, which on CUDA builds a cuDNN graph for each new
+/// shape of queries and keys (MLX caches them per process, keyed by the exact shapes).
+/// Cut anywhere, a burst's chunks took new shapes at almost every step: on an H100 the
+/// first streams of an 8B 4-bit server waited 47 s for their first tokens with the cut
+/// (those graphs the likely cause) where the token budget alone gave them 0.2 s.
+pub const PREFILL_ALIGN: usize = 64;
+
 /// `--max-itl-ratio`'s default on a GPU: a step that prefills beside decodes takes at
 /// most 3× a decode step of the same sequences.
 pub const DEFAULT_MAX_ITL_RATIO: f64 = 3.0;
@@ -819,6 +828,12 @@ impl Scheduler {
             self.grow(id, need, obs);
         }
         let mut budget = self.prefill_budget(decodes);
+        // a cut step's partial chunks end on whole PREFILL_ALIGN positions (see there)
+        let align = if budget < self.cfg.max_num_batched_tokens.saturating_sub(decodes) {
+            PREFILL_ALIGN
+        } else {
+            1
+        };
         let mut waiting: Vec<u64> = self
             .running
             .iter()
@@ -835,9 +850,22 @@ impl Scheduler {
             let Some(s) = self.running.iter().find(|s| s.id == id) else {
                 continue;
             };
-            let (start, end) = (s.prefilled, (s.prefilled + budget).min(s.prefill_end));
+            let (start, mut end) = (s.prefilled, (s.prefilled + budget).min(s.prefill_end));
+            if end < s.prefill_end && align > 1 {
+                // down to a whole multiple; the step's first chunk up to the next one
+                // rather than nothing (the budget is a bound on time, not on memory)
+                let down = end / align * align;
+                end = if down > start {
+                    down
+                } else if chunks.is_empty() {
+                    (start / align + 1) * align
+                } else {
+                    break;
+                };
+                end = end.min(s.prefill_end);
+            }
             if self.grow(id, end, obs) {
-                budget -= end - start;
+                budget = budget.saturating_sub(end - start);
                 chunks.push((id, end));
             }
         }
@@ -2217,6 +2245,23 @@ mod tests {
         let mut ttft: Vec<f64> = times.iter().map(|t| t[0]).collect();
         ttft.sort_by(f64::total_cmp);
         let wall = f64::from_bits(clock.load(Ordering::SeqCst));
+        // the chunks' attention shapes (queries, keys): with the cut, every chunk that
+        // does not finish its prompt ends on a multiple of PREFILL_ALIGN, so the shapes
+        // are few (MLX builds a cuDNN graph for each new one)
+        let mut shapes = std::collections::BTreeSet::new();
+        for p in &exec.plans {
+            for q in p.seqs.iter().filter(|q| q.tokens.len() > 1) {
+                let end = q.pos + q.tokens.len();
+                shapes.insert((q.tokens.len(), end));
+                assert!(
+                    ratio == 0.0 || end == prompt_len || end.is_multiple_of(PREFILL_ALIGN),
+                    "a cut chunk ends at {end}"
+                );
+            }
+        }
+        if ratio > 0.0 {
+            assert!(shapes.len() <= 4, "{shapes:?}");
+        }
         (p99, ttft[slots / 2], worst, wall, prefill_steps)
     }
 
@@ -2228,7 +2273,8 @@ mod tests {
     /// its own steps from nothing, the p99 inter-token gap stays within 3× the decode step
     /// at batch 64, the TTFT p50 within 1.5 × (64 × 128 tokens at the 2048-token prefill
     /// rate + one decode step), and the burst takes at most 6% longer than under the
-    /// budget alone, with the default budget and with twice it; with the default budget
+    /// budget alone, with the default budget and with twice it, its prefill chunks in at
+    /// most 4 shapes (of queries and keys: `burst_on`); with the default budget
     /// alone the gap does not stay within 3× (the prefill steps of the burst are 7–11× the
     /// decode step beside them).
     #[test]

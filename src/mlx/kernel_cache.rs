@@ -243,6 +243,7 @@ impl Cache {
                 *n += 1;
             }
             end.running = Some(running);
+            let t0 = std::time::Instant::now();
             let result = compiler(&source, &file, &name_expr).and_then(|(bin, lowered)| {
                 paths
                     .write(&bin, &format!("{name_expr}\t{lowered}\n"))
@@ -251,6 +252,11 @@ impl Cache {
             match result {
                 Ok(()) => {
                     built.fetch_add(1, Ordering::Relaxed);
+                    // (a compilation while requests stream stalls the steps that need it)
+                    tracing::debug!(
+                        secs = t0.elapsed().as_secs_f64(),
+                        "kernel cache: compiled {name_expr}"
+                    );
                 }
                 Err(e) => {
                     failed.fetch_add(1, Ordering::Relaxed);
