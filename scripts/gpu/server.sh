@@ -7,8 +7,10 @@
 #                                                 # and server (--parallel max B, --ctx-size 1024) side by side, once
 #                                                 # per server token budget in BUDGETS (default 2048; e.g. "512 1024
 #                                                 # 2048" to choose the default), and per --max-itl-ratio in
-#                                                 # ITL_RATIOS (default "3"; "0 3" A/Bs the cut of prefill beside
-#                                                 # decodes); MODELS (default "c8b c8b-q4")
+#                                                 # ITL_RATIOS (default "0"; "0 3" A/Bs the cut of prefill beside
+#                                                 # decodes); MODELS (default "c8b c8b-q4"); LOGS=1 keeps
+#                                                 # the server's log ($OUT/compare-*.log: kernels compiled
+#                                                 # after the warm-up, each prefill cut)
 #   bash scripts/gpu/server.sh pipeline           # 8B bf16, 1/8 streams, pipelined vs --no-pipeline
 #   bash scripts/gpu/server.sh cold               # 8B 4-bit, cold kernel cache: the warm-up takes the compiles
 #   bash scripts/gpu/server.sh tp                 # TP=2 (emulated on one GPU): openai client, kill -9 of rank 1
@@ -35,12 +37,23 @@ compare)
   levels=${1:-1,8,32,64}
   for m in ${MODELS:-c8b c8b-q4}; do
     for t in ${BUDGETS:-2048}; do
-      for r in ${ITL_RATIOS:-3}; do
+      for r in ${ITL_RATIOS:-0}; do
         step "engine vs server, $m (dummy weights), B = $levels, --max-num-batched-tokens $t --max-itl-ratio $r"
-        python3 scripts/bench_server.py --compare-engine --mlxcel "$B" -m "$CK/$m" --load-format dummy \
-          --concurrency "$levels" --warmup 16 \
-          --server-args "--max-queue 256 --max-num-batched-tokens $t --max-itl-ratio $r" |
-          tee "$OUT/compare-$m-t$t-r$r.txt"
+        if [ -n "${LOGS:-}" ]; then
+          # the server's log, with each kernel compiled and each prefill cut (debug)
+          RUST_LOG=info,mlxcel::mlx::kernel_cache=debug,mlxcel::engine::scheduler=debug \
+            python3 scripts/bench_server.py --compare-engine --mlxcel "$B" -m "$CK/$m" --load-format dummy \
+            --concurrency "$levels" --warmup 16 --server-log \
+            --server-args "--max-queue 256 --max-num-batched-tokens $t --max-itl-ratio $r" \
+            2> "$OUT/compare-$m-t$t-r$r.log" | tee "$OUT/compare-$m-t$t-r$r.txt"
+          echo "kernels compiled after the warm-up: $(awk '/warmed up/{w=1} w && /kernel cache: compiled/' \
+            "$OUT/compare-$m-t$t-r$r.log" | wc -l); prefill cuts: $(grep -c 'prefill cut' "$OUT/compare-$m-t$t-r$r.log")"
+        else
+          python3 scripts/bench_server.py --compare-engine --mlxcel "$B" -m "$CK/$m" --load-format dummy \
+            --concurrency "$levels" --warmup 16 \
+            --server-args "--max-queue 256 --max-num-batched-tokens $t --max-itl-ratio $r" |
+            tee "$OUT/compare-$m-t$t-r$r.txt"
+        fi
       done
     done
   done

@@ -94,7 +94,8 @@ pub struct ServeArgs {
     /// most this many times a decode step of the same streams (the prefill tokens per
     /// step are cut to fit, by the step times the server has measured), so arrivals do
     /// not stretch the running streams' inter-token gaps. 0: --max-num-batched-tokens
-    /// alone sizes the prefill. Default: 3 on a GPU, 0 on the CPU.
+    /// alone sizes the prefill (the default: on a GPU not yet measured with the aligned
+    /// chunks; 3 is the ratio to try there).
     #[arg(long)]
     pub max_itl_ratio: Option<f64>,
     /// Seconds to let running requests finish after SIGINT/SIGTERM before cancelling them.
