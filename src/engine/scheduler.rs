@@ -2310,10 +2310,7 @@ mod tests {
                 wall_off * 1e3
             );
             assert!(p99_off > 3.0 * decode64, "{name}: {p99_off}");
-            assert!(
-                worst_off > 2.0 * GPU_MAX_ITL_RATIO,
-                "{name}: {worst_off}"
-            );
+            assert!(worst_off > 2.0 * GPU_MAX_ITL_RATIO, "{name}: {worst_off}");
             // (and with twice the budget: its first step, before anything decodes, admits
             // twice the prompts)
             let runs = [
