@@ -268,12 +268,11 @@ pub struct SchedulerConfig {
 }
 
 /// Where a step's prefill is cut beside decodes (`--max-itl-ratio`), its partial chunks
-/// end on multiples of this many positions, so that chunks come in few shapes. A chunk's
+/// end on multiples of this many positions, so that chunks come in few shapes: a chunk's
 /// attention runs on MLX's fused kernel, which on CUDA builds a cuDNN graph for each new
-/// shape of queries and keys (MLX caches them per process, keyed by the exact shapes).
-/// Cut anywhere, a burst's chunks took new shapes at almost every step: on an H100 the
-/// first streams of an 8B 4-bit server waited 47 s for their first tokens with the cut
-/// (those graphs the likely cause) where the token budget alone gave them 0.2 s.
+/// shape of queries and keys (cached per process, keyed by the exact shapes). (It was the
+/// first guess at why the cut held an 8B server's first streams 47 s on an H100; it was
+/// not that: see [`default_max_itl_ratio`].)
 pub const PREFILL_ALIGN: usize = 64;
 
 /// The ratio the tests and the benchmarks use for `--max-itl-ratio` on a GPU: a step that
@@ -282,10 +281,11 @@ pub const GPU_MAX_ITL_RATIO: f64 = 3.0;
 
 /// `--max-itl-ratio`'s default: 0 (off, the token budget alone) on every backend. On the
 /// CPU every token costs about the same, so the cut leaves a few tokens of prefill per step
-/// and admits a burst slower (docs/benchmarks.md, "Prefill beside decodes"); on a GPU the
-/// first version of the cut, with its chunks ending anywhere, kept an 8B server's first
-/// streams waiting 47 s (one H100), and the aligned chunks ([`PREFILL_ALIGN`]) that should
-/// cure it are not yet measured there, so it stays opt-in (`--max-itl-ratio 3`).
+/// and admits a burst slower. On a GPU (one H100, an 8B server) a step that carries any
+/// prefill cost ~10–20 ms more than the pipelined decode steps it was held to 3× of, so
+/// the cut left 16–26 tokens a step and a burst's first streams waited 4–42 s for their
+/// first tokens, against 0.14–0.22 s with it off (docs/benchmarks.md, "Prefill beside
+/// decodes"). So it is opt-in.
 pub fn default_max_itl_ratio() -> f64 {
     0.0
 }
