@@ -825,12 +825,10 @@ impl Scheduler {
             self.grow(id, need, obs);
         }
         let mut budget = self.prefill_budget(decodes);
-        // a cut step's partial chunks end on whole PREFILL_ALIGN positions (see there)
-        let align = if budget < self.cfg.max_num_batched_tokens.saturating_sub(decodes) {
-            PREFILL_ALIGN
-        } else {
-            1
-        };
+        // a cut step's partial chunks end on whole PREFILL_ALIGN positions (see there),
+        // within the uncut budget (what the memory plan allows a step)
+        let most = self.cfg.max_num_batched_tokens.saturating_sub(decodes);
+        let align = if budget < most { PREFILL_ALIGN } else { 1 };
         let mut waiting: Vec<u64> = self
             .running
             .iter()
@@ -855,7 +853,7 @@ impl Scheduler {
                 end = if down > start {
                     down
                 } else if chunks.is_empty() {
-                    (start / align + 1) * align
+                    ((start / align + 1) * align).min(start + most)
                 } else {
                     break;
                 };
@@ -2145,6 +2143,64 @@ mod tests {
         }
         // every sequence was released
         assert!(exec.live.is_empty(), "{:?}", exec.live);
+    }
+
+    /// A cut step's chunks end on multiples of PREFILL_ALIGN, but never past the token
+    /// budget: with a budget of 40 and a cost that leaves 16 tokens beside a decode, the
+    /// long prompt's chunks end at 64, 128, … only where the budget allows, and no step
+    /// carries more than 40 tokens; the prompt still completes.
+    #[test]
+    fn aligned_cut_chunks_stay_within_the_token_budget() {
+        for budget in [40, 200] {
+            let mut exec = FakeExec::new(2, 512);
+            let mut s = Scheduler::new(
+                SchedulerConfig {
+                    prefix_caching: false,
+                    max_itl_ratio: GPU_MAX_ITL_RATIO,
+                    ..config(2, 512, budget)
+                },
+                tokenizer(),
+            );
+            s.learn_cost = false;
+            // a step of 1 token 1 ms, then 1 ms a token: 3× leaves 2 tokens (16, the least)
+            for n in [1, 2, 64, 256] {
+                s.cost.observe(n, 1e-3 * n as f64);
+            }
+            let (short, mut rx1) = request((1..=4).collect(), 40);
+            s.submit(short, &NoObserver);
+            s.step(&mut exec, &NoObserver).unwrap();
+            let (long, mut rx2) = request((1..=300).map(|t| t % 250 + 1).collect(), 2);
+            s.submit(long, &NoObserver);
+            while s.has_work() {
+                s.step(&mut exec, &NoObserver).unwrap();
+            }
+            assert_eq!(drain(&mut rx1).0.len(), 40);
+            assert_eq!(drain(&mut rx2).0.len(), 2);
+            let mut ends = Vec::new();
+            for p in &exec.plans {
+                assert!(
+                    plan_tokens(p) <= budget,
+                    "{budget}: {} tokens",
+                    plan_tokens(p)
+                );
+                for q in p.seqs.iter().filter(|q| q.tokens.len() > 1) {
+                    ends.push(q.pos + q.tokens.len());
+                }
+            }
+            // (the budget of 200 cuts to 64-aligned chunks while the short one decodes;
+            // both prompts' own ends, 4 and 300, are not cut)
+            if budget == 200 {
+                assert!(
+                    ends.iter().any(|e| *e != 300 && e % PREFILL_ALIGN == 0),
+                    "{ends:?}"
+                );
+                assert!(
+                    ends.iter()
+                        .all(|e| [4, 300].contains(e) || e % PREFILL_ALIGN == 0),
+                    "{ends:?}"
+                );
+            }
+        }
     }
 
     /// Every step that ran is timed into the cost that sizes the prefill beside decodes:
