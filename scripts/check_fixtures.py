@@ -16,6 +16,8 @@ fixtures = os.path.join(here, "..", "tests", "fixtures")
 
 
 def main():
+    # (line by line even into a pipe: a run cut by a time limit still shows its results)
+    sys.stdout.reconfigure(line_buffering=True)
     exe, extra = sys.argv[1], sys.argv[2:]
     n, limit = 12, None
     if "--prompts" in extra:

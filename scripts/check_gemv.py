@@ -262,6 +262,8 @@ def timing(kernel, n, k, m, rows=None, wpb=None, budget=1e9):
 
 
 def main():
+    # (line by line even into a pipe: a run cut by a time limit still shows its results)
+    sys.stdout.reconfigure(line_buffering=True)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--source", type=pathlib.Path, default=SOURCE)
     ap.add_argument("--quick", action="store_true", help="two 8B shapes")

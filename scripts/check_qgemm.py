@@ -400,6 +400,8 @@ def work(idx, jobs, args, lock):
 
 
 def main():
+    # (line by line even into a pipe: a run cut by a time limit still shows its results)
+    sys.stdout.reconfigure(line_buffering=True)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="8B q/k/v and down, 4-bit, M = 16 and 64")
     ap.add_argument("--time", action="store_true", help="also µs per call (wall clock)")
