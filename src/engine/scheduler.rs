@@ -282,7 +282,7 @@ pub const GPU_MAX_ITL_RATIO: f64 = 3.0;
 /// `--max-itl-ratio`'s default: 0 (off, the token budget alone) on every backend. On the
 /// CPU every token costs about the same, so the cut leaves a few tokens of prefill per step
 /// and admits a burst slower. On a GPU (one H100, an 8B server) a step that carries any
-/// prefill cost ~10–20 ms more than the pipelined decode steps it was held to 3× of, so
+/// prefill cost ~5–20 ms more than the pipelined decode steps it was held to 3× of, so
 /// the cut left 16–26 tokens a step and a burst's first streams waited 4–42 s for their
 /// first tokens, against 0.14–0.22 s with it off (docs/benchmarks.md, "Prefill beside
 /// decodes"). So it is opt-in.
