@@ -249,7 +249,7 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
   constexpr int KW = K * BITS / 32;              // words per weight row
   constexpr int GPR = K / G;                     // groups per row
   constexpr int LQ = BITS / 4;                   // 16-byte chunks per lane, row and step
-  constexpr int XR = (MT * 16 + TPB - 1) / TPB;  // 16-byte chunks of x a thread normalizes
+  constexpr int XR = (MT * 16 + TPB - 1) / TPB;  // 16-byte chunks of x a thread prepares (prepare_x)
   constexpr int W16 = BN * BITS;                 // a stage's 16-byte chunks: weights,
   constexpr int X16 = MT * 16;                   // x,
   constexpr int STAGE16 = W16 + X16 + 16;        // and the norm weight (mlxcel_qgemm_smem_bytes)
@@ -387,42 +387,34 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
   for (int j = 0; j < XR; ++j) {
     ssr[j] = 0.f;
   }
-  // NORM: the stage's x times the norm weight, in place (Σ x² on the way), each word
-  // stored as the pairs (x0,x4) (x1,x5) (x2,x6) (x3,x7) the MMAs take (without NORM the
-  // fragment loads pair them)
-  auto normalize = [&](int slot) {
-    uint4* st = ring + slot * STAGE16;
-#pragma unroll
-    for (int j = 0; j < XR; ++j) {
-      const int xc = tid + j * TPB;
-      if (MT * 16 % TPB == 0 || xc < MT * 16) {
-        const int m = xc / 16, p = (xc % 16) ^ (4 * (m & 1));
-        const int wd = 4 * (p % 4) + p / 4;  // the word slot p holds
-        float f[8], g8[8];
-        mlxcel_h8<T>(st[W16 + xc], f);
-        mlxcel_h8<T>(st[W16 + X16 + wd], g8);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          ssr[j] = fmaf(f[e], f[e], ssr[j]);
-          f[e] *= g8[e];
-        }
-        st[W16 + xc] = make_uint4(mlxcel_pack2<T>(f[0], f[4]), mlxcel_pack2<T>(f[1], f[5]),
-                                  mlxcel_pack2<T>(f[2], f[6]), mlxcel_pack2<T>(f[3], f[7]));
-      }
-    }
-  };
-
-  // without NORM (MLXCEL_QGEMM_XPAIR): the stage's x words stored in that pair order, in place
+  // The stage's x in place, each word stored as the pairs (x0,x4) (x1,x5) (x2,x6) (x3,x7)
+  // the MMAs take: with NORM times the norm weight (Σ x² on the way), without it
+  // (MLXCEL_QGEMM_XPAIR) as it is; otherwise the fragment loads pair them
   constexpr bool PAIRED = NORM || MLXCEL_QGEMM_XPAIR;
-  auto pair_x = [&](int slot) {
+  auto prepare_x = [&](int slot) {
     uint4* st = ring + slot * STAGE16;
 #pragma unroll
     for (int j = 0; j < XR; ++j) {
       const int xc = tid + j * TPB;
       if (MT * 16 % TPB == 0 || xc < MT * 16) {
-        const uint4 v = st[W16 + xc];
-        st[W16 + xc] = make_uint4(__byte_perm(v.x, v.z, 0x5410), __byte_perm(v.x, v.z, 0x7632),
-                                  __byte_perm(v.y, v.w, 0x5410), __byte_perm(v.y, v.w, 0x7632));
+        if constexpr (NORM) {
+          const int m = xc / 16, p = (xc % 16) ^ (4 * (m & 1));
+          const int wd = 4 * (p % 4) + p / 4;  // the word slot p holds
+          float f[8], g8[8];
+          mlxcel_h8<T>(st[W16 + xc], f);
+          mlxcel_h8<T>(st[W16 + X16 + wd], g8);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) {
+            ssr[j] = fmaf(f[e], f[e], ssr[j]);
+            f[e] *= g8[e];
+          }
+          st[W16 + xc] = make_uint4(mlxcel_pack2<T>(f[0], f[4]), mlxcel_pack2<T>(f[1], f[5]),
+                                    mlxcel_pack2<T>(f[2], f[6]), mlxcel_pack2<T>(f[3], f[7]));
+        } else {
+          const uint4 v = st[W16 + xc];
+          st[W16 + xc] = make_uint4(__byte_perm(v.x, v.z, 0x5410), __byte_perm(v.x, v.z, 0x7632),
+                                    __byte_perm(v.y, v.w, 0x5410), __byte_perm(v.y, v.w, 0x7632));
+        }
       }
     }
   };
@@ -539,11 +531,8 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
           scales_of(s + 1, sb[par ^ 1]);
         }
         const int slot = s % ST;
-        if constexpr (NORM) {
-          normalize(slot);
-          __syncthreads();
-        } else if constexpr (PAIRED) {
-          pair_x(slot);
+        if constexpr (PAIRED) {
+          prepare_x(slot);
           __syncthreads();
         }
         compute(slot, sb[par]);

@@ -490,15 +490,7 @@ impl Linear {
         };
         epi_fits.then(|| {
             run(
-                x,
-                f.w,
-                f.scales,
-                f.biases,
-                f.group,
-                f.bits,
-                shape,
-                epi,
-                norm.map(|n| (&n.weight, n.eps)),
+                x, f.w, f.scales, f.biases, f.group, f.bits, shape, epi, norm_w,
             )
         })
     }

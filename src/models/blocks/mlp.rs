@@ -1,9 +1,8 @@
 //! The SwiGLU MLP: gate and up projections merged into one linear (this rank's columns
 //! of each, column-parallel), `down(silu(gate) · up)` row-parallel, added to the residual.
+use std::cell::OnceCell;
 use std::ops::Range;
 use std::rc::Rc;
-
-use std::cell::OnceCell;
 
 use crate::kernels::qgemv::MlpScratch;
 use crate::mlx::distributed::Group;
