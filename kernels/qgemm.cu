@@ -104,6 +104,11 @@
 #ifndef MLXCEL_QGEMM_CUNROLL
 #define MLXCEL_QGEMM_CUNROLL 1
 #endif
+// MLXCEL_QGEMM_XHOIST 1 (default): a word's x fragments are loaded from shared memory before
+// its weights dequantize (NTW · 4 more registers live); 0: each beside its MMAs.
+#ifndef MLXCEL_QGEMM_XHOIST
+#define MLXCEL_QGEMM_XHOIST 1
+#endif
 
 // Pairs of T: 128 + v for 4 bits v in the mantissa (bf16 0x4300 | v; f16 1024 + v, 0x6400 | v),
 // 1 and minus that offset; bf: whether T is bfloat16
@@ -331,9 +336,11 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
   const int xw = tid % 16;                                 // the thread's word of an x row,
   const int xm0 = tid / 16;                                // its first row (then + j·TPB/16,
   const int xslot = (4 * (xw % 4) + xw / 4) ^ (4 * (xm0 & 1));  // of the same parity) and slot
-  // the lane's scale (low half) and bias (high half) of its rows' group, per step: loaded
-  // one step ahead (two sets, by the step's parity); srow: the rows' first group, -1 past N
-  uint32_t sb[2][2][2];
+  // the lane's scale and bias of its rows' group, per step, as loaded (16 bits in 32): one
+  // step ahead, two sets by the step's parity, paired only where compute uses them (paired
+  // as they landed, every lane waited for the loads a step early: Nsight's warp samples on
+  // an H100 put 10-13% of the GEMM's stalls there); srow: the rows' first group, -1 past N
+  uint32_t sc[2][2][2], bi[2][2][2];
   int srow[2][2];
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
@@ -371,14 +378,15 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
       mlxcel_cp16z(st + W16 + X16 + tid, nw + k0 + 8 * tid, true);
     }
   };
-  auto scales_of = [&](int s, uint32_t (&out)[2][2]) {
+  auto scales_of = [&](int s, uint32_t (&so)[2][2], uint32_t (&bo)[2][2]) {
     const int gi = ((split * NS + s) * 128 + 32 * t) / G;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int si = srow[i][h] + gi;
-        out[i][h] = srow[i][h] >= 0 ? uint32_t(s16[si]) | (uint32_t(b16[si]) << 16) : 0u;
+        const int si = srow[i][h] >= 0 ? srow[i][h] + gi : 0;
+        so[i][h] = srow[i][h] >= 0 ? uint32_t(s16[si]) : 0u;
+        bo[i][h] = srow[i][h] >= 0 ? uint32_t(b16[si]) : 0u;
       }
     }
   };
@@ -431,16 +439,15 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
       }
     }
   }
-  auto compute = [&](int slot, const uint32_t (&sbs)[2][2]) {
+  auto compute = [&](int slot, const uint32_t (&scs)[2][2], const uint32_t (&bis)[2][2]) {
     const uint4* st = ring + slot * STAGE16;
     uint32_t s2[2][2], b2[2][2];
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const uint32_t v = sbs[i][h];
-        s2[i][h] = (v & 0xFFFFu) | (v << 16);
-        b2[i][h] = (v >> 16) | (v & 0xFFFF0000u);
+        s2[i][h] = scs[i][h] * 0x10001u;  // (s, s)
+        b2[i][h] = bis[i][h] * 0x10001u;
       }
     }
     // the lane's 16-byte chunk q of its rows (gq, gq + 8) of both tiles: 4-bit, the whole
@@ -464,11 +471,23 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
     // (one word at a time by default: unrolled, the compiler dequantized every word up
     // front, which took 64 more registers and spilled at 8 bits)
     constexpr int CU = (BITS == 4 && MT <= 32) ? MLXCEL_QGEMM_CUNROLL : 1;
+    constexpr bool XH = MLXCEL_QGEMM_XHOIST != 0;
 #pragma unroll CU
     for (int c = 0; c < 4; ++c) {
       if constexpr (BITS == 8) {
         if (c % 2 == 0) {
           load_w(c / 2);
+        }
+      }
+      // the word's x fragments first (MLXCEL_QGEMM_XHOIST), so that their shared-memory
+      // loads land while the weights dequantize: loaded beside their MMAs, the byte
+      // permutes or MMAs waited on them (Nsight's warp samples, H100, 8B down at 64 rows)
+      uint4 xv[XH ? NTW : 1];
+      if constexpr (XH) {
+#pragma unroll
+        for (int j = 0; j < NTW; ++j) {
+          const int m = 8 * (wn * NTW + j) + gq;
+          xv[j] = st[W16 + m * 16 + ((4 * c + t) ^ (4 * (m & 1)))];
         }
       }
       uint32_t a[2][2][4];  // tile, row, pair
@@ -491,7 +510,7 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
 #pragma unroll
       for (int j = 0; j < NTW; ++j) {
         const int m = 8 * (wn * NTW + j) + gq;
-        const uint4 v = st[W16 + m * 16 + ((4 * c + t) ^ (4 * (m & 1)))];
+        const uint4 v = XH ? xv[XH ? j : 0] : st[W16 + m * 16 + ((4 * c + t) ^ (4 * (m & 1)))];
         // (x0,x1) (x2,x3) (x4,x5) (x6,x7) → (x0,x4) (x1,x5) (x2,x6) (x3,x7), the weights'
         // order (the norm's or the pair pass stored them so)
         uint32_t b0 = v.x, b1 = v.y, b2_ = v.z, b3 = v.w;
@@ -515,7 +534,7 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
     copy(u, u);
     mlxcel_cp_commit();
   }
-  scales_of(0, sb[0]);
+  scales_of(0, sc[0], bi[0]);
   // two steps an iteration, so that the scale sets are named at compile time (unrolled
   // over all ST slots, the kernel's code outgrew the instruction cache)
   for (int s0 = 0; s0 < NS; s0 += 2) {
@@ -528,14 +547,14 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
         copy(s + ST - 1, (s + ST - 1) % ST);  // into the slot step s - 1 used
         mlxcel_cp_commit();
         if (s + 1 < NS) {
-          scales_of(s + 1, sb[par ^ 1]);
+          scales_of(s + 1, sc[par ^ 1], bi[par ^ 1]);
         }
         const int slot = s % ST;
         if constexpr (PAIRED) {
           prepare_x(slot);
           __syncthreads();
         }
-        compute(slot, sb[par]);
+        compute(slot, sc[par], bi[par]);
       }
     }
   }

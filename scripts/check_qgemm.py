@@ -26,6 +26,7 @@ kernels' bandwidth at small shapes; Nsight gives kernel times).
 
 The GEMM's launch follows src/kernels/qgemm.rs (`launch_for`); `MLXCEL_QGEMM_SOURCE=path`
 checks another kernel file, `MLXCEL_QGEMM_SPLITK=n` caps the splits and
+`MLXCEL_QGEMM_FILL=1` splits K as before `split_cost`, and
 `MLXCEL_QGEMM_BOUNDED=1` takes launches of up to 32 rows (two warps per row of tiles) in
 the 128-register flavour, as for mlxcel.
 """
@@ -60,6 +61,8 @@ STATIC_SHARED = 1024
 SMS = int(os.environ.get("MLXCEL_QGEMM_SMS", "132"))  # H200 / H100 SXM
 SMEM = 228 * 1024  # shared memory an sm_90 SM holds (src/kernels/gpu.rs)
 BOUNDED = os.environ.get("MLXCEL_QGEMM_BOUNDED") == "1"
+FILL = os.environ.get("MLXCEL_QGEMM_FILL") == "1"
+BLOCK_OVERHEAD_STEPS = 4  # src/kernels/qgemm.rs
 BOUNDED_MAX_M = 32  # src/kernels/qgemm.rs
 BOUNDED_PREFIX = ("#if defined(__CUDA_ARCH__)\n#undef __global__\n"
                   "#define __global__ __location__(global) __launch_bounds__(256, 2)\n#endif\n")
@@ -118,9 +121,13 @@ def launch_for(m, n, k, bits, max_splits=None):
     per_sm = max(1, SMEM // (st * stage + STATIC_SHARED))
     cb = max(1, -(-n // (32 * wr)))
     steps = k // 128
-    splits = [d for d in k_splits(steps) if d <= max_splits]
-    want = -(-(SMS * per_sm) // cb)
-    sk = next((d for d in splits if d >= want), splits[-1] if splits else 1)
+    splits = [d for d in k_splits(steps) if d <= max_splits] or [1]
+    slots = SMS * per_sm
+    if FILL:  # MLXCEL_QGEMM_FILL=1: the fewest splits that fill every slot, else the most
+        want = -(-slots // cb)
+        sk = next((d for d in splits if d >= want), splits[-1])
+    else:  # src/kernels/qgemm.rs `split_cost`: waves of blocks × (steps a block + overhead)
+        sk = min(splits, key=lambda d: (-(-(cb * d) // slots) * (steps // d + BLOCK_OVERHEAD_STEPS), d))
     if BOUNDED and is_boundable(mt):
         wn = 2
     return mt, wr, wn, sk, st

@@ -12,8 +12,8 @@
 # which a cached kernel must not change (in the background start they meet what is still
 # compiling).
 #   bash scripts/gpu/kernel-cache.sh
-# Environment: see scripts/gpu/lib.sh; PARALLEL (16); SKIP_BACKGROUND=1 and SKIP_CACHE_OFF=1
-# leave out runs 3 and 4.
+# Environment: see scripts/gpu/lib.sh; PARALLEL (16); SKIP_PLAIN=1 leaves out runs 1 and 2,
+# SKIP_BACKGROUND=1 and SKIP_CACHE_OFF=1 runs 3 and 4.
 . "$(dirname "$0")/lib.sh"
 q4cfg
 PORT=${PORT:-18490}
@@ -36,8 +36,8 @@ run() {
   unserve
 }
 {
-  run first-start "$dir" X=1
-  run second-start "$dir" X=1
+  [ -n "${SKIP_PLAIN:-}" ] || run first-start "$dir" X=1
+  [ -n "${SKIP_PLAIN:-}" ] || run second-start "$dir" X=1
   [ -n "${SKIP_BACKGROUND:-}" ] || run background-first-start "$bg" MLXCEL_WARM_BACKGROUND=1
   [ -n "${SKIP_CACHE_OFF:-}" ] || run cache-off "$off" MLXCEL_KERNEL_CACHE=0
 } 2>&1 | tee "$OUT/kernel-cache.txt"

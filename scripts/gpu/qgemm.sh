@@ -11,7 +11,12 @@
 #   bash scripts/gpu/qgemm.sh steps             # Nsight kernel times of one decode step at batch STEP_BATCH (64)
 #                                               # of the 8B 4-bit, 8-bit and bf16 configs (mlxcel bench
 #                                               # --profile-steps under ncu --profile-from-start off), by kernel
-#                                               # kind: what a step costs the GPU besides the GEMMs (< 5 min)
+#                                               # kind: what a step costs the GPU besides the GEMMs (< 5 min;
+#                                               # STEP_MODELS picks the configs)
+#   bash scripts/gpu/qgemm.sh stalls [SPEC...]  # Nsight Compute, full set with per-instruction stall samples, of
+#                                               # one launch per SPEC (MODEL:PRODUCT:BITS:ROWS, default
+#                                               # 8B:gate_up:4:64 8B:qkv:4:32 8B:down:4:64): the details page and
+#                                               # scripts/prof_qgemm.py's ledger of where the warps wait (< 3 min)
 #   bash scripts/gpu/qgemm.sh all               # check and bench
 # Targets (issue 25): 4-bit decode ≥ 1.3× bf16 at batch 8, 32 and 64 and rising with the batch;
 # 8-bit ≥ bf16 at 32 and 64. Environment: scripts/gpu/lib.sh; BATCHES (8,16,32,64), RUNS,
@@ -44,7 +49,7 @@ bench() {
 steps() {
   q4cfg; q8cfg
   local b=${STEP_BATCH:-64} m
-  for m in c8b-q4 c8b-q8 c8b; do
+  for m in ${STEP_MODELS:-c8b-q4 c8b-q8 c8b}; do
     step "Nsight: one decode step at batch $b, $m"
     timeout ${NCU_S:-150} ncu --profile-from-start off --clock-control none --csv --page raw \
       --metrics gpu__time_duration.sum $B bench -m "$CK/$m" --load-format dummy --prompt-lens 128 \
@@ -53,10 +58,26 @@ steps() {
     python3 scripts/ncu_summary.py --totals 2 "$OUT/ncu-step-$m-b$b.csv" | tee "$OUT/ncu-step-$m-b$b.txt" | head -25
   done
 }
+stalls() {
+  local spec tag
+  for spec in ${@:-8B:gate_up:4:64 8B:qkv:4:32 8B:down:4:64}; do
+    tag=${spec//:/-}
+    step "Nsight, full set with sources: $spec"
+    timeout ${NCU_S:-120} ncu --set full --import-source yes -k regex:qgemm -s 1 -c 1 -f -o "$OUT/ncu-$tag" \
+      python3 scripts/prof_qgemm.py run "$spec" > "$OUT/ncu-$tag.log" 2>&1 || { echo "failed:"; tail -5 "$OUT/ncu-$tag.log"; continue; }
+    grep -E "launch" "$OUT/ncu-$tag.log"
+    ncu -i "$OUT/ncu-$tag.ncu-rep" --page details --csv > "$OUT/ncu-$tag-details.csv" 2>&1
+    grep -E '"(Duration|Memory Throughput|DRAM Throughput|Registers Per Thread|Achieved Occupancy|Issue Slots Busy|Executed Ipc Active|Theoretical Occupancy|Block Limit Registers|Block Limit Shared Mem)"' \
+      "$OUT/ncu-$tag-details.csv" | awk -F'","' '{print $(NF-2)": "$NF" "$(NF-1)}' | tr -d '"' | head -12
+    ncu -i "$OUT/ncu-$tag.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu-$tag-sass.csv" 2>&1
+    python3 scripts/prof_qgemm.py ledger "$OUT/ncu-$tag-sass.csv" 40 2>&1 | tee "$OUT/ncu-$tag-ledger.txt" || head -3 "$OUT/ncu-$tag-sass.csv"
+  done
+}
 case "$cmd" in
 check) check "$@" ;;
 bench) bench ;;
 steps) steps ;;
+stalls) stalls "$@" ;;
 all) check "$@"; bench ;;
-*) echo "unknown: $cmd (check, bench, steps, all)" >&2; exit 2 ;;
+*) echo "unknown: $cmd (check, bench, steps, stalls, all)" >&2; exit 2 ;;
 esac

@@ -60,6 +60,9 @@ pub struct Knobs {
     /// the GEMM's 128-register flavour, two warps per row of tiles
     /// ([`super::qgemm::bounded`]). Off until measured in the engine.
     pub qgemm_bounded: bool,
+    /// `MLXCEL_QGEMM_FILL=1`: split K over the fewest blocks that fill every SM's slots (the
+    /// rule before [`super::qgemm::split_cost`]), for A/B runs.
+    pub qgemm_fill: bool,
     /// `MLXCEL_KERNEL_INCLUDE`: pass kernel headers to MLX as an `#include` of a cached
     /// file (`0`: inline).
     pub kernel_include: bool,
@@ -157,6 +160,7 @@ impl Default for Knobs {
             qgemm_splitk: None,
             qgemm_source: None,
             qgemm_bounded: false,
+            qgemm_fill: false,
             kernel_include: true,
             attn: true,
             attn_single: false,
@@ -234,6 +238,7 @@ const SWITCHES: &[(&str, Field)] = &[
     ("MLXCEL_QGEMV_MLP_BOUNDED", |k| &mut k.qgemv_mlp_bounded),
     ("MLXCEL_QGEMM", |k| &mut k.qgemm),
     ("MLXCEL_QGEMM_BOUNDED", |k| &mut k.qgemm_bounded),
+    ("MLXCEL_QGEMM_FILL", |k| &mut k.qgemm_fill),
     ("MLXCEL_KERNEL_INCLUDE", |k| &mut k.kernel_include),
     ("MLXCEL_ATTN", |k| &mut k.attn),
     ("MLXCEL_ATTN_SINGLE", |k| &mut k.attn_single),

@@ -276,7 +276,8 @@ pub fn launch_config(m: usize, n: usize, k: usize, bits: usize) -> Launch {
     let g = gpu::this_gpu();
     let sms = g.sms.unwrap_or(gpu::DEFAULT_SMS);
     let splits = knobs::get().qgemm_splitk.unwrap_or(MAX_SPLITS);
-    let l = launch_for(m, n, k, bits, sms, g.shared_memory_per_sm(), splits);
+    let fill = knobs::get().qgemm_fill;
+    let l = launch_split(m, n, k, bits, sms, g.shared_memory_per_sm(), splits, fill);
     match knobs::get().qgemm_bounded {
         true => bounded(l),
         false => l,
@@ -288,10 +289,9 @@ pub fn launch_config(m: usize, n: usize, k: usize, bits: usize) -> Launch {
 /// tiles of batch rows and two above (64 accumulators a lane either way). The ring gets as
 /// many stages as [`RING_BYTES`] (and the SM's `smem` bytes less 1 KB) hold, from
 /// [`MIN_STAGES`] to [`MAX_STAGES`]: 4-bit, 6 stages up to 32 rows, 4 at 64, 2 at 128;
-/// 8-bit 5, 4, 3, 2. K is split over the fewest blocks that give each of the GPU's `sms`
-/// as many blocks as its shared memory holds (dividing the row's steps, at least
-/// [`MIN_SPLIT_STEPS`] each, at most `max_splits`; the most that allows when none reaches
-/// it). `scripts/check_qgemm.py --sweep` times others.
+/// 8-bit 5, 4, 3, 2. K is split (dividing the row's steps, at least [`MIN_SPLIT_STEPS`]
+/// each, at most `max_splits`) as [`split_cost`] finds cheapest. `scripts/check_qgemm.py
+/// --sweep` times others.
 pub fn launch_for(
     m: usize,
     n: usize,
@@ -300,6 +300,22 @@ pub fn launch_for(
     sms: usize,
     smem: usize,
     max_splits: usize,
+) -> Launch {
+    launch_split(m, n, k, bits, sms, smem, max_splits, false)
+}
+
+/// [`launch_for`], or with `fill` K split over the fewest blocks that fill every slot the
+/// SMs hold (the most splits allowed where none does): the rule before [`split_cost`].
+#[allow(clippy::too_many_arguments)]
+pub fn launch_split(
+    m: usize,
+    n: usize,
+    k: usize,
+    bits: usize,
+    sms: usize,
+    smem: usize,
+    max_splits: usize,
+    fill: bool,
 ) -> Launch {
     let mt = variant_rows(m);
     let wn = if mt > 64 { 2 } else { 1 };
@@ -310,17 +326,17 @@ pub fn launch_for(
     let per_sm = (smem / (st * stage + STATIC_SHARED)).max(1);
     let cb = n.div_ceil(32 * wr).max(1);
     let steps = k / 128;
-    let splits: Vec<usize> = (1..=steps)
+    let slots = sms * per_sm;
+    let sk = (1..=steps)
         .filter(|&d| {
             steps.is_multiple_of(d) && (d == 1 || steps / d >= MIN_SPLIT_STEPS) && d <= max_splits
         })
-        .collect();
-    let want = (sms * per_sm).div_ceil(cb);
-    let sk = splits
-        .iter()
-        .copied()
-        .find(|&d| d >= want)
-        .or_else(|| splits.last().copied())
+        .min_by_key(|&d| match fill {
+            // the fewest splits that fill every slot, else the most
+            true if d >= slots.div_ceil(cb) => (0, d),
+            true => (1, usize::MAX - d),
+            false => (split_cost(cb, steps, d, slots), d),
+        })
         .unwrap_or(1);
     Launch {
         mt,
@@ -331,6 +347,22 @@ pub fn launch_for(
         bits,
         bounded: false,
     }
+}
+
+/// What a block costs beyond its steps, in steps: issuing the ring's first copies and
+/// waiting for them, and with splits the partial tiles written, counted and added. On an
+/// H100 (Nsight's warp samples of 8B down at 64 rows, 8 steps a block) 29% of the samples
+/// fell outside the main loop, ~3.4 steps' worth.
+pub const BLOCK_OVERHEAD_STEPS: usize = 4;
+
+/// The time of a launch whose blocks are bound by latency, not by memory (issue slots 15-20%
+/// active, DRAM 5-10% of its peak on H100 and H200), in steps: `cb` column blocks × `d`
+/// splits run in waves of `slots` blocks (those the SMs hold at once), each wave as long as
+/// a block, `steps / d` steps plus [`BLOCK_OVERHEAD_STEPS`]. Filling every slot (the rule
+/// before) split 8B down at 64 rows 14 ways into 1.7 waves of 8-step blocks (cost 24); 8
+/// splits run one wave of 14 (cost 18).
+pub fn split_cost(cb: usize, steps: usize, d: usize, slots: usize) -> usize {
+    (cb * d).div_ceil(slots.max(1)) * (steps / d + BLOCK_OVERHEAD_STEPS)
 }
 
 /// `l` in the bounded flavour where it has one (`MLXCEL_QGEMM_BOUNDED`): up to
@@ -722,19 +754,27 @@ mod tests {
     }
 
     #[test]
-    fn launches_split_k_to_fill_the_gpu() {
+    fn launches_split_k_by_cost() {
         const H200: usize = 228 * 1024;
         let l = |m, n, k, bits| launch_for(m, n, k, bits, 132, H200, MAX_SPLITS);
-        // 8B shapes at 32 rows: 128 rows a block, 6 stages (99,840 bytes: 2 blocks an SM),
-        // K split until 264 blocks
+        let fill = |m, n, k| launch_split(m, n, k, 4, 132, H200, MAX_SPLITS, true).sk;
+        // 8B shapes at 32 rows: 128 rows a block, 6 stages (99,840 bytes: 2 blocks an SM,
+        // 264 slots); K split into one wave of the longest blocks
         let qkv = l(32, 6144, 4096, 4);
-        assert_eq!((qkv.mt, qkv.wr, qkv.wn, qkv.sk, qkv.st), (32, 4, 1, 8, 6));
+        assert_eq!((qkv.mt, qkv.wr, qkv.wn, qkv.sk, qkv.st), (32, 4, 1, 4, 6));
         assert_eq!(qkv.shared_memory(), 6 * 16 * (128 * 4 + 32 * 16 + 16));
-        assert_eq!(l(32, 4096, 4096, 4).sk, 16); // o: 32 column blocks
-        assert_eq!(l(32, 28672, 4096, 4).sk, 2); // gate/up: 224 column blocks
-        assert_eq!(l(32, 4096, 14336, 4).sk, 14); // down: 112 steps
+        assert_eq!(l(32, 4096, 4096, 4).sk, 8); // o: 32 column blocks, 256 blocks of 4 steps
+        assert_eq!(l(32, 28672, 4096, 4).sk, 1); // gate/up: 224 column blocks, no split
+        assert_eq!(l(32, 4096, 14336, 4).sk, 8); // down: 112 steps, 14 a block
         assert_eq!(l(32, 128256, 4096, 4).sk, 1); // lm_head
-                                                  // 70B TP8 rank shapes: 10 column blocks → 16 splits of 4 steps; K = 1024: 4 of 2
+        // the rule before: the fewest splits that fill every slot (two waves for down)
+        assert_eq!(
+            [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)].map(|(n, k)| fill(32, n, k)),
+            [8, 16, 2, 14]
+        );
+        assert_eq!(split_cost(32, 112, 14, 264), 2 * (8 + BLOCK_OVERHEAD_STEPS));
+        assert_eq!(split_cost(32, 112, 8, 264), 14 + BLOCK_OVERHEAD_STEPS);
+        // 70B TP8 rank shapes: 10 column blocks → 16 splits of 4 steps; K = 1024: 4 of 2
         assert_eq!(l(64, 1280, 8192, 4).sk, 16);
         assert_eq!(l(64, 8192, 1024, 4).sk, 4);
         // stages by what 112 KB hold: 4-bit 6, 6, 4, 2 at 16, 32, 64, 128 rows; 8-bit 5, 4, 3, 2
@@ -743,9 +783,9 @@ mod tests {
         // above 64 rows two warps per row of tiles
         let big = l(100, 4096, 4096, 8);
         assert_eq!((big.mt, big.wn, big.st), (112, 2, 2));
-        // a GPU with 100 KB an SM: the ring fits in 99 KB, one block an SM
+        // a GPU with 100 KB an SM: the ring fits in 99 KB, one block an SM (132 slots: 4 splits, one wave)
         let small = launch_for(32, 4096, 4096, 4, 132, 100 * 1024, MAX_SPLITS);
-        assert!(small.shared_memory() <= 99 * 1024 && small.st == 6 && small.sk == 8);
+        assert!(small.shared_memory() <= 99 * 1024 && small.st == 6 && small.sk == 4);
         // capped by the knob's most splits, and by steps per split
         assert_eq!(launch_for(32, 1280, 8192, 4, 132, H200, 1).sk, 1);
         assert_eq!(launch_for(32, 1280, 8192, 4, 132, H200, 5).sk, 4);

@@ -1,0 +1,107 @@
+#!/usr/bin/env python3
+"""Run single products of mlxcel's quantized GEMM (kernels/qgemm.cu) for a profiler, and
+read the profiler's per-instruction report back as a ledger.
+
+    python3 scripts/prof_qgemm.py run 8B:gate_up:4:64 8B:qkv:4:32   # MODEL:PRODUCT:BITS:ROWS ...
+    python3 scripts/prof_qgemm.py ledger sass.csv [TOP]               # stalls by instruction and opcode
+
+`run` calls each product (launch as `launch_for` picks it; `MLXCEL_QGEMM_SOURCE`,
+`MLXCEL_QGEMM_SPLITK`, `MLXCEL_QGEMM_BOUNDED` as in scripts/check_qgemm.py) three times on a
+random weight, after a warm-up that compiles it: under Nsight Compute with `-k regex:qgemm
+-s 1 -c N` the profiled launches are the products in order.
+
+`ledger` reads `ncu -i REP --page source --csv --print-source sass` output: per instruction
+its opcode and warp-stall samples by reason. It prints the stall reasons' shares of all
+samples, the opcodes' shares, and the TOP instructions (default 30) with their leading
+reasons: where the kernel's warps wait, instruction by instruction.
+"""
+import csv
+import re
+import sys
+from collections import defaultdict
+
+import check_qgemm as cq
+
+
+def run(specs):
+    import mlx.core as mx
+    import check_qgemv as qv
+    dt = mx.bfloat16
+    qv.DT = dt
+    g = cq.Gemm(mx, dt)
+    prods = []
+    for spec in specs:
+        model, name, bits, m = spec.split(":")
+        n, k = next((n, k) for n, k, nm, _ in cq.SHAPES[model] if nm == name)
+        bits, m = int(bits), int(m)
+        wq, s, b = qv.quantized(n, k, 64, bits, 7)
+        x = mx.random.normal((m, k)).astype(dt)
+        mx.eval(x)
+        print(f"{spec}: N {n} K {k} launch (MT WR WN SK ST) {cq.launch_for(m, n, k, bits)}", flush=True)
+        prods.append((x, wq, s, b, bits))
+    for x, wq, s, b, bits in prods:  # warm-up: compile (not what a profiler should look at first)
+        mx.eval(g.call(x, wq, s, b, 64, bits))
+    mx.synchronize()
+    for x, wq, s, b, bits in prods:
+        for _ in range(3):
+            mx.eval(g.call(x, wq, s, b, 64, bits))
+    mx.synchronize()
+
+
+REASON = re.compile(r"^Warp Stall Sampling \(All Samples\)$|^stall_(\w+)$", re.I)
+
+
+def ledger(path, top=30):
+    lines = open(path, errors="replace").read().splitlines()
+    start = next((i for i, l in enumerate(lines) if l.startswith('"#"') or l.startswith('"Address"')
+                  or '"Source"' in l), None)
+    if start is None:
+        sys.exit(f"{path}: no source-page csv header found")
+    rd = list(csv.reader(lines[start:]))
+    head = rd[0]
+    src = next(i for i, h in enumerate(head) if h == "Source")
+    total_col = next((i for i, h in enumerate(head) if h.startswith("Warp Stall Sampling (All")), None)
+    # per-reason columns: ncu names them like "stall_long_sb" or "Stall Long Scoreboard" by version
+    reason_cols = [(i, h) for i, h in enumerate(head)
+                   if (h.lower().startswith("stall") or h.startswith("smsp__pcsamp_warps_issue_stalled"))
+                   and "Sampling" not in h]
+    by_reason, by_op, rows = defaultdict(float), defaultdict(float), []
+    total = 0.0
+    for r in rd[1:]:
+        if len(r) != len(head):
+            continue
+        text = r[src].strip()
+        op = re.sub(r"^@!?U?P\w+\s+", "", text).split(" ")[0] if text else "?"
+        samples = cq_num(r[total_col]) if total_col is not None else 0
+        reasons = {h: cq_num(r[i]) for i, h in reason_cols}
+        if total_col is None:
+            samples = sum(reasons.values())
+        total += samples
+        by_op[op] += samples
+        for h, v in reasons.items():
+            by_reason[h] += v
+        rows.append((samples, r[0], text, reasons))
+    if not total:
+        sys.exit(f"{path}: no stall samples (columns: {head[:12]}…)")
+    print(f"{len(rows)} instructions, {total:.0f} samples")
+    print("reasons:", ", ".join(f"{h} {v / total:.1%}" for h, v in sorted(by_reason.items(), key=lambda kv: -kv[1])[:12]))
+    print("opcodes:", ", ".join(f"{o} {v / total:.1%}" for o, v in sorted(by_op.items(), key=lambda kv: -kv[1])[:16]))
+    for samples, addr, text, reasons in sorted(rows, key=lambda r: -r[0])[:top]:
+        lead = ", ".join(f"{h} {v:.0f}" for h, v in sorted(reasons.items(), key=lambda kv: -kv[1])[:3] if v)
+        print(f"{samples / total:6.1%}  {addr:>8}  {text[:60]:60}  {lead}")
+
+
+def cq_num(v):
+    try:
+        return float(v.replace(",", ""))
+    except (ValueError, AttributeError):
+        return 0.0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 3 or sys.argv[1] not in ("run", "ledger"):
+        sys.exit(__doc__)
+    if sys.argv[1] == "run":
+        run(sys.argv[2:])
+    else:
+        ledger(sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 30)
