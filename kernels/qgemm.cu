@@ -49,8 +49,8 @@
 // - w: lane (g, t) (g = lane/4, t = lane%4) of a warp reads rows g and g + 8 of each of its
 //   tiles from the stage, the lane's 32 values k = 32t … 32t+31 of the step (16 bytes of
 //   4-bit weights, 32 of 8-bit: one group, G being a multiple of 32, so one scale and bias
-//   per row; those two are plain loads into registers a step ahead: they share cache lines
-//   with the steps before). Word c (8 values
+//   per row; with groups of 32 or 64 they come through the ring with the step, with groups of
+//   128 they are plain loads into registers a step ahead). Word c (8 values
 //   v0 … v7) of a row becomes four T pairs
 //   (v0,v4) (v1,v5) (v2,v6) (v3,v7): 4-bit by masking nibbles j and j + 4 into the
 //   mantissas of T(128) (bf16) or T(1024) (f16), which makes 128 + v exactly, then one
@@ -219,6 +219,24 @@ __device__ __forceinline__ void mlxcel_cp16z(uint4* dst, const void* src, bool i
 #endif
 }
 
+// BYTES (4 or 8) bytes global → shared (`cp.async.ca`, the sizes below 16 it takes), or zeros
+// when !in; src and dst aligned to BYTES. In the CPU emulation, plain copies.
+template <int BYTES>
+__device__ __forceinline__ void mlxcel_cp_small(void* dst, const void* src, bool in) {
+  static_assert(BYTES == 4 || BYTES == 8, "cp.async.ca copies 4, 8 or 16 bytes");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(d), "l"(src), "n"(BYTES), "r"(in ? BYTES : 0)
+               : "memory");
+#else
+  if (in) {
+    std::memcpy(dst, src, BYTES);
+  } else {
+    std::memset(dst, 0, BYTES);
+  }
+#endif
+}
+
 // rows of x: the product of x's first `ndim` dimensions over K. (MLX pads the shape it
 // passes to MAX_NDIM entries without setting the rest, so they hold whatever was in that
 // memory: reading past `ndim` made M garbage, and whole calls wrote nothing.)
@@ -257,7 +275,13 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
   constexpr int XR = (MT * 16 + TPB - 1) / TPB;  // 16-byte chunks of x a thread prepares (prepare_x)
   constexpr int W16 = BN * BITS;                 // a stage's 16-byte chunks: weights,
   constexpr int X16 = MT * 16;                   // x,
-  constexpr int STAGE16 = W16 + X16 + 16;        // and the norm weight (mlxcel_qgemm_smem_bytes)
+  constexpr int SB16 = BN;                       // the norm weight, then a chunk a row: the
+  constexpr int STAGE16 = W16 + X16 + 16 + SB16;  // step's scales, biases (stage_bytes in Rust)
+  // the scales come through the ring for groups of 32 and 64 (a step's 4 or 2 per row, 8 or
+  // 4 bytes, copies cp.async takes); groups of 128 (one per row and step, 2 bytes) are loaded
+  // into registers a step ahead
+  constexpr bool SSM = G <= 64;
+  constexpr int SPS = 128 / G;  // a row's scales per step
   constexpr int HALF = N / 2;
   constexpr int HD2 = HD > 0 ? HD / 2 : 1;
   constexpr int CB = (N + BN - 1) / BN;          // column blocks
@@ -319,6 +343,7 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
   //   x:  MT rows × 16 chunks of 8 values (zeros past M); word 4t + c of row m sits at
   //       slot (4c + t) ^ 4·(m & 1), the lanes (gq, t) of a fragment load in distinct banks
   //   nw: 16 chunks of the norm weight (NORM)
+  //   sb: BN chunks, row slot r's scales of the step at bytes 0 …, its biases at 8 … (SSM)
   // A thread copies the same chunks of every stage: chunk tid + j·TPB of the weights (j <
   // WJ) and of x (j < XJ), the norm weight's chunk tid (tid < 16). Where they come from is
   // worked out once, here (per step it was most of the kernel's instructions).
@@ -340,7 +365,7 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
   // step ahead, two sets by the step's parity, paired only where compute uses them (paired
   // as they landed, every lane waited for the loads a step early: Nsight's warp samples on
   // an H100 put 10-13% of the GEMM's stalls there); srow: the rows' first group, -1 past N
-  uint32_t sc[2][2][2], bi[2][2][2];
+  uint32_t sc[2][2][2] = {}, bi[2][2][2] = {};
   int srow[2][2];
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
@@ -348,6 +373,16 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
     for (int h = 0; h < 2; ++h) {
       srow[i][h] = rows[i][h] >= 0 ? rows[i][h] * GPR : -1;
     }
+  }
+  // the scale copies this thread makes (SSM): chunk c = tid + j·TPB < 2·BN is row slot c % BN's
+  // scales (c < BN) or biases; sgoff: that row's first group, -1 past N
+  constexpr int SJ = SSM ? (2 * BN + TPB - 1) / TPB : 1;
+  int sgoff[SJ];
+#pragma unroll
+  for (int j = 0; j < SJ; ++j) {
+    const int c = tid + j * TPB, r = c % BN;
+    const int row = row_of_slot(r / 32, (r / 16) % 2, r % 8 + 8 * ((r / 8) % 2));
+    sgoff[j] = (SSM && c < 2 * BN && row >= 0) ? row * GPR : -1;
   }
   const unsigned short* s16 = reinterpret_cast<const unsigned short*>(scales);
   const unsigned short* b16 = reinterpret_cast<const unsigned short*>(biases);
@@ -376,6 +411,18 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
     }
     if (NORM && tid < 16) {
       mlxcel_cp16z(st + W16 + X16 + tid, nw + k0 + 8 * tid, true);
+    }
+    if constexpr (SSM) {
+      // chunk r of the scale area: row slot r's scales (bytes 0 …) and biases (bytes 8 …)
+#pragma unroll
+      for (int j = 0; j < SJ; ++j) {
+        const int c = tid + j * TPB;
+        if (SJ * TPB == 2 * BN || c < 2 * BN) {
+          const int r = c % BN, b = c / BN;
+          const T* src = (b ? biases : scales) + (sgoff[j] >= 0 ? sgoff[j] + step * SPS : 0);
+          mlxcel_cp_small<2 * SPS>(reinterpret_cast<char*>(st + W16 + X16 + 16 + r) + 8 * b, src, sgoff[j] >= 0);
+        }
+      }
     }
   };
   auto scales_of = [&](int s, uint32_t (&so)[2][2], uint32_t (&bo)[2][2]) {
@@ -442,12 +489,19 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
   auto compute = [&](int slot, const uint32_t (&scs)[2][2], const uint32_t (&bis)[2][2]) {
     const uint4* st = ring + slot * STAGE16;
     uint32_t s2[2][2], b2[2][2];
+    const unsigned short* ssb = reinterpret_cast<const unsigned short*>(st + W16 + X16 + 16);
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        s2[i][h] = scs[i][h] * 0x10001u;  // (s, s)
-        b2[i][h] = bis[i][h] * 0x10001u;
+        uint32_t sv = scs[i][h], bv = bis[i][h];
+        if constexpr (SSM) {
+          const int r = wr * 32 + i * 16 + h * 8 + gq, g = 32 * t / G;
+          sv = ssb[8 * r + g];
+          bv = ssb[8 * r + 4 + g];
+        }
+        s2[i][h] = sv * 0x10001u;  // (s, s)
+        b2[i][h] = bv * 0x10001u;
       }
     }
     // the lane's 16-byte chunk q of its rows (gq, gq + 8) of both tiles: 4-bit, the whole
@@ -534,7 +588,9 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
     copy(u, u);
     mlxcel_cp_commit();
   }
-  scales_of(0, sc[0], bi[0]);
+  if constexpr (!SSM) {
+    scales_of(0, sc[0], bi[0]);
+  }
   // two steps an iteration, so that the scale sets are named at compile time (unrolled
   // over all ST slots, the kernel's code outgrew the instruction cache)
   for (int s0 = 0; s0 < NS; s0 += 2) {
@@ -546,7 +602,7 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
         __syncthreads();                      // … everyone's, and step s - 1's reads are done
         copy(s + ST - 1, (s + ST - 1) % ST);  // into the slot step s - 1 used
         mlxcel_cp_commit();
-        if (s + 1 < NS) {
+        if (!SSM && s + 1 < NS) {
           scales_of(s + 1, sc[par ^ 1], bi[par ^ 1]);
         }
         const int slot = s % ST;

@@ -55,7 +55,7 @@ SHAPES = {
 ROPE_MARK = "// @@body_rope\n"
 MAX_SPLITS = 16      # src/kernels/qgemm.rs
 MIN_SPLIT_STEPS = 2
-RING_BYTES = 112 * 1024
+RING_BYTES = 114 * 1024
 MIN_STAGES, MAX_STAGES = 2, 6
 STATIC_SHARED = 1024
 SMS = int(os.environ.get("MLXCEL_QGEMM_SMS", "132"))  # H200 / H100 SXM
@@ -99,7 +99,7 @@ def variant_rows(m):
 
 def stage_bytes(mt, wr, bits):
     """src/kernels/qgemm.rs `stage_bytes`: one stage of the shared-memory ring."""
-    return 16 * (32 * wr * bits + mt * 16 + 16)
+    return 16 * (32 * wr * bits + mt * 16 + 16 + 32 * wr)
 
 
 def k_splits(steps):

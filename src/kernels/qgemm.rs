@@ -34,8 +34,9 @@ pub const SPLITS_LIMIT: usize = 64;
 /// Fewest steps of 128 values a split of K takes.
 pub const MIN_SPLIT_STEPS: usize = 2;
 /// Shared memory the ring of a block takes at most, in bytes (with 1 KB of static shared
-/// memory, two such blocks fit an sm_90 SM's 228 KB).
-pub const RING_BYTES: usize = 112 * 1024;
+/// memory, two such blocks fit an sm_90 SM's 228 KB; 4-bit at 32 rows, 6 stages of
+/// 18,688 bytes).
+pub const RING_BYTES: usize = 114 * 1024;
 /// Stages of the ring: at least 2 (one step in flight while one is multiplied), at most 6.
 pub const MIN_STAGES: usize = 2;
 pub const MAX_STAGES: usize = 6;
@@ -207,9 +208,10 @@ pub struct Launch {
 }
 
 /// Bytes of one stage of the ring (`mlxcel_qgemm`'s STAGE16 chunks of 16 bytes): a step of
-/// `32·wr` weight rows at `bits`, `mt` rows of x and the norm weight, 128 values each.
+/// `32·wr` weight rows at `bits`, `mt` rows of x and the norm weight, 128 values each, and
+/// a chunk a weight row for the step's scales and biases.
 pub fn stage_bytes(mt: usize, wr: usize, bits: usize) -> usize {
-    16 * (32 * wr * bits + mt * 16 + 16)
+    16 * (32 * wr * bits + mt * 16 + 16 + 32 * wr)
 }
 
 impl Launch {
@@ -758,11 +760,11 @@ mod tests {
         const H200: usize = 228 * 1024;
         let l = |m, n, k, bits| launch_for(m, n, k, bits, 132, H200, MAX_SPLITS);
         let fill = |m, n, k| launch_split(m, n, k, 4, 132, H200, MAX_SPLITS, true).sk;
-        // 8B shapes at 32 rows: 128 rows a block, 6 stages (99,840 bytes: 2 blocks an SM,
+        // 8B shapes at 32 rows: 128 rows a block, 6 stages (112,128 bytes: 2 blocks an SM,
         // 264 slots); K split into one wave of the longest blocks
         let qkv = l(32, 6144, 4096, 4);
         assert_eq!((qkv.mt, qkv.wr, qkv.wn, qkv.sk, qkv.st), (32, 4, 1, 4, 6));
-        assert_eq!(qkv.shared_memory(), 6 * 16 * (128 * 4 + 32 * 16 + 16));
+        assert_eq!(qkv.shared_memory(), 6 * 16 * (128 * 4 + 32 * 16 + 16 + 128));
         assert_eq!(l(32, 4096, 4096, 4).sk, 8); // o: 32 column blocks, 256 blocks of 4 steps
         assert_eq!(l(32, 28672, 4096, 4).sk, 1); // gate/up: 224 column blocks, no split
         assert_eq!(l(32, 4096, 14336, 4).sk, 8); // down: 112 steps, 14 a block
@@ -777,15 +779,15 @@ mod tests {
         // 70B TP8 rank shapes: 10 column blocks → 16 splits of 4 steps; K = 1024: 4 of 2
         assert_eq!(l(64, 1280, 8192, 4).sk, 16);
         assert_eq!(l(64, 8192, 1024, 4).sk, 4);
-        // stages by what 112 KB hold: 4-bit 6, 6, 4, 2 at 16, 32, 64, 128 rows; 8-bit 5, 4, 3, 2
+        // stages by what 114 KB hold: 4-bit 6, 6, 4, 2 at 16, 32, 64, 128 rows; 8-bit 5, 4, 3, 2
         let st = |bits| [16, 32, 64, 128].map(|m| l(m, 4096, 4096, bits).st);
         assert_eq!((st(4), st(8)), ([6, 6, 4, 2], [5, 4, 3, 2]));
         // above 64 rows two warps per row of tiles
         let big = l(100, 4096, 4096, 8);
         assert_eq!((big.mt, big.wn, big.st), (112, 2, 2));
-        // a GPU with 100 KB an SM: the ring fits in 99 KB, one block an SM (132 slots: 4 splits, one wave)
+        // a GPU with 100 KB an SM: the ring fits in 99 KB (5 stages), one block an SM (132 slots: 4 splits, one wave)
         let small = launch_for(32, 4096, 4096, 4, 132, 100 * 1024, MAX_SPLITS);
-        assert!(small.shared_memory() <= 99 * 1024 && small.st == 6 && small.sk == 4);
+        assert!(small.shared_memory() <= 99 * 1024 && small.st == 5 && small.sk == 4);
         // capped by the knob's most splits, and by steps per split
         assert_eq!(launch_for(32, 1280, 8192, 4, 132, H200, 1).sk, 1);
         assert_eq!(launch_for(32, 1280, 8192, 4, 132, H200, 5).sk, 4);
