@@ -615,6 +615,10 @@ impl Worker {
                 WarmStep::Decode(1),
                 start.elapsed().as_secs_f64()
             ));
+            tracing::debug!(
+                "warm-up: batch 1 evaluated; building {} more",
+                steps.len() - 1
+            );
         }
         // With the compiled-kernel cache on, every step's graph is built once before any is
         // evaluated: building a graph names its kernel variants, and the cache compiles each
@@ -633,6 +637,10 @@ impl Worker {
                 self.warm_graph(step)?;
                 self.cache.restore(saved);
             }
+            // (the GEMM orders its calls through a token: kept, the next evaluation would
+            // run every dropped graph, and batch 1 in the background waited for all of them)
+            kernels::qgemm::forget_dropped_calls();
+            tracing::debug!("warm-up: {} steps built", steps.len());
         }
         if background {
             mlx::kernel_cache::forget_needed();

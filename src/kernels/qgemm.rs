@@ -432,6 +432,18 @@ fn scratch(floats: usize, blocks: usize) -> Result<(Array, Array, Option<Array>)
     })
 }
 
+/// Drop this thread's last `tok`, so that the next call is not ordered after it. Only for
+/// calls whose graphs are dropped unevaluated (a warm-up's built graphs): the next call on
+/// the scratch would otherwise take the last dropped call's `tok` as an input, and its
+/// evaluation would run every dropped graph (the warm-up's steps, their KV writes included).
+pub fn forget_dropped_calls() {
+    SCRATCH.with(|cell| {
+        if let Some(s) = cell.borrow_mut().as_mut() {
+            s.prev = None;
+        }
+    });
+}
+
 fn set_prev(tok: Array) {
     SCRATCH.with(|cell| {
         if let Some(s) = cell.borrow_mut().as_mut() {
