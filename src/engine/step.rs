@@ -595,37 +595,31 @@ impl Worker {
                     .map(WarmStep::Prompt),
             )
             .collect();
-        // With `MLXCEL_WARM_BACKGROUND=1` only batch 1 is evaluated now, its graph built and
-        // evaluated before any other is built, so that its kernels compile alone (built after
-        // the others, batch 1 waited behind all 103 variants of an 8B 4-bit server: 56 s on
-        // an H100); then the other steps' graphs are built, which sets their kernels
-        // compiling in the background, and a step that meets one still compiling waits for
-        // that one (MLX's own kernels of those steps compile at their first use).
-        let background = build_first && background;
-        let now: Vec<WarmStep> = if background {
-            vec![WarmStep::Decode(1)]
-        } else {
-            steps.clone()
-        };
-        let mut phases = Vec::new();
-        if background {
-            self.warm_graph(WarmStep::Decode(1))?.eval()?;
-            phases.push(format!(
-                "{}: {:.1} s",
-                WarmStep::Decode(1),
-                start.elapsed().as_secs_f64()
-            ));
-            tracing::debug!(
-                "warm-up: batch 1 evaluated; building {} more",
-                steps.len() - 1
-            );
-        }
         // With the compiled-kernel cache on, every step's graph is built once before any is
         // evaluated: building a graph names its kernel variants, and the cache compiles each
         // missing one on its own thread at once, so the first evaluation waits for all of
         // them together rather than step after step (on H200 one variant compiles in ~10 s;
         // the steps one by one took 86 s for 60 variants). The graphs are dropped unevaluated.
+        // With `MLXCEL_WARM_BACKGROUND=1` batch 1's graph is built first and kept, the others
+        // after it (so its compilations are the first started), and only batch 1 is evaluated,
+        // waiting for its own kernels alone; the others' go on compiling in the background,
+        // and a step that meets one still compiling waits for that one (MLX's own kernels of
+        // those steps compile at their first use). Two versions measured on an H100 (8B
+        // 4-bit, 103 variants): batch 1 evaluated before any other graph was built ran out
+        // of device memory while the others were being built (not diagnosed); batch 1
+        // evaluated after them, with every graph chained to the next by the GEMM's token
+        // (see below), ran all of them: ready after 57 s.
+        let background = build_first && background;
+        let mut phases = Vec::new();
+        let mut first: Option<(Array, crate::models::kv_cache::CacheState, Vec<u64>)> = None;
         if build_first {
+            let before = self.cache.save();
+            if background {
+                let b1 = self.warm_graph(WarmStep::Decode(1))?;
+                let keys = mlx::kernel_cache::take_needed();
+                first = Some((b1, self.cache.save(), keys));
+                self.cache.restore(before);
+            }
             for &step in steps
                 .iter()
                 .filter(|&&s| !background || s != WarmStep::Decode(1))
@@ -642,14 +636,26 @@ impl Worker {
             kernels::qgemm::forget_dropped_calls();
             tracing::debug!("warm-up: {} steps built", steps.len());
         }
-        if background {
-            mlx::kernel_cache::forget_needed();
-        } else {
-            for &step in &now {
-                self.warm_graph(step)?.eval()?;
-                phases.push(format!("{step}: {:.1} s", start.elapsed().as_secs_f64()));
+        let now: Vec<WarmStep> = match first {
+            Some((b1, state, keys)) => {
+                self.cache.restore(state);
+                mlx::kernel_cache::set_needed(keys);
+                b1.eval()?;
+                phases.push(format!(
+                    "{}: {:.1} s",
+                    WarmStep::Decode(1),
+                    start.elapsed().as_secs_f64()
+                ));
+                vec![WarmStep::Decode(1)]
             }
-        }
+            None => {
+                for &step in &steps {
+                    self.warm_graph(step)?.eval()?;
+                    phases.push(format!("{step}: {:.1} s", start.elapsed().as_secs_f64()));
+                }
+                steps.clone()
+            }
+        };
         if background {
             phases.push(format!(
                 "{} steps left to the background with {} compilations under way",

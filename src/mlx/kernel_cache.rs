@@ -15,7 +15,8 @@
 //! the entry. An evaluation waits for the compilations still pending among the variants
 //! its thread launched since its last evaluation ([`wait_pending`]), so MLX finds their
 //! entries instead of compiling again, and compilations it does not need (started for
-//! steps not run yet: [`forget_needed`]) go on in the background; the variants of one
+//! steps not run yet: [`forget_needed`], or all but one step's: [`take_needed`] and
+//! [`set_needed`]) go on in the background; the variants of one
 //! step compile in parallel.
 //!
 //! Entries are keyed by the module name (which hashes the whole source, template
@@ -735,6 +736,18 @@ pub(crate) fn wait_pending() {
 /// launch of one still compiling waits for it then.
 pub fn forget_needed() {
     NEEDED.with(|n| n.borrow_mut().clear());
+}
+
+/// The variants this thread launched since its last evaluation that are still compiling
+/// (what that evaluation would wait for), taken: the list is empty after.
+pub fn take_needed() -> Vec<u64> {
+    NEEDED.with(|n| std::mem::take(&mut *n.borrow_mut()))
+}
+
+/// What this thread's next evaluation waits for, instead of what it launched since the
+/// last one: `keys` from [`take_needed`] (those done by then are not waited for).
+pub fn set_needed(keys: Vec<u64>) {
+    NEEDED.with(|n| *n.borrow_mut() = keys);
 }
 
 /// Compilations under way in this process.
