@@ -55,9 +55,15 @@ SHAPES = {
 ROPE_MARK = "// @@body_rope\n"
 MAX_SPLITS = 16      # src/kernels/qgemm.rs
 MIN_SPLIT_STEPS = 2
-RING_BYTES = 114 * 1024
+RING_BYTES = 115_072
 MIN_STAGES, MAX_STAGES = 2, 6
-STATIC_SHARED = 1024
+
+
+def block_shared_overhead(mt):
+    """src/kernels/qgemm.rs `block_shared_overhead`: the driver's 1 KB a block, Σ x², a flag."""
+    return 1024 + 4 * mt + 32
+
+
 SMS = int(os.environ.get("MLXCEL_QGEMM_SMS", "132"))  # H200 / H100 SXM
 SMEM = 228 * 1024  # shared memory an sm_90 SM holds (src/kernels/gpu.rs)
 BOUNDED = os.environ.get("MLXCEL_QGEMM_BOUNDED") == "1"
@@ -116,9 +122,10 @@ def launch_for(m, n, k, bits, max_splits=None):
     wn = 2 if mt > 64 else 1
     wr = 4
     stage = stage_bytes(mt, wr, bits)
-    room = min(RING_BYTES, SMEM - STATIC_SHARED)
+    over = block_shared_overhead(mt)
+    room = min(RING_BYTES, SMEM - over)
     st = min(max(room // stage, MIN_STAGES), MAX_STAGES)
-    per_sm = max(1, SMEM // (st * stage + STATIC_SHARED))
+    per_sm = max(1, SMEM // (st * stage + over))
     cb = max(1, -(-n // (32 * wr)))
     steps = k // 128
     splits = [d for d in k_splits(steps) if d <= max_splits] or [1]
@@ -384,7 +391,7 @@ def work(idx, jobs, args, lock):
                 if (mt // 8) % wn:
                     continue
                 for st in (2, 3, 4, 6):
-                    smem = st * stage_bytes(mt, wr, bits) + STATIC_SHARED
+                    smem = st * stage_bytes(mt, wr, bits) + block_shared_overhead(mt)
                     if smem > SMEM - 1024:
                         continue
                     want = -(-(SMS * (SMEM // smem)) // -(-n // (32 * wr)))

@@ -65,7 +65,7 @@ impl Scratch {
         // (in device memory even for one slot of one kv head, a 70B TP=8 rank's batch 1)
         let count = crate::mlx::device_inputs::counts_i32(slots * kv_heads)?;
         // materialised now: MLX's zeros is a fill op, and the kernel must get these buffers
-        mlx::eval(&[&part, &count])?;
+        mlx::eval_fresh(&[&part, &count])?;
         Ok(Scratch {
             part,
             count,

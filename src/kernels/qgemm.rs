@@ -33,15 +33,20 @@ pub const MAX_SPLITS: usize = 16;
 pub const SPLITS_LIMIT: usize = 64;
 /// Fewest steps of 128 values a split of K takes.
 pub const MIN_SPLIT_STEPS: usize = 2;
-/// Shared memory the ring of a block takes at most, in bytes (with 1 KB of static shared
-/// memory, two such blocks fit an sm_90 SM's 228 KB; 4-bit at 32 rows, 6 stages of
-/// 18,688 bytes).
-pub const RING_BYTES: usize = 114 * 1024;
+/// Shared memory the ring of a block takes at most, in bytes: two such blocks and their
+/// [`block_shared_overhead`] (at most 1,568 bytes) fit an sm_90 SM's 228 KB; 4-bit at 32
+/// rows, 6 stages of 18,688 bytes. (114 KB let 8-bit at 40 rows take 4 stages of 28,928
+/// bytes, and then only one block fit an SM.)
+pub const RING_BYTES: usize = 115_072;
 /// Stages of the ring: at least 2 (one step in flight while one is multiplied), at most 6.
 pub const MIN_STAGES: usize = 2;
 pub const MAX_STAGES: usize = 6;
-/// Static shared memory of a block besides the ring (Σ x² per batch row, a flag), rounded up.
-const STATIC_SHARED: usize = 1024;
+
+/// Shared memory a block of `mt` batch rows takes besides the ring: the 1 KB the driver
+/// reserves per block (sm_80 on), Σ x² per batch row and a flag, rounded up.
+pub fn block_shared_overhead(mt: usize) -> usize {
+    1024 + 4 * mt + 32
+}
 /// Largest variant (batch rows) `MLXCEL_QGEMM_BOUNDED` compiles for 128 registers: at 64
 /// rows the accumulators no longer fit without spilling (ptxas for sm_90a).
 pub const BOUNDED_MAX_M: usize = 32;
@@ -323,9 +328,10 @@ pub fn launch_split(
     let wn = if mt > 64 { 2 } else { 1 };
     let wr = 4;
     let stage = stage_bytes(mt, wr, bits);
-    let room = RING_BYTES.min(smem.saturating_sub(STATIC_SHARED));
+    let over = block_shared_overhead(mt);
+    let room = RING_BYTES.min(smem.saturating_sub(over));
     let st = (room / stage).clamp(MIN_STAGES, MAX_STAGES);
-    let per_sm = (smem / (st * stage + STATIC_SHARED)).max(1);
+    let per_sm = (smem / (st * stage + over)).max(1);
     let cb = n.div_ceil(32 * wr).max(1);
     let steps = k / 128;
     let slots = sms * per_sm;
@@ -417,7 +423,7 @@ fn scratch(floats: usize, blocks: usize) -> Result<(Array, Array, Option<Array>)
             let part = Array::zeros(&[floats as i32], Dtype::F32)?;
             let count = crate::mlx::device_inputs::counts_i32(blocks)?;
             // materialised now: the kernel must get these buffers, zeroed
-            mlx::eval(&[&part, &count])?;
+            mlx::eval_fresh(&[&part, &count])?;
             let prev = s.take().and_then(|s| s.prev);
             *s = Some(Scratch {
                 part,
@@ -791,7 +797,7 @@ mod tests {
         // 70B TP8 rank shapes: 10 column blocks → 16 splits of 4 steps; K = 1024: 4 of 2
         assert_eq!(l(64, 1280, 8192, 4).sk, 16);
         assert_eq!(l(64, 8192, 1024, 4).sk, 4);
-        // stages by what 114 KB hold: 4-bit 6, 6, 4, 2 at 16, 32, 64, 128 rows; 8-bit 5, 4, 3, 2
+        // stages by what 115,072 bytes hold: 4-bit 6, 6, 4, 2 at 16, 32, 64, 128 rows; 8-bit 5, 4, 3, 2
         let st = |bits| [16, 32, 64, 128].map(|m| l(m, 4096, 4096, bits).st);
         assert_eq!((st(4), st(8)), ([6, 6, 4, 2], [5, 4, 3, 2]));
         // above 64 rows two warps per row of tiles
@@ -823,6 +829,22 @@ mod tests {
     }
 
     #[test]
+    fn two_blocks_fit_an_sm_at_every_variant() {
+        // what an sm_90 SM holds: each block's ring and its overhead (the driver's 1 KB,
+        // the static Σ x²), for every variant, bits and shape
+        const SMEM: usize = 228 * 1024;
+        for mt in variants(1, MAX_M) {
+            for bits in [4, 8] {
+                for (n, k) in [(6144, 4096), (4096, 14336), (28672, 4096)] {
+                    let l = launch_for(mt, n, k, bits, 132, SMEM, MAX_SPLITS);
+                    let block = l.shared_memory() + block_shared_overhead(l.mt);
+                    assert!(2 * block <= SMEM, "{mt} rows, {bits} bits: {block} bytes");
+                }
+            }
+        }
+    }
+
+    #[test]
     fn scratch_covers_every_blocks_tile() {
         let l = launch_for(128, 4096, 4096, 4, 132, 228 * 1024, MAX_SPLITS);
         // 32 column blocks × 16 splits × (8 float4 × 256 threads + 128)
@@ -842,6 +864,7 @@ mod tests {
             true => cmd.env("MLXCEL_QGEMM_BOUNDED", "1"),
             false => cmd.env_remove("MLXCEL_QGEMM_BOUNDED"),
         };
+        cmd.env_remove("MLXCEL_QGEMM_FILL");
         let out = cmd.output().expect("python3");
         assert!(
             out.status.success(),

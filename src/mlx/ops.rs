@@ -368,6 +368,18 @@ pub fn eval(arrays: &[&Array]) -> Result<()> {
     Ok(ffi::eval_many(list.raw())?)
 }
 
+/// Evaluate `arrays` that launch none of mlxcel's custom kernels (fresh zeros, say)
+/// without waiting for the compilations pending among the variants this thread launched
+/// since its last evaluation: those stay pending for the next evaluation. (A scratch made
+/// while a warm-up builds its graphs waited for every variant started so far.)
+pub fn eval_fresh(arrays: &[&Array]) -> Result<()> {
+    let keys = super::kernel_cache::take_needed();
+    let list = ArrayList::new(arrays.iter().copied());
+    let r = ffi::eval_many(list.raw());
+    super::kernel_cache::set_needed(keys);
+    Ok(r?)
+}
+
 /// Start evaluating without waiting; a later `eval`/read waits for the result.
 pub fn async_eval(arrays: &[&Array]) -> Result<()> {
     super::kernel_cache::wait_pending();
