@@ -72,6 +72,9 @@ stalls() {
     ncu -i "$OUT/ncu-$tag.ncu-rep" --page source --csv --print-source sass > "$OUT/ncu-$tag-sass.csv" 2>&1
     python3 scripts/prof_qgemm.py ledger "$OUT/ncu-$tag-sass.csv" 40 2>&1 | tee "$OUT/ncu-$tag-ledger.txt" || head -3 "$OUT/ncu-$tag-sass.csv"
   done
+  # (the box returns few files: the reports' exports in one archive, the ledgers beside it)
+  (cd "$OUT" && tar -czf ncu-stalls.tgz ncu-*-details.csv ncu-*-sass.csv ncu-*.log 2>/dev/null &&
+    rm -f ncu-*-details.csv ncu-*-sass.csv ncu-*.log ncu-*.ncu-rep)
 }
 case "$cmd" in
 check) check "$@" ;;
