@@ -326,6 +326,8 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
     }
   };
   auto row_of = [&](int i, int r) { return row_of_slot(wr, i, r); };
+  // the weight row of ring slot r (r = wr·32 + i·16 + h·8 + gq, as the stage lays them out)
+  auto ring_row = [&](int r) { return row_of_slot(r / 32, (r / 16) % 2, r % 8 + 8 * ((r / 8) % 2)); };
   int rows[2][2];
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
@@ -355,7 +357,7 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
   for (int j = 0; j < WJ; ++j) {
     const int c = tid + j * TPB;
     const int r = c / BITS, q = c % BITS;
-    const int row = row_of_slot(r / 32, (r / 16) % 2, r % 8 + 8 * ((r / 8) % 2));
+    const int row = ring_row(r);
     woff[j] = row >= 0 ? row * KW + q * 4 : -1;
   }
   const int xw = tid % 16;                                 // the thread's word of an x row,
@@ -381,7 +383,7 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
 #pragma unroll
   for (int j = 0; j < SJ; ++j) {
     const int c = tid + j * TPB, r = c % BN;
-    const int row = row_of_slot(r / 32, (r / 16) % 2, r % 8 + 8 * ((r / 8) % 2));
+    const int row = ring_row(r);
     sgoff[j] = (SSM && c < 2 * BN && row >= 0) ? row * GPR : -1;
   }
   const unsigned short* s16 = reinterpret_cast<const unsigned short*>(scales);

@@ -786,8 +786,9 @@ mod tests {
         assert_eq!(l(32, 4096, 4096, 4).sk, 8); // o: 32 column blocks, 256 blocks of 4 steps
         assert_eq!(l(32, 28672, 4096, 4).sk, 1); // gate/up: 224 column blocks, no split
         assert_eq!(l(32, 4096, 14336, 4).sk, 8); // down: 112 steps, 14 a block
-        assert_eq!(l(32, 128256, 4096, 4).sk, 1); // lm_head
-                                                  // the rule before: the fewest splits that fill every slot (two waves for down)
+                                                 // lm_head
+        assert_eq!(l(32, 128256, 4096, 4).sk, 1);
+        // the rule before: the fewest splits that fill every slot (two waves for down)
         assert_eq!(
             [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)].map(|(n, k)| fill(32, n, k)),
             [8, 16, 2, 14]

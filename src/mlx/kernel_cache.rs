@@ -15,8 +15,8 @@
 //! the entry. An evaluation waits for the compilations still pending among the variants
 //! its thread launched since its last evaluation ([`wait_pending`]), so MLX finds their
 //! entries instead of compiling again, and compilations it does not need (started for
-//! steps not run yet: [`forget_needed`], or all but one step's: [`take_needed`] and
-//! [`set_needed`]) go on in the background; the variants of one
+//! steps not run yet: [`take_needed`], put back with [`set_needed`] for the step that
+//! runs) go on in the background; the variants of one
 //! step compile in parallel.
 //!
 //! Entries are keyed by the module name (which hashes the whole source, template
@@ -731,15 +731,10 @@ pub(crate) fn wait_pending() {
     }
 }
 
-/// The variants this thread launched so far are not needed by its next evaluation
-/// (their graphs were dropped): their compilations go on in the background, and a later
-/// launch of one still compiling waits for it then.
-pub fn forget_needed() {
-    NEEDED.with(|n| n.borrow_mut().clear());
-}
-
 /// The variants this thread launched since its last evaluation that are still compiling
-/// (what that evaluation would wait for), taken: the list is empty after.
+/// (what that evaluation would wait for), taken: the list is empty after, so their
+/// compilations go on in the background, and a later launch of one still compiling
+/// waits for it then.
 pub fn take_needed() -> Vec<u64> {
     NEEDED.with(|n| std::mem::take(&mut *n.borrow_mut()))
 }
