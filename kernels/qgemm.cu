@@ -109,6 +109,19 @@
 #ifndef MLXCEL_QGEMM_XHOIST
 #define MLXCEL_QGEMM_XHOIST 1
 #endif
+// MLXCEL_QGEMM_PIPE R: in launches of at most R batch rows (0: none), the step's 4 words
+// unrolled, each word's weights dequantized while the MMAs of the word before run (two
+// register sets of A fragments, 16 more registers; at 64 rows and more they spilled): one word at a
+// time, a warp's tensor-core work waited for its own dequantizing and the dequantizing for
+// the MMAs reading the registers it reuses (CUNROLL does not apply there)
+#ifndef MLXCEL_QGEMM_PIPE
+#define MLXCEL_QGEMM_PIPE 32
+#endif
+// (Not in MLXCEL_QGEMM_BOUNDED 1, the 128-register flavour of src/kernels/qgemm.rs
+// BOUNDED_PREFIX: at 8 bits it spilled with it.)
+#ifndef MLXCEL_QGEMM_BOUNDED
+#define MLXCEL_QGEMM_BOUNDED 0
+#endif
 
 // Pairs of T: 128 + v for 4 bits v in the mantissa (bf16 0x4300 | v; f16 1024 + v, 0x6400 | v),
 // 1 and minus that offset; bf: whether T is bfloat16
@@ -524,6 +537,72 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
     if constexpr (BITS == 4) {
       load_w(0);
     }
+    // word c's A fragments (tile, row, pair) from the loaded chunks
+    auto dequant = [&](int c, uint32_t (&a)[2][2][4]) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const uint4 u = wq[i][h];
+          uint32_t lo, hi;
+          if constexpr (BITS == 4) {
+            lo = c == 0 ? u.x : c == 1 ? u.y : c == 2 ? u.z : u.w;
+            hi = 0u;
+          } else {
+            lo = (c % 2) ? u.z : u.x;
+            hi = (c % 2) ? u.w : u.y;
+          }
+          mlxcel_dequant8<T, BITS>(lo, hi, s2[i][h], b2[i][h], a[i][h]);
+        }
+      }
+    };
+    // word c's x fragment of the warp's n-tile j
+    auto x_frag = [&](int c, int j) {
+      const int m = 8 * (wn * NTW + j) + gq;
+      return st[W16 + m * 16 + ((4 * c + t) ^ (4 * (m & 1)))];
+    };
+    // the four MMAs of a word's A fragments with n-tile j's x fragment v
+    auto multiply = [&](const uint32_t (&a)[2][2][4], const uint4 v, int j) {
+      // (x0,x1) (x2,x3) (x4,x5) (x6,x7) → (x0,x4) (x1,x5) (x2,x6) (x3,x7), the weights'
+      // order (the norm's or the pair pass stored them so)
+      uint32_t b0 = v.x, b1 = v.y, b2_ = v.z, b3 = v.w;
+      if constexpr (!PAIRED) {
+        b0 = __byte_perm(v.x, v.z, 0x5410), b1 = __byte_perm(v.x, v.z, 0x7632);
+        b2_ = __byte_perm(v.y, v.w, 0x5410), b3 = __byte_perm(v.y, v.w, 0x7632);
+      }
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        mlxcel_mma16<T>(acc[i][j], a[i][0][0], a[i][1][0], a[i][0][1], a[i][1][1], b0, b1);
+        mlxcel_mma16<T>(acc[i][j], a[i][0][2], a[i][1][2], a[i][0][3], a[i][1][3], b2_, b3);
+      }
+    };
+    if constexpr (MT <= MLXCEL_QGEMM_PIPE && !MLXCEL_QGEMM_BOUNDED) {
+      // word c + 1 dequantized between word c's x loads and its MMAs, into the other set
+      uint32_t a0[2][2][4], a1[2][2][4];
+      if constexpr (BITS == 8) {
+        load_w(0);
+      }
+      dequant(0, a0);
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        uint4 xv[NTW];
+#pragma unroll
+        for (int j = 0; j < NTW; ++j) {
+          xv[j] = x_frag(c, j);
+        }
+        if (c + 1 < 4) {
+          if (BITS == 8 && c == 1) {
+            load_w(1);
+          }
+          dequant(c + 1, (c & 1) ? a0 : a1);
+        }
+#pragma unroll
+        for (int j = 0; j < NTW; ++j) {
+          multiply((c & 1) ? a1 : a0, xv[j], j);
+        }
+      }
+      return;
+    }
     // (one word at a time by default: unrolled, the compiler dequantized every word up
     // front, which took 64 more registers and spilled at 8 bits)
     constexpr int CU = (BITS == 4 && MT <= 32) ? MLXCEL_QGEMM_CUNROLL : 1;
@@ -542,43 +621,14 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
       if constexpr (XH) {
 #pragma unroll
         for (int j = 0; j < NTW; ++j) {
-          const int m = 8 * (wn * NTW + j) + gq;
-          xv[j] = st[W16 + m * 16 + ((4 * c + t) ^ (4 * (m & 1)))];
+          xv[j] = x_frag(c, j);
         }
       }
       uint32_t a[2][2][4];  // tile, row, pair
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const uint4 u = wq[i][h];
-          uint32_t lo, hi;
-          if constexpr (BITS == 4) {
-            lo = c == 0 ? u.x : c == 1 ? u.y : c == 2 ? u.z : u.w;
-            hi = 0u;
-          } else {
-            lo = (c % 2) ? u.z : u.x;
-            hi = (c % 2) ? u.w : u.y;
-          }
-          mlxcel_dequant8<T, BITS>(lo, hi, s2[i][h], b2[i][h], a[i][h]);
-        }
-      }
+      dequant(c, a);
 #pragma unroll
       for (int j = 0; j < NTW; ++j) {
-        const int m = 8 * (wn * NTW + j) + gq;
-        const uint4 v = XH ? xv[XH ? j : 0] : st[W16 + m * 16 + ((4 * c + t) ^ (4 * (m & 1)))];
-        // (x0,x1) (x2,x3) (x4,x5) (x6,x7) → (x0,x4) (x1,x5) (x2,x6) (x3,x7), the weights'
-        // order (the norm's or the pair pass stored them so)
-        uint32_t b0 = v.x, b1 = v.y, b2_ = v.z, b3 = v.w;
-        if constexpr (!PAIRED) {
-          b0 = __byte_perm(v.x, v.z, 0x5410), b1 = __byte_perm(v.x, v.z, 0x7632);
-          b2_ = __byte_perm(v.y, v.w, 0x5410), b3 = __byte_perm(v.y, v.w, 0x7632);
-        }
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          mlxcel_mma16<T>(acc[i][j], a[i][0][0], a[i][1][0], a[i][0][1], a[i][1][1], b0, b1);
-          mlxcel_mma16<T>(acc[i][j], a[i][0][2], a[i][1][2], a[i][0][3], a[i][1][3], b2_, b3);
-        }
+        multiply(a, XH ? xv[XH ? j : 0] : x_frag(c, j), j);
       }
     }
   };

@@ -70,7 +70,7 @@ BOUNDED = os.environ.get("MLXCEL_QGEMM_BOUNDED") == "1"
 FILL = os.environ.get("MLXCEL_QGEMM_FILL") == "1"
 BLOCK_OVERHEAD_STEPS = 4  # src/kernels/qgemm.rs
 BOUNDED_MAX_M = 32  # src/kernels/qgemm.rs
-BOUNDED_PREFIX = ("#if defined(__CUDA_ARCH__)\n#undef __global__\n"
+BOUNDED_PREFIX = ("#define MLXCEL_QGEMM_BOUNDED 1\n#if defined(__CUDA_ARCH__)\n#undef __global__\n"
                   "#define __global__ __location__(global) __launch_bounds__(256, 2)\n#endif\n")
 
 

@@ -4,6 +4,7 @@ read the profiler's per-instruction report back as a ledger.
 
     python3 scripts/prof_qgemm.py run 8B:gate_up:4:64 8B:qkv:4:32   # MODEL:PRODUCT:BITS:ROWS ...
     python3 scripts/prof_qgemm.py ledger sass.csv [TOP]               # stalls by instruction and opcode
+    python3 scripts/prof_qgemm.py times times.csv SPEC...             # kernel µs per product
 
 `run` calls each product (launch as `launch_for` picks it; `MLXCEL_QGEMM_SOURCE`,
 `MLXCEL_QGEMM_SPLITK`, `MLXCEL_QGEMM_BOUNDED` as in scripts/check_qgemm.py) three times on a
@@ -14,6 +15,10 @@ random weight, after a warm-up that compiles it: under Nsight Compute with `-k r
 its opcode and warp-stall samples by reason. It prints the stall reasons' shares of all
 samples, the opcodes' shares, and the TOP instructions (default 30) with their leading
 reasons: where the kernel's warps wait, instruction by instruction.
+
+`times` reads `ncu --csv --metrics gpu__time_duration.sum -k regex:qgemm` output of a `run` of
+the same SPECs (every launch profiled: the warm-up's one per product, then three each) and
+prints each product's median kernel time in µs and the weight bytes over it.
 """
 import csv
 import re
@@ -91,6 +96,29 @@ def ledger(path, top=30):
         print(f"{samples / total:6.1%}  {addr:>8}  {text[:60]:60}  {lead}")
 
 
+def times(path, specs):
+    lines = open(path, errors="replace").read().splitlines()
+    start = next((i for i, l in enumerate(lines) if l.startswith('"ID"')), None)
+    if start is None:
+        sys.exit(f"{path}: no ncu csv header found")
+    rd = list(csv.reader(lines[start:]))
+    head = rd[0]
+    val, unit = head.index("Metric Value"), head.index("Metric Unit")
+    us = []
+    for r in rd[1:]:
+        if len(r) == len(head):
+            scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}.get(r[unit], 1e-3)
+            us.append(cq_num(r[val]) * scale)
+    if len(us) != 4 * len(specs):
+        sys.exit(f"{path}: {len(us)} launches for {len(specs)} products (want 4 each)")
+    for i, spec in enumerate(specs):
+        model, name, bits, m = spec.split(":")
+        n, k = next((n, k) for n, k, nm, _ in cq.SHAPES[model] if nm == name)
+        t = sorted(us[len(specs) + 3 * i: len(specs) + 3 * i + 3])[1]
+        wbytes = n * k * int(bits) / 8 + 2 * 2 * n * k / 64
+        print(f"| {spec} | {cq.launch_for(int(m), n, k, int(bits))} | {t:.1f} | {wbytes / t / 1e6:.2f} |")
+
+
 def cq_num(v):
     try:
         return float(v.replace(",", ""))
@@ -99,9 +127,11 @@ def cq_num(v):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 3 or sys.argv[1] not in ("run", "ledger"):
+    if len(sys.argv) < 3 or sys.argv[1] not in ("run", "ledger", "times"):
         sys.exit(__doc__)
     if sys.argv[1] == "run":
         run(sys.argv[2:])
+    elif sys.argv[1] == "times":
+        times(sys.argv[2], sys.argv[3:])
     else:
         ledger(sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else 30)

@@ -107,6 +107,14 @@ fn ptxas_report(
         .expect("running MLXCEL_PTXAS");
     let log = String::from_utf8_lossy(&out.stderr).to_string();
     assert!(out.status.success(), "{name}: ptxas failed:\n{log}");
+    // MLXCEL_CUBIN_DIR=dir keeps each cubin there, for reading its instructions
+    if let Some(keep) = std::env::var_os("MLXCEL_CUBIN_DIR") {
+        std::fs::copy(
+            dir.path().join("out.cubin"),
+            std::path::Path::new(&keep).join(format!("{name}.cubin")),
+        )
+        .expect("MLXCEL_CUBIN_DIR: copying a cubin there");
+    }
     let line = log
         .lines()
         .filter(|l| l.contains("registers") || l.contains("spill"))
@@ -459,6 +467,23 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
             gemm(128, 28672, 4096, 64, 4, 2, 1, 2),
             2,
             1,
+        ),
+        // gate/up and 8-bit down at 64 rows (the word loop pipelined, MLXCEL_QGEMM_PIPE)
+        (
+            "custom_kernel_mlxcel_qgemm_test_swiglu_64",
+            bf,
+            &gemm_include,
+            gemm(64, 28672, 4096, 64, 4, 1, 1, 4),
+            2,
+            1,
+        ),
+        (
+            "custom_kernel_mlxcel_qgemm_test_res_64_8bit",
+            bf,
+            &gemm_include,
+            gemm(64, 4096, 14336, 64, 8, 1, 8, 3),
+            1,
+            0,
         ),
         // o at 16 rows, group 32: the plain product, 16 splits
         (

@@ -17,6 +17,10 @@
 #                                               # one launch per SPEC (MODEL:PRODUCT:BITS:ROWS, default
 #                                               # 8B:gate_up:4:64 8B:qkv:4:32 8B:down:4:64): the details page and
 #                                               # scripts/prof_qgemm.py's ledger of where the warps wait (< 3 min)
+#   bash scripts/gpu/qgemm.sh times [SPEC...]   # Nsight kernel times (µs, TB/s of weights) of products (SPECs as
+#                                               # for stalls, default the 8B products at 4 bits, 32 and 64 rows,
+#                                               # and down and gate/up at 8), once per kernel file of SOURCES
+#                                               # ("name=path ...", default the embedded file) (< 1 min each)
 #   bash scripts/gpu/qgemm.sh all               # check and bench
 # Targets (issue 25): 4-bit decode ≥ 1.3× bf16 at batch 8, 32 and 64 and rising with the batch;
 # 8-bit ≥ bf16 at 32 and 64. Environment: scripts/gpu/lib.sh; BATCHES (8,16,32,64), RUNS,
@@ -76,11 +80,25 @@ stalls() {
   (cd "$OUT" && tar -czf ncu-stalls.tgz ncu-*-details.csv ncu-*-sass.csv ncu-*.log 2>/dev/null &&
     rm -f ncu-*-details.csv ncu-*-sass.csv ncu-*.log ncu-*.ncu-rep)
 }
+times() {
+  local specs=${*:-8B:qkv:4:32 8B:o:4:32 8B:gate_up:4:32 8B:down:4:32 8B:qkv:4:64 8B:o:4:64 8B:gate_up:4:64 8B:down:4:64 8B:gate_up:8:32 8B:down:8:32 8B:down:8:64}
+  local v name path
+  for v in ${SOURCES:-embedded=}; do
+    name=${v%%=*} path=${v#*=}
+    step "Nsight kernel times, kernel file $name${path:+ ($path)}"
+    echo "| product | launch (MT WR WN SK ST) | µs | TB/s of weights |"
+    echo "|---|---|---|---|"
+    MLXCEL_QGEMM_SOURCE=$path timeout ${NCU_S:-150} ncu --csv --metrics gpu__time_duration.sum -k regex:qgemm \
+      python3 scripts/prof_qgemm.py run $specs > "$OUT/ncu-times-$name.csv" 2> "$OUT/ncu-times-$name.err" &&
+      python3 scripts/prof_qgemm.py times "$OUT/ncu-times-$name.csv" $specs || tail -3 "$OUT/ncu-times-$name.err"
+  done 2>&1 | tee -a "$OUT/qgemm-times.txt"
+}
 case "$cmd" in
 check) check "$@" ;;
 bench) bench ;;
 steps) steps ;;
 stalls) stalls "$@" ;;
+times) times "$@" ;;
 all) check "$@"; bench ;;
-*) echo "unknown: $cmd (check, bench, steps, stalls, all)" >&2; exit 2 ;;
+*) echo "unknown: $cmd (check, bench, steps, stalls, times, all)" >&2; exit 2 ;;
 esac

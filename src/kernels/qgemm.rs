@@ -55,7 +55,8 @@ pub const BOUNDED_MAX_M: usize = 32;
 /// of up to 256 threads an SM, so the compiler keeps to 128 registers a thread. (MLX
 /// writes the signature itself, so the attribute comes in through `__global__`; only
 /// device compilation sees it, the CPU emulation compiles the file as it is.)
-pub const BOUNDED_PREFIX: &str = "#if defined(__CUDA_ARCH__)\n#undef __global__\n\
+pub const BOUNDED_PREFIX: &str = "#define MLXCEL_QGEMM_BOUNDED 1\n\
+#if defined(__CUDA_ARCH__)\n#undef __global__\n\
 #define __global__ __location__(global) __launch_bounds__(256, 2)\n#endif\n";
 
 const EMBEDDED: &str = include_str!("../../kernels/qgemm.cu");
