@@ -31,8 +31,12 @@ run() {
   echo "$tag: ready after $(python3 -c "import sys,time; print(round(time.time()-float(sys.argv[1]),1))" $t0) s"
   grep -o "warmed up.*" "$OUT/kernel-cache-$tag.log" | head -1
   echo "cache folder: $(ls "$d" | wc -l) files, $(du -sh "$d" | cut -f1)"
+  touch "$d/.ready"
   timeout 120 python3 scripts/bench_server.py --port $PORT --concurrency 8 --max-tokens 128 --rounds 1 \
     > "$OUT/kernel-cache-$tag.json" && bench_summary "$OUT/kernel-cache-$tag.json"
+  # the modules compiled while the streams ran (MLX's own and mlxcel's), by kernel name
+  echo "compiled after ready: $(find "$d" -name '*.txt' -newer "$d/.ready" | wc -l) modules:" \
+    $(find "$d" -name '*.txt' -newer "$d/.ready" -exec basename {} .txt \; | sed 's/_[0-9]*$//' | sort | uniq -c | sort -rn | head -12)
   unserve
 }
 {

@@ -613,6 +613,8 @@ impl Worker {
         let mut phases = Vec::new();
         let mut first: Option<(Array, crate::models::kv_cache::CacheState, Vec<u64>)> = None;
         if build_first {
+            // (nothing evaluated while the graphs are built: see `BuildOnly`)
+            let build_only = crate::models::model::BuildOnly::start();
             let before = self.cache.save();
             if background {
                 let b1 = self.warm_graph(WarmStep::Decode(1))?;
@@ -634,7 +636,12 @@ impl Worker {
             // (the GEMM orders its calls through a token: kept, the next evaluation would
             // run every dropped graph, and batch 1 in the background waited for all of them)
             kernels::qgemm::forget_dropped_calls();
-            tracing::debug!("warm-up: {} steps built", steps.len());
+            drop(build_only);
+            tracing::debug!(
+                "warm-up: {} steps built in {:.1} s",
+                steps.len(),
+                start.elapsed().as_secs_f64()
+            );
         }
         let now: Vec<WarmStep> = match first {
             Some((b1, state, keys)) => {

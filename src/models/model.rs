@@ -26,6 +26,38 @@ use super::weights::WeightSource;
 /// (see `Model::forward`, one slot's chunk): a decode step must not wait inside itself.
 const PREFILL_BOUND_MIN_ROWS: usize = 32;
 
+thread_local! {
+    /// Set while a warm-up builds graphs it drops unevaluated ([`BuildOnly`]).
+    static BUILD_ONLY: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// While alive, long inputs' graphs on this thread are built without the two-layer bound:
+/// nothing is evaluated on the way. For a warm-up that builds graphs only to name their
+/// kernel variants and drops them: with the bound, each long prompt evaluated its layers
+/// as it was built, which waited for every kernel compiling by then (on an H100 the
+/// background warm-up's builds took 48 s instead of building batch 1's kernels first).
+pub struct BuildOnly(bool);
+
+impl BuildOnly {
+    pub fn start() -> Self {
+        BuildOnly(BUILD_ONLY.with(|b| b.replace(true)))
+    }
+}
+
+impl Drop for BuildOnly {
+    fn drop(&mut self) {
+        BUILD_ONLY.with(|b| b.set(self.0));
+    }
+}
+
+/// Whether a long input of `rows` keeps at most two layers in flight (on a GPU, unless a
+/// [`BuildOnly`] is alive).
+fn bound_in_flight(rows: usize) -> bool {
+    rows >= PREFILL_BOUND_MIN_ROWS
+        && mlx::backend() != mlx::Backend::Cpu
+        && !BUILD_ONLY.with(|b| b.get())
+}
+
 /// Queue layer output `h` and wait for the one before it (`in_flight`): at most two
 /// layers of a long input in flight.
 fn keep_two_in_flight(in_flight: &mut Option<Array>, h: &Array) -> mlx::Result<()> {
@@ -491,7 +523,7 @@ impl Model {
         // layer's temporaries are alive at once: activations, and for a quantized model each
         // layer's dequantized weight (layers::dequant_gemm; 4-bit 8B prefill(2048) peaked
         // at 22.7 GB on H200, 8.3 GB with the bound). Keep at most two layers in flight.
-        let bound = t as usize >= PREFILL_BOUND_MIN_ROWS && mlx::backend() != mlx::Backend::Cpu;
+        let bound = bound_in_flight(t as usize);
         let mut in_flight: Option<Array> = None;
         if let Some(p) = probe.as_deref_mut() {
             p.push(h.clone());
@@ -599,7 +631,7 @@ impl Model {
                 Some(self.embed(&Array::from_slice(&ids, &[1, n])?)?)
             }
         };
-        let bound = n as usize >= PREFILL_BOUND_MIN_ROWS && mlx::backend() != mlx::Backend::Cpu;
+        let bound = bound_in_flight(n as usize);
         let mut in_flight: Option<Array> = None;
         for (li, block) in self.layers.iter().enumerate() {
             let a = &block.self_attn;
