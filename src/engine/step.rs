@@ -475,8 +475,9 @@ fn lock(buf: &Mutex<MaskBuffer>) -> std::sync::MutexGuard<'_, MaskBuffer> {
 const MASK_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// Longer prompts a server's warm-up runs too (those that fit a slot): 64 tokens take the
-/// quantized GEMM of MLX (9–255 rows at 4 bits), 512 dequantize + GEMM (from 256 rows at 4
-/// bits, 512 at 8), and both MLX's causal attention over a chunk, so MLX's own kernels for
+/// quantized GEMM of MLX where mlxcel's is off (`MLXCEL_QGEMM=0`; 9–255 rows at 4 bits),
+/// 512 dequantize + GEMM (from 256 rows at 4 bits, 512 at 8, and above 128 rows with
+/// mlxcel's GEMM on), and both MLX's causal attention over a chunk, so MLX's own kernels for
 /// a batch of prompts compile at start too. Without them the first requests did: on one
 /// H200 the first 8 streams after a cold start waited 12.4 s for their first tokens. On
 /// CUDA only (where MLX compiles its kernels at run time).

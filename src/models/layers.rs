@@ -643,9 +643,14 @@ fn apply_norm(x: &Array, norm: Option<&RmsNorm>) -> mlx::Result<Array> {
 /// MLX's quantized GEMM on `[m, k]` is 1.7–3.9× faster than dequantize + GEMM at 16–128
 /// rows, the two meet near 256 rows at 4 bits and 512 at 8 (fewer bytes to dequantize per
 /// row than the quantized GEMM reads), and dequantize + GEMM wins above (3.4× at 2048
-/// rows, 4-bit); elsewhere the earlier 32 rows.
+/// rows, 4-bit); elsewhere the earlier 32 rows. With mlxcel's GEMM on (it takes up to
+/// [`kernels::qgemm::MAX_M`] rows) CUDA goes straight from it to dequantize + GEMM, leaving
+/// `quantized_matmul` out: MLX compiles its kernel at first use, and on an H100 the first
+/// streams after a cold start waited ~30 s for it (their prompts, 129–255 rows together),
+/// against the few hundred µs a layer the 129–255 rows' products cost either way.
 fn dequant_gemm_min_rows(bits: usize) -> usize {
     match (mlx::backend(), bits) {
+        (mlx::Backend::Cuda, _) if kernels::qgemm::enabled() => kernels::qgemm::MAX_M + 1,
         (mlx::Backend::Cuda, 8) => 512,
         (mlx::Backend::Cuda, _) => 256,
         _ => 32,
