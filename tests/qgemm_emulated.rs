@@ -231,7 +231,7 @@ fn run_switched(tag: &str, defines: &str, consts: &[(&str, usize)]) {
 fn qgemm_tuning_switches_match() {
     // x paired by a pass over the stage instead of each warp's fragment loads (without the
     // norm), the word loop unrolled (4-bit, up to 32 rows), and not pipelined (the default
-    // dequantizes each word during the one before's MMAs up to 32 rows), each with the plain
+    // dequantizes each word during the one before's MMAs up to 64 rows), each with the plain
     // and residual epilogues and at 8 bits
     for (tag, d) in [
         ("pair_pass", "#define MLXCEL_QGEMM_XPAIR 1\n"),
@@ -378,11 +378,12 @@ fn qgemm_nan_reaches_its_row_only() {
 /// The tests above fail when the kernel is wrong: bugs planted in the kernel file (the B
 /// fragments' pairing, in the warps' loads and in the pair pass; one nibble of the 4-bit
 /// unpacking, one split's partial left out, the 8-bit byte order, the epilogue's rows of the
-/// second tile, x's slots in a stage, the 8-bit weights' swizzle, a step copied into the slot
-/// still being read) each make a run fail.
+/// second tile, x's slots in a stage, the 8-bit weights' swizzle, the words the pipelined
+/// loop reads from the stage above 32 rows, a step copied into the slot still being read)
+/// each make a run fail.
 #[test]
 fn planted_bugs_are_caught() {
-    let cases: [(&str, &str, &str, Consts); 8] = [
+    let cases: [(&str, &str, &str, Consts); 9] = [
         (
             "pairs",
             "b1 = __byte_perm(v.x, v.z, 0x7632)",
@@ -424,6 +425,12 @@ fn planted_bugs_are_caught() {
             "wq[i][h] = st[r * BITS + (BITS == 8 ? (q ^ (r & 1)) : q)];",
             "wq[i][h] = st[r * BITS + q];",
             cfg(9, 32, 256, 64, 8, 1, 1, 1),
+        ),
+        (
+            "stage-words",
+            "const uint32_t lo = BITS == 4 ? p[c] : p[(c % 2) * 2];",
+            "const uint32_t lo = BITS == 4 ? p[c ^ 1] : p[(c % 2) * 2];",
+            cfg(33, 32, 256, 64, 4, 1, 1, 1),
         ),
         (
             "ring-slot",
