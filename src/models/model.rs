@@ -36,6 +36,7 @@ thread_local! {
 /// kernel variants and drops them: with the bound, each long prompt evaluated its layers
 /// as it was built, which waited for every kernel compiling by then (on an H100 the
 /// background warm-up's builds took 48 s instead of building batch 1's kernels first).
+#[must_use = "the bound is back as soon as the guard is dropped"]
 pub struct BuildOnly(bool);
 
 impl BuildOnly {
@@ -633,6 +634,10 @@ impl Model {
         };
         let bound = bound_in_flight(n as usize);
         let mut in_flight: Option<Array> = None;
+        // decode rows above the quantized GEMM's 128 take dequantize + GEMM too, whose
+        // dequantized weights would otherwise be alive for every layer at once
+        let bound_d = b as usize > kernels::qgemm::MAX_M && bound_in_flight(b as usize);
+        let mut in_flight_d: Option<Array> = None;
         for (li, block) in self.layers.iter().enumerate() {
             let a = &block.self_attn;
             let norm = &block.input_layernorm;
@@ -676,11 +681,13 @@ impl Model {
                     None => a.attend_gathered(q, cache, li, index)?,
                 };
                 let h = a.out_residual(&o, h, b, 1)?;
-                hd = Some(
-                    block
-                        .mlp
-                        .forward_residual(&h, &block.post_attention_layernorm)?,
-                );
+                let h = block
+                    .mlp
+                    .forward_residual(&h, &block.post_attention_layernorm)?;
+                if bound_d {
+                    keep_two_in_flight(&mut in_flight_d, &h)?;
+                }
+                hd = Some(h);
             }
             if let Some(h) = &hc {
                 let mut outs = Vec::with_capacity(chunks.len());
