@@ -107,7 +107,10 @@ def times(path, specs):
     us = []
     for r in rd[1:]:
         if len(r) == len(head):
-            scale = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3}.get(r[unit], 1e-3)
+            scale = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3,
+                     "ms": 1e3}.get(r[unit])
+            if scale is None:
+                sys.exit(f"{path}: unknown time unit {r[unit]!r}")
             us.append(cq_num(r[val]) * scale)
     if len(us) != 4 * len(specs):
         sys.exit(f"{path}: {len(us)} launches for {len(specs)} products (want 4 each)")

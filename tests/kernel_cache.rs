@@ -439,7 +439,10 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
     let bounded_header = format!("{header}{}{}", mlxcel::kernels::qgemm::BOUNDED_PREFIX, g[0]);
     // the word loop unrolled (MLXCEL_QGEMM_CUNROLL, set in a kernel file sent through
     // MLXCEL_QGEMM_SOURCE): 4-bit up to 32 rows, where two blocks an SM leave 255 registers
-    let unrolled_header = format!("{header}#define MLXCEL_QGEMM_CUNROLL 4\n{}", g[0]);
+    let unrolled_header = format!(
+        "{header}#define MLXCEL_QGEMM_CUNROLL 4\n#define MLXCEL_QGEMM_PIPE 0\n{}",
+        g[0]
+    );
     for (name, t, head, mut c, epi, norm) in [
         // gate/up at 32 rows: SwiGLU with the norm, 2 splits, a ring of 6 stages
         (
@@ -468,7 +471,16 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
             2,
             1,
         ),
-        // gate/up and 8-bit down at 64 rows (the word loop pipelined, MLXCEL_QGEMM_PIPE)
+        // at 64 rows: gate/up with the norm (the word loop as it is), 4- and 8-bit down (the
+        // loop pipelined, MLXCEL_QGEMM_PIPE, the weights read from the stage word by word)
+        (
+            "custom_kernel_mlxcel_qgemm_test_res_64",
+            bf,
+            &gemm_include,
+            gemm(64, 4096, 14336, 64, 4, 1, 8, 4),
+            1,
+            0,
+        ),
         (
             "custom_kernel_mlxcel_qgemm_test_swiglu_64",
             bf,

@@ -230,15 +230,18 @@ fn run_switched(tag: &str, defines: &str, consts: &[(&str, usize)]) {
 #[test]
 fn qgemm_tuning_switches_match() {
     // x paired by a pass over the stage instead of each warp's fragment loads (without the
-    // norm), the word loop unrolled (4-bit, up to 32 rows), and not pipelined (the default
-    // dequantizes each word during the one before's MMAs up to 64 rows), each with the plain
-    // and residual epilogues and at 8 bits
+    // norm), the word loop unrolled (4-bit, up to 32 rows; the pipeline off, which it would
+    // replace), and not pipelined (the default dequantizes each word during the one before's
+    // MMAs up to 64 rows), each with the plain and residual epilogues and at 8 bits
     for (tag, d) in [
         ("pair_pass", "#define MLXCEL_QGEMM_XPAIR 1\n"),
-        ("unroll4", "#define MLXCEL_QGEMM_CUNROLL 4\n"),
+        (
+            "unroll4",
+            "#define MLXCEL_QGEMM_CUNROLL 4\n#define MLXCEL_QGEMM_PIPE 0\n",
+        ),
         (
             "unroll2_pair_pass",
-            "#define MLXCEL_QGEMM_CUNROLL 2\n#define MLXCEL_QGEMM_XPAIR 1\n",
+            "#define MLXCEL_QGEMM_CUNROLL 2\n#define MLXCEL_QGEMM_XPAIR 1\n#define MLXCEL_QGEMM_PIPE 0\n",
         ),
         ("pipe_off", "#define MLXCEL_QGEMM_PIPE 0\n"),
     ] {

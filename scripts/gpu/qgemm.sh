@@ -20,7 +20,8 @@
 #   bash scripts/gpu/qgemm.sh times [SPEC...]   # Nsight kernel times (µs, TB/s of weights) of products (SPECs as
 #                                               # for stalls, default the 8B products at 4 bits, 32 and 64 rows,
 #                                               # and down and gate/up at 8), once per kernel file of SOURCES
-#                                               # ("name=path ...", default the embedded file) (< 1 min each)
+#                                               # ("name=path ...", default the embedded file); the plain product,
+#                                               # without the norm or an epilogue (< 1 min each)
 #   bash scripts/gpu/qgemm.sh all               # check and bench
 # Targets (issue 25): 4-bit decode ≥ 1.3× bf16 at batch 8, 32 and 64 and rising with the batch;
 # 8-bit ≥ bf16 at 32 and 64. Environment: scripts/gpu/lib.sh; BATCHES (8,16,32,64), RUNS,
@@ -88,7 +89,7 @@ times() {
     step "Nsight kernel times, kernel file $name${path:+ ($path)}"
     echo "| product | launch (MT WR WN SK ST) | µs | TB/s of weights |"
     echo "|---|---|---|---|"
-    MLXCEL_QGEMM_SOURCE=$path timeout ${NCU_S:-150} ncu --csv --metrics gpu__time_duration.sum -k regex:qgemm \
+    MLXCEL_QGEMM_SOURCE=$path timeout ${NCU_S:-150} ncu --clock-control none --csv --metrics gpu__time_duration.sum -k regex:qgemm \
       python3 scripts/prof_qgemm.py run $specs > "$OUT/ncu-times-$name.csv" 2> "$OUT/ncu-times-$name.err" &&
       python3 scripts/prof_qgemm.py times "$OUT/ncu-times-$name.csv" $specs || tail -3 "$OUT/ncu-times-$name.err"
   done 2>&1 | tee -a "$OUT/qgemm-times.txt"
