@@ -526,52 +526,48 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
     // step's 32 values (chunk t); 8-bit, half of them (chunk 2t + l), loaded per half (both
     // halves at once took 16 more registers, and spilled at 128 rows)
     uint4 wq[2][2];  // tile, row
+    // where that chunk lies in the stage
+    auto w_chunk = [&](int i, int h, int l) {
+      const int r = wr * 32 + i * 16 + h * 8 + gq;
+      const int q = LQ * t + l;
+      return st + r * BITS + (BITS == 8 ? (q ^ (r & 1)) : q);
+    };
     auto load_w = [&](int l) {
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const int r = wr * 32 + i * 16 + h * 8 + gq;
-          const int q = LQ * t + l;
-          wq[i][h] = st[r * BITS + (BITS == 8 ? (q ^ (r & 1)) : q)];
+          wq[i][h] = *w_chunk(i, h, l);
         }
       }
     };
     if constexpr (BITS == 4) {
       load_w(0);
     }
-    // word c's A fragments (tile, row, pair) from the loaded chunks
-    auto dequant = [&](int c, uint32_t (&a)[2][2][4]) {
+    // word c's A fragments (tile, row, pair), from the chunks loaded into wq, or with
+    // from_stage read from the stage word by word (the pipelined loop above 32 rows: the
+    // step's chunks held in registers left too few for the second A set). Word c is word k
+    // of its chunk at 4 bits, words k, k + 1 of chunk c / 2 at 8.
+    auto dequant = [&](int c, uint32_t (&a)[2][2][4], bool from_stage) {
+      const int k = BITS == 4 ? c : (c % 2) * 2;
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const uint4 u = wq[i][h];
-          uint32_t lo, hi;
-          if constexpr (BITS == 4) {
-            lo = c == 0 ? u.x : c == 1 ? u.y : c == 2 ? u.z : u.w;
-            hi = 0u;
+          uint32_t lo, hi = 0u;
+          if (from_stage) {
+            const uint32_t* p = reinterpret_cast<const uint32_t*>(w_chunk(i, h, BITS == 8 ? c / 2 : 0));
+            lo = p[k];
+            if constexpr (BITS == 8) {
+              hi = p[k + 1];
+            }
           } else {
-            lo = (c % 2) ? u.z : u.x;
-            hi = (c % 2) ? u.w : u.y;
+            const uint4 u = wq[i][h];
+            lo = k == 0 ? u.x : k == 1 ? u.y : k == 2 ? u.z : u.w;
+            if constexpr (BITS == 8) {
+              hi = k == 0 ? u.y : u.w;
+            }
           }
-          mlxcel_dequant8<T, BITS>(lo, hi, s2[i][h], b2[i][h], a[i][h]);
-        }
-      }
-    };
-    // word c's A fragments read from the stage word by word (the pipelined loop above 32
-    // rows: the step's chunks held in registers left too few for the second A set)
-    auto dequant_from_stage = [&](int c, uint32_t (&a)[2][2][4]) {
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int r = wr * 32 + i * 16 + h * 8 + gq;
-          const int q = LQ * t + (BITS == 8 ? c / 2 : 0);
-          const uint32_t* p =
-              reinterpret_cast<const uint32_t*>(st + r * BITS + (BITS == 8 ? (q ^ (r & 1)) : q));
-          const uint32_t lo = BITS == 4 ? p[c] : p[(c % 2) * 2];
-          const uint32_t hi = BITS == 4 ? 0u : p[(c % 2) * 2 + 1];
           mlxcel_dequant8<T, BITS>(lo, hi, s2[i][h], b2[i][h], a[i][h]);
         }
       }
@@ -600,15 +596,11 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
     if constexpr (MT <= MLXCEL_QGEMM_PIPE && (MT <= 32 || !NORM) && !MLXCEL_QGEMM_BOUNDED) {
       // word c + 1 dequantized between word c's x loads and its MMAs, into the other set
       uint32_t a0[2][2][4], a1[2][2][4];
-      constexpr bool WS = MT > 32;  // weights read word by word (dequant_from_stage)
+      constexpr bool WS = MT > 32;  // weights read from the stage word by word
       if constexpr (BITS == 8 && !WS) {
         load_w(0);
       }
-      if constexpr (WS) {
-        dequant_from_stage(0, a0);
-      } else {
-        dequant(0, a0);
-      }
+      dequant(0, a0, WS);
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         uint4 xv[NTW];
@@ -617,14 +609,10 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
           xv[j] = x_frag(c, j);
         }
         if (c + 1 < 4) {
-          if constexpr (WS) {
-            dequant_from_stage(c + 1, (c & 1) ? a0 : a1);
-          } else {
-            if (BITS == 8 && c == 1) {
-              load_w(1);
-            }
-            dequant(c + 1, (c & 1) ? a0 : a1);
+          if (BITS == 8 && !WS && c == 1) {
+            load_w(1);
           }
+          dequant(c + 1, (c & 1) ? a0 : a1, WS);
         }
 #pragma unroll
         for (int j = 0; j < NTW; ++j) {
@@ -655,7 +643,7 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
         }
       }
       uint32_t a[2][2][4];  // tile, row, pair
-      dequant(c, a);
+      dequant(c, a, false);
 #pragma unroll
       for (int j = 0; j < NTW; ++j) {
         multiply(a, XH ? xv[XH ? j : 0] : x_frag(c, j), j);

@@ -425,14 +425,14 @@ fn planted_bugs_are_caught() {
         ),
         (
             "8bit-swizzle",
-            "wq[i][h] = st[r * BITS + (BITS == 8 ? (q ^ (r & 1)) : q)];",
-            "wq[i][h] = st[r * BITS + q];",
+            "return st + r * BITS + (BITS == 8 ? (q ^ (r & 1)) : q);",
+            "return st + r * BITS + q;",
             cfg(9, 32, 256, 64, 8, 1, 1, 1),
         ),
         (
             "stage-words",
-            "const uint32_t lo = BITS == 4 ? p[c] : p[(c % 2) * 2];",
-            "const uint32_t lo = BITS == 4 ? p[c ^ 1] : p[(c % 2) * 2];",
+            "lo = p[k];",
+            "lo = p[k ^ 1];",
             cfg(33, 32, 256, 64, 4, 1, 1, 1),
         ),
         (
