@@ -68,6 +68,8 @@ SMS = int(os.environ.get("MLXCEL_QGEMM_SMS", "132"))  # H200 / H100 SXM
 SMEM = 228 * 1024  # shared memory an sm_90 SM holds (src/kernels/gpu.rs)
 BOUNDED = os.environ.get("MLXCEL_QGEMM_BOUNDED") == "1"
 FILL = os.environ.get("MLXCEL_QGEMM_FILL") == "1"
+WIDE = os.environ.get("MLXCEL_QGEMM_WIDE", "1") != "0"
+BLOCK_WARPS, NARROW_BLOCK_WARPS = 8, 4  # src/kernels/qgemm.rs
 BLOCK_OVERHEAD_STEPS = 4  # src/kernels/qgemm.rs
 BOUNDED_MAX_M = 32  # src/kernels/qgemm.rs
 BOUNDED_PREFIX = ("#define MLXCEL_QGEMM_BOUNDED 1\n#if defined(__CUDA_ARCH__)\n#undef __global__\n"
@@ -120,12 +122,16 @@ def launch_for(m, n, k, bits, max_splits=None):
         max_splits = int(os.environ.get("MLXCEL_QGEMM_SPLITK") or MAX_SPLITS)
     mt = variant_rows(m)
     wn = 2 if mt > 64 else 1
-    wr = 4
+    # src/kernels/qgemm.rs `Plan::launch`: 8 warps a block (wide), or 4 warps over the weight
+    # rows (narrow: MLXCEL_QGEMM_WIDE=0, and the bounded flavour)
+    wide = WIDE and not (BOUNDED and is_boundable(mt))
+    wr = BLOCK_WARPS // wn if wide else NARROW_BLOCK_WARPS
     stage = stage_bytes(mt, wr, bits)
     over = block_shared_overhead(mt)
     room = min(RING_BYTES, SMEM - over)
     st = min(max(room // stage, MIN_STAGES), MAX_STAGES)
-    per_sm = max(1, SMEM // (st * stage + over))
+    # blocks an SM holds: wide ones one (their registers), narrow ones by shared memory
+    per_sm = 1 if wide else max(1, SMEM // (st * stage + over))
     cb = max(1, -(-n // (32 * wr)))
     steps = k // 128
     splits = [d for d in k_splits(steps) if d <= max_splits] or [1]

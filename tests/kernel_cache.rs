@@ -415,7 +415,8 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
             ("K", k),
             ("G", g),
             ("BITS", bits),
-            ("WR", 4),
+            // 8 warps a block (`qgemm::BLOCK_WARPS`), 4 with two per row of tiles
+            ("WR", 8 / wn),
             ("WN", wn),
             ("SK", sk),
             ("ST", st),
@@ -444,12 +445,12 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
         g[0]
     );
     for (name, t, head, mut c, epi, norm) in [
-        // gate/up at 32 rows: SwiGLU with the norm, 2 splits, a ring of 6 stages
+        // gate/up at 32 rows: SwiGLU with the norm, 2 splits, a ring of 3 stages
         (
             "custom_kernel_mlxcel_qgemm_test_swiglu",
             bf,
             &gemm_include,
-            gemm(32, 28672, 4096, 64, 4, 1, 2, 6),
+            gemm(32, 28672, 4096, 64, 4, 1, 2, 3),
             2,
             1,
         ),
@@ -477,7 +478,7 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
             "custom_kernel_mlxcel_qgemm_test_res_64",
             bf,
             &gemm_include,
-            gemm(64, 4096, 14336, 64, 4, 1, 8, 4),
+            gemm(64, 4096, 14336, 64, 4, 1, 8, 3),
             1,
             0,
         ),
@@ -485,7 +486,7 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
             "custom_kernel_mlxcel_qgemm_test_swiglu_64",
             bf,
             &gemm_include,
-            gemm(64, 28672, 4096, 64, 4, 1, 1, 4),
+            gemm(64, 28672, 4096, 64, 4, 1, 1, 3),
             2,
             1,
         ),
@@ -493,7 +494,7 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
             "custom_kernel_mlxcel_qgemm_test_res_64_8bit",
             bf,
             &gemm_include,
-            gemm(64, 4096, 14336, 64, 8, 1, 8, 3),
+            gemm(64, 4096, 14336, 64, 8, 1, 8, 2),
             1,
             0,
         ),
@@ -502,7 +503,7 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
             "custom_kernel_mlxcel_qgemm_test_plain",
             bf,
             &gemm_include,
-            gemm(16, 4096, 4096, 32, 4, 1, 16, 6),
+            gemm(16, 4096, 4096, 32, 4, 1, 16, 4),
             0,
             0,
         ),
@@ -572,7 +573,7 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
         (
             "custom_kernel_mlxcel_qgemm_test_rope",
             &gemm_header,
-            gemm(64, 6144, 4096, 128, 4, 1, 8, 4),
+            gemm(64, 6144, 4096, 128, 4, 1, 4, 3),
         ),
         (
             "custom_kernel_mlxcel_qgemm_test_bounded_rope",

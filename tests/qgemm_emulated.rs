@@ -193,6 +193,15 @@ fn qgemm_4bit_matches_dequantize_matmul() {
     run("4bit_m16_g32_tail7", &cfg(16, 32 + 7, 384, 32, 4, 1, 1, 1));
     run("4bit_m33_g128", &cfg(33, 64, 512, 128, 4, 2, 1, 1));
     run("4bit_m128_wn2", &cfg(128, 64, 256, 64, 4, 2, 2, 1));
+    // wide blocks (8 warps, 256 weight rows: `qgemm::BLOCK_WARPS`): the norm and 2 splits
+    // over two column blocks, the second a tail of 48 rows
+    run(
+        "4bit_m40_wide_norm_split",
+        &with(
+            cfg(40, 256 + 48, 512, 64, 4, 8, 1, 2),
+            &[("NORM", 1), ("ST", 3)],
+        ),
+    );
     // the bounded flavour's launches (MLXCEL_QGEMM_BOUNDED): two warps share 2 or 4 tiles
     run("4bit_m16_wn2", &cfg(16, 64, 256, 64, 4, 2, 2, 1));
     run(
@@ -265,6 +274,11 @@ fn qgemm_8bit_matches_dequantize_matmul() {
     run("8bit_m16_g64_tail", &cfg(16, 32 + 5, 384, 64, 8, 1, 1, 1));
     run("8bit_m33_g128", &cfg(33, 64, 512, 128, 8, 2, 1, 1));
     run("8bit_m128", &cfg(128, 32, 256, 64, 8, 1, 2, 1));
+    // a wide block (8 warps, 256 weight rows: `qgemm::BLOCK_WARPS`), a tail of 16 rows
+    run(
+        "8bit_m24_wide",
+        &with(cfg(24, 256 + 16, 512, 32, 8, 8, 1, 1), &[("ST", 2)]),
+    );
 }
 
 #[test]
@@ -299,6 +313,11 @@ fn qgemm_epilogues_match() {
     run(
         "swiglu_m9_tail",
         &with(cfg(9, 80, 256, 32, 4, 2, 1, 1), &[("EPI", 2)]),
+    );
+    // a wide block's pairs (128 a block; N/2 = 160: a second block of 32)
+    run(
+        "swiglu_m20_wide",
+        &with(cfg(20, 2 * 160, 256, 64, 4, 8, 1, 1), &[("EPI", 2)]),
     );
     run(
         "norm_swiglu_8bit",

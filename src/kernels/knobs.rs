@@ -60,6 +60,9 @@ pub struct Knobs {
     /// the GEMM's 128-register flavour, two warps per row of tiles
     /// ([`super::qgemm::bounded`]). Off until measured in the engine.
     pub qgemm_bounded: bool,
+    /// `MLXCEL_QGEMM_WIDE` (default 1): GEMM blocks of [`super::qgemm::BLOCK_WARPS`] warps;
+    /// 0: [`super::qgemm::NARROW_BLOCK_WARPS`] (the launch before), for A/B runs.
+    pub qgemm_wide: bool,
     /// `MLXCEL_QGEMM_FILL=1`: split K over the fewest blocks that fill every SM's slots (the
     /// rule before [`super::qgemm::split_cost`]), for A/B runs.
     pub qgemm_fill: bool,
@@ -161,6 +164,7 @@ impl Default for Knobs {
             qgemm_source: None,
             qgemm_bounded: false,
             qgemm_fill: false,
+            qgemm_wide: true,
             kernel_include: true,
             attn: true,
             attn_single: false,
@@ -203,6 +207,7 @@ pub const VARS: &[&str] = &[
     "MLXCEL_QGEMM_SPLITK",
     "MLXCEL_QGEMM_SOURCE",
     "MLXCEL_QGEMM_BOUNDED",
+    "MLXCEL_QGEMM_WIDE",
     "MLXCEL_KERNEL_INCLUDE",
     "MLXCEL_ATTN",
     "MLXCEL_ATTN_SINGLE",
@@ -239,6 +244,7 @@ const SWITCHES: &[(&str, Field)] = &[
     ("MLXCEL_QGEMM", |k| &mut k.qgemm),
     ("MLXCEL_QGEMM_BOUNDED", |k| &mut k.qgemm_bounded),
     ("MLXCEL_QGEMM_FILL", |k| &mut k.qgemm_fill),
+    ("MLXCEL_QGEMM_WIDE", |k| &mut k.qgemm_wide),
     ("MLXCEL_KERNEL_INCLUDE", |k| &mut k.kernel_include),
     ("MLXCEL_ATTN", |k| &mut k.attn),
     ("MLXCEL_ATTN_SINGLE", |k| &mut k.attn_single),

@@ -285,21 +285,57 @@ pub fn launch_config(m: usize, n: usize, k: usize, bits: usize) -> Launch {
     let sms = g.sms.unwrap_or(gpu::DEFAULT_SMS);
     let splits = knobs::get().qgemm_splitk.unwrap_or(MAX_SPLITS);
     let fill = knobs::get().qgemm_fill;
-    let l = launch_split(m, n, k, bits, sms, g.shared_memory_per_sm(), splits, fill);
-    match knobs::get().qgemm_bounded {
-        true => bounded(l),
-        false => l,
+    let plan = Plan {
+        sms,
+        smem: g.shared_memory_per_sm(),
+        max_splits: splits,
+        fill,
+        wide: knobs::get().qgemm_wide,
+    };
+    // the bounded flavour's blocks are narrow, 256 threads (its launch bounds), where it
+    // has one
+    if knobs::get().qgemm_bounded {
+        let b = bounded(
+            Plan {
+                wide: false,
+                ..plan
+            }
+            .launch(m, n, k, bits),
+        );
+        if b.bounded {
+            return b;
+        }
     }
+    plan.launch(m, n, k, bits)
 }
 
-/// 4 warp rows (128 weight rows a block; x, staged in shared memory, is read once per
-/// block, so fewer rows per block read it more often), one warp per row of tiles up to 8
-/// tiles of batch rows and two above (64 accumulators a lane either way). The ring gets as
-/// many stages as [`RING_BYTES`] (and the SM's `smem` bytes less 1 KB) hold, from
-/// [`MIN_STAGES`] to [`MAX_STAGES`]: 4-bit, 6 stages up to 32 rows, 4 at 64, 2 at 128;
-/// 8-bit 5, 4, 3, 2. K is split (dividing the row's steps, at least [`MIN_SPLIT_STEPS`]
-/// each, at most `max_splits`) as [`split_cost`] finds cheapest. `scripts/check_qgemm.py
-/// --sweep` times others.
+/// Warps a block has: 8 (256 weight rows a block up to 64 batch rows, two warps per row of
+/// tiles above). x, staged in shared memory, is read from L2 once per block and step, so
+/// fewer rows per block read it more often: with 128 weight rows a block (4 warps) the L2
+/// was the busiest unit (Nsight on an H100: 59-61% of its throughput at 32 and 64 rows,
+/// DRAM 15-24%), and 256 took 13-27% off every 8B product at 32 and 64 rows (gate/up at 64
+/// rows 117.4 → 94.4 µs). Such a block holds an SM alone (140-230 registers a thread).
+pub const BLOCK_WARPS: usize = 8;
+/// Warps over a block's weight rows with `MLXCEL_QGEMM_WIDE=0` (the launch before, for A/B
+/// runs): 4 (128 weight rows), two warps per row of tiles above 64 batch rows.
+pub const NARROW_BLOCK_WARPS: usize = 4;
+
+/// What [`Plan::launch`] plans for: the GPU's SMs and shared memory per SM, the most splits
+/// of K, the rule splitting it and how wide a block is.
+#[derive(Debug, Clone, Copy)]
+pub struct Plan {
+    pub sms: usize,
+    pub smem: usize,
+    pub max_splits: usize,
+    /// K split over the fewest blocks that fill every slot the SMs hold (the most splits
+    /// allowed where none does): the rule before [`split_cost`].
+    pub fill: bool,
+    /// [`BLOCK_WARPS`] a block, or (false) [`NARROW_BLOCK_WARPS`] over its weight rows.
+    pub wide: bool,
+}
+
+/// The default launch of `m` rows of a `[n, k]` weight on a GPU of `sms` SMs with `smem`
+/// bytes of shared memory each (see [`Plan::launch`]).
 pub fn launch_for(
     m: usize,
     n: usize,
@@ -309,52 +345,67 @@ pub fn launch_for(
     smem: usize,
     max_splits: usize,
 ) -> Launch {
-    launch_split(m, n, k, bits, sms, smem, max_splits, false)
+    Plan {
+        sms,
+        smem,
+        max_splits,
+        fill: false,
+        wide: true,
+    }
+    .launch(m, n, k, bits)
 }
 
-/// [`launch_for`], or with `fill` K split over the fewest blocks that fill every slot the
-/// SMs hold (the most splits allowed where none does): the rule before [`split_cost`].
-#[allow(clippy::too_many_arguments)]
-pub fn launch_split(
-    m: usize,
-    n: usize,
-    k: usize,
-    bits: usize,
-    sms: usize,
-    smem: usize,
-    max_splits: usize,
-    fill: bool,
-) -> Launch {
-    let mt = variant_rows(m);
-    let wn = if mt > 64 { 2 } else { 1 };
-    let wr = 4;
-    let stage = stage_bytes(mt, wr, bits);
-    let over = block_shared_overhead(mt);
-    let room = RING_BYTES.min(smem.saturating_sub(over));
-    let st = (room / stage).clamp(MIN_STAGES, MAX_STAGES);
-    let per_sm = (smem / (st * stage + over)).max(1);
-    let cb = n.div_ceil(32 * wr).max(1);
-    let steps = k / 128;
-    let slots = sms * per_sm;
-    let sk = (1..=steps)
-        .filter(|&d| {
-            steps.is_multiple_of(d) && (d == 1 || steps / d >= MIN_SPLIT_STEPS) && d <= max_splits
-        })
-        .min_by_key(|&d| match fill {
-            // the fewest splits that fill every slot, else the most
-            true if d >= slots.div_ceil(cb) => (0, d),
-            true => (1, usize::MAX - d),
-            false => (split_cost(cb, steps, d, slots), d),
-        })
-        .unwrap_or(1);
-    Launch {
-        mt,
-        wr,
-        wn,
-        sk,
-        st,
-        bits,
-        bounded: false,
+impl Plan {
+    /// One warp per row of tiles up to 8 tiles of batch rows and two above (64 accumulators a
+    /// lane either way); [`BLOCK_WARPS`] a block (`wide`) or [`NARROW_BLOCK_WARPS`] over the
+    /// weight rows. The
+    /// ring gets as many stages as [`RING_BYTES`] (and the SM's `smem` bytes less 1 KB) hold,
+    /// from [`MIN_STAGES`] to [`MAX_STAGES`]: at 8 warps 4-bit 4, 3, 3, 2 stages at 16, 32,
+    /// 64, 128 rows; 8-bit 2 (at 4 warps 6, 6, 4, 2 and 5, 4, 3, 2). K is split (dividing the row's steps, at least
+    /// [`MIN_SPLIT_STEPS`] each, at most `max_splits`) as [`split_cost`] finds cheapest.
+    /// `scripts/check_qgemm.py --sweep` times others.
+    pub fn launch(&self, m: usize, n: usize, k: usize, bits: usize) -> Launch {
+        let mt = variant_rows(m);
+        let wn = if mt > 64 { 2 } else { 1 };
+        let wr = match self.wide {
+            true => BLOCK_WARPS / wn,
+            false => NARROW_BLOCK_WARPS,
+        };
+        let stage = stage_bytes(mt, wr, bits);
+        let over = block_shared_overhead(mt);
+        let room = RING_BYTES.min(self.smem.saturating_sub(over));
+        let st = (room / stage).clamp(MIN_STAGES, MAX_STAGES);
+        // blocks an SM holds: by their registers, ptxas giving 140-230 a thread, a wide
+        // block holds an SM alone; narrow ones by shared memory (as before)
+        let per_sm = match self.wide {
+            true => 1,
+            false => (self.smem / (st * stage + over)).max(1),
+        };
+        let cb = n.div_ceil(32 * wr).max(1);
+        let steps = k / 128;
+        let slots = self.sms * per_sm;
+        let sk = (1..=steps)
+            .filter(|&d| {
+                steps.is_multiple_of(d)
+                    && (d == 1 || steps / d >= MIN_SPLIT_STEPS)
+                    && d <= self.max_splits
+            })
+            .min_by_key(|&d| match self.fill {
+                // the fewest splits that fill every slot, else the most
+                true if d >= slots.div_ceil(cb) => (0, d),
+                true => (1, usize::MAX - d),
+                false => (split_cost(cb, steps, d, slots), d),
+            })
+            .unwrap_or(1);
+        Launch {
+            mt,
+            wr,
+            wn,
+            sk,
+            st,
+            bits,
+            bounded: false,
+        }
     }
 }
 
@@ -379,8 +430,10 @@ pub fn split_cost(cb: usize, steps: usize, d: usize, slots: usize) -> usize {
 /// (half the accumulators each) and 128 registers a thread, so that the two blocks the
 /// ring's shared memory allows an SM hold 16 warps instead of 8 (the kernel is bound by
 /// latency: issue slots 18-19% active on an H200). Other launches stay as they are.
+/// `l` must be a narrow launch ([`NARROW_BLOCK_WARPS`] of one row of tiles: the flavour
+/// runs 256 threads a block); others stay as they are too.
 pub fn bounded(l: Launch) -> Launch {
-    if l.mt > BOUNDED_MAX_M || !(l.mt / 8).is_multiple_of(2) {
+    if l.mt > BOUNDED_MAX_M || !(l.mt / 8).is_multiple_of(2) || l.wr * l.wn != NARROW_BLOCK_WARPS {
         return l;
     }
     Launch {
@@ -778,17 +831,30 @@ mod tests {
     fn launches_split_k_by_cost() {
         const H200: usize = 228 * 1024;
         let l = |m, n, k, bits| launch_for(m, n, k, bits, 132, H200, MAX_SPLITS);
-        let fill = |m, n, k| launch_split(m, n, k, 4, 132, H200, MAX_SPLITS, true).sk;
-        // 8B shapes at 32 rows: 128 rows a block, 6 stages (112,128 bytes: 2 blocks an SM,
-        // 264 slots); K split into one wave of the longest blocks
+        let plan = |wide, fill| Plan {
+            sms: 132,
+            smem: H200,
+            max_splits: MAX_SPLITS,
+            fill,
+            wide,
+        };
+        let narrow = |m, n, k, bits| plan(false, false).launch(m, n, k, bits);
+        let fill = |m, n, k| plan(false, true).launch(m, n, k, 4).sk;
+        // 8B shapes at 32 rows: 256 rows a block (8 warps), 3 stages (86,784 bytes), one
+        // block an SM (132 slots); K split into one wave of the longest blocks
         let qkv = l(32, 6144, 4096, 4);
-        assert_eq!((qkv.mt, qkv.wr, qkv.wn, qkv.sk, qkv.st), (32, 4, 1, 4, 6));
-        assert_eq!(qkv.shared_memory(), 6 * 16 * (128 * 4 + 32 * 16 + 16 + 128));
-        assert_eq!(l(32, 4096, 4096, 4).sk, 8); // o: 32 column blocks, 256 blocks of 4 steps
-        assert_eq!(l(32, 28672, 4096, 4).sk, 1); // gate/up: 224 column blocks, no split
+        assert_eq!((qkv.mt, qkv.wr, qkv.wn, qkv.sk, qkv.st), (32, 8, 1, 4, 3));
+        assert_eq!(qkv.shared_memory(), 3 * 16 * (256 * 4 + 32 * 16 + 16 + 256));
+        assert_eq!(qkv.threads(), 256);
+        assert_eq!(l(32, 4096, 4096, 4).sk, 8); // o: 16 column blocks, 128 blocks of 4 steps
+        assert_eq!(l(32, 28672, 4096, 4).sk, 1); // gate/up: 112 column blocks, no split
         assert_eq!(l(32, 4096, 14336, 4).sk, 8); // down: 112 steps, 14 a block
                                                  // lm_head
         assert_eq!(l(32, 128256, 4096, 4).sk, 1);
+        // narrow (MLXCEL_QGEMM_WIDE=0): 128 rows a block, 6 stages (112,128 bytes: 2
+        // blocks an SM, 264 slots)
+        let q4 = narrow(32, 6144, 4096, 4);
+        assert_eq!((q4.wr, q4.sk, q4.st), (4, 4, 6));
         // the rule before: the fewest splits that fill every slot (two waves for down)
         assert_eq!(
             [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)].map(|(n, k)| fill(32, n, k)),
@@ -796,17 +862,25 @@ mod tests {
         );
         assert_eq!(split_cost(32, 112, 14, 264), 2 * (8 + BLOCK_OVERHEAD_STEPS));
         assert_eq!(split_cost(32, 112, 8, 264), 14 + BLOCK_OVERHEAD_STEPS);
-        // 70B TP8 rank shapes: 10 column blocks → 16 splits of 4 steps; K = 1024: 4 of 2
+        // 70B TP8 rank shapes: 5 column blocks → 16 splits of 4 steps; K = 1024: 4 of 2
         assert_eq!(l(64, 1280, 8192, 4).sk, 16);
         assert_eq!(l(64, 8192, 1024, 4).sk, 4);
-        // stages by what 115,072 bytes hold: 4-bit 6, 6, 4, 2 at 16, 32, 64, 128 rows; 8-bit 5, 4, 3, 2
+        // stages by what 115,072 bytes hold: 4-bit 4, 3, 3, 2 at 16, 32, 64, 128 rows; 8-bit
+        // 2 (narrow: 6, 6, 4, 2 and 5, 4, 3, 2)
         let st = |bits| [16, 32, 64, 128].map(|m| l(m, 4096, 4096, bits).st);
-        assert_eq!((st(4), st(8)), ([6, 6, 4, 2], [5, 4, 3, 2]));
-        // above 64 rows two warps per row of tiles
+        assert_eq!((st(4), st(8)), ([4, 3, 3, 2], [2, 2, 2, 2]));
+        let st4 = |bits| [16, 32, 64, 128].map(|m| narrow(m, 4096, 4096, bits).st);
+        assert_eq!((st4(4), st4(8)), ([6, 6, 4, 2], [5, 4, 3, 2]));
+        // above 64 rows two warps per row of tiles, still 8 warps a block
         let big = l(100, 4096, 4096, 8);
-        assert_eq!((big.mt, big.wn, big.st), (112, 2, 2));
-        // a GPU with 100 KB an SM: the ring fits in 99 KB (5 stages), one block an SM (132 slots: 4 splits, one wave)
-        let small = launch_for(32, 4096, 4096, 4, 132, 100 * 1024, MAX_SPLITS);
+        assert_eq!((big.mt, big.wr, big.wn, big.st), (112, 4, 2, 2));
+        // a GPU with 100 KB an SM: the narrow ring fits in 99 KB (5 stages), one block an
+        // SM (132 slots: 4 splits, one wave)
+        let small = Plan {
+            smem: 100 * 1024,
+            ..plan(false, false)
+        }
+        .launch(32, 4096, 4096, 4);
         assert!(small.shared_memory() <= 99 * 1024 && small.st == 5 && small.sk == 4);
         // capped by the knob's most splits, and by steps per split
         assert_eq!(launch_for(32, 1280, 8192, 4, 132, H200, 1).sk, 1);
@@ -820,27 +894,40 @@ mod tests {
             (8192, 2048),
         ] {
             for m in [9, 16, 33, 64, 65, 128] {
-                let x = l(m, n, k, 4);
-                let steps = k / 128;
-                assert!(
-                    steps.is_multiple_of(x.sk) && (x.sk == 1 || steps / x.sk >= MIN_SPLIT_STEPS)
-                );
-                assert!(x.mt >= m && (x.mt / 8).is_multiple_of(x.wn));
+                for x in [l(m, n, k, 4), narrow(m, n, k, 4)] {
+                    let steps = k / 128;
+                    assert!(
+                        steps.is_multiple_of(x.sk)
+                            && (x.sk == 1 || steps / x.sk >= MIN_SPLIT_STEPS)
+                    );
+                    assert!(x.mt >= m && (x.mt / 8).is_multiple_of(x.wn));
+                }
             }
         }
     }
 
     #[test]
-    fn two_blocks_fit_an_sm_at_every_variant() {
+    fn blocks_fit_an_sm_at_every_variant() {
         // what an sm_90 SM holds: each block's ring and its overhead (the driver's 1 KB,
-        // the static Σ x²), for every variant, bits and shape
+        // the static Σ x²), twice, for every variant, bits and shape (narrow blocks run two
+        // an SM where their registers allow; wide ones never more than 256 threads)
         const SMEM: usize = 228 * 1024;
         for mt in variants(1, MAX_M) {
             for bits in [4, 8] {
                 for (n, k) in [(6144, 4096), (4096, 14336), (28672, 4096)] {
-                    let l = launch_for(mt, n, k, bits, 132, SMEM, MAX_SPLITS);
-                    let block = l.shared_memory() + block_shared_overhead(l.mt);
-                    assert!(2 * block <= SMEM, "{mt} rows, {bits} bits: {block} bytes");
+                    for wide in [false, true] {
+                        let l = Plan {
+                            sms: 132,
+                            smem: SMEM,
+                            max_splits: MAX_SPLITS,
+                            fill: false,
+                            wide,
+                        }
+                        .launch(mt, n, k, bits);
+                        let block = l.shared_memory() + block_shared_overhead(l.mt);
+                        assert!(2 * block <= SMEM, "{mt} rows, {bits} bits: {block} bytes");
+                        assert!(l.threads() <= 32 * BLOCK_WARPS);
+                    }
                 }
             }
         }
@@ -867,6 +954,7 @@ mod tests {
             false => cmd.env_remove("MLXCEL_QGEMM_BOUNDED"),
         };
         cmd.env_remove("MLXCEL_QGEMM_FILL");
+        cmd.env_remove("MLXCEL_QGEMM_WIDE");
         let out = cmd.output().expect("python3");
         assert!(
             out.status.success(),
@@ -911,7 +999,19 @@ mod tests {
 
     #[test]
     fn bounded_launches_split_the_tiles_and_keep_the_rest() {
-        let l = |m| launch_for(m, 28672, 4096, 4, 132, 228 * 1024, MAX_SPLITS);
+        let l = |m| {
+            Plan {
+                sms: 132,
+                smem: 228 * 1024,
+                max_splits: MAX_SPLITS,
+                fill: false,
+                wide: false,
+            }
+            .launch(m, 28672, 4096, 4)
+        };
+        // 8-warp launches have none (the flavour's launch bounds are 256 threads)
+        let wide = launch_for(32, 28672, 4096, 4, 132, 228 * 1024, MAX_SPLITS);
+        assert_eq!(bounded(wide), wide);
         for m in [9, 16, 25, 32] {
             let b = bounded(l(m));
             assert_eq!((b.wn, b.bounded), (2, true), "{m}");
