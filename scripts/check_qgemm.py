@@ -110,6 +110,11 @@ def stage_bytes(mt, wr, bits):
     return 16 * (32 * wr * bits + mt * 16 + 16 + 32 * wr)
 
 
+def scale_block_bytes(wr):
+    """src/kernels/qgemm.rs `Launch::scale_block_bytes`: blocks of 256 weight rows or more."""
+    return 128 * 32 * wr if 32 * wr >= 256 else 0
+
+
 def k_splits(steps):
     """The splits of a row's `steps` steps of 128 values: dividing them, each split at least
     MIN_SPLIT_STEPS steps (src/kernels/qgemm.rs `launch_for`)."""
@@ -202,7 +207,7 @@ class Gemm:
         common = [("T", self.dt), ("MT", mt), ("N", n), ("K", k), ("G", group), ("BITS", bits),
                   ("WR", wr), ("WN", wn), ("SK", sk), ("ST", st)]
         grid = (cb * sk * threads, 1, 1)
-        smem = st * stage_bytes(mt, wr, bits)
+        smem = st * stage_bytes(mt, wr, bits) + scale_block_bytes(wr)
         bounded = BOUNDED and is_boundable(mt) and wn == 2
         if rope is not None:
             pos, inv_freq, nq, hd = rope
@@ -393,11 +398,11 @@ def work(idx, jobs, args, lock):
             # other block shapes (warp rows WR, warps per row of tiles WN), ring depths ST
             # (a block's ring within 227 KB) and, for each, the split of K that fills the
             # GPU with as many blocks as the SMs' shared memory holds, and the next one up
-            for wr, wn in ((4, 1), (4, 2), (2, 1)):
+            for wr, wn in ((8, 1), (4, 1), (4, 2), (2, 1)):
                 if (mt // 8) % wn:
                     continue
                 for st in (2, 3, 4, 6):
-                    smem = st * stage_bytes(mt, wr, bits) + block_shared_overhead(mt)
+                    smem = st * stage_bytes(mt, wr, bits) + scale_block_bytes(wr) + block_shared_overhead(mt)
                     if smem > SMEM - 1024:
                         continue
                     want = -(-(SMS * (SMEM // smem)) // -(-n // (32 * wr)))

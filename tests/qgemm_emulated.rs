@@ -202,6 +202,18 @@ fn qgemm_4bit_matches_dequantize_matmul() {
             &[("NORM", 1), ("ST", 3)],
         ),
     );
+    // their scale blocks (SB steps' scales copied at once, two slots): groups of 32 over 3
+    // blocks of 4 steps with the ring at its deepest for them (ST - 1 = SB: a slot refilled
+    // the step after its last use); groups of 128 in 4-byte pieces, 2 splits of 10 steps
+    // (a partial block of 16)
+    run(
+        "4bit_m17_wide_g32_blocks",
+        &with(cfg(17, 256, 1536, 32, 4, 8, 1, 1), &[("ST", 5)]),
+    );
+    run(
+        "4bit_m20_wide_g128_pieces",
+        &with(cfg(20, 256 + 32, 2560, 128, 4, 8, 1, 2), &[("ST", 3)]),
+    );
     // the bounded flavour's launches (MLXCEL_QGEMM_BOUNDED): two warps share 2 or 4 tiles
     run("4bit_m16_wn2", &cfg(16, 64, 256, 64, 4, 2, 2, 1));
     run(
@@ -401,11 +413,11 @@ fn qgemm_nan_reaches_its_row_only() {
 /// fragments' pairing, in the warps' loads and in the pair pass; one nibble of the 4-bit
 /// unpacking, one split's partial left out, the 8-bit byte order, the epilogue's rows of the
 /// second tile, x's slots in a stage, the 8-bit weights' swizzle, the words the pipelined
-/// loop reads from the stage above 32 rows, a step copied into the slot still being read)
-/// each make a run fail.
+/// loop reads from the stage above 32 rows, a step copied into the slot still being read,
+/// the scale blocks' slot, and a scale block refilled while still read) each make a run fail.
 #[test]
 fn planted_bugs_are_caught() {
-    let cases: [(&str, &str, &str, Consts); 9] = [
+    let cases: [(&str, &str, &str, Consts); 11] = [
         (
             "pairs",
             "b1 = __byte_perm(v.x, v.z, 0x7632)",
@@ -459,6 +471,18 @@ fn planted_bugs_are_caught() {
             "copy(s + ST - 1, (s + ST - 1) % ST);",
             "copy(s + ST - 1, (s + ST - 2) % ST);",
             with(cfg(9, 32, 640, 64, 4, 1, 1, 1), &[("ST", 3)]),
+        ),
+        (
+            "scale-block-slot",
+            "sbuf + ((s / SB) % 2) * 4 * BN",
+            "sbuf + ((s / SB + 1) % 2) * 4 * BN",
+            with(cfg(9, 256, 1024, 64, 4, 8, 1, 1), &[("ST", 3)]),
+        ),
+        (
+            "scale-block-refill",
+            "SB >= ST - 1;",
+            "SB >= ST - 3;",
+            with(cfg(9, 256, 2048, 32, 4, 8, 1, 1), &[("ST", 6)]),
         ),
     ];
     for (tag, from, to, consts) in cases {

@@ -221,9 +221,19 @@ pub fn stage_bytes(mt: usize, wr: usize, bits: usize) -> usize {
 }
 
 impl Launch {
-    /// The launch's dynamic shared memory: the ring's `st` stages.
+    /// The launch's dynamic shared memory: the ring's `st` stages, then the scale blocks'
+    /// buffer ([`Launch::scale_block_bytes`]).
     pub fn shared_memory(&self) -> usize {
-        self.st * stage_bytes(self.mt, self.wr, self.bits)
+        self.st * stage_bytes(self.mt, self.wr, self.bits) + self.scale_block_bytes()
+    }
+    /// The buffer of blocks of 256 weight rows (or more) for the scales and biases of
+    /// several steps at a time (`mlxcel_qgemm`'s SBUF16 chunks: two slots of 32 bytes a row
+    /// and kind); none for narrower blocks.
+    pub fn scale_block_bytes(&self) -> usize {
+        match self.rows() >= 256 {
+            true => 128 * self.rows(),
+            false => 0,
+        }
     }
     /// Weight rows per block.
     pub fn rows(&self) -> usize {
@@ -844,7 +854,10 @@ mod tests {
         // block an SM (132 slots); K split into one wave of the longest blocks
         let qkv = l(32, 6144, 4096, 4);
         assert_eq!((qkv.mt, qkv.wr, qkv.wn, qkv.sk, qkv.st), (32, 8, 1, 4, 3));
-        assert_eq!(qkv.shared_memory(), 3 * 16 * (256 * 4 + 32 * 16 + 16 + 256));
+        assert_eq!(
+            qkv.shared_memory(),
+            3 * 16 * (256 * 4 + 32 * 16 + 16 + 256) + 128 * 256
+        );
         assert_eq!(qkv.threads(), 256);
         assert_eq!(l(32, 4096, 4096, 4).sk, 8); // o: 16 column blocks, 128 blocks of 4 steps
         assert_eq!(l(32, 28672, 4096, 4).sk, 1); // gate/up: 112 column blocks, no split
@@ -908,9 +921,10 @@ mod tests {
 
     #[test]
     fn blocks_fit_an_sm_at_every_variant() {
-        // what an sm_90 SM holds: each block's ring and its overhead (the driver's 1 KB,
-        // the static Σ x²), twice, for every variant, bits and shape (narrow blocks run two
-        // an SM where their registers allow; wide ones never more than 256 threads)
+        // what an sm_90 SM holds: each block's ring (and scale blocks) and its overhead (the
+        // driver's 1 KB, the static Σ x²), for every variant, bits and shape: twice for
+        // narrow blocks (two an SM where their registers allow), once for wide ones (never
+        // more than 256 threads)
         const SMEM: usize = 228 * 1024;
         for mt in variants(1, MAX_M) {
             for bits in [4, 8] {
@@ -925,8 +939,14 @@ mod tests {
                         }
                         .launch(mt, n, k, bits);
                         let block = l.shared_memory() + block_shared_overhead(l.mt);
-                        assert!(2 * block <= SMEM, "{mt} rows, {bits} bits: {block} bytes");
+                        let per_sm = if wide { 1 } else { 2 };
+                        assert!(
+                            per_sm * block <= SMEM,
+                            "{mt} rows, {bits} bits: {block} bytes"
+                        );
                         assert!(l.threads() <= 32 * BLOCK_WARPS);
+                        // the scale blocks' buffer in blocks of 256 weight rows only
+                        assert_eq!(l.scale_block_bytes() > 0, l.rows() == 256);
                     }
                 }
             }
