@@ -97,8 +97,8 @@
 //   default until it is measured): every warp pairs the x fragments it loads (4 byte
 //   permutes per fragment, in each of the WR warps that load the same fragment).
 // MLXCEL_QGEMM_CUNROLL: how far the loop over a step's 4 words is unrolled for 4-bit launches
-//   of at most 32 batch rows (their accumulators leave registers to spare at two blocks an
-//   SM); 1: not unrolled (larger launches, and 8-bit, always).
+//   of at most 32 batch rows (their accumulators leave registers to spare); 1: not unrolled
+//   (larger launches, and 8-bit, always).
 #ifndef MLXCEL_QGEMM_XPAIR
 #define MLXCEL_QGEMM_XPAIR 0
 #endif
@@ -302,13 +302,15 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
   constexpr int SPS = 128 / G;  // a row's scales per step
   // Scale blocks (blocks of 256 weight rows, MLXCEL_QGEMM_SBLOCK): the scales and biases of
   // SB steps (16 groups, 32 bytes a row and kind) copied at once in pieces of CU bytes into
-  // two slots after the ring, so that a row's copies fill whole 32-byte sectors. Copied a
-  // step at a time, a row's 2-8 bytes took an L2 sector each: at 64 rows a third of the
+  // two slots after the ring, so that a row's copies take one or two 32-byte sectors (two
+  // where the split's groups do not start on 32 bytes). Copied a step at a time, a row's 2-8
+  // bytes took an L2 sector each: at 64 rows a third of the
   // sectors a block read (the weights' 16 KB and x's 16 KB took as many). The pieces must
   // align (rows and the split's first group); a slot is refilled ST - 1 steps before its
-  // next block starts, so SB ≥ ST - 1 (otherwise the per-step copies below). On one H100
-  // (Nsight, 8B, 4-bit): gate/up 63.5 → 57.4 µs at 32 rows, 93.9 → 85.7 at 64; 8-bit gate/up
-  // at 32 rows 73.5 → 61.0; q/k/v -4%; o and down the same.
+  // next block starts, so SB ≥ ST - 1 (otherwise the per-step copies below). (The scales'
+  // and biases' arrays start on 16 bytes, as MLX allocates them.) On one H100 (Nsight, 8B,
+  // 4-bit): gate/up 63.5 → 57.4 µs at 32 rows, 93.9 → 85.7 at 64; 8-bit gate/up at 32 rows
+  // 73.5 → 61.0; q/k/v -4%; o and down within 3%.
   constexpr int SB = 16 / SPS;
   constexpr int CU = (GPR * 2 % 16 == 0 && NS * SPS * 2 % 16 == 0)  ? 16
                      : (GPR * 2 % 8 == 0 && NS * SPS * 2 % 8 == 0) ? 8
@@ -429,20 +431,13 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
   }
   const unsigned short* s16 = reinterpret_cast<const unsigned short*>(scales);
   const unsigned short* b16 = reinterpret_cast<const unsigned short*>(biases);
-  // the scale-block pieces this thread copies (SBLK): piece c = tid + j·TPB of 2·BN·PR is
-  // piece c % PR of row slot (c / PR) % BN's scales (c < BN·PR) or biases; pgoff: its
-  // first group at the split's first step, -1 past N
+  // the block's copies of scale block u (steps u·SB …) into slot u % 2: piece c = tid +
+  // j·TPB of 2·BN·PR is piece c % PR of row slot (c / PR) % BN's scales (c < BN·PR) or
+  // biases; pieces past N or past the split's steps are zeros (not read). (Where they come
+  // from is worked out here, once per SB steps: kept in registers, 70B TP8 down's 16 pieces
+  // a thread would hold 16 of them.)
   constexpr int PR = CU > 0 ? 32 / CU : 1;  // pieces a row and kind
   constexpr int PJ = SBLK ? (2 * BN * PR + TPB - 1) / TPB : 1;
-  int pgoff[PJ];
-#pragma unroll
-  for (int j = 0; j < PJ; ++j) {
-    const int c = tid + j * TPB, r = (c / PR) % BN;
-    const int row = ring_row(r);
-    pgoff[j] = (SBLK && c < 2 * BN * PR && row >= 0) ? row * GPR + split * NS * SPS + (c % PR) * (CU / 2) : -1;
-  }
-  // the block's copies of scale block u (steps u·SB …) into slot u % 2; pieces past the
-  // split's steps are zeros (not read)
   auto copy_scales = [&](int u) {
     char* slot = reinterpret_cast<char*>(sbuf + (u % 2) * 4 * BN);
 #pragma unroll
@@ -450,8 +445,9 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
       const int c = tid + j * TPB;
       if (PJ * TPB == 2 * BN * PR || c < 2 * BN * PR) {
         const int b = c / (BN * PR), at = u * SB * SPS + (c % PR) * (CU / 2);
-        const bool in = pgoff[j] >= 0 && at < NS * SPS;
-        const T* src = (b ? biases : scales) + (in ? pgoff[j] + u * SB * SPS : 0);
+        const int row = ring_row((c / PR) % BN);
+        const bool in = row >= 0 && at < NS * SPS;
+        const T* src = (b ? biases : scales) + (in ? size_t(row) * GPR + split * NS * SPS + at : 0);
         char* dst = slot + CU * c;  // = kind b, row slot, piece: 32 bytes a row and kind
         if constexpr (CU == 16) {
           mlxcel_cp16z(reinterpret_cast<uint4*>(dst), src, in);
@@ -692,9 +688,9 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
     }
     // (one word at a time by default: unrolled, the compiler dequantized every word up
     // front, which took 64 more registers and spilled at 8 bits)
-    constexpr int CU = (BITS == 4 && MT <= 32) ? MLXCEL_QGEMM_CUNROLL : 1;
+    constexpr int UNR = (BITS == 4 && MT <= 32) ? MLXCEL_QGEMM_CUNROLL : 1;
     constexpr bool XH = MLXCEL_QGEMM_XHOIST != 0;
-#pragma unroll CU
+#pragma unroll UNR
     for (int c = 0; c < 4; ++c) {
       if constexpr (BITS == 8) {
         if (c % 2 == 0) {

@@ -130,13 +130,17 @@ def launch_for(m, n, k, bits, max_splits=None):
     # src/kernels/qgemm.rs `Plan::launch`: 8 warps a block (wide), or 4 warps over the weight
     # rows (narrow: MLXCEL_QGEMM_WIDE=0, and the bounded flavour)
     wide = WIDE and not (BOUNDED and is_boundable(mt))
-    wr = BLOCK_WARPS // wn if wide else NARROW_BLOCK_WARPS
-    stage = stage_bytes(mt, wr, bits)
-    over = block_shared_overhead(mt)
-    room = min(RING_BYTES, SMEM - over)
-    st = min(max(room // stage, MIN_STAGES), MAX_STAGES)
-    # blocks an SM holds: wide ones one (their registers), narrow ones by shared memory
-    per_sm = 1 if wide else max(1, SMEM // (st * stage + over))
+    for wide in ((True, False) if wide else (False,)):
+        wr = BLOCK_WARPS // wn if wide else NARROW_BLOCK_WARPS
+        stage = stage_bytes(mt, wr, bits)
+        over = block_shared_overhead(mt) + scale_block_bytes(wr)
+        room = min(RING_BYTES, SMEM - over)
+        st = min(max(room // stage, MIN_STAGES), MAX_STAGES)
+        if not wide or st * stage + over <= SMEM:
+            break  # (a wide block that does not fit takes the narrow launch)
+    # blocks an SM holds: wide ones of one row of tiles one (their registers), others by
+    # shared memory (above 64 rows the launch before)
+    per_sm = 1 if (wide and wn == 1) else max(1, SMEM // (st * stage + over))
     cb = max(1, -(-n // (32 * wr)))
     steps = k // 128
     splits = [d for d in k_splits(steps) if d <= max_splits] or [1]

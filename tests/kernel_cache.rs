@@ -440,6 +440,13 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
     let bounded_header = format!("{header}{}{}", mlxcel::kernels::qgemm::BOUNDED_PREFIX, g[0]);
     // the word loop unrolled (MLXCEL_QGEMM_CUNROLL, set in a kernel file sent through
     // MLXCEL_QGEMM_SOURCE): 4-bit up to 32 rows, where two blocks an SM leave 255 registers
+    // a narrow launch (MLXCEL_QGEMM_WIDE=0: 4 warps over the weight rows)
+    let narrow = |mut c: Vec<(&'static str, i64)>| {
+        for e in c.iter_mut().filter(|e| e.0 == "WR") {
+            e.1 = 4;
+        }
+        c
+    };
     let unrolled_header = format!(
         "{header}#define MLXCEL_QGEMM_CUNROLL 4\n#define MLXCEL_QGEMM_PIPE 0\n{}",
         g[0]
@@ -498,6 +505,32 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
             1,
             0,
         ),
+        // 70B TP8 rank down at 64 rows (K = 3584, 7 steps a split): scale blocks in 4-byte
+        // pieces, 16 a thread; 4- and 8-bit, and the narrow launch at 8 bits
+        (
+            "custom_kernel_mlxcel_qgemm_test_res_64_pieces",
+            bf,
+            &gemm_include,
+            gemm(64, 8192, 3584, 64, 4, 1, 4, 3),
+            1,
+            0,
+        ),
+        (
+            "custom_kernel_mlxcel_qgemm_test_res_64_pieces_8bit",
+            bf,
+            &gemm_include,
+            gemm(64, 8192, 3584, 64, 8, 1, 4, 2),
+            1,
+            0,
+        ),
+        (
+            "custom_kernel_mlxcel_qgemm_test_res_64_narrow_8bit",
+            bf,
+            &gemm_include,
+            narrow(gemm(64, 4096, 14336, 64, 8, 1, 8, 3)),
+            1,
+            0,
+        ),
         // o at 16 rows, group 32: the plain product, 16 splits
         (
             "custom_kernel_mlxcel_qgemm_test_plain",
@@ -520,7 +553,7 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
             "custom_kernel_mlxcel_qgemm_test_unroll4_swiglu",
             bf,
             &unrolled_header,
-            gemm(32, 28672, 4096, 64, 4, 1, 2, 6),
+            narrow(gemm(32, 28672, 4096, 64, 4, 1, 2, 6)),
             2,
             1,
         ),
@@ -528,7 +561,7 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
             "custom_kernel_mlxcel_qgemm_test_unroll4_res",
             bf,
             &unrolled_header,
-            gemm(32, 4096, 14336, 64, 4, 1, 14, 6),
+            narrow(gemm(32, 4096, 14336, 64, 4, 1, 14, 6)),
             1,
             0,
         ),

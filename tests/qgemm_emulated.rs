@@ -214,6 +214,11 @@ fn qgemm_4bit_matches_dequantize_matmul() {
         "4bit_m20_wide_g128_pieces",
         &with(cfg(20, 256 + 32, 2560, 128, 4, 8, 1, 2), &[("ST", 3)]),
     );
+    // groups of 32, 2 splits of 9 steps: blocks of 4, 4 and 1 steps in 8-byte pieces
+    run(
+        "4bit_m12_wide_g32_split_blocks",
+        &with(cfg(12, 256, 128 * 18, 32, 4, 8, 1, 2), &[("ST", 4)]),
+    );
     // the bounded flavour's launches (MLXCEL_QGEMM_BOUNDED): two warps share 2 or 4 tiles
     run("4bit_m16_wn2", &cfg(16, 64, 256, 64, 4, 2, 2, 1));
     run(

@@ -163,7 +163,17 @@ pub fn supports(
     bits: usize,
     dtypes: [Dtype; 2],
 ) -> bool {
-    batches(Some(bits)).contains(&m) && shape_fits(n, k, group, bits) && dtypes_fit(dtypes)
+    batches(Some(bits)).contains(&m)
+        && shape_fits(n, k, group, bits)
+        && dtypes_fit(dtypes)
+        && launch_fits(m, n, k, bits)
+}
+
+/// Whether the launch for these rows fits this GPU's shared memory (without a GPU, one
+/// MLX did not describe, the kernel is not used: true).
+fn launch_fits(m: usize, n: usize, k: usize, bits: usize) -> bool {
+    let g = gpu::this_gpu();
+    g.cc.is_none() || launch_config(m, n, k, bits).fits(g.shared_memory_per_sm())
 }
 
 fn shape_fits(n: usize, k: usize, group: usize, bits: usize) -> bool {
@@ -213,6 +223,16 @@ pub struct Launch {
     pub bounded: bool,
 }
 
+/// The buffer a block of `rows` weight rows keeps after the ring for the scales and biases
+/// of several steps at a time (`mlxcel_qgemm`'s SBUF16 chunks: two slots of 32 bytes a row
+/// and kind), from 256 rows; none for narrower blocks.
+pub fn scale_block_bytes(rows: usize) -> usize {
+    match rows >= 256 {
+        true => 128 * rows,
+        false => 0,
+    }
+}
+
 /// Bytes of one stage of the ring (`mlxcel_qgemm`'s STAGE16 chunks of 16 bytes): a step of
 /// `32·wr` weight rows at `bits`, `mt` rows of x and the norm weight, 128 values each, and
 /// a chunk a weight row for the step's scales and biases.
@@ -226,14 +246,14 @@ impl Launch {
     pub fn shared_memory(&self) -> usize {
         self.st * stage_bytes(self.mt, self.wr, self.bits) + self.scale_block_bytes()
     }
-    /// The buffer of blocks of 256 weight rows (or more) for the scales and biases of
-    /// several steps at a time (`mlxcel_qgemm`'s SBUF16 chunks: two slots of 32 bytes a row
-    /// and kind); none for narrower blocks.
+    /// The scale blocks' buffer ([`scale_block_bytes`]).
     pub fn scale_block_bytes(&self) -> usize {
-        match self.rows() >= 256 {
-            true => 128 * self.rows(),
-            false => 0,
-        }
+        scale_block_bytes(self.rows())
+    }
+    /// Whether a block's shared memory fits an SM of `smem` bytes (with the driver's 1 KB):
+    /// not 8-bit launches of 128 rows on 100 KB an SM (sm_86, sm_89), which go elsewhere.
+    pub fn fits(&self, smem: usize) -> bool {
+        self.shared_memory() + block_shared_overhead(self.mt) <= smem
     }
     /// Weight rows per block.
     pub fn rows(&self) -> usize {
@@ -323,7 +343,7 @@ pub fn launch_config(m: usize, n: usize, k: usize, bits: usize) -> Launch {
 /// tiles above). x, staged in shared memory, is read from L2 once per block and step, so
 /// fewer rows per block read it more often: with 128 weight rows a block (4 warps) the L2
 /// was the busiest unit (Nsight on an H100: 59-61% of its throughput at 32 and 64 rows,
-/// DRAM 15-24%), and 256 took 13-27% off every 8B product at 32 and 64 rows (gate/up at 64
+/// DRAM 16-24%), and 256 took 13-27% off every 8B product at 32 and 64 rows (gate/up at 64
 /// rows 117.4 → 94.4 µs). Such a block holds an SM alone (140-230 registers a thread).
 pub const BLOCK_WARPS: usize = 8;
 /// Warps over a block's weight rows with `MLXCEL_QGEMM_WIDE=0` (the launch before, for A/B
@@ -382,12 +402,25 @@ impl Plan {
             false => NARROW_BLOCK_WARPS,
         };
         let stage = stage_bytes(mt, wr, bits);
-        let over = block_shared_overhead(mt);
+        // the scale blocks' buffer (blocks of 256 weight rows) besides the ring
+        let sbuf = scale_block_bytes(32 * wr);
+        let over = block_shared_overhead(mt) + sbuf;
         let room = RING_BYTES.min(self.smem.saturating_sub(over));
         let st = (room / stage).clamp(MIN_STAGES, MAX_STAGES);
+        if self.wide && st * stage + over > self.smem {
+            // a GPU with less shared memory a block (100 KB an SM: sm_86, sm_89) takes no
+            // wide block at 2 stages here (8-bit at 64 rows): the launch before
+            return Plan {
+                wide: false,
+                ..*self
+            }
+            .launch(m, n, k, bits);
+        }
         // blocks an SM holds: by their registers, ptxas giving 140-230 a thread, a wide
-        // block holds an SM alone; narrow ones by shared memory (as before)
-        let per_sm = match self.wide {
+        // block of one row of tiles holds an SM alone; others by shared memory, as before
+        // (above 64 rows the launch is the one before: its 8 warps likely hold an SM alone
+        // too, which would halve its splits; not measured)
+        let per_sm = match self.wide && wn == 1 {
             true => 1,
             false => (self.smem / (st * stage + over)).max(1),
         };
@@ -895,6 +928,28 @@ mod tests {
         }
         .launch(32, 4096, 4096, 4);
         assert!(small.shared_memory() <= 99 * 1024 && small.st == 5 && small.sk == 4);
+        // there every launch fits a block (wide ones with fewer stages, or, 8-bit at 64 rows
+        // with not even 2 stages beside the scale blocks, narrow) but 8-bit ones above 120
+        // rows, which `supports` sends elsewhere
+        for mt in variants(1, MAX_M) {
+            for bits in [4, 8] {
+                let x = launch_for(mt, 4096, 14336, bits, 132, 100 * 1024, MAX_SPLITS);
+                let block = x.shared_memory() + block_shared_overhead(x.mt);
+                assert_eq!(x.fits(100 * 1024), block <= 100 * 1024);
+                assert_eq!(
+                    x.fits(100 * 1024),
+                    bits == 4 || mt <= 120,
+                    "{mt} rows, {bits} bits"
+                );
+                assert!(x.fits(228 * 1024));
+            }
+        }
+        let w32 = launch_for(32, 4096, 4096, 4, 132, 100 * 1024, MAX_SPLITS);
+        assert_eq!((w32.wr, w32.st), (8, 2));
+        assert_eq!(
+            launch_for(64, 4096, 4096, 8, 132, 100 * 1024, MAX_SPLITS).wr,
+            4
+        );
         // capped by the knob's most splits, and by steps per split
         assert_eq!(launch_for(32, 1280, 8192, 4, 132, H200, 1).sk, 1);
         assert_eq!(launch_for(32, 1280, 8192, 4, 132, H200, 5).sk, 4);
@@ -922,9 +977,8 @@ mod tests {
     #[test]
     fn blocks_fit_an_sm_at_every_variant() {
         // what an sm_90 SM holds: each block's ring (and scale blocks) and its overhead (the
-        // driver's 1 KB, the static Σ x²), for every variant, bits and shape: twice for
-        // narrow blocks (two an SM where their registers allow), once for wide ones (never
-        // more than 256 threads)
+        // driver's 1 KB, the static Σ x²), for every variant, bits and shape: once for wide
+        // blocks of one row of tiles (never more than 256 threads), twice for the others
         const SMEM: usize = 228 * 1024;
         for mt in variants(1, MAX_M) {
             for bits in [4, 8] {
@@ -939,7 +993,7 @@ mod tests {
                         }
                         .launch(mt, n, k, bits);
                         let block = l.shared_memory() + block_shared_overhead(l.mt);
-                        let per_sm = if wide { 1 } else { 2 };
+                        let per_sm = if wide && l.wn == 1 { 1 } else { 2 };
                         assert!(
                             per_sm * block <= SMEM,
                             "{mt} rows, {bits} bits: {block} bytes"
@@ -966,6 +1020,11 @@ mod tests {
     /// What python3 prints for `script` (run in the project's root, which imports
     /// scripts/check_qgemm.py), with `MLXCEL_QGEMM_BOUNDED=1` or without it.
     fn check_script(script: &str, bounded: bool) -> String {
+        check_script_env(script, bounded, true)
+    }
+
+    /// [`check_script`], and with `MLXCEL_QGEMM_WIDE=0` unless `wide`.
+    fn check_script_env(script: &str, bounded: bool, wide: bool) -> String {
         let mut cmd = std::process::Command::new("python3");
         cmd.args(["-c", script])
             .current_dir(env!("CARGO_MANIFEST_DIR"));
@@ -974,7 +1033,10 @@ mod tests {
             false => cmd.env_remove("MLXCEL_QGEMM_BOUNDED"),
         };
         cmd.env_remove("MLXCEL_QGEMM_FILL");
-        cmd.env_remove("MLXCEL_QGEMM_WIDE");
+        match wide {
+            true => cmd.env_remove("MLXCEL_QGEMM_WIDE"),
+            false => cmd.env("MLXCEL_QGEMM_WIDE", "0"),
+        };
         let out = cmd.output().expect("python3");
         assert!(
             out.status.success(),
@@ -987,9 +1049,10 @@ mod tests {
     #[test]
     fn the_check_script_launches_as_mlxcel_does() {
         // scripts/check_qgemm.py times and checks the launches `launch_for` picks
-        let cases: Vec<(usize, usize, usize, usize)> = [9, 16, 33, 64, 65, 100, 128]
-            .iter()
-            .flat_map(|&m| {
+        let cases: Vec<(usize, usize, usize, usize)> = (1..=MAX_M)
+            .step_by(3)
+            .chain([64, 65, 128])
+            .flat_map(|m| {
                 [
                     (6144, 4096),
                     (4096, 14336),
@@ -1005,16 +1068,25 @@ mod tests {
             "import sys; sys.path.insert(0, 'scripts'); import check_qgemm as c\n\
              for m, n, k, b in {cases:?}: print(*c.launch_for(m, n, k, b, {MAX_SPLITS}))"
         );
-        let text = check_script(&script, false);
-        for ((m, n, k, b), line) in cases.iter().zip(text.lines()) {
-            let l = launch_for(*m, *n, *k, *b, 132, 228 * 1024, MAX_SPLITS);
-            assert_eq!(
-                line,
-                format!("{} {} {} {} {}", l.mt, l.wr, l.wn, l.sk, l.st),
-                "{m} {n} {k} {b}"
-            );
+        for wide in [true, false] {
+            let text = check_script_env(&script, false, wide);
+            for ((m, n, k, b), line) in cases.iter().zip(text.lines()) {
+                let l = Plan {
+                    sms: 132,
+                    smem: 228 * 1024,
+                    max_splits: MAX_SPLITS,
+                    fill: false,
+                    wide,
+                }
+                .launch(*m, *n, *k, *b);
+                assert_eq!(
+                    line,
+                    format!("{} {} {} {} {}", l.mt, l.wr, l.wn, l.sk, l.st),
+                    "{m} {n} {k} {b}, wide {wide}"
+                );
+            }
+            assert_eq!(text.lines().count(), cases.len());
         }
-        assert_eq!(text.lines().count(), cases.len());
     }
 
     #[test]
