@@ -2,14 +2,17 @@
 """Run single products of mlxcel's quantized GEMM (kernels/qgemm.cu) for a profiler, and
 read the profiler's per-instruction report back as a ledger.
 
-    python3 scripts/prof_qgemm.py run 8B:gate_up:4:64 8B:qkv:4:32   # MODEL:PRODUCT:BITS:ROWS ...
+    python3 scripts/prof_qgemm.py run 8B:gate_up:4:64 8B:qkv:4:32   # MODEL:PRODUCT:BITS:ROWS[:fused] ...
     python3 scripts/prof_qgemm.py ledger sass.csv [TOP]               # stalls by instruction and opcode
     python3 scripts/prof_qgemm.py times times.csv SPEC...             # kernel µs per product
 
 `run` calls each product (launch as `launch_for` picks it; `MLXCEL_QGEMM_SOURCE`,
+`MLXCEL_QGEMM_WIDE`,
 `MLXCEL_QGEMM_SPLITK`, `MLXCEL_QGEMM_BOUNDED` as in scripts/check_qgemm.py) three times on a
 random weight, after a warm-up that compiles it: under Nsight Compute with `-k regex:qgemm
--s 1 -c N` the profiled launches are the products in order.
+-s 1 -c N` the profiled launches are the products in order. A SPEC ending in `:fused` runs
+the launch the engine makes for that product instead of the plain one: the RMSNorm with
+SwiGLU (gate_up) or with RoPE (qkv, 32 query heads of 128), the residual add (o, down).
 
 `ledger` reads `ncu -i REP --page source --csv --print-source sass` output: per instruction
 its opcode and warp-stall samples by reason. It prints the stall reasons' shares of all
@@ -36,21 +39,42 @@ def run(specs):
     g = cq.Gemm(mx, dt)
     prods = []
     for spec in specs:
-        model, name, bits, m = spec.split(":")
-        n, k = next((n, k) for n, k, nm, _ in cq.SHAPES[model] if nm == name)
-        bits, m = int(bits), int(m)
+        model, name, bits, m, fused = parse(spec)
+        n, k, nq = next((n, k, nq) for n, k, nm, nq in cq.SHAPES[model] if nm == name)
         wq, s, b = qv.quantized(n, k, 64, bits, 7)
         x = mx.random.normal((m, k)).astype(dt)
-        mx.eval(x)
+        extra = {}
+        if fused and name in ("o", "down"):
+            extra["res"] = mx.random.normal((m, n)).astype(dt)
+        elif fused:
+            extra["norm"] = ((1 + 0.1 * mx.random.normal((k,))).astype(dt), 1e-5)
+            if name == "gate_up":
+                extra["swiglu"] = True
+            else:  # q/k/v: RoPE on q and k
+                inv = mx.array([500000.0 ** (-2.0 * i / 128) for i in range(64)], dtype=mx.float32)
+                pos = mx.array([(7 + 997 * i) % 30000 for i in range(m)], dtype=mx.int32)
+                extra["rope"] = (pos, inv, nq, 128)
+        mx.eval(x, *[v for v in extra.values() if isinstance(v, mx.array)])
         print(f"{spec}: N {n} K {k} launch (MT WR WN SK ST) {cq.launch_for(m, n, k, bits)}", flush=True)
-        prods.append((x, wq, s, b, bits))
-    for x, wq, s, b, bits in prods:  # warm-up: compile (not what a profiler should look at first)
-        mx.eval(g.call(x, wq, s, b, 64, bits))
+        prods.append((x, wq, s, b, bits, extra))
+    for x, wq, s, b, bits, extra in prods:  # warm-up: compile (not what a profiler should look at first)
+        mx.eval(g.call(x, wq, s, b, 64, bits, **extra))
     mx.synchronize()
-    for x, wq, s, b, bits in prods:
+    for x, wq, s, b, bits, extra in prods:
         for _ in range(3):
-            mx.eval(g.call(x, wq, s, b, 64, bits))
+            mx.eval(g.call(x, wq, s, b, 64, bits, **extra))
     mx.synchronize()
+
+
+def parse(spec):
+    """MODEL:PRODUCT:BITS:ROWS[:fused] -> (model, product, bits, rows, fused)."""
+    parts = spec.split(":")
+    if len(parts) not in (4, 5) or (len(parts) == 5 and parts[4] != "fused"):
+        sys.exit(f"{spec}: want MODEL:PRODUCT:BITS:ROWS or MODEL:PRODUCT:BITS:ROWS:fused")
+    model, name, bits, m = parts[:4]
+    if model not in cq.SHAPES or name not in [nm for _, _, nm, _ in cq.SHAPES[model]]:
+        sys.exit(f"{spec}: unknown model or product (models: {', '.join(cq.SHAPES)})")
+    return model, name, int(bits), int(m), len(parts) == 5
 
 
 REASON = re.compile(r"^Warp Stall Sampling \(All Samples\)$|^stall_(\w+)$", re.I)
@@ -115,11 +139,11 @@ def times(path, specs):
     if len(us) != 4 * len(specs):
         sys.exit(f"{path}: {len(us)} launches for {len(specs)} products (want 4 each)")
     for i, spec in enumerate(specs):
-        model, name, bits, m = spec.split(":")
+        model, name, bits, m, _ = parse(spec)
         n, k = next((n, k) for n, k, nm, _ in cq.SHAPES[model] if nm == name)
         t = sorted(us[len(specs) + 3 * i: len(specs) + 3 * i + 3])[1]
-        wbytes = n * k * int(bits) / 8 + 2 * 2 * n * k / 64
-        print(f"| {spec} | {cq.launch_for(int(m), n, k, int(bits))} | {t:.1f} | {wbytes / t / 1e6:.2f} |")
+        wbytes = n * k * bits / 8 + 2 * 2 * n * k / 64
+        print(f"| {spec} | {cq.launch_for(m, n, k, bits)} | {t:.1f} | {wbytes / t / 1e6:.2f} |")
 
 
 def cq_num(v):

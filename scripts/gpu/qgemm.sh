@@ -14,14 +14,17 @@
 #                                               # kind: what a step costs the GPU besides the GEMMs (< 5 min;
 #                                               # STEP_MODELS picks the configs)
 #   bash scripts/gpu/qgemm.sh stalls [SPEC...]  # Nsight Compute, full set with per-instruction stall samples, of
-#                                               # one launch per SPEC (MODEL:PRODUCT:BITS:ROWS, default
+#                                               # one launch per SPEC (MODEL:PRODUCT:BITS:ROWS[:fused], :fused
+#                                               # the engine's launch with the norm and SwiGLU/RoPE or the
+#                                               # residual (scripts/prof_qgemm.py), default
 #                                               # 8B:gate_up:4:64 8B:qkv:4:32 8B:down:4:64): the details page and
 #                                               # scripts/prof_qgemm.py's ledger of where the warps wait (< 3 min)
 #   bash scripts/gpu/qgemm.sh times [SPEC...]   # Nsight kernel times (µs, TB/s of weights) of products (SPECs as
 #                                               # for stalls, default the 8B products at 4 bits, 32 and 64 rows,
 #                                               # and down and gate/up at 8), once per kernel file of SOURCES
 #                                               # ("name=path ...", default the embedded file); the plain product,
-#                                               # without the norm or an epilogue (< 1 min each)
+#                                               # without the norm or an epilogue unless a SPEC ends in :fused
+#                                               # (< 1 min each)
 #   bash scripts/gpu/qgemm.sh all               # check and bench
 # Targets (issue 25): 4-bit decode ≥ 1.3× bf16 at batch 8, 32 and 64 and rising with the batch;
 # 8-bit ≥ bf16 at 32 and 64. Environment: scripts/gpu/lib.sh; BATCHES (8,16,32,64), RUNS,
