@@ -139,7 +139,7 @@ def launch_for(m, n, k, bits, max_splits=None):
         if not wide or st * stage + over <= SMEM:
             break  # (a wide block that does not fit takes the narrow launch)
     # blocks an SM holds: wide ones of one row of tiles one (their registers), others by
-    # shared memory (above 64 rows the launch before)
+    # shared memory (above 64 rows as the narrow launch counts them)
     per_sm = 1 if (wide and wn == 1) else max(1, SMEM // (st * stage + over))
     cb = max(1, -(-n // (32 * wr)))
     steps = k // 128

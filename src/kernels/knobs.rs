@@ -61,7 +61,7 @@ pub struct Knobs {
     /// ([`super::qgemm::bounded`]). Off until measured in the engine.
     pub qgemm_bounded: bool,
     /// `MLXCEL_QGEMM_WIDE` (default 1): GEMM blocks of [`super::qgemm::BLOCK_WARPS`] warps;
-    /// 0: [`super::qgemm::NARROW_BLOCK_WARPS`] (the launch before), for A/B runs.
+    /// 0: [`super::qgemm::NARROW_BLOCK_WARPS`] (128 weight rows a block), for A/B runs.
     pub qgemm_wide: bool,
     /// `MLXCEL_QGEMM_FILL=1`: split K over the fewest blocks that fill every SM's slots (the
     /// rule before [`super::qgemm::split_cost`]), for A/B runs.

@@ -346,8 +346,9 @@ pub fn launch_config(m: usize, n: usize, k: usize, bits: usize) -> Launch {
 /// DRAM 16-24%), and 256 took 13-27% off every 8B product at 32 and 64 rows (gate/up at 64
 /// rows 117.4 → 94.4 µs). Such a block holds an SM alone (140-230 registers a thread).
 pub const BLOCK_WARPS: usize = 8;
-/// Warps over a block's weight rows with `MLXCEL_QGEMM_WIDE=0` (the launch before, for A/B
-/// runs): 4 (128 weight rows), two warps per row of tiles above 64 batch rows.
+/// Warps over a block's weight rows in a narrow launch (`MLXCEL_QGEMM_WIDE=0`, for A/B
+/// runs; above 64 batch rows; the bounded flavour): 4 (128 weight rows), two warps per row
+/// of tiles above 64 batch rows.
 pub const NARROW_BLOCK_WARPS: usize = 4;
 
 /// What [`Plan::launch`] plans for: the GPU's SMs and shared memory per SM, the most splits
@@ -388,12 +389,12 @@ pub fn launch_for(
 impl Plan {
     /// One warp per row of tiles up to 8 tiles of batch rows and two above (64 accumulators a
     /// lane either way); [`BLOCK_WARPS`] a block (`wide`) or [`NARROW_BLOCK_WARPS`] over the
-    /// weight rows. The
-    /// ring gets as many stages as [`RING_BYTES`] (and the SM's `smem` bytes less 1 KB) hold,
-    /// from [`MIN_STAGES`] to [`MAX_STAGES`]: at 8 warps 4-bit 4, 3, 3, 2 stages at 16, 32,
-    /// 64, 128 rows; 8-bit 2 (at 4 warps 6, 6, 4, 2 and 5, 4, 3, 2). K is split (dividing the row's steps, at least
-    /// [`MIN_SPLIT_STEPS`] each, at most `max_splits`) as [`split_cost`] finds cheapest.
-    /// `scripts/check_qgemm.py --sweep` times others.
+    /// weight rows. The ring gets as many stages as [`RING_BYTES`] (and the SM's `smem` bytes
+    /// less 1 KB and the scale blocks' buffer) hold, from [`MIN_STAGES`] to [`MAX_STAGES`]:
+    /// wide, 4-bit 4, 3, 3, 2 stages at 16, 32, 64, 128 rows and 8-bit 2; narrow 6, 6, 4, 2
+    /// and 5, 4, 3, 2. K is split (dividing the row's steps, at least [`MIN_SPLIT_STEPS`]
+    /// each, at most `max_splits`) as [`split_cost`] finds cheapest. `scripts/check_qgemm.py
+    /// --sweep` times others.
     pub fn launch(&self, m: usize, n: usize, k: usize, bits: usize) -> Launch {
         let mt = variant_rows(m);
         let wn = if mt > 64 { 2 } else { 1 };
@@ -409,7 +410,7 @@ impl Plan {
         let st = (room / stage).clamp(MIN_STAGES, MAX_STAGES);
         if self.wide && st * stage + over > self.smem {
             // a GPU with less shared memory a block (100 KB an SM: sm_86, sm_89) takes no
-            // wide block at 2 stages here (8-bit at 64 rows): the launch before
+            // wide block at 2 stages here (8-bit at 64 rows): the narrow launch
             return Plan {
                 wide: false,
                 ..*self
@@ -417,9 +418,9 @@ impl Plan {
             .launch(m, n, k, bits);
         }
         // blocks an SM holds: by their registers, ptxas giving 140-230 a thread, a wide
-        // block of one row of tiles holds an SM alone; others by shared memory, as before
-        // (above 64 rows the launch is the one before: its 8 warps likely hold an SM alone
-        // too, which would halve its splits; not measured)
+        // block of one row of tiles holds an SM alone; others by shared memory (above 64
+        // rows that is the narrow launch's count: its 8 warps likely hold an SM alone too,
+        // which would halve its splits; not measured)
         let per_sm = match self.wide && wn == 1 {
             true => 1,
             false => (self.smem / (st * stage + over)).max(1),
