@@ -433,9 +433,9 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
   const unsigned short* b16 = reinterpret_cast<const unsigned short*>(biases);
   // the block's copies of scale block u (steps u·SB …) into slot u % 2: piece c = tid +
   // j·TPB of 2·BN·PR is piece c % PR of row slot (c / PR) % BN's scales (c < BN·PR) or
-  // biases; pieces past N or past the split's steps are zeros (not read). (Where they come
-  // from is worked out here, once per SB steps: kept in registers, 70B TP8 down's 16 pieces
-  // a thread would hold 16 of them.)
+  // biases; pieces past N or past the split's steps are zeros (not read). (Their sources
+  // are worked out at each copy, once per SB steps: held in registers they would take 16 at
+  // 70B TP8 down's 4-byte pieces, 16 a thread.)
   constexpr int PR = CU > 0 ? 32 / CU : 1;  // pieces a row and kind
   constexpr int PJ = SBLK ? (2 * BN * PR + TPB - 1) / TPB : 1;
   auto copy_scales = [&](int u) {
