@@ -409,7 +409,8 @@ def work(idx, jobs, args, lock):
                     smem = st * stage_bytes(mt, wr, bits) + scale_block_bytes(wr) + block_shared_overhead(mt)
                     if smem > SMEM - 1024:
                         continue
-                    want = -(-(SMS * (SMEM // smem)) // -(-n // (32 * wr)))
+                    per_sm = 1 if wr * wn == BLOCK_WARPS and wn == 1 else SMEM // smem  # (wide: registers)
+                    want = -(-(SMS * per_sm) // -(-n // (32 * wr)))
                     i = next((j for j, d in enumerate(splits) if d >= want), len(splits) - 1)
                     for sk in splits[i:i + 2]:
                         l = (mt, wr, wn, sk, st)
