@@ -166,14 +166,15 @@ pub fn supports(
     batches(Some(bits)).contains(&m)
         && shape_fits(n, k, group, bits)
         && dtypes_fit(dtypes)
-        && launch_fits(m, n, k, bits)
+        && launch_fits(m, bits)
 }
 
 /// Whether the launch for these rows fits this GPU's shared memory (without a GPU, one
-/// MLX did not describe, the kernel is not used: true).
-fn launch_fits(m: usize, n: usize, k: usize, bits: usize) -> bool {
+/// MLX did not describe, the kernel is not used: true). Its blocks' shape decides it, not
+/// the split of K (which `supports`, asked per product, need not search).
+fn launch_fits(m: usize, bits: usize) -> bool {
     let g = gpu::this_gpu();
-    g.cc.is_none() || launch_config(m, n, k, bits).fits(g.shared_memory_per_sm())
+    g.cc.is_none() || this_plan().shape(m, bits).fits(g.shared_memory_per_sm())
 }
 
 fn shape_fits(n: usize, k: usize, group: usize, bits: usize) -> bool {
@@ -311,17 +312,7 @@ pub fn warm_rows(lo: usize, hi: usize) -> Vec<usize> {
 
 /// The launch for `m` rows of a `[n, k]` weight on this machine (see [`launch_for`]).
 pub fn launch_config(m: usize, n: usize, k: usize, bits: usize) -> Launch {
-    let g = gpu::this_gpu();
-    let sms = g.sms.unwrap_or(gpu::DEFAULT_SMS);
-    let splits = knobs::get().qgemm_splitk.unwrap_or(MAX_SPLITS);
-    let fill = knobs::get().qgemm_fill;
-    let plan = Plan {
-        sms,
-        smem: g.shared_memory_per_sm(),
-        max_splits: splits,
-        fill,
-        wide: knobs::get().qgemm_wide,
-    };
+    let plan = this_plan();
     // the bounded flavour's blocks are narrow, 256 threads (its launch bounds), where it
     // has one
     if knobs::get().qgemm_bounded {
@@ -337,6 +328,18 @@ pub fn launch_config(m: usize, n: usize, k: usize, bits: usize) -> Launch {
         }
     }
     plan.launch(m, n, k, bits)
+}
+
+/// What this machine's launches are planned for (the GPU, the knobs).
+fn this_plan() -> Plan {
+    let g = gpu::this_gpu();
+    Plan {
+        sms: g.sms.unwrap_or(gpu::DEFAULT_SMS),
+        smem: g.shared_memory_per_sm(),
+        max_splits: knobs::get().qgemm_splitk.unwrap_or(MAX_SPLITS),
+        fill: knobs::get().qgemm_fill,
+        wide: knobs::get().qgemm_wide,
+    }
 }
 
 /// Warps a block has: 8 (256 weight rows a block up to 64 batch rows, two warps per row of
@@ -396,36 +399,16 @@ impl Plan {
     /// each, at most `max_splits`) as [`split_cost`] finds cheapest. `scripts/check_qgemm.py
     /// --sweep` times others.
     pub fn launch(&self, m: usize, n: usize, k: usize, bits: usize) -> Launch {
-        let mt = variant_rows(m);
-        let wn = if mt > 64 { 2 } else { 1 };
-        let wr = match self.wide {
-            true => BLOCK_WARPS / wn,
-            false => NARROW_BLOCK_WARPS,
-        };
-        let stage = stage_bytes(mt, wr, bits);
-        // the scale blocks' buffer (blocks of 256 weight rows) besides the ring
-        let sbuf = scale_block_bytes(32 * wr);
-        let over = block_shared_overhead(mt) + sbuf;
-        let room = RING_BYTES.min(self.smem.saturating_sub(over));
-        let st = (room / stage).clamp(MIN_STAGES, MAX_STAGES);
-        if self.wide && st * stage + over > self.smem {
-            // a GPU with less shared memory a block (100 KB an SM: sm_86, sm_89) takes no
-            // wide block at 2 stages here (8-bit at 64 rows): the narrow launch
-            return Plan {
-                wide: false,
-                ..*self
-            }
-            .launch(m, n, k, bits);
-        }
+        let l = self.shape(m, bits);
         // blocks an SM holds: by their registers, ptxas giving 140-230 a thread, a wide
         // block of one row of tiles holds an SM alone; others by shared memory (above 64
         // rows that is the narrow launch's count: its 8 warps likely hold an SM alone too,
         // which would halve its splits; not measured)
-        let per_sm = match self.wide && wn == 1 {
+        let per_sm = match l.wr == BLOCK_WARPS && l.wn == 1 {
             true => 1,
-            false => (self.smem / (st * stage + over)).max(1),
+            false => (self.smem / (l.shared_memory() + block_shared_overhead(l.mt))).max(1),
         };
-        let cb = n.div_ceil(32 * wr).max(1);
+        let cb = l.column_blocks(n).max(1);
         let steps = k / 128;
         let slots = self.sms * per_sm;
         let sk = (1..=steps)
@@ -441,11 +424,36 @@ impl Plan {
                 false => (split_cost(cb, steps, d, slots), d),
             })
             .unwrap_or(1);
+        Launch { sk, ..l }
+    }
+
+    /// [`Plan::launch`]'s blocks, K not split (`sk` 1): rows, warps and the ring's stages.
+    pub fn shape(&self, m: usize, bits: usize) -> Launch {
+        let mt = variant_rows(m);
+        let wn = if mt > 64 { 2 } else { 1 };
+        let wr = match self.wide {
+            true => BLOCK_WARPS / wn,
+            false => NARROW_BLOCK_WARPS,
+        };
+        let stage = stage_bytes(mt, wr, bits);
+        // the scale blocks' buffer (blocks of 256 weight rows) besides the ring
+        let over = block_shared_overhead(mt) + scale_block_bytes(32 * wr);
+        let room = RING_BYTES.min(self.smem.saturating_sub(over));
+        let st = (room / stage).clamp(MIN_STAGES, MAX_STAGES);
+        if self.wide && st * stage + over > self.smem {
+            // a GPU with less shared memory a block (100 KB an SM: sm_86, sm_89) takes no
+            // wide block at 2 stages here (8-bit at 64 rows): the narrow launch
+            return Plan {
+                wide: false,
+                ..*self
+            }
+            .shape(m, bits);
+        }
         Launch {
             mt,
             wr,
             wn,
-            sk,
+            sk: 1,
             st,
             bits,
             bounded: false,

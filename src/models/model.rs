@@ -59,14 +59,28 @@ fn bound_in_flight(rows: usize) -> bool {
         && !BUILD_ONLY.with(|b| b.get())
 }
 
-/// Queue layer output `h` and wait for the one before it (`in_flight`): at most two
-/// layers of a long input in flight.
-fn keep_two_in_flight(in_flight: &mut Option<Array>, h: &Array) -> mlx::Result<()> {
-    mlx::async_eval(&[h])?;
-    if let Some(prev) = in_flight.replace(h.clone()) {
-        prev.eval()?;
+/// At most two layers of a long input in flight, where `bound` (else nothing is done).
+struct TwoInFlight {
+    bound: bool,
+    last: Option<Array>,
+}
+
+impl TwoInFlight {
+    fn new(bound: bool) -> Self {
+        TwoInFlight { bound, last: None }
     }
-    Ok(())
+
+    /// Queue layer output `h` and wait for the one before it.
+    fn keep(&mut self, h: &Array) -> mlx::Result<()> {
+        if !self.bound {
+            return Ok(());
+        }
+        mlx::async_eval(&[h])?;
+        if let Some(prev) = self.last.replace(h.clone()) {
+            prev.eval()?;
+        }
+        Ok(())
+    }
 }
 
 struct Block {
@@ -524,8 +538,7 @@ impl Model {
         // layer's temporaries are alive at once: activations, and for a quantized model each
         // layer's dequantized weight (layers::dequant_gemm; 4-bit 8B prefill(2048) peaked
         // at 22.7 GB on H200, 8.3 GB with the bound). Keep at most two layers in flight.
-        let bound = bound_in_flight(t as usize);
-        let mut in_flight: Option<Array> = None;
+        let mut in_flight = TwoInFlight::new(bound_in_flight(t as usize));
         if let Some(p) = probe.as_deref_mut() {
             p.push(h.clone());
         }
@@ -552,9 +565,7 @@ impl Model {
             h = block
                 .mlp
                 .forward_residual(&h, &block.post_attention_layernorm)?;
-            if bound {
-                keep_two_in_flight(&mut in_flight, &h)?;
-            }
+            in_flight.keep(&h)?;
             if let Some(p) = probe.as_deref_mut() {
                 p.push(h.clone());
             }
@@ -632,12 +643,11 @@ impl Model {
                 Some(self.embed(&Array::from_slice(&ids, &[1, n])?)?)
             }
         };
-        let bound = bound_in_flight(n as usize);
-        let mut in_flight: Option<Array> = None;
+        let mut in_flight = TwoInFlight::new(bound_in_flight(n as usize));
         // decode rows above the quantized GEMM's 128 take dequantize + GEMM too, whose
         // dequantized weights would otherwise be alive for every layer at once
-        let bound_d = b as usize > kernels::qgemm::MAX_M && bound_in_flight(b as usize);
-        let mut in_flight_d: Option<Array> = None;
+        let mut in_flight_d =
+            TwoInFlight::new(b as usize > kernels::qgemm::MAX_M && bound_in_flight(b as usize));
         for (li, block) in self.layers.iter().enumerate() {
             let a = &block.self_attn;
             let norm = &block.input_layernorm;
@@ -684,9 +694,7 @@ impl Model {
                 let h = block
                     .mlp
                     .forward_residual(&h, &block.post_attention_layernorm)?;
-                if bound_d {
-                    keep_two_in_flight(&mut in_flight_d, &h)?;
-                }
+                in_flight_d.keep(&h)?;
                 hd = Some(h);
             }
             if let Some(h) = &hc {
@@ -705,9 +713,7 @@ impl Model {
                 let h = block
                     .mlp
                     .forward_residual(&h, &block.post_attention_layernorm)?;
-                if bound {
-                    keep_two_in_flight(&mut in_flight, &h)?;
-                }
+                in_flight.keep(&h)?;
                 hc = Some(h);
             }
         }
