@@ -239,6 +239,13 @@ def within(e, e_mlx):
     return e <= 1e-2 and e <= 2 * e_mlx + 4e-3
 
 
+def rope_inputs(mx, m, hd=128, base=500000.0):
+    """RoPE's inverse frequencies for heads of `hd` and positions of `m` rows, spread out."""
+    inv = mx.array([base ** (-2.0 * i / hd) for i in range(hd // 2)], dtype=mx.float32)
+    pos = mx.array([(7 + 997 * i) % 30000 for i in range(m)], dtype=mx.int32)
+    return inv, pos
+
+
 def check_shape(mx, qv, g, dt, model, n, k, name, nq, bits, group, ms):
     """Rows (shape, bits, group, M, what, err, err of quantized_matmul, ok) for one weight."""
     wq, s, b = qv.quantized(n, k, group, bits, n + k + bits)
@@ -275,8 +282,7 @@ def check_shape(mx, qv, g, dt, model, n, k, name, nq, bits, group, ms):
         elif name == "qkv":
             hd, base = 128, 500000.0
             nkv = (n // hd - nq) // 2
-            inv = mx.array([base ** (-2.0 * i / hd) for i in range(hd // 2)], dtype=mx.float32)
-            pos = mx.array([(7 + 997 * i) % 30000 for i in range(m)], dtype=mx.int32)
+            inv, pos = rope_inputs(mx, m, hd, base)
 
             def heads(y):  # [m, n] -> q, kv as the kernel lays them out, RoPE per row
                 y = y.reshape(m, n // hd, 1, hd)

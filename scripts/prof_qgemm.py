@@ -51,8 +51,7 @@ def run(specs):
             if name == "gate_up":
                 extra["swiglu"] = True
             else:  # q/k/v: RoPE on q and k
-                inv = mx.array([500000.0 ** (-2.0 * i / 128) for i in range(64)], dtype=mx.float32)
-                pos = mx.array([(7 + 997 * i) % 30000 for i in range(m)], dtype=mx.int32)
+                inv, pos = cq.rope_inputs(mx, m)
                 extra["rope"] = (pos, inv, nq, 128)
         mx.eval(x, *[v for v in extra.values() if isinstance(v, mx.array)])
         print(f"{spec}: N {n} K {k} launch (MT WR WN SK ST) {cq.launch_for(m, n, k, bits)}", flush=True)
