@@ -138,9 +138,8 @@ def launch_for(m, n, k, bits, max_splits=None):
         st = min(max(room // stage, MIN_STAGES), MAX_STAGES)
         if not wide or st * stage + over <= SMEM:
             break  # (a wide block that does not fit takes the narrow launch)
-    # blocks an SM holds: wide ones of one row of tiles one (their registers), others by
-    # shared memory (above 64 rows as the narrow launch counts them)
-    per_sm = 1 if (wide and wn == 1) else max(1, SMEM // (st * stage + over))
+    # blocks an SM holds: one of 8 warps (its registers), smaller ones by shared memory
+    per_sm = 1 if wr * wn >= BLOCK_WARPS else max(1, SMEM // (st * stage + over))
     cb = max(1, -(-n // (32 * wr)))
     steps = k // 128
     splits = [d for d in k_splits(steps) if d <= max_splits] or [1]
@@ -415,7 +414,7 @@ def work(idx, jobs, args, lock):
                     smem = st * stage_bytes(mt, wr, bits) + scale_block_bytes(wr) + block_shared_overhead(mt)
                     if smem > SMEM - 1024:
                         continue
-                    per_sm = 1 if wr * wn == BLOCK_WARPS and wn == 1 else SMEM // smem  # (wide: registers)
+                    per_sm = 1 if wr * wn >= BLOCK_WARPS else SMEM // smem  # (8 warps: registers)
                     want = -(-(SMS * per_sm) // -(-n // (32 * wr)))
                     i = next((j for j, d in enumerate(splits) if d >= want), len(splits) - 1)
                     for sk in splits[i:i + 2]:

@@ -347,7 +347,7 @@ fn this_plan() -> Plan {
 /// fewer rows per block read it more often: with 128 weight rows a block (4 warps) the L2
 /// was the busiest unit (Nsight on an H100: 59-61% of its throughput at 32 and 64 rows,
 /// DRAM 16-24%), and 256 took 13-27% off every 8B product at 32 and 64 rows (gate/up at 64
-/// rows 117.4 → 94.4 µs). Such a block holds an SM alone (140-230 registers a thread).
+/// rows 117.4 → 94.4 µs). Such a block holds an SM alone (164-254 registers a thread).
 pub const BLOCK_WARPS: usize = 8;
 /// Warps over a block's weight rows in a narrow launch (`MLXCEL_QGEMM_WIDE=0`, for A/B
 /// runs; above 64 batch rows; the bounded flavour): 4 (128 weight rows), two warps per row
@@ -400,11 +400,10 @@ impl Plan {
     /// --sweep` times others.
     pub fn launch(&self, m: usize, n: usize, k: usize, bits: usize) -> Launch {
         let l = self.shape(m, bits);
-        // blocks an SM holds: by their registers, ptxas giving 140-230 a thread, a wide
-        // block of one row of tiles holds an SM alone; others by shared memory (above 64
-        // rows that is the narrow launch's count: its 8 warps likely hold an SM alone too,
-        // which would halve its splits; not measured)
-        let per_sm = match l.wr == BLOCK_WARPS && l.wn == 1 {
+        // blocks an SM holds: a block of 8 warps holds one alone by its registers (ptxas,
+        // sm_90a: 164-254 a thread, 207-210 above 64 rows, where 128 would let two in);
+        // smaller blocks by shared memory
+        let per_sm = match l.threads() >= 32 * BLOCK_WARPS {
             true => 1,
             false => (self.smem / (l.shared_memory() + block_shared_overhead(l.mt))).max(1),
         };
@@ -986,8 +985,8 @@ mod tests {
     #[test]
     fn blocks_fit_an_sm_at_every_variant() {
         // what an sm_90 SM holds: each block's ring (and scale blocks) and its overhead (the
-        // driver's 1 KB, the static Σ x²), for every variant, bits and shape: once for wide
-        // blocks of one row of tiles (never more than 256 threads), twice for the others
+        // driver's 1 KB, the static Σ x²), for every variant, bits and shape: once for
+        // blocks of 8 warps (their registers hold an SM alone), twice for the others
         const SMEM: usize = 228 * 1024;
         for mt in variants(1, MAX_M) {
             for bits in [4, 8] {
@@ -1002,7 +1001,11 @@ mod tests {
                         }
                         .launch(mt, n, k, bits);
                         let block = l.shared_memory() + block_shared_overhead(l.mt);
-                        let per_sm = if wide && l.wn == 1 { 1 } else { 2 };
+                        let per_sm = if l.threads() >= 32 * BLOCK_WARPS {
+                            1
+                        } else {
+                            2
+                        };
                         assert!(
                             per_sm * block <= SMEM,
                             "{mt} rows, {bits} bits: {block} bytes"
