@@ -71,9 +71,10 @@ pub struct Knobs {
     pub kernel_include: bool,
     /// `MLXCEL_ATTN`: mlxcel's decode attention kernel for batched steps on CUDA.
     pub attn: bool,
-    /// `MLXCEL_ATTN_SINGLE`: a single sequence's decode step (blocks in one run) takes the
-    /// batched path too, with that kernel (one op per layer for attention), instead of MLX's
-    /// sdpa over two views of the pool (three ops).
+    /// `MLXCEL_ATTN_SINGLE`: a single sequence's decode step (blocks in one run, the q/k/v
+    /// kernel writing the pool) runs that kernel over the pool the q/k/v kernel wrote through
+    /// (one op per layer for attention), instead of MLX's sdpa over two views of the pool
+    /// (two ops).
     pub attn_single: bool,
     /// `MLXCEL_KERNEL_CACHE`: keep compiled kernels in the cache folder between runs.
     pub kernel_cache: bool,

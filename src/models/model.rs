@@ -16,7 +16,7 @@ use super::blocks::mlp::{Mlp, MlpLayout};
 use super::blocks::moe::{MoeBlock, MoeLayout};
 use super::blocks::norm::RmsNorm;
 use super::config::ModelConfig;
-use super::kv_cache::{self, KvCache, KvConfig, KvError};
+use super::kv_cache::{self, KvCache, KvConfig, KvError, NewKv, SeqRows};
 use super::layers::{Embedding, Linear, Result, Rope, VocabRows};
 use super::layout::{FeedForwardLayout, LayerLayout, Layout, ParamSpec, Split};
 use super::shard::ShardPlan;
@@ -497,14 +497,9 @@ impl Model {
         let pos = cache.len(slot);
         cache.prepare(self.layers.len(), &[(slot, pos + t as usize)])?;
         let rows = cache.seq_rows(slot, pos, t as usize)?;
-        let single_kernel = t == 1
-            && kernels::knobs::get().attn_single
-            && self.attn_kernel_fits()
-            && kernels::attn::block_size_fits(cache.block_size());
-        if t == 1 && (!rows.is_run() || single_kernel) {
+        if t == 1 && !rows.is_run() {
             // one token over scattered blocks: the batched decode path reads through the
-            // block table (the kernel, or a gather); with `MLXCEL_ATTN_SINGLE=1` one run of
-            // blocks too (the kernel)
+            // block table (the kernel, or a gather)
             return Ok(self
                 .forward_decode_batch_ids(cache, &[slot], ids)?
                 .reshape(&[-1, self.cfg.vocab_size as i32])?);
@@ -523,10 +518,34 @@ impl Model {
         };
         let offset = one(pos as i32, &[])?;
         let dst = dst.map(|row| one(row, &[1])).transpose()?;
+        // `MLXCEL_ATTN_SINGLE=1`: where the q/k/v kernel writes the pool, mlxcel's attention
+        // kernel reads it through the run's block table (consecutive block ids: an `arange`
+        // on the device) in one op per layer, instead of MLX's sdpa over two views (two)
+        let single = match &rows {
+            SeqRows::Run { start, .. }
+                if dst.is_some()
+                    && kernels::knobs::get().attn_single
+                    && self.attn_kernel_fits()
+                    && kernels::attn::block_size_fits(cache.block_size()) =>
+            {
+                let bs = cache.block_size();
+                let b0 = (start / bs) as i32;
+                let nb = (pos + 1).div_ceil(bs) as i32;
+                let ids: Vec<i32> = (b0..b0 + nb).collect();
+                let table = kv_cache::step_i32(&[(&ids, &[1, nb])])?
+                    .pop()
+                    .expect("one part");
+                Some((table, cache.attn_scratch(self.q_heads())?.clone()))
+            }
+            _ => None,
+        };
         if probe.is_some() {
             // (counting ops per layer: the step's inputs are made once per step, not in
             // each layer that reads them, so they are evaluated before the layers are counted)
-            let inputs: Vec<&Array> = std::iter::once(&offset).chain(dst.as_ref()).collect();
+            let inputs: Vec<&Array> = std::iter::once(&offset)
+                .chain(dst.as_ref())
+                .chain(single.as_ref().map(|s| &s.0))
+                .collect();
             mlx::eval(&inputs)?;
         }
         let mut h = self.embed(ids)?;
@@ -550,17 +569,25 @@ impl Model {
             };
             let into = pool.as_ref().zip(dst.as_ref());
             let (q, kv) = a.qkv(&h, &block.input_layernorm, 1, t, &self.rope, &offset, into)?;
-            // one sequence whose blocks are one run of rows reads them as views with MLX's
-            // attention: at batch 1 that beat mlxcel's kernel (`kernels::attn`, used for
-            // batched steps) on H200; scattered blocks (a prefill after a cached prefix)
-            // are gathered
-            let (kk, vv) = cache.write_and_read(li, &rows, &kv)?;
-            let mask = if t > 1 {
-                fast::Mask::Causal
-            } else {
-                fast::Mask::None
+            let o = match (&single, &pool, &kv) {
+                // the pool view the q/k/v kernel wrote through, read by mlxcel's kernel
+                (Some((table, scratch)), Some(p), NewKv::Written) => {
+                    cache.write(li, &rows, &kv)?;
+                    a.decode_attention(&q, p, table, &offset, scratch, cache.block_size())?
+                }
+                // one sequence whose blocks are one run of rows reads them as views with
+                // MLX's attention (by default: at batch 1 it beat mlxcel's kernel on H100
+                // and H200); scattered blocks (a prefill after a cached prefix) are gathered
+                _ => {
+                    let (kk, vv) = cache.write_and_read(li, &rows, &kv)?;
+                    let mask = if t > 1 {
+                        fast::Mask::Causal
+                    } else {
+                        fast::Mask::None
+                    };
+                    fast::sdpa(&q, &kk, &vv, a.scale, mask)?
+                }
             };
-            let o = fast::sdpa(&q, &kk, &vv, a.scale, mask)?;
             h = a.out_residual(&o, &h, 1, t)?;
             h = block
                 .mlp
