@@ -99,6 +99,11 @@ pub struct Knobs {
     /// write rows, block tables) in device memory on CUDA (`crate::mlx::device_inputs`);
     /// 0: host arrays in MLX's unified memory, as before.
     pub device_inputs: bool,
+    /// `MLXCEL_DEVICE_CONSTS` (default 1): small constant arrays the decode kernels read
+    /// every layer (RoPE's frequencies, weights under 1 MiB: norms, biases) copied into
+    /// device memory on CUDA once at load (`crate::mlx::device_inputs::device_copy`); 0: as
+    /// made from host data, in MLX's unified memory.
+    pub device_consts: bool,
     /// `MLXCEL_KV_FUSED` (default 1): a decode step's q/k/v kernel (the GEMV's, up to 8
     /// rows) writes the new keys and values straight into the KV pool; 0: a cache write
     /// op per layer, as before.
@@ -176,6 +181,7 @@ impl Default for Knobs {
             gemv_dense: true,
             gemv_wide: true,
             device_inputs: true,
+            device_consts: true,
             kv_fused: true,
             pool_view: true,
             tp_residual: false,
@@ -219,6 +225,7 @@ pub const VARS: &[&str] = &[
     "MLXCEL_GEMV_DENSE",
     "MLXCEL_GEMV_WIDE",
     "MLXCEL_DEVICE_INPUTS",
+    "MLXCEL_DEVICE_CONSTS",
     "MLXCEL_KV_FUSED",
     "MLXCEL_POOL_VIEW",
     "MLXCEL_TP_RESIDUAL",
@@ -256,6 +263,7 @@ const SWITCHES: &[(&str, Field)] = &[
     ("MLXCEL_GEMV_DENSE", |k| &mut k.gemv_dense),
     ("MLXCEL_GEMV_WIDE", |k| &mut k.gemv_wide),
     ("MLXCEL_DEVICE_INPUTS", |k| &mut k.device_inputs),
+    ("MLXCEL_DEVICE_CONSTS", |k| &mut k.device_consts),
     ("MLXCEL_KV_FUSED", |k| &mut k.kv_fused),
     ("MLXCEL_POOL_VIEW", |k| &mut k.pool_view),
     ("MLXCEL_TP_RESIDUAL", |k| &mut k.tp_residual),

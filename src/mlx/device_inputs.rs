@@ -64,6 +64,21 @@ pub fn counts_i32(len: usize) -> Result<Array> {
     Array::zeros(&[len.max(MIN_LEN) as i32], Dtype::I32)
 }
 
+/// `a` copied into device memory on CUDA (a copy op on the GPU stream, evaluated): an
+/// array made from host data (a loaded weight, a table computed on the host) lives in
+/// unified memory, and a small one may share its pages with arrays the host writes while
+/// the device runs a step, so that a kernel reading it every layer would take page faults
+/// (see the module docs). Elsewhere, and for arrays of 8 bytes or less (MLX keeps every
+/// such result in unified memory), `a` itself.
+pub fn device_copy(a: &Array) -> Result<Array> {
+    if backend() != Backend::Cuda || a.nbytes() <= 8 {
+        return Ok(a.clone());
+    }
+    let d = a.copy_to_stream(&Stream::default_for(true)?)?;
+    d.eval()?;
+    Ok(d)
+}
+
 /// One array of `values` shaped `shape` (see [`device_i32_parts`]).
 pub fn device_i32(values: &[i32], shape: &[i32]) -> Result<Array> {
     let mut v = device_i32_parts(&[(values, shape)])?;

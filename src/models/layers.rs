@@ -885,6 +885,15 @@ pub struct Rope {
     inv_freq: Array,
 }
 
+/// A constant table every layer's kernels read, in device memory on CUDA
+/// (`MLXCEL_DEVICE_CONSTS`, [`mlx::device_inputs::device_copy`]).
+fn device_const(a: Array) -> mlx::Result<Array> {
+    match kernels::knobs::get().device_consts {
+        true => mlx::device_inputs::device_copy(&a),
+        false => Ok(a),
+    }
+}
+
 impl Rope {
     pub fn new(cfg: &ModelConfig) -> mlx::Result<Rope> {
         let dims = cfg.head_dim as i32;
@@ -893,10 +902,10 @@ impl Rope {
             RopeScaling::None => None,
             _ => {
                 let periods: Vec<f32> = inv.iter().map(|&f| (1.0 / f as f64) as f32).collect();
-                Some(Array::from_slice(&periods, &[dims / 2])?)
+                Some(device_const(Array::from_slice(&periods, &[dims / 2])?)?)
             }
         };
-        let inv_freq = Array::from_slice(&inv, &[dims / 2])?;
+        let inv_freq = device_const(Array::from_slice(&inv, &[dims / 2])?)?;
         Ok(Rope {
             dims,
             base: cfg.rope.theta,

@@ -22,6 +22,7 @@ use std::fs::File;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
+use crate::kernels;
 use crate::mlx::{self, Array, Dtype, MlxError};
 use crate::model_dir::ModelDir;
 
@@ -227,6 +228,10 @@ pub struct SafetensorsSource {
 /// embedding table, are freed at once rather than held for the rest of the load).
 const SCRATCH_KEEP_BYTES: usize = 256 << 20;
 
+/// Weights smaller than this are copied into device memory on CUDA once read
+/// (`MLXCEL_DEVICE_CONSTS`); larger ones have pages of their own.
+const DEVICE_COPY_BYTES: usize = 1 << 20;
+
 impl SafetensorsSource {
     /// An array of shape `dims` from the bytes `fill` appends to the (emptied) staging
     /// buffer; `fill` returns their dtype.
@@ -238,9 +243,14 @@ impl SafetensorsSource {
         let mut buf = self.scratch.borrow_mut();
         buf.clear();
         let dtype = fill(&mut buf)?;
-        let a = Array::from_bytes(&buf, dims, dtype)?;
+        let mut a = Array::from_bytes(&buf, dims, dtype)?;
         if buf.capacity() > SCRATCH_KEEP_BYTES {
             *buf = Vec::new();
+        }
+        // a small weight (a norm, a bias: read by a decode kernel every layer) in device
+        // memory rather than unified memory, where it may share pages the host writes
+        if a.nbytes() < DEVICE_COPY_BYTES && kernels::knobs::get().device_consts {
+            a = crate::mlx::device_inputs::device_copy(&a)?;
         }
         Ok(a)
     }
