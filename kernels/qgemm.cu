@@ -437,10 +437,6 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
   // are worked out at each copy, once per SB steps: held in registers they would take 16 at
   // 70B TP8 down's 4-byte pieces, 16 a thread.)
   constexpr int PR = CU > 0 ? 32 / CU : 1;  // pieces a row and kind
-  // A row's 32 bytes of a kind span 8 banks, so rows r and r + 4 share them: the lanes of a
-  // warp reading rows gq and gq + 4 (gq = lane / 4) would meet in a bank. Rows 4-7 of each
-  // 8 hold their two 16-byte halves swapped (bytes XOR 16), which puts them 4 banks apart.
-  auto sbank = [](int r) { return (r & 4) << 2; };
   constexpr int PJ = SBLK ? (2 * BN * PR + TPB - 1) / TPB : 1;
   auto copy_scales = [&](int u) {
     char* slot = reinterpret_cast<char*>(sbuf + (u % 2) * 4 * BN);
@@ -449,12 +445,10 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
       const int c = tid + j * TPB;
       if (PJ * TPB == 2 * BN * PR || c < 2 * BN * PR) {
         const int b = c / (BN * PR), at = u * SB * SPS + (c % PR) * (CU / 2);
-        const int rs = (c / PR) % BN, row = ring_row(rs);
+        const int row = ring_row((c / PR) % BN);
         const bool in = row >= 0 && at < NS * SPS;
         const T* src = (b ? biases : scales) + (in ? size_t(row) * GPR + split * NS * SPS + at : 0);
-        // kind b, row slot rs, piece: 32 bytes a row and kind, the halves of rows 4-7 of
-        // every 8 swapped (sbank above)
-        char* dst = slot + ((CU * c) ^ sbank(rs));
+        char* dst = slot + CU * c;  // = kind b, row slot, piece: 32 bytes a row and kind
         if constexpr (CU == 16) {
           mlxcel_cp16z(reinterpret_cast<uint4*>(dst), src, in);
         } else {
@@ -573,7 +567,8 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
     uint32_t s2[2][2], b2[2][2];
     const unsigned short* ssb = reinterpret_cast<const unsigned short*>(st + W16 + X16 + 16);
     // (SBLK) step s's scales in its block's slot: 16 halves a row and kind
-    const unsigned short* sbh = reinterpret_cast<const unsigned short*>(sbuf + ((s / SB) % 2) * 4 * BN);
+    const unsigned short* sbh = reinterpret_cast<const unsigned short*>(sbuf + ((s / SB) % 2) * 4 * BN) +
+                                (s % SB) * SPS;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
 #pragma unroll
@@ -581,9 +576,8 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
         uint32_t sv = scs[i][h], bv = bis[i][h];
         if constexpr (SBLK) {
           const int r = wr * 32 + i * 16 + h * 8 + gq, g = 32 * t / G;
-          const int at = ((s % SB) * SPS + g) ^ (sbank(r) / 2);  // (in halves)
-          sv = sbh[16 * r + at];
-          bv = sbh[16 * (BN + r) + at];
+          sv = sbh[16 * r + g];
+          bv = sbh[16 * (BN + r) + g];
         } else if constexpr (SSM) {
           const int r = wr * 32 + i * 16 + h * 8 + gq, g = 32 * t / G;
           sv = ssb[8 * r + g];
