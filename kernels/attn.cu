@@ -71,7 +71,7 @@ __device__ void mlxcel_attn_decode(const T* q, const T* pool, const int32_t* tab
   constexpr int TW = WARPS / G;  // tiles in flight: warp w takes query head w % G of tile w / G
   constexpr int CHUNK = 32 * TW;  // positions a block takes per round
   constexpr int DPL = D / 32;     // values of a value row per lane
-  constexpr int KC = D / 8;       // 16-byte chunks of a key row
+  constexpr int KL = D / 64;      // 16-byte loads a lane makes of a key row (8 lanes a row)
   static_assert(D == 64 || D == 128, "head_dim 64 or 128");
   static_assert(HQ % HKV == 0 && G <= 16, "1-16 query heads per kv head");
   static_assert(WARPS % G == 0 && TW >= 1 && NSPLIT >= 1 && WARPS * D <= 8192);
@@ -102,6 +102,13 @@ __device__ void mlxcel_attn_decode(const T* q, const T* pool, const int32_t* tab
   for (int i = threadIdx.x; i < G * D; i += 32 * WARPS)
     sq[i / D][i % D] = float(q[(size_t(b) * HQ + size_t(h) * G) * D + i]) * qs;
   __syncthreads();
+  // the values of q (this warp's head) at the key values this lane reads: 8 from each 64
+  const int ksub = lane & 7, kgrp = lane >> 3;
+  float qk[KL][8];
+#pragma unroll
+  for (int c = 0; c < KL; ++c)
+#pragma unroll
+    for (int e = 0; e < 8; ++e) qk[c][e] = sq[g][64 * c + 8 * ksub + e];
 
   const size_t kbase = size_t(h) * size_t(cap) * D;
   const size_t vbase = kbase + size_t(HKV) * cap * D;
@@ -140,30 +147,44 @@ __device__ void mlxcel_attn_decode(const T* q, const T* pool, const int32_t* tab
     // positions x lie in one block: pool row rb + x
     const int tc = min(t0, p1 - 1);
     const long long rb = (long long)btab[tc / BS] * BS + tc % BS - tc;
-    // the tile's key and value rows into L1 in one round trip: lane l asks for row t0 + l
+    // the tile's value rows into L1 in one round trip: lane l asks for row t0 + l
     const size_t row = size_t(rb + min(p, p1 - 1)) * D;
 #pragma unroll
-    for (int off = 0; off < D; off += 64) {
-      mlxcel_prefetch_l1(pool + kbase + row + off);
-      mlxcel_prefetch_l1(pool + vbase + row + off);
-    }
-    // then the loads: the key row of p and the first 16 value rows
-    const uint4* kr = reinterpret_cast<const uint4*>(pool + kbase + row);
-    uint4 kw[KC];
-    VW va[16], vb[16];
+    for (int off = 0; off < D; off += 64) mlxcel_prefetch_l1(pool + vbase + row + off);
+    // the key rows, 8 lanes a row (4 rows a load instruction, each lane 16 bytes of a
+    // row's every 128): row j of the tile is read in pass j / 4 by lanes 8·(j % 4) …,
+    // whose partial dot products with q add up over those 8 lanes. (Each lane reading a
+    // whole row of its own touched 32 lines per load instruction.)
+    uint4 kw[8][KL];
 #pragma unroll
-    for (int c = 0; c < KC; ++c) kw[c] = kr[c];
+    for (int ps = 0; ps < 8; ++ps) {
+      const uint4* kr = reinterpret_cast<const uint4*>(
+          pool + kbase + size_t(rb + min(t0 + 4 * ps + kgrp, p1 - 1)) * D + 8 * ksub);
+#pragma unroll
+      for (int c = 0; c < KL; ++c) kw[ps][c] = kr[8 * c];
+    }
+    VW va[16], vb[16];
 #pragma unroll
     for (int j = 0; j < 16; ++j) va[j] = vrow(rb, t0, j);
     float sc = 0.f;
 #pragma unroll
-    for (int c = 0; c < KC; ++c) {
-      const uint32_t wd[4] = {kw[c].x, kw[c].y, kw[c].z, kw[c].w};
+    for (int ps = 0; ps < 8; ++ps) {
+      float s = 0.f;
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float2 k = mlxcel_attn_unpack2(wd[j], tz);
-        sc += sq[g][8 * c + 2 * j] * k.x + sq[g][8 * c + 2 * j + 1] * k.y;
+      for (int c = 0; c < KL; ++c) {
+        const uint32_t wd[4] = {kw[ps][c].x, kw[ps][c].y, kw[ps][c].z, kw[ps][c].w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float2 k = mlxcel_attn_unpack2(wd[j], tz);
+          s += qk[c][2 * j] * k.x + qk[c][2 * j + 1] * k.y;
+        }
       }
+      s += __shfl_xor_sync(FULL, s, 1);
+      s += __shfl_xor_sync(FULL, s, 2);
+      s += __shfl_xor_sync(FULL, s, 4);
+      // lane l takes row l's score: pass l / 4, lanes 8·(l % 4) …
+      const float v = __shfl_sync(FULL, s, 8 * (lane & 3));
+      if ((lane >> 2) == ps) sc = v;
     }
 #pragma unroll
     for (int j = 0; j < 16; ++j) vb[j] = vrow(rb, t0, 16 + j);
@@ -220,16 +241,36 @@ __device__ void mlxcel_attn_decode(const T* q, const T* pool, const int32_t* tab
   __syncthreads();
   if (!last) return;
   __threadfence();
+  // the splits' maxima and sums into shared memory first, each thread one, then every
+  // (head, d) weighs its ns values with all of their loads issued at once: loaded one
+  // split after another, each a round trip to L2, this merge took most of a batch-1 call
+  // (Nsight on an H100, a 70B TP=8 rank at 384 positions: 15.6 µs a layer, MLX's sdpa 9.4)
+  __shared__ float pm[NSPLIT][G], pl[NSPLIT][G];
+  for (int i = threadIdx.x; i < ns * G; i += 32 * WARPS) {
+    const float* ps = part + size_t(i / G) * G * (D + 2) + (i % G) * (D + 2);
+    pm[i / G][i % G] = __ldcg(ps + D);
+    pl[i / G][i % G] = __ldcg(ps + D + 1);
+  }
+  __syncthreads();
+  constexpr int MU = NSPLIT < 8 ? NSPLIT : 8;  // the splits' values loaded at once
   for (int i = threadIdx.x; i < G * D; i += 32 * WARPS) {
     const int g = i / D, d = i % D;
     float mx = NEG_INF;
-    for (int t = 0; t < ns; ++t) mx = fmaxf(mx, __ldcg(part + size_t(t) * G * (D + 2) + g * (D + 2) + D));
+    for (int t = 0; t < ns; ++t) mx = fmaxf(mx, pm[t][g]);
     float sum = 0.f, a = 0.f;
-    for (int t = 0; t < ns; ++t) {
-      const float* ps = part + size_t(t) * G * (D + 2) + g * (D + 2);
-      const float f = exp2f(__ldcg(ps + D) - mx);
-      sum += __ldcg(ps + D + 1) * f;
-      a += __ldcg(ps + d) * f;
+    for (int t0 = 0; t0 < ns; t0 += MU) {
+      float v[MU];
+#pragma unroll
+      for (int u = 0; u < MU; ++u)
+        v[u] = t0 + u < ns ? __ldcg(part + size_t(t0 + u) * G * (D + 2) + g * (D + 2) + d) : 0.f;
+#pragma unroll
+      for (int u = 0; u < MU; ++u) {
+        if (t0 + u < ns) {
+          const float f = exp2f(pm[t0 + u][g] - mx);
+          sum += pl[t0 + u][g] * f;
+          a += v[u] * f;
+        }
+      }
     }
     out[(size_t(b) * HQ + size_t(h) * G + g) * D + d] = T(a / sum);
   }
