@@ -11,6 +11,30 @@ use crate::mlx::{self, Array, Backend, Dtype, MlxError, Result};
 
 const SOURCE: &str = include_str!("../../kernels/attn.cu");
 
+/// The kernel's name, header and body: from `kernels/attn.cu` as embedded, or from the
+/// file `MLXCEL_ATTN_SOURCE` names (another name, so MLX and the cache keep both apart).
+fn kernel() -> Result<&'static (String, String, String)> {
+    static KERNEL: OnceLock<std::result::Result<(String, String, String), String>> =
+        OnceLock::new();
+    KERNEL
+        .get_or_init(|| match &super::knobs::get().attn_source {
+            None => Ok(one_body_kernel("mlxcel_attn", "attn.cu", SOURCE)),
+            Some(path) => {
+                let var = format!("MLXCEL_ATTN_SOURCE={}", path.display());
+                let text = std::fs::read_to_string(path)
+                    .map_err(|e| format!("{var}: cannot read it: {e}"))?;
+                match super::qgemv::header_and_body(&text) {
+                    Some(_) => Ok(one_body_kernel("mlxcel_attn", "attn.cu", &text)),
+                    None => Err(format!(
+                        "{var}: no `// @@header` and `// @@body` marker lines"
+                    )),
+                }
+            }
+        })
+        .as_ref()
+        .map_err(|e| MlxError::Invalid(e.clone()))
+}
+
 /// At most this many blocks per (row, kv head).
 pub const NSPLIT: usize = 32;
 
@@ -144,9 +168,7 @@ pub fn decode(
             scratch.head_dim
         )));
     }
-    static KERNEL: OnceLock<(String, String, String)> = OnceLock::new();
-    let (name, header, body) =
-        KERNEL.get_or_init(|| one_body_kernel("mlxcel_attn", "attn.cu", SOURCE));
+    let (name, header, body) = kernel()?;
     static NAMES: OnceLock<([String; 6], [String; 1], [String; 7])> = OnceLock::new();
     let (inputs, outputs, tnames) = NAMES.get_or_init(|| {
         (

@@ -71,6 +71,9 @@ pub struct Knobs {
     pub kernel_include: bool,
     /// `MLXCEL_ATTN`: mlxcel's decode attention kernel for batched steps on CUDA.
     pub attn: bool,
+    /// `MLXCEL_ATTN_SOURCE`: an attention kernel file read at run time instead of the
+    /// embedded `kernels/attn.cu` (A/B runs of kernel versions in one binary).
+    pub attn_source: Option<PathBuf>,
     /// `MLXCEL_ATTN_SINGLE`: a single sequence's decode step (blocks in one run, the q/k/v
     /// kernel writing the pool) runs that kernel over the pool the q/k/v kernel wrote through
     /// (one op per layer for attention), instead of MLX's sdpa over two views of the pool
@@ -174,6 +177,7 @@ impl Default for Knobs {
             kernel_include: true,
             attn: true,
             attn_single: false,
+            attn_source: None,
             kernel_cache: true,
             vocab_parallel: true,
             addmm_residual: false,
@@ -218,6 +222,7 @@ pub const VARS: &[&str] = &[
     "MLXCEL_KERNEL_INCLUDE",
     "MLXCEL_ATTN",
     "MLXCEL_ATTN_SINGLE",
+    "MLXCEL_ATTN_SOURCE",
     "MLXCEL_KERNEL_CACHE",
     "MLXCEL_VOCAB_PARALLEL",
     "MLXCEL_ADDMM_RESIDUAL",
@@ -355,6 +360,9 @@ impl Knobs {
         k.gemv_source = get("MLXCEL_GEMV_SOURCE")
             .filter(|v| !v.is_empty())
             .map(PathBuf::from);
+        k.attn_source = get("MLXCEL_ATTN_SOURCE")
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from);
         Ok(k)
     }
 
@@ -395,6 +403,9 @@ impl Knobs {
         }
         if let Some(p) = &self.gemv_source {
             out.push(format!("MLXCEL_GEMV_SOURCE={}", p.display()));
+        }
+        if let Some(p) = &self.attn_source {
+            out.push(format!("MLXCEL_ATTN_SOURCE={}", p.display()));
         }
         out
     }
