@@ -51,8 +51,8 @@
 //   4-bit weights, 32 of 8-bit: one group, G being a multiple of 32, so one scale and bias
 //   per row; blocks of 256 weight rows copy them for several steps at once into a buffer
 //   after the ring (SBLK below); otherwise, with groups of 32 or 64 they come through the
-//   ring with the step, with groups of 128 they are plain loads into registers a step ahead). Word c (8 values
-//   v0 … v7) of a row becomes four T pairs
+//   ring with the step, with groups of 128 they are plain loads into registers a step
+//   ahead). Word c (8 values v0 … v7) of a row becomes four T pairs
 //   (v0,v4) (v1,v5) (v2,v6) (v3,v7): 4-bit by masking nibbles j and j + 4 into the
 //   mantissas of T(128) (bf16) or T(1024) (f16), which makes 128 + v exactly, then one
 //   FMA2 subtracting it and one FMA2 with the scale and bias (one rounding, as
@@ -304,8 +304,8 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
   // SB steps (16 groups, 32 bytes a row and kind) copied at once in pieces of CU bytes into
   // two slots after the ring, so that a row's copies take one or two 32-byte sectors (two
   // where the split's groups do not start on 32 bytes). Copied a step at a time, a row's 2-8
-  // bytes took an L2 sector each: at 64 rows a third of the
-  // sectors a block read (the weights' 16 KB and x's 16 KB took as many). The pieces must
+  // bytes took an L2 sector each: at 64 rows a third of the sectors a block read (the
+  // weights' 16 KB and x's 16 KB took as many). The pieces must
   // align (rows and the split's first group); a slot is refilled ST - 1 steps before its
   // next block starts, so SB ≥ ST - 1 (otherwise the per-step copies below). (The scales'
   // and biases' arrays start on 16 bytes, as MLX allocates them.) On one H100 (Nsight, 8B,

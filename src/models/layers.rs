@@ -11,7 +11,7 @@ use super::blocks::norm::RmsNorm;
 use super::config::{ModelConfig, QuantConfig, RopeScaling};
 use super::layout::{ParamSpec, Split};
 use super::shard::VocabShard;
-use super::weights::{LoadError, RowBlock, WeightSource};
+use super::weights::{device_const, LoadError, RowBlock, WeightSource};
 
 pub type Result<T> = std::result::Result<T, LoadError>;
 
@@ -883,15 +883,6 @@ pub struct Rope {
     /// float32 `[dims / 2]`: the angle of pair d at position p is `p · inv_freq[d]`
     /// (`base^(-2d/dims)` as the rope type scales it), for the fused q/k/v kernel.
     inv_freq: Array,
-}
-
-/// A constant table every layer's kernels read, in device memory on CUDA
-/// (`MLXCEL_DEVICE_CONSTS`, [`mlx::device_inputs::device_copy`]).
-fn device_const(a: Array) -> mlx::Result<Array> {
-    match kernels::knobs::get().device_consts {
-        true => mlx::device_inputs::device_copy(&a),
-        false => Ok(a),
-    }
 }
 
 impl Rope {

@@ -511,13 +511,11 @@ impl Model {
             true => cache.seq_kv_dst(&rows),
             false => None,
         };
-        let one = |v: i32, shape: &[i32]| -> mlx::Result<Array> {
-            Ok(kv_cache::step_i32(&[(&[v], shape)])?
-                .pop()
-                .expect("one part"))
+        let made = |v: &[i32], shape: &[i32]| -> mlx::Result<Array> {
+            Ok(kv_cache::step_i32(&[(v, shape)])?.pop().expect("one part"))
         };
-        let offset = one(pos as i32, &[])?;
-        let dst = dst.map(|row| one(row, &[1])).transpose()?;
+        let offset = made(&[pos as i32], &[])?;
+        let dst = dst.map(|row| made(&[row], &[1])).transpose()?;
         // `MLXCEL_ATTN_SINGLE=1`: where the q/k/v kernel writes the pool, mlxcel's attention
         // kernel reads it through the run's block table (consecutive block ids: an `arange`
         // on the device) in one op per layer, instead of MLX's sdpa over two views (two)
@@ -532,9 +530,7 @@ impl Model {
                 let b0 = (start / bs) as i32;
                 let nb = (pos + 1).div_ceil(bs) as i32;
                 let ids: Vec<i32> = (b0..b0 + nb).collect();
-                let table = kv_cache::step_i32(&[(&ids, &[1, nb])])?
-                    .pop()
-                    .expect("one part");
+                let table = made(&ids, &[1, nb])?;
                 Some((table, cache.attn_scratch(self.q_heads())?.clone()))
             }
             _ => None,

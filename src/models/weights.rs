@@ -232,6 +232,16 @@ const SCRATCH_KEEP_BYTES: usize = 256 << 20;
 /// (`MLXCEL_DEVICE_CONSTS`); larger ones have pages of their own.
 const DEVICE_COPY_BYTES: usize = 1 << 20;
 
+/// A constant that decode kernels read in every layer (a small weight, RoPE's table), made
+/// from host data: in device memory on CUDA rather than unified memory, where it may share
+/// pages the host writes (`MLXCEL_DEVICE_CONSTS`, [`mlx::device_inputs::device_copy`]).
+pub(crate) fn device_const(a: Array) -> mlx::Result<Array> {
+    match kernels::knobs::get().device_consts {
+        true => mlx::device_inputs::device_copy(&a),
+        false => Ok(a),
+    }
+}
+
 impl SafetensorsSource {
     /// An array of shape `dims` from the bytes `fill` appends to the (emptied) staging
     /// buffer; `fill` returns their dtype.
@@ -243,16 +253,15 @@ impl SafetensorsSource {
         let mut buf = self.scratch.borrow_mut();
         buf.clear();
         let dtype = fill(&mut buf)?;
-        let mut a = Array::from_bytes(&buf, dims, dtype)?;
+        let a = Array::from_bytes(&buf, dims, dtype)?;
         if buf.capacity() > SCRATCH_KEEP_BYTES {
             *buf = Vec::new();
         }
-        // a small weight (a norm, a bias: read by a decode kernel every layer) in device
-        // memory rather than unified memory, where it may share pages the host writes
-        if a.nbytes() < DEVICE_COPY_BYTES && kernels::knobs::get().device_consts {
-            a = crate::mlx::device_inputs::device_copy(&a)?;
-        }
-        Ok(a)
+        // (a norm, a bias)
+        Ok(match a.nbytes() < DEVICE_COPY_BYTES {
+            true => device_const(a)?,
+            false => a,
+        })
     }
 
     /// Append the bytes of block `[rows, cols]` of `name` (full shape `shape`) to `buf`;
