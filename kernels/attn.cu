@@ -31,7 +31,7 @@
 // tile's value rows with lanes over d (D/32 values each), the weights broadcast by
 // shuffles. The warps of a head are merged in shared memory. With ns = 1 the block
 // writes out; otherwise it writes its partial result to
-// part[b, h, s] and bumps count[b, h] (after a fence), and the block that brings it to
+// part[b, h, s] and bumps count[b, h] (a release at GPU scope), and the block that brings it to
 // ns merges the ns partials, writes out and sets the count back to zero, so the scratch
 // is ready for the next layer with no clearing op. (MLX hands inputs to a kernel as
 // const pointers; part and count are mlxcel's own arrays, never read by MLX, and the
@@ -46,6 +46,22 @@
 __device__ __forceinline__ void mlxcel_prefetch_l1(const void* p) {
 #if defined(__CUDA_ARCH__)
   asm volatile("prefetch.global.L1 [%0];" ::"l"(p));
+#endif
+}
+
+// Bump the split count by one for the whole block (after a __syncthreads, by one thread),
+// as a release and an acquire at GPU scope: the block's partial result (ordered before the
+// release by the barrier) is visible to the block that sees the count reach ns, and the
+// last block sees every other block's (its threads read after a barrier that follows
+// this acquire). This replaced a __threadfence() by every thread before a relaxed
+// atomicAdd and another after it, each a full fence (MEMBAR.SC) plus an L1 invalidation.
+__device__ __forceinline__ int mlxcel_attn_arrive(int32_t* count) {
+#if defined(__CUDA_ARCH__)
+  int old;
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(old) : "l"(count) : "memory");
+  return old;
+#else
+  return atomicAdd(count, 1);
 #endif
 }
 
@@ -84,6 +100,11 @@ __device__ void mlxcel_attn_decode(const T* q, const T* pool, const int32_t* tab
   const int g = warp % G, tw = warp / G;
   const int s = blockIdx.x % NSPLIT, h = (blockIdx.x / NSPLIT) % HKV;
   const int b = blockIdx.x / (NSPLIT * HKV);
+  // q is read before the position is known, so the two loads overlap
+  __shared__ float sq[G][D];
+  const float qs = __int_as_float(SCALE_BITS);
+  for (int i = threadIdx.x; i < G * D; i += 32 * WARPS)
+    sq[i / D][i % D] = float(q[(size_t(b) * HQ + size_t(h) * G) * D + i]) * qs;
   const int len = pos[b] + 1;
   if (len <= 0) {  // a negative position: nothing to attend to
     if (s == 0)
@@ -98,10 +119,6 @@ __device__ void mlxcel_attn_decode(const T* q, const T* pool, const int32_t* tab
   if (s >= ns) return;
   const int p0 = s * per, p1 = min(len, p0 + per);
 
-  __shared__ float sq[G][D];
-  const float qs = __int_as_float(SCALE_BITS);
-  for (int i = threadIdx.x; i < G * D; i += 32 * WARPS)
-    sq[i / D][i % D] = float(q[(size_t(b) * HQ + size_t(h) * G) * D + i]) * qs;
   __syncthreads();
   // the values of q (this warp's head) at the key values this lane reads: 8 from each 64
   const int ksub = lane & 7, kgrp = lane >> 3;
@@ -148,10 +165,15 @@ __device__ void mlxcel_attn_decode(const T* q, const T* pool, const int32_t* tab
     // positions x lie in one block: pool row rb + x
     const int tc = min(t0, p1 - 1);
     const long long rb = (long long)btab[tc / BS] * BS + tc % BS - tc;
-    // the tile's value rows into L1 in one round trip: lane l asks for row t0 + l
+    // the tile's key and value rows into L1 in one round trip: lane l asks for row
+    // t0 + l. (The compiler places each key load next to its use, 2 loads at a time, so
+    // without this the tile's key rows cost 8 round trips to memory in a row.)
     const size_t row = size_t(rb + min(p, p1 - 1)) * D;
 #pragma unroll
-    for (int off = 0; off < D; off += 64) mlxcel_prefetch_l1(pool + vbase + row + off);
+    for (int off = 0; off < D; off += 64) {
+      mlxcel_prefetch_l1(pool + kbase + row + off);
+      mlxcel_prefetch_l1(pool + vbase + row + off);
+    }
     // the key rows, 8 lanes a row (4 rows a load instruction, each lane 16 bytes of a
     // row's every 128 bytes): row j of the tile is read in pass j / 4 by lanes
     // 8·(j % 4) …, whose partial dot products with q add up over those 8 lanes. (Each
@@ -235,13 +257,11 @@ __device__ void mlxcel_attn_decode(const T* q, const T* pool, const int32_t* tab
   if (ns == 1) return;
   // the last split's block to finish merges them all
   __shared__ int last;
-  __threadfence();
   __syncthreads();
   int32_t* count = const_cast<int32_t*>(count_in) + size_t(b) * HKV + h;
-  if (threadIdx.x == 0) last = atomicAdd(count, 1) == ns - 1;
+  if (threadIdx.x == 0) last = mlxcel_attn_arrive(count) == ns - 1;
   __syncthreads();
   if (!last) return;
-  __threadfence();
   // the splits' maxima and sums into shared memory first, each thread one, then every
   // (head, d) weighs its ns values with up to 8 loads issued at once (loaded one split
   // after another, each was a round trip to L2). With the key rows read 8 lanes a row
