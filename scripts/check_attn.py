@@ -18,6 +18,9 @@ of a run of rows as mlxcel's batch-1 path reads it).
     python3 scripts/check_attn.py [--quick]
     ncu --clock-control none --metrics gpu__time_duration.sum python3 scripts/check_attn.py --marks > ncu.txt
     python3 scripts/check_attn.py --parse ncu.txt
+
+The timings use the 8B's heads (32 query, 8 kv); ATTN_TIME_HEADS=8,1 a 70B rank's at TP = 8.
+ATTN_SRC=file checks and times another kernel file, ATTN_TW its tiles per round.
 """
 import argparse
 import math
@@ -36,6 +39,8 @@ NSPLIT = int(os.environ.get("ATTN_NSPLIT", "32"))  # as src/kernels/attn.rs; oth
 BS = int(os.environ.get("ATTN_BS", "32"))  # tokens per KV block (--block-size; a multiple of 32)
 DT = getattr(mx, os.environ.get("ATTN_DTYPE", "bfloat16"))  # bfloat16 or float16 (GGUF models)
 CTXS = tuple(int(c) for c in os.environ.get("ATTN_CTXS", "128,384,2048,8192,32768").split(","))
+# the heads the timings use: query heads, kv heads (default the 8B's; "8,1" a 70B rank at TP = 8)
+TIME_HEADS = tuple(int(c) for c in os.environ.get("ATTN_TIME_HEADS", "32,8").split(","))
 
 
 def kernel():
@@ -198,7 +203,7 @@ def main():
     k = kernel()
     if a.marks:
         for ctx in CTXS:
-            timing(k, 32, 8, 128, ctx, marks=True)
+            timing(k, *TIME_HEADS, 128, ctx, marks=True)
         return
     print(f"blocks of {BS} tokens, {DT}")
     print(f"| case | heads q/kv × d | rows (sequence, last position) | kernel error | MLX {DT} sdpa error | "
@@ -222,7 +227,7 @@ def main():
     print("\n| heads q/kv × d | positions | mlxcel µs/call (wall, chain) | mlxcel, shuffled blocks | MLX sdpa µs/call (views) |")
     print("|---|---|---|---|---|")
     for ctx in CTXS:
-        timing(k, 32, 8, 128, ctx)
+        timing(k, *TIME_HEADS, 128, ctx)
     print("all ok" if ok else "SOME CHECKS FAILED")
     sys.exit(0 if ok else 1)
 
