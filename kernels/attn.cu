@@ -281,17 +281,20 @@ __device__ void mlxcel_attn_decode(const T* q, const T* pool, const int32_t* tab
     for (int t = 0; t < ns; ++t) mx = fmaxf(mx, pm[t][g]);
     float sum = 0.f, a = 0.f;
     for (int t0 = 0; t0 < ns; t0 += MU) {
+      // split indices past ns are clamped and weighed 0, so the MU loads are unconditional
+      // and issued together: as conditional loads (L2-coherent ones, which the compiler
+      // does not hoist above their condition) each waited for the one before, and merging
+      // 32 splits cost ~30 µs (Nsight, a 70B TP=8 rank at 2048 positions)
       float v[MU];
 #pragma unroll
       for (int u = 0; u < MU; ++u)
-        v[u] = t0 + u < ns ? __ldcg(part + size_t(t0 + u) * G * (D + 2) + g * (D + 2) + d) : 0.f;
+        v[u] = __ldcg(part + size_t(min(t0 + u, ns - 1)) * G * (D + 2) + g * (D + 2) + d);
 #pragma unroll
       for (int u = 0; u < MU; ++u) {
-        if (t0 + u < ns) {
-          const float f = exp2f(pm[t0 + u][g] - mx);
-          sum += pl[t0 + u][g] * f;
-          a += v[u] * f;
-        }
+        const int t = min(t0 + u, ns - 1);
+        const float f = t0 + u < ns ? exp2f(pm[t][g] - mx) : 0.f;
+        sum += pl[t][g] * f;
+        a += v[u] * f;
       }
     }
     out[(size_t(b) * HQ + size_t(h) * G + g) * D + d] = T(a / sum);
