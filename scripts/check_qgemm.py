@@ -9,7 +9,7 @@ Runs on a CUDA box with the `mlx` Python package (MLX's CUDA backend):
     python3 scripts/check_qgemm.py --sweep    # time other launches (ring stages ST, splits SK) on the 8B shapes
 
 For every shape (N×K) of a Llama-3.1 8B decode step and of one 70B rank at TP 8 and TP 4,
-4 and 8 bits (group 64; `--groups` adds others) and M = 9, 16, 32, 64, 128 batch rows, it
+4 and 8 bits (group 64; `--groups` adds others) and M = 5, 9, 16, 32, 64, 128 batch rows, it
 quantizes a random bf16 weight with `mx.quantize` and compares the kernel with
 `mx.dequantize` + matmul in float32 (the reference) and with `mx.quantized_matmul`; at M = 16
 and 128 also the shape's fused epilogue (q/k/v: RMSNorm + RoPE; o, down: the residual;
@@ -442,7 +442,7 @@ def main():
     ap.add_argument("--time", action="store_true", help="also µs per call (wall clock)")
     ap.add_argument("--sweep", action="store_true", help="time other launches on the 8B shapes (no checks)")
     ap.add_argument("--models", default="8B,70B-TP8,70B-TP4", type=lambda v: v.split(","))
-    ap.add_argument("--ms", default="9,16,32,64,128", type=lambda v: [int(i) for i in v.split(",")])
+    ap.add_argument("--ms", default="5,9,16,32,64,128", type=lambda v: [int(i) for i in v.split(",")])
     ap.add_argument("--bits", default="4,8", type=lambda v: [int(i) for i in v.split(",")])
     ap.add_argument("--groups", default="64", type=lambda v: [int(i) for i in v.split(",")])
     ap.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")

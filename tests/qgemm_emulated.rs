@@ -287,6 +287,8 @@ fn qgemm_tuning_switches_match() {
 
 #[test]
 fn qgemm_8bit_matches_dequantize_matmul() {
+    // M = 5 (the 8-bit default's smallest batch: one tile, three rows of padding)
+    run("8bit_m5_g64", &cfg(5, 64, 256, 64, 8, 2, 1, 1));
     run("8bit_m9_g32", &cfg(9, 64, 256, 32, 8, 2, 1, 1));
     run("8bit_m16_g64_tail", &cfg(16, 32 + 5, 384, 64, 8, 1, 1, 1));
     run("8bit_m33_g128", &cfg(33, 64, 512, 128, 8, 2, 1, 1));

@@ -6,7 +6,7 @@
 //! SwiGLU of a merged gate/up weight, RoPE on q and k of a merged q/k/v weight.
 //!
 //! On by default on CUDA for the batches where it measured faster than the other paths
-//! (one H200, 8B shape: 8-bit from 9 rows, 4-bit from 17; `scripts/gpu/qgemm.sh bench`,
+//! (8B shape: 8-bit from 5 rows (one H100), 4-bit from 17 (one H200); `scripts/gpu/qgemm.sh bench`,
 //! docs/benchmarks.md "Quantized GEMM"); `MLXCEL_QGEMM=0` keeps the GEMV on row chunks and
 //! MLX's kernels. `MLXCEL_QGEMM_SOURCE=path` loads another kernel file at run time.
 use std::cell::RefCell;
@@ -18,8 +18,10 @@ use super::{gpu, knobs};
 use crate::mlx::fast::CudaKernel;
 use crate::mlx::{self, Array, Backend, Dtype, MlxError, Result};
 
-/// Smallest batch the GEMM takes by default: batches up to 8 stay on the GEMV, one launch.
-pub const MIN_M: usize = 9;
+/// Smallest batch of 8-bit weights the GEMM takes by default: from 5 rows, where the GEMV
+/// (its tensor-core path) was half as fast at batch 8 on an H100 (8B 8-bit g64: 523-529
+/// against 1,039-1,060 tok/s, bf16 793); batches of up to 4 stay on the GEMV.
+pub const MIN_M: usize = 5;
 /// Smallest batch of 4-bit weights the GEMM takes by default: at 16 rows the GEMV's two row
 /// chunks decoded 7% faster on an H200 (8B, 1,985 against 1,854 tok/s), from 24 rows the
 /// GEMM (2,609 against 2,282; 8-bit was faster with the GEMM from 16 rows).
@@ -836,9 +838,9 @@ mod tests {
         let bf = [Dtype::BF16, Dtype::BF16];
         // the default batch range (the knobs unset in tests)
         if knobs::get().qgemm_min_m.is_none() && knobs::get().qgemm_max_m.is_none() {
-            // 8-bit from 9 rows, 4-bit from 17 (the GEMV's row chunks below)
-            assert!(!supports(8, 4096, 4096, 64, 8, bf));
-            assert!(supports(9, 4096, 4096, 64, 8, bf));
+            // 8-bit from 5 rows, 4-bit from 17 (the GEMV below, in row chunks past 8)
+            assert!(!supports(4, 4096, 4096, 64, 8, bf));
+            assert!(supports(5, 4096, 4096, 64, 8, bf));
             assert!(!supports(16, 4096, 4096, 64, 4, bf));
             assert!(supports(17, 4096, 4096, 64, 4, bf));
             assert!(supports(128, 4096, 14336, 32, 8, bf));
