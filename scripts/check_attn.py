@@ -166,17 +166,17 @@ def timing(k, hq, hkv, d, ctx, n=200, marks=False):
 
 def parse(path):
     """GPU µs per call between the markers of `--marks` in ncu's output: ncu prints its
-    results at the end, in launch order, and its progress lines ("Profiling ... - ID")
-    as the kernels run, between the markers."""
+    results at the end, in launch order, and a progress line ("==PROF== Profiling ...")
+    per launch as the kernels run, between the markers."""
     seg, seg_of, results = None, {}, []
     unit = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}
     for line in open(path, errors="replace"):
         if line.startswith("@@ "):
             seg = None if line.startswith("@@ end") else tuple(line.split()[1:3])
             continue
-        p = re.search(r"==PROF== Profiling .* - (\d+):", line)
-        if p:
-            seg_of[int(p.group(1))] = seg
+        # (launches in order: ncu numbers them, except under a kernel filter `-k`)
+        if line.startswith("==PROF== Profiling"):
+            seg_of[len(seg_of)] = seg
             continue
         t = re.search(r"gpu__time_duration.sum\s+(\S+)\s+([\d.,]+)", line)
         if t:
