@@ -67,8 +67,9 @@ pub fn supported(q_heads: usize, kv_heads: usize, head_dim: usize, dtype: Dtype)
 }
 
 /// The kernel's scratch for a cache of `slots` slots: per (slot, kv head, split) a
-/// partial result of `G·(head_dim + 2)` floats, and per (slot, kv head) a count that
-/// starts at zero and is left at zero by every call. Both are evaluated at once, so the
+/// partial result of `G·(head_dim + 2)` floats, and per (slot, kv head) `NSPLIT + 1`
+/// counts (a ticket counter and each split's flag) that start at zero and are left at zero
+/// by every call. Both are evaluated at once, so the
 /// kernel gets plain contiguous buffers of their own. Clones share them.
 #[derive(Clone)]
 pub struct Scratch {
@@ -87,7 +88,7 @@ impl Scratch {
         let n = slots * kv_heads * NSPLIT * g * (head_dim + 2);
         let part = Array::zeros(&[n as i32], Dtype::F32)?;
         // (in device memory even for one slot of one kv head, a 70B TP=8 rank's batch 1)
-        let count = crate::mlx::device_inputs::counts_i32(slots * kv_heads)?;
+        let count = crate::mlx::device_inputs::counts_i32(slots * kv_heads * (NSPLIT + 1))?;
         // materialised now: MLX's zeros is a fill op, and the kernel must get these buffers
         mlx::eval_fresh(&[&part, &count])?;
         Ok(Scratch {
