@@ -64,7 +64,7 @@ def attn(k, q, pool, table, pos, part, count, hq, hkv, d, scale):
 
 def scratch(slots_n, hq, hkv, d):
     part = mx.zeros((slots_n * hkv * NSPLIT * (hq // hkv) * (d + 2),), dtype=mx.float32)
-    count = mx.zeros((slots_n * hkv * (NSPLIT + 1),), dtype=mx.int32)  # tickets and split flags
+    count = mx.zeros((slots_n * hkv * (NSPLIT + 1),), dtype=mx.int32)  # (room for a split-flag kernel file)
     mx.eval(part, count)
     return part, count
 

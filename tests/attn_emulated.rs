@@ -31,7 +31,7 @@ int main() {
   const int table_shape[2] = {B, nb};
   auto row_of = [&](int b, int p) { return size_t(table[b * nb + p / BS]) * BS + p % BS; };
   std::vector<float> part(size_t(B) * HKV * NSPLIT * G * (D + 2), NAN);
-  std::vector<int32_t> count(B * HKV * (NSPLIT + 1), 0);  // tickets and split flags
+  std::vector<int32_t> count(B * HKV * (NSPLIT + 1), 0);  // (sized as mlxcel sizes it)
   const int pool_shape[4] = {1, 2 * HKV, cap, D};
   constexpr int tpb = 32 * WARPS;
   blockDim.x = tpb;

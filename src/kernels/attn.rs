@@ -68,8 +68,10 @@ pub fn supported(q_heads: usize, kv_heads: usize, head_dim: usize, dtype: Dtype)
 
 /// The kernel's scratch for a cache of `slots` slots: per (slot, kv head, split) a
 /// partial result of `G·(head_dim + 2)` floats, and per (slot, kv head) `NSPLIT + 1`
-/// counts (a ticket counter and each split's flag) that start at zero and are left at zero
-/// by every call. Both are evaluated at once, so the
+/// counts that start at zero and are left at zero by every call: the embedded kernel uses
+/// the first as its split count; the rest leave room for a kernel file
+/// (`MLXCEL_ATTN_SOURCE`) that hands splits over through a ticket and a flag per split
+/// (docs/benchmarks.md, "The attention kernel's memory round trips"). Both are evaluated at once, so the
 /// kernel gets plain contiguous buffers of their own. Clones share them.
 #[derive(Clone)]
 pub struct Scratch {
