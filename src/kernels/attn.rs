@@ -71,8 +71,8 @@ pub fn supported(q_heads: usize, kv_heads: usize, head_dim: usize, dtype: Dtype)
 /// counts that start at zero and are left at zero by every call: the embedded kernel uses
 /// the first as its split count; the rest leave room for a kernel file
 /// (`MLXCEL_ATTN_SOURCE`) that hands splits over through a ticket and a flag per split
-/// (docs/benchmarks.md, "The attention kernel's memory round trips"). Both are evaluated at once, so the
-/// kernel gets plain contiguous buffers of their own. Clones share them.
+/// (docs/benchmarks.md, "The attention kernel's memory round trips"). Both are evaluated
+/// at once, so the kernel gets plain contiguous buffers of their own. Clones share them.
 #[derive(Clone)]
 pub struct Scratch {
     part: Array,
