@@ -6,6 +6,11 @@
 #                                                  # --mma --cfgs 16x8,16x16; --stream --pgs 264,396; --ceiling)
 #   bash scripts/gpu/kernels.sh sections           # Nsight sections (stalls, occupancy, memory) per GEMV, summarised
 #   bash scripts/gpu/kernels.sh attn               # scripts/check_attn.py and its Nsight times
+#   bash scripts/gpu/kernels.sh attn-ab FILE...    # attention kernel files against kernels/attn.cu in one call:
+#                                                  # check_attn.py --quick each, Nsight µs per call at 384/2,048/
+#                                                  # 8,192 positions (heads 8/1, then 32/8), then batch-1 decode of
+#                                                  # the 70B TP=8 proxies: sdpa (default) vs MLXCEL_ATTN_SINGLE=1
+#                                                  # with each file (MLXCEL_ATTN_SOURCE), alternated (< 6 min)
 #   bash scripts/gpu/kernels.sh op-costs           # host time per MLX op (scripts/op_costs.py)
 # MLXCEL_QGEMV_SOURCE=FILE runs another kernel file (docs/tuning.md). Environment: scripts/gpu/lib.sh.
 . "$(dirname "$0")/lib.sh"
@@ -35,9 +40,33 @@ attn)
   timeout 150 ncu --clock-control none --metrics gpu__time_duration.sum python3 scripts/check_attn.py --marks > "$OUT/ncu-attn.txt" 2>&1
   python3 scripts/check_attn.py --parse "$OUT/ncu-attn.txt" | tee "$OUT/ncu-attn-parsed.txt"
   ;;
+attn-ab)
+  [ $# -gt 0 ] || { echo "attn-ab: name one or more kernel files" >&2; exit 2; }
+  files=(kernels/attn.cu)
+  for f in "$@"; do files+=("$(realpath "$f")"); done
+  for f in "${files[@]:1}"; do
+    step "check_attn.py --quick with $f"
+    ATTN_SRC=$f ATTN_CTXS=384 timeout 200 python3 scripts/check_attn.py --quick 2>&1 | tail -10
+  done
+  for hh in 8,1 32,8; do
+    for f in "${files[@]}"; do
+      step "Nsight µs per call, heads ${hh/,//}, $f (positions | in order | shuffled | MLX sdpa)"
+      ATTN_SRC=$f ATTN_TIME_HEADS=$hh ATTN_CTXS=384,2048,8192 timeout 120 ncu --clock-control none \
+        --metrics gpu__time_duration.sum -k regex:'attn|sdpa' python3 scripts/check_attn.py --marks > "$OUT/ncu-attn-ab.txt" 2>&1
+      python3 scripts/check_attn.py --parse "$OUT/ncu-attn-ab.txt" | tail -3
+    done
+  done 2>&1 | tee "$OUT/attn-ab.txt"
+  demo_tokenizer
+  python3 scripts/rank_proxies.py --out "$CK/proxies" --only 70b-tp8-bf16,70b-tp8-q4 --tokenizer-from "$TOK" >/dev/null
+  step "70B TP=8 proxies, batch 1: sdpa (default) vs MLXCEL_ATTN_SINGLE=1 with each file, 2 rounds"
+  for r in 1 2; do for m in 70b-tp8-bf16 70b-tp8-q4; do for f in - "${files[@]}"; do
+    e=X=1; [ "$f" = - ] || e="MLXCEL_ATTN_SINGLE=1 MLXCEL_ATTN_SOURCE=$(realpath "$f")"
+    echo "$m run $r [$e] $(DECODE_TOKENS=128 bench_line "$e" "$CK/proxies/$m" 1 --load-format dummy)"
+  done; done; done 2>&1 | tee -a "$OUT/attn-ab.txt"
+  ;;
 op-costs)
   step "host cost per MLX op (scripts/op_costs.py)"
   timeout 120 python3 scripts/op_costs.py 2>&1 | tee "$OUT/op-costs.txt"
   ;;
-*) echo "unknown: $cmd (check, ncu, sections, attn, op-costs)" >&2; exit 2 ;;
+*) echo "unknown: $cmd (check, ncu, sections, attn, attn-ab, op-costs)" >&2; exit 2 ;;
 esac
