@@ -29,13 +29,13 @@
 // in shared memory pre-scaled by scale·log2 e, so exp2 gives the softmax): the warp
 // reads the tile's key rows 8 lanes a row, 4 rows a pass (the block's G warps of a tile
 // share them through L1), adds up each row's partial dot products by shuffles and hands
-// row l's score to lane l; the warp updates its running max / sum (online softmax) and accumulates the
-// tile's value rows with lanes over d (D/32 values each), the weights broadcast by
-// shuffles. The warps of a head are merged in shared memory. With ns = 1 the block
-// writes out; otherwise it writes its partial result to part[b, h, s] and bumps
+// row l's score to lane l; the warp updates its running max / sum (online softmax) and
+// accumulates the tile's value rows with lanes over d (D/32 values each), the weights
+// broadcast by shuffles. The warps of a head are merged in shared memory. With ns = 1 the
+// block writes out; otherwise it writes its partial result to part[b, h, s] and bumps
 // count[b, h] (a release at GPU scope), and the block that brings it to ns merges the ns
-// partials, writes out and sets the count back to zero, so the scratch
-// is ready for the next layer with no clearing op. (MLX hands inputs to a kernel as
+// partials, writes out and sets the count back to zero, so the scratch is ready for the
+// next layer with no clearing op. (MLX hands inputs to a kernel as
 // const pointers; part and count are mlxcel's own arrays, never read by MLX, and the
 // kernels that use them run one after another, each layer's after the previous one's.)
 //

@@ -42,8 +42,8 @@ attn)
   ;;
 attn-ab)
   [ $# -gt 0 ] || { echo "attn-ab: name one or more kernel files" >&2; exit 2; }
-  files=(kernels/attn.cu)
-  for f in "$@"; do files+=("$(realpath "$f")"); done
+  files=()  # absolute paths: MLXCEL_ATTN_SOURCE is read wherever the binary runs
+  for f in kernels/attn.cu "$@"; do files+=("$(realpath "$f")"); done
   for f in "${files[@]:1}"; do
     step "check_attn.py --quick with $f"
     ATTN_SRC=$f ATTN_CTXS=384 timeout 200 python3 scripts/check_attn.py --quick 2>&1 | tail -10
@@ -60,7 +60,7 @@ attn-ab)
   python3 scripts/rank_proxies.py --out "$CK/proxies" --only 70b-tp8-bf16,70b-tp8-q4 --tokenizer-from "$TOK" >/dev/null
   step "70B TP=8 proxies, batch 1: sdpa (default) vs MLXCEL_ATTN_SINGLE=1 with each file, 2 rounds"
   for r in 1 2; do for m in 70b-tp8-bf16 70b-tp8-q4; do for f in - "${files[@]}"; do
-    e=X=1; [ "$f" = - ] || e="MLXCEL_ATTN_SINGLE=1 MLXCEL_ATTN_SOURCE=$(realpath "$f")"
+    e=X=1; [ "$f" = - ] || e="MLXCEL_ATTN_SINGLE=1 MLXCEL_ATTN_SOURCE=$f"
     echo "$m run $r [$e] $(DECODE_TOKENS=128 bench_line "$e" "$CK/proxies/$m" 1 --load-format dummy)"
   done; done; done 2>&1 | tee -a "$OUT/attn-ab.txt"
   ;;

@@ -8,7 +8,8 @@
 //! On by default on CUDA for the batches where it measured faster than the other paths
 //! (8B shape: 8-bit from 5 rows on an H100, 4-bit from 17 on an H200;
 //! `scripts/gpu/qgemm.sh bench`, docs/benchmarks.md "Quantized GEMM"); `MLXCEL_QGEMM=0`
-//! keeps the GEMV on row chunks and MLX's kernels. `MLXCEL_QGEMM_SOURCE=path` loads another kernel file at run time.
+//! keeps the GEMV on row chunks and MLX's kernels. `MLXCEL_QGEMM_SOURCE=path` loads
+//! another kernel file at run time.
 use std::cell::RefCell;
 use std::sync::OnceLock;
 
