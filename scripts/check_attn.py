@@ -130,8 +130,10 @@ def timing(k, hq, hkv, d, ctx, n=200, marks=False):
     pool, (run,) = paged_pool(1, ctx + 256, hkv, d, shuffle=False)
     _, (shuffled,) = paged_pool(1, ctx + 256, hkv, d, shuffle=True)
     q = mx.random.normal((1, hq, 1, d)).astype(DT)
-    t_run, t_shuf = mx.array([run], dtype=mx.int32), mx.array([shuffled], dtype=mx.int32)
-    pos = mx.array([ctx - 1], dtype=mx.int32)
+    # in device memory, as mlxcel's step inputs (src/mlx/device_inputs.rs): MLX keeps arrays
+    # made from host data, and results of 8 bytes or less, in unified memory
+    t_run, t_shuf = mx.array([run], dtype=mx.int32) + 0, mx.array([shuffled], dtype=mx.int32) + 0
+    pos = mx.arange(ctx - 1, ctx + 2, dtype=mx.int32)[:1]
     part, count = scratch(1, hq, hkv, d)
     kv_k, kv_v = pool[:, :hkv, :ctx], pool[:, hkv:, :ctx]
     mx.eval(pool, q, t_run, t_shuf, pos, kv_k, kv_v)
