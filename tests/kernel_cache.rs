@@ -727,7 +727,7 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
                     ("D", 128),
                     ("HQ", 32),
                     ("HKV", 8),
-                    ("NSPLIT", 4),
+                    ("NSPLIT", 32),
                     ("WARPS", 16),
                     ("BS", 32),
                     ("SCALE_BITS", 0.125f32.to_bits() as i64),
