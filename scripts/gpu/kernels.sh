@@ -7,8 +7,8 @@
 #   bash scripts/gpu/kernels.sh sections           # Nsight sections (stalls, occupancy, memory) per GEMV, summarised
 #   bash scripts/gpu/kernels.sh attn               # scripts/check_attn.py and its Nsight times
 #   bash scripts/gpu/kernels.sh attn-ab FILE...    # attention kernel files against kernels/attn.cu in one call:
-#                                                  # check_attn.py --quick each, Nsight µs per call at 384/2,048/
-#                                                  # 8,192 positions (heads 8/1, then 32/8), then batch-1 decode of
+#                                                  # check_attn.py --quick each, Nsight µs per call at 128/384/
+#                                                  # 2,048/8,192 positions (ATTN_AB_CTXS; heads 8/1, then 32/8), then batch-1 decode of
 #                                                  # the 70B TP=8 proxies: sdpa (default) vs MLXCEL_ATTN_SINGLE=1
 #                                                  # with each file (MLXCEL_ATTN_SOURCE), alternated (< 6 min)
 #   bash scripts/gpu/kernels.sh op-costs           # host time per MLX op (scripts/op_costs.py)
@@ -51,7 +51,7 @@ attn-ab)
   for hh in 8,1 32,8; do
     for f in "${files[@]}"; do
       step "Nsight µs per call, heads ${hh/,//}, $f (positions | in order | shuffled | MLX sdpa)"
-      ATTN_SRC=$f ATTN_TIME_HEADS=$hh ATTN_CTXS=384,2048,8192 timeout 120 ncu --clock-control none \
+      ATTN_SRC=$f ATTN_TIME_HEADS=$hh ATTN_CTXS=${ATTN_AB_CTXS:-128,384,2048,8192} timeout 120 ncu --clock-control none \
         --metrics gpu__time_duration.sum -k regex:'attn|sdpa' python3 scripts/check_attn.py --marks > "$OUT/ncu-attn-ab.txt" 2>&1
       python3 scripts/check_attn.py --parse "$OUT/ncu-attn-ab.txt" | tail -3
     done
