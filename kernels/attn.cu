@@ -21,10 +21,12 @@
 // rows may read any blocks at any lengths, so a batched step needs no gather and no masks.
 //
 // Work split: a block of WARPS = G·TW warps (G = HQ/HKV) per (row b, kv head h, split
-// s): blockIdx.x = (b·HKV + h)·NSPLIT + s. Warp w takes query head w % G of the block's
-// tile w / G, so a round covers TW tiles of 32 positions; the positions are cut into
-// ns ≤ NSPLIT ranges of whole tiles (about one round each, so short contexts still
-// spread over many warps and long ones over more SMs); blocks past ns return at once.
+// s): blockIdx.y = b·HKV + h, blockIdx.x = s < gridDim.x ≤ NSPLIT (the launch gives as
+// many splits as the step's longest row needs: a block that returns at once still holds
+// an SM's registers while it reads the position). Warp w takes query head w % G of the
+// block's tile w / G, so a round covers TW tiles of 32 positions; the positions are cut
+// into ns ≤ gridDim.x ranges of whole tiles (about one round each, so short contexts
+// still spread over many warps and long ones over more SMs); blocks past ns return at once.
 // Per tile lane l owns position p = tile + l and its score against its head's q (kept
 // in shared memory pre-scaled by scale·log2 e, so exp2 gives the softmax): the warp
 // reads the tile's key rows 8 lanes a row, 4 rows a pass (the block's G warps of a tile
@@ -100,8 +102,9 @@ __device__ void mlxcel_attn_decode(const T* q, const T* pool, const int32_t* tab
   const unsigned FULL = 0xffffffffu;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = warp % G, tw = warp / G;
-  const int s = blockIdx.x % NSPLIT, h = (blockIdx.x / NSPLIT) % HKV;
-  const int b = blockIdx.x / (NSPLIT * HKV);
+  const int s = blockIdx.x, h = blockIdx.y % HKV, b = blockIdx.y / HKV;
+  // the splits launched per (row, kv head): enough for the step's longest row
+  const int nsl = min(int(gridDim.x), NSPLIT);
   // q is read before the position is known, so the two loads overlap
   __shared__ float sq[G][D];
   const float qs = __int_as_float(SCALE_BITS);
@@ -114,8 +117,8 @@ __device__ void mlxcel_attn_decode(const T* q, const T* pool, const int32_t* tab
         out[(size_t(b) * HQ + size_t(h) * G) * D + i] = T(0.f);
     return;
   }
-  // positions per split in whole tiles; ns ≤ NSPLIT splits, each non-empty
-  const int ns0 = min(NSPLIT, (len + CHUNK - 1) / CHUNK);
+  // positions per split in whole tiles; ns ≤ nsl splits, each non-empty
+  const int ns0 = min(nsl, (len + CHUNK - 1) / CHUNK);
   const int per = (((len + ns0 - 1) / ns0) + 31) & ~31;
   const int ns = (len + per - 1) / per;
   if (s >= ns) return;

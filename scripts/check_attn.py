@@ -50,15 +50,20 @@ def kernel():
                                output_names=["out"], source=body, header=header)
 
 
-def attn(k, q, pool, table, pos, part, count, hq, hkv, d, scale):
+def attn(k, q, pool, table, pos, part, count, hq, hkv, d, scale, max_len):
+    """max_len: the most positions a row attends to (max pos + 1), which sets the blocks
+    launched per (row, kv head) as src/kernels/attn.rs's launch_splits does (ATTN_SPLITS:
+    a fixed count instead, at most NSPLIT)."""
     b = q.shape[0]
     g = hq // hkv
     warps = g * int(os.environ.get("ATTN_TW", 0) or max(1, 16 // g))  # as src/kernels/attn.rs; ATTN_TW: tiles per round
+    chunk = 32 * (warps // g)
+    splits = int(os.environ.get("ATTN_SPLITS", 0) or min(NSPLIT, max(1, -(-max_len // chunk))))
     sb = struct.unpack("<i", struct.pack("<f", scale * math.log2(math.e)))[0]
     return k(inputs=[q, pool, table, pos, part, count],
              template=[("T", DT), ("D", d), ("HQ", hq), ("HKV", hkv), ("NSPLIT", NSPLIT), ("WARPS", warps),
                        ("BS", BS), ("SCALE_BITS", sb)],
-             grid=(b * hkv * NSPLIT * 32 * warps, 1, 1), threadgroup=(32 * warps, 1, 1),
+             grid=(splits * 32 * warps, b * hkv, 1), threadgroup=(32 * warps, 1, 1),
              output_shapes=[(b, hq, 1, d)], output_dtypes=[DT])[0]
 
 
@@ -102,7 +107,7 @@ def check(k, name, hq, hkv, d, rows, cap, slots_n=4, seed=0):
     scale = d ** -0.5
     outs = []
     for _ in range(2):
-        outs.append(attn(k, q, pool, table, pos, part, count, hq, hkv, d, scale))
+        outs.append(attn(k, q, pool, table, pos, part, count, hq, hkv, d, scale, max(r[1] for r in rows) + 1))
         mx.eval(outs[-1])
     refs, sdpa = [], []
     for i, (s, p) in enumerate(rows):
@@ -139,8 +144,8 @@ def timing(k, hq, hkv, d, ctx, n=200, marks=False):
     mx.eval(pool, q, t_run, t_shuf, pos, kv_k, kv_v)
     scale = d ** -0.5
     fns = {
-        "mlxcel": lambda y: attn(k, y, pool, t_run, pos, part, count, hq, hkv, d, scale),
-        "mlxcel-shuffled": lambda y: attn(k, y, pool, t_shuf, pos, part, count, hq, hkv, d, scale),
+        "mlxcel": lambda y: attn(k, y, pool, t_run, pos, part, count, hq, hkv, d, scale, ctx),
+        "mlxcel-shuffled": lambda y: attn(k, y, pool, t_shuf, pos, part, count, hq, hkv, d, scale, ctx),
         "sdpa": lambda y: mx.fast.scaled_dot_product_attention(y, kv_k, kv_v, scale=scale),
     }
     res = {}

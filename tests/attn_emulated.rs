@@ -39,12 +39,15 @@ int main() {
   double worst = 0;
   for (int run = 0; run < 2; ++run) {
     std::fill(out.begin(), out.end(), bf(NAN));
-    for (int blk = 0; blk < B * HKV * NSPLIT; ++blk) {
-      run_block(blk, tpb, [&] {
-        kernel(q.data(), pool.data(), pool_shape, table.data(), table_shape, pos.data(),
-               part.data(), count.data(), out.data());
-      });
-    }
+    // mlxcel's launch: SPLITS blocks (x) per (row, kv head) (y)
+    gridDim.x = SPLITS;
+    gridDim.y = B * HKV;
+    for (int by = 0; by < B * HKV; ++by)
+      for (int bx = 0; bx < SPLITS; ++bx)
+        run_block_xy(bx, by, tpb, [&] {
+          kernel(q.data(), pool.data(), pool_shape, table.data(), table_shape, pos.data(),
+                 part.data(), count.data(), out.data());
+        });
     for (int c : count)
       if (c != 0) { std::printf("max_err: a count was left at %d\n", c); return 1; }
     float scale; int sb = SCALE_BITS; std::memcpy(&scale, &sb, 4);
@@ -81,7 +84,8 @@ int main() {
 
 /// Compile and run the emulated kernel with template constants `consts` (B, HQ, HKV, D,
 /// NSPLIT, WARPS, BS, CAP (positions per sequence, a multiple of BS), the rows'
-/// positions POS0..POS3 and the softmax scale), in float16 when `F16` = 1, else bfloat16.
+/// positions POS0..POS3 and the softmax scale), in float16 when `F16` = 1, else bfloat16,
+/// launched with SPLITS blocks per (row, kv head) (default NSPLIT).
 fn run(tag: &str, consts: &[(&str, i64)], scale: f32) {
     let t = if consts.contains(&("F16", 1)) {
         "__half"
@@ -93,9 +97,13 @@ fn run(tag: &str, consts: &[(&str, i64)], scale: f32) {
     let (_, rest) = text.split_once("// @@header\n").unwrap();
     let (header, body) = rest.split_once("// @@body\n").unwrap();
     let mut src = String::from(PRELUDE);
+    src += "static Dim gridDim;\n";
     src += header;
     for (n, v) in consts {
         src += &format!("constexpr int {n} = {v};\n");
+    }
+    if !consts.iter().any(|(n, _)| *n == "SPLITS") {
+        src += "constexpr int SPLITS = NSPLIT;\n";
     }
     let scale_log2e = scale * std::f32::consts::LOG2_E;
     src += &format!(
@@ -184,6 +192,51 @@ fn cases(f16: i64) {
             ("CAP", 320),
             ("POS0", 300),
             ("POS1", 0),
+            ("POS2", 0),
+            ("POS3", 0),
+        ],
+        0.088,
+    );
+    // mlxcel's launch for a step whose longest row attends to 301 positions: 3 blocks per
+    // (row, kv head) of the 32 the scratch is laid out for (rows of 1, 128, 129 and 301
+    // positions: 1, 1, 2 and 3 splits of 128)
+    run(
+        &format!("launch-splits-{f16}"),
+        &[
+            ("F16", f16),
+            ("B", 4),
+            ("HQ", 8),
+            ("HKV", 2),
+            ("D", 128),
+            ("NSPLIT", 32),
+            ("SPLITS", 3),
+            ("WARPS", 16),
+            ("BS", 32),
+            ("CAP", 320),
+            ("POS0", 300),
+            ("POS1", 127),
+            ("POS2", 128),
+            ("POS3", 0),
+        ],
+        0.088,
+    );
+    // fewer blocks launched than the longest row would be cut into: 2 splits of 160
+    // positions, two rounds of 128 each (the second partly empty)
+    run(
+        &format!("launch-fewer-{f16}"),
+        &[
+            ("F16", f16),
+            ("B", 2),
+            ("HQ", 8),
+            ("HKV", 2),
+            ("D", 128),
+            ("NSPLIT", 32),
+            ("SPLITS", 2),
+            ("WARPS", 16),
+            ("BS", 32),
+            ("CAP", 320),
+            ("POS0", 300),
+            ("POS1", 40),
             ("POS2", 0),
             ("POS3", 0),
         ],

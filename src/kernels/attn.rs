@@ -44,13 +44,15 @@ pub fn block_size_fits(block_size: usize) -> bool {
     block_size > 0 && block_size.is_multiple_of(32)
 }
 
-/// The heads of one [`decode`] call and the pool's block size.
+/// The heads of one [`decode`] call, the pool's block size, and the positions the step's
+/// longest row attends to (at most; it sets the blocks launched, not the result).
 #[derive(Debug, Clone, Copy)]
 pub struct Shape {
     pub q_heads: usize,
     pub kv_heads: usize,
     pub head_dim: usize,
     pub block_size: usize,
+    pub max_len: usize,
 }
 
 /// Whether [`decode`] runs for these shapes: CUDA, bfloat16 or float16 (the GGUF default),
@@ -110,6 +112,25 @@ fn warps(g: usize) -> usize {
     g * (16 / g).max(1)
 }
 
+/// Positions a block takes per round: a 32-position tile per group of G warps.
+fn chunk(g: usize) -> usize {
+    32 * (warps(g) / g)
+}
+
+/// Blocks launched per (row, kv head) for a step whose longest row attends to `max_len`
+/// positions: the splits the kernel cuts that row into, ⌈max_len / chunk⌉, at most
+/// [`NSPLIT`] (every shorter row needs as many or fewer). A block past its row's splits
+/// returns at once, but until it has read the position it holds an SM's registers (one
+/// 512-thread block of ~70 registers a thread per SM), so NSPLIT blocks for every (row,
+/// kv head) made a batch of 64 short rows wait for 15,000 such blocks.
+/// `MLXCEL_ATTN_ALL_SPLITS=1` launches NSPLIT whatever the lengths (A/B runs).
+pub fn launch_splits(max_len: usize, g: usize) -> usize {
+    if super::knobs::get().attn_all_splits {
+        return NSPLIT;
+    }
+    max_len.div_ceil(chunk(g)).clamp(1, NSPLIT)
+}
+
 /// The kernel writes `scratch` (through MLX's const input pointers; MLX never reads
 /// it): calls sharing one scratch must run one after another (see
 /// `KvCache::attn_scratch`).
@@ -134,6 +155,7 @@ pub fn decode(
         kv_heads,
         head_dim,
         block_size,
+        max_len,
     } = shape;
     let b = q.dim(0) as usize;
     let ps = pool.shape();
@@ -199,7 +221,8 @@ pub fn decode(
         block_size as i32,
         (scale * std::f32::consts::LOG2_E).to_bits() as i32,
     ];
-    let blocks = (b * kv_heads * NSPLIT) as i32;
+    // blockIdx.x: the split, blockIdx.y: (row, kv head)
+    let splits = launch_splits(max_len, g) as i32;
     let threads = 32 * w as i32;
     let mut out = kernel.call(
         &[q, pool, table, pos, &scratch.part, &scratch.count],
@@ -208,7 +231,7 @@ pub fn decode(
         tnames,
         &tvals,
         q.dtype(),
-        [blocks * threads, 1, 1],
+        [splits * threads, (b * kv_heads) as i32, 1],
         [threads, 1, 1],
     )?;
     Ok(out.remove(0))
@@ -233,6 +256,43 @@ mod tests {
         assert!(header.contains("mlxcel_attn_decode"));
         // MLX passes the pool's and the table's shapes only when the body names them
         assert!(body.contains("pool_shape") && body.contains("table_shape"));
+    }
+
+    #[test]
+    fn the_launch_has_the_splits_of_the_longest_row() {
+        for g in [1, 3, 4, 8, 16] {
+            let c = chunk(g);
+            assert_eq!(c, 32 * (warps(g) / g));
+            for max_len in [
+                1,
+                2,
+                c - 1,
+                c,
+                c + 1,
+                5 * c,
+                31 * c + 1,
+                32 * c,
+                32 * c + 1,
+                1 << 20,
+            ] {
+                let s = launch_splits(max_len, g);
+                // as many as the kernel cuts the longest row into, capped at NSPLIT
+                assert_eq!(
+                    s,
+                    max_len.div_ceil(c).min(NSPLIT),
+                    "G {g}, {max_len} positions"
+                );
+                assert!((1..=NSPLIT).contains(&s));
+                // so a shorter row never needs more splits than were launched
+                assert!((1..=max_len)
+                    .step_by(c / 2)
+                    .all(|len| len.div_ceil(c).min(NSPLIT) <= s));
+            }
+        }
+        // the 8B's heads (G = 4: 4 tiles a round, 128 positions): 384 positions in 3
+        // blocks instead of 32; a 70B TP=8 rank's (G = 8: 2 tiles, 64 positions) in 6
+        assert_eq!(launch_splits(384, 4), 3);
+        assert_eq!(launch_splits(384, 8), 6);
     }
 
     #[test]

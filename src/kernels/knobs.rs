@@ -71,6 +71,10 @@ pub struct Knobs {
     pub kernel_include: bool,
     /// `MLXCEL_ATTN`: mlxcel's decode attention kernel for batched steps on CUDA.
     pub attn: bool,
+    /// `MLXCEL_ATTN_ALL_SPLITS=1`: the attention kernel is launched with its most splits
+    /// for every (row, kv head), whatever the step's lengths (the launch before
+    /// [`super::attn::launch_splits`]), for A/B runs.
+    pub attn_all_splits: bool,
     /// `MLXCEL_ATTN_SOURCE`: an attention kernel file read at run time instead of the
     /// embedded `kernels/attn.cu` (A/B runs of kernel versions in one binary).
     pub attn_source: Option<PathBuf>,
@@ -177,6 +181,7 @@ impl Default for Knobs {
             kernel_include: true,
             attn: true,
             attn_single: false,
+            attn_all_splits: false,
             attn_source: None,
             kernel_cache: true,
             vocab_parallel: true,
@@ -222,6 +227,7 @@ pub const VARS: &[&str] = &[
     "MLXCEL_KERNEL_INCLUDE",
     "MLXCEL_ATTN",
     "MLXCEL_ATTN_SINGLE",
+    "MLXCEL_ATTN_ALL_SPLITS",
     "MLXCEL_ATTN_SOURCE",
     "MLXCEL_KERNEL_CACHE",
     "MLXCEL_VOCAB_PARALLEL",
@@ -261,6 +267,7 @@ const SWITCHES: &[(&str, Field)] = &[
     ("MLXCEL_KERNEL_INCLUDE", |k| &mut k.kernel_include),
     ("MLXCEL_ATTN", |k| &mut k.attn),
     ("MLXCEL_ATTN_SINGLE", |k| &mut k.attn_single),
+    ("MLXCEL_ATTN_ALL_SPLITS", |k| &mut k.attn_all_splits),
     ("MLXCEL_KERNEL_CACHE", |k| &mut k.kernel_cache),
     ("MLXCEL_VOCAB_PARALLEL", |k| &mut k.vocab_parallel),
     ("MLXCEL_ADDMM_RESIDUAL", |k| &mut k.addmm_residual),

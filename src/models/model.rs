@@ -569,7 +569,7 @@ impl Model {
                 // the pool view the q/k/v kernel wrote through, read by mlxcel's kernel
                 (Some((table, scratch)), Some(p), NewKv::Written) => {
                     cache.write(li, &rows, &kv)?;
-                    a.decode_attention(&q, p, table, &offset, scratch, cache.block_size())?
+                    a.decode_attention(&q, p, table, &offset, scratch, cache.block_size(), pos + 1)?
                 }
                 // one sequence whose blocks are one run of rows reads them as views with
                 // MLX's attention (by default: at batch 1 it beat mlxcel's kernel on H100
@@ -629,6 +629,8 @@ impl Model {
         cache.prepare(self.layers.len(), &needs)?;
         // the decode rows: positions, block tables (or gathers), the kernel's scratch
         let positions: Vec<usize> = slots.iter().map(|&s| cache.len(s)).collect();
+        // (the most positions a decode row attends to: its new token's included)
+        let max_len = positions.iter().max().map_or(0, |p| p + 1);
         // mlxcel's attention kernel: one op per layer whatever the rows' blocks and
         // lengths, read through their block tables (MLX's needs a gather and a mask);
         // 8B 4-bit on H200, batch 8: 2,111-2,517 tok/s with it, 1,612-1,731 without
@@ -710,6 +712,7 @@ impl Model {
                         index.positions(),
                         scratch,
                         cache.block_size(),
+                        max_len,
                     )?,
                     None => a.attend_gathered(q, cache, li, index)?,
                 };

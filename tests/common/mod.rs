@@ -101,20 +101,22 @@ static std::barrier<>* g_barrier = nullptr;
 static std::vector<float> g_shfl;
 static void __syncthreads() { g_barrier->arrive_and_wait(); }
 static void __syncwarp() { g_barrier->arrive_and_wait(); }
-// CUDA block `blk` of `tpb` threads: f() on each, with threadIdx/blockIdx set and the
-// block's barrier (and shuffles) shared
-template <class F> static void run_block(int blk, int tpb, F f) {
+// CUDA block (bx, by) (or `blk`, y = 0) of `tpb` threads: f() on each, with
+// threadIdx/blockIdx set and the block's barrier (and shuffles) shared
+template <class F> static void run_block_xy(int bx, int by, int tpb, F f) {
   std::barrier<> bar(tpb);
   g_barrier = &bar;
   std::vector<std::thread> ts;
   for (int t = 0; t < tpb; ++t)
     ts.emplace_back([&, t] {
       threadIdx.x = t;
-      blockIdx.x = blk;
+      blockIdx.x = bx;
+      blockIdx.y = by;
       f();
     });
   for (auto& t : ts) t.join();
 }
+template <class F> static void run_block(int blk, int tpb, F f) { run_block_xy(blk, 0, tpb, f); }
 struct uint2 { uint32_t x, y; };
 struct float2 { float x, y; };
 struct alignas(16) float4 { float x, y, z, w; };

@@ -142,7 +142,9 @@ impl Attention {
 
     /// A decode step's attention by mlxcel's kernel (`kernels::attn`): q `[B, heads, 1,
     /// head_dim]` over the layer's `pool`, row b through its block table `table[b]` (of
-    /// `block_size` tokens each) up to `pos[b]`.
+    /// `block_size` tokens each) up to `pos[b]`; `max_len`: the most positions a row
+    /// attends to (max `pos[b]` + 1), which sets the blocks launched.
+    #[allow(clippy::too_many_arguments)]
     pub fn decode_attention(
         &self,
         q: &Array,
@@ -151,6 +153,7 @@ impl Attention {
         pos: &Array,
         scratch: &kernels::attn::Scratch,
         block_size: usize,
+        max_len: usize,
     ) -> mlx::Result<Array> {
         kernels::attn::decode(
             q,
@@ -163,6 +166,7 @@ impl Attention {
                 kv_heads: self.n_kv_heads as usize,
                 head_dim: self.head_dim as usize,
                 block_size,
+                max_len,
             },
             self.scale,
         )
