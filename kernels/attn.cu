@@ -69,39 +69,6 @@ __device__ __forceinline__ int mlxcel_attn_arrive(int32_t* count) {
 #endif
 }
 
-// Hopper: the splits of a (row, kv head) merge in clusters of MLXCEL_ATTN_CL blocks
-// through distributed shared memory instead of a round trip through memory and a count
-// per split. The CPU emulation (one block at a time) and older GPUs take the count path.
-// The clusters run along x (the splits), so the launch's splits must be a multiple of
-// MLXCEL_ATTN_CL: MLXCEL_ATTN_ALL_SPLITS=1 (32).
-#define MLXCEL_ATTN_CL 8
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define MLXCEL_ATTN_CLUSTER 1
-#undef __global__
-#define __global__ __location__(global) __cluster_dims__(MLXCEL_ATTN_CL, 1, 1)
-#else
-#define MLXCEL_ATTN_CLUSTER 0
-#endif
-
-#if MLXCEL_ATTN_CLUSTER
-// every thread of the cluster's blocks: this block's shared-memory writes before it are
-// visible to the cluster's blocks after it
-__device__ __forceinline__ void mlxcel_cluster_sync() {
-  asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-// the address of shared variable p in block `rank` of the cluster, and a float read there
-__device__ __forceinline__ uint32_t mlxcel_cluster_addr(const void* p, int rank) {
-  uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p)), r;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(rank));
-  return r;
-}
-__device__ __forceinline__ float mlxcel_cluster_ld(uint32_t a) {
-  float v;
-  asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(a) : "memory");
-  return v;
-}
-#endif
-
 // the two 16-bit values of a word as floats (low half first), picked by overload on a null
 // T pointer: a bfloat16 is the top half of an f32, a float16 goes through the hardware
 // conversion
@@ -154,17 +121,8 @@ __device__ void mlxcel_attn_decode(const T* q, const T* pool, const int32_t* tab
   const int ns0 = min(nsl, (len + CHUNK - 1) / CHUNK);
   const int per = (((len + ns0 - 1) / ns0) + 31) & ~31;
   const int ns = (len + per - 1) / per;
-#if MLXCEL_ATTN_CLUSTER
-  // a block past ns still takes its part in its cluster's merge (an empty partial) unless
-  // its whole cluster is past ns, or ns = 1 (no merge)
-  constexpr int CL = MLXCEL_ATTN_CL;
-  static_assert(NSPLIT % CL == 0, "whole clusters of splits");
-  if (s >= ns && (ns == 1 || s / CL * CL >= ns)) return;
-  const int p0 = s < ns ? s * per : 0, p1 = s < ns ? min(len, p0 + per) : 0;
-#else
   if (s >= ns) return;
   const int p0 = s * per, p1 = min(len, p0 + per);
-#endif
 
   __syncthreads();
   // the values of q (this warp's head) at the key values this lane reads: 8 from each 64
@@ -283,67 +241,6 @@ __device__ void mlxcel_attn_decode(const T* q, const T* pool, const int32_t* tab
   if (lane == 0) sm[tw][g] = m, sl[tw][g] = l;
   __syncthreads();
   float* part = const_cast<float*>(part_in) + ((size_t(b) * HKV + h) * NSPLIT) * G * (D + 2);
-#if MLXCEL_ATTN_CLUSTER
-  // nparts: what the last block merges through memory (the clusters' partials); ns = 1
-  // writes out directly below
-  int nparts = ns;
-  if (ns > 1) {
-    // this block's partial into its shared memory, then the cluster's blocks each merge
-    // G·D/CL of the (head, d) values from the ≤ CL partials
-    __shared__ float bm[G], bl[G], ba[G][D];
-    for (int i = threadIdx.x; i < G * D; i += 32 * WARPS) {
-      const int g = i / D, d = i % D;
-      float mx = NEG_INF;
-      for (int w = 0; w < TW; ++w) mx = fmaxf(mx, sm[w][g]);
-      float sum = 0.f, a = 0.f;
-      for (int w = 0; w < TW; ++w) {
-        const float f = sm[w][g] == NEG_INF ? 0.f : exp2f(sm[w][g] - mx);
-        sum += sl[w][g] * f;
-        a += sa[w][g][d] * f;
-      }
-      ba[g][d] = a;
-      if (d == 0) bm[g] = mx, bl[g] = sum;
-    }
-    mlxcel_cluster_sync();
-    const int c = s / CL, rank = s % CL, nc = (ns + CL - 1) / CL;
-    const int inc = min(CL, ns - c * CL);  // blocks of this cluster with positions
-    constexpr int E = G * D / CL;
-    for (int i = rank * E + threadIdx.x; i < (rank + 1) * E; i += 32 * WARPS) {
-      const int g = i / D, d = i % D;
-      float vm[CL], vl[CL], va[CL];
-#pragma unroll
-      for (int t = 0; t < CL; ++t) {
-        const int r = min(t, inc - 1);
-        vm[t] = mlxcel_cluster_ld(mlxcel_cluster_addr(&bm[g], r));
-        vl[t] = mlxcel_cluster_ld(mlxcel_cluster_addr(&bl[g], r));
-        va[t] = mlxcel_cluster_ld(mlxcel_cluster_addr(&ba[g][d], r));
-      }
-      float mx = NEG_INF;
-#pragma unroll
-      for (int t = 0; t < CL; ++t) mx = fmaxf(mx, vm[t]);
-      float sum = 0.f, a = 0.f;
-#pragma unroll
-      for (int t = 0; t < CL; ++t) {
-        const float f = t < inc && vm[t] != NEG_INF ? exp2f(vm[t] - mx) : 0.f;
-        sum += vl[t] * f;
-        a += va[t] * f;
-      }
-      if (nc == 1) {
-        out[(size_t(b) * HQ + size_t(h) * G + g) * D + d] = T(a / sum);
-      } else {
-        float* pc = part + size_t(c) * G * (D + 2) + g * (D + 2);
-        pc[d] = a;
-        if (d == 0) pc[D] = mx, pc[D + 1] = sum;
-      }
-    }
-    // no block leaves while the others may still read its shared memory
-    mlxcel_cluster_sync();
-    if (nc == 1) return;
-    nparts = nc * CL;  // every block of the nc clusters arrives below
-  }
-#endif
-  // (with clusters only ns = 1 comes here: the block writes out)
-  if (!(MLXCEL_ATTN_CLUSTER && ns > 1))
   for (int i = threadIdx.x; i < G * D; i += 32 * WARPS) {
     const int g = i / D, d = i % D;
     float mx = NEG_INF;
@@ -363,17 +260,11 @@ __device__ void mlxcel_attn_decode(const T* q, const T* pool, const int32_t* tab
     }
   }
   if (ns == 1) return;
-#if MLXCEL_ATTN_CLUSTER
-  // (ns > 1 went through the clusters above: their nc partials are in part[0 .. nc))
-  const int arrivals = nparts, nmerge = nparts / CL;
-#else
-  const int arrivals = ns, nmerge = ns;
-#endif
   // the last split's block to finish merges them all
   __shared__ int last;
   __syncthreads();
   int32_t* count = const_cast<int32_t*>(count_in) + size_t(b) * HKV + h;
-  if (threadIdx.x == 0) last = mlxcel_attn_arrive(count) == arrivals - 1;
+  if (threadIdx.x == 0) last = mlxcel_attn_arrive(count) == ns - 1;
   __syncthreads();
   if (!last) return;
   // the splits' maxima and sums into shared memory first, each thread one, then every
@@ -382,7 +273,7 @@ __device__ void mlxcel_attn_decode(const T* q, const T* pool, const int32_t* tab
   // (above), a batch-1 call of a 70B TP=8 rank at 384 positions went from 15.6 to 13.8 µs
   // (Nsight, two H100 boxes; MLX's sdpa 9.4 and 9.9 on them).
   __shared__ float pm[NSPLIT][G], pl[NSPLIT][G];
-  for (int i = threadIdx.x; i < nmerge * G; i += 32 * WARPS) {
+  for (int i = threadIdx.x; i < ns * G; i += 32 * WARPS) {
     const float* ps = part + size_t(i / G) * G * (D + 2) + (i % G) * (D + 2);
     pm[i / G][i % G] = __ldcg(ps + D);
     pl[i / G][i % G] = __ldcg(ps + D + 1);
@@ -392,20 +283,20 @@ __device__ void mlxcel_attn_decode(const T* q, const T* pool, const int32_t* tab
   for (int i = threadIdx.x; i < G * D; i += 32 * WARPS) {
     const int g = i / D, d = i % D;
     float mx = NEG_INF;
-    for (int t = 0; t < nmerge; ++t) mx = fmaxf(mx, pm[t][g]);
+    for (int t = 0; t < ns; ++t) mx = fmaxf(mx, pm[t][g]);
     float sum = 0.f, a = 0.f;
-    for (int t0 = 0; t0 < nmerge; t0 += MU) {
+    for (int t0 = 0; t0 < ns; t0 += MU) {
       // split indices past ns are clamped and weighed 0, so the MU loads are unconditional
       // and issued together (as conditional L2-coherent loads, which the compiler does
       // not hoist above their condition, each waited for the one before)
       float v[MU];
 #pragma unroll
       for (int u = 0; u < MU; ++u)
-        v[u] = __ldcg(part + size_t(min(t0 + u, nmerge - 1)) * G * (D + 2) + g * (D + 2) + d);
+        v[u] = __ldcg(part + size_t(min(t0 + u, ns - 1)) * G * (D + 2) + g * (D + 2) + d);
 #pragma unroll
       for (int u = 0; u < MU; ++u) {
-        const int t = min(t0 + u, nmerge - 1);
-        const float f = t0 + u < nmerge ? exp2f(pm[t][g] - mx) : 0.f;
+        const int t = min(t0 + u, ns - 1);
+        const float f = t0 + u < ns ? exp2f(pm[t][g] - mx) : 0.f;
         sum += pl[t][g] * f;
         a += v[u] * f;
       }
