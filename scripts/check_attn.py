@@ -20,7 +20,9 @@ of a run of rows as mlxcel's batch-1 path reads it).
     python3 scripts/check_attn.py --parse ncu.txt
 
 The timings use the 8B's heads (32 query, 8 kv); ATTN_TIME_HEADS=8,1 a 70B rank's at TP = 8.
-ATTN_SRC=file checks and times another kernel file, ATTN_TW its tiles per round.
+ATTN_SRC=file checks and times another kernel file, ATTN_TW its tiles per round,
+ATTN_SPLITS a fixed count of blocks per (row, kv head) (default: as many as the longest row
+needs, as mlxcel launches it).
 """
 import argparse
 import math
