@@ -97,7 +97,6 @@ fn run(tag: &str, consts: &[(&str, i64)], scale: f32) {
     let (_, rest) = text.split_once("// @@header\n").unwrap();
     let (header, body) = rest.split_once("// @@body\n").unwrap();
     let mut src = String::from(PRELUDE);
-    src += "static Dim gridDim;\n";
     src += header;
     for (n, v) in consts {
         src += &format!("constexpr int {n} = {v};\n");

@@ -63,7 +63,6 @@ fn masks_given_late_early_and_never_follow_the_protocol() {
     let mut src = String::from(PRELUDE);
     // a short timeout for the step that is never given (200 ms)
     src += "#include <atomic>\n#include <chrono>\n#define MLXCEL_MASK_TIMEOUT_NS 200000000ull\n";
-    src += "static Dim gridDim;\n";
     src += header;
     src += "constexpr int N = 100;\nusing T = uint32_t;\n";
     // MLX's signature for inputs src (int64), want (uint32) and output out (uint32)

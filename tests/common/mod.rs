@@ -96,7 +96,7 @@ static __half __ushort_as_half(unsigned short b) { __half h; h.bits = b; return 
 static float __half2float(__half h) { return float(h); }
 struct Dim { unsigned x = 0, y = 0, z = 0; };
 static thread_local Dim threadIdx, blockIdx;
-static Dim blockDim;
+static Dim blockDim, gridDim;
 static std::barrier<>* g_barrier = nullptr;
 static std::vector<float> g_shfl;
 static void __syncthreads() { g_barrier->arrive_and_wait(); }
