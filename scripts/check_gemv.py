@@ -8,13 +8,18 @@ Runs on a CUDA box with the `mlx` Python package (MLX's CUDA backend):
     python3 scripts/check_gemv.py --dtype float16
     python3 scripts/check_gemv.py --time     # also bandwidth against MLX's matmul
     python3 scripts/check_gemv.py --sweep    # time ROWS × WPB launches on the large shapes
+    python3 scripts/check_gemv.py --mma --ms 4,8,16   # the tensor-core path (MMA = 1) at every M
 
 For every shape (N, K) a Llama-3.1-8B decode step, one rank of Llama-3-70B at TP=8 (8 query
 heads, 1 KV head, intermediate 3584) and at TP=4 (16, 2, 7168) multiply by, and batch
-M = 1, 3, 8 (`--ms`), it takes a random weight of the dtype and compares the kernel with
+M = 1, 3, 8 (`--ms`; up to 16 on the tensor-core path), it takes a random weight of the dtype and compares the kernel with
 `x @ w.T` in MLX and with the float32 product (the reference): the plain product, the
 residual add, SwiGLU over merged gate/up rows, the RMSNorm prologue, and (q/k/v shapes) the
 merged q/k/v projection with RoPE against `mx.fast.rope`. Exit status 1 if any result is off.
+
+The launch is mlxcel's (`launch_config`, which reads MLXCEL_GEMV_MMA / MLXCEL_GEMV_MMA_MAX as
+the engine does); `--mma` puts every M on the tensor-core path. `--time` prints the CUDA-core
+path (M ≤ 8), the tensor-core path and MLX's matmul side by side.
 
 `--time` reports wall-clock bandwidth of many independent calls in one evaluation, which
 includes MLX's host work per op (~10-20 µs), so it understates the kernel on small shapes;
@@ -78,9 +83,42 @@ def make_kernel(path):
     return plain, rope
 
 
+MMA_LOADS = 8  # src/kernels/gemv.rs MMA_LOADS
+
+
+def mma_launch(n, k):
+    """ROWS, WPB and MMA of the tensor-core path (src/kernels/gemv.rs `mma_launch`)."""
+    tiles = 2 if n >= 8192 and n % 32 == 0 else 1
+    rows = 16 * tiles
+    chunks = -(-k // 32)
+    per_round = max(1, MMA_LOADS // (2 * tiles))
+    wpb = 16 if n // rows < 256 else 8
+    while wpb > 1 and chunks < wpb * per_round:
+        wpb //= 2
+    return rows, wpb, 1
+
+
+def takes_mma(m, n):
+    """Whether mlxcel puts M rows on the tensor-core path (MLXCEL_GEMV_MMA from, 0 off by
+    default; MLXCEL_GEMV_MMA_MAX to, default 8; --mma: every M)."""
+    lo = 1 if ALL_MMA else int(os.environ.get("MLXCEL_GEMV_MMA", "0"))
+    hi = 16 if ALL_MMA else int(os.environ.get("MLXCEL_GEMV_MMA_MAX", "8"))
+    return n % 16 == 0 and 0 < lo <= m <= hi
+
+
+ALL_MMA = False  # --mma
+
+
 def launch_config(m, n, k):
-    """ROWS and WPB as mlxcel picks them (src/kernels/gemv.rs `launch_config`; the previous
-    launch with MLXCEL_GEMV_WIDE=0 in the environment)."""
+    """ROWS, WPB and MMA as mlxcel picks them (src/kernels/gemv.rs `launch_config`; the
+    previous launch with MLXCEL_GEMV_WIDE=0 in the environment)."""
+    if takes_mma(m, n) or m > 8:  # (the CUDA-core path takes at most 8 rows)
+        return mma_launch(n, k)
+    return cuda_core_launch(m, n, k) + (0,)
+
+
+def cuda_core_launch(m, n, k):
+    """ROWS and WPB of the CUDA-core path."""
     def fit(r):
         while n % r:
             r //= 2
@@ -103,17 +141,17 @@ def eps_bits(eps):
     return struct.unpack("<i", struct.pack("<f", eps))[0]
 
 
-def gemv(kernel, x, w, res=None, swiglu=False, norm=None, rows=None, wpb=None):
+def gemv(kernel, x, w, res=None, swiglu=False, norm=None, rows=None, wpb=None, launch=None):
     m, k = x.shape
     n = w.shape[0]
-    r0, w0 = launch_config(m, n, k)
+    r0, w0, mma = launch or launch_config(m, n, k)
     rows, wpb = rows or r0, wpb or w0
     epi = 2 if swiglu else (1 if res is not None else 0)
     return kernel(
         inputs=[x, w, x if res is None else res, x if norm is None else norm[0]],
         template=[("T", DT), ("M", m), ("N", n), ("K", k), ("ROWS", rows), ("WPB", wpb),
                   ("EPI", epi), ("NORM", int(norm is not None)),
-                  ("EPS_BITS", 0 if norm is None else eps_bits(norm[1]))],
+                  ("EPS_BITS", 0 if norm is None else eps_bits(norm[1])), ("MMA", mma)],
         grid=(n // rows * 32 * wpb, 1, 1),
         threadgroup=(32 * wpb, 1, 1),
         output_shapes=[(m, n // 2 if swiglu else n)],
@@ -126,13 +164,14 @@ def gemv_rope(kernel, x, w, norm, pos, inv_freq, nq, hd, rows=None, wpb=None, in
     into a KV pool ([`kv_pool`]), kv then the rows it wrote ([`pool_rows`])."""
     m, k = x.shape
     n = w.shape[0]
-    r0, w0 = launch_config(m, n, k)
+    r0, w0, mma = launch_config(m, n, k)
     rows, wpb = rows or r0, wpb or w0
     pool, dst = kv_pool(m, n // hd - nq, hd, DT) if into else (None, None)
     out = (ROPE_KV if into else kernel)(
         inputs=[x, w, norm[0], pos, inv_freq] + ([pool, dst] if into else []),
         template=[("T", DT), ("M", m), ("N", n), ("K", k), ("ROWS", rows), ("WPB", wpb),
-                  ("NORM", 1), ("EPS_BITS", eps_bits(norm[1])), ("HD", hd), ("NQ", nq)],
+                  ("NORM", 1), ("EPS_BITS", eps_bits(norm[1])), ("HD", hd), ("NQ", nq),
+                  ("MMA", mma)],
         grid=(n // rows * 32 * wpb, 1, 1),
         threadgroup=(32 * wpb, 1, 1),
         output_shapes=[(m, nq, 1, hd)] + ([] if into else [(m, n // hd - nq, 1, hd)]),
@@ -201,7 +240,7 @@ def check(kernel, rope_kernel, n, k, nq, ms, seed=0):
 def check_rope(kernel, x, w, wf, nw, n, nq, m, hd=128, base=500000.0):
     nkv = (n // hd - nq) // 2
     inv_freq = mx.array([base ** (-2.0 * i / hd) for i in range(hd // 2)], dtype=mx.float32)
-    pos = mx.array([7, 30000, 4095, 1, 0, 12, 999, 2][:m], dtype=mx.int32)
+    pos = mx.array(([7, 30000, 4095, 1, 0, 12, 999, 2] * 2)[:m], dtype=mx.int32)
 
     def heads_rope(y):  # y [m, n] -> q, kv as the kernel lays them out, RoPE per row
         y = y.reshape(m, n // hd, 1, hd)
@@ -250,15 +289,19 @@ def bench(fn, reps=5):
     return best
 
 
-def timing(kernel, n, k, m, rows=None, wpb=None, budget=1e9):
+def timing(kernel, n, k, m, rows=None, wpb=None, budget=1e9, launches=None):
+    """TB/s of each launch in `launches` (default: mlxcel's) and of MLX's matmul, and µs per
+    call of the first."""
     w0 = weight(n, k, 1)
     copies = max(2, math.ceil(budget / w0.nbytes))
     ws = [w0 + i for i in range(copies)]  # distinct weight buffers
     mx.eval(ws)
     x = mx.random.normal((m, k)).astype(DT)
-    ours = bench(lambda: [gemv(kernel, x, w, rows=rows, wpb=wpb) for w in ws])
+    ours = [bench(lambda: [gemv(kernel, x, w, rows=rows, wpb=wpb, launch=l) for w in ws])
+            for l in (launches or [None])]
     mm = bench(lambda: [x @ w.T for w in ws])
-    return w0.nbytes * copies / ours / 1e12, w0.nbytes * copies / mm / 1e12, ours / copies * 1e6
+    return [w0.nbytes * copies / t / 1e12 for t in ours], w0.nbytes * copies / mm / 1e12, \
+        ours[0] / copies * 1e6
 
 
 def main():
@@ -270,14 +313,16 @@ def main():
     ap.add_argument("--only", choices=["8B", "70B-TP8", "70B-TP4"], help="only this model's shapes")
     ap.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
     ap.add_argument("--ms", default="1,3,8", type=lambda v: tuple(int(i) for i in v.split(",")),
-                    help="batch sizes M to check (1-8)")
+                    help="batch sizes M to check (1-8; 1-16 with --mma)")
+    ap.add_argument("--mma", action="store_true", help="every M on the tensor-core path")
     ap.add_argument("--time", action="store_true", help="also wall-clock bandwidth against x @ w.T")
     ap.add_argument("--sweep", action="store_true", help="only time ROWS × WPB on the large shapes")
     ap.add_argument("--no-check", action="store_true",
                     help="with --time: time only (the correctness table of every shape takes minutes)")
     args = ap.parse_args()
-    global DT
+    global DT, ALL_MMA
     DT = getattr(mx, args.dtype)
+    ALL_MMA = args.mma
     if not mx.cuda.is_available():
         sys.exit("check_gemv: needs MLX's CUDA backend")
     kernel, rope_kernel = make_kernel(args.source)
@@ -296,18 +341,23 @@ def main():
         for n, k, name, nq in shapes:
             for m, epi, e, em, ok in check(kernel, rope_kernel, n, k, nq, args.ms):
                 bad += not ok
-                r, wp = launch_config(m, n, k)
-                print(f"| {name} {n}×{k}{epi} | {m} | {r}×{wp} | {e:.2e} | {em:.2e} | "
+                r, wp, mma = launch_config(m, n, k)
+                print(f"| {name} {n}×{k}{epi} | {m} | {r}×{wp}{' mma' if mma else ''} | {e:.2e} | {em:.2e} | "
                       f"{'yes' if ok else 'NO'} |", flush=True)
     if args.time and not args.sweep:
         print()
         print("## wall-clock bandwidth incl. MLX per-op host work (TB/s, the weight read once a call)")
-        print("| shape (N×K) | M | gemv TB/s | µs/call | x @ w.T TB/s | speed-up |")
-        print("|---|---|---|---|---|---|")
+        print("| shape (N×K) | M | CUDA cores TB/s | tensor cores TB/s | µs/call (mlxcel's launch) "
+              "| x @ w.T TB/s | mlxcel's launch / x @ w.T |")
+        print("|---|---|---|---|---|---|---|")
         for n, k, name, _ in shapes:
             for m in args.ms:
-                ours, mm, us = timing(kernel, n, k, m)
-                print(f"| {name} {n}×{k} | {m} | {ours:.2f} | {us:.1f} | {mm:.2f} | {ours / mm:.2f}× |",
+                paths = ([cuda_core_launch(m, n, k) + (0,)] if m <= 8 else []) + \
+                    ([mma_launch(n, k)] if n % 16 == 0 else [])
+                tbs, mm, us = timing(kernel, n, k, m, launches=[launch_config(m, n, k)] + paths)
+                cc = f"{tbs[1]:.2f}" if m <= 8 else "—"
+                tc = f"{tbs[-1]:.2f}" if n % 16 == 0 else "—"
+                print(f"| {name} {n}×{k} | {m} | {cc} | {tc} | {us:.1f} | {mm:.2f} | {tbs[0] / mm:.2f}× |",
                       flush=True)
     if args.sweep:
         print("## sweep: rows per block (ROWS) × warps per block (WPB) → TB/s")
@@ -318,7 +368,7 @@ def main():
                 for rows in (1, 2, 4, 8):
                     if n % rows:
                         continue
-                    line = [f"WPB={wpb} {timing(kernel, n, k, m, rows, wpb)[0]:.2f}" for wpb in (2, 4, 8, 16)]
+                    line = [f"WPB={wpb} {timing(kernel, n, k, m, rows, wpb)[0][0]:.2f}" for wpb in (2, 4, 8, 16)]
                     print(f"{name} M={m} ROWS={rows}: " + ", ".join(line), flush=True)
     sys.exit(1 if bad else 0)
 

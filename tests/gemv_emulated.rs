@@ -2,7 +2,8 @@
 //! wrapped as MLX wraps them, are compiled as C++ with the CUDA emulation of
 //! `tests/common` and compared with a float64 product of the same bf16/f16 values, for
 //! every epilogue, the norm and RoPE, batch rows 1, 3 and 8 and rows whose vectors do not
-//! fill the block's threads. `scripts/check_gemv.py` checks the kernel on a GPU, against MLX.
+//! fill the block's threads; and the tensor-core path (`MMA = 1`, `mma.sync.m16n8k16`
+//! emulated lane by lane) at 1-16 rows. `scripts/check_gemv.py` checks the kernel on a GPU, against MLX.
 use std::path::Path;
 
 use mlxcel::kernels::gemv;
@@ -34,6 +35,7 @@ int main() {
   const int tpb = 32 * WPB;
   blockDim.x = tpb;
   g_shfl.assign(tpb, 0.f);
+  g_mma.assign(6 * tpb, 0u);
   for (int blk = 0; blk < N / ROWS; ++blk) {
     run_block(blk, tpb, [&] {
 #if ROPE_KV
@@ -83,7 +85,7 @@ fn run(tag: &str, consts: &[(&str, usize)]) {
         .copied()
         .filter(|(n, _)| *n != "KVW")
         .collect();
-    let (mut src, t) = common::program_head(&header, &consts, &[]);
+    let (mut src, t) = common::program_head(&header, &consts, &[("MMA", 0)]);
     if rope_kv {
         // inputs x, w, nw, pos, inv_freq, pool (and its shape, as MLX passes it when the
         // body names `pool_shape`), dst and output q
@@ -119,12 +121,18 @@ fn run(tag: &str, consts: &[(&str, usize)]) {
 /// `run` with the launch the Rust side picks for this shape (rows and warps per block).
 fn run_launched(tag: &str, m: usize, n: usize, k: usize, extra: &[(&str, usize)]) {
     let l = gemv::launch_config(m, n, k);
+    launched(tag, m, n, k, l, extra);
+}
+
+/// `run` with launch `l`.
+fn launched(tag: &str, m: usize, n: usize, k: usize, l: gemv::Launch, extra: &[(&str, usize)]) {
     let mut consts = vec![
         ("M", m),
         ("N", n),
         ("K", k),
         ("ROWS", l.rows),
         ("WPB", l.wpb),
+        ("MMA", l.mma as usize),
     ];
     consts.extend_from_slice(extra);
     run(tag, &consts);
@@ -360,4 +368,116 @@ fn launch_code_refuses_what_the_kernel_does_not_take() {
     assert!(gemv::supports_rope(1, (32 + 16) * 128, 32, 128));
     assert!(!gemv::supports_rope(1, (32 + 15) * 128, 32, 128));
     assert!(!gemv::supports_rope(1, 48 * 128 + 64, 32, 128));
+}
+
+#[test]
+fn gemv_tensor_cores_match() {
+    // the MMA path: one or two tiles of 16 weight rows a warp, one or two tiles of 8 batch
+    // rows (1-16 rows, the rows past M zero), K split over the warps with partial rounds
+    // and a row end inside a chunk (K = 264: 33 vectors, the last chunk one vector)
+    for (dt, f16) in [("bf16", 0), ("f16", 1)] {
+        for (m, rows, wpb, k) in [
+            (1, 16, 2, 264),
+            (5, 32, 2, 512),
+            (8, 16, 4, 1064),
+            (12, 32, 1, 264),
+            (16, 16, 2, 520),
+        ] {
+            run(
+                &format!("{dt}_mma_m{m}_r{rows}"),
+                &[
+                    ("M", m),
+                    ("N", 64),
+                    ("K", k),
+                    ("ROWS", rows),
+                    ("WPB", wpb),
+                    ("MMA", 1),
+                    ("F16", f16),
+                ],
+            );
+        }
+    }
+}
+
+#[test]
+fn gemv_tensor_cores_fused_match() {
+    // the epilogues and the norm on the MMA path: the residual, SwiGLU of gate/up halves
+    // (a block's first tile the gate rows), RMSNorm (x·w rounded to T for the fragments,
+    // Σ x² from the lanes of each batch row), RoPE and the KV pool write
+    for (dt, f16) in [("bf16", 0), ("f16", 1)] {
+        let mma = [("MMA", 1), ("F16", f16)];
+        for m in [4, 9] {
+            let c = |extra: &[(&'static str, usize)]| {
+                let mut v: Vec<(&'static str, usize)> = vec![("M", m)];
+                v.extend_from_slice(extra);
+                v.extend_from_slice(&mma);
+                v
+            };
+            run(
+                &format!("{dt}_mma_residual_m{m}"),
+                &c(&[("N", 32), ("K", 264), ("ROWS", 16), ("WPB", 2), ("EPI", 1)]),
+            );
+            run(
+                &format!("{dt}_mma_norm_swiglu_m{m}"),
+                &c(&[
+                    ("N", 64),
+                    ("K", 520),
+                    ("ROWS", 32),
+                    ("WPB", 2),
+                    ("EPI", 2),
+                    ("NORM", 1),
+                ]),
+            );
+            run(
+                &format!("{dt}_mma_rope_norm_m{m}"),
+                &c(&[
+                    ("N", 8 * 16),
+                    ("K", 512),
+                    ("ROWS", 16),
+                    ("WPB", 2),
+                    ("NORM", 1),
+                    ("HD", 16),
+                    ("NQ", 4),
+                ]),
+            );
+            run(
+                &format!("{dt}_mma_rope_kv_m{m}"),
+                &c(&[
+                    ("N", 8 * 16),
+                    ("K", 512),
+                    ("ROWS", 32),
+                    ("WPB", 1),
+                    ("NORM", 1),
+                    ("HD", 16),
+                    ("NQ", 4),
+                    ("KVW", 1),
+                ]),
+            );
+        }
+    }
+}
+
+#[test]
+fn gemv_tensor_cores_with_their_launch() {
+    // mma_launch's rows and warps on shapes of the 8B and 70B-rank layers scaled down in N
+    // (two tiles a block from 8,192 rows, warps by K)
+    for (m, n, k, extra) in [
+        (8, 8192, 4096, vec![("NORM", 1)]),
+        (6, 1280, 8192, vec![]),
+        (4, 64, 14336, vec![("EPI", 1)]),
+    ] {
+        let l = gemv::mma_launch(n, k);
+        assert!(
+            l.mma && n.is_multiple_of(l.rows) && (1..=16).contains(&l.wpb),
+            "{l:?}"
+        );
+        // (the emulation runs every block: keep N small, the launch as for the full shape)
+        let n_run = 2 * l.rows;
+        launched(&format!("mma_launch_{n}x{k}"), m, n_run, k, l, &extra);
+    }
+    assert_eq!(gemv::mma_launch(28672, 4096).rows, 32);
+    assert_eq!(gemv::mma_launch(1280, 8192).rows, 16);
+    assert_eq!(gemv::mma_launch(1280, 8192).wpb, 16);
+    assert_eq!(gemv::mma_launch(28672, 4096).wpb, 8);
+    assert_eq!(gemv::mma_launch(64, 72).wpb, 1);
 }

@@ -629,26 +629,31 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
             ),
         ));
     }
-    // the dense bf16/f16 GEMV (kernels/gemv.cu): plain with the norm, SwiGLU, and q/k/v with RoPE
+    // the dense bf16/f16 GEMV (kernels/gemv.cu): plain with the norm, SwiGLU, and q/k/v with RoPE;
+    // the tensor-core path (MMA) at 16 rows with the norm and the residual
     let d = parts(
         "kernels/gemv.cu",
         &["// @@body\n", "// @@body_rope\n", "// @@body_rope_kv\n"],
     );
     let dense = |m: i64, epi: i64, norm: i64| {
+        let mma = i64::from(m > 8);
         vec![
             ("M", m),
             ("N", 4096),
             ("K", 4096),
-            ("ROWS", 4),
-            ("WPB", 4),
+            ("ROWS", if mma == 1 { 32 } else { 4 }),
+            ("WPB", if mma == 1 { 8 } else { 4 }),
             ("EPI", epi),
             ("NORM", norm),
             ("EPS_BITS", eps),
+            ("MMA", mma),
         ]
     };
     for (name, t, m, epi, norm) in [
         ("custom_kernel_mlxcel_gemv_test_norm", bf, 1, 0, 1),
         ("custom_kernel_mlxcel_gemv_test_swiglu_f16", f16, 8, 2, 0),
+        ("custom_kernel_mlxcel_gemv_test_mma", bf, 16, 1, 1),
+        ("custom_kernel_mlxcel_gemv_test_mma_f16", f16, 12, 2, 0),
     ] {
         sources.push((
             name.into(),

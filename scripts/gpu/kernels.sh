@@ -12,6 +12,11 @@
 #                                                  # the 70B TP=8 proxies: sdpa (default) vs MLXCEL_ATTN_SINGLE=1
 #                                                  # with each file (MLXCEL_ATTN_SOURCE), alternated (< 6 min)
 #   bash scripts/gpu/kernels.sh op-costs           # host time per MLX op (scripts/op_costs.py)
+#   bash scripts/gpu/kernels.sh gemv-mma           # the dense GEMV's tensor-core path: check_gemv.py --mma --quick at
+#                                                  # 4/8/16 rows, both paths' and MLX matmul's bandwidth at 1/4/8/16 rows
+#                                                  # (8B and 70B TP=8 shapes), then bf16 decode at batches 2-16 of
+#                                                  # the 8B and the 70B TP=8 proxy, default vs MLXCEL_GEMV_MMA=4
+#                                                  # MLXCEL_GEMV_MMA_MAX=16, alternated (< 9 min; LIMIT s caps it)
 # MLXCEL_QGEMV_SOURCE=FILE runs another kernel file (docs/tuning.md). Environment: scripts/gpu/lib.sh.
 . "$(dirname "$0")/lib.sh"
 cmd=${1:-check}; shift || true
@@ -64,9 +69,25 @@ attn-ab)
     echo "$m run $r [$e] $(DECODE_TOKENS=128 bench_line "$e" "$CK/proxies/$m" 1 --load-format dummy)"
   done; done; done 2>&1 | tee -a "$OUT/attn-ab.txt"
   ;;
+gemv-mma)
+  t0=$(date +%s); left() { echo $(( ${LIMIT:-540} - ($(date +%s) - t0) )); }
+  step "check_gemv.py --mma --quick --ms 4,8,16"
+  timeout 150 python3 scripts/check_gemv.py --mma --quick --ms 4,8,16 2>&1 | tail -30 | tee "$OUT/gemv-mma-check.txt"
+  step "check_gemv.py --time --no-check --ms 1,4,8,16 (8B, 70B-TP8)"
+  for o in 8B 70B-TP8; do
+    timeout $(( $(left) - 200 > 30 ? $(left) - 200 : 30 )) python3 scripts/check_gemv.py --time --no-check --ms 1,4,8,16 --only $o 2>&1 | grep "^|"
+  done 2>&1 | tee "$OUT/gemv-mma-time.txt"
+  q4cfg; demo_tokenizer
+  python3 scripts/rank_proxies.py --out "$CK/proxies" --only 70b-tp8-bf16 --tokenizer-from "$TOK" >/dev/null
+  step "bf16 decode at batches 2,4,8,16: default vs the tensor-core path from 4 rows, alternated"
+  for r in 1 2; do for m in c8b proxies/70b-tp8-bf16; do for e in X=1 "MLXCEL_GEMV_MMA=4 MLXCEL_GEMV_MMA_MAX=16"; do
+    [ "$(left)" -lt 60 ] && break 3
+    echo "$m [$e] run $r: $(DECODE_TOKENS=128 BENCH_S=$(( $(left) - 5 )) bench_line "$e" "$CK/$m" 2,4,8,16 --load-format dummy)"
+  done; done; done 2>&1 | tee -a "$OUT/gemv-mma-engine.txt"
+  ;;
 op-costs)
   step "host cost per MLX op (scripts/op_costs.py)"
   timeout 120 python3 scripts/op_costs.py 2>&1 | tee "$OUT/op-costs.txt"
   ;;
-*) echo "unknown: $cmd (check, ncu, sections, attn, attn-ab, op-costs)" >&2; exit 2 ;;
+*) echo "unknown: $cmd (check, ncu, sections, attn, attn-ab, op-costs, gemv-mma)" >&2; exit 2 ;;
 esac

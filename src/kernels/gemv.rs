@@ -16,8 +16,20 @@ use super::qgemv::{check_rope_inputs, fnv1a32, header_for_mlx, Epilogue};
 use crate::mlx::fast::CudaKernel;
 use crate::mlx::{self, Array, Backend, Dtype, MlxError, Result};
 
-/// Largest batch (rows of x) the kernel takes; larger ones stay on MLX's matmul.
+/// Largest batch (rows of x) the kernel's CUDA-core path takes; larger ones stay on MLX's
+/// matmul unless the tensor-core path takes them ([`MMA_MAX_M`]).
 pub const MAX_M: usize = 8;
+
+/// Largest batch the tensor-core path (`MMA = 1` in `kernels/gemv.cu`) takes: two tiles of
+/// 8 batch rows.
+pub const MMA_MAX_M: usize = 16;
+
+/// The smallest batch on the tensor-core path unless `MLXCEL_GEMV_MMA` says otherwise (0:
+/// off by default; it has not been timed on a GPU against MLX's matmul yet).
+pub const MMA_FROM: usize = 0;
+
+/// The largest batch on the tensor-core path unless `MLXCEL_GEMV_MMA_MAX` says otherwise.
+pub const MMA_MAX: usize = 8;
 
 const EMBEDDED: &str = include_str!("../../kernels/gemv.cu");
 const HEADER_MARK: &str = "// @@header\n";
@@ -131,16 +143,33 @@ pub fn enabled() -> bool {
 /// more than the kernel's bandwidth (docs/benchmarks.md).
 pub const USED_MAX_M: usize = 3;
 
-/// Whether the kernel is used ([`enabled`], at most [`USED_MAX_M`] rows) and covers
-/// `x [m, k] · w [n, k]ᵀ` with `dtypes` = [x's, w's] ([`shape_supported`]).
-pub fn supports(m: usize, n: usize, k: usize, dtypes: [Dtype; 2]) -> bool {
-    enabled() && m <= USED_MAX_M && shape_supported(m, n, k, dtypes)
+/// The batches on the tensor-core path: `MLXCEL_GEMV_MMA` (from) to `MLXCEL_GEMV_MMA_MAX`
+/// (to), [`MMA_FROM`] and [`MMA_MAX`] by default; `None` when it is off.
+pub fn mma_rows() -> Option<std::ops::RangeInclusive<usize>> {
+    let k = knobs::get();
+    let from = k.gemv_mma.unwrap_or(MMA_FROM);
+    let to = k.gemv_mma_max.unwrap_or(MMA_MAX);
+    (from > 0 && from <= to).then_some(from..=to)
 }
 
-/// Whether the kernel can compute `x [m, k] · w [n, k]ᵀ`: 1–[`MAX_M`] rows, `k` a
-/// multiple of 8 (rows of whole 16-byte vectors), x and w both bfloat16 or both float16.
+/// Whether a launch of `m` rows for a weight of `n` rows takes the tensor-core path: `m`
+/// in [`mma_rows`] and `n` whole tiles of 16 rows.
+fn takes_mma(m: usize, n: usize) -> bool {
+    n.is_multiple_of(16) && mma_rows().is_some_and(|r| r.contains(&m))
+}
+
+/// Whether the kernel is used ([`enabled`]; at most [`USED_MAX_M`] rows, or a batch on the
+/// tensor-core path) and covers `x [m, k] · w [n, k]ᵀ` with `dtypes` = [x's, w's]
+/// ([`shape_supported`]).
+pub fn supports(m: usize, n: usize, k: usize, dtypes: [Dtype; 2]) -> bool {
+    enabled() && (m <= USED_MAX_M || takes_mma(m, n)) && shape_supported(m, n, k, dtypes)
+}
+
+/// Whether the kernel can compute `x [m, k] · w [n, k]ᵀ`: 1–[`MAX_M`] rows (up to
+/// [`MMA_MAX_M`] on the tensor-core path), `k` a multiple of 8 (rows of whole 16-byte
+/// vectors), x and w both bfloat16 or both float16.
 pub fn shape_supported(m: usize, n: usize, k: usize, dtypes: [Dtype; 2]) -> bool {
-    (1..=MAX_M).contains(&m)
+    (m >= 1 && (m <= MAX_M || (m <= MMA_MAX_M && takes_mma(m, n))))
         && n > 0
         && k > 0
         && k.is_multiple_of(8)
@@ -150,11 +179,42 @@ pub fn shape_supported(m: usize, n: usize, k: usize, dtypes: [Dtype; 2]) -> bool
         )
 }
 
-/// How the kernel is launched: rows per block and warps per block (grid `n / rows`).
+/// How the kernel is launched: rows per block and warps per block (grid `n / rows`), and
+/// whether on the tensor cores (`MMA` in the kernel file; rows then 16 or 32).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Launch {
     pub rows: usize,
     pub wpb: usize,
+    pub mma: bool,
+}
+
+/// Weight vectors a lane of the tensor-core path keeps in flight (`MLXCEL_GEMV_MMA_LOADS` in
+/// the kernel file): a round's chunks of 32 values × its tiles × 2 rows.
+const MMA_LOADS: usize = 8;
+
+/// The tensor-core launch for `n` weight rows of `k` values: tiles of 16 rows, two per
+/// block where the weight has at least 8,192 rows (the 8B's q/k/v, gate/up and lm_head:
+/// a batch tile of x then serves 32 rows) and one otherwise (the 70B ranks' q/k/v and o,
+/// 1,024–1,280 rows, then make 64–80 blocks); warps split K, 16 where there are fewer
+/// than 256 blocks and 8 otherwise, fewer where K is too short to give each a round.
+pub fn mma_launch(n: usize, k: usize) -> Launch {
+    let tiles = if n >= 8192 && n.is_multiple_of(32) {
+        2
+    } else {
+        1
+    };
+    let rows = 16 * tiles;
+    let chunks = k.div_ceil(32);
+    let per_round = (MMA_LOADS / (2 * tiles)).max(1);
+    let mut wpb = if n / rows < 256 { 16 } else { 8 };
+    while wpb > 1 && chunks < wpb * per_round {
+        wpb /= 2;
+    }
+    Launch {
+        rows,
+        wpb,
+        mma: true,
+    }
 }
 
 /// Vectors per thread and row that the previous launch (`MLXCEL_GEMV_WIDE=0`) keeps a
@@ -183,6 +243,9 @@ pub const WIDE_VECTORS_PER_THREAD: usize = 4;
 /// Either way fewer rows where they do not divide `n` (never fewer than 2 where `n` is
 /// even: the epilogues pair rows).
 pub fn launch_config(m: usize, n: usize, k: usize) -> Launch {
+    if takes_mma(m, n) {
+        return mma_launch(n, k);
+    }
     let fit = |r: usize| {
         (0..=r.trailing_zeros())
             .map(|i| r >> i)
@@ -200,6 +263,7 @@ pub fn launch_config(m: usize, n: usize, k: usize) -> Launch {
         return Launch {
             rows: fit(rows),
             wpb,
+            mma: false,
         };
     }
     let rows = fit(if m <= 4 { 4 } else { 2 });
@@ -207,7 +271,11 @@ pub fn launch_config(m: usize, n: usize, k: usize) -> Launch {
     while wpb < 8 && vectors.div_ceil(32 * wpb) > MAX_VECTORS_PER_THREAD {
         wpb *= 2;
     }
-    Launch { rows, wpb }
+    Launch {
+        rows,
+        wpb,
+        mma: false,
+    }
 }
 
 /// Whether [`Epilogue::SwiGlu`] fits batch `m` of a merged gate/up weight of `n` rows:
@@ -280,7 +348,7 @@ pub fn gemv(
             w.dtype()
         )));
     }
-    let Launch { rows, wpb } = launch_config(m, n, k);
+    let Launch { rows, wpb, mma } = launch_config(m, n, k);
     if swiglu && rows % 2 != 0 {
         return Err(MlxError::Invalid(format!(
             "gemv: SwiGLU needs an even number of rows per block, got {rows} for n = {n}"
@@ -303,12 +371,15 @@ pub fn gemv(
     };
     let (nw, eps) = norm_input("gemv", norm, x, k)?;
     let src = source()?;
-    static NAMES: OnceLock<([String; 4], [String; 1], [String; 8])> = OnceLock::new();
+    static NAMES: OnceLock<([String; 4], [String; 1], [String; 9])> = OnceLock::new();
     let (inputs, outputs, tnames) = NAMES.get_or_init(|| {
         (
             ["x", "w", "res", "nw"].map(String::from),
             ["y".to_string()],
-            ["M", "N", "K", "ROWS", "WPB", "EPI", "NORM", "EPS_BITS"].map(String::from),
+            [
+                "M", "N", "K", "ROWS", "WPB", "EPI", "NORM", "EPS_BITS", "MMA",
+            ]
+            .map(String::from),
         )
     });
     let kernel = CudaKernel {
@@ -328,6 +399,7 @@ pub fn gemv(
         epi_code,
         norm.is_some() as usize,
         eps.to_bits() as usize,
+        mma as usize,
     ]
     .map(|v| v as i32);
     let mut out = kernel.call(
@@ -387,13 +459,13 @@ pub fn gemv_rope(
             "gemv_rope: the kernel file has no `// @@body_rope_kv` part".into(),
         ));
     }
-    let Launch { rows, wpb } = launch_config(m, n, k);
+    let Launch { rows, wpb, mma } = launch_config(m, n, k);
     type Names = (
         [String; 5],
         [String; 2],
         [String; 7],
         [String; 1],
-        [String; 9],
+        [String; 10],
     );
     static NAMES: OnceLock<Names> = OnceLock::new();
     let (inputs, outputs, inputs_kv, outputs_kv, tnames) = NAMES.get_or_init(|| {
@@ -402,7 +474,10 @@ pub fn gemv_rope(
             ["q", "kv"].map(String::from),
             ["x", "w", "nw", "pos", "inv_freq", "pool", "dst"].map(String::from),
             ["q".to_string()],
-            ["M", "N", "K", "ROWS", "WPB", "NORM", "EPS_BITS", "HD", "NQ"].map(String::from),
+            [
+                "M", "N", "K", "ROWS", "WPB", "NORM", "EPS_BITS", "HD", "NQ", "MMA",
+            ]
+            .map(String::from),
         )
     });
     let kernel = CudaKernel {
@@ -435,6 +510,7 @@ pub fn gemv_rope(
         eps.to_bits() as usize,
         head_dim,
         nq,
+        mma as usize,
     ]
     .map(|v| v as i32);
     let (mi, hd) = (m as i32, head_dim as i32);

@@ -102,6 +102,12 @@ pub struct Knobs {
     /// `MLXCEL_GEMV_WIDE` (default 1): the dense GEMV's one-round launch
     /// ([`super::gemv::launch_config`]); 0: the previous 4-rows-per-block launch.
     pub gemv_wide: bool,
+    /// `MLXCEL_GEMV_MMA`: the smallest batch whose decode steps take the dense GEMV's
+    /// tensor-core path (`mma.sync` bf16/f16; 0: never; unset: [`super::gemv::MMA_FROM`]).
+    pub gemv_mma: Option<usize>,
+    /// `MLXCEL_GEMV_MMA_MAX`: the largest batch on that path (unset:
+    /// [`super::gemv::MMA_MAX`]); larger batches stay on MLX's matmul.
+    pub gemv_mma_max: Option<usize>,
     /// `MLXCEL_DEVICE_INPUTS` (default 1): a step's int32 kernel inputs (positions, KV
     /// write rows, block tables) in device memory on CUDA (`crate::mlx::device_inputs`);
     /// 0: host arrays in MLX's unified memory, as before.
@@ -189,6 +195,8 @@ impl Default for Knobs {
             kernel_reuse: true,
             gemv_dense: true,
             gemv_wide: true,
+            gemv_mma: None,
+            gemv_mma_max: None,
             device_inputs: true,
             device_consts: true,
             kv_fused: true,
@@ -235,6 +243,8 @@ pub const VARS: &[&str] = &[
     "MLXCEL_KERNEL_REUSE",
     "MLXCEL_GEMV_DENSE",
     "MLXCEL_GEMV_WIDE",
+    "MLXCEL_GEMV_MMA",
+    "MLXCEL_GEMV_MMA_MAX",
     "MLXCEL_DEVICE_INPUTS",
     "MLXCEL_DEVICE_CONSTS",
     "MLXCEL_KV_FUSED",
@@ -364,6 +374,16 @@ impl Knobs {
             .filter(|v| !v.is_empty())
             .map(PathBuf::from);
         k.mask_threads = number("MLXCEL_MASK_THREADS", 1..=256, "a thread count")?;
+        k.gemv_mma = number(
+            "MLXCEL_GEMV_MMA",
+            0..=super::gemv::MMA_MAX_M,
+            "0 (off) or the smallest batch on the tensor cores,",
+        )?;
+        k.gemv_mma_max = number(
+            "MLXCEL_GEMV_MMA_MAX",
+            1..=super::gemv::MMA_MAX_M,
+            "the largest batch on the tensor cores,",
+        )?;
         k.gemv_source = get("MLXCEL_GEMV_SOURCE")
             .filter(|v| !v.is_empty())
             .map(PathBuf::from);
@@ -400,6 +420,8 @@ impl Knobs {
             ("MLXCEL_QGEMM_MAX_M", self.qgemm_max_m),
             ("MLXCEL_QGEMM_SPLITK", self.qgemm_splitk),
             ("MLXCEL_MASK_THREADS", self.mask_threads),
+            ("MLXCEL_GEMV_MMA", self.gemv_mma),
+            ("MLXCEL_GEMV_MMA_MAX", self.gemv_mma_max),
         ] {
             if let Some(n) = v {
                 out.push(format!("{var}={n}"));
@@ -516,6 +538,8 @@ mod tests {
             ("MLXCEL_QGEMM_MIN_M", "1"),
             ("MLXCEL_QGEMM_MAX_M", "129"),
             ("MLXCEL_QGEMM_SPLITK", "0"),
+            ("MLXCEL_GEMV_MMA", "17"),
+            ("MLXCEL_GEMV_MMA_MAX", "0"),
         ] {
             let e = parse(&[(var, value)]).unwrap_err();
             assert_eq!(e.var, var);

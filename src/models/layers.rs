@@ -620,7 +620,8 @@ type Product = for<'a, 'b, 'c, 'd, 'e, 'f, 'g, 'h> fn(
 
 /// Whether mlxcel's dense GEMV kernel computes `x · wᵀ` for a dense weight `w [n, k]`:
 /// the kernel on (CUDA, unless `MLXCEL_GEMV_DENSE=0`), x holding whole rows
-/// of `k`, at most 8 of them (a decode step's), and a shape and dtypes the kernel covers.
+/// of `k` (a decode step's rows: at most 3, or a batch on the tensor-core path), and a
+/// shape and dtypes the kernel covers.
 fn dense_gemv_fits(x: &Array, w: &Array) -> bool {
     if w.ndim() != 2 || !kernels::gemv::enabled() {
         return false;
