@@ -159,7 +159,7 @@ fn prepare_cuda_env() {
 /// `MLX_MAX_OPS_PER_BUFFER` kernels or `MLX_MAX_MB_PER_BUFFER` MB of inputs (30 and
 /// 400 on H100/H200). A decode step is hundreds of small kernels and the host is the
 /// bottleneck there; bigger graphs cost the host less per kernel. On H200, 4-bit 8B
-/// decode went from 229 to 290 tok/s with these values (docs/data/envsweep-h200-2026-11-29.txt). Set
+/// decode went from 229 to 290 tok/s with these values (docs/data/envsweep-h200.txt). Set
 /// before MLX's first CUDA work (its encoder reads them once), unless already set.
 const CUDA_GRAPH_DEFAULTS: [(&str, &str); 2] = [
     ("MLX_MAX_OPS_PER_BUFFER", "100"),

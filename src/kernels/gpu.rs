@@ -27,7 +27,7 @@ pub const DEFAULT_SMS: usize = 132;
 /// Blocks of the streaming GEMV per SM. On H200, the 8B down projection with 2 rows per
 /// group and 14 warps: 12.1-13.1 µs at 2 blocks per SM (264), 14.9-15.2 at 3 (396),
 /// 13.5-13.7 at 4 (528); the one-block-per-group launch took 14.4 (Nsight Compute,
-/// docs/data/qgemv-stream-h200-2026-11-30.txt).
+/// docs/data/qgemv-stream-h200.txt).
 pub const STREAM_BLOCKS_PER_SM: usize = 2;
 
 impl Gpu {

@@ -1,8 +1,8 @@
 //! mlxcel's quantized GEMV (`kernels/qgemv.cu`): `x · dequantize(w)ᵀ` for decode
 //! (batch ≤ [`MAX_M`] in one launch, up to [`MAX_CHUNKED_M`] in row chunks) on MLX's CUDA backend, where its one-token launches take
 //! 2.1–4.2× less time than MLX's own `quantized_matmul` and its tensor-core path
-//! 4.8× less at batch 8 (H200, 8B shapes; docs/data/qgemv-ncu-launch-shapes-h200-2026-11-29.txt and
-//! docs/history/benchmarks-2026-11.md). Elsewhere, and
+//! 4.8× less at batch 8 (H200, 8B shapes; docs/data/qgemv-ncu-launch-shapes-h200.txt and
+//! docs/history/benchmark-log.md). Elsewhere, and
 //! for shapes it does not cover, callers keep `quantized_matmul`.
 //!
 //! The kernel source is embedded; `MLXCEL_QGEMV_SOURCE=path` loads another file
@@ -304,7 +304,7 @@ fn dtypes_supported(dtypes: [Dtype; 2]) -> bool {
 }
 
 /// Largest batch the kernel takes at all: batches above [`MAX_M`] run it on row chunks
-/// ([`row_chunks`]), each reading the weights again. On H200 (Nsight, docs/data/qgemv-stream-h200-2026-11-30.txt) MLX's
+/// ([`row_chunks`]), each reading the weights again. On H200 (Nsight, docs/data/qgemv-stream-h200.txt) MLX's
 /// `quantized_matmul` (`qmm_sm80`) took 164 and 187 µs on the 8B down projection at 5 and 8
 /// rows where the kernel took 13.9 and 13.8, and a server's 4-bit decode steps at 32
 /// streams took 24-32 ms (p50 between tokens) against 4.5-5.6 ms at 8 (not measured since
@@ -422,7 +422,7 @@ fn stream_blocks() -> Option<usize> {
 }
 
 /// Shortest row the streaming path takes. At K = 4096 (8B q/k/v, o, gate/up, lm_head) the
-/// one-block-per-group launch won on every shape (Nsight, docs/data/qgemv-stream-h200-2026-11-30.txt: q/k/v 6.5 against
+/// one-block-per-group launch won on every shape (Nsight, docs/data/qgemv-stream-h200.txt: q/k/v 6.5 against
 /// 7.8-12.6 µs, o 5.8 against 6.6-9.7); on the 8B down projection (K = 14336) streaming
 /// won (12.1-13.6 against 14.4 µs).
 pub const STREAM_MIN_K: usize = 8192;
@@ -537,16 +537,16 @@ pub fn rows_per_block(m: usize, n: usize, group: usize, bits: usize) -> usize {
 ///
 /// Tensor-core path (4-bit, int8 activations, group 32/64/128, `m ≥ mma_min`, n a
 /// multiple of 16, k of 128), from Nsight Compute timings on H200
-/// (docs/data/qgemv-nsight-sections-h200-2026-11-29.txt): one 16-row tile per block and 8 warps splitting the row's steps of
+/// (docs/data/qgemv-nsight-sections-h200.txt): one 16-row tile per block and 8 warps splitting the row's steps of
 /// 128 values, 16 warps where a row has more than 64 steps (the 8B down projection: 14.1
 /// against 18.9 µs at M = 8); two tiles per block lost on every 8B shape once scales came
 /// in chunks. At least two steps per warp where the row has them.
 ///
-/// Otherwise, from Nsight Compute timings on H200 (docs/data/qgemv-nsight-sections-h200-2026-11-29.txt): 4-bit M = 1
+/// Otherwise, from Nsight Compute timings on H200 (docs/data/qgemv-nsight-sections-h200.txt): 4-bit M = 1
 /// with int8 activations ([`int8_activations`]) takes 8 rows and 4 warps for K ≤ 4096,
 /// else 16 rows and 8 warps, with half the rows (down to 4) while a thread would hold
 /// more than [`M1_LOADS`] weight loads: the best of 4/8/16 rows × 2/4/8 warps for every
-/// 8B and 70B shape but the 8B o projection (5.9 against 5.4 µs; docs/data/qgemv-nsight-sections-h200-2026-11-29.txt);
+/// 8B and 70B shape but the 8B o projection (5.9 against 5.4 µs; docs/data/qgemv-nsight-sections-h200.txt);
 /// with float math 2 rows (4 for the wide gate/up and lm_head) and 2 warps; 8-bit and
 /// M > 1 4 rows and 4 warps. A thread holds ROWS × (its chunks of a row) 16-byte weight
 /// loads in registers; above [`MAX_LOADS_PER_THREAD`] (a 70B down projection, K = 28672)
