@@ -41,13 +41,15 @@
 // MLX generates around it:
 //   @@body       (const T* x, const T* w, const T* res, const T* nw, T* y)       EPI 0, 1, 2
 //   @@body_rope  (const T* x, const T* w, const T* nw, const int32_t* pos,
-//                 const float* inv_freq, T* q, T* kv)                          EPI 3
+//                 const float* inv_freq, const T* qb, T* q, T* kv)             EPI 3
 //   @@body_rope_kv (const T* x, const T* w, const T* nw, const int32_t* pos,
 //                 const float* inv_freq, const T* pool, <pool's shape>, const int32_t* dst,
-//                 T* q)
+//                 const T* qb, T* q)
 //                 EPI 3 with the key and value heads written into a layer's KV pool
 //                 (T [1, 2·NKV, R, HD], key heads first) at row dst[m] of batch row m: the
 //                 decode step's cache write, without an op of its own
+// With BIAS = 1 the RoPE entry points add qb (T [N], the q/k/v projection's bias: Qwen2)
+// before the rotation; with BIAS = 0 qb is not read (callers pass any array).
 // (res is read only when EPI = 1, nw only when NORM = 1; callers pass any array there).
 // MLX hands inputs to a kernel as const pointers: the pool is mlxcel's own array, read only
 // by kernels that take this kernel's q (so run after it), and passed as a view that holds
@@ -179,7 +181,7 @@ __device__ __forceinline__ uint4 mlxcel_gv_normed(const uint4 v, const uint4 g, 
 #endif
 
 template <typename T, int M, int N, int K, int ROWS, int WPB, int EPI, int NORM, int EPS_BITS,
-          int HD, int NQ, int MMA>
+          int HD, int NQ, int MMA, int BIAS = 0>
 __device__ __forceinline__ void mlxcel_gemv(const T* x, const T* w, const T* res, const T* nw,
                                             const int32_t* pos, const float* inv_freq, T* y,
                                             T* y2, const int32_t* kvdst, int kvrows) {
@@ -475,6 +477,10 @@ __device__ __forceinline__ void mlxcel_gemv(const T* x, const T* w, const T* res
       const int m = i % M;
       float a, c;
       pair_of(r, m, a, c);
+      if constexpr (BIAS) {  // the projection's bias (Qwen2), before the rotation
+        a += static_cast<float>(res[row_of(r)]);
+        c += static_cast<float>(res[row_of(r + HALF)]);
+      }
       const int p = grp * HALF + r;
       const int head = p / HD2;
       const int d = p % HD2;
@@ -528,9 +534,8 @@ __device__ __forceinline__ void mlxcel_gemv(const T* x, const T* w, const T* res
   mlxcel_gemv<T, M, N, K, ROWS, WPB, EPI, NORM, EPS_BITS, 0, 0, MMA>(x, w, res, nw, nullptr, nullptr,
                                                                      y, nullptr, nullptr, 0);
 // @@body_rope
-  mlxcel_gemv<T, M, N, K, ROWS, WPB, 3, NORM, EPS_BITS, HD, NQ, MMA>(x, w, nw, nw, pos, inv_freq, q,
-                                                                     kv, nullptr, 0);
+  mlxcel_gemv<T, M, N, K, ROWS, WPB, 3, NORM, EPS_BITS, HD, NQ, MMA, BIAS>(x, w, qb, nw, pos, inv_freq,
+                                                                           q, kv, nullptr, 0);
 // @@body_rope_kv
-  mlxcel_gemv<T, M, N, K, ROWS, WPB, 3, NORM, EPS_BITS, HD, NQ, MMA>(x, w, nw, nw, pos, inv_freq, q,
-                                                                     const_cast<T*>(pool), dst,
-                                                                     int(pool_shape[2]));
+  mlxcel_gemv<T, M, N, K, ROWS, WPB, 3, NORM, EPS_BITS, HD, NQ, MMA, BIAS>(
+      x, w, qb, nw, pos, inv_freq, q, const_cast<T*>(pool), dst, int(pool_shape[2]));

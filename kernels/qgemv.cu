@@ -31,18 +31,20 @@
 //   @@body       (const X* x, const uint32_t* w, const T* scales, const T* biases,
 //                 const T* res, const T* nw, T* y)                        EPI 0, 1, 2
 //   @@body_rope  (const X* x, const uint32_t* w, const T* scales, const T* biases,
-//                 const T* nw, const int32_t* pos, const float* inv_freq, T* q, T* kv)
+//                 const T* nw, const int32_t* pos, const float* inv_freq, const T* qb,
+//                 T* q, T* kv)
 //   @@body_xq    (const T* x, const T* nw, uint32_t* xq)    x rounded for MMA = 1
 //   @@body_rope_kv (const X* x, const uint32_t* w, const T* scales, const T* biases,
 //                 const T* nw, const int32_t* pos, const float* inv_freq, const T* pool,
-//                 <pool's shape>, const int32_t* dst, T* q)   @@body_rope with the key and
+//                 <pool's shape>, const int32_t* dst, const T* qb, T* q)   @@body_rope with the key and
 //                 value heads written into a layer's KV pool (T [1, 2·NKV, R, HD]) at row
 //                 dst[m] of batch row m: the decode step's cache write, without an op of
 //                 its own (the pool is mlxcel's, passed as a view that holds no reference;
 //                 every reader of it takes q, so runs after this kernel)
 // (X is T, or with MMA = 1 uint32_t: the rounding kernel's output, which carries the
-// norm then; res is read only when EPI = 1, nw only when NORM = 1 and MMA = 0; callers
-// pass any array there). MLX declares the template constants as constexpr locals of that function,
+// norm then; res is read only when EPI = 1, nw only when NORM = 1 and MMA = 0, qb only
+// when BIAS = 1 (the q/k/v projection's bias, T [N]: Qwen2; added before the rotation);
+// callers pass any array there). MLX declares the template constants as constexpr locals of that function,
 // so the bodies pass them on as template arguments: a discarded `if constexpr` branch
 // of a template is not compiled, which lets one kernel have two signatures.
 // mlxcel embeds it and `MLXCEL_QGEMV_SOURCE=path` replaces it at run time;
@@ -317,7 +319,7 @@ __device__ __forceinline__ void mlxcel_rope_store(float a, float c, int m, int p
 }
 
 template <typename T, int M, int N, int K, int G, int BITS, int ROWS, int WPB, int EPI,
-          int NORM, int EPS_BITS, int HD, int NQ, int XQ, int MMA, int PG, typename XT>
+          int NORM, int EPS_BITS, int HD, int NQ, int XQ, int MMA, int PG, int BIAS, typename XT>
 __device__ __forceinline__ void mlxcel_qgemv(const XT* x, const uint32_t* w, const T* scales,
                                              const T* biases, const T* res, const T* nw,
                                              const int32_t* pos, const float* inv_freq, T* y,
@@ -399,6 +401,10 @@ __device__ __forceinline__ void mlxcel_qgemv(const XT* x, const uint32_t* w, con
         const int m = i % M;
         float a, c;
         pair_of(buf, r, m, a, c);
+        if constexpr (BIAS) {  // the projection's bias (Qwen2, in res), before the rotation
+          a += static_cast<float>(res[row_in(grp, r)]);
+          c += static_cast<float>(res[row_in(grp, r + HALF)]);
+        }
         mlxcel_rope_store<T, N, HD, NQ>(a, c, m, grp * HALF + r, pos, inv_freq, y, y2, kvdst, kvrows);
       }
     } else if constexpr (EPI == 2) {
@@ -1028,13 +1034,13 @@ __device__ __forceinline__ void mlxcel_qgemv_mlp(const T* x, const uint32_t* w1,
   __syncthreads();
   const int bx = ticket;
   if (bx < B1) {
-    mlxcel_qgemv<T, M, 2 * NI, K, G, BITS, R1, WPB, 2, NORM, EPS_BITS, 0, 0, XQ, 0, 0>(
+    mlxcel_qgemv<T, M, 2 * NI, K, G, BITS, R1, WPB, 2, NORM, EPS_BITS, 0, 0, XQ, 0, 0, 0>(
         x, w1, s1, b1, res, nw, nullptr, nullptr, act, nullptr, nullptr, 0, bx);
     mlxcel_stage_arrive(count);
     return;
   }
   mlxcel_stage_wait(count, B1);
-  mlxcel_qgemv<T, M, K, NI, G, BITS, R2, WPB, EPI2, 0, EPS_BITS, 0, 0, XQ, 0, 0>(
+  mlxcel_qgemv<T, M, K, NI, G, BITS, R2, WPB, EPI2, 0, EPS_BITS, 0, 0, XQ, 0, 0, 0>(
       act, w2, s2, b2, res, nw, nullptr, nullptr, y, nullptr, nullptr, 0, bx - B1);
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -1151,16 +1157,16 @@ __device__ __forceinline__ void mlxcel_round_x(const T* x, const T* nw, uint32_t
   }
 }
 // @@body
-  mlxcel_qgemv<T, M, N, K, G, BITS, ROWS, WPB, EPI, NORM, EPS_BITS, 0, 0, XQ, MMA, PG>(
+  mlxcel_qgemv<T, M, N, K, G, BITS, ROWS, WPB, EPI, NORM, EPS_BITS, 0, 0, XQ, MMA, PG, 0>(
       x, w, scales, biases, res, nw, nullptr, nullptr, y, nullptr);
 // @@body_rope
-  mlxcel_qgemv<T, M, N, K, G, BITS, ROWS, WPB, 3, NORM, EPS_BITS, HD, NQ, XQ, MMA, PG>(
-      x, w, scales, biases, nw, nw, pos, inv_freq, q, kv);
+  mlxcel_qgemv<T, M, N, K, G, BITS, ROWS, WPB, 3, NORM, EPS_BITS, HD, NQ, XQ, MMA, PG, BIAS>(
+      x, w, scales, biases, qb, nw, pos, inv_freq, q, kv);
 // @@body_xq
   mlxcel_round_x<T, M, K, G, NORM, EPS_BITS>(x, nw, xq);
 // @@body_rope_kv
-  mlxcel_qgemv<T, M, N, K, G, BITS, ROWS, WPB, 3, NORM, EPS_BITS, HD, NQ, XQ, MMA, PG>(
-      x, w, scales, biases, nw, nw, pos, inv_freq, q, const_cast<T*>(pool), dst,
+  mlxcel_qgemv<T, M, N, K, G, BITS, ROWS, WPB, 3, NORM, EPS_BITS, HD, NQ, XQ, MMA, PG, BIAS>(
+      x, w, scales, biases, qb, nw, pos, inv_freq, q, const_cast<T*>(pool), dst,
       int(pool_shape[2]));
 // @@body_mlp
   mlxcel_qgemv_mlp<T, M, NI, K, G, BITS, R1, R2, WPB, NORM, EPS_BITS, XQ, EPI2>(

@@ -74,11 +74,11 @@ def make_kernel(path):
     header, body, body_rope, body_rope_kv = load_source(path)
     name = kernel_name(header, body, body_rope, body_rope_kv)
     ROPE_KV = mx.fast.cuda_kernel(
-        name=name + "_rope_kv", input_names=["x", "w", "nw", "pos", "inv_freq", "pool", "dst"],
+        name=name + "_rope_kv", input_names=["x", "w", "nw", "pos", "inv_freq", "pool", "dst", "qb"],
         output_names=["q"], source=body_rope_kv, header=header)
     plain = mx.fast.cuda_kernel(name=name, input_names=["x", "w", "res", "nw"], output_names=["y"],
                                 source=body, header=header)
-    rope = mx.fast.cuda_kernel(name=name + "_rope", input_names=["x", "w", "nw", "pos", "inv_freq"],
+    rope = mx.fast.cuda_kernel(name=name + "_rope", input_names=["x", "w", "nw", "pos", "inv_freq", "qb"],
                                output_names=["q", "kv"], source=body_rope, header=header)
     return plain, rope
 
@@ -159,19 +159,21 @@ def gemv(kernel, x, w, res=None, swiglu=False, norm=None, rows=None, wpb=None, l
     )[0]
 
 
-def gemv_rope(kernel, x, w, norm, pos, inv_freq, nq, hd, rows=None, wpb=None, into=False):
-    """q and kv of the q/k/v + RoPE entry point; with `into` the one that writes k and v
-    into a KV pool ([`kv_pool`]), kv then the rows it wrote ([`pool_rows`])."""
+def gemv_rope(kernel, x, w, norm, pos, inv_freq, nq, hd, rows=None, wpb=None, into=False, qb=None):
+    """q and kv of the q/k/v + RoPE entry point (qb: the projection's bias, added before
+    RoPE); with `into` the one that writes k and v into a KV pool ([`kv_pool`]), kv then the
+    rows it wrote ([`pool_rows`])."""
     m, k = x.shape
     n = w.shape[0]
     r0, w0, mma = launch_config(m, n, k)
     rows, wpb = rows or r0, wpb or w0
     pool, dst = kv_pool(m, n // hd - nq, hd, DT) if into else (None, None)
     out = (ROPE_KV if into else kernel)(
-        inputs=[x, w, norm[0], pos, inv_freq] + ([pool, dst] if into else []),
+        inputs=[x, w, norm[0], pos, inv_freq] + ([pool, dst] if into else [])
+        + [norm[0] if qb is None else qb],
         template=[("T", DT), ("M", m), ("N", n), ("K", k), ("ROWS", rows), ("WPB", wpb),
                   ("NORM", 1), ("EPS_BITS", eps_bits(norm[1])), ("HD", hd), ("NQ", nq),
-                  ("MMA", mma)],
+                  ("MMA", mma), ("BIAS", int(qb is not None))],
         grid=(n // rows * 32 * wpb, 1, 1),
         threadgroup=(32 * wpb, 1, 1),
         output_shapes=[(m, nq, 1, hd)] + ([] if into else [(m, n // hd - nq, 1, hd)]),
@@ -256,7 +258,14 @@ def check_rope(kernel, x, w, wf, nw, n, nq, m, hd=128, base=500000.0):
     # the entry point that writes k and v into a KV pool: the same values at the given rows
     q2, kv2 = gemv_rope(kernel, x, w, (nw, 1e-5), pos, inv_freq, nq, hd, into=True)
     e2 = max(rel_err(q2, ref_q), rel_err(kv2, ref_kv))
-    return (m, " norm+rope", max(e, e2), em, within(max(e, e2), em))
+    # and with the projection's bias (Qwen2), added before RoPE
+    qb = (0.5 * mx.random.normal((n,))).astype(DT)
+    ref_qb, ref_kvb = heads_rope(rms(x, nw) @ wf.T + qb.astype(mx.float32))
+    mqb, mkvb = heads_rope(mx.fast.rms_norm(x, nw, 1e-5) @ w.T + qb)
+    q3, kv3 = gemv_rope(kernel, x, w, (nw, 1e-5), pos, inv_freq, nq, hd, into=True, qb=qb)
+    e3 = max(rel_err(q3, ref_qb), rel_err(kv3, ref_kvb))
+    em3 = max(rel_err(mqb, ref_qb), rel_err(mkvb, ref_kvb))
+    return (m, " norm+rope(+bias)", max(e, e2, e3), max(em, em3), within(max(e, e2, e3), max(em, em3)))
 
 
 def kv_pool(m, nkv2, hd, dt):

@@ -78,7 +78,7 @@ def make_kernel(path):
     name = kernel_name(header, body, body_rope, body_xq, body_rope_kv, body_mlp)
     ROPE_KV = mx.fast.cuda_kernel(
         name=name + "_rope_kv",
-        input_names=["x", "w", "scales", "biases", "nw", "pos", "inv_freq", "pool", "dst"],
+        input_names=["x", "w", "scales", "biases", "nw", "pos", "inv_freq", "pool", "dst", "qb"],
         output_names=["q"], source=body_rope_kv, header=header)
     ROUND_X = mx.fast.cuda_kernel(
         name=name + "_xq",
@@ -96,7 +96,7 @@ def make_kernel(path):
     )
     rope = mx.fast.cuda_kernel(
         name=name + "_rope",
-        input_names=["x", "w", "scales", "biases", "nw", "pos", "inv_freq"],
+        input_names=["x", "w", "scales", "biases", "nw", "pos", "inv_freq", "qb"],
         output_names=["q", "kv"],
         source=body_rope,
         header=header,
@@ -227,10 +227,11 @@ def qgemv(kernel, x, w, s, b, group, bits, rows=None, wpb=None, res=None, swiglu
     )[0]
 
 
-def qgemv_rope(kernel, x, w, s, b, group, bits, norm, pos, inv_freq, nq, hd, into=False):
-    """q [M, nq, 1, hd] and kv [M, 2·nkv, 1, hd] of norm(x)·Wᵀ with RoPE on q and k; with
-    `into` the entry point that writes k and v into a KV pool (check_gemv.kv_pool), kv then
-    the rows it wrote (check_gemv.pool_rows: NaNs if it wrote any other row)."""
+def qgemv_rope(kernel, x, w, s, b, group, bits, norm, pos, inv_freq, nq, hd, into=False, qb=None):
+    """q [M, nq, 1, hd] and kv [M, 2·nkv, 1, hd] of norm(x)·Wᵀ (+ qb, the projection's bias,
+    when given) with RoPE on q and k; with `into` the entry point that writes k and v into a
+    KV pool (check_gemv.kv_pool), kv then the rows it wrote (check_gemv.pool_rows: NaNs if it
+    wrote any other row)."""
     from check_gemv import kv_pool, pool_rows
     m, k = x.shape
     n = w.shape[0]
@@ -238,12 +239,13 @@ def qgemv_rope(kernel, x, w, s, b, group, bits, norm, pos, inv_freq, nq, hd, int
     xin = round_x(x, group, norm) if mma else x
     pool, dst = kv_pool(m, n // hd - nq, hd, DT) if into else (None, None)
     out = (ROPE_KV if into else kernel)(
-        inputs=[xin, w, s, b, norm[0], pos, inv_freq] + ([pool, dst] if into else []),
+        inputs=[xin, w, s, b, norm[0], pos, inv_freq] + ([pool, dst] if into else [])
+        + [norm[0] if qb is None else qb],
         template=[("T", DT), ("M", m), ("N", n), ("K", k), ("G", group),
                   ("BITS", bits), ("ROWS", rows), ("WPB", wpb), ("NORM", 1),
                   ("EPS_BITS", struct.unpack("<i", struct.pack("<f", norm[1]))[0]),
                   ("HD", hd), ("NQ", nq), ("XQ", int(XQ and bits == 4)), ("MMA", mma),
-                  ("PG", pg)],
+                  ("PG", pg), ("BIAS", int(qb is not None))],
         grid=((pg or n // rows) * 32 * wpb, 1, 1),
         threadgroup=(32 * wpb, 1, 1),
         output_shapes=[(m, nq, 1, hd)] + ([] if into else [(m, n // hd - nq, 1, hd)]),
@@ -291,6 +293,15 @@ def check_rope(kernel, n, k, group, bits, ms, nq, hd=128, seed=0):
                                  nq, hd, into=True)
             e2 = max(rel_err(q2, ref_q), rel_err(kv2, ref_kv))
             rows.append((m, " norm+rope into pool", e2, eq, within(e2, eq, bits)))
+            # with the projection's bias (Qwen2), added before RoPE
+            qb = (0.5 * mx.random.normal((n,))).astype(DT)
+            ref_qb, ref_kvb = heads_rope(xn @ wd.T + qb.astype(mx.float32))
+            mqb, mkvb = heads_rope(qmm + qb)
+            q3, kv3 = qgemv_rope(kernel, x, wq, s, b, group, bits, (nw, 1e-5), pos, inv_freq,
+                                 nq, hd, into=True, qb=qb)
+            e3 = max(rel_err(q3, ref_qb), rel_err(kv3, ref_kvb))
+            eqb = max(rel_err(mqb, ref_qb), rel_err(mkvb, ref_kvb))
+            rows.append((m, " norm+rope+bias into pool", e3, eqb, within(e3, eqb, bits)))
     return rows
 
 

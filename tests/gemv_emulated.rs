@@ -40,9 +40,9 @@ int main() {
     run_block(blk, tpb, [&] {
 #if ROPE_KV
       kernel(x.data(), w.data(), nw.data(), pos.data(), inv.data(), kv.pool.data(), kv.shape,
-             kv.dst.data(), yq.data());
+             kv.dst.data(), res.data(), yq.data());
 #elif ROPE
-      kernel(x.data(), w.data(), nw.data(), pos.data(), inv.data(), yq.data(), ykv.data());
+      kernel(x.data(), w.data(), nw.data(), pos.data(), inv.data(), res.data(), yq.data(), ykv.data());
 #else
       kernel(x.data(), w.data(), res.data(), nw.data(), y.data());
 #endif
@@ -56,7 +56,8 @@ int main() {
   auto dot = [&](int m, int n) {
     double r = 0;
     for (int k = 0; k < K; ++k) r += xin[m * K + k] * double(float(w[size_t(n) * K + k]));
-    return r;
+    // (BIAS: the q/k/v entry points add qb, here the first N values of res, before RoPE)
+    return r + (BIAS ? double(float(res[n])) : 0.0);
   };
   // float32 sums of 16-bit values: the error is the output's rounding, at most half an
   // ulp of the largest output (bf16: 2^-8 of it, f16: 2^-11), with room for float sums;
@@ -85,21 +86,21 @@ fn run(tag: &str, consts: &[(&str, usize)]) {
         .copied()
         .filter(|(n, _)| *n != "KVW")
         .collect();
-    let (mut src, t) = common::program_head(&header, &consts, &[("MMA", 0)]);
+    let (mut src, t) = common::program_head(&header, &consts, &[("MMA", 0), ("BIAS", 0)]);
     if rope_kv {
         // inputs x, w, nw, pos, inv_freq, pool (and its shape, as MLX passes it when the
-        // body names `pool_shape`), dst and output q
+        // body names `pool_shape`), dst, qb and output q
         src += &format!(
             "void kernel(const {t}* x, const {t}* w, const {t}* nw, const int32_t* pos,\n\
                 const float* inv_freq, const {t}* pool, const int* pool_shape,\n\
-                const int32_t* dst, {t}* q) {{\n"
+                const int32_t* dst, const {t}* qb, {t}* q) {{\n"
         );
         src += &body_rope_kv;
     } else if rope {
-        // the signature MLX generates for inputs x, w, nw, pos, inv_freq and outputs q, kv
+        // the signature MLX generates for inputs x, w, nw, pos, inv_freq, qb and outputs q, kv
         src += &format!(
             "void kernel(const {t}* x, const {t}* w, const {t}* nw, const int32_t* pos,\n\
-                const float* inv_freq, {t}* q, {t}* kv) {{\n"
+                const float* inv_freq, const {t}* qb, {t}* q, {t}* kv) {{\n"
         );
         src += &body_rope;
     } else {
@@ -266,6 +267,25 @@ fn gemv_fused_rope_matches() {
                     ("NORM", 1),
                     ("HD", 16),
                     ("NQ", 4),
+                    ("F16", f16),
+                ],
+            );
+        }
+        // Qwen2's q/k/v biases, added before RoPE, with the norm, plain and into the pool
+        for kvw in [0, 1] {
+            run(
+                &format!("{dt}_rope_bias_kv{kvw}"),
+                &[
+                    ("M", 3),
+                    ("N", 8 * 16),
+                    ("K", 512),
+                    ("ROWS", 4),
+                    ("WPB", 2),
+                    ("NORM", 1),
+                    ("HD", 16),
+                    ("NQ", 4),
+                    ("BIAS", 1),
+                    ("KVW", kvw),
                     ("F16", f16),
                 ],
             );
@@ -441,7 +461,7 @@ fn gemv_tensor_cores_fused_match() {
                 ]),
             );
             run(
-                &format!("{dt}_mma_rope_kv_m{m}"),
+                &format!("{dt}_mma_rope_kv_bias_m{m}"),
                 &c(&[
                     ("N", 8 * 16),
                     ("K", 512),
@@ -451,6 +471,7 @@ fn gemv_tensor_cores_fused_match() {
                     ("HD", 16),
                     ("NQ", 4),
                     ("KVW", 1),
+                    ("BIAS", 1),
                 ]),
             );
         }

@@ -270,7 +270,7 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
     let mut rope = gemv(1, 4096, 64, 8, 4, 1, 0, 0);
     rope[1].1 = 6144;
     rope.retain(|(n, _)| *n != "EPI");
-    rope.extend([("HD", 128), ("NQ", 32)]);
+    rope.extend([("HD", 128), ("NQ", 32), ("BIAS", 0)]);
     let q_rope_in = vec![
         ("x", bf),
         ("w", "uint32_t"),
@@ -280,33 +280,38 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
         ("pos", "int32_t"),
         ("inv_freq", "float"),
     ];
+    let qb = [("qb", bf)];
     sources.push((
         name.into(),
         mlx_source(
             name,
             header,
             body_rope,
-            &q_rope_in,
+            &[q_rope_in.as_slice(), &qb].concat(),
             &[],
             &[("q", bf), ("kv", bf)],
             bf,
             &rope,
         ),
     ));
-    // the same writing k and v into a KV pool (its shape passed, as the body names it)
+    // the same writing k and v into a KV pool (its shape passed, as the body names it),
+    // with q/k/v biases (Qwen2)
     let name = "custom_kernel_mlxcel_qgemv_test_rope_kv";
     let kv_in = [("pool", bf), ("dst", "int32_t")];
+    let mut rope_bias = rope.clone();
+    rope_bias.retain(|(n, _)| *n != "BIAS");
+    rope_bias.push(("BIAS", 1));
     sources.push((
         name.into(),
         mlx_source(
             name,
             header,
             body_rope_kv,
-            &[q_rope_in.as_slice(), &kv_in].concat(),
+            &[q_rope_in.as_slice(), &kv_in, &qb].concat(),
             &["pool"],
             &[("q", bf)],
             bf,
-            &rope,
+            &rope_bias,
         ),
     ));
     let name = "custom_kernel_mlxcel_qgemv_test_xq";
@@ -673,7 +678,7 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
     let mut rope_d = dense(1, 0, 1);
     rope_d[1].1 = 6144;
     rope_d.retain(|(n, _)| *n != "EPI");
-    rope_d.extend([("HD", 128), ("NQ", 32)]);
+    rope_d.extend([("HD", 128), ("NQ", 32), ("BIAS", 0)]);
     let d_rope_in = [
         ("x", bf),
         ("w", bf),
@@ -681,19 +686,23 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
         ("pos", "int32_t"),
         ("inv_freq", "float"),
     ];
+    let mut rope_d_bias = rope_d.clone();
+    rope_d_bias.retain(|(n, _)| *n != "BIAS");
+    rope_d_bias.push(("BIAS", 1));
     sources.push((
         name.into(),
         mlx_source(
             name,
             &d[0],
             &d[2],
-            &d_rope_in,
+            &[d_rope_in.as_slice(), &qb].concat(),
             &[],
             &[("q", bf), ("kv", bf)],
             bf,
             &rope_d,
         ),
     ));
+    // (with q/k/v biases, as Qwen2's decode steps run it)
     let name = "custom_kernel_mlxcel_gemv_test_rope_kv";
     sources.push((
         name.into(),
@@ -701,11 +710,11 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
             name,
             &d[0],
             &d[3],
-            &[d_rope_in.as_slice(), &kv_in].concat(),
+            &[d_rope_in.as_slice(), &kv_in, &qb].concat(),
             &["pool"],
             &[("q", bf)],
             bf,
-            &rope_d,
+            &rope_d_bias,
         ),
     ));
     let a = parts("kernels/attn.cu", &["// @@body\n"]);

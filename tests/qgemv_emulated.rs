@@ -54,9 +54,9 @@ int main() {
     run_block(blk, tpb, [&] {
 #if ROPE_KV
       kernel(xarg, w.data(), sc.data(), bi.data(), nw.data(), pos.data(), inv.data(), kv.pool.data(),
-             kv.shape, kv.dst.data(), yq.data());
+             kv.shape, kv.dst.data(), res.data(), yq.data());
 #elif ROPE
-      kernel(xarg, w.data(), sc.data(), bi.data(), nw.data(), pos.data(), inv.data(),
+      kernel(xarg, w.data(), sc.data(), bi.data(), nw.data(), pos.data(), inv.data(), res.data(),
              yq.data(), ykv.data());
 #else
       kernel(xarg, w.data(), sc.data(), bi.data(), res.data(), nw.data(), y.data());
@@ -68,7 +68,10 @@ int main() {
   if (!kv.read_back(ykv)) return 1;
 #endif
   const std::vector<double> xin = ref_input(x, nw, M, K, NORM, EPS_BITS);
-  auto dot = [&](int m, int n) { return ref_qdot(xin, q, sc, bi, K, G, m, n); };
+  // (BIAS: the q/k/v entry points add qb, here the first N values of res, before RoPE)
+  auto dot = [&](int m, int n) {
+    return ref_qdot(xin, q, sc, bi, K, G, m, n) + (BIAS ? double(float(res[n])) : 0.0);
+  };
   if (NAN_X) {
     for (int n = 0; n < OUT_N; ++n)
       if (!std::isnan(float(y[n]))) { std::printf("max_err: y[%d] = %g is not NaN\n", n, float(y[n])); return 1; }
@@ -105,26 +108,26 @@ fn run(tag: &str, consts: &[(&str, usize)]) {
     let (mut src, t) = common::program_head(
         &parts.header,
         consts,
-        &[("XQ", 0), ("MMA", 0), ("PG", 0), ("NAN_X", 0)],
+        &[("XQ", 0), ("MMA", 0), ("PG", 0), ("NAN_X", 0), ("BIAS", 0)],
     );
     let xin = if mma { "uint32_t" } else { t };
     if rope_kv {
         // inputs x, w, scales, biases, nw, pos, inv_freq, pool (and its shape, as MLX passes
-        // it when the body names `pool_shape`), dst and output q
+        // it when the body names `pool_shape`), dst, qb and output q
         src += &format!(
             "void kernel(const {xin}* x, const uint32_t* w, const {t}* scales,\n\
                 const {t}* biases, const {t}* nw, const int32_t* pos,\n\
                 const float* inv_freq, const {t}* pool, const int* pool_shape,\n\
-                const int32_t* dst, {t}* q) {{\n"
+                const int32_t* dst, const {t}* qb, {t}* q) {{\n"
         );
         src += &parts.body_rope_kv;
     } else if rope {
-        // the signature MLX generates for inputs x, w, scales, biases, nw, pos, inv_freq
+        // the signature MLX generates for inputs x, w, scales, biases, nw, pos, inv_freq, qb
         // and outputs q, kv
         src += &format!(
             "void kernel(const {xin}* x, const uint32_t* w, const {t}* scales,\n\
                 const {t}* biases, const {t}* nw, const int32_t* pos,\n\
-                const float* inv_freq, {t}* q, {t}* kv) {{\n"
+                const float* inv_freq, const {t}* qb, {t}* q, {t}* kv) {{\n"
         );
         src += &parts.body_rope;
     } else {
@@ -318,11 +321,13 @@ fn qgemv_fused_rms_norm_matches() {
 fn qgemv_fused_rope_matches() {
     // merged q/k/v with RoPE: 4 query heads, 2 key and 2 value heads of 16, with the norm;
     // row 1 at position 70000; and (KVW) the same writing k and v into a KV pool (the
-    // decode step's cache write)
-    for (tag, m, kvw) in [
-        ("4bit_rope_norm", 2, 0),
-        ("4bit_rope_kv_m1", 1, 1),
-        ("4bit_rope_kv_m3", 3, 1),
+    // decode step's cache write); BIAS: with Qwen2's q/k/v biases added before RoPE
+    for (tag, m, kvw, bias) in [
+        ("4bit_rope_norm", 2, 0, 0),
+        ("4bit_rope_kv_m1", 1, 1, 0),
+        ("4bit_rope_kv_m3", 3, 1, 0),
+        ("4bit_rope_bias", 2, 0, 1),
+        ("4bit_rope_kv_bias_m3", 3, 1, 1),
     ] {
         run(
             tag,
@@ -338,6 +343,7 @@ fn qgemv_fused_rope_matches() {
                 ("HD", 16),
                 ("NQ", 4),
                 ("KVW", kvw),
+                ("BIAS", bias),
             ],
         );
     }
@@ -569,12 +575,22 @@ fn qgemv_mma_epilogues_match() {
     );
     // RoPE: 4 query, 2 key, 2 value heads of 16; row 1 at position 70000; and (KVW) the
     // same writing k and v into a KV pool, as batched decode steps of 5-8 rows do
-    for (tag, kvw) in [("mma_rope_norm", 0), ("mma_rope_kv_norm", 1)] {
+    for (tag, kvw, bias) in [
+        ("mma_rope_norm", 0, 0),
+        ("mma_rope_kv_norm", 1, 0),
+        ("mma_rope_kv_norm_bias", 1, 1),
+    ] {
         run(
             tag,
             &with(
                 mma(7, 8 * 16, 512, 64, 16, 2),
-                &[("NORM", 1), ("HD", 16), ("NQ", 4), ("KVW", kvw)],
+                &[
+                    ("NORM", 1),
+                    ("HD", 16),
+                    ("NQ", 4),
+                    ("KVW", kvw),
+                    ("BIAS", bias),
+                ],
             ),
         );
     }

@@ -421,7 +421,8 @@ pub fn gemv(
 /// q and k heads of row m. Returns q `[m, nq, 1, head_dim]` and kv `[m, 2·nkv, 1,
 /// head_dim]` (key heads, then value heads), as [`super::qgemv::qgemv_rope`] does; with
 /// `into` (a layer's KV pool and the step's rows there, as that takes them) k and v go
-/// straight into the pool and kv is `None`. The caller checks [`supports`] and
+/// straight into the pool and kv is `None`. With `bias` (`[n]` of x's dtype: Qwen2's q/k/v
+/// biases) it is added before the rotation. The caller checks [`supports`] and
 /// [`supports_rope`].
 #[allow(clippy::too_many_arguments)]
 pub fn gemv_rope(
@@ -433,6 +434,7 @@ pub fn gemv_rope(
     nq: usize,
     head_dim: usize,
     into: Option<(&Array, &Array)>,
+    bias: Option<&Array>,
 ) -> Result<(Array, Option<Array>)> {
     let (n, k) = (w.dim(0) as usize, w.dim(1) as usize);
     let m = x.size() / k.max(1);
@@ -448,6 +450,7 @@ pub fn gemv_rope(
         )));
     }
     check_rope_inputs("gemv_rope", pos, inv_freq, m, head_dim)?;
+    super::qgemv::check_qkv_bias("gemv_rope", bias, n, x.dtype())?;
     let nkv2 = n / head_dim - nq;
     if let Some((pool, dst)) = into {
         super::qgemv::check_kv_dst("gemv_rope", pool, dst, x.dtype(), m, nkv2, head_dim)?;
@@ -461,21 +464,21 @@ pub fn gemv_rope(
     }
     let Launch { rows, wpb, mma } = launch_config(m, n, k);
     type Names = (
-        [String; 5],
+        [String; 6],
         [String; 2],
-        [String; 7],
+        [String; 8],
         [String; 1],
-        [String; 10],
+        [String; 11],
     );
     static NAMES: OnceLock<Names> = OnceLock::new();
     let (inputs, outputs, inputs_kv, outputs_kv, tnames) = NAMES.get_or_init(|| {
         (
-            ["x", "w", "nw", "pos", "inv_freq"].map(String::from),
+            ["x", "w", "nw", "pos", "inv_freq", "qb"].map(String::from),
             ["q", "kv"].map(String::from),
-            ["x", "w", "nw", "pos", "inv_freq", "pool", "dst"].map(String::from),
+            ["x", "w", "nw", "pos", "inv_freq", "pool", "dst", "qb"].map(String::from),
             ["q".to_string()],
             [
-                "M", "N", "K", "ROWS", "WPB", "NORM", "EPS_BITS", "HD", "NQ", "MMA",
+                "M", "N", "K", "ROWS", "WPB", "NORM", "EPS_BITS", "HD", "NQ", "MMA", "BIAS",
             ]
             .map(String::from),
         )
@@ -511,14 +514,16 @@ pub fn gemv_rope(
         head_dim,
         nq,
         mma as usize,
+        bias.is_some() as usize,
     ]
     .map(|v| v as i32);
     let (mi, hd) = (m as i32, head_dim as i32);
     let q_shape = [mi, nq as i32, 1, hd];
     let kv_shape = [mi, nkv2 as i32, 1, hd];
+    let qb = bias.unwrap_or(nw); // (not read without a bias)
     let (ins, shapes): (Vec<&Array>, Vec<&[i32]>) = match into {
-        Some((pool, dst)) => (vec![x, w, nw, pos, inv_freq, pool, dst], vec![&q_shape]),
-        None => (vec![x, w, nw, pos, inv_freq], vec![&q_shape, &kv_shape]),
+        Some((pool, dst)) => (vec![x, w, nw, pos, inv_freq, pool, dst, qb], vec![&q_shape]),
+        None => (vec![x, w, nw, pos, inv_freq, qb], vec![&q_shape, &kv_shape]),
     };
     let out = kernel.call(
         &ins,

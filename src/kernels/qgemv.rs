@@ -1159,7 +1159,8 @@ pub(super) fn check_kv_dst(
 /// holds no reference to it, and int32 rows `[m]`: [`check_kv_dst`]) the key and value
 /// heads of batch row i go straight into the pool at row `rows[i]` (the decode step's cache
 /// write, without a kernel of its own) and kv is `None`; up to [`MAX_M`] rows then (no row
-/// chunks).
+/// chunks). With `bias` (`[n]` of x's dtype: Qwen2's q/k/v biases) it is added before the
+/// rotation.
 #[allow(clippy::too_many_arguments)]
 pub fn qgemv_rope(
     x: &Array,
@@ -1174,6 +1175,7 @@ pub fn qgemv_rope(
     nq: usize,
     head_dim: usize,
     into: Option<(&Array, &Array)>,
+    bias: Option<&Array>,
 ) -> Result<(Array, Option<Array>)> {
     let n = w.dim(0) as usize;
     let k = w.dim(1) as usize * 32 / bits;
@@ -1186,6 +1188,7 @@ pub fn qgemv_rope(
         )));
     }
     check_rope_inputs("qgemv_rope", pos, inv_freq, m, head_dim)?;
+    check_qkv_bias("qgemv_rope", bias, n, x.dtype())?;
     if m > MAX_M && into.is_some() {
         return Err(MlxError::Invalid(format!(
             "qgemv_rope: {m} rows into the KV pool, more than the kernel's {MAX_M}"
@@ -1214,6 +1217,7 @@ pub fn qgemv_rope(
                 nq,
                 head_dim,
                 None,
+                bias,
             )?;
             Ok(std::iter::once(q).chain(kv).collect())
         })?;
@@ -1231,17 +1235,17 @@ pub fn qgemv_rope(
         ));
     }
     type Names = (
-        [String; 7],
+        [String; 8],
         [String; 2],
-        [String; 9],
+        [String; 10],
         [String; 1],
-        [String; 14],
+        [String; 15],
     );
     static NAMES: OnceLock<Names> = OnceLock::new();
     let (inputs, outputs, inputs_kv, outputs_kv, tnames) = NAMES.get_or_init(|| {
-        let ins = ["x", "w", "scales", "biases", "nw", "pos", "inv_freq"];
+        let ins = ["x", "w", "scales", "biases", "nw", "pos", "inv_freq", "qb"];
         let ins_kv = [
-            "x", "w", "scales", "biases", "nw", "pos", "inv_freq", "pool", "dst",
+            "x", "w", "scales", "biases", "nw", "pos", "inv_freq", "pool", "dst", "qb",
         ];
         (
             ins.map(String::from),
@@ -1250,7 +1254,7 @@ pub fn qgemv_rope(
             ["q".to_string()],
             [
                 "M", "N", "K", "G", "BITS", "ROWS", "WPB", "NORM", "EPS_BITS", "HD", "NQ", "XQ",
-                "MMA", "PG",
+                "MMA", "PG", "BIAS",
             ]
             .map(String::from),
         )
@@ -1288,6 +1292,7 @@ pub fn qgemv_rope(
         xq(bits) as usize,
         mma as usize, // 1: x rounded by round_x first
         pg,
+        bias.is_some() as usize,
     ]
     .map(|v| v as i32);
     let blocks = if pg > 0 { pg } else { n / rows };
@@ -1310,6 +1315,7 @@ pub fn qgemv_rope(
         }
         None => vec![&q_shape, &kv_shape],
     };
+    ins.push(bias.unwrap_or(nw)); // qb (not read without a bias)
     let out = kernel.call(
         &ins,
         &shapes,
@@ -1321,6 +1327,24 @@ pub fn qgemv_rope(
         [(32 * wpb) as i32, 1, 1],
     )?;
     q_and_kv("qgemv_rope", out, into.is_some())
+}
+
+/// A q/k/v projection's bias for the RoPE entry points (`what` names the caller in the
+/// error): `[n]` values of the activations' dtype.
+pub(super) fn check_qkv_bias(
+    what: &str,
+    bias: Option<&Array>,
+    n: usize,
+    dtype: Dtype,
+) -> Result<()> {
+    match bias {
+        Some(b) if b.size() != n || b.dtype() != dtype => Err(MlxError::Invalid(format!(
+            "{what}: bias {:?} {:?} does not match the {n} output rows ({dtype:?})",
+            b.shape(),
+            b.dtype()
+        ))),
+        _ => Ok(()),
+    }
 }
 
 /// The outputs of a q/k/v + RoPE kernel (`what` names it in the error): q, and kv unless

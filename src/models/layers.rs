@@ -325,15 +325,16 @@ impl Linear {
         }
     }
 
-    /// Whether a one-token step's product may run on one of mlxcel's GEMV kernels (CUDA,
-    /// the kernel for its weight's kind on, no bias or reduction after it): what
-    /// [`Linear::forward_qkv_rope`] needs before the shapes are looked at.
+    /// Whether a one-token step's q/k/v projection may run on one of mlxcel's GEMV kernels
+    /// (CUDA, the kernel for its weight's kind on, no reduction after it; a bias, which
+    /// the q/k/v + RoPE entry points add): what [`Linear::forward_qkv_rope`] needs before
+    /// the shapes are looked at.
     pub fn on_gemv_kernel(&self) -> bool {
         let kernel = match &self.weight {
             Weight::Dense(_) => kernels::gemv::enabled(),
             Weight::Quantized { .. } => kernels::qgemv::enabled(),
         };
-        kernel && self.bias.is_none() && self.reduce.is_none()
+        kernel && self.reduce.is_none()
     }
 
     /// The merged q/k/v projection of a one-token step, `norm(x) · Wᵀ` for `nq` query
@@ -343,7 +344,9 @@ impl Linear {
     /// heads, as the KV cache stores them). With `into` (a layer's KV pool and the step's
     /// rows there, see `kernels::qgemv::qgemv_rope`) k and v go straight into the pool and
     /// kv is `None`; the GEMV kernels do that, the quantized GEMM (9–128 rows) does not, so
-    /// `into` is ignored there. `None` when the kernel does not cover it (see
+    /// `into` is ignored there. A bias (Qwen2's q/k/v biases) is added in the GEMV kernels
+    /// before the rotation; the GEMM has no bias input, so a biased projection of 9–128
+    /// rows runs the plain ops. `None` when the kernel does not cover it (see
     /// [`Linear::fused`]; also a partial rotary dimension): the caller runs the plain ops.
     #[allow(clippy::too_many_arguments)]
     pub fn forward_qkv_rope(
@@ -359,17 +362,19 @@ impl Linear {
         if self.reduce.is_some() {
             return None;
         }
-        let f = self.fusable(x, norm)?;
+        let f = self.fusable(x, norm, true)?;
+        let bias = self.bias.as_ref();
         let fits = rope.dims as usize == head_dim && pos.size() == f.m && pos.dtype() == Dtype::I32;
         let (nw, inv) = (norm.map(|n| (&n.weight, n.eps)), &rope.inv_freq);
         let (w, scales, biases, group, bits) = (f.w, f.scales, f.biases, f.group, f.bits);
         if f.dense {
             let fits = fits && kernels::gemv::supports_rope(f.m, f.n, nq, head_dim);
-            return fits.then(|| kernels::gemv::gemv_rope(x, w, nw, pos, inv, nq, head_dim, into));
+            return fits
+                .then(|| kernels::gemv::gemv_rope(x, w, nw, pos, inv, nq, head_dim, into, bias));
         }
         // the GEMM for 9-128 rows (4-bit: 17-128; MLXCEL_QGEMM=0 off), else the GEMV
         if f.gemm {
-            let fits = fits && kernels::qgemm::supports_rope(f.n, nq, head_dim);
+            let fits = fits && bias.is_none() && kernels::qgemm::supports_rope(f.n, nq, head_dim);
             return fits.then(|| {
                 kernels::qgemm::qgemm_rope(
                     x, w, scales, biases, group, bits, nw, pos, inv, nq, head_dim,
@@ -380,7 +385,7 @@ impl Linear {
         let into = into.filter(|_| f.m <= kernels::qgemv::MAX_M);
         fits.then(|| {
             kernels::qgemv::qgemv_rope(
-                x, w, scales, biases, group, bits, nw, pos, inv, nq, head_dim, into,
+                x, w, scales, biases, group, bits, nw, pos, inv, nq, head_dim, into, bias,
             )
         })
     }
@@ -391,8 +396,14 @@ impl Linear {
     /// decide about a reduction), a shape and dtypes the
     /// kernel covers, and (with a norm) a norm weight of x's dtype with one value per input
     /// feature.
-    fn fusable(&self, x: &Array, norm: Option<&RmsNorm>) -> Option<Fusable<'_>> {
-        if self.bias.is_some() {
+    fn fusable(&self, x: &Array, norm: Option<&RmsNorm>, bias_ok: bool) -> Option<Fusable<'_>> {
+        // (a bias only where the caller's kernel adds it: the q/k/v + RoPE entry points, for
+        // a bias of x's dtype with one value per output)
+        let bias_fits = self
+            .bias
+            .as_ref()
+            .is_none_or(|b| bias_ok && b.dtype() == x.dtype() && b.size() == self.out_dim());
+        if !bias_fits {
             return None;
         }
         let (n, k) = (self.out_dim(), self.in_dim());
@@ -471,7 +482,7 @@ impl Linear {
         epi: Epilogue<'_>,
         norm: Option<&RmsNorm>,
     ) -> Option<mlx::Result<Array>> {
-        let f = self.fusable(x, norm)?;
+        let f = self.fusable(x, norm, false)?;
         let epi_fits = match epi {
             Epilogue::Residual(r) => r.dtype() == x.dtype() && r.size() == f.m * f.n,
             Epilogue::SwiGlu if f.dense => kernels::gemv::supports_swiglu(f.m, f.n, self.in_dim()),

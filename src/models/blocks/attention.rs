@@ -173,7 +173,7 @@ impl Attention {
     }
 
     /// Whether a one-token step's q/k/v may come from the GEMV kernel that applies RoPE and
-    /// can write k and v into the KV pool (no q/k norm, no biases, the kernel on).
+    /// can write k and v into the KV pool (no q/k norm, the kernel on; it adds q/k/v biases).
     pub fn qkv_on_kernel(&self) -> bool {
         self.q_norm.is_none() && self.k_norm.is_none() && self.qkv_proj.on_gemv_kernel()
     }
