@@ -62,7 +62,7 @@ bench_line() {
   local e=$1 m=$2 batches=$3; shift 3
   env $e timeout ${BENCH_S:-150} $B bench -m "$m" --prompt-lens 128 --decode-tokens ${DECODE_TOKENS:-256} --decode-batch "$batches" \
     --repeats 1 "$@" 2>/dev/null | tail -1 | python3 -c 'import json,sys; d=json.load(sys.stdin)
-print("b1", round(d["decode"]["tokens_per_second"],1), " ".join("b%d %.1f" % (x["batch"], x["tokens_per_second"]) for x in d["decode_batched"]), "tok/s; b1 host", {k: round(v,3) for k,v in d["decode"]["host_per_token"].items()})'
+print("b1", round(d["decode"]["tokens_per_second"],1), " ".join("b%d %.1f" % (x["batch"], x["tokens_per_second"]) for x in d["decode_batched"]), "tok/s; b1 host", {k: round(v,3) for k,v in d["decode"]["host_per_token"].items()}, *([d["decode"]["ops_per_layer"], "ops/layer"] if "ops_per_layer" in d["decode"] else []))'
 }
 
 # decode of the 8B 4-bit config (dummy weights) once per environment setting (X=1: the

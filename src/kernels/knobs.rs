@@ -105,6 +105,9 @@ pub struct Knobs {
     /// `MLXCEL_GEMV_MMA`: the smallest batch whose decode steps take the dense GEMV's
     /// tensor-core path (`mma.sync` bf16/f16; 0: never; unset: [`super::gemv::MMA_FROM`]).
     pub gemv_mma: Option<usize>,
+    /// `MLXCEL_QKV_BIAS` (default 1): a q/k/v projection with biases (Qwen2) runs the GEMV
+    /// kernels' q/k/v + RoPE entry point, which adds them; 0: the plain ops, as before.
+    pub qkv_bias: bool,
     /// `MLXCEL_GEMV_MMA_MAX`: the largest batch on that path (unset:
     /// [`super::gemv::MMA_MAX`]); larger batches stay on MLX's matmul.
     pub gemv_mma_max: Option<usize>,
@@ -196,6 +199,7 @@ impl Default for Knobs {
             gemv_dense: true,
             gemv_wide: true,
             gemv_mma: None,
+            qkv_bias: true,
             gemv_mma_max: None,
             device_inputs: true,
             device_consts: true,
@@ -245,6 +249,7 @@ pub const VARS: &[&str] = &[
     "MLXCEL_GEMV_WIDE",
     "MLXCEL_GEMV_MMA",
     "MLXCEL_GEMV_MMA_MAX",
+    "MLXCEL_QKV_BIAS",
     "MLXCEL_DEVICE_INPUTS",
     "MLXCEL_DEVICE_CONSTS",
     "MLXCEL_KV_FUSED",
@@ -284,6 +289,7 @@ const SWITCHES: &[(&str, Field)] = &[
     ("MLXCEL_KERNEL_REUSE", |k| &mut k.kernel_reuse),
     ("MLXCEL_GEMV_DENSE", |k| &mut k.gemv_dense),
     ("MLXCEL_GEMV_WIDE", |k| &mut k.gemv_wide),
+    ("MLXCEL_QKV_BIAS", |k| &mut k.qkv_bias),
     ("MLXCEL_DEVICE_INPUTS", |k| &mut k.device_inputs),
     ("MLXCEL_DEVICE_CONSTS", |k| &mut k.device_consts),
     ("MLXCEL_KV_FUSED", |k| &mut k.kv_fused),

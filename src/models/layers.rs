@@ -399,6 +399,7 @@ impl Linear {
     fn fusable(&self, x: &Array, norm: Option<&RmsNorm>, bias_ok: bool) -> Option<Fusable<'_>> {
         // (a bias only where the caller's kernel adds it: the q/k/v + RoPE entry points, for
         // a bias of x's dtype with one value per output)
+        let bias_ok = bias_ok && kernels::knobs::get().qkv_bias;
         let bias_fits = self
             .bias
             .as_ref()
