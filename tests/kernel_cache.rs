@@ -749,6 +749,37 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
             ),
         ));
     }
+    // Qwen3's q/k norm + RoPE + cache write (kernels/qk_rope.cu), a TP=8 rank's heads
+    let qr = parts("kernels/qk_rope.cu", &["// @@body\n"]);
+    for (t, tag) in [(bf, "bf16"), (f16, "f16")] {
+        let name = format!("custom_kernel_mlxcel_qk_rope_test_{tag}");
+        sources.push((
+            name.clone(),
+            mlx_source(
+                &name,
+                &qr[0],
+                &qr[1],
+                &[
+                    ("y", t),
+                    ("qw", t),
+                    ("kw", t),
+                    ("pos", "int32_t"),
+                    ("inv_freq", "float"),
+                    ("pool", t),
+                    ("dst", "int32_t"),
+                ],
+                &["pool"],
+                &[("q", t)],
+                t,
+                &[
+                    ("NQ", 8),
+                    ("NKV", 1),
+                    ("HD", 128),
+                    ("EPS_BITS", 1e-6f32.to_bits() as i64),
+                ],
+            ),
+        ));
+    }
     let mw = parts("kernels/mask_wait.cu", &["// @@body\n"]);
     let name = "custom_kernel_mlxcel_mask_wait_test".to_string();
     sources.push((

@@ -108,6 +108,9 @@ pub struct Knobs {
     /// `MLXCEL_QKV_BIAS` (default 1): a q/k/v projection with biases (Qwen2) runs the GEMV
     /// kernels' q/k/v + RoPE entry point, which adds them; 0: the plain ops, as before.
     pub qkv_bias: bool,
+    /// `MLXCEL_QK_ROPE` (default 1): Qwen3's q/k norms, RoPE and the cache write of a decode
+    /// step in one kernel (`kernels/qk_rope.cu`); 0: the separate ops, as before.
+    pub qk_rope: bool,
     /// `MLXCEL_GEMV_MMA_MAX`: the largest batch on that path (unset:
     /// [`super::gemv::MMA_MAX`]); larger batches stay on MLX's matmul.
     pub gemv_mma_max: Option<usize>,
@@ -200,6 +203,7 @@ impl Default for Knobs {
             gemv_wide: true,
             gemv_mma: None,
             qkv_bias: true,
+            qk_rope: true,
             gemv_mma_max: None,
             device_inputs: true,
             device_consts: true,
@@ -250,6 +254,7 @@ pub const VARS: &[&str] = &[
     "MLXCEL_GEMV_MMA",
     "MLXCEL_GEMV_MMA_MAX",
     "MLXCEL_QKV_BIAS",
+    "MLXCEL_QK_ROPE",
     "MLXCEL_DEVICE_INPUTS",
     "MLXCEL_DEVICE_CONSTS",
     "MLXCEL_KV_FUSED",
@@ -290,6 +295,7 @@ const SWITCHES: &[(&str, Field)] = &[
     ("MLXCEL_GEMV_DENSE", |k| &mut k.gemv_dense),
     ("MLXCEL_GEMV_WIDE", |k| &mut k.gemv_wide),
     ("MLXCEL_QKV_BIAS", |k| &mut k.qkv_bias),
+    ("MLXCEL_QK_ROPE", |k| &mut k.qk_rope),
     ("MLXCEL_DEVICE_INPUTS", |k| &mut k.device_inputs),
     ("MLXCEL_DEVICE_CONSTS", |k| &mut k.device_consts),
     ("MLXCEL_KV_FUSED", |k| &mut k.kv_fused),

@@ -6,6 +6,7 @@
 //! - [`qgemm`]: the quantized GEMM of batched decode steps (9–128 rows), with the same fusions;
 //! - [`gemv`]: the dense (bf16/f16) GEMV of decode steps, with the same fusions;
 //! - [`attn`]: the decode attention over the KV cache's pools;
+//! - [`qk_rope`]: Qwen3's per-head q/k norm, RoPE and the KV cache write after the projection;
 //! - [`mask_wait`]: a constrained step's token masks read from pinned host memory once given;
 //! - [`gpu`]: the GPU the launch tables are keyed by (architecture, SM count);
 //! - [`driver`]: the CUDA driver's functions called directly (pinned memory, free memory);
@@ -20,3 +21,4 @@ pub mod knobs;
 pub mod mask_wait;
 pub mod qgemm;
 pub mod qgemv;
+pub mod qk_rope;

@@ -918,6 +918,12 @@ impl Rope {
         })
     }
 
+    /// The inverse frequencies (float32 `[head_dim / 2]`) when the rotation covers whole
+    /// heads of `head_dim`, as the kernels that rotate take them; `None` for a partial one.
+    pub fn whole_head_inv_freq(&self, head_dim: usize) -> Option<&Array> {
+        (self.dims as usize == head_dim).then_some(&self.inv_freq)
+    }
+
     /// Rotate `x` (`[B, heads, L, head_dim]`); `offset` is a scalar or one start position per batch row.
     pub fn forward(&self, x: &Array, offset: &Array) -> mlx::Result<Array> {
         match &self.freqs {

@@ -172,10 +172,18 @@ impl Attention {
         )
     }
 
-    /// Whether a one-token step's q/k/v may come from the GEMV kernel that applies RoPE and
-    /// can write k and v into the KV pool (no q/k norm, the kernel on; it adds q/k/v biases).
+    /// Whether a one-token step's q/k/v may be written into the KV pool by a kernel: the GEMV
+    /// kernel that applies RoPE (no q/k norm, the kernel on; it adds q/k/v biases), or with
+    /// Qwen3's q/k norms the kernel that norms, rotates and writes after the projection
+    /// (`kernels::qk_rope`).
     pub fn qkv_on_kernel(&self) -> bool {
-        self.q_norm.is_none() && self.k_norm.is_none() && self.qkv_proj.on_gemv_kernel()
+        match (&self.q_norm, &self.k_norm) {
+            (None, None) => self.qkv_proj.on_gemv_kernel(),
+            (Some(q), Some(_)) => {
+                kernels::qk_rope::supports(self.head_dim as usize, q.weight.dtype())
+            }
+            _ => false,
+        }
     }
 
     /// Project `norm(x)` to q/k/v `[B, heads, T, head_dim]`, with q/k norm and RoPE applied;
@@ -219,6 +227,30 @@ impl Attention {
                 &[b, nq + 2 * nkv, 1, self.head_dim],
                 Some(norm),
             )?;
+            if let (Some(qn), Some(kn), Some((pool, dst))) = (&self.q_norm, &self.k_norm, into) {
+                // Qwen3: the heads' norms, RoPE and the cache write in one kernel
+                let hd = self.head_dim as usize;
+                let inv_freq = rope.whole_head_inv_freq(hd);
+                let fits = kernels::qk_rope::supports(hd, y.dtype())
+                    && offset.size() == b as usize
+                    && offset.dtype() == mlx::Dtype::I32
+                    && qn.eps == kn.eps;
+                if let Some(inv_freq) = inv_freq.filter(|_| fits) {
+                    let q = kernels::qk_rope::qk_norm_rope(
+                        &y,
+                        &qn.weight,
+                        &kn.weight,
+                        qn.eps,
+                        offset,
+                        inv_freq,
+                        nq as usize,
+                        hd,
+                        pool,
+                        dst,
+                    )?;
+                    return Ok((q, NewKv::Written));
+                }
+            }
             if self.q_norm.is_none() && self.k_norm.is_none() {
                 // q and k are adjacent: one RoPE kernel for both, then split the heads (each
                 // split one op for all its parts)
