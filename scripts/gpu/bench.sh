@@ -14,6 +14,10 @@
 #   bash scripts/gpu/bench.sh peak        # prefill(2048) peak memory and batched decode 2/4/8, bf16 and 4-bit
 #   bash scripts/gpu/bench.sh envsweep    # decode under MLX's CUDA-graph settings (MODELS, default 8b-q4 8b-bf16)
 #   bash scripts/gpu/bench.sh proxies [NAME...]  # the rank proxies, mlxcel beside mlx-lm (scripts/gpu/rank-proxies.sh)
+#   bash scripts/gpu/bench.sh qwen        # Qwen2/Qwen3 configs (dummy weights): one Qwen2.5-72B rank at TP=8 in bf16
+#                                         # and 4-bit, Qwen2.5-7B 4-bit, one Qwen3-32B rank at TP=8 4-bit; decode at
+#                                         # batch 1 and 8, default vs MLXCEL_QKV_BIAS=0 MLXCEL_QK_ROPE=0, alternated
+#                                         # RUNS (2) times (LIMIT s caps it)
 # Environment: see scripts/gpu/lib.sh.
 . "$(dirname "$0")/lib.sh"
 cmd=${1:-mlx-lm}; shift || true
@@ -89,5 +93,34 @@ envsweep)
     done
   done 2>&1 | tee "$OUT/envsweep.txt"
   ;;
-*) echo "unknown: $cmd (ckpt, mlx-lm, side, ab, knobs, agree, long, peak, envsweep)" >&2; exit 2 ;;
+qwen)
+  t0=$(date +%s); left() { echo $(( ${LIMIT:-540} - ($(date +%s) - t0) )); }
+  demo_tokenizer
+  # qcfg_qwen DIR BITS HIDDEN LAYERS HEADS KV_HEADS INTER FAMILY: a config for --load-format dummy
+  qcfg_qwen() {
+    mkdir -p "$1" && cp "$TOK"/tokenizer* "$1"/ && python3 - "$@" <<'PY'
+import json, sys
+d, bits, h, l, nh, kv, inter, fam = sys.argv[1], *map(int, sys.argv[2:8]), sys.argv[8]
+c = {"architectures": [fam.capitalize() + "ForCausalLM"], "model_type": fam, "hidden_size": h,
+     "head_dim": 128, "num_hidden_layers": l, "num_attention_heads": nh, "num_key_value_heads": kv,
+     "intermediate_size": inter, "vocab_size": 152064, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+     "max_position_embeddings": 32768, "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+if bits:
+    c["quantization"] = {"group_size": 64, "bits": bits}
+json.dump(c, open(d + "/config.json", "w"))
+PY
+  }
+  qcfg_qwen "$CK/q72-tp8-bf16" 0 8192 80 8 1 3696 qwen2
+  qcfg_qwen "$CK/q72-tp8-q4" 4 8192 80 8 1 3696 qwen2
+  qcfg_qwen "$CK/q7-q4" 4 3584 28 28 4 18944 qwen2
+  qcfg_qwen "$CK/q3-32-tp8-q4" 4 5120 64 8 1 3200 qwen3
+  step "Qwen decode: the fused q/k/v paths (default) vs MLXCEL_QKV_BIAS=0 MLXCEL_QK_ROPE=0, alternated"
+  for r in $(seq ${RUNS:-2}); do for m in q72-tp8-bf16 q72-tp8-q4 q7-q4 q3-32-tp8-q4; do
+    for e in X=1 "MLXCEL_QKV_BIAS=0 MLXCEL_QK_ROPE=0"; do
+      [ "$(left)" -lt 45 ] && break 3
+      echo "$m [$e] run $r: $(DECODE_TOKENS=128 BENCH_S=$(( $(left) - 5 )) bench_line "$e" "$CK/$m" 8 --load-format dummy)"
+    done
+  done; done 2>&1 | tee -a "$OUT/qwen.txt"
+  ;;
+*) echo "unknown: $cmd (ckpt, mlx-lm, side, ab, knobs, agree, long, peak, envsweep, proxies, qwen)" >&2; exit 2 ;;
 esac
