@@ -4,7 +4,6 @@
 //! table), one and several splits (the last block merging them), run twice so that a
 //! count left non-zero by the first run would show in the second; in bfloat16 and in
 //! float16 (`F16` = 1).
-use std::path::Path;
 
 mod common;
 use common::PRELUDE;
@@ -92,12 +91,9 @@ fn run(tag: &str, consts: &[(&str, i64)], scale: f32) {
     } else {
         "__nv_bfloat16"
     };
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels/attn.cu");
-    let text = std::fs::read_to_string(&path).unwrap();
-    let (_, rest) = text.split_once("// @@header\n").unwrap();
-    let (header, body) = rest.split_once("// @@body\n").unwrap();
+    let (header, body) = common::one_body("attn.cu");
     let mut src = String::from(PRELUDE);
-    src += header;
+    src += &header;
     for (n, v) in consts {
         src += &format!("constexpr int {n} = {v};\n");
     }
@@ -115,7 +111,7 @@ fn run(tag: &str, consts: &[(&str, i64)], scale: f32) {
     src += "void kernel(const T* q, const T* pool, const int* pool_shape,\n\
             const int32_t* table, const int* table_shape, const int32_t* pos, const float* part,\n\
             const int32_t* count, T* out) {\n";
-    src += body;
+    src += &body;
     src += "\n}\n";
     src += MAIN;
     common::run_checked(&format!("attn-{tag}"), &src, &consts, "run 1: max_err");

@@ -3,7 +3,6 @@
 //! fence, the flag, a fence, the give-up word): masks given while the blocks wait are
 //! copied whole; a flag from an earlier step does not release a later one; and masks given
 //! after the kernel's timeout are reported by the give-up word, the output then zeros.
-use std::path::Path;
 
 mod common;
 use common::PRELUDE;
@@ -56,18 +55,15 @@ int main() {
 
 #[test]
 fn masks_given_late_early_and_never_follow_the_protocol() {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels/mask_wait.cu");
-    let text = std::fs::read_to_string(&path).unwrap();
-    let (_, rest) = text.split_once("// @@header\n").unwrap();
-    let (header, body) = rest.split_once("// @@body\n").unwrap();
+    let (header, body) = common::one_body("mask_wait.cu");
     let mut src = String::from(PRELUDE);
     // a short timeout for the step that is never given (200 ms)
     src += "#include <atomic>\n#include <chrono>\n#define MLXCEL_MASK_TIMEOUT_NS 200000000ull\n";
-    src += header;
+    src += &header;
     src += "constexpr int N = 100;\nusing T = uint32_t;\n";
     // MLX's signature for inputs src (int64), want (uint32) and output out (uint32)
     src += "void kernel(const int64_t* src, const uint32_t* want, uint32_t* out) {\n";
-    src += body;
+    src += &body;
     src += "\n}\n";
     src += MAIN;
     common::run_checked("mask-wait", &src, &"N = 100", "protocol ok");

@@ -3,8 +3,6 @@
 //! query and key heads (rounded to the dtype, as `rms_norm`'s output), half-split RoPE, and
 //! the key and value heads at their pool rows (no other row written), in bfloat16 and
 //! float16, head_dim 64 and 128, batch rows 1 and 3 (row 1 at position 70000).
-use std::path::Path;
-
 mod common;
 use common::PRELUDE;
 
@@ -72,12 +70,9 @@ fn run(tag: &str, consts: &[(&str, i64)]) {
     } else {
         "__nv_bfloat16"
     };
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("kernels/qk_rope.cu");
-    let text = std::fs::read_to_string(&path).unwrap();
-    let (_, rest) = text.split_once("// @@header\n").unwrap();
-    let (header, body) = rest.split_once("// @@body\n").unwrap();
+    let (header, body) = common::one_body("qk_rope.cu");
     let mut src = String::from(PRELUDE);
-    src += header;
+    src += &header;
     for (n, v) in consts {
         src += &format!("constexpr int {n} = {v};\n");
     }
@@ -88,7 +83,7 @@ fn run(tag: &str, consts: &[(&str, i64)]) {
     src += "void kernel(const T* y, const T* qw, const T* kw, const int32_t* pos,\n\
             const float* inv_freq, const T* pool, const int* pool_shape, const int32_t* dst,\n\
             T* q) {\n";
-    src += body;
+    src += &body;
     src += "\n}\n";
     src += MAIN;
     common::run_checked(&format!("qk_rope-{tag}"), &src, &consts, "max_err");

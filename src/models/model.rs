@@ -701,10 +701,16 @@ impl Model {
                 let o = match &scratch {
                     // every row its own slot and length, in one kernel
                     // (the view the q/k/v kernel wrote through, unless prefill chunks were
-                    // written into the pool since: a view made after their write)
+                    // written into the pool since, or the q/k/v took a path that does not
+                    // write the pool (the GEMM of 9-128 rows, a projection the kernels do
+                    // not cover) so that the cache's scatter wrote the decode rows: then a
+                    // view made after that write, which the attention op depends on)
                     Some(scratch) => a.decode_attention(
                         q,
-                        &match pool.take().filter(|_| chunks.is_empty()) {
+                        &match pool
+                            .take()
+                            .filter(|_| chunks.is_empty() && matches!(kv_d, Some(NewKv::Written)))
+                        {
                             Some(p) => p,
                             None => cache.pool_view(li)?,
                         },

@@ -10,6 +10,18 @@ use std::path::PathBuf;
 /// constants `consts`, then those of `defaults` and of the GEMV-family kernels' own defaults
 /// (`EPI` 3 for the RoPE entry point, which `HD` in `consts` marks, else 0; no norm, eps
 /// 1e-5, no heads) that `consts` lacks.
+/// The header and body of a one-body kernel file `kernels/{file}` (its `// @@header` and
+/// `// @@body` parts).
+pub fn one_body(file: &str) -> (String, String) {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("kernels")
+        .join(file);
+    let text = std::fs::read_to_string(&path).unwrap();
+    let (_, rest) = text.split_once("// @@header\n").unwrap();
+    let (header, body) = rest.split_once("// @@body\n").unwrap();
+    (header.to_string(), body.to_string())
+}
+
 pub fn program_head(
     header: &str,
     consts: &[(&str, usize)],
