@@ -105,15 +105,15 @@ pub struct Knobs {
     /// `MLXCEL_GEMV_MMA`: the smallest batch whose decode steps take the dense GEMV's
     /// tensor-core path (`mma.sync` bf16/f16; 0: never; unset: [`super::gemv::MMA_FROM`]).
     pub gemv_mma: Option<usize>,
+    /// `MLXCEL_GEMV_MMA_MAX`: the largest batch on that path (unset:
+    /// [`super::gemv::MMA_MAX`]); larger batches stay on MLX's matmul.
+    pub gemv_mma_max: Option<usize>,
     /// `MLXCEL_QKV_BIAS` (default 1): a q/k/v projection with biases (Qwen2) runs the GEMV
     /// kernels' q/k/v + RoPE entry point, which adds them; 0: the plain ops, as before.
     pub qkv_bias: bool,
     /// `MLXCEL_QK_ROPE` (default 1): Qwen3's q/k norms, RoPE and the cache write of a decode
     /// step in one kernel (`kernels/qk_rope.cu`); 0: the separate ops, as before.
     pub qk_rope: bool,
-    /// `MLXCEL_GEMV_MMA_MAX`: the largest batch on that path (unset:
-    /// [`super::gemv::MMA_MAX`]); larger batches stay on MLX's matmul.
-    pub gemv_mma_max: Option<usize>,
     /// `MLXCEL_DEVICE_INPUTS` (default 1): a step's int32 kernel inputs (positions, KV
     /// write rows, block tables) in device memory on CUDA (`crate::mlx::device_inputs`);
     /// 0: host arrays in MLX's unified memory, as before.
@@ -202,9 +202,9 @@ impl Default for Knobs {
             gemv_dense: true,
             gemv_wide: true,
             gemv_mma: None,
+            gemv_mma_max: None,
             qkv_bias: true,
             qk_rope: true,
-            gemv_mma_max: None,
             device_inputs: true,
             device_consts: true,
             kv_fused: true,
