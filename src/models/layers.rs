@@ -364,8 +364,9 @@ impl Linear {
         }
         let f = self.fusable(x, norm, true)?;
         let bias = self.bias.as_ref();
-        let fits = rope.dims as usize == head_dim && pos.size() == f.m && pos.dtype() == Dtype::I32;
-        let (nw, inv) = (norm.map(|n| (&n.weight, n.eps)), &rope.inv_freq);
+        let inv = rope.whole_head_inv_freq(head_dim)?;
+        let fits = pos.size() == f.m && pos.dtype() == Dtype::I32;
+        let nw = norm.map(|n| (&n.weight, n.eps));
         let (w, scales, biases, group, bits) = (f.w, f.scales, f.biases, f.group, f.bits);
         if f.dense {
             let fits = fits && kernels::gemv::supports_rope(f.m, f.n, nq, head_dim);

@@ -1,15 +1,10 @@
-//! CUDA on the CPU for the kernel tests (`qgemv_emulated`, `qgemm_emulated`, `attn_emulated`): a prelude
+//! CUDA on the CPU for the kernel tests (`*_emulated`): a prelude
 //! that lets a kernel file compile as C++ (one OS thread per CUDA thread, block-wide
 //! barriers for `__syncthreads` and warp shuffles, so a kernel's shuffle counts must be
 //! uniform over its block) and a helper that compiles and runs a test program.
 #![allow(dead_code)]
 use std::path::PathBuf;
 
-/// The start of a kernel test program: [`PRELUDE`], the kernel file's device code `header`,
-/// `T` (float16 when `consts` has `F16 = 1`, else bfloat16; also returned), the template
-/// constants `consts`, then those of `defaults` and of the GEMV-family kernels' own defaults
-/// (`EPI` 3 for the RoPE entry point, which `HD` in `consts` marks, else 0; no norm, eps
-/// 1e-5, no heads) that `consts` lacks.
 /// The header and body of a one-body kernel file `kernels/{file}` (its `// @@header` and
 /// `// @@body` parts).
 pub fn one_body(file: &str) -> (String, String) {
@@ -22,6 +17,11 @@ pub fn one_body(file: &str) -> (String, String) {
     (header.to_string(), body.to_string())
 }
 
+/// The start of a kernel test program: [`PRELUDE`], the kernel file's device code `header`,
+/// `T` (float16 when `consts` has `F16 = 1`, else bfloat16; also returned), the template
+/// constants `consts`, then those of `defaults` and of the GEMV-family kernels' own defaults
+/// (`EPI` 3 for the RoPE entry point, which `HD` in `consts` marks, else 0; no norm, eps
+/// 1e-5, no heads) that `consts` lacks.
 pub fn program_head(
     header: &str,
     consts: &[(&str, usize)],
