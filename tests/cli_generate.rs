@@ -244,6 +244,67 @@ fn dummy_weights_need_only_config_json() {
 }
 
 /// Copy a fixture, break it with `f`, and expect a one-line error containing `needle`.
+/// `--logprobs N` with `--json`: one entry per generated token, its own log-probability
+/// and N most likely tokens; the greedy token is the most likely one; absent without the
+/// flag; a bad N or no --json is an error naming the flag.
+#[test]
+fn logprobs_with_json() {
+    let cache = tmp("logprobs");
+    let m = fixture("qwen3");
+    let m = m.to_str().unwrap();
+    let base = [
+        "generate",
+        "-m",
+        m,
+        "--raw",
+        "-p",
+        "hello",
+        "-n",
+        "5",
+        "--ignore-eos",
+    ];
+    let run = |extra: &[&str]| {
+        let mut args = base.to_vec();
+        args.extend_from_slice(extra);
+        mlxcel(&args, &cache)
+    };
+    let out = run(&["--json", "--logprobs", "3"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v = last_json(&out);
+    let ids = v["generated_token_ids"].as_array().unwrap();
+    let lp = v["logprobs"].as_array().unwrap();
+    assert_eq!(lp.len(), ids.len());
+    for (e, id) in lp.iter().zip(ids) {
+        assert_eq!(&e["token"], id);
+        let top = e["top"].as_array().unwrap();
+        assert_eq!(top.len(), 3);
+        // greedy: the chosen token is the first of the list, with its own log-probability
+        assert_eq!(&top[0][0], id);
+        assert_eq!(top[0][1], e["logprob"]);
+        assert!(e["logprob"].as_f64().unwrap() <= 0.0);
+    }
+    let plain = last_json(&run(&["--json"]));
+    assert!(plain.get("logprobs").is_none());
+    assert_eq!(plain["generated_token_ids"], v["generated_token_ids"]);
+    let alone = last_json(&run(&["--json", "--logprobs"]));
+    assert!(alone["logprobs"][0]["top"].as_array().unwrap().is_empty());
+    for (extra, needle) in [
+        (&["--json", "--logprobs", "21"][..], "--logprobs 21"),
+        (&["--logprobs", "2"][..], "--json"),
+    ] {
+        let out = run(extra);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success() && stderr.contains(needle),
+            "{extra:?}: {stderr}"
+        );
+    }
+}
+
 fn expect_error(name: &str, needle: &str, f: impl FnOnce(&Path)) {
     let dir = tmp(name);
     for e in std::fs::read_dir(fixture("llama3")).unwrap() {

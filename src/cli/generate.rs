@@ -5,7 +5,7 @@ use anyhow::{bail, Result};
 use clap::Args;
 
 use crate::engine::generate::{generate, GenerateOptions, Generation};
-use crate::engine::sampler::SamplingParams;
+use crate::engine::sampler::{SamplingParams, MAX_TOP_LOGPROBS};
 use crate::engine::step::{Executor, LocalExecutor};
 use crate::parallel::driver::TpExecutor;
 use crate::runtime::{check_single_device_memory, load_weights, open_model, ModelArgs, TpArgs};
@@ -77,6 +77,12 @@ pub struct GenerateArgs {
     /// Print exactly one JSON line (ids, text, finish_reason, stats) instead of streaming text.
     #[arg(long)]
     pub json: bool,
+    /// With --json: each generated token's log-probability and the N most likely tokens
+    /// at its step (`--logprobs` alone: N = 0), as `logprobs` entries `{token, logprob,
+    /// top: [[id, logprob], ...]}`: log-softmax of the logits after the repetition penalty,
+    /// before temperature and truncation (the server's `logprobs`).
+    #[arg(long, value_name = "N", num_args = 0..=1, default_missing_value = "0", requires = "json")]
+    pub logprobs: Option<u32>,
     #[command(flatten)]
     pub tp: TpArgs,
 }
@@ -89,8 +95,16 @@ pub fn run(args: &GenerateArgs) -> Result<()> {
         min_p: args.min_p,
         repetition_penalty: args.repetition_penalty,
         seed: args.seed,
+        logprobs: args.logprobs.is_some(),
+        top_logprobs: args.logprobs.unwrap_or(0),
         ..SamplingParams::default()
     };
+    if params.top_logprobs > MAX_TOP_LOGPROBS {
+        bail!(
+            "--logprobs {}: at most {MAX_TOP_LOGPROBS}",
+            params.top_logprobs
+        );
+    }
     params
         .validate()
         .map_err(|e| anyhow::anyhow!("invalid sampling option: {e}"))?;

@@ -5,7 +5,7 @@ use std::time::Instant;
 use serde::Serialize;
 
 use super::sampler::SamplingParams;
-use super::step::{Executor, SeqStart, SeqStep, StepError, StepPlan};
+use super::step::{Executor, SampledToken, SeqStart, SeqStep, StepError, StepPlan};
 use crate::mlx::{self, Array};
 use crate::models::kv_cache::KvCache;
 use crate::models::{ForwardError, Logits, Model, SeqInput, StepInput};
@@ -81,9 +81,32 @@ pub struct Stats {
 pub struct Generation {
     pub prompt_token_ids: Vec<u32>,
     pub generated_token_ids: Vec<u32>,
+    /// With `logprobs` in the sampling parameters: one entry per generated token.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub logprobs: Option<Vec<TokenLogprobs>>,
     pub text: String,
     pub finish_reason: FinishReason,
     pub stats: Stats,
+}
+
+/// A generated token's log-probability and the most likely tokens at its step
+/// (`log_softmax` of the penalised logits, before temperature, as the sampler computes them).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TokenLogprobs {
+    pub token: u32,
+    pub logprob: f32,
+    /// `[token, logprob]` pairs, most likely first.
+    pub top: Vec<(u32, f32)>,
+}
+
+impl TokenLogprobs {
+    fn of(s: &SampledToken) -> Option<Self> {
+        s.logprob.map(|logprob| TokenLogprobs {
+            token: s.token,
+            logprob,
+            top: s.top_logprobs.clone(),
+        })
+    }
 }
 
 /// Prefill `prompt` into `slot` in chunks directly on a model; return the last position's
@@ -136,16 +159,19 @@ pub fn generate(
         });
     }
     exec.reset_peak_memory();
+    let want_logprobs = params.logprobs;
     let eos: Vec<u32> = tokenizer.eos_token_ids().to_vec();
     let mut decoder = StreamDecoder::new(tokenizer, opts.skip_special_tokens);
     let mut stops = StopMatcher::new(opts.stop.clone());
     let mut text = String::new();
     let mut generated = Vec::new();
+    let mut logprobs = Vec::new();
 
     let t0 = Instant::now();
     let chunk = opts.prefill_chunk.max(1);
     let n_chunks = prompt.len().div_ceil(chunk);
     let mut token = 0;
+    let mut sampled = None;
     for (k, part) in prompt.chunks(chunk).enumerate() {
         let step = SeqStep {
             seq_id,
@@ -166,6 +192,7 @@ pub fn generate(
         })?;
         if let Some(s) = r.sampled.first() {
             token = s.token;
+            sampled = Some(s.clone());
         }
     }
     let prefill_seconds = t0.elapsed().as_secs_f64();
@@ -181,6 +208,9 @@ pub fn generate(
     let mut queued = 0usize;
     loop {
         generated.push(token);
+        if want_logprobs {
+            logprobs.extend(sampled.take().as_ref().and_then(TokenLogprobs::of));
+        }
         if !opts.ignore_eos && eos.contains(&token) {
             finish = FinishReason::Stop;
             break;
@@ -199,7 +229,7 @@ pub fn generate(
         if pipelined {
             let more =
                 generated.len() + 1 < opts.max_tokens && prompt.len() + generated.len() + 1 < ctx;
-            let next = (|| -> Result<u32, GenerateError> {
+            let next = (|| -> Result<SampledToken, GenerateError> {
                 if queued == 0 {
                     exec.queue_decode(&[(seq_id, slot, pos)], Some(&[token]), &[])?;
                     queued += 1;
@@ -209,12 +239,15 @@ pub fn generate(
                     exec.queue_decode(&[(seq_id, slot, pos + 1)], None, &[])?;
                     queued += 1;
                 }
-                let t = exec.take_sampled()?.pop().map(|s| s.token);
+                let s = exec.take_sampled()?.pop();
                 queued -= 1;
-                t.ok_or(GenerateError::Step(StepError::NoSampler(seq_id)))
+                s.ok_or(GenerateError::Step(StepError::NoSampler(seq_id)))
             })();
             match next {
-                Ok(t) => token = t,
+                Ok(s) => {
+                    token = s.token;
+                    sampled = Some(s);
+                }
                 Err(e) => {
                     // leave the executor without stale queued steps
                     exec.discard_queued();
@@ -237,11 +270,13 @@ pub fn generate(
             seqs: vec![step],
             ..Default::default()
         })?;
-        token = r
+        let s = r
             .sampled
-            .first()
-            .map(|s| s.token)
+            .into_iter()
+            .next()
             .ok_or(GenerateError::Step(StepError::NoSampler(seq_id)))?;
+        token = s.token;
+        sampled = Some(s);
     }
     if queued > 0 {
         exec.discard_queued();
@@ -279,6 +314,7 @@ pub fn generate(
             peak_memory_bytes: exec.peak_memory(),
         },
         generated_token_ids: generated,
+        logprobs: want_logprobs.then_some(logprobs),
         text,
         finish_reason: finish,
     })
