@@ -10,8 +10,8 @@
 // T is bfloat16 or float16 (x, y, scales, biases, the norm weight). This file's device code
 // comes after kernels/qgemv.cu's header (mlxcel passes both to MLX as one header, so the
 // GEMV's helpers are shared, not copied). Compiled at run time by MLX (`fast::cuda_kernel`);
-// template constants MT, N, K, G, BITS, WR, WN, SK, ST, EPI, NORM, EPS_BITS (and HD, NQ for
-// the RoPE entry point). M itself is not one: the kernel reads it from x's shape (rows of
+// template constants MT, N, K, G, BITS, WR, WN, SK, ST, EPI, NORM, EPS_BITS (and HD, NQ, BIAS
+// for the RoPE entry point). M itself is not one: the kernel reads it from x's shape (rows of
 // K), and MT (M rounded up to whole tiles of 8 rows) picks the variant, so batch sizes
 // share compiled kernels.
 //
@@ -77,15 +77,16 @@
 //      (a warp's first tile holds gate rows, its second the same up rows)
 //   3: q/k/v with RoPE on q and k (NQ query heads, then key and value heads of HD values;
 //      the first tile holds the rows d of 16 pairs (d, d + HD/2), the second their d + HD/2),
-//      q to y [M, NQ, 1, HD], key then value heads to y2 [M, 2·NKV, 1, HD]
+//      q to y [M, NQ, 1, HD], key then value heads to y2 [M, 2·NKV, 1, HD]; with BIAS = 1
+//      the projection's bias qb (T [N], Qwen2's q/k/v biases) is added before the rotation
 // NORM = 1: RMSNorm of each row of x first (x · nw · rsqrt(mean(x²) + eps), eps the float
 // with bits EPS_BITS); the rsqrt factor is applied in the epilogue.
 //
 // Parts, split at the marker lines: the header (device code) and two bodies of the
 // `__global__` function MLX generates around them:
 //   @@body       (x, w, scales, biases, res, nw, part, count, prev) -> (y, tok)      EPI 0, 1, 2
-//   @@body_rope  (x, w, scales, biases, nw, pos, inv_freq, part, count, prev) -> (q, kv, tok)
-// (res is read only with EPI 1, nw only with NORM, part/count only with SK > 1; prev and tok
+//   @@body_rope  (x, w, scales, biases, nw, pos, inv_freq, qb, part, count, prev) -> (q, kv, tok)
+// (res is read only with EPI 1, qb only with BIAS, nw only with NORM, part/count only with SK > 1; prev and tok
 // are never touched: they only order calls in MLX's graph). The CPU tests
 // (tests/qgemm_emulated.rs) compile this file as C++ with the MMA, FMA2 and conversions
 // emulated (the `#else` branches below); `scripts/check_qgemm.py` runs it on a GPU.
@@ -272,7 +273,7 @@ __device__ __forceinline__ int mlxcel_qgemm_rows(const S& shape, const int ndim)
 }
 
 template <typename T, int MT, int N, int K, int G, int BITS, int WR, int WN, int SK, int ST, int EPI,
-          int NORM, int EPS_BITS, int HD, int NQ>
+          int NORM, int EPS_BITS, int HD, int NQ, int BIAS>
 __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, const T* scales, const T* biases,
                                              const T* res, const T* nw, const float* part_in,
                                              const int32_t* count_in, const int M, const int32_t* pos,
@@ -857,8 +858,12 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
           }
         }
       } else if (rows[0][h] >= 0) {
-        const float a = acc[0][j][c] * f;
-        const float b = acc[1][j][c] * f;
+        float a = acc[0][j][c] * f;
+        float b = acc[1][j][c] * f;
+        if constexpr (EPI == 3 && BIAS) {  // the projection's bias (Qwen2, in res), before the rotation
+          a += static_cast<float>(res[rows[0][h]]);
+          b += static_cast<float>(res[rows[1][h]]);
+        }
         const int p = cb * (BN / 2) + wr * 16 + gq + 8 * h;
         if constexpr (EPI == 2) {
           y[size_t(m) * HALF + p] = static_cast<T>(a / (1.f + expf(-a)) * b);
@@ -870,8 +875,8 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
   }
 }
 // @@body
-  mlxcel_qgemm<T, MT, N, K, G, BITS, WR, WN, SK, ST, EPI, NORM, EPS_BITS, 0, 0>(
+  mlxcel_qgemm<T, MT, N, K, G, BITS, WR, WN, SK, ST, EPI, NORM, EPS_BITS, 0, 0, 0>(
       x, w, scales, biases, res, nw, part, count, mlxcel_qgemm_rows<K>(x_shape, x_ndim), nullptr, nullptr, y, nullptr);
 // @@body_rope
-  mlxcel_qgemm<T, MT, N, K, G, BITS, WR, WN, SK, ST, 3, NORM, EPS_BITS, HD, NQ>(
-      x, w, scales, biases, nw, nw, part, count, mlxcel_qgemm_rows<K>(x_shape, x_ndim), pos, inv_freq, q, kv);
+  mlxcel_qgemm<T, MT, N, K, G, BITS, WR, WN, SK, ST, 3, NORM, EPS_BITS, HD, NQ, BIAS>(
+      x, w, scales, biases, qb, nw, part, count, mlxcel_qgemm_rows<K>(x_shape, x_ndim), pos, inv_freq, q, kv);

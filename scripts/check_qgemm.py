@@ -175,7 +175,8 @@ class Gemm:
             if rope:
                 k = self.mx.fast.cuda_kernel(
                     name=name + "_rope",
-                    input_names=["x", "w", "scales", "biases", "nw", "pos", "inv_freq", "part", "count", "prev"],
+                    input_names=["x", "w", "scales", "biases", "nw", "pos", "inv_freq", "qb", "part", "count",
+                                 "prev"],
                     output_names=["q", "kv", "tok"], source=body_rope, header=header, shared_memory=smem)
             else:
                 k = self.mx.fast.cuda_kernel(
@@ -195,7 +196,8 @@ class Gemm:
 
     def call(self, x, w, s, b, group, bits, res=None, swiglu=False, norm=None, rope=None, launch=None):
         """y = x·Wᵀ (+res, or SwiGLU of the halves), norm = (weight, eps) first; rope =
-        (pos, inv_freq, nq, hd): q and kv instead."""
+        (pos, inv_freq, nq, hd[, qb]): q and kv instead (qb: the projection's bias, added
+        before the rotation)."""
         mx = self.mx
         m, k = x.shape
         n = w.shape[0]
@@ -213,10 +215,11 @@ class Gemm:
         smem = st * stage_bytes(mt, wr, bits) + scale_block_bytes(wr)
         bounded = BOUNDED and is_boundable(mt) and wn == 2
         if rope is not None:
-            pos, inv_freq, nq, hd = rope
+            pos, inv_freq, nq, hd, *qb = rope
             out = self.kernel(True, smem, bounded)(
-                inputs=[x, w, s, b, nw, pos, inv_freq, self.part, self.count, prev],
-                template=common + [("NORM", int(norm is not None)), ("EPS_BITS", eps), ("HD", hd), ("NQ", nq)],
+                inputs=[x, w, s, b, nw, pos, inv_freq, qb[0] if qb else x, self.part, self.count, prev],
+                template=common + [("NORM", int(norm is not None)), ("EPS_BITS", eps), ("HD", hd), ("NQ", nq),
+                                   ("BIAS", int(bool(qb)))],
                 grid=grid, threadgroup=(threads, 1, 1),
                 output_shapes=[(m, nq, 1, hd), (m, n // hd - nq, 1, hd), (1,)],
                 output_dtypes=[self.dt] * 3)
@@ -294,6 +297,15 @@ def check_shape(mx, qv, g, dt, model, n, k, name, nq, bits, group, ms):
             e = max(qv.rel_err(q, rq), qv.rel_err(kv, rkv))
             eq = max(qv.rel_err(mq, rq), qv.rel_err(mkv, rkv))
             rows.append((tag, bits, group, m, " norm+rope", e, eq, within(e, eq)))
+            # with the projection's bias (Qwen2), added before the rotation
+            qb = (0.5 * mx.random.normal((n,))).astype(dt)
+            qbf = qb.astype(mx.float32)
+            rq, rkv = heads(xn @ wd.T + qbf)
+            q, kv = g.call(x, wq, s, b, group, bits, norm=(nw, 1e-5), rope=(pos, inv, nq, hd, qb))
+            mq, mkv = heads(qn.astype(mx.float32) + qbf)
+            e = max(qv.rel_err(q, rq), qv.rel_err(kv, rkv))
+            eq = max(qv.rel_err(mq, rq), qv.rel_err(mkv, rkv))
+            rows.append((tag, bits, group, m, " norm+rope+bias", e, eq, within(e, eq)))
     return rows
 
 

@@ -594,7 +594,8 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
             ),
         ));
     }
-    // the q/k/v projection with RoPE: 64 rows of group 128, and 16 rows in the bounded flavour
+    // the q/k/v projection with RoPE: 64 rows of group 128 with q/k/v biases (Qwen2), and 16
+    // rows in the bounded flavour without
     let rope_in = [
         ("x", bf),
         ("w", "uint32_t"),
@@ -603,23 +604,32 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
         ("nw", bf),
         ("pos", "int32_t"),
         ("inv_freq", "float"),
+        ("qb", bf),
         ("part", "float"),
         ("count", "int32_t"),
         ("prev", bf),
     ];
-    for (name, head, mut c) in [
+    for (name, head, mut c, bias) in [
         (
             "custom_kernel_mlxcel_qgemm_test_rope",
             &gemm_header,
             gemm(64, 6144, 4096, 128, 4, 1, 4, 3),
+            1,
         ),
         (
             "custom_kernel_mlxcel_qgemm_test_bounded_rope",
             &bounded_header,
             gemm(16, 6144, 4096, 64, 4, 2, 8, 6),
+            0,
         ),
     ] {
-        c.extend([("NORM", 1), ("EPS_BITS", eps), ("HD", 128), ("NQ", 32)]);
+        c.extend([
+            ("NORM", 1),
+            ("EPS_BITS", eps),
+            ("HD", 128),
+            ("NQ", 32),
+            ("BIAS", bias),
+        ]);
         sources.push((
             name.into(),
             mlx_source(

@@ -52,7 +52,7 @@ int main() {
       run_block(blk, TPB, [&] {
 #if ROPE
         kernel(x.data(), x_shape, x_ndim, w.data(), sc.data(), bi.data(), nw.data(), pos.data(), inv.data(),
-               part.data(), count.data(), x.data(), yq.data(), ykv.data(), y.data());
+               res.data(), part.data(), count.data(), x.data(), yq.data(), ykv.data(), y.data());
 #else
         kernel(x.data(), x_shape, x_ndim, w.data(), sc.data(), bi.data(), res.data(), nw.data(), part.data(),
                count.data(), x.data(), y.data(), yq_unused());
@@ -68,7 +68,8 @@ int main() {
     return true;
   };
   const std::vector<double> xin = ref_input(x, nw, M, K, NORM, EPS_BITS);
-  auto dot = [&](int m, int n) { return ref_qdot(xin, q, sc, bi, K, G, m, n); };
+  // (BIAS: the RoPE entry point adds qb, here the first N values of res, before the rotation)
+  auto dot = [&](int m, int n) { return ref_qdot(xin, q, sc, bi, K, G, m, n) + (BIAS ? double(float(res[n])) : 0.0); };
 #if ROPE
   if (!untouched(yq, M * NQ * HD, "q") || !untouched(ykv, M * (N - NQ * HD), "kv")) return 1;
 #else
@@ -118,14 +119,21 @@ fn program(consts: &[(&str, usize)], edit: &dyn Fn(String) -> String) -> String 
     let (mut src, t) = common::program_head(
         &header,
         consts,
-        &[("NAN_X", 0), ("MROWS", mt), ("ST", 2), ("WN", 1), ("SK", 1)],
+        &[
+            ("NAN_X", 0),
+            ("MROWS", mt),
+            ("ST", 2),
+            ("WN", 1),
+            ("SK", 1),
+            ("BIAS", 0),
+        ],
     );
     if rope {
-        // inputs x (with its shape and ndim), w, scales, biases, nw, pos, inv_freq, part, count, prev;
-        // outputs q, kv, tok
+        // inputs x (with its shape and ndim), w, scales, biases, nw, pos, inv_freq, qb, part, count,
+        // prev; outputs q, kv, tok
         src += &format!(
             "void kernel(const {t}* x, const int* x_shape, int x_ndim, const uint32_t* w, const {t}* scales,\n\
-                const {t}* biases, const {t}* nw, const int32_t* pos, const float* inv_freq,\n\
+                const {t}* biases, const {t}* nw, const int32_t* pos, const float* inv_freq, const {t}* qb,\n\
                 const float* part, const int32_t* count, const {t}* prev, {t}* q, {t}* kv, {t}* tok) {{\n"
         );
         src += &body_rope;
@@ -372,6 +380,21 @@ fn qgemm_rope_matches() {
         &with(
             cfg(17, 5 * 64, 256, 32, 8, 2, 1, 2),
             &[("NORM", 1), ("HD", 64), ("NQ", 3)],
+        ),
+    );
+    // Qwen2's q/k/v biases, added before the rotation: both cases again with BIAS
+    run(
+        "rope_bias_m9",
+        &with(
+            cfg(9, 8 * 16, 256, 64, 4, 2, 1, 1),
+            &[("NORM", 1), ("HD", 16), ("NQ", 4), ("BIAS", 1)],
+        ),
+    );
+    run(
+        "rope_bias_8bit_split_m17",
+        &with(
+            cfg(17, 5 * 64, 256, 32, 8, 2, 1, 2),
+            &[("NORM", 1), ("HD", 64), ("NQ", 3), ("BIAS", 1)],
         ),
     );
 }

@@ -16,7 +16,8 @@
 #   bash scripts/gpu/bench.sh proxies [NAME...]  # the rank proxies, mlxcel beside mlx-lm (scripts/gpu/rank-proxies.sh)
 #   bash scripts/gpu/bench.sh qwen        # Qwen2/Qwen3 configs (dummy weights): one Qwen2.5-72B rank at TP=8 in bf16
 #                                         # and 4-bit, Qwen2.5-7B 4-bit, one Qwen3-32B rank at TP=8 4-bit; decode at
-#                                         # batch 1 and 8, default vs MLXCEL_QKV_BIAS=0 MLXCEL_QK_ROPE=0, alternated
+#                                         # batch 1, 8 and 32 (the 4-bit GEMM's q/k/v with the biases; BATCHES
+#                                         # sets them), default vs MLXCEL_QKV_BIAS=0 MLXCEL_QK_ROPE=0, alternated
 #                                         # RUNS (2) times (LIMIT s caps it)
 # Environment: see scripts/gpu/lib.sh.
 . "$(dirname "$0")/lib.sh"
@@ -118,7 +119,7 @@ PY
   for r in $(seq ${RUNS:-2}); do for m in q72-tp8-bf16 q72-tp8-q4 q7-q4 q3-32-tp8-q4; do
     for e in X=1 "MLXCEL_QKV_BIAS=0 MLXCEL_QK_ROPE=0"; do
       [ "$(left)" -lt 45 ] && break 3
-      echo "$m [$e] run $r: $(DECODE_TOKENS=128 BENCH_S=$(( $(left) - 5 )) bench_line "$e" "$CK/$m" 8 --load-format dummy)"
+      echo "$m [$e] run $r: $(DECODE_TOKENS=128 BENCH_S=$(( $(left) - 5 )) bench_line "$e" "$CK/$m" "${BATCHES:-8,32}" --load-format dummy)"
     done
   done; done 2>&1 | tee -a "$OUT/qwen.txt"
   ;;

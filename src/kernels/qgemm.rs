@@ -738,10 +738,11 @@ pub fn qgemm(
 }
 
 /// The q/k/v projection in one kernel: `norm(x) · Wᵀ` for a merged `[q; k; v]` weight (`nq`
-/// query heads, then equally many key and value heads of `head_dim`), with RoPE (half-split,
-/// angle `pos[m] · inv_freq[d]`) on the q and k heads of row m: q `[m, nq, 1, head_dim]`
-/// and kv `[m, 2·nkv, 1, head_dim]`, as [`qgemv::qgemv_rope`] returns them. The caller
-/// checks [`enabled`], [`supports`] and [`supports_rope`].
+/// query heads, then equally many key and value heads of `head_dim`), plus `bias` (`[n]`,
+/// x's dtype: Qwen2's q/k/v biases) where given, with RoPE (half-split, angle `pos[m] ·
+/// inv_freq[d]`) on the q and k heads of row m: q `[m, nq, 1, head_dim]` and kv `[m, 2·nkv,
+/// 1, head_dim]`, as [`qgemv::qgemv_rope`] returns them. The caller checks [`enabled`],
+/// [`supports`] and [`supports_rope`].
 #[allow(clippy::too_many_arguments)]
 pub fn qgemm_rope(
     x: &Array,
@@ -755,8 +756,10 @@ pub fn qgemm_rope(
     inv_freq: &Array,
     nq: usize,
     head_dim: usize,
+    bias: Option<&Array>,
 ) -> Result<(Array, Option<Array>)> {
     let (n, k, m) = dims("qgemm_rope", x, w, group, bits)?;
+    super::qgemv::check_qkv_bias("qgemm_rope", bias, n, x.dtype())?;
     if !supports_rope(n, nq, head_dim) {
         return Err(MlxError::Invalid(format!(
             "qgemm_rope: {nq} query heads of {head_dim} do not fit a weight of {n} rows"
@@ -765,16 +768,18 @@ pub fn qgemm_rope(
     check_rope_inputs("qgemm_rope", pos, inv_freq, m, head_dim)?;
     let (nw, eps) = norm_input("qgemm_rope", norm, x, k)?;
     let src = source()?;
-    static NAMES: OnceLock<([String; 10], [String; 3], [String; 13])> = OnceLock::new();
+    static NAMES: OnceLock<([String; 11], [String; 3], [String; 14])> = OnceLock::new();
     let (inputs, outputs, tnames) = NAMES.get_or_init(|| {
         (
             [
-                "x", "w", "scales", "biases", "nw", "pos", "inv_freq", "part", "count", "prev",
+                "x", "w", "scales", "biases", "nw", "pos", "inv_freq", "qb", "part", "count",
+                "prev",
             ]
             .map(String::from),
             ["q", "kv", "tok"].map(String::from),
             [
-                "MT", "N", "K", "G", "BITS", "WR", "WN", "SK", "ST", "NORM", "EPS_BITS", "HD", "NQ",
+                "MT", "N", "K", "G", "BITS", "WR", "WN", "SK", "ST", "NORM", "EPS_BITS", "HD",
+                "NQ", "BIAS",
             ]
             .map(String::from),
         )
@@ -789,6 +794,7 @@ pub fn qgemm_rope(
             eps.to_bits() as usize,
             head_dim,
             nq,
+            bias.is_some() as usize,
         ],
     );
     let (mi, hd) = (m as i32, head_dim as i32);
@@ -801,7 +807,7 @@ pub fn qgemm_rope(
             output_names: outputs,
             template_names: tnames,
         },
-        &[x, w, scales, biases, nw, pos, inv_freq],
+        &[x, w, scales, biases, nw, pos, inv_freq, bias.unwrap_or(x)],
         x,
         &[&[mi, nq as i32, 1, hd], &[mi, nkv2, 1, hd]],
         &tvals,

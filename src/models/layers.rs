@@ -344,9 +344,8 @@ impl Linear {
     /// heads, as the KV cache stores them). With `into` (a layer's KV pool and the step's
     /// rows there, see `kernels::qgemv::qgemv_rope`) k and v go straight into the pool and
     /// kv is `None`; the GEMV kernels do that, the quantized GEMM (9–128 rows) does not, so
-    /// `into` is ignored there. A bias (Qwen2's q/k/v biases) is added in the GEMV kernels
-    /// before the rotation; the GEMM has no bias input, so a biased projection of 9–128
-    /// rows runs the plain ops. `None` when the kernel does not cover it (see
+    /// `into` is ignored there. A bias (Qwen2's q/k/v biases) is added in the kernels before
+    /// the rotation. `None` when the kernel does not cover it (see
     /// [`Linear::fused`]; also a partial rotary dimension): the caller runs the plain ops.
     #[allow(clippy::too_many_arguments)]
     pub fn forward_qkv_rope(
@@ -375,10 +374,10 @@ impl Linear {
         }
         // the GEMM for 9-128 rows (4-bit: 17-128; MLXCEL_QGEMM=0 off), else the GEMV
         if f.gemm {
-            let fits = fits && bias.is_none() && kernels::qgemm::supports_rope(f.n, nq, head_dim);
+            let fits = fits && kernels::qgemm::supports_rope(f.n, nq, head_dim);
             return fits.then(|| {
                 kernels::qgemm::qgemm_rope(
-                    x, w, scales, biases, group, bits, nw, pos, inv, nq, head_dim,
+                    x, w, scales, biases, group, bits, nw, pos, inv, nq, head_dim, bias,
                 )
             });
         }
