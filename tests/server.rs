@@ -370,6 +370,42 @@ fn chat_and_completions(tp: &[&str]) {
     assert_eq!(v["usage"]["prompt_tokens"], ids_len);
     assert_eq!(v["usage"]["completion_tokens"], 12);
     assert_eq!(v["usage"]["total_tokens"], ids_len + 12);
+    // vLLM's return_tokens_as_token_ids: the same entries, named `token_id:{id}` (the
+    // greedy ids, each the first of its top list), streamed or not
+    let body = json!({"model": "llama3", "prompt": p0["text"], "max_tokens": 12, "temperature": 0,
+                      "ignore_eos": true, "logprobs": 2, "return_tokens_as_token_ids": true});
+    let by_id = s.ok("/v1/completions", &body);
+    let l = &by_id["choices"][0]["logprobs"];
+    let names: Vec<String> = greedy[..12]
+        .iter()
+        .map(|t| format!("token_id:{t}"))
+        .collect();
+    assert_eq!(l["tokens"], json!(names));
+    assert_eq!(l["token_logprobs"], c["logprobs"]["token_logprobs"]);
+    for (top, name) in l["top_logprobs"].as_array().unwrap().iter().zip(&names) {
+        let top = top.as_object().unwrap();
+        assert_eq!(top.len(), 2);
+        assert!(top.contains_key(name) && top.keys().all(|k| k.starts_with("token_id:")));
+    }
+    let mut body = body;
+    body["stream"] = json!(true);
+    let mut streamed = Vec::new();
+    for e in s
+        .post("/v1/completions", &body)
+        .sse()
+        .iter()
+        .filter(|e| *e != "[DONE]")
+    {
+        let chunk: Value = serde_json::from_str(e).unwrap();
+        for t in chunk["choices"][0]["logprobs"]["tokens"]
+            .as_array()
+            .into_iter()
+            .flatten()
+        {
+            streamed.push(t.as_str().unwrap().to_string());
+        }
+    }
+    assert_eq!(streamed, names);
     // the same as token ids and as a list of one string
     let v2 = s.ok(
         "/v1/completions",
@@ -478,6 +514,30 @@ fn chat_and_completions(tp: &[&str]) {
     assert!(content[0]["logprob"].as_f64().unwrap() <= 0.0);
     let f = v["choices"][0]["finish_reason"].as_str().unwrap();
     assert!(f == "stop" || f == "length");
+    // chat with return_tokens_as_token_ids: names `token_id:{id}`, bytes still the token's text
+    let v = s.ok(
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 5,
+                "logprobs": true, "top_logprobs": 3, "return_tokens_as_token_ids": true}),
+    );
+    let by_id = v["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(by_id.len(), content.len());
+    for (e, plain) in by_id.iter().zip(content) {
+        let id: u32 = e["token"].as_str().unwrap()["token_id:".len()..]
+            .parse()
+            .unwrap();
+        assert_eq!(
+            tok.decode(&[id], false).unwrap(),
+            plain["token"].as_str().unwrap()
+        );
+        assert_eq!(e["bytes"], plain["bytes"]);
+        assert_eq!(e["logprob"], plain["logprob"]);
+        assert!(e["top_logprobs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|t| t["token"].as_str().unwrap().starts_with("token_id:")));
+    }
 }
 
 #[test]

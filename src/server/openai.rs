@@ -57,6 +57,9 @@ pub struct GenRequest {
     /// vLLM's `chat_template_kwargs`: extra chat-template variables (e.g.
     /// `{"enable_thinking": false}`).
     pub chat_template_kwargs: Map<String, Value>,
+    /// vLLM's `return_tokens_as_token_ids`: log-probability entries name their tokens
+    /// `token_id:{id}` instead of the token's text (which may be part of a character).
+    pub tokens_as_ids: bool,
 }
 
 impl GenRequest {
@@ -579,6 +582,7 @@ pub fn parse(api: Api, body: &Value) -> Result<GenRequest, ApiError> {
         stop,
         ignore_eos: f.bool("ignore_eos")?.unwrap_or(false),
         skip_special_tokens: f.bool("skip_special_tokens")?.unwrap_or(true),
+        tokens_as_ids: f.bool("return_tokens_as_token_ids")?.unwrap_or(false),
         stream,
         include_usage,
         constraint,
@@ -1014,39 +1018,69 @@ fn token_text(tok: &Tokenizer, id: u32) -> String {
     tok.decode(&[id], false).unwrap_or_default()
 }
 
+/// How log-probability entries name tokens: by their text, or as `token_id:{id}`
+/// (`return_tokens_as_token_ids`).
+#[derive(Clone, Copy)]
+pub struct TokenNames<'a> {
+    pub tokenizer: &'a Tokenizer,
+    pub as_ids: bool,
+}
+
+impl TokenNames<'_> {
+    fn name(&self, id: u32) -> String {
+        match self.as_ids {
+            true => format!("token_id:{id}"),
+            false => token_text(self.tokenizer, id),
+        }
+    }
+
+    /// The name and the UTF-8 bytes of the token's own text.
+    fn name_and_bytes(&self, id: u32) -> (String, Vec<u8>) {
+        let text = token_text(self.tokenizer, id);
+        match self.as_ids {
+            true => (format!("token_id:{id}"), text.into_bytes()),
+            false => (text.clone(), text.into_bytes()),
+        }
+    }
+}
+
 /// One entry of chat `logprobs.content`.
-pub fn chat_logprob(tok: &Tokenizer, t: &TokenInfo) -> Value {
-    let text = token_text(tok, t.id);
+pub fn chat_logprob(names: TokenNames<'_>, t: &TokenInfo) -> Value {
+    let (name, bytes) = names.name_and_bytes(t.id);
     let top: Vec<Value> = t
         .top_logprobs
         .iter()
         .map(|&(id, l)| {
-            let s = token_text(tok, id);
-            json!({"token": s, "logprob": lp(l), "bytes": s.as_bytes()})
+            let (s, b) = names.name_and_bytes(id);
+            json!({"token": s, "logprob": lp(l), "bytes": b})
         })
         .collect();
     json!({
-        "token": text,
+        "token": name,
         "logprob": lp(t.logprob.unwrap_or(0.0)),
-        "bytes": text.as_bytes(),
+        "bytes": bytes,
         "top_logprobs": top,
     })
 }
 
 /// Completions `logprobs` for tokens that start at the given text offsets.
-pub fn completion_logprobs(tok: &Tokenizer, tokens: &[(TokenInfo, usize)], top: bool) -> Value {
+pub fn completion_logprobs(
+    names: TokenNames<'_>,
+    tokens: &[(TokenInfo, usize)],
+    top: bool,
+) -> Value {
     let mut texts = Vec::with_capacity(tokens.len());
     let mut lps = Vec::with_capacity(tokens.len());
     let mut tops = Vec::with_capacity(tokens.len());
     let mut offsets = Vec::with_capacity(tokens.len());
     for (t, off) in tokens {
-        texts.push(token_text(tok, t.id));
+        texts.push(names.name(t.id));
         lps.push(lp(t.logprob.unwrap_or(0.0)));
         offsets.push(*off);
         if top {
             let mut m = Map::new();
             for &(id, l) in &t.top_logprobs {
-                m.insert(token_text(tok, id), json!(lp(l)));
+                m.insert(names.name(id), json!(lp(l)));
             }
             tops.push(Value::Object(m));
         }

@@ -944,7 +944,10 @@ async fn collect_response(
             None => return Err(ApiError::unavailable("the engine stopped")),
         }
     }
-    let tok = &st.model.tokenizer;
+    let names = openai::TokenNames {
+        tokenizer: &st.model.tokenizer,
+        as_ids: g.tokens_as_ids,
+    };
     let body: Vec<Value> = choices
         .iter()
         .enumerate()
@@ -960,7 +963,7 @@ async fn collect_response(
                         want_logprobs.then(|| {
                             c.tokens
                                 .iter()
-                                .map(|(t, _)| openai::chat_logprob(tok, t))
+                                .map(|(t, _)| openai::chat_logprob(names, t))
                                 .collect()
                         }),
                     )
@@ -970,7 +973,7 @@ async fn collect_response(
                     &c.text,
                     finish,
                     want_logprobs.then(|| {
-                        openai::completion_logprobs(tok, &c.tokens, g.params.top_logprobs > 0)
+                        openai::completion_logprobs(names, &c.tokens, g.params.top_logprobs > 0)
                     }),
                 ),
             }
@@ -1179,10 +1182,13 @@ impl SseState {
                     if text.is_empty() && !want_logprobs {
                         continue;
                     }
-                    let tok = &self.st.model.tokenizer;
+                    let names = openai::TokenNames {
+                        tokenizer: &self.st.model.tokenizer,
+                        as_ids: self.g.tokens_as_ids,
+                    };
                     if api == Api::Chat {
                         let lp = want_logprobs
-                            .then(|| json!({"content": [openai::chat_logprob(tok, &token)]}));
+                            .then(|| json!({"content": [openai::chat_logprob(names, &token)]}));
                         let out = self.chat_pieces(i, &text, lp, None);
                         if out.is_empty() {
                             continue;
@@ -1196,7 +1202,7 @@ impl SseState {
                             &text,
                             want_logprobs.then(|| {
                                 openai::completion_logprobs(
-                                    tok,
+                                    names,
                                     &[(token, self.sent_chars[i])],
                                     self.g.params.top_logprobs > 0,
                                 )
