@@ -5,6 +5,13 @@ first near-tie (top-1/top-2 gap < 1e-3). Used on GPU boxes, where `cargo test`
 cannot run. Extra arguments go to `mlxcel generate` (e.g. --tp-size 2 --tp-emulate).
 
     python3 scripts/check_fixtures.py ./mlxcel [--tp-size 2 --tp-emulate] [-n 12] [--prompts K]
+    python3 scripts/check_fixtures.py ./mlxcel --batched 12   # the bfloat16 fixtures, batched
+
+--batched B: for each fixture with a tolerance (the bfloat16 ones), `mlxcel serve --parallel B`
+and B concurrent sampled completions (the fixture's prompts in turn, a seed each, logprobs 5,
+return_tokens_as_token_ids), so decode steps run B rows at once (the batched path: the KV
+scatter, the batched attention kernel, Qwen3's q/k norm kernel writing the pool); every
+request's top-5 log-probabilities are compared with transformers as for one sequence.
 """
 import json
 import os
@@ -19,6 +26,11 @@ def main():
     # (line by line even into a pipe: a run cut by a time limit still shows its results)
     sys.stdout.reconfigure(line_buffering=True)
     exe, extra = sys.argv[1], sys.argv[2:]
+    if "--batched" in extra:
+        i = extra.index("--batched")
+        batch = int(extra[i + 1])
+        del extra[i:i + 2]
+        sys.exit(batched(exe, batch, extra))
     n, limit = 12, None
     if "--prompts" in extra:
         i = extra.index("--prompts")
@@ -70,13 +82,9 @@ def main():
     sys.exit(1 if bad else 0)
 
 
-def sampled_logprobs_check(exe, model, fam, k, p, chat, n, extra, tol):
-    """A reduced-precision fixture (bfloat16 weights; float32 references): its greedy
-    tokens soon repeat, so also sample n tokens (temperature 1, fixed seed) with their top-5
-    log-probabilities and compare every step with transformers in float32, teacher-forced
-    along the same tokens (where transformers is installed, as on the GPU boxes). A log-softmax
-    moves by at most twice a logit's error, so the bound is 2 x the fixture's logits_max_abs
-    (3x what transformers itself gives in bfloat16). Returns 1 on a mismatch."""
+def teacher_forced_logprobs(model):
+    """f(ids) -> log-softmax rows of transformers in float32 over the sequence `ids`, or None
+    where torch/transformers are not installed."""
     try:
         import torch
         import transformers
@@ -84,6 +92,115 @@ def sampled_logprobs_check(exe, model, fam, k, p, chat, n, extra, tol):
 
         transformers.utils.logging.disable_progress_bar()
     except ImportError:
+        return None
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, attn_implementation="eager").eval()
+
+    def run(ids):
+        with torch.no_grad():
+            return torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), -1)
+    return run
+
+
+def worst_logprob_diff(lp, n_prompt, steps):
+    """Max |d| over steps [(token, logprob, [(id, logprob)...]), ...] against the rows `lp`
+    (row n_prompt - 1 + s predicts step s), and the step where it is."""
+    worst, at = 0.0, None
+    for s, (tok, l, top) in enumerate(steps):
+        row = lp[n_prompt - 1 + s]
+        for t, v in [(tok, l)] + list(top):
+            d = abs(row[t].item() - v)
+            if d > worst:
+                worst, at = d, s
+    return worst, at
+
+
+def batched(exe, batch, extra):
+    """--batched B: see the module's docstring. Returns the process's exit status."""
+    import socket
+    import threading
+    import time
+    import urllib.request
+    bad = 0
+    for fam in sorted(os.listdir(fixtures)):
+        ref_path = os.path.join(fixtures, fam, "reference.json")
+        if not os.path.exists(ref_path) or "tolerance" not in json.load(open(ref_path)):
+            continue
+        ref = json.load(open(ref_path))
+        model = os.path.join(fixtures, fam)
+        forced = teacher_forced_logprobs(model)
+        if forced is None:
+            print(f"{fam} batched: not checked (no torch/transformers here)")
+            continue
+        with socket.socket() as sk:
+            sk.bind(("127.0.0.1", 0))
+            port = sk.getsockname()[1]
+        server = subprocess.Popen([exe, "serve", "-m", model, "--port", str(port), "--parallel", str(batch), *extra],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            for _ in range(600):
+                try:
+                    urllib.request.urlopen(url + "/health", timeout=1)
+                    break
+                except Exception:
+                    if server.poll() is not None:
+                        raise RuntimeError(server.stderr.read()[-400:])
+                    time.sleep(0.5)
+            prompts = [p["ids"] for p in ref["prompts"]]
+            results = [None] * batch
+
+            def one(i):
+                body = {"prompt": prompts[i % len(prompts)], "max_tokens": 16, "temperature": 1.0, "seed": 500 + i,
+                        "ignore_eos": True, "logprobs": 5, "return_tokens_as_token_ids": True}
+                req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
+                                             {"Content-Type": "application/json"})
+                results[i] = json.load(urllib.request.urlopen(req, timeout=600))
+            threads = [threading.Thread(target=one, args=(i,)) for i in range(batch)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        except Exception as e:
+            print(f"{fam} batched: FAILED to run: {e}")
+            bad += 1
+            continue
+        finally:
+            server.terminate()
+            server.wait()
+        tid = lambda name: int(name.split(":", 1)[1])
+        worst, where, distinct = 0.0, None, set()
+        for i, r in enumerate(results):
+            if r is None:
+                print(f"{fam} batched: request {i} got no answer")
+                bad += 1
+                continue
+            l = r["choices"][0]["logprobs"]
+            steps = [(tid(t), v, [(tid(k), x) for k, x in top.items()])
+                     for t, v, top in zip(l["tokens"], l["token_logprobs"], l["top_logprobs"])]
+            ids = prompts[i % len(prompts)]
+            w, at = worst_logprob_diff(forced(ids + [s[0] for s in steps]), len(ids), steps)
+            distinct.update(s[0] for s in steps)
+            if w > worst:
+                worst, where = w, (i, at)
+        bound = 2 * ref["tolerance"]["logits_max_abs"]
+        ok = worst <= bound
+        bad += not ok
+        print(f"{fam} batched x{batch}: {'ok' if ok else 'MISMATCH'} (16 steps each, distinct tokens {len(distinct)}, "
+              f"top-5 log-probabilities vs transformers float32: max |d| {worst:.3g} at (request, step) {where}, "
+              f"bound {bound:.3g})")
+    print(f"batched fixtures: {'all ok' if bad == 0 else f'{bad} mismatches'}")
+    return 1 if bad else 0
+
+
+def sampled_logprobs_check(exe, model, fam, k, p, chat, n, extra, tol):
+    """A reduced-precision fixture (bfloat16 weights; float32 references): its greedy
+    tokens soon repeat, so also sample n tokens (temperature 1, fixed seed) with their top-5
+    log-probabilities and compare every step with transformers in float32, teacher-forced
+    along the same tokens (where transformers is installed, as on the GPU boxes). A log-softmax
+    moves by at most twice a logit's error, so the bound is 2 x the fixture's logits_max_abs
+    (3x what transformers itself gives in bfloat16). Returns 1 on a mismatch."""
+    forced = teacher_forced_logprobs(model)
+    if forced is None:
         print(f"{fam}[{k}]: sampled log-probabilities not checked (no torch/transformers here)")
         return 0
     out = subprocess.run([exe, "generate", "-m", model, *chat, "-p", p["text"], "-n", str(n), "--ignore-eos",
@@ -94,16 +211,8 @@ def sampled_logprobs_check(exe, model, fam, k, p, chat, n, extra, tol):
         return 1
     got = json.loads(out.stdout.strip().splitlines()[-1])
     ids, gen = got["prompt_token_ids"], got["generated_token_ids"]
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, attn_implementation="eager").eval()
-    with torch.no_grad():
-        lp = torch.log_softmax(hf(torch.tensor([ids + gen])).logits[0].float(), -1)
-    worst, at = 0.0, None
-    for s, e in enumerate(got["logprobs"]):
-        row = lp[len(ids) - 1 + s]
-        for t, v in [(e["token"], e["logprob"])] + [tuple(x) for x in e["top"]]:
-            d = abs(row[t].item() - v)
-            if d > worst:
-                worst, at = d, s
+    steps = [(e["token"], e["logprob"], [tuple(x) for x in e["top"]]) for e in got["logprobs"]]
+    worst, at = worst_logprob_diff(forced(ids + gen), len(ids), steps)
     bound = 2 * tol["logits_max_abs"]
     ok = worst <= bound and len(got["logprobs"]) == len(gen)
     print(f"{fam}[{k}] sampled: {'ok' if ok else 'MISMATCH'} ({len(gen)} steps, distinct tokens {len(set(gen))}, "
