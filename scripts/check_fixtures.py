@@ -120,7 +120,7 @@ def batched(exe, batch, extra):
     import threading
     import time
     import urllib.request
-    bad = 0
+    bad, checked = 0, 0
     for fam in sorted(os.listdir(fixtures)):
         ref_path = os.path.join(fixtures, fam, "reference.json")
         if not os.path.exists(ref_path) or "tolerance" not in json.load(open(ref_path)):
@@ -185,10 +185,11 @@ def batched(exe, batch, extra):
         bound = 2 * ref["tolerance"]["logits_max_abs"]
         ok = worst <= bound
         bad += not ok
+        checked += 1
         print(f"{fam} batched x{batch}: {'ok' if ok else 'MISMATCH'} (16 steps each, distinct tokens {len(distinct)}, "
               f"top-5 log-probabilities vs transformers float32: max |d| {worst:.3g} at (request, step) {where}, "
               f"bound {bound:.3g})")
-    print(f"batched fixtures: {'all ok' if bad == 0 else f'{bad} mismatches'}")
+    print(f"batched fixtures: {checked} checked, {'all ok' if bad == 0 else f'{bad} mismatches'}")
     return 1 if bad else 0
 
 
