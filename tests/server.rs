@@ -1627,11 +1627,15 @@ fn max_connections_keeps_health_answering() {
     kept.clear();
     extra.clear();
     held.clear();
-    // once they are gone, everything is served again
+    // once they are gone, everything is served again (until the server has seen them go, a
+    // new connection may still be past the limit and closed at once: a reset is "not yet")
     wait_until(
         "/v1/models served again",
         Duration::from_secs(10),
-        || s.req("GET", "/v1/models", &[], None).status == 200,
+        || {
+            s.try_req("GET", "/v1/models", &[], None)
+                .is_ok_and(|r| r.status == 200)
+        },
         || s.log(),
     );
 }
