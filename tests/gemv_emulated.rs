@@ -347,10 +347,12 @@ fn launch_code_refuses_what_the_kernel_does_not_take() {
     let (bf, f16) = ([Dtype::BF16, Dtype::BF16], [Dtype::F16, Dtype::F16]);
     assert!(gemv::shape_supported(1, 4096, 4096, bf));
     assert!(gemv::shape_supported(8, 6, 72, f16));
-    // K not a multiple of 8 (the 16-byte vectors), batches above 8, mixed or f32 dtypes
+    // K not a multiple of 8 (the 16-byte vectors), batches above 8 off the tensor-core
+    // path (N not whole tiles of 16) and above its 16, mixed or f32 dtypes
     assert!(!gemv::shape_supported(1, 4096, 4100, bf));
     assert!(!gemv::shape_supported(1, 16, 12, f16));
-    assert!(!gemv::shape_supported(9, 4096, 4096, bf));
+    assert!(!gemv::shape_supported(9, 4104, 4096, bf));
+    assert!(!gemv::shape_supported(17, 4096, 4096, bf));
     assert!(!gemv::shape_supported(0, 4096, 4096, bf));
     assert!(!gemv::shape_supported(
         1,
