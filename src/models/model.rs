@@ -706,17 +706,13 @@ impl Model {
             if let (Some(h), Some(q), Some(index)) = (&hd, &q_d, &index) {
                 let o = match &scratch {
                     // every row its own slot and length, in one kernel
-                    // (the view the q/k/v kernel wrote through, unless prefill chunks were
-                    // written into the pool since, or the q/k/v took a path that does not
-                    // write the pool (the GEMM of 9-128 rows, a projection the kernels do
-                    // not cover) so that the cache's scatter wrote the decode rows: then a
-                    // view made after that write, which the attention op depends on)
+                    // (the view the q/k/v kernel wrote through; where the cache's scatter
+                    // wrote the decode rows instead (a step with prefill chunks, which makes
+                    // no such view; the GEMM of 9-128 rows; a projection the kernels do not
+                    // cover), a view made after that write, which the attention op depends on)
                     Some(scratch) => a.decode_attention(
                         q,
-                        &match pool
-                            .take()
-                            .filter(|_| chunks.is_empty() && matches!(kv_d, Some(NewKv::Written)))
-                        {
+                        &match pool.take().filter(|_| matches!(kv_d, Some(NewKv::Written))) {
                             Some(p) => p,
                             None => cache.pool_view(li)?,
                         },
