@@ -266,3 +266,52 @@ fn an_update_after_a_queued_unowned_read_reuses_the_buffer() {
     assert_eq!(update_after_read(Read::UnownedPair), (true, 0.0));
     assert_eq!(update_after_read(Read::Slice), (false, 0.0));
 }
+
+/// The views of several arrays made by one op (a decode step's keys and values of every
+/// layer) are unowned as one array's are: after a queued read through them, an update
+/// of each array reuses its buffer, and the read sees the contents from before.
+#[test]
+fn updates_after_a_queued_read_through_views_of_several_arrays_reuse_their_buffers() {
+    let _one = serial();
+    let pools: Vec<mlx::Array> = (0..3)
+        .map(|i| mlx::Array::full(&[1, 4, 64, 8], i as f32, mlx::Dtype::F32).unwrap())
+        .collect();
+    mlx::eval(&pools.iter().collect::<Vec<_>>()).unwrap();
+    let ids: Vec<u64> = pools.iter().map(|p| p.buffer_id()).collect();
+    let busy = busy();
+    let (k0, k1) = ([0, 0, 0, 0], [1, 2, 5, 8]);
+    let (v0, v1) = ([0, 2, 0, 0], [1, 4, 5, 8]);
+    let specs: Vec<(usize, &[i32], &[i32])> = (0..3)
+        .flat_map(|l| [(l, &k0[..], &k1[..]), (l, &v0[..], &v1[..])])
+        .collect();
+    let views = mlx::Array::unowned_slices_of(&pools.iter().collect::<Vec<_>>(), &specs).unwrap();
+    assert_eq!(views.len(), 6);
+    let outputs: Vec<&mlx::Array> = views.iter().collect();
+    assert_eq!(mlx::graph::count_ops(&outputs, &[]).total(), 1);
+    let mut read = views[0].sum(&[0, 1, 2, 3], false).unwrap();
+    for v in &views[1..] {
+        read = read.add(&v.sum(&[0, 1, 2, 3], false).unwrap()).unwrap();
+    }
+    drop(views);
+    mlx::async_eval(&[&read]).unwrap();
+    let ones = mlx::Array::full(&[1, 4, 1, 8], 100.0, mlx::Dtype::F32).unwrap();
+    let updated: Vec<mlx::Array> = pools
+        .into_iter()
+        .map(|p| {
+            p.slice_update(&ones, &[0, 0, 0, 0], &[1, 4, 1, 8], &[1; 4])
+                .unwrap()
+        })
+        .collect();
+    mlx::eval(&updated.iter().collect::<Vec<_>>()).unwrap();
+    let now: Vec<u64> = updated.iter().map(|p| p.buffer_id()).collect();
+    assert_eq!(now, ids, "an update copied its array");
+    busy.eval().unwrap();
+    // each pool's 2 × 2 heads × 5 rows × 8 values of its own value i, before the update
+    let per_pool = (2 * 2 * 5 * 8) as f32;
+    assert_eq!(read.item::<f32>().unwrap(), per_pool * (0.0 + 1.0 + 2.0));
+    // a view of an array that is not there, or out of its range: an error
+    let x = mlx::Array::zeros(&[2, 3], mlx::Dtype::F32).unwrap();
+    assert!(mlx::Array::unowned_slices_of(&[&x], &[(1, &[0, 0], &[1, 1])]).is_err());
+    assert!(mlx::Array::unowned_slices_of(&[&x], &[(0, &[0, 0], &[3, 1])]).is_err());
+    assert!(mlx::Array::unowned_slices_of(&[&x], &[(0, &[0], &[1])]).is_err());
+}
