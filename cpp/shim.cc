@@ -368,11 +368,11 @@ ArrayPtr slice_dynamic(const array& a, const array& start, rust::Slice<const int
 namespace {
 
 // See `unowned_slices` in shim.h. Evaluated on whatever stream the read runs on; it sets
-// up its views and runs no kernel. One op, however many views (of one array or several).
+// up its views and runs no kernel. One op, however many views.
 class UnownedSlices : public mx::Primitive {
  public:
-  UnownedSlices(mx::Stream s, std::vector<size_t> source, std::vector<mx::Shape> starts)
-      : mx::Primitive(s), source_(std::move(source)), starts_(std::move(starts)) {}
+  UnownedSlices(mx::Stream s, std::vector<mx::Shape> starts)
+      : mx::Primitive(s), starts_(std::move(starts)) {}
 
   void eval_cpu(const std::vector<array>& inputs, std::vector<array>& outputs) override {
     views(inputs, outputs);
@@ -385,9 +385,9 @@ class UnownedSlices : public mx::Primitive {
 
  private:
   void views(const std::vector<array>& inputs, std::vector<array>& outputs) {
+    const array& in = inputs[0];
+    const auto& st = in.strides();
     for (size_t o = 0; o < outputs.size(); ++o) {
-      const array& in = inputs[source_[o]];
-      const auto& st = in.strides();
       array& out = outputs[o];
       const mx::Shape& start = starts_[o];
       // strides, offset and data size as MLX's own slice computes them (unit steps)
@@ -409,46 +409,29 @@ class UnownedSlices : public mx::Primitive {
     }
     // MLX keeps every input of an evaluated op until the device is done with the op (its
     // "temporaries"), and a buffer still referenced then cannot be reused by the next
-    // update: this op hands its inputs back now. Each output's input list (`inputs` is the
-    // evaluated one's, what MLX's eval passes) gets the output itself in every place
-    // instead, which MLX skips as an input sharing the output's data (the others it keeps
-    // are these views, which hold no reference to the buffers); the graph is detached right
-    // after evaluation.
-    for (auto& out : outputs) {
-      for (auto& in : out.inputs()) in = out;
-    }
+    // update: this op hands its input back now. Each output's input list (`inputs` is the
+    // evaluated one's, what MLX's eval passes) gets the output itself instead, which MLX
+    // skips as an input sharing the output's data (the others it keeps are these views,
+    // which hold no reference to the buffer); the graph is detached right after evaluation.
+    for (auto& out : outputs) out.inputs()[0] = out;
   }
 
-  std::vector<size_t> source_;
   std::vector<mx::Shape> starts_;
 };
 
 }  // namespace
 
-std::unique_ptr<ArrayVec> unowned_slices_of(const ArrayVec& arrays, rust::Slice<const uint32_t> source,
-                                            rust::Slice<const int32_t> starts,
-                                            rust::Slice<const int32_t> stops) {
-  const auto& in = arrays.items;
-  if (in.empty() || source.empty()) {
-    throw std::invalid_argument("unowned_slices: no array or no view");
+std::unique_ptr<ArrayVec> unowned_slices(const array& a, rust::Slice<const int32_t> starts,
+                                         rust::Slice<const int32_t> stops) {
+  const size_t nd = a.ndim();
+  if (nd == 0 || starts.size() != stops.size() || starts.size() == 0 || starts.size() % nd != 0) {
+    throw std::invalid_argument("unowned_slices: start and stop need one entry per axis per view");
   }
   std::vector<mx::Shape> shapes, begins;
-  std::vector<size_t> from;
-  size_t at = 0;
-  for (size_t v = 0; v < source.size(); ++v) {
-    if (source[v] >= in.size()) {
-      throw std::invalid_argument("unowned_slices: view " + std::to_string(v) + " of array " +
-                                  std::to_string(source[v]) + " of " + std::to_string(in.size()));
-    }
-    const array& a = in[source[v]];
-    const size_t nd = a.ndim();
-    if (nd == 0 || a.dtype() != in[0].dtype() || at + nd > starts.size() || starts.size() != stops.size()) {
-      throw std::invalid_argument(
-          "unowned_slices: start and stop need one entry per axis per view, arrays one dtype");
-    }
+  for (size_t v = 0; v < starts.size() / nd; ++v) {
     mx::Shape shape(nd), begin(nd);
     for (size_t i = 0; i < nd; ++i) {
-      const int32_t lo = starts[at + i], hi = stops[at + i];
+      const int32_t lo = starts[v * nd + i], hi = stops[v * nd + i];
       if (lo < 0 || hi > a.shape(i) || lo > hi) {
         throw std::invalid_argument("unowned_slice: axis " + std::to_string(i) + " range " +
                                     std::to_string(lo) + ".." + std::to_string(hi) +
@@ -457,33 +440,15 @@ std::unique_ptr<ArrayVec> unowned_slices_of(const ArrayVec& arrays, rust::Slice<
       shape[i] = hi - lo;
       begin[i] = lo;
     }
-    at += nd;
     shapes.push_back(std::move(shape));
     begins.push_back(std::move(begin));
-    from.push_back(source[v]);
-  }
-  if (at != starts.size()) {
-    throw std::invalid_argument("unowned_slices: start and stop need one entry per axis per view");
   }
   auto s = mx::default_stream(mx::default_device());
-  std::vector<mx::Dtype> dtypes(shapes.size(), in[0].dtype());
+  std::vector<mx::Dtype> dtypes(shapes.size(), a.dtype());
   auto out = std::make_unique<ArrayVec>();
   out->items = array::make_arrays(std::move(shapes), dtypes,
-                                  std::make_shared<UnownedSlices>(s, std::move(from), std::move(begins)),
-                                  in);
+                                  std::make_shared<UnownedSlices>(s, std::move(begins)), {a});
   return out;
-}
-
-std::unique_ptr<ArrayVec> unowned_slices(const array& a, rust::Slice<const int32_t> starts,
-                                         rust::Slice<const int32_t> stops) {
-  const size_t nd = a.ndim();
-  if (nd == 0 || starts.size() != stops.size() || starts.size() == 0 || starts.size() % nd != 0) {
-    throw std::invalid_argument("unowned_slices: start and stop need one entry per axis per view");
-  }
-  ArrayVec one;
-  one.items.push_back(a);
-  std::vector<uint32_t> source(starts.size() / nd, 0);
-  return unowned_slices_of(one, rust::Slice<const uint32_t>(source.data(), source.size()), starts, stops);
 }
 
 ArrayPtr unowned_slice(const array& a, rust::Slice<const int32_t> start,

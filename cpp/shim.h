@@ -144,12 +144,6 @@ ArrayPtr unowned_slice(const array& a, rust::Slice<const int32_t> start,
 // layer's keys and its values) builds and runs one op for all of them.
 std::unique_ptr<ArrayVec> unowned_slices(const array& a, rust::Slice<const int32_t> starts,
                                          rust::Slice<const int32_t> stops);
-// The same over several arrays of one dtype: view v is of `arrays[source[v]]`, its starts
-// and stops that array's ndim entries each, in order (one op for the views of many
-// buffers, e.g. every layer's keys and values of a decode step).
-std::unique_ptr<ArrayVec> unowned_slices_of(const ArrayVec& arrays, rust::Slice<const uint32_t> source,
-                                            rust::Slice<const int32_t> starts,
-                                            rust::Slice<const int32_t> stops);
 // The identity of `a`'s buffer (0 while it has none, e.g. not yet evaluated): equal for
 // two arrays that share one buffer, so an update that reused its input's buffer keeps it.
 uint64_t buffer_id(const array& a);

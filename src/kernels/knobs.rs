@@ -133,11 +133,6 @@ pub struct Knobs {
     /// it whole), and a sequence's keys and values are read as two views made by one op;
     /// 0: a new whole-pool view every step, one op per view.
     pub pool_view: bool,
-    /// `MLXCEL_STEP_VIEWS` (default 1): a single sequence's decode step whose q/k/v
-    /// kernels write the KV pools makes the key and value views of every layer (what MLX's
-    /// attention reads) with one op before the first layer: one op per layer less; 0: one
-    /// op per layer.
-    pub step_views: bool,
     /// `MLXCEL_TP_RESIDUAL=1`: under tensor parallelism a row-parallel linear that feeds
     /// the residual stream (o_proj, down_proj) has rank 0 add the residual to its partial
     /// product (in the GEMV/GEMM kernel's epilogue where one runs), so the reduction
@@ -214,7 +209,6 @@ impl Default for Knobs {
             device_consts: true,
             kv_fused: true,
             pool_view: true,
-            step_views: true,
             tp_residual: false,
             warm_background: false,
             nvrtc_processes: true,
@@ -265,7 +259,6 @@ pub const VARS: &[&str] = &[
     "MLXCEL_DEVICE_CONSTS",
     "MLXCEL_KV_FUSED",
     "MLXCEL_POOL_VIEW",
-    "MLXCEL_STEP_VIEWS",
     "MLXCEL_TP_RESIDUAL",
     "MLXCEL_WARM_BACKGROUND",
     "MLXCEL_NVRTC_PROCESSES",
@@ -307,7 +300,6 @@ const SWITCHES: &[(&str, Field)] = &[
     ("MLXCEL_DEVICE_CONSTS", |k| &mut k.device_consts),
     ("MLXCEL_KV_FUSED", |k| &mut k.kv_fused),
     ("MLXCEL_POOL_VIEW", |k| &mut k.pool_view),
-    ("MLXCEL_STEP_VIEWS", |k| &mut k.step_views),
     ("MLXCEL_TP_RESIDUAL", |k| &mut k.tp_residual),
     ("MLXCEL_WARM_BACKGROUND", |k| &mut k.warm_background),
     ("MLXCEL_NVRTC_PROCESSES", |k| &mut k.nvrtc_processes),

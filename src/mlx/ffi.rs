@@ -224,12 +224,6 @@ pub(crate) mod ffi {
         ) -> Result<UniquePtr<Array>>;
         fn unowned_slice(a: &Array, start: &[i32], stop: &[i32]) -> Result<UniquePtr<Array>>;
         fn unowned_slices(a: &Array, starts: &[i32], stops: &[i32]) -> Result<UniquePtr<ArrayVec>>;
-        fn unowned_slices_of(
-            arrays: &ArrayVec,
-            source: &[u32],
-            starts: &[i32],
-            stops: &[i32],
-        ) -> Result<UniquePtr<ArrayVec>>;
         fn buffer_id(a: &Array) -> u64;
         fn slice_update(
             src: &Array,

@@ -213,44 +213,6 @@ impl Array {
         ArrayList(ffi::unowned_slices(self.raw(), &starts, &stops)?).into_vec()
     }
 
-    /// [`Array::unowned_slices`] over several arrays of one dtype, one op for all the
-    /// views: view `i` is `arrays[views[i].0][views[i].1 .. views[i].2]`. A graph that
-    /// reads parts of many buffers (a decode step's keys and values of every layer) builds
-    /// and runs one op for all of them; each view is ordered after whatever writes its
-    /// buffer in place only by the ops that read it (see [`Array::unowned_slice`]).
-    pub fn unowned_slices_of(
-        arrays: &[&Array],
-        views: &[(usize, &[i32], &[i32])],
-    ) -> Result<Vec<Array>> {
-        for (i, (a, start, stop)) in views.iter().enumerate() {
-            let Some(arr) = arrays.get(*a) else {
-                return Err(MlxError::Invalid(format!(
-                    "unowned_slices_of: view {i} of array {a} of {}",
-                    arrays.len()
-                )));
-            };
-            let nd = arr.ndim();
-            if start.len() != nd || stop.len() != nd {
-                return Err(MlxError::Invalid(format!(
-                    "unowned_slices_of: view {i}: {} starts and {} stops for {nd} axes",
-                    start.len(),
-                    stop.len()
-                )));
-            }
-        }
-        let source: Vec<u32> = views.iter().map(|v| v.0 as u32).collect();
-        let starts: Vec<i32> = views.iter().flat_map(|v| v.1.iter().copied()).collect();
-        let stops: Vec<i32> = views.iter().flat_map(|v| v.2.iter().copied()).collect();
-        let list = ArrayList::new(arrays.iter().copied());
-        ArrayList(ffi::unowned_slices_of(
-            list.raw(),
-            &source,
-            &starts,
-            &stops,
-        )?)
-        .into_vec()
-    }
-
     /// The identity of the buffer holding this array's data (0 while it has none, i.e.
     /// not evaluated yet): an update that reused its input's buffer in place has the
     /// input's identity, a copy has a new one.

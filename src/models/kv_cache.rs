@@ -695,40 +695,6 @@ impl KvCache {
         }
     }
 
-    /// [`KvCache::read`] of one sequence's run of rows for every layer at once: each
-    /// layer's keys and values (`[1, kv_heads, pos+T, head_dim]`) as unowned views of its
-    /// pool, all made by one op (`None` for scattered rows). For a step whose q/k/v kernels
-    /// write the pools in place ([`NewKv::Written`]): nothing orders a view after its
-    /// layer's write but the reads of it, which also read that kernel's q. Before an MLX
-    /// write into a pool these views are evaluated first, as every read is (see
-    /// [`KvCache::settle`]); read that layer again after such a write.
-    pub fn read_all(&self, rows: &SeqRows) -> mlx::Result<Option<Vec<(Array, Array)>>> {
-        let SeqRows::Run { start, pos, t } = rows else {
-            return Ok(None);
-        };
-        let (h, d) = (self.kv_heads as i32, self.head_dim as i32);
-        let (r0, r1) = (*start as i32, (start + pos + t) as i32);
-        let (k0, k1) = ([0, 0, r0, 0], [1, h, r1, d]);
-        let (v0, v1) = ([0, h, r0, 0], [1, 2 * h, r1, d]);
-        let specs: Vec<(usize, &[i32], &[i32])> = (0..self.kv.len())
-            .flat_map(|l| [(l, &k0[..], &k1[..]), (l, &v0[..], &v1[..])])
-            .collect();
-        let pools: Vec<&Array> = self.kv.iter().collect();
-        let mut views = Array::unowned_slices_of(&pools, &specs)?.into_iter();
-        let mut out = Vec::with_capacity(self.kv.len());
-        let mut reads = self.reads.borrow_mut();
-        for layer in 0..self.kv.len() {
-            let (Some(k), Some(v)) = (views.next(), views.next()) else {
-                return Err(mlx::MlxError::Invalid("read_all: two views a layer".into()));
-            };
-            if let Some(r) = reads.get_mut(layer) {
-                r.extend([k.clone(), v.clone()]);
-            }
-            out.push((k, v));
-        }
-        Ok(Some(out))
-    }
-
     /// The rows a step of a batched decode (`decode`) and of prefill chunks (`chunks`, in
     /// order) writes, for [`KvCache::write_step`]; built once per step.
     pub fn step_writes(

@@ -535,38 +535,18 @@ impl Model {
             }
             _ => None,
         };
-        let mut h = self.embed(ids)?;
-        if t == 1 {
-            h = self.decode_rows(h)?;
-        }
-        // the pool views the q/k/v kernels write through (where they do)
-        let mut pools: Vec<Option<Array>> = match &dst {
-            Some(_) => self
-                .layers
-                .iter()
-                .enumerate()
-                .map(|(li, block)| Self::pool_for(cache, li, &block.self_attn, &h))
-                .collect::<mlx::Result<_>>()?,
-            None => vec![None; self.layers.len()],
-        };
-        // where every layer's q/k/v kernel writes its pool and MLX's attention reads the
-        // keys and values, one op makes every layer's views of them (`MLXCEL_STEP_VIEWS`)
-        let views = match single {
-            None if kernels::knobs::get().step_views && pools.iter().all(Option::is_some) => {
-                cache.read_all(&rows)?
-            }
-            _ => None,
-        };
         if probe.is_some() {
-            // (counting ops per layer: the step's inputs and views are made once per step,
-            // not in each layer that reads them, so they are evaluated before the layers
-            // are counted)
+            // (counting ops per layer: the step's inputs are made once per step, not in
+            // each layer that reads them, so they are evaluated before the layers are counted)
             let inputs: Vec<&Array> = std::iter::once(&offset)
                 .chain(dst.as_ref())
                 .chain(single.as_ref().map(|s| &s.0))
-                .chain(views.iter().flatten().flat_map(|(k, v)| [k, v]))
                 .collect();
             mlx::eval(&inputs)?;
+        }
+        let mut h = self.embed(ids)?;
+        if t == 1 {
+            h = self.decode_rows(h)?;
         }
         // On a GPU the host encodes a long input's layers far ahead of the device, and a
         // temporary is only freed once the device is done with it, so without a bound every
@@ -579,7 +559,10 @@ impl Model {
         }
         for (li, block) in self.layers.iter().enumerate() {
             let a = &block.self_attn;
-            let pool = pools[li].take();
+            let pool = match &dst {
+                Some(_) => Self::pool_for(cache, li, a, &h)?,
+                None => None,
+            };
             let into = pool.as_ref().zip(dst.as_ref());
             let (q, kv) = a.qkv(&h, &block.input_layernorm, 1, t, &self.rope, &offset, into)?;
             let o = match (&single, &pool, &kv) {
@@ -592,13 +575,7 @@ impl Model {
                 // MLX's attention (by default: at batch 1 it beat mlxcel's kernel on H100
                 // and H200); scattered blocks (a prefill after a cached prefix) are gathered
                 _ => {
-                    let (kk, vv) = match (&views, &kv) {
-                        (Some(all), NewKv::Written) => {
-                            cache.write(li, &rows, &kv)?;
-                            all[li].clone()
-                        }
-                        _ => cache.write_and_read(li, &rows, &kv)?,
-                    };
+                    let (kk, vv) = cache.write_and_read(li, &rows, &kv)?;
                     let mask = if t > 1 {
                         fast::Mask::Causal
                     } else {
