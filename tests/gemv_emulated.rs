@@ -498,6 +498,20 @@ fn gemv_tensor_cores_with_their_launch() {
         let n_run = 2 * l.rows;
         launched(&format!("mma_launch_{n}x{k}"), m, n_run, k, l, &extra);
     }
+    // Qwen2's q/k/v with its biases into the pool at batches of 4-16 (the qwen2_bf16
+    // fixture's shape: hidden 32, 2 query heads and 1 kv head of 16)
+    for m in [4, 5, 8, 12, 16] {
+        let l = gemv::mma_launch(64, 32);
+        let extra = [("NORM", 1), ("HD", 16), ("NQ", 2), ("KVW", 1), ("BIAS", 1)];
+        launched(
+            &format!("mma_launch_qwen2_kv_bias_m{m}"),
+            m,
+            64,
+            32,
+            l,
+            &extra,
+        );
+    }
     assert_eq!(gemv::mma_launch(28672, 4096).rows, 32);
     assert_eq!(gemv::mma_launch(1280, 8192).rows, 16);
     assert_eq!(gemv::mma_launch(1280, 8192).wpb, 16);

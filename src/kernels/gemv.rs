@@ -417,6 +417,18 @@ pub fn gemv(
         .ok_or_else(|| MlxError::Invalid("gemv: the kernel returned no output".into()))
 }
 
+/// Whether [`gemv_rope`] should write the new keys and values into the KV pool itself
+/// (`into`) for `x [m, k] · w [n, k]ᵀ`: on the CUDA-core launch (1-3 rows). The
+/// tensor-core launch (4-16 rows) returns them for the cache to write instead: with it
+/// writing the pool, batched decode of the qwen2_bf16 fixture on an H100 (12 concurrent
+/// requests, `scripts/check_fixtures.py --batched 12`) drifted from transformers by 0.58 in
+/// the log-probabilities (bound 0.138), right with `MLXCEL_GEMV_MMA=0` or
+/// `MLXCEL_KV_FUSED=0`, while the kernel's pool write passes the CPU emulation at that
+/// shape and `check_gemv.py --mma` on the 8B shapes; the cause is not found yet.
+pub fn writes_kv(m: usize, n: usize, k: usize) -> bool {
+    !launch_config(m, n, k).mma
+}
+
 /// The q/k/v projection of a decode step in one kernel for a dense merged `[q; k; v]`
 /// weight: `y = norm(x) · Wᵀ` with RoPE (half-split, angle `pos[m] · inv_freq[d]`) on the
 /// q and k heads of row m. Returns q `[m, nq, 1, head_dim]` and kv `[m, 2·nkv, 1,
