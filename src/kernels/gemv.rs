@@ -425,8 +425,9 @@ pub fn gemv(
 /// the log-probabilities (bound 0.138), right with `MLXCEL_GEMV_MMA=0` or
 /// `MLXCEL_KV_FUSED=0`, while the kernel's pool write passes the CPU emulation at that
 /// shape and `check_gemv.py --mma` on the 8B shapes; the cause is not found yet.
+/// `MLXCEL_GEMV_MMA_KV=1` lets the tensor-core launch write the pool (to look for it).
 pub fn writes_kv(m: usize, n: usize, k: usize) -> bool {
-    !launch_config(m, n, k).mma
+    !launch_config(m, n, k).mma || knobs::get().gemv_mma_kv
 }
 
 /// The q/k/v projection of a decode step in one kernel for a dense merged `[q; k; v]`

@@ -108,6 +108,10 @@ pub struct Knobs {
     /// `MLXCEL_GEMV_MMA_MAX`: the largest batch on that path (unset:
     /// [`super::gemv::MMA_MAX`]); larger batches stay on MLX's matmul.
     pub gemv_mma_max: Option<usize>,
+    /// `MLXCEL_GEMV_MMA_KV=1`: the tensor-core q/k/v launch writes the new keys and values
+    /// into the KV pool itself, as the CUDA-core one does (off by default: batched output
+    /// was wrong with it on an H100, see `kernels::gemv::writes_kv`).
+    pub gemv_mma_kv: bool,
     /// `MLXCEL_QKV_BIAS` (default 1): a q/k/v projection with biases (Qwen2) runs the GEMV
     /// kernels' q/k/v + RoPE entry point, which adds them; 0: the plain ops, as before.
     pub qkv_bias: bool,
@@ -203,6 +207,7 @@ impl Default for Knobs {
             gemv_wide: true,
             gemv_mma: None,
             gemv_mma_max: None,
+            gemv_mma_kv: false,
             qkv_bias: true,
             qk_rope: true,
             device_inputs: true,
@@ -253,6 +258,7 @@ pub const VARS: &[&str] = &[
     "MLXCEL_GEMV_WIDE",
     "MLXCEL_GEMV_MMA",
     "MLXCEL_GEMV_MMA_MAX",
+    "MLXCEL_GEMV_MMA_KV",
     "MLXCEL_QKV_BIAS",
     "MLXCEL_QK_ROPE",
     "MLXCEL_DEVICE_INPUTS",
@@ -294,6 +300,7 @@ const SWITCHES: &[(&str, Field)] = &[
     ("MLXCEL_KERNEL_REUSE", |k| &mut k.kernel_reuse),
     ("MLXCEL_GEMV_DENSE", |k| &mut k.gemv_dense),
     ("MLXCEL_GEMV_WIDE", |k| &mut k.gemv_wide),
+    ("MLXCEL_GEMV_MMA_KV", |k| &mut k.gemv_mma_kv),
     ("MLXCEL_QKV_BIAS", |k| &mut k.qkv_bias),
     ("MLXCEL_QK_ROPE", |k| &mut k.qk_rope),
     ("MLXCEL_DEVICE_INPUTS", |k| &mut k.device_inputs),
