@@ -1037,9 +1037,10 @@ impl TokenNames<'_> {
     /// The name and the UTF-8 bytes of the token's own text.
     fn name_and_bytes(&self, id: u32) -> (String, Vec<u8>) {
         let text = token_text(self.tokenizer, id);
+        let bytes = text.as_bytes().to_vec();
         match self.as_ids {
-            true => (format!("token_id:{id}"), text.into_bytes()),
-            false => (text.clone(), text.into_bytes()),
+            true => (self.name(id), bytes),
+            false => (text, bytes),
         }
     }
 }
