@@ -961,8 +961,18 @@ def reduced_precision_fixture(base: str, seed: int, **config) -> dict:
     return spec
 
 
+# Heads of 64, a size mlxcel's attention kernel takes, so batched decode on CUDA reads the
+# keys and values the q/k/v kernel wrote into the pool itself (with heads of 16, MLX's
+# attention over a gather of the pool ran instead, and the cache wrote the pool). Hidden 24
+# (rows of 3 16-byte vectors: the GEMV's partial chunk of 4) keeps tests/fixtures under 4 MiB.
 FIXTURES["qwen2_bf16"] = reduced_precision_fixture(
-    "qwen2", 1010, hidden_size=32, num_attention_heads=2, num_key_value_heads=1, intermediate_size=64
+    "qwen2",
+    1058,
+    hidden_size=24,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=64,
+    intermediate_size=64,
 )
 FIXTURES["qwen3_bf16"] = reduced_precision_fixture(
     "qwen3",

@@ -498,19 +498,22 @@ fn gemv_tensor_cores_with_their_launch() {
         let n_run = 2 * l.rows;
         launched(&format!("mma_launch_{n}x{k}"), m, n_run, k, l, &extra);
     }
-    // Qwen2's q/k/v with its biases into the pool at batches of 4-16 (the qwen2_bf16
-    // fixture's shape: hidden 32, 2 query heads and 1 kv head of 16)
-    for m in [4, 5, 8, 12, 16] {
-        let l = gemv::mma_launch(64, 32);
-        let extra = [("NORM", 1), ("HD", 16), ("NQ", 2), ("KVW", 1), ("BIAS", 1)];
-        launched(
-            &format!("mma_launch_qwen2_kv_bias_m{m}"),
-            m,
-            64,
-            32,
-            l,
-            &extra,
-        );
+    // Qwen2's q/k/v with its biases into the pool at batches of 4-16: hidden 32 with 2
+    // query heads and 1 kv head of 16, and the qwen2_bf16 fixture's hidden 24 (rows of 3
+    // vectors: a partial chunk) with heads of 64
+    for (n, k, hd) in [(64, 32, 16), (256, 24, 64)] {
+        for m in [4, 5, 8, 12, 16] {
+            let l = gemv::mma_launch(n, k);
+            let extra = [("NORM", 1), ("HD", hd), ("NQ", 2), ("KVW", 1), ("BIAS", 1)];
+            launched(
+                &format!("mma_launch_qwen2_kv_bias_{n}x{k}_m{m}"),
+                m,
+                n,
+                k,
+                l,
+                &extra,
+            );
+        }
     }
     assert_eq!(gemv::mma_launch(28672, 4096).rows, 32);
     assert_eq!(gemv::mma_launch(1280, 8192).rows, 16);

@@ -679,13 +679,18 @@ impl Model {
             let mut pool = None;
             let (q_d, kv_d) = match (&hd, &index) {
                 (Some(h), Some(index)) => {
-                    // (not in a step with prefill chunks: their scatter into the pool has no
-                    // dependency on a kernel writing through a view of it, so where MLX
-                    // copies the pool for the scatter the decode rows' keys and values were
-                    // lost (seen on an H100: a batched bf16 Qwen2 fixture off by 0.18 in its
-                    // log-probabilities, right with MLXCEL_KV_FUSED=0); the scatter writes
-                    // the decode rows with the chunks' instead)
-                    if kernels::knobs::get().kv_fused && chunks.is_empty() {
+                    // The q/k/v kernel writes the pool through an input, which MLX does not
+                    // see as a write: on CUDA its graph orders a kernel after the last one
+                    // that *output* a buffer it reads, so only a reader that takes this
+                    // kernel's q (mlxcel's attention kernel) is sure to see the new rows.
+                    // So not where MLX's attention reads a gather of the pool (no kernel
+                    // for the head size: the gather may run before the write; a batched
+                    // bf16 Qwen2 fixture with heads of 16 drifted 0.58 from transformers on
+                    // an H100), nor in a step with prefill chunks (their
+                    // scatter into the pool had the same blind spot and lost the decode
+                    // rows where MLX copied the pool for it: off by 0.18); the cache's
+                    // scatter writes the decode rows then.
+                    if kernels::knobs::get().kv_fused && chunks.is_empty() && scratch.is_some() {
                         pool = Self::pool_for(cache, li, a, h)?;
                     }
                     let into = pool.as_ref().map(|p| (p, index.kv_dst()));
