@@ -21,13 +21,10 @@ import argparse
 import json
 import os
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
-import threading
-import time
-import urllib.request
+
+from check_fixtures import batched_run
 
 here = os.path.dirname(os.path.abspath(__file__))
 fixtures = os.path.join(here, "..", "tests", "fixtures")
@@ -134,43 +131,6 @@ def forward_fn(path, dtype):
     return run
 
 
-def serve_batch(exe, model, batch, extra):
-    """B concurrent sampled completions from `mlxcel serve --parallel B`: the responses."""
-    with socket.socket() as sk:
-        sk.bind(("127.0.0.1", 0))
-        port = sk.getsockname()[1]
-    server = subprocess.Popen([exe, "serve", "-m", model, "--port", str(port), "--parallel", str(batch), *extra],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    results = [None] * batch
-    try:
-        for _ in range(1200):
-            try:
-                urllib.request.urlopen(url + "/health", timeout=1)
-                break
-            except Exception:
-                if server.poll() is not None:
-                    raise RuntimeError(server.stderr.read()[-400:])
-                time.sleep(0.5)
-
-        def one(i):
-            body = {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": STEPS, "temperature": 1.0, "seed": 700 + i,
-                    "ignore_eos": True, "logprobs": 5, "return_tokens_as_token_ids": True}
-            req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
-                                         {"Content-Type": "application/json"})
-            results[i] = json.load(urllib.request.urlopen(req, timeout=600))
-
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(batch)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        server.terminate()
-        server.wait()
-    return results
-
-
 def check(exe, model, name, batches, extra):
     """Returns the number of mismatches for one model."""
     import mlx.core as mx
@@ -182,30 +142,14 @@ def check(exe, model, name, batches, extra):
     bad = 0
     for batch in batches:
         try:
-            results = serve_batch(exe, model, batch, extra)
+            worst, where, distinct, missing = batched_run(exe, model, batch, PROMPTS, 700, STEPS, ref, extra)
         except Exception as e:
             print(f"{name} batched x{batch}: FAILED to run: {e}")
             bad += 1
             continue
-        tid = lambda s: int(s.split(":", 1)[1])
-        worst, where, distinct = 0.0, None, set()
-        for i, r in enumerate(results):
-            if r is None:
-                print(f"{name} batched x{batch}: request {i} got no answer")
-                bad += 1
-                continue
-            l = r["choices"][0]["logprobs"]
-            ids = PROMPTS[i % len(PROMPTS)]
-            toks = [tid(t) for t in l["tokens"]]
-            lp = ref(ids + toks)
-            for s, (t, v, top) in enumerate(zip(toks, l["token_logprobs"], l["top_logprobs"])):
-                row = lp[len(ids) - 1 + s]
-                for k, x in [(t, v)] + [(tid(k), x) for k, x in top.items()]:
-                    d = abs(float(row[k]) - x)
-                    if d > worst:
-                        worst, where = d, (i, s)
-            distinct.update(toks)
-        ok = worst <= bound and len(distinct) > 1
+        if missing:
+            print(f"{name} batched x{batch}: requests {missing} got no answer")
+        ok = worst <= bound and len(distinct) > 1 and not missing
         bad += not ok
         print(f"{name} batched x{batch}: {'ok' if ok else 'MISMATCH'} ({STEPS} steps each, distinct tokens "
               f"{len(distinct)}, top-5 log-probabilities vs mlx-lm float32: max |d| {worst:.3g} at (request, step) "

@@ -114,12 +114,71 @@ def worst_logprob_diff(lp, n_prompt, steps):
     return worst, at
 
 
-def batched(exe, batch, extra):
-    """--batched B: see the module's docstring. Returns the process's exit status."""
+def serve_batch(exe, model, batch, body_of, extra):
+    """`mlxcel serve -m model --parallel B` answering B concurrent `/v1/completions` requests
+    (request i's body: body_of(i)); returns the responses (None where one got no answer)."""
     import socket
     import threading
     import time
     import urllib.request
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    server = subprocess.Popen([exe, "serve", "-m", model, "--port", str(port), "--parallel", str(batch), *extra],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    results = [None] * batch
+    try:
+        for _ in range(1200):
+            try:
+                urllib.request.urlopen(url + "/health", timeout=1)
+                break
+            except Exception:
+                if server.poll() is not None:
+                    raise RuntimeError(server.stderr.read()[-400:])
+                time.sleep(0.5)
+
+        def one(i):
+            req = urllib.request.Request(url + "/v1/completions", json.dumps(body_of(i)).encode(),
+                                         {"Content-Type": "application/json"})
+            results[i] = json.load(urllib.request.urlopen(req, timeout=600))
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(batch)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        server.terminate()
+        server.wait()
+    return results
+
+
+def batched_run(exe, model, batch, prompts, seed0, steps, forced, extra):
+    """B concurrent sampled completions (request i: prompts[i % len], seed seed0 + i, `steps`
+    tokens, top-5 log-probabilities) from `mlxcel serve --parallel B`, each compared with
+    forced(ids) (log-softmax rows of a reference over the sequence) along its own tokens.
+    Returns (max |d|, (request, step) of it, distinct tokens, requests with no answer)."""
+    body_of = lambda i: {"prompt": prompts[i % len(prompts)], "max_tokens": steps, "temperature": 1.0,
+                         "seed": seed0 + i, "ignore_eos": True, "logprobs": 5, "return_tokens_as_token_ids": True}
+    tid = lambda name: int(name.split(":", 1)[1])
+    worst, where, distinct, missing = 0.0, None, set(), []
+    for i, r in enumerate(serve_batch(exe, model, batch, body_of, extra)):
+        if r is None:
+            missing.append(i)
+            continue
+        l = r["choices"][0]["logprobs"]
+        got = [(tid(t), v, [(tid(k), x) for k, x in top.items()])
+               for t, v, top in zip(l["tokens"], l["token_logprobs"], l["top_logprobs"])]
+        ids = prompts[i % len(prompts)]
+        w, at = worst_logprob_diff(forced(ids + [g[0] for g in got]), len(ids), got)
+        distinct.update(g[0] for g in got)
+        if w > worst:
+            worst, where = w, (i, at)
+    return worst, where, distinct, missing
+
+
+def batched(exe, batch, extra):
+    """--batched B: see the module's docstring. Returns the process's exit status."""
     bad, checked = 0, 0
     for fam in sorted(os.listdir(fixtures)):
         ref_path = os.path.join(fixtures, fam, "reference.json")
@@ -131,59 +190,17 @@ def batched(exe, batch, extra):
         if forced is None:
             print(f"{fam} batched: not checked (no torch/transformers here)")
             continue
-        with socket.socket() as sk:
-            sk.bind(("127.0.0.1", 0))
-            port = sk.getsockname()[1]
-        server = subprocess.Popen([exe, "serve", "-m", model, "--port", str(port), "--parallel", str(batch), *extra],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        url = f"http://127.0.0.1:{port}"
+        prompts = [p["ids"] for p in ref["prompts"]]
         try:
-            for _ in range(600):
-                try:
-                    urllib.request.urlopen(url + "/health", timeout=1)
-                    break
-                except Exception:
-                    if server.poll() is not None:
-                        raise RuntimeError(server.stderr.read()[-400:])
-                    time.sleep(0.5)
-            prompts = [p["ids"] for p in ref["prompts"]]
-            results = [None] * batch
-
-            def one(i):
-                body = {"prompt": prompts[i % len(prompts)], "max_tokens": 16, "temperature": 1.0, "seed": 500 + i,
-                        "ignore_eos": True, "logprobs": 5, "return_tokens_as_token_ids": True}
-                req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
-                                             {"Content-Type": "application/json"})
-                results[i] = json.load(urllib.request.urlopen(req, timeout=600))
-            threads = [threading.Thread(target=one, args=(i,)) for i in range(batch)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
+            worst, where, distinct, missing = batched_run(exe, model, batch, prompts, 500, 16, forced, extra)
         except Exception as e:
             print(f"{fam} batched: FAILED to run: {e}")
             bad += 1
             continue
-        finally:
-            server.terminate()
-            server.wait()
-        tid = lambda name: int(name.split(":", 1)[1])
-        worst, where, distinct = 0.0, None, set()
-        for i, r in enumerate(results):
-            if r is None:
-                print(f"{fam} batched: request {i} got no answer")
-                bad += 1
-                continue
-            l = r["choices"][0]["logprobs"]
-            steps = [(tid(t), v, [(tid(k), x) for k, x in top.items()])
-                     for t, v, top in zip(l["tokens"], l["token_logprobs"], l["top_logprobs"])]
-            ids = prompts[i % len(prompts)]
-            w, at = worst_logprob_diff(forced(ids + [s[0] for s in steps]), len(ids), steps)
-            distinct.update(s[0] for s in steps)
-            if w > worst:
-                worst, where = w, (i, at)
+        if missing:
+            print(f"{fam} batched: requests {missing} got no answer")
         bound = 2 * ref["tolerance"]["logits_max_abs"]
-        ok = worst <= bound
+        ok = worst <= bound and not missing
         bad += not ok
         checked += 1
         print(f"{fam} batched x{batch}: {'ok' if ok else 'MISMATCH'} (16 steps each, distinct tokens {len(distinct)}, "
