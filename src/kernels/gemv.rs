@@ -419,13 +419,12 @@ pub fn gemv(
 
 /// Whether [`gemv_rope`] should write the new keys and values into the KV pool itself
 /// (`into`) for `x [m, k] · w [n, k]ᵀ`: on the CUDA-core launch (1-3 rows). The
-/// tensor-core launch (4-16 rows) returns them for the cache to write instead: with it
-/// writing the pool, batched decode of the qwen2_bf16 fixture on an H100 (12 concurrent
-/// requests, `scripts/check_fixtures.py --batched 12`) drifted from transformers by 0.58 in
-/// the log-probabilities (bound 0.138), right with `MLXCEL_GEMV_MMA=0` or
-/// `MLXCEL_KV_FUSED=0`, while the kernel's pool write passes the CPU emulation at that
-/// shape and `check_gemv.py --mma` on the 8B shapes; the cause is not found yet.
-/// `MLXCEL_GEMV_MMA_KV=1` lets the tensor-core launch write the pool (to look for it).
+/// tensor-core launch (4-16 rows) returns them for the cache to write unless
+/// `MLXCEL_GEMV_MMA_KV=1`, until a GPU run checks its pool write again: the wrong batched
+/// output first blamed on it (the qwen2_bf16 fixture, 12 concurrent requests, on an H100)
+/// came from a gather of the pool that MLX did not order after the kernel's write, which
+/// `Model::forward_mixed` now avoids for either launch (docs/benchmarks.md, "The batched
+/// pool write's cause").
 pub fn writes_kv(m: usize, n: usize, k: usize) -> bool {
     !launch_config(m, n, k).mma || knobs::get().gemv_mma_kv
 }

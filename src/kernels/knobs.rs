@@ -109,8 +109,8 @@ pub struct Knobs {
     /// [`super::gemv::MMA_MAX`]); larger batches stay on MLX's matmul.
     pub gemv_mma_max: Option<usize>,
     /// `MLXCEL_GEMV_MMA_KV=1`: the tensor-core q/k/v launch writes the new keys and values
-    /// into the KV pool itself, as the CUDA-core one does (off by default: batched output
-    /// was wrong with it on an H100, see `kernels::gemv::writes_kv`).
+    /// into the KV pool itself, as the CUDA-core one does (off by default until a GPU run
+    /// checks it again, see `kernels::gemv::writes_kv`).
     pub gemv_mma_kv: bool,
     /// `MLXCEL_QKV_BIAS` (default 1): a q/k/v projection with biases (Qwen2) runs the GEMV
     /// kernels' q/k/v + RoPE entry point, which adds them; 0: the plain ops, as before.
