@@ -418,13 +418,12 @@ pub fn gemv(
 }
 
 /// Whether [`gemv_rope`] should write the new keys and values into the KV pool itself
-/// (`into`) for `x [m, k] · w [n, k]ᵀ`: on the CUDA-core launch (1-3 rows). The
-/// tensor-core launch (4-16 rows) returns them for the cache to write unless
-/// `MLXCEL_GEMV_MMA_KV=1`, until a GPU run checks its pool write again: the wrong batched
-/// output first blamed on it (the qwen2_bf16 fixture, 12 concurrent requests, on an H100)
-/// came from a gather of the pool that MLX did not order after the kernel's write, which
-/// `Model::forward_mixed` now avoids for either launch (docs/benchmarks.md, "The batched
-/// pool write's cause").
+/// (`into`) for `x [m, k] · w [n, k]ᵀ`: always on the CUDA-core launch (1-3 rows), and on
+/// the tensor-core launch (4-16 rows) unless `MLXCEL_GEMV_MMA_KV=0` (it then returns them
+/// for the cache to write: one scatter op a layer more; on one H100, bf16 decode at batches
+/// 4-16 ran 15-28% faster with the kernel writing the pool, docs/benchmarks.md, "The batched
+/// pool write's cause"). That knob was off for a while because of wrong batched output
+/// that came from a gather MLX did not order after the write, not from this launch.
 pub fn writes_kv(m: usize, n: usize, k: usize) -> bool {
     !launch_config(m, n, k).mma || knobs::get().gemv_mma_kv
 }

@@ -108,9 +108,9 @@ pub struct Knobs {
     /// `MLXCEL_GEMV_MMA_MAX`: the largest batch on that path (unset:
     /// [`super::gemv::MMA_MAX`]); larger batches stay on MLX's matmul.
     pub gemv_mma_max: Option<usize>,
-    /// `MLXCEL_GEMV_MMA_KV=1`: the tensor-core q/k/v launch writes the new keys and values
-    /// into the KV pool itself, as the CUDA-core one does (off by default until a GPU run
-    /// checks it again, see `kernels::gemv::writes_kv`).
+    /// `MLXCEL_GEMV_MMA_KV` (default 1): the tensor-core q/k/v launch writes the new keys and
+    /// values into the KV pool itself, as the CUDA-core one does; 0: it returns them for the
+    /// cache to write (see `kernels::gemv::writes_kv`).
     pub gemv_mma_kv: bool,
     /// `MLXCEL_QKV_BIAS` (default 1): a q/k/v projection with biases (Qwen2) runs the GEMV
     /// kernels' q/k/v + RoPE entry point, which adds them; 0: the plain ops, as before.
@@ -207,7 +207,7 @@ impl Default for Knobs {
             gemv_wide: true,
             gemv_mma: None,
             gemv_mma_max: None,
-            gemv_mma_kv: false,
+            gemv_mma_kv: true,
             qkv_bias: true,
             qk_rope: true,
             device_inputs: true,

@@ -369,8 +369,8 @@ impl Linear {
         let (w, scales, biases, group, bits) = (f.w, f.scales, f.biases, f.group, f.bits);
         if f.dense {
             let fits = fits && kernels::gemv::supports_rope(f.m, f.n, nq, head_dim);
-            // (the tensor-core launch (4-16 rows) returns k and v for the cache to write
-            // unless MLXCEL_GEMV_MMA_KV=1, see `kernels::gemv::writes_kv`)
+            // (MLXCEL_GEMV_MMA_KV=0: the tensor-core launch (4-16 rows) returns k and v
+            // for the cache to write, see `kernels::gemv::writes_kv`)
             let into = into.filter(|_| kernels::gemv::writes_kv(f.m, f.n, w.dim(1) as usize));
             return fits
                 .then(|| kernels::gemv::gemv_rope(x, w, nw, pos, inv, nq, head_dim, into, bias));
