@@ -686,10 +686,10 @@ impl Model {
                     // So not where MLX's attention reads a gather of the pool (no kernel
                     // for the head size: the gather may run before the write; a batched
                     // bf16 Qwen2 fixture with heads of 16 drifted 0.58 from transformers on
-                    // an H100), nor in a step with prefill chunks (their
-                    // scatter into the pool had the same blind spot and lost the decode
-                    // rows where MLX copied the pool for it: off by 0.18); the cache's
-                    // scatter writes the decode rows then.
+                    // an H100), nor in a step with prefill chunks (their scatter into the
+                    // pool had the same blind spot and lost the decode rows where MLX copied
+                    // the pool for it: off by 0.18); the cache's scatter writes the decode
+                    // rows then.
                     if kernels::knobs::get().kv_fused && chunks.is_empty() && scratch.is_some() {
                         pool = Self::pool_for(cache, li, a, h)?;
                     }
