@@ -24,13 +24,10 @@ import shutil
 import sys
 import tempfile
 
-from check_fixtures import batched_run
+from check_fixtures import batched_run, fixtures
 
-here = os.path.dirname(os.path.abspath(__file__))
-fixtures = os.path.join(here, "..", "tests", "fixtures")
-
-# (name, tokenizer fixture, config): heads of 64 (the attention kernel's size), GQA 2:1,
-# hidden 128 (group 32 divides it), two layers; vocabulary of the fixtures' tokenizer
+# heads of 64 (the attention kernel's size), GQA 2:1, hidden 128 (group 32 divides it), two
+# layers; the vocabulary of the fixtures' tokenizer
 BASE = {
     "hidden_size": 128,
     "num_hidden_layers": 2,
@@ -46,6 +43,7 @@ BASE = {
     "torch_dtype": "bfloat16",
     "hidden_act": "silu",
 }
+# family: (the fixture whose tokenizer it takes, its config keys)
 FAMILIES = {
     "llama": ("llama3", {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}),
     "qwen3": ("qwen3", {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}),

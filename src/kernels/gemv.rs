@@ -422,8 +422,8 @@ pub fn gemv(
 /// the tensor-core launch (4-16 rows) unless `MLXCEL_GEMV_MMA_KV=0` (it then returns them
 /// for the cache to write: one scatter op a layer more; on one H100, bf16 decode at batches
 /// 4-16 ran 15-28% faster with the kernel writing the pool, docs/benchmarks.md, "The batched
-/// pool write's cause"). That knob was off for a while because of wrong batched output
-/// that came from a gather MLX did not order after the write, not from this launch.
+/// pool write's cause"). Which readers may follow such a write is the caller's decision
+/// (`Model::forward_mixed`).
 pub fn writes_kv(m: usize, n: usize, k: usize) -> bool {
     !launch_config(m, n, k).mma || knobs::get().gemv_mma_kv
 }

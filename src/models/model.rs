@@ -690,7 +690,7 @@ impl Model {
                     // pool had the same blind spot and lost the decode rows where MLX copied
                     // the pool for it: off by 0.18); the cache's scatter writes the decode
                     // rows then.
-                    if kernels::knobs::get().kv_fused && chunks.is_empty() && scratch.is_some() {
+                    if kernels::knobs::get().kv_fused && chunks.is_empty() && kernel {
                         pool = Self::pool_for(cache, li, a, h)?;
                     }
                     let into = pool.as_ref().map(|p| (p, index.kv_dst()));
