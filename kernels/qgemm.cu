@@ -132,6 +132,21 @@
 #ifndef MLXCEL_QGEMM_BOUNDED
 #define MLXCEL_QGEMM_BOUNDED 0
 #endif
+// MLXCEL_QGEMM_WGMMA 1 (the launch's wgmma flavour, src/kernels/qgemm.rs): where the GPU has
+// Hopper's warpgroup MMAs (sm_90a) and a block is whole warpgroups over one row of tiles (WR
+// a multiple of 4, WN 1), the products run as `wgmma.mma_async` with the weights' A
+// fragments in registers (the dequantizing below, unchanged) and x read by the tensor cores
+// from the stage, instead of `mma.sync` with every warp loading every x fragment into
+// registers (at 64 rows a block's warps read 8 × 16 KB of x from shared memory a step for
+// 16 KB of weights). See WG in mlxcel_qgemm.
+#ifndef MLXCEL_QGEMM_WGMMA
+#define MLXCEL_QGEMM_WGMMA 0
+#endif
+#if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define MLXCEL_HAS_WGMMA 1
+#else
+#define MLXCEL_HAS_WGMMA 0
+#endif
 
 // Pairs of T: 128 + v for 4 bits v in the mantissa (bf16 0x4300 | v; f16 1024 + v, 0x6400 | v),
 // 1 and minus that offset; bf: whether T is bfloat16
@@ -199,6 +214,113 @@ __device__ __forceinline__ void mlxcel_mma16(float (&c)[4], uint32_t a0, uint32_
 #else
   mlxcel_emulated_mma16<T>(c, a0, a1, a2, a3, b0, b1);
 #endif
+}
+
+// ---- Hopper's warpgroup MMA (wgmma), B from shared memory, K-major, no swizzle ----
+// The shared-memory address of p in a matrix descriptor: the shared window's on the device;
+// in the CPU emulation the offset from `base` (where the emulated wgmma reads)
+__device__ __forceinline__ uint32_t mlxcel_smem_addr(const void* p, const void* base) {
+#if defined(__CUDA_ARCH__)
+  (void)base;
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+#else
+  return uint32_t(static_cast<const char*>(p) - static_cast<const char*>(base));
+#endif
+}
+// A matrix descriptor (PTX ISA, "Matrix Descriptor Format"): the start address, the leading
+// byte offset (K-major without swizzle: from a core matrix, 8 rows of 16 bytes, to the next
+// one along K) and the stride byte offset (to the next 8 rows), each in 16-byte units
+__device__ __forceinline__ uint64_t mlxcel_wg_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+  return uint64_t((addr & 0x3FFFFu) >> 4) | (uint64_t((lbo & 0x3FFFFu) >> 4) << 16) |
+         (uint64_t((sbo & 0x3FFFFu) >> 4) << 32);
+}
+// wgmma.fence (the A fragments and accumulators written before the MMAs that read them),
+// commit_group, wait_group<P> (at most P committed groups still running), and the proxy
+// fence that makes a thread's shared-memory stores visible to the tensor cores' reads; no-ops
+// in the CPU emulation, whose wgmma runs at once
+__device__ __forceinline__ void mlxcel_wg_fence() {
+#if defined(__CUDA_ARCH__) && MLXCEL_HAS_WGMMA
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void mlxcel_wg_commit() {
+#if defined(__CUDA_ARCH__) && MLXCEL_HAS_WGMMA
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#endif
+}
+template <int P>
+__device__ __forceinline__ void mlxcel_wg_wait() {
+#if defined(__CUDA_ARCH__) && MLXCEL_HAS_WGMMA
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(P) : "memory");
+#endif
+}
+__device__ __forceinline__ void mlxcel_proxy_fence() {
+#if defined(__CUDA_ARCH__) && MLXCEL_HAS_WGMMA
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+// (the m64nNk16 forms for N = 8 … 128, f32 accumulators d[N/2], A in registers: scale-d 1
+// (accumulate), A and B unscaled, B K-major)
+#define MLXCEL_D4(i) "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3])
+#define MLXCEL_D8(i) MLXCEL_D4(i), MLXCEL_D4(i + 4)
+#define MLXCEL_D16(i) MLXCEL_D8(i), MLXCEL_D8(i + 8)
+#define MLXCEL_D32(i) MLXCEL_D16(i), MLXCEL_D16(i + 16)
+#define MLXCEL_D64(i) MLXCEL_D32(i), MLXCEL_D32(i + 32)
+#define MLXCEL_WGMMA8(TY) asm volatile("{ .reg .pred p; setp.ne.b32 p, %9, 0; wgmma.mma_async.sync.aligned.m64n8k16.f32." TY "." TY " {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1, 0; }" : MLXCEL_D4(0) : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1))
+#define MLXCEL_WGMMA16(TY) asm volatile("{ .reg .pred p; setp.ne.b32 p, %13, 0; wgmma.mma_async.sync.aligned.m64n16k16.f32." TY "." TY " {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, p, 1, 1, 0; }" : MLXCEL_D8(0) : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1))
+#define MLXCEL_WGMMA32(TY) asm volatile("{ .reg .pred p; setp.ne.b32 p, %21, 0; wgmma.mma_async.sync.aligned.m64n32k16.f32." TY "." TY " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1, 0; }" : MLXCEL_D16(0) : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1))
+#define MLXCEL_WGMMA64(TY) asm volatile("{ .reg .pred p; setp.ne.b32 p, %37, 0; wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, 0; }" : MLXCEL_D32(0) : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1))
+#define MLXCEL_WGMMA128(TY) asm volatile("{ .reg .pred p; setp.ne.b32 p, %69, 0; wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 0; }" : MLXCEL_D64(0) : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(1))
+// d[NN/2] += A · B of one m64nNk16 wgmma: A (64 rows × 16 values) the warpgroup's fragments
+// a0 … a3 (each warp's 16 rows laid out as mma.m16n8k16's A), B (16 × NN) at descriptor desc
+template <typename T, int NN>
+__device__ __forceinline__ void mlxcel_wgmma(float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                             uint64_t desc, const void* base) {
+#if defined(__CUDA_ARCH__) && MLXCEL_HAS_WGMMA
+  (void)base;
+  static_assert(NN == 8 || NN == 16 || NN == 32 || NN == 64 || NN == 128, "wgmma: N of 8 … 128, powers of two");
+  if constexpr (mlxcel_k16<T>::bf) {
+    if constexpr (NN == 8) {
+      MLXCEL_WGMMA8("bf16");
+    } else if constexpr (NN == 16) {
+      MLXCEL_WGMMA16("bf16");
+    } else if constexpr (NN == 32) {
+      MLXCEL_WGMMA32("bf16");
+    } else if constexpr (NN == 64) {
+      MLXCEL_WGMMA64("bf16");
+    } else {
+      MLXCEL_WGMMA128("bf16");
+    }
+  } else {
+    if constexpr (NN == 8) {
+      MLXCEL_WGMMA8("f16");
+    } else if constexpr (NN == 16) {
+      MLXCEL_WGMMA16("f16");
+    } else if constexpr (NN == 32) {
+      MLXCEL_WGMMA32("f16");
+    } else if constexpr (NN == 64) {
+      MLXCEL_WGMMA64("f16");
+    } else {
+      MLXCEL_WGMMA128("f16");
+    }
+  }
+#elif !defined(__CUDA_ARCH__)
+  mlxcel_emulated_wgmma<T>(d, NN, a0, a1, a2, a3, desc, base);
+#else
+  (void)d, (void)a0, (void)a1, (void)a2, (void)a3, (void)desc, (void)base;
+#endif
+}
+// All MT columns of B (MT batch rows of x, groups of 8 rows SBO bytes apart from addr) in
+// wgmmas of 128, 64, … 8 columns (MT's binary digits: 40 = 32 + 8), accumulators d[MT/2]
+template <typename T, int MT, int N0 = 0>
+__device__ __forceinline__ void mlxcel_wgmma_cols(float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                                  uint32_t addr, uint32_t lbo, uint32_t sbo, const void* base) {
+  constexpr int R = MT - N0;
+  if constexpr (R > 0) {
+    constexpr int P = R >= 128 ? 128 : R >= 64 ? 64 : R >= 32 ? 32 : R >= 16 ? 16 : 8;
+    mlxcel_wgmma<T, P>(d + N0 / 2, a0, a1, a2, a3, mlxcel_wg_desc(addr + (N0 / 8) * sbo, lbo, sbo), base);
+    mlxcel_wgmma_cols<T, MT, N0 + P>(d, a0, a1, a2, a3, addr, lbo, sbo, base);
+  }
 }
 
 // The four T pairs (v0,v4) (v1,v5) (v2,v6) (v3,v7) of the 8 weights of a 4-bit word, or of
@@ -327,6 +449,16 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
   constexpr int HALF = N / 2;
   constexpr int HD2 = HD > 0 ? HD / 2 : 1;
   constexpr int CB = (N + BN - 1) / BN;          // column blocks
+  // Warpgroup MMAs (MLXCEL_QGEMM_WGMMA): the block's warps in groups of 4 (warp wr's tile i
+  // is rows 16·(wr % 4) … of the group's 64-row A of tile i), all MT batch rows in one wgmma
+  // (or one per binary digit of MT). x lands in the stage as B's core matrices: row m's 16
+  // chunks of 8 values at (m / 8 · 16 + q) · 128 + (m % 8) · 16 bytes, chunk q = 4c + t
+  // holding word 4t + c (values 32t + 8c …); a pass over each landed stage (the norm's, or
+  // one of its own) turns the 4 chunks of c into 4c + j = the pairs j (x_j, x_j+4) of words
+  // t = 0 … 3, in t's order: the 16 values k of a wgmma (word c, pairs 2h, 2h + 1) as the A
+  // fragments hold them (logical k 2t, 2t + 1 = pair 2h of lane t's word c; 2t + 8, 2t + 9 =
+  // pair 2h + 1), in two core matrices 128 bytes apart (LBO), groups of 8 rows 2 KB apart (SBO).
+  constexpr bool WG = MLXCEL_QGEMM_WGMMA && MLXCEL_HAS_WGMMA && WN == 1 && WR % 4 == 0;
   static_assert(TPB % 16 == 0, "qgemm: a normalizing thread keeps its row of x");
   static_assert(ST >= 2 && ST <= 8, "qgemm: 2 to 8 stages in the ring");
   constexpr int SBUF16 = SBK ? 8 * BN : 0;  // the scale blocks' two slots: 2 kinds × BN rows × 32 bytes each
@@ -406,7 +538,8 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
   }
   const int xw = tid % 16;                                 // the thread's word of an x row,
   const int xm0 = tid / 16;                                // its first row (then + j·TPB/16,
-  const int xslot = (4 * (xw % 4) + xw / 4) ^ (4 * (xm0 & 1));  // of the same parity) and slot
+  const int xslot = WG ? 4 * (xw % 4) + xw / 4                 // of the same parity) and slot
+                       : (4 * (xw % 4) + xw / 4) ^ (4 * (xm0 & 1));
   // the lane's scale and bias of its rows' group, per step, as loaded (16 bits in 32): one
   // step ahead, two sets by the step's parity, paired only where compute uses them (paired
   // as they landed, every lane waited for the loads a step early: Nsight's warp samples on
@@ -483,7 +616,8 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
     for (int j = 0; j < XJ; ++j) {
       const int m = xm0 + j * (TPB / 16);
       if (X16 % TPB == 0 || m < MT) {
-        mlxcel_cp16z(st + W16 + m * 16 + xslot, x + size_t(m < M ? m : 0) * K + k0 + 8 * xw, m < M);
+        mlxcel_cp16z(st + W16 + (WG ? ((m >> 3) * 16 + xslot) * 8 + (m & 7) : m * 16 + xslot),
+                     x + size_t(m < M ? m : 0) * K + k0 + 8 * xw, m < M);
       }
     }
     if (NORM && tid < 16) {
@@ -522,9 +656,56 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
   // The stage's x in place, each word stored as the pairs (x0,x4) (x1,x5) (x2,x6) (x3,x7)
   // the MMAs take: with NORM times the norm weight (Σ x² on the way), without it
   // (MLXCEL_QGEMM_XPAIR) as it is; otherwise the fragment loads pair them
-  constexpr bool PAIRED = NORM || MLXCEL_QGEMM_XPAIR;
+  constexpr bool PAIRED = NORM || MLXCEL_QGEMM_XPAIR || WG;
+  // (WG) items (m, c) of x: row m's words 4t + c, t = 0 … 3, into the pairs j of 4c + j
+  constexpr int XI = WG ? (MT * 4 + TPB - 1) / TPB : 1;
+  float ssw[XI];  // NORM: Σ x² of the thread's items
+#pragma unroll
+  for (int j = 0; j < XI; ++j) {
+    ssw[j] = 0.f;
+  }
   auto prepare_x = [&](int slot) {
     uint4* st = ring + slot * STAGE16;
+    if constexpr (WG) {
+#pragma unroll
+      for (int j = 0; j < XI; ++j) {
+        const int item = tid + j * TPB;
+        if (MT * 4 % TPB == 0 || item < MT * 4) {
+          const int m = item % MT, c = item / MT;
+          uint4* q0 = st + W16 + ((m >> 3) * 16 + 4 * c) * 8 + (m & 7);  // chunk 4c + t at q0 + 8t
+          uint32_t pr[4][4];                                            // pair, word t
+#pragma unroll
+          for (int t4 = 0; t4 < 4; ++t4) {
+            const uint4 v = q0[8 * t4];
+            if constexpr (NORM) {
+              float f[8], g8[8];
+              mlxcel_h8<T>(v, f);
+              mlxcel_h8<T>(st[W16 + X16 + 4 * t4 + c], g8);
+#pragma unroll
+              for (int e = 0; e < 8; ++e) {
+                ssw[j] = fmaf(f[e], f[e], ssw[j]);
+                f[e] *= g8[e];
+              }
+#pragma unroll
+              for (int e = 0; e < 4; ++e) {
+                pr[e][t4] = mlxcel_pack2<T>(f[e], f[e + 4]);
+              }
+            } else {
+              pr[0][t4] = __byte_perm(v.x, v.z, 0x5410);
+              pr[1][t4] = __byte_perm(v.x, v.z, 0x7632);
+              pr[2][t4] = __byte_perm(v.y, v.w, 0x5410);
+              pr[3][t4] = __byte_perm(v.y, v.w, 0x7632);
+            }
+          }
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            q0[8 * e] = make_uint4(pr[e][0], pr[e][1], pr[e][2], pr[e][3]);
+          }
+        }
+      }
+      mlxcel_proxy_fence();  // (the stores, before the tensor cores read them; a barrier follows)
+      return;
+    }
 #pragma unroll
     for (int j = 0; j < XR; ++j) {
       const int xc = tid + j * TPB;
@@ -658,6 +839,43 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
         mlxcel_mma16<T>(acc[i][j], a[i][0][2], a[i][1][2], a[i][0][3], a[i][1][3], b2_, b3);
       }
     };
+    if constexpr (WG) {
+      // word c's four wgmmas (tiles 0, 1; pairs 0-1, 2-3) run while word c + 1 dequantizes
+      // into the other A set, once the wgmmas that read that set (word c - 1's) are done;
+      // above 64 rows one set, word c + 1 dequantized after word c's wgmmas (even so the
+      // accumulators' 128 registers spill at 128 rows, ptxas for sm_90a: mlxcel's launches
+      // take this path up to 64 rows, qgemm::WGMMA_MAX_M)
+      constexpr int AS = MT > 64 ? 1 : 2;
+      const uint32_t xa = mlxcel_smem_addr(st + W16, ring);
+      uint32_t a[AS][2][2][4];  // set, tile, row, pair
+      if constexpr (BITS == 8) {
+        load_w(0);
+      }
+      dequant(0, a[0], false);
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        mlxcel_wg_fence();
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+#pragma unroll
+          for (int h2 = 0; h2 < 2; ++h2) {
+            const uint32_t(&f)[2][4] = a[c % AS][i];
+            mlxcel_wgmma_cols<T, MT>(&acc[i][0][0], f[0][2 * h2], f[1][2 * h2], f[0][2 * h2 + 1], f[1][2 * h2 + 1],
+                                     xa + (4 * c + 2 * h2) * 128, 128, 2048, ring);
+          }
+        }
+        mlxcel_wg_commit();
+        if (c + 1 < 4) {
+          if (BITS == 8 && c == 1) {
+            load_w(1);
+          }
+          mlxcel_wg_wait<AS - 1>();
+          dequant(c + 1, a[(c + 1) % AS], false);
+        }
+      }
+      mlxcel_wg_wait<0>();  // (the slot is refilled after the next barrier)
+      return;
+    }
     // (above 32 rows only without the norm, whose Σ x² registers tipped it into spilling)
     if constexpr (MT <= MLXCEL_QGEMM_PIPE && (MT <= 32 || !NORM) && !MLXCEL_QGEMM_BOUNDED) {
       // word c + 1 dequantized between word c's x loads and its MMAs, into the other set
@@ -752,7 +970,21 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
   }
   mlxcel_cp_wait<0>();  // (no copy left in flight when the block exits)
   // ---- Σ x² of each row (NORM), the split-K reduction ----
-  if constexpr (NORM) {
+  if constexpr (NORM && WG) {
+    // row m's items are c = 0 … 3 at item m + c·MT
+    __shared__ float ss4_sm[WG ? 4 * MT : 1];
+#pragma unroll
+    for (int j = 0; j < XI; ++j) {
+      const int item = tid + j * TPB;
+      if (MT * 4 % TPB == 0 || item < MT * 4) {
+        ss4_sm[item] = ssw[j];
+      }
+    }
+    __syncthreads();
+    for (int m = tid; m < MT; m += TPB) {
+      ss_sm[m] = ss4_sm[m] + ss4_sm[MT + m] + ss4_sm[2 * MT + m] + ss4_sm[3 * MT + m];
+    }
+  } else if constexpr (NORM) {
 #pragma unroll
     for (int j = 0; j < XR; ++j) {
       float v = ssr[j];

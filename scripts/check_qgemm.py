@@ -28,7 +28,9 @@ The GEMM's launch follows src/kernels/qgemm.rs (`launch_for`); `MLXCEL_QGEMM_SOU
 checks another kernel file, `MLXCEL_QGEMM_SPLITK=n` caps the splits and
 `MLXCEL_QGEMM_FILL=1` splits K as before `split_cost`, and
 `MLXCEL_QGEMM_BOUNDED=1` takes launches of up to 32 rows (two warps per row of tiles) in
-the 128-register flavour, as for mlxcel.
+the 128-register flavour and `MLXCEL_QGEMM_WGMMA=0` the `mma.sync` flavour instead of the
+warpgroup-MMA one (one warp per row of tiles up to 64 rows; the kernel uses it on sm_90a),
+as for mlxcel.
 """
 import argparse
 import math
@@ -67,6 +69,9 @@ def block_shared_overhead(mt):
 SMS = int(os.environ.get("MLXCEL_QGEMM_SMS", "132"))  # H200 / H100 SXM
 SMEM = 228 * 1024  # shared memory an sm_90 SM holds (src/kernels/gpu.rs)
 BOUNDED = os.environ.get("MLXCEL_QGEMM_BOUNDED") == "1"
+WGMMA = os.environ.get("MLXCEL_QGEMM_WGMMA", "1") != "0"
+WGMMA_PREFIX = "#define MLXCEL_QGEMM_WGMMA 1\n"  # src/kernels/qgemm.rs
+WGMMA_MAX_M = 64  # src/kernels/qgemm.rs
 FILL = os.environ.get("MLXCEL_QGEMM_FILL") == "1"
 WIDE = os.environ.get("MLXCEL_QGEMM_WIDE", "1") != "0"
 BLOCK_WARPS, NARROW_BLOCK_WARPS = 8, 4  # src/kernels/qgemm.rs
@@ -94,6 +99,8 @@ def sources(bounded=False):
     body, body_rope = rest.split(ROPE_MARK, 1)
     if bounded:
         header = BOUNDED_PREFIX + header
+    elif WGMMA:
+        header = WGMMA_PREFIX + header
     name = f"mlxcel_qgemm_{fnv1a32(gemv_header + header + body + ROPE_MARK + body_rope):08x}"
     return name, gemv_header + header, body, body_rope
 
@@ -126,11 +133,12 @@ def launch_for(m, n, k, bits, max_splits=None):
     if max_splits is None:
         max_splits = int(os.environ.get("MLXCEL_QGEMM_SPLITK") or MAX_SPLITS)
     mt = variant_rows(m)
-    wn = 2 if mt > 64 else 1
     # src/kernels/qgemm.rs `Plan::launch`: 8 warps a block (wide), or 4 warps over the weight
-    # rows (narrow: MLXCEL_QGEMM_WIDE=0, and the bounded flavour)
+    # rows (narrow: MLXCEL_QGEMM_WIDE=0, and the bounded flavour); the wgmma flavour's wide
+    # blocks keep one warp per row of tiles above 64 rows
     wide = WIDE and not (BOUNDED and is_boundable(mt))
     for wide in ((True, False) if wide else (False,)):
+        wn = 2 if mt > 64 and not (WGMMA and wide and mt <= WGMMA_MAX_M) else 1
         wr = BLOCK_WARPS // wn if wide else NARROW_BLOCK_WARPS
         stage = stage_bytes(mt, wr, bits)
         over = block_shared_overhead(mt) + scale_block_bytes(wr)

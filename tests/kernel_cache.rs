@@ -456,6 +456,8 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
         "{header}#define MLXCEL_QGEMM_CUNROLL 4\n#define MLXCEL_QGEMM_PIPE 0\n{}",
         g[0]
     );
+    // the warpgroup-MMA flavour (MLXCEL_QGEMM_WGMMA, `Launch::wgmma`): wgmma from sm_90a
+    let wgmma_header = format!("{header}{}{}", mlxcel::kernels::qgemm::WGMMA_PREFIX, g[0]);
     for (name, t, head, mut c, epi, norm) in [
         // gate/up at 32 rows: SwiGLU with the norm, 2 splits, a ring of 3 stages
         (
@@ -575,6 +577,49 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
             bf,
             &bounded_header,
             gemm(32, 4096, 14336, 64, 8, 2, 14, 4),
+            1,
+            0,
+        ),
+        // the wgmma flavour (up to 64 rows, `qgemm::WGMMA_MAX_M`): gate/up with the norm at 32
+        // and 64 rows (SwiGLU), 4- and 8-bit down at 64 rows (the residual, 8 splits), 40 rows
+        // (two wgmmas a product)
+        (
+            "custom_kernel_mlxcel_qgemm_test_wgmma_swiglu_32",
+            bf,
+            &wgmma_header,
+            gemm(32, 28672, 4096, 64, 4, 1, 1, 4),
+            2,
+            1,
+        ),
+        (
+            "custom_kernel_mlxcel_qgemm_test_wgmma_swiglu_64",
+            bf,
+            &wgmma_header,
+            gemm(64, 28672, 4096, 64, 4, 1, 1, 3),
+            2,
+            1,
+        ),
+        (
+            "custom_kernel_mlxcel_qgemm_test_wgmma_res_64",
+            bf,
+            &wgmma_header,
+            gemm(64, 4096, 14336, 64, 4, 1, 8, 3),
+            1,
+            0,
+        ),
+        (
+            "custom_kernel_mlxcel_qgemm_test_wgmma_res_64_8bit",
+            bf,
+            &wgmma_header,
+            gemm(64, 4096, 14336, 64, 8, 1, 8, 2),
+            1,
+            0,
+        ),
+        (
+            "custom_kernel_mlxcel_qgemm_test_wgmma_res_40_f16",
+            f16,
+            &wgmma_header,
+            gemm(40, 4096, 14336, 64, 4, 1, 8, 3),
             1,
             0,
         ),

@@ -293,6 +293,71 @@ fn qgemm_tuning_switches_match() {
     }
 }
 
+/// The kernel file's warpgroup-MMA flavour (`MLXCEL_QGEMM_WGMMA`: x read by the tensor cores
+/// from the stage through matrix descriptors, the emulated `wgmma` decoding them).
+const WGMMA: &str = "#define MLXCEL_QGEMM_WGMMA 1\n";
+
+#[test]
+fn qgemm_wgmma_matches() {
+    // one warpgroup (4 warps): 24 rows in two wgmmas (16 + 8 columns), a tail of 16 rows
+    run_switched("wg_m24", WGMMA, &cfg(24, 128 + 16, 384, 64, 4, 4, 1, 1));
+    // two warpgroups (the wide block): 64 rows with the norm, 2 splits over two column
+    // blocks (the second a tail of 48 rows); 40 rows (32 + 8) in groups of 32 over scale blocks
+    run_switched(
+        "wg_m64_norm_split",
+        WGMMA,
+        &with(
+            cfg(64, 256 + 48, 512, 64, 4, 8, 1, 2),
+            &[("NORM", 1), ("ST", 3)],
+        ),
+    );
+    run_switched(
+        "wg_m40_g32_blocks",
+        WGMMA,
+        &with(cfg(40, 256, 1536, 32, 4, 8, 1, 1), &[("ST", 4)]),
+    );
+    // 128 rows in one wgmma; SwiGLU; the residual; 8 bits; float16
+    run_switched("wg_m128_g128", WGMMA, &cfg(128, 128, 256, 128, 4, 4, 1, 1));
+    run_switched(
+        "wg_m17_swiglu_norm",
+        WGMMA,
+        &with(
+            cfg(17, 256, 384, 64, 4, 4, 1, 1),
+            &[("EPI", 2), ("NORM", 1)],
+        ),
+    );
+    run_switched(
+        "wg_m32_res_split",
+        WGMMA,
+        &with(cfg(32, 128, 512, 32, 4, 4, 1, 2), &[("EPI", 1), ("ST", 3)]),
+    );
+    run_switched("wg_m20_8bit", WGMMA, &cfg(20, 128, 512, 64, 8, 4, 1, 1));
+    // 8-bit from 5 rows (`qgemm::MIN_M`): one tile, one wgmma of 8 columns
+    run_switched("wg_m5_8bit", WGMMA, &cfg(5, 128, 256, 64, 8, 4, 1, 1));
+    run_switched(
+        "wg_m48_8bit_norm_split",
+        WGMMA,
+        &with(
+            cfg(48, 256, 1024, 64, 8, 8, 1, 2),
+            &[("NORM", 1), ("ST", 3)],
+        ),
+    );
+    run_switched(
+        "wg_m24_f16",
+        WGMMA,
+        &with(cfg(24, 128, 256, 64, 4, 4, 1, 1), &[("F16", 1)]),
+    );
+    // the q/k/v entry point with RoPE (2 query heads, 1 key and 1 value head of 64) and the bias
+    run_switched(
+        "wg_rope_m24_norm",
+        WGMMA,
+        &with(
+            cfg(24, 256, 256, 64, 4, 4, 1, 1),
+            &[("HD", 64), ("NQ", 2), ("NORM", 1), ("BIAS", 1)],
+        ),
+    );
+}
+
 #[test]
 fn qgemm_8bit_matches_dequantize_matmul() {
     // M = 5 (the 8-bit default's smallest batch: one tile, three rows of padding)
@@ -544,4 +609,27 @@ fn planted_bugs_are_caught() {
     let (ok, out) = common::compile_and_run("qgemm-bug-pair-pass", &src);
     eprintln!("qgemm-bug-pair-pass: {}", out.trim());
     assert!(!ok, "planted bug `pair-pass` was not caught: {out}");
+    // the wgmma flavour: B's core matrices along K read 256 bytes apart instead of 128, and
+    // a word's second wgmma reading the first one's pairs of x
+    for (tag, from, to) in [
+        (
+            "wgmma-lbo",
+            "xa + (4 * c + 2 * h2) * 128, 128, 2048, ring",
+            "xa + (4 * c + 2 * h2) * 128, 256, 2048, ring",
+        ),
+        (
+            "wgmma-pairs",
+            "xa + (4 * c + 2 * h2) * 128, 128, 2048, ring",
+            "xa + (4 * c) * 128, 128, 2048, ring",
+        ),
+    ] {
+        let src = program(&cfg(24, 128, 256, 64, 4, 4, 1, 1), &|s: String| {
+            assert!(s.contains(from), "{tag}: `{from}` not in kernels/qgemm.cu");
+            s.replacen("// @@header\n", &format!("// @@header\n{WGMMA}"), 1)
+                .replacen(from, to, 1)
+        });
+        let (ok, out) = common::compile_and_run(&format!("qgemm-bug-{tag}"), &src);
+        eprintln!("qgemm-bug-{tag}: {}", out.trim());
+        assert!(!ok, "planted bug `{tag}` was not caught: {out}");
+    }
 }

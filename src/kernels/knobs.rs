@@ -63,6 +63,10 @@ pub struct Knobs {
     /// `MLXCEL_QGEMM_WIDE` (default 1): GEMM blocks of [`super::qgemm::BLOCK_WARPS`] warps;
     /// 0: [`super::qgemm::NARROW_BLOCK_WARPS`] (128 weight rows a block), for A/B runs.
     pub qgemm_wide: bool,
+    /// `MLXCEL_QGEMM_WGMMA` (default 1): the GEMM's wide blocks of up to
+    /// [`super::qgemm::WGMMA_MAX_M`] rows in the warpgroup-MMA flavour on Hopper (sm_90;
+    /// [`super::qgemm::WGMMA_PREFIX`]); 0: `mma.sync` everywhere, for A/B runs.
+    pub qgemm_wgmma: bool,
     /// `MLXCEL_QGEMM_FILL=1`: split K over the fewest blocks that fill every SM's slots (the
     /// rule before [`super::qgemm::split_cost`]), for A/B runs.
     pub qgemm_fill: bool,
@@ -194,6 +198,7 @@ impl Default for Knobs {
             qgemm_bounded: false,
             qgemm_fill: false,
             qgemm_wide: true,
+            qgemm_wgmma: true,
             kernel_include: true,
             attn: true,
             attn_single: false,
@@ -245,6 +250,7 @@ pub const VARS: &[&str] = &[
     "MLXCEL_QGEMM_SOURCE",
     "MLXCEL_QGEMM_BOUNDED",
     "MLXCEL_QGEMM_WIDE",
+    "MLXCEL_QGEMM_WGMMA",
     "MLXCEL_KERNEL_INCLUDE",
     "MLXCEL_ATTN",
     "MLXCEL_ATTN_SINGLE",
@@ -290,6 +296,7 @@ const SWITCHES: &[(&str, Field)] = &[
     ("MLXCEL_QGEMM_BOUNDED", |k| &mut k.qgemm_bounded),
     ("MLXCEL_QGEMM_FILL", |k| &mut k.qgemm_fill),
     ("MLXCEL_QGEMM_WIDE", |k| &mut k.qgemm_wide),
+    ("MLXCEL_QGEMM_WGMMA", |k| &mut k.qgemm_wgmma),
     ("MLXCEL_KERNEL_INCLUDE", |k| &mut k.kernel_include),
     ("MLXCEL_ATTN", |k| &mut k.attn),
     ("MLXCEL_ATTN_SINGLE", |k| &mut k.attn_single),

@@ -62,6 +62,15 @@ pub const BOUNDED_PREFIX: &str = "#define MLXCEL_QGEMM_BOUNDED 1\n\
 #if defined(__CUDA_ARCH__)\n#undef __global__\n\
 #define __global__ __location__(global) __launch_bounds__(256, 2)\n#endif\n";
 
+/// Put before the kernel file's header for the warpgroup-MMA flavour (`MLXCEL_QGEMM_WGMMA`,
+/// [`Launch::wgmma`]): blocks of whole warpgroups multiply with Hopper's `wgmma`, x read by the
+/// tensor cores from the stage (the kernel file's `WG`); GPUs without it (the kernel compiled
+/// for another architecture) run the file's `mma.sync` path.
+pub const WGMMA_PREFIX: &str = "#define MLXCEL_QGEMM_WGMMA 1\n";
+
+/// Largest variant (batch rows) the wgmma flavour runs.
+pub const WGMMA_MAX_M: usize = 64;
+
 const EMBEDDED: &str = include_str!("../../kernels/qgemm.cu");
 
 /// `mlxcel_qgemm_<FNV-1a of the GEMV's header and this source, 32 bits>` (MLX caches
@@ -101,26 +110,32 @@ fn source() -> Result<&'static Source> {
 
 /// The plain kernel's name and the RoPE entry point's (`<name>_rope`), and the header MLX
 /// gets: the GEMV's device code, then the GEMM's (an `#include` of a cached file holding
-/// both, see [`header_for_mlx`]); `bounded`: the flavour compiled for 128 registers
-/// ([`BOUNDED_PREFIX`] first: another source, so another name).
-fn kernel(bounded: bool) -> Result<&'static (String, String, String)> {
+/// both, see [`header_for_mlx`]) for launch `l`'s flavour: the flavour compiled for 128
+/// registers (`l.bounded`, [`BOUNDED_PREFIX`] first) or the warpgroup-MMA one (`l.wgmma`,
+/// [`WGMMA_PREFIX`]): another source each, so another name.
+fn kernel(l: &Launch) -> Result<&'static (String, String, String)> {
     type Made = OnceLock<std::result::Result<(String, String, String), String>>;
-    static KERNEL: [Made; 2] = [OnceLock::new(), OnceLock::new()];
-    KERNEL[bounded as usize]
+    static KERNEL: [Made; 3] = [OnceLock::new(), OnceLock::new(), OnceLock::new()];
+    let (i, prefix) = match (l.bounded, l.wgmma) {
+        (true, _) => (1, BOUNDED_PREFIX),
+        (false, true) => (2, WGMMA_PREFIX),
+        (false, false) => (0, ""),
+    };
+    KERNEL[i]
         .get_or_init(|| {
             let (src, gemv) = match (source(), qgemv::header()) {
                 (Ok(s), Ok(g)) => (s, g),
                 (Err(e), _) | (_, Err(e)) => return Err(e.to_string()),
             };
             let flavour;
-            let src = if bounded {
+            let src = if prefix.is_empty() {
+                src
+            } else {
                 flavour = Source {
-                    header: format!("{BOUNDED_PREFIX}{}", src.header),
+                    header: format!("{prefix}{}", src.header),
                     ..src.clone()
                 };
                 &flavour
-            } else {
-                src
             };
             let name = kernel_name(src, gemv);
             let header = header_for_mlx(&name, &format!("{gemv}{}", src.header));
@@ -225,6 +240,9 @@ pub struct Launch {
     pub bits: usize,
     /// The flavour compiled for 128 registers a thread ([`BOUNDED_PREFIX`]).
     pub bounded: bool,
+    /// The warpgroup-MMA flavour ([`WGMMA_PREFIX`]): blocks of whole warpgroups, one warp
+    /// per row of tiles ([`Plan::wgmma`]).
+    pub wgmma: bool,
 }
 
 /// The buffer a block of `rows` weight rows keeps after the ring for the scales and biases
@@ -342,6 +360,7 @@ fn this_plan() -> Plan {
         max_splits: knobs::get().qgemm_splitk.unwrap_or(MAX_SPLITS),
         fill: knobs::get().qgemm_fill,
         wide: knobs::get().qgemm_wide,
+        wgmma: knobs::get().qgemm_wgmma && g.cc == Some(90),
     }
 }
 
@@ -369,6 +388,9 @@ pub struct Plan {
     pub fill: bool,
     /// [`BLOCK_WARPS`] a block, or (false) [`NARROW_BLOCK_WARPS`] over its weight rows.
     pub wide: bool,
+    /// Wide blocks in the warpgroup-MMA flavour (`MLXCEL_QGEMM_WGMMA`, Hopper: sm_90),
+    /// one warp per row of tiles at every batch size (all rows in one `wgmma` a tile).
+    pub wgmma: bool,
 }
 
 /// The default launch of `m` rows of a `[n, k]` weight on a GPU of `sms` SMs with `smem`
@@ -388,6 +410,7 @@ pub fn launch_for(
         max_splits,
         fill: false,
         wide: true,
+        wgmma: false,
     }
     .launch(m, n, k, bits)
 }
@@ -432,7 +455,10 @@ impl Plan {
     /// [`Plan::launch`]'s blocks, K not split (`sk` 1): rows, warps and the ring's stages.
     pub fn shape(&self, m: usize, bits: usize) -> Launch {
         let mt = variant_rows(m);
-        let wn = if mt > 64 { 2 } else { 1 };
+        // (the wgmma flavour's warps take every batch row, up to 64: 32 accumulators a tile
+        // and 64-row A; at 128 rows its 128 accumulators spilled, ptxas for sm_90a)
+        let wgmma = self.wgmma && self.wide && mt <= WGMMA_MAX_M;
+        let wn = if mt > 64 && !wgmma { 2 } else { 1 };
         let wr = match self.wide {
             true => BLOCK_WARPS / wn,
             false => NARROW_BLOCK_WARPS,
@@ -459,6 +485,7 @@ impl Plan {
             st,
             bits,
             bounded: false,
+            wgmma,
         }
     }
 }
@@ -618,7 +645,7 @@ fn launch(
     l: Launch,
     n: usize,
 ) -> Result<Vec<Array>> {
-    let (_, _, header) = kernel(l.bounded)?;
+    let (_, _, header) = kernel(&l)?;
     let blocks = l.column_blocks(n);
     let (part, count, prev) = scratch(l.scratch_floats(n), blocks)?;
     // only calls that use the scratch are chained; the others take x in its place
@@ -712,7 +739,7 @@ pub fn qgemm(
         )
     });
     let l = launch_config(m, n, k, bits);
-    let (name, _, _) = kernel(l.bounded)?;
+    let (name, _, _) = kernel(&l)?;
     let tvals = template_values(
         &l,
         [n, k, group, bits],
@@ -785,7 +812,7 @@ pub fn qgemm_rope(
         )
     });
     let l = launch_config(m, n, k, bits);
-    let (_, name, _) = kernel(l.bounded)?;
+    let (_, name, _) = kernel(&l)?;
     let tvals = template_values(
         &l,
         [n, k, group, bits],
@@ -897,6 +924,7 @@ mod tests {
             max_splits: MAX_SPLITS,
             fill,
             wide,
+            wgmma: false,
         };
         let narrow = |m, n, k, bits| plan(false, false).launch(m, n, k, bits);
         let fill = |m, n, k| plan(false, true).launch(m, n, k, 4).sk;
@@ -1007,6 +1035,7 @@ mod tests {
                             max_splits: MAX_SPLITS,
                             fill: false,
                             wide,
+                            wgmma: false,
                         }
                         .launch(mt, n, k, bits);
                         let block = l.shared_memory() + block_shared_overhead(l.mt);
@@ -1041,11 +1070,12 @@ mod tests {
     /// What python3 prints for `script` (run in the project's root, which imports
     /// scripts/check_qgemm.py), with `MLXCEL_QGEMM_BOUNDED=1` or without it.
     fn check_script(script: &str, bounded: bool) -> String {
-        check_script_env(script, bounded, true)
+        check_script_env(script, bounded, true, false)
     }
 
-    /// [`check_script`], and with `MLXCEL_QGEMM_WIDE=0` unless `wide`.
-    fn check_script_env(script: &str, bounded: bool, wide: bool) -> String {
+    /// [`check_script`], and with `MLXCEL_QGEMM_WIDE=0` unless `wide`, with
+    /// `MLXCEL_QGEMM_WGMMA=1` if `wgmma`.
+    fn check_script_env(script: &str, bounded: bool, wide: bool, wgmma: bool) -> String {
         let mut cmd = std::process::Command::new("python3");
         cmd.args(["-c", script])
             .current_dir(env!("CARGO_MANIFEST_DIR"));
@@ -1058,6 +1088,7 @@ mod tests {
             true => cmd.env_remove("MLXCEL_QGEMM_WIDE"),
             false => cmd.env("MLXCEL_QGEMM_WIDE", "0"),
         };
+        cmd.env("MLXCEL_QGEMM_WGMMA", if wgmma { "1" } else { "0" });
         let out = cmd.output().expect("python3");
         assert!(
             out.status.success(),
@@ -1089,8 +1120,8 @@ mod tests {
             "import sys; sys.path.insert(0, 'scripts'); import check_qgemm as c\n\
              for m, n, k, b in {cases:?}: print(*c.launch_for(m, n, k, b, {MAX_SPLITS}))"
         );
-        for wide in [true, false] {
-            let text = check_script_env(&script, false, wide);
+        for (wide, wgmma) in [(true, false), (false, false), (true, true), (false, true)] {
+            let text = check_script_env(&script, false, wide, wgmma);
             for ((m, n, k, b), line) in cases.iter().zip(text.lines()) {
                 let l = Plan {
                     sms: 132,
@@ -1098,13 +1129,15 @@ mod tests {
                     max_splits: MAX_SPLITS,
                     fill: false,
                     wide,
+                    wgmma,
                 }
                 .launch(*m, *n, *k, *b);
                 assert_eq!(
                     line,
                     format!("{} {} {} {} {}", l.mt, l.wr, l.wn, l.sk, l.st),
-                    "{m} {n} {k} {b}, wide {wide}"
+                    "{m} {n} {k} {b}, wide {wide}, wgmma {wgmma}"
                 );
+                assert_eq!(l.wgmma, wgmma && wide && l.mt <= WGMMA_MAX_M, "{m}");
             }
             assert_eq!(text.lines().count(), cases.len());
         }
@@ -1119,6 +1152,7 @@ mod tests {
                 max_splits: MAX_SPLITS,
                 fill: false,
                 wide: false,
+                wgmma: false,
             }
             .launch(m, 28672, 4096, 4)
         };

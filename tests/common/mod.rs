@@ -213,6 +213,43 @@ template <class T> static void mlxcel_emulated_mma16(float (&c)[4], uint32_t a0,
   g_barrier->arrive_and_wait();
   for (int i = 0; i < 4; ++i) c[i] = r[i];
 }
+// wgmma.mma_async.m64nNk16 (T inputs, f32 accumulators, A in registers, B K-major without
+// swizzle, read through its matrix descriptor from `base`: start address, leading byte
+// offset between the two core matrices along K, stride byte offset between groups of 8
+// columns; PTX ISA) of one warpgroup: every lane posts its A fragments (each warp's 16 rows
+// laid out as mma.m16n8k16's A), then computes its d[nn/2] (rows 16·warp + g, + 8; columns
+// 8j + 2t, + 1) from the warpgroup's
+template <class T> static void mlxcel_emulated_wgmma(float* d, int nn, uint32_t a0, uint32_t a1, uint32_t a2,
+                                                     uint32_t a3, uint64_t desc, const void* base) {
+  const unsigned t = threadIdx.x;
+  const uint32_t mine[4] = {a0, a1, a2, a3};
+  std::memcpy(&g_mma[6 * t], mine, sizeof mine);
+  g_barrier->arrive_and_wait();
+  const unsigned wg = t & ~127u, w = (t >> 5) & 3u, lane = t & 31u, gid = lane >> 2, tg = lane & 3;
+  const uint32_t start = uint32_t(desc & 0x3FFFu) << 4, lbo = uint32_t((desc >> 16) & 0x3FFFu) << 4,
+                 sbo = uint32_t((desc >> 32) & 0x3FFFu) << 4;
+  const char* b = static_cast<const char*>(base);
+  auto A = [&](int row, int k) {
+    const unsigned owner = wg + (row / 16) * 32 + (row % 8) * 4 + (k % 8) / 2;
+    const int reg = (row % 16 >= 8) + 2 * (k >= 8);
+    return double(float(mlxcel_emu16<T>(g_mma[6 * owner + reg] >> (16 * (k % 2)))));
+  };
+  auto B = [&](int k, int col) {
+    uint16_t v;
+    std::memcpy(&v, b + start + (col / 8) * sbo + (col % 8) * 16 + (k / 8) * lbo + (k % 8) * 2, 2);
+    return double(float(mlxcel_emu16<T>(v)));
+  };
+  std::vector<float> r(nn / 2);
+  for (int j = 0; j < nn / 8; ++j)
+    for (int c = 0; c < 4; ++c) {
+      const int row = 16 * int(w) + int(gid) + (c >= 2 ? 8 : 0), col = 8 * j + 2 * int(tg) + (c & 1);
+      double s = 0;
+      for (int k = 0; k < 16; ++k) s += A(row, k) * B(k, col);
+      r[4 * j + c] = d[4 * j + c] + float(s);
+    }
+  g_barrier->arrive_and_wait();
+  for (int i = 0; i < nn / 2; ++i) d[i] = r[i];
+}
 // The kernels' reference, in double: the kernel's input rows (x, or RMSNorm(x) with
 // weight nw when norm), and its outputs against dot(m, n) (input row m times weight row n)
 // as each epilogue lays them out (y = dot, + res, or SwiGLU of the halves; or q/k/v with
