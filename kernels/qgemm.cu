@@ -142,6 +142,12 @@
 #ifndef MLXCEL_QGEMM_WGMMA
 #define MLXCEL_QGEMM_WGMMA 0
 #endif
+// MLXCEL_QGEMM_XAHEAD 1 (default): with wgmma and a ring of 3 or more stages, step s + 1's x
+// pass runs while step s's first wgmmas do (it was the step's critical path: on one H100
+// about 20% of gate/up's stall samples at 64 rows), not between two barriers before them
+#ifndef MLXCEL_QGEMM_XAHEAD
+#define MLXCEL_QGEMM_XAHEAD 1
+#endif
 #if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define MLXCEL_HAS_WGMMA 1
 #else
@@ -459,6 +465,9 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
   // fragments hold them (logical k 2t, 2t + 1 = pair 2h of lane t's word c; 2t + 8, 2t + 9 =
   // pair 2h + 1), in two core matrices 128 bytes apart (LBO), groups of 8 rows 2 KB apart (SBO).
   constexpr bool WG = MLXCEL_QGEMM_WGMMA && MLXCEL_HAS_WGMMA && WN == 1 && WR % 4 == 0;
+  // (WG) the x pass a step ahead, during the wgmmas (MLXCEL_QGEMM_XAHEAD): step s + 1's slot is
+  // neither the one step s reads nor the one refilled during step s only from 3 stages
+  constexpr bool XAHEAD = WG && MLXCEL_QGEMM_XAHEAD && ST >= 3;
   static_assert(TPB % 16 == 0, "qgemm: a normalizing thread keeps its row of x");
   static_assert(ST >= 2 && ST <= 8, "qgemm: 2 to 8 stages in the ring");
   constexpr int SBUF16 = SBK ? 8 * BN : 0;  // the scale blocks' two slots: 2 kinds × BN rows × 32 bytes each
@@ -744,7 +753,8 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
       }
     }
   }
-  auto compute = [&](int s, int slot, const uint32_t (&scs)[2][2], const uint32_t (&bis)[2][2]) {
+  // (XAHEAD: `ahead`, the slot whose x to pass during the first wgmmas, -1 for none)
+  auto compute = [&](int s, int slot, const uint32_t (&scs)[2][2], const uint32_t (&bis)[2][2], int ahead) {
     const uint4* st = ring + slot * STAGE16;
     uint32_t s2[2][2], b2[2][2];
     const unsigned short* ssb = reinterpret_cast<const unsigned short*>(st + W16 + X16 + 16);
@@ -865,6 +875,9 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
           }
         }
         mlxcel_wg_commit();
+        if (XAHEAD && c == 0 && ahead >= 0) {
+          prepare_x(ahead);  // (fenced for the tensor cores; the next step's barrier orders it)
+        }
         if (c + 1 < 4) {
           if (BITS == 8 && c == 1) {
             load_w(1);
@@ -945,14 +958,20 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
   if constexpr (SREG) {
     scales_of(0, sc[0], bi[0]);
   }
+  if constexpr (XAHEAD) {  // step 0's x pass (the loop's does step s + 1's)
+    mlxcel_cp_wait<ST - 2>();
+    __syncthreads();
+    prepare_x(0);
+  }
   // two steps an iteration, so that the scale sets are named at compile time (unrolled
   // over all ST slots, the kernel's code outgrew the instruction cache)
   for (int s0 = 0; s0 < NS; s0 += 2) {
 #pragma unroll
     for (int par = 0; par < 2; ++par) {
       const int s = s0 + par;
-      if (s < NS) {                           // (uniform over the block)
-        mlxcel_cp_wait<ST - 2>();             // this thread's copies of step s have landed …
+      if (s < NS) {  // (uniform over the block)
+        // this thread's copies of step s (XAHEAD: and s + 1) have landed …
+        mlxcel_cp_wait<XAHEAD ? ST - 3 : ST - 2>();
         __syncthreads();                      // … everyone's, and step s - 1's reads are done
         copy(s + ST - 1, (s + ST - 1) % ST);  // into the slot step s - 1 used
         mlxcel_cp_commit();
@@ -960,11 +979,11 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
           scales_of(s + 1, sc[par ^ 1], bi[par ^ 1]);
         }
         const int slot = s % ST;
-        if constexpr (PAIRED) {
+        if constexpr (PAIRED && !XAHEAD) {
           prepare_x(slot);
           __syncthreads();
         }
-        compute(s, slot, sc[par], bi[par]);
+        compute(s, slot, sc[par], bi[par], XAHEAD && s + 1 < NS ? (s + 1) % ST : -1);
       }
     }
   }

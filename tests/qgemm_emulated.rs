@@ -347,6 +347,15 @@ fn qgemm_wgmma_matches() {
         WGMMA,
         &with(cfg(24, 128, 256, 64, 4, 4, 1, 1), &[("F16", 1)]),
     );
+    // x's pass between the step's barriers instead of a step ahead (MLXCEL_QGEMM_XAHEAD 0)
+    run_switched(
+        "wg_m64_norm_split_in_step",
+        &format!("{WGMMA}#define MLXCEL_QGEMM_XAHEAD 0\n"),
+        &with(
+            cfg(64, 256 + 48, 512, 64, 4, 8, 1, 2),
+            &[("NORM", 1), ("ST", 3)],
+        ),
+    );
     // the q/k/v entry point with RoPE (2 query heads, 1 key and 1 value head of 64) and the bias
     run_switched(
         "wg_rope_m24_norm",
@@ -622,8 +631,14 @@ fn planted_bugs_are_caught() {
             "xa + (4 * c + 2 * h2) * 128, 128, 2048, ring",
             "xa + (4 * c) * 128, 128, 2048, ring",
         ),
+        (
+            "wgmma-x-ahead-slot",
+            "XAHEAD && s + 1 < NS ? (s + 1) % ST : -1",
+            "XAHEAD && s + 1 < NS ? (s + 2) % ST : -1",
+        ),
     ] {
-        let src = program(&cfg(24, 128, 256, 64, 4, 4, 1, 1), &|s: String| {
+        let consts = with(cfg(24, 128, 640, 64, 4, 4, 1, 1), &[("ST", 3)]);
+        let src = program(&consts, &|s: String| {
             assert!(s.contains(from), "{tag}: `{from}` not in kernels/qgemm.cu");
             s.replacen("// @@header\n", &format!("// @@header\n{WGMMA}"), 1)
                 .replacen(from, to, 1)
