@@ -285,31 +285,24 @@ __device__ __forceinline__ void mlxcel_wgmma(float* d, uint32_t a0, uint32_t a1,
 #if defined(__CUDA_ARCH__) && MLXCEL_HAS_WGMMA
   (void)base;
   static_assert(NN == 8 || NN == 16 || NN == 32 || NN == 64 || NN == 128, "wgmma: N of 8 … 128, powers of two");
-  if constexpr (mlxcel_k16<T>::bf) {
-    if constexpr (NN == 8) {
-      MLXCEL_WGMMA8("bf16");
-    } else if constexpr (NN == 16) {
-      MLXCEL_WGMMA16("bf16");
-    } else if constexpr (NN == 32) {
-      MLXCEL_WGMMA32("bf16");
-    } else if constexpr (NN == 64) {
-      MLXCEL_WGMMA64("bf16");
-    } else {
-      MLXCEL_WGMMA128("bf16");
-    }
-  } else {
-    if constexpr (NN == 8) {
-      MLXCEL_WGMMA8("f16");
-    } else if constexpr (NN == 16) {
-      MLXCEL_WGMMA16("f16");
-    } else if constexpr (NN == 32) {
-      MLXCEL_WGMMA32("f16");
-    } else if constexpr (NN == 64) {
-      MLXCEL_WGMMA64("f16");
-    } else {
-      MLXCEL_WGMMA128("f16");
-    }
+#define MLXCEL_WGMMA_N(TY)         \
+  if constexpr (NN == 8) {         \
+    MLXCEL_WGMMA8(TY);             \
+  } else if constexpr (NN == 16) { \
+    MLXCEL_WGMMA16(TY);            \
+  } else if constexpr (NN == 32) { \
+    MLXCEL_WGMMA32(TY);            \
+  } else if constexpr (NN == 64) { \
+    MLXCEL_WGMMA64(TY);            \
+  } else {                         \
+    MLXCEL_WGMMA128(TY);           \
   }
+  if constexpr (mlxcel_k16<T>::bf) {
+    MLXCEL_WGMMA_N("bf16");
+  } else {
+    MLXCEL_WGMMA_N("f16");
+  }
+#undef MLXCEL_WGMMA_N
 #elif !defined(__CUDA_ARCH__)
   mlxcel_emulated_wgmma<T>(d, NN, a0, a1, a2, a3, desc, base);
 #else

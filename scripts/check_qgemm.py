@@ -88,9 +88,10 @@ def fnv1a32(text):
     return h & 0xFFFFFFFF
 
 
-def sources(bounded=False):
+def sources(bounded=False, wgmma=False):
     """(name, header, body, body_rope): the GEMV's header then the GEMM's, as mlxcel
-    passes them, named as mlxcel names them (`bounded`: the 128-register flavour)."""
+    passes them, named as mlxcel names them (`bounded`: the 128-register flavour; `wgmma`:
+    the warpgroup-MMA one)."""
     gemv = (ROOT / "kernels" / "qgemv.cu").read_text()
     gemv_header = gemv.split("// @@header\n", 1)[1].split("// @@body\n", 1)[0]
     path = os.environ.get("MLXCEL_QGEMM_SOURCE") or str(ROOT / "kernels" / "qgemm.cu")
@@ -99,7 +100,7 @@ def sources(bounded=False):
     body, body_rope = rest.split(ROPE_MARK, 1)
     if bounded:
         header = BOUNDED_PREFIX + header
-    elif WGMMA:
+    elif wgmma:
         header = WGMMA_PREFIX + header
     name = f"mlxcel_qgemm_{fnv1a32(gemv_header + header + body + ROPE_MARK + body_rope):08x}"
     return name, gemv_header + header, body, body_rope
@@ -133,12 +134,12 @@ def launch_for(m, n, k, bits, max_splits=None):
     if max_splits is None:
         max_splits = int(os.environ.get("MLXCEL_QGEMM_SPLITK") or MAX_SPLITS)
     mt = variant_rows(m)
+    wn = 2 if mt > 64 else 1
     # src/kernels/qgemm.rs `Plan::launch`: 8 warps a block (wide), or 4 warps over the weight
-    # rows (narrow: MLXCEL_QGEMM_WIDE=0, and the bounded flavour); the wgmma flavour's wide
-    # blocks keep one warp per row of tiles above 64 rows
+    # rows (narrow: MLXCEL_QGEMM_WIDE=0, and the bounded flavour); `Gemm.call` runs wide
+    # launches of up to WGMMA_MAX_M rows in the wgmma flavour where WGMMA is on
     wide = WIDE and not (BOUNDED and is_boundable(mt))
     for wide in ((True, False) if wide else (False,)):
-        wn = 2 if mt > 64 and not (WGMMA and wide and mt <= WGMMA_MAX_M) else 1
         wr = BLOCK_WARPS // wn if wide else NARROW_BLOCK_WARPS
         stage = stage_bytes(mt, wr, bits)
         over = block_shared_overhead(mt) + scale_block_bytes(wr)
@@ -172,14 +173,15 @@ class Gemm:
 
     def __init__(self, mx, dt):
         self.mx, self.dt = mx, dt
-        self.srcs = {False: sources(), True: sources(bounded=True)}
-        self.made = {}  # (rope, dynamic shared memory, bounded) -> kernel (MLX fixes the size per kernel)
+        # by flavour: None, "bounded", "wgmma"
+        self.srcs = {None: sources(), "bounded": sources(bounded=True), "wgmma": sources(wgmma=True)}
+        self.made = {}  # (rope, dynamic shared memory, flavour) -> kernel (MLX fixes the size per kernel)
         self.part = self.count = None
         self.prev = None
 
-    def kernel(self, rope, smem, bounded=False):
-        if (rope, smem, bounded) not in self.made:
-            name, header, body, body_rope = self.srcs[bounded]
+    def kernel(self, rope, smem, flavour=None):
+        if (rope, smem, flavour) not in self.made:
+            name, header, body, body_rope = self.srcs[flavour]
             if rope:
                 k = self.mx.fast.cuda_kernel(
                     name=name + "_rope",
@@ -190,8 +192,8 @@ class Gemm:
                 k = self.mx.fast.cuda_kernel(
                     name=name, input_names=["x", "w", "scales", "biases", "res", "nw", "part", "count", "prev"],
                     output_names=["y", "tok"], source=body, header=header, shared_memory=smem)
-            self.made[(rope, smem, bounded)] = k
-        return self.made[(rope, smem, bounded)]
+            self.made[(rope, smem, flavour)] = k
+        return self.made[(rope, smem, flavour)]
 
     def scratch(self, floats, blocks):
         mx = self.mx
@@ -222,9 +224,12 @@ class Gemm:
         grid = (cb * sk * threads, 1, 1)
         smem = st * stage_bytes(mt, wr, bits) + scale_block_bytes(wr)
         bounded = BOUNDED and is_boundable(mt) and wn == 2
+        # src/kernels/qgemm.rs `Plan::shape`: wide launches of up to WGMMA_MAX_M rows
+        wgmma = WGMMA and not bounded and wr == BLOCK_WARPS and mt <= WGMMA_MAX_M
+        flavour = "bounded" if bounded else ("wgmma" if wgmma else None)
         if rope is not None:
             pos, inv_freq, nq, hd, *qb = rope
-            out = self.kernel(True, smem, bounded)(
+            out = self.kernel(True, smem, flavour)(
                 inputs=[x, w, s, b, nw, pos, inv_freq, qb[0] if qb else x, self.part, self.count, prev],
                 template=common + [("NORM", int(norm is not None)), ("EPS_BITS", eps), ("HD", hd), ("NQ", nq),
                                    ("BIAS", int(bool(qb)))],
@@ -233,7 +238,7 @@ class Gemm:
                 output_dtypes=[self.dt] * 3)
         else:
             epi = 2 if swiglu else (1 if res is not None else 0)
-            out = self.kernel(False, smem, bounded)(
+            out = self.kernel(False, smem, flavour)(
                 inputs=[x, w, s, b, x if res is None else res, nw, self.part, self.count, prev],
                 template=common + [("EPI", epi), ("NORM", int(norm is not None)), ("EPS_BITS", eps)],
                 grid=grid, threadgroup=(threads, 1, 1),

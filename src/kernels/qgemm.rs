@@ -388,8 +388,9 @@ pub struct Plan {
     pub fill: bool,
     /// [`BLOCK_WARPS`] a block, or (false) [`NARROW_BLOCK_WARPS`] over its weight rows.
     pub wide: bool,
-    /// Wide blocks in the warpgroup-MMA flavour (`MLXCEL_QGEMM_WGMMA`, Hopper: sm_90),
-    /// one warp per row of tiles at every batch size (all rows in one `wgmma` a tile).
+    /// Wide blocks of up to [`WGMMA_MAX_M`] rows in the warpgroup-MMA flavour
+    /// (`MLXCEL_QGEMM_WGMMA`, Hopper: sm_90): all of a block's batch rows in one `wgmma` a
+    /// tile (or one per binary digit of the rows).
     pub wgmma: bool,
 }
 
@@ -455,10 +456,10 @@ impl Plan {
     /// [`Plan::launch`]'s blocks, K not split (`sk` 1): rows, warps and the ring's stages.
     pub fn shape(&self, m: usize, bits: usize) -> Launch {
         let mt = variant_rows(m);
-        // (the wgmma flavour's warps take every batch row, up to 64: 32 accumulators a tile
-        // and 64-row A; at 128 rows its 128 accumulators spilled, ptxas for sm_90a)
+        let wn = if mt > 64 { 2 } else { 1 };
+        // (the wgmma flavour's warps each take every batch row: up to WGMMA_MAX_M, one warp
+        // per row of tiles as above; at 128 rows its 128 accumulators spilled, ptxas for sm_90a)
         let wgmma = self.wgmma && self.wide && mt <= WGMMA_MAX_M;
-        let wn = if mt > 64 && !wgmma { 2 } else { 1 };
         let wr = match self.wide {
             true => BLOCK_WARPS / wn,
             false => NARROW_BLOCK_WARPS,
