@@ -57,7 +57,7 @@ SHAPES = {
 ROPE_MARK = "// @@body_rope\n"
 MAX_SPLITS = 16      # src/kernels/qgemm.rs
 MIN_SPLIT_STEPS = 2
-RING_BYTES = 115_072
+RING_BYTES = int(os.environ.get("MLXCEL_QGEMM_RING_BYTES") or 115_072)  # src/kernels/qgemm.rs, the knob as there
 MIN_STAGES, MAX_STAGES = 2, 6
 
 

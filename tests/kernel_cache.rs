@@ -615,6 +615,15 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
             1,
             0,
         ),
+        // 8-bit down at 64 rows with a ring of 3 (MLXCEL_QGEMM_RING_BYTES): x a step ahead
+        (
+            "custom_kernel_mlxcel_qgemm_test_wgmma_res_64_8bit_st3",
+            bf,
+            &wgmma_header,
+            gemm(64, 4096, 14336, 64, 8, 1, 8, 3),
+            1,
+            0,
+        ),
         (
             "custom_kernel_mlxcel_qgemm_test_wgmma_res_40_f16",
             f16,

@@ -54,6 +54,10 @@ pub struct Knobs {
     /// `MLXCEL_QGEMM_SPLITK`: the most blocks the GEMM splits a row's K over (1: none;
     /// default [`super::qgemm::MAX_SPLITS`]).
     pub qgemm_splitk: Option<usize>,
+    /// `MLXCEL_QGEMM_RING_BYTES`: shared memory the GEMM's ring of stages may take (default
+    /// [`super::qgemm::RING_BYTES`]), for A/B runs of deeper rings (e.g. 3 stages for the
+    /// wgmma flavour's 8-bit launches, where its x pass a step ahead needs them).
+    pub qgemm_ring_bytes: Option<usize>,
     /// `MLXCEL_QGEMM_SOURCE`: a GEMM kernel file read at run time instead of the embedded one.
     pub qgemm_source: Option<PathBuf>,
     /// `MLXCEL_QGEMM_BOUNDED=1`: launches of up to [`super::qgemm::BOUNDED_MAX_M`] rows in
@@ -194,6 +198,7 @@ impl Default for Knobs {
             qgemm_min_m: None,
             qgemm_max_m: None,
             qgemm_splitk: None,
+            qgemm_ring_bytes: None,
             qgemm_source: None,
             qgemm_bounded: false,
             qgemm_fill: false,
@@ -247,6 +252,7 @@ pub const VARS: &[&str] = &[
     "MLXCEL_QGEMM_MIN_M",
     "MLXCEL_QGEMM_MAX_M",
     "MLXCEL_QGEMM_SPLITK",
+    "MLXCEL_QGEMM_RING_BYTES",
     "MLXCEL_QGEMM_SOURCE",
     "MLXCEL_QGEMM_BOUNDED",
     "MLXCEL_QGEMM_WIDE",
@@ -396,6 +402,11 @@ impl Knobs {
             1..=super::qgemm::SPLITS_LIMIT,
             "a number of splits",
         )?;
+        k.qgemm_ring_bytes = number(
+            "MLXCEL_QGEMM_RING_BYTES",
+            16_384..=232_448,
+            "a byte count (an SM's shared memory at most),",
+        )?;
         k.qgemm_source = get("MLXCEL_QGEMM_SOURCE")
             .filter(|v| !v.is_empty())
             .map(PathBuf::from);
@@ -445,6 +456,7 @@ impl Knobs {
             ("MLXCEL_QGEMM_MIN_M", self.qgemm_min_m),
             ("MLXCEL_QGEMM_MAX_M", self.qgemm_max_m),
             ("MLXCEL_QGEMM_SPLITK", self.qgemm_splitk),
+            ("MLXCEL_QGEMM_RING_BYTES", self.qgemm_ring_bytes),
             ("MLXCEL_MASK_THREADS", self.mask_threads),
             ("MLXCEL_GEMV_MMA", self.gemv_mma),
             ("MLXCEL_GEMV_MMA_MAX", self.gemv_mma_max),
@@ -564,6 +576,7 @@ mod tests {
             ("MLXCEL_QGEMM_MIN_M", "1"),
             ("MLXCEL_QGEMM_MAX_M", "129"),
             ("MLXCEL_QGEMM_SPLITK", "0"),
+            ("MLXCEL_QGEMM_RING_BYTES", "1000"),
             ("MLXCEL_GEMV_MMA", "17"),
             ("MLXCEL_GEMV_MMA_MAX", "0"),
         ] {

@@ -361,6 +361,7 @@ fn this_plan() -> Plan {
         fill: knobs::get().qgemm_fill,
         wide: knobs::get().qgemm_wide,
         wgmma: knobs::get().qgemm_wgmma && g.cc == Some(90),
+        ring: knobs::get().qgemm_ring_bytes.unwrap_or(RING_BYTES),
     }
 }
 
@@ -392,6 +393,8 @@ pub struct Plan {
     /// (`MLXCEL_QGEMM_WGMMA`, Hopper: sm_90): all of a block's batch rows in one `wgmma` a
     /// tile (or one per binary digit of the rows).
     pub wgmma: bool,
+    /// Bytes the ring of stages may take ([`RING_BYTES`]; `MLXCEL_QGEMM_RING_BYTES`).
+    pub ring: usize,
 }
 
 /// The default launch of `m` rows of a `[n, k]` weight on a GPU of `sms` SMs with `smem`
@@ -412,6 +415,7 @@ pub fn launch_for(
         fill: false,
         wide: true,
         wgmma: false,
+        ring: RING_BYTES,
     }
     .launch(m, n, k, bits)
 }
@@ -467,7 +471,7 @@ impl Plan {
         let stage = stage_bytes(mt, wr, bits);
         // the scale blocks' buffer (blocks of 256 weight rows) besides the ring
         let over = block_shared_overhead(mt) + scale_block_bytes(32 * wr);
-        let room = RING_BYTES.min(self.smem.saturating_sub(over));
+        let room = self.ring.min(self.smem.saturating_sub(over));
         let st = (room / stage).clamp(MIN_STAGES, MAX_STAGES);
         if self.wide && st * stage + over > self.smem {
             // a GPU with less shared memory a block (100 KB an SM: sm_86, sm_89) takes no
@@ -926,6 +930,7 @@ mod tests {
             fill,
             wide,
             wgmma: false,
+            ring: RING_BYTES,
         };
         let narrow = |m, n, k, bits| plan(false, false).launch(m, n, k, bits);
         let fill = |m, n, k| plan(false, true).launch(m, n, k, 4).sk;
@@ -1037,6 +1042,7 @@ mod tests {
                             fill: false,
                             wide,
                             wgmma: false,
+                            ring: RING_BYTES,
                         }
                         .launch(mt, n, k, bits);
                         let block = l.shared_memory() + block_shared_overhead(l.mt);
@@ -1071,12 +1077,18 @@ mod tests {
     /// What python3 prints for `script` (run in the project's root, which imports
     /// scripts/check_qgemm.py), with `MLXCEL_QGEMM_BOUNDED=1` or without it.
     fn check_script(script: &str, bounded: bool) -> String {
-        check_script_env(script, bounded, true, false)
+        check_script_env(script, bounded, true, false, None)
     }
 
     /// [`check_script`], and with `MLXCEL_QGEMM_WIDE=0` unless `wide`, with
-    /// `MLXCEL_QGEMM_WGMMA=1` if `wgmma`.
-    fn check_script_env(script: &str, bounded: bool, wide: bool, wgmma: bool) -> String {
+    /// `MLXCEL_QGEMM_WGMMA=1` if `wgmma`, `MLXCEL_QGEMM_RING_BYTES=ring` where given.
+    fn check_script_env(
+        script: &str,
+        bounded: bool,
+        wide: bool,
+        wgmma: bool,
+        ring: Option<usize>,
+    ) -> String {
         let mut cmd = std::process::Command::new("python3");
         cmd.args(["-c", script])
             .current_dir(env!("CARGO_MANIFEST_DIR"));
@@ -1085,6 +1097,10 @@ mod tests {
             false => cmd.env_remove("MLXCEL_QGEMM_BOUNDED"),
         };
         cmd.env_remove("MLXCEL_QGEMM_FILL");
+        match ring {
+            Some(r) => cmd.env("MLXCEL_QGEMM_RING_BYTES", r.to_string()),
+            None => cmd.env_remove("MLXCEL_QGEMM_RING_BYTES"),
+        };
         match wide {
             true => cmd.env_remove("MLXCEL_QGEMM_WIDE"),
             false => cmd.env("MLXCEL_QGEMM_WIDE", "0"),
@@ -1121,8 +1137,15 @@ mod tests {
             "import sys; sys.path.insert(0, 'scripts'); import check_qgemm as c\n\
              for m, n, k, b in {cases:?}: print(*c.launch_for(m, n, k, b, {MAX_SPLITS}))"
         );
-        for (wide, wgmma) in [(true, false), (false, false), (true, true), (false, true)] {
-            let text = check_script_env(&script, false, wide, wgmma);
+        // (a deeper ring, MLXCEL_QGEMM_RING_BYTES, with the wgmma flavour's wide blocks)
+        for (wide, wgmma, ring) in [
+            (true, false, None),
+            (false, false, None),
+            (true, true, None),
+            (false, true, None),
+            (true, true, Some(180_000)),
+        ] {
+            let text = check_script_env(&script, false, wide, wgmma, ring);
             for ((m, n, k, b), line) in cases.iter().zip(text.lines()) {
                 let l = Plan {
                     sms: 132,
@@ -1131,12 +1154,13 @@ mod tests {
                     fill: false,
                     wide,
                     wgmma,
+                    ring: ring.unwrap_or(RING_BYTES),
                 }
                 .launch(*m, *n, *k, *b);
                 assert_eq!(
                     line,
                     format!("{} {} {} {} {}", l.mt, l.wr, l.wn, l.sk, l.st),
-                    "{m} {n} {k} {b}, wide {wide}, wgmma {wgmma}"
+                    "{m} {n} {k} {b}, wide {wide}, wgmma {wgmma}, ring {ring:?}"
                 );
                 assert_eq!(l.wgmma, wgmma && wide && l.mt <= WGMMA_MAX_M, "{m}");
             }
@@ -1154,6 +1178,7 @@ mod tests {
                 fill: false,
                 wide: false,
                 wgmma: false,
+                ring: RING_BYTES,
             }
             .launch(m, 28672, 4096, 4)
         };
