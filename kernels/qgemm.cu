@@ -458,6 +458,10 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
   // fragments hold them (logical k 2t, 2t + 1 = pair 2h of lane t's word c; 2t + 8, 2t + 9 =
   // pair 2h + 1), in two core matrices 128 bytes apart (LBO), groups of 8 rows 2 KB apart (SBO).
   constexpr bool WG = MLXCEL_QGEMM_WGMMA && MLXCEL_HAS_WGMMA && WN == 1 && WR % 4 == 0;
+  // (WG) that layout: chunk q of row m, in chunks from the stage's x, and its byte offsets
+  // from chunk q to q + 1 (LBO) and from row m to m + 8 (SBO)
+  auto wg_x = [](int m, int q) { return ((m >> 3) * 16 + q) * 8 + (m & 7); };
+  constexpr uint32_t WG_LBO = 8 * 16, WG_SBO = 16 * WG_LBO;
   // (WG) the x pass a step ahead, during the wgmmas (MLXCEL_QGEMM_XAHEAD): step s + 1's slot is
   // neither the one step s reads nor the one refilled during step s only from 3 stages
   constexpr bool XAHEAD = WG && MLXCEL_QGEMM_XAHEAD && ST >= 3;
@@ -618,7 +622,7 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
     for (int j = 0; j < XJ; ++j) {
       const int m = xm0 + j * (TPB / 16);
       if (X16 % TPB == 0 || m < MT) {
-        mlxcel_cp16z(st + W16 + (WG ? ((m >> 3) * 16 + xslot) * 8 + (m & 7) : m * 16 + xslot),
+        mlxcel_cp16z(st + W16 + (WG ? wg_x(m, xslot) : m * 16 + xslot),
                      x + size_t(m < M ? m : 0) * K + k0 + 8 * xw, m < M);
       }
     }
@@ -674,11 +678,11 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
         const int item = tid + j * TPB;
         if (MT * 4 % TPB == 0 || item < MT * 4) {
           const int m = item % MT, c = item / MT;
-          uint4* q0 = st + W16 + ((m >> 3) * 16 + 4 * c) * 8 + (m & 7);  // chunk 4c + t at q0 + 8t
+          uint4* q0 = st + W16 + wg_x(m, 4 * c);  // chunk 4c + t at q0 + t·LBO
           uint32_t pr[4][4];                                            // pair, word t
 #pragma unroll
           for (int t4 = 0; t4 < 4; ++t4) {
-            const uint4 v = q0[8 * t4];
+            const uint4 v = q0[t4 * WG_LBO / 16];
             if constexpr (NORM) {
               float f[8], g8[8];
               mlxcel_h8<T>(v, f);
@@ -701,7 +705,7 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
           }
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            q0[8 * e] = make_uint4(pr[e][0], pr[e][1], pr[e][2], pr[e][3]);
+            q0[e * WG_LBO / 16] = make_uint4(pr[e][0], pr[e][1], pr[e][2], pr[e][3]);
           }
         }
       }
@@ -864,7 +868,7 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
           for (int h2 = 0; h2 < 2; ++h2) {
             const uint32_t(&f)[2][4] = a[c % AS][i];
             mlxcel_wgmma_cols<T, MT>(&acc[i][0][0], f[0][2 * h2], f[1][2 * h2], f[0][2 * h2 + 1], f[1][2 * h2 + 1],
-                                     xa + (4 * c + 2 * h2) * 128, 128, 2048, ring);
+                                     xa + (4 * c + 2 * h2) * WG_LBO, WG_LBO, WG_SBO, ring);
           }
         }
         mlxcel_wg_commit();

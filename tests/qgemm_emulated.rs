@@ -623,13 +623,13 @@ fn planted_bugs_are_caught() {
     for (tag, from, to) in [
         (
             "wgmma-lbo",
-            "xa + (4 * c + 2 * h2) * 128, 128, 2048, ring",
-            "xa + (4 * c + 2 * h2) * 128, 256, 2048, ring",
+            "xa + (4 * c + 2 * h2) * WG_LBO, WG_LBO, WG_SBO, ring",
+            "xa + (4 * c + 2 * h2) * WG_LBO, 2 * WG_LBO, WG_SBO, ring",
         ),
         (
             "wgmma-pairs",
-            "xa + (4 * c + 2 * h2) * 128, 128, 2048, ring",
-            "xa + (4 * c) * 128, 128, 2048, ring",
+            "xa + (4 * c + 2 * h2) * WG_LBO, WG_LBO, WG_SBO, ring",
+            "xa + (4 * c) * WG_LBO, WG_LBO, WG_SBO, ring",
         ),
         (
             "wgmma-x-ahead-slot",
