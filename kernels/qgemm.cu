@@ -148,6 +148,15 @@
 #ifndef MLXCEL_QGEMM_XAHEAD
 #define MLXCEL_QGEMM_XAHEAD 1
 #endif
+// MLXCEL_QGEMM_CARRY 1: with wgmma, up to 64 rows and a ring of 3 or more stages, a step's
+// last wgmmas still run when the next step starts (its barrier, copies and first word's
+// dequantizing), instead of every warpgroup waiting for them at the step's end; the ring is
+// refilled one slot later (ST - 2 steps in flight, not ST - 1), since the slot of the step
+// before may still be read by the tensor cores. 0 (default until measured): every step's
+// wgmmas finished within it.
+#ifndef MLXCEL_QGEMM_CARRY
+#define MLXCEL_QGEMM_CARRY 0
+#endif
 #if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define MLXCEL_HAS_WGMMA 1
 #else
@@ -242,8 +251,9 @@ __device__ __forceinline__ uint64_t mlxcel_wg_desc(uint32_t addr, uint32_t lbo, 
 }
 // wgmma.fence (the A fragments and accumulators written before the MMAs that read them),
 // commit_group, wait_group<P> (at most P committed groups still running), and the proxy
-// fence that makes a thread's shared-memory stores visible to the tensor cores' reads; no-ops
-// in the CPU emulation, whose wgmma runs at once
+// fence that makes a thread's shared-memory stores visible to the tensor cores' reads (the
+// CPU emulation queues its wgmmas and runs them at the wait that retires their group; the
+// fences are no-ops there)
 __device__ __forceinline__ void mlxcel_wg_fence() {
 #if defined(__CUDA_ARCH__) && MLXCEL_HAS_WGMMA
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
@@ -252,12 +262,16 @@ __device__ __forceinline__ void mlxcel_wg_fence() {
 __device__ __forceinline__ void mlxcel_wg_commit() {
 #if defined(__CUDA_ARCH__) && MLXCEL_HAS_WGMMA
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#elif !defined(__CUDA_ARCH__)
+  mlxcel_emulated_wg_commit();
 #endif
 }
 template <int P>
 __device__ __forceinline__ void mlxcel_wg_wait() {
 #if defined(__CUDA_ARCH__) && MLXCEL_HAS_WGMMA
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(P) : "memory");
+#elif !defined(__CUDA_ARCH__)
+  mlxcel_emulated_wg_wait(P);
 #endif
 }
 __device__ __forceinline__ void mlxcel_proxy_fence() {
@@ -462,9 +476,14 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
   // from chunk q to q + 1 (LBO) and from row m to m + 8 (SBO)
   auto wg_x = [](int m, int q) { return ((m >> 3) * 16 + q) * 8 + (m & 7); };
   constexpr uint32_t WG_LBO = 8 * 16, WG_SBO = 16 * WG_LBO;
+  // (WG) a step's last wgmmas carried into the next step (MLXCEL_QGEMM_CARRY; two A sets, up to
+  // 64 rows): AH steps of copies in flight, ST - 1 without it
+  constexpr bool CARRY = WG && MLXCEL_QGEMM_CARRY && ST >= 3 && MT <= 64;
+  constexpr int AH = CARRY ? ST - 2 : ST - 1;
   // (WG) the x pass a step ahead, during the wgmmas (MLXCEL_QGEMM_XAHEAD): step s + 1's slot is
-  // neither the one step s reads nor the one refilled during step s only from 3 stages
-  constexpr bool XAHEAD = WG && MLXCEL_QGEMM_XAHEAD && ST >= 3;
+  // neither the one step s reads nor the one refilled during step s (s + AH) only from AH = 2
+  // (3 stages; 4 with CARRY, where step s - 1's slot may still be read during the pass)
+  constexpr bool XAHEAD = WG && MLXCEL_QGEMM_XAHEAD && AH >= 2;
   static_assert(TPB % 16 == 0, "qgemm: a normalizing thread keeps its row of x");
   static_assert(ST >= 2 && ST <= 8, "qgemm: 2 to 8 stages in the ring");
   constexpr int SBUF16 = SBK ? 8 * BN : 0;  // the scale blocks' two slots: 2 kinds × BN rows × 32 bytes each
@@ -883,7 +902,9 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
           dequant(c + 1, a[(c + 1) % AS], false);
         }
       }
-      mlxcel_wg_wait<0>();  // (the slot is refilled after the next barrier)
+      // (the slot is refilled after the next barrier; with CARRY after the one after, word
+      // 3's wgmmas finished during the next step's first wait)
+      mlxcel_wg_wait<CARRY ? 1 : 0>();
       return;
     }
     // (above 32 rows only without the norm, whose Σ x² registers tipped it into spilling)
@@ -945,10 +966,10 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
     }
   };
 
-  // the first ST - 1 steps in flight, one copy group each (empty past NS: the counts stay
+  // the first AH steps in flight, one copy group each (empty past NS: the counts stay
   // uniform), and the first step's scales
 #pragma unroll
-  for (int u = 0; u + 1 < ST; ++u) {
+  for (int u = 0; u < AH; ++u) {
     copy(u, u);
     mlxcel_cp_commit();
   }
@@ -956,7 +977,7 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
     scales_of(0, sc[0], bi[0]);
   }
   if constexpr (XAHEAD) {  // step 0's x pass (the loop's does step s + 1's)
-    mlxcel_cp_wait<ST - 2>();
+    mlxcel_cp_wait<AH - 1>();
     __syncthreads();
     prepare_x(0);
   }
@@ -968,9 +989,9 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
       const int s = s0 + par;
       if (s < NS) {  // (uniform over the block)
         // this thread's copies of step s (XAHEAD: and s + 1) have landed …
-        mlxcel_cp_wait<XAHEAD ? ST - 3 : ST - 2>();
-        __syncthreads();                      // … everyone's, and step s - 1's reads are done
-        copy(s + ST - 1, (s + ST - 1) % ST);  // into the slot step s - 1 used
+        mlxcel_cp_wait<XAHEAD ? AH - 2 : AH - 1>();
+        __syncthreads();                // … everyone's, and step s - 1's reads are done
+        copy(s + AH, (s + AH) % ST);    // into the slot step s - 1 used (CARRY: s - 2)
         mlxcel_cp_commit();
         if (SREG && s + 1 < NS) {
           scales_of(s + 1, sc[par ^ 1], bi[par ^ 1]);
@@ -985,6 +1006,9 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
     }
   }
   mlxcel_cp_wait<0>();  // (no copy left in flight when the block exits)
+  if constexpr (CARRY) {
+    mlxcel_wg_wait<0>();  // (the last step's wgmmas, before the accumulators are read)
+  }
   // ---- Σ x² of each row (NORM), the split-K reduction ----
   if constexpr (NORM && WG) {
     // row m's items are c = 0 … 3 at item m + c·MT

@@ -458,6 +458,12 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
     );
     // the warpgroup-MMA flavour (MLXCEL_QGEMM_WGMMA, `Launch::wgmma`): wgmma from sm_90a
     let wgmma_header = format!("{header}{}{}", mlxcel::kernels::qgemm::WGMMA_PREFIX, g[0]);
+    // with a step's last wgmmas carried into the next (MLXCEL_QGEMM_CARRY)
+    let carry_header = format!(
+        "{header}{}#define MLXCEL_QGEMM_CARRY 1\n{}",
+        mlxcel::kernels::qgemm::WGMMA_PREFIX,
+        g[0]
+    );
     for (name, t, head, mut c, epi, norm) in [
         // gate/up at 32 rows: SwiGLU with the norm, 2 splits, a ring of 3 stages
         (
@@ -620,6 +626,24 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
             "custom_kernel_mlxcel_qgemm_test_wgmma_res_64_8bit_st3",
             bf,
             &wgmma_header,
+            gemm(64, 4096, 14336, 64, 8, 1, 8, 3),
+            1,
+            0,
+        ),
+        // carried wgmmas: gate/up with the norm at 64 rows (4 stages: x a step ahead), 8-bit
+        // down at 64 rows (3)
+        (
+            "custom_kernel_mlxcel_qgemm_test_carry_swiglu_64",
+            bf,
+            &carry_header,
+            gemm(64, 28672, 4096, 64, 4, 1, 1, 4),
+            2,
+            1,
+        ),
+        (
+            "custom_kernel_mlxcel_qgemm_test_carry_res_64_8bit",
+            bf,
+            &carry_header,
             gemm(64, 4096, 14336, 64, 8, 1, 8, 3),
             1,
             0,

@@ -356,6 +356,27 @@ fn qgemm_wgmma_matches() {
             &[("NORM", 1), ("ST", 3)],
         ),
     );
+    // a step's last wgmmas carried into the next step (MLXCEL_QGEMM_CARRY): 4 stages (2 steps
+    // of copies in flight, x a step ahead), 3 (one step, x in the step), 8 bits
+    let carry = format!("{WGMMA}#define MLXCEL_QGEMM_CARRY 1\n");
+    run_switched(
+        "wg_m64_norm_split_carry_st4",
+        &carry,
+        &with(
+            cfg(64, 256 + 48, 1024, 64, 4, 8, 1, 2),
+            &[("NORM", 1), ("ST", 4)],
+        ),
+    );
+    run_switched(
+        "wg_m40_g32_blocks_carry_st3",
+        &carry,
+        &with(cfg(40, 256, 1536, 32, 4, 8, 1, 1), &[("ST", 3)]),
+    );
+    run_switched(
+        "wg_m24_8bit_res_carry_st3",
+        &carry,
+        &with(cfg(24, 128, 1024, 64, 8, 4, 1, 1), &[("EPI", 1), ("ST", 3)]),
+    );
     // the q/k/v entry point with RoPE (2 query heads, 1 key and 1 value head of 64) and the bias
     run_switched(
         "wg_rope_m24_norm",
@@ -572,8 +593,8 @@ fn planted_bugs_are_caught() {
         ),
         (
             "ring-slot",
-            "copy(s + ST - 1, (s + ST - 1) % ST);",
-            "copy(s + ST - 1, (s + ST - 2) % ST);",
+            "copy(s + AH, (s + AH) % ST);",
+            "copy(s + AH, (s + AH - 1) % ST);",
             with(cfg(9, 32, 640, 64, 4, 1, 1, 1), &[("ST", 3)]),
         ),
         (
@@ -636,11 +657,22 @@ fn planted_bugs_are_caught() {
             "XAHEAD && s + 1 < NS ? (s + 1) % ST : -1",
             "XAHEAD && s + 1 < NS ? (s + 2) % ST : -1",
         ),
+        // carried wgmmas with the ring refilled as without them: the slot the tensor cores
+        // still read (the emulated wgmma reads it when its group is waited for)
+        (
+            "wgmma-carry-refill",
+            "constexpr int AH = CARRY ? ST - 2 : ST - 1;",
+            "constexpr int AH = ST - 1;",
+        ),
     ] {
         let consts = with(cfg(24, 128, 640, 64, 4, 4, 1, 1), &[("ST", 3)]);
+        let switches = match tag {
+            "wgmma-carry-refill" => format!("{WGMMA}#define MLXCEL_QGEMM_CARRY 1\n"),
+            _ => WGMMA.to_string(),
+        };
         let src = program(&consts, &|s: String| {
             assert!(s.contains(from), "{tag}: `{from}` not in kernels/qgemm.cu");
-            s.replacen("// @@header\n", &format!("// @@header\n{WGMMA}"), 1)
+            s.replacen("// @@header\n", &format!("// @@header\n{switches}"), 1)
                 .replacen(from, to, 1)
         });
         let (ok, out) = common::compile_and_run(&format!("qgemm-bug-{tag}"), &src);

@@ -219,8 +219,8 @@ template <class T> static void mlxcel_emulated_mma16(float (&c)[4], uint32_t a0,
 // columns; PTX ISA) of one warpgroup: every lane posts its A fragments (each warp's 16 rows
 // laid out as mma.m16n8k16's A), then computes its d[nn/2] (rows 16·warp + g, + 8; columns
 // 8j + 2t, + 1) from the warpgroup's
-template <class T> static void mlxcel_emulated_wgmma(float* d, int nn, uint32_t a0, uint32_t a1, uint32_t a2,
-                                                     uint32_t a3, uint64_t desc, const void* base) {
+template <class T> static void mlxcel_emulated_wgmma_now(float* d, int nn, uint32_t a0, uint32_t a1, uint32_t a2,
+                                                         uint32_t a3, uint64_t desc, const void* base) {
   const unsigned t = threadIdx.x;
   const uint32_t mine[4] = {a0, a1, a2, a3};
   std::memcpy(&g_mma[6 * t], mine, sizeof mine);
@@ -249,6 +249,38 @@ template <class T> static void mlxcel_emulated_wgmma(float* d, int nn, uint32_t 
     }
   g_barrier->arrive_and_wait();
   for (int i = 0; i < nn / 2; ++i) d[i] = r[i];
+}
+// wgmma is asynchronous: a thread's wgmmas are queued as issued (A's registers by value, B
+// read later) and run when wgmma.wait_group retires their commit group, so B is read from
+// shared memory as the tensor cores would read it: a stage refilled while its wgmmas are
+// still in flight gives wrong results here too. Every thread issues, commits and waits alike
+// (the block's barriers stay in step).
+struct MlxcelWgOp {
+  void (*run)(float*, int, uint32_t, uint32_t, uint32_t, uint32_t, uint64_t, const void*);
+  float* d;
+  int nn;
+  uint32_t a[4];
+  uint64_t desc;
+  const void* base;
+};
+static thread_local std::vector<MlxcelWgOp> g_wg_ops;     // issued, not yet run
+static thread_local std::vector<size_t> g_wg_groups;      // committed groups' ends in g_wg_ops
+template <class T> static void mlxcel_emulated_wgmma(float* d, int nn, uint32_t a0, uint32_t a1, uint32_t a2,
+                                                     uint32_t a3, uint64_t desc, const void* base) {
+  g_wg_ops.push_back({&mlxcel_emulated_wgmma_now<T>, d, nn, {a0, a1, a2, a3}, desc, base});
+}
+static void mlxcel_emulated_wg_commit() { g_wg_groups.push_back(g_wg_ops.size()); }
+// wgmma.wait_group p: the committed groups but the newest p run now, in order
+static void mlxcel_emulated_wg_wait(int p) {
+  if (int(g_wg_groups.size()) <= p) return;
+  const size_t n = g_wg_groups[g_wg_groups.size() - 1 - p];
+  for (size_t i = 0; i < n; ++i) {
+    const MlxcelWgOp& o = g_wg_ops[i];
+    o.run(o.d, o.nn, o.a[0], o.a[1], o.a[2], o.a[3], o.desc, o.base);
+  }
+  g_wg_ops.erase(g_wg_ops.begin(), g_wg_ops.begin() + n);
+  g_wg_groups.erase(g_wg_groups.begin(), g_wg_groups.end() - p);
+  for (size_t& e : g_wg_groups) e -= n;
 }
 // The kernels' reference, in double: the kernel's input rows (x, or RMSNorm(x) with
 // weight nw when norm), and its outputs against dot(m, n) (input row m times weight row n)
