@@ -38,7 +38,8 @@
 // for it) while the warps multiply step s, so ST - 1 steps of weights and x are in flight
 // (ST - 2 with MLXCEL_QGEMM_CARRY) per block and no step waits a memory round trip (the
 // previous design loaded into registers a step or two ahead and staged x with two barriers
-// a step: latency-bound at 0.4-0.6 TB/s on an H200). One barrier a step (two with NORM or MLXCEL_QGEMM_XPAIR). Per step:
+// a step: latency-bound at 0.4-0.6 TB/s on an H200). One barrier a step (two with NORM or
+// MLXCEL_QGEMM_XPAIR). Per step:
 // - x: rows 0..MT of x[step] (rows ≥ M as zeros) land as they are; with NORM the block
 //   multiplies them by the norm weight (copied with them) in place, adding up Σ x² per row.
 //   Word 4t + c of a row sits at slot (4c + t) ^ 4·(row & 1), so a warp's fragment loads

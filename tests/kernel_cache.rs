@@ -457,13 +457,17 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
         g[0]
     );
     // the warpgroup-MMA flavour (MLXCEL_QGEMM_WGMMA, `Launch::wgmma`): wgmma from sm_90a
-    let wgmma_header = format!("{header}{}{}", mlxcel::kernels::qgemm::WGMMA_PREFIX, g[0]);
+    // (`switches`: the kernel file's tuning defines after the flavour's)
+    let wgmma_with = |switches: &str| {
+        format!(
+            "{header}{}{switches}{}",
+            mlxcel::kernels::qgemm::WGMMA_PREFIX,
+            g[0]
+        )
+    };
+    let wgmma_header = wgmma_with("");
     // with a step's last wgmmas carried into the next (MLXCEL_QGEMM_CARRY)
-    let carry_header = format!(
-        "{header}{}#define MLXCEL_QGEMM_CARRY 1\n{}",
-        mlxcel::kernels::qgemm::WGMMA_PREFIX,
-        g[0]
-    );
+    let carry_header = wgmma_with("#define MLXCEL_QGEMM_CARRY 1\n");
     for (name, t, head, mut c, epi, norm) in [
         // gate/up at 32 rows: SwiGLU with the norm, 2 splits, a ring of 3 stages
         (

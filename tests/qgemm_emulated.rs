@@ -296,6 +296,8 @@ fn qgemm_tuning_switches_match() {
 /// The kernel file's warpgroup-MMA flavour (`MLXCEL_QGEMM_WGMMA`: x read by the tensor cores
 /// from the stage through matrix descriptors, the emulated `wgmma` decoding them).
 const WGMMA: &str = "#define MLXCEL_QGEMM_WGMMA 1\n";
+/// Its switch carrying a step's last wgmmas into the next step (`MLXCEL_QGEMM_CARRY`).
+const CARRY: &str = "#define MLXCEL_QGEMM_CARRY 1\n";
 
 #[test]
 fn qgemm_wgmma_matches() {
@@ -358,7 +360,7 @@ fn qgemm_wgmma_matches() {
     );
     // a step's last wgmmas carried into the next step (MLXCEL_QGEMM_CARRY): 4 stages (2 steps
     // of copies in flight, x a step ahead), 3 (one step, x in the step), 8 bits
-    let carry = format!("{WGMMA}#define MLXCEL_QGEMM_CARRY 1\n");
+    let carry = format!("{WGMMA}{CARRY}");
     run_switched(
         "wg_m64_norm_split_carry_st4",
         &carry,
@@ -639,23 +641,26 @@ fn planted_bugs_are_caught() {
     let (ok, out) = common::compile_and_run("qgemm-bug-pair-pass", &src);
     eprintln!("qgemm-bug-pair-pass: {}", out.trim());
     assert!(!ok, "planted bug `pair-pass` was not caught: {out}");
-    // the wgmma flavour: B's core matrices along K read 256 bytes apart instead of 128, and
-    // a word's second wgmma reading the first one's pairs of x
-    for (tag, from, to) in [
+    // the wgmma flavour (with the tuning switches each needs): B's core matrices along K read
+    // 256 bytes apart instead of 128, and a word's second wgmma reading the first one's pairs of x
+    for (tag, from, to, switches) in [
         (
             "wgmma-lbo",
             "xa + (4 * c + 2 * h2) * WG_LBO, WG_LBO, WG_SBO, ring",
             "xa + (4 * c + 2 * h2) * WG_LBO, 2 * WG_LBO, WG_SBO, ring",
+            "",
         ),
         (
             "wgmma-pairs",
             "xa + (4 * c + 2 * h2) * WG_LBO, WG_LBO, WG_SBO, ring",
             "xa + (4 * c) * WG_LBO, WG_LBO, WG_SBO, ring",
+            "",
         ),
         (
             "wgmma-x-ahead-slot",
             "XAHEAD && s + 1 < NS ? (s + 1) % ST : -1",
             "XAHEAD && s + 1 < NS ? (s + 2) % ST : -1",
+            "",
         ),
         // carried wgmmas with the ring refilled as without them: the slot the tensor cores
         // still read (the emulated wgmma reads it when its group is waited for)
@@ -663,17 +668,18 @@ fn planted_bugs_are_caught() {
             "wgmma-carry-refill",
             "constexpr int AH = CARRY ? ST - 2 : ST - 1;",
             "constexpr int AH = ST - 1;",
+            CARRY,
         ),
     ] {
         let consts = with(cfg(24, 128, 640, 64, 4, 4, 1, 1), &[("ST", 3)]);
-        let switches = match tag {
-            "wgmma-carry-refill" => format!("{WGMMA}#define MLXCEL_QGEMM_CARRY 1\n"),
-            _ => WGMMA.to_string(),
-        };
         let src = program(&consts, &|s: String| {
             assert!(s.contains(from), "{tag}: `{from}` not in kernels/qgemm.cu");
-            s.replacen("// @@header\n", &format!("// @@header\n{switches}"), 1)
-                .replacen(from, to, 1)
+            s.replacen(
+                "// @@header\n",
+                &format!("// @@header\n{WGMMA}{switches}"),
+                1,
+            )
+            .replacen(from, to, 1)
         });
         let (ok, out) = common::compile_and_run(&format!("qgemm-bug-{tag}"), &src);
         eprintln!("qgemm-bug-{tag}: {}", out.trim());
