@@ -64,12 +64,13 @@
 //   (which k of the MMA a value takes does not matter to the product as long as A and B
 //   agree), then (v2,v6) (v3,v7) with (x2,x6) (x3,x7). One B fragment load (16 bytes from
 //   shared memory) feeds the four MMAs of the warp's two tiles.
-// Split-K: with SK > 1 each block writes its f32 partial tile (and with NORM its Σ x²) to
-// `part`, in the order of its threads' registers, bumps `count[column block]` after a
-// fence, and the block that brings it to SK adds the others' partials, applies the
-// epilogue and sets the count back to zero. `part` and `count` are mlxcel's own scratch
-// (src/kernels/qgemm.rs), written through MLX's const input pointers; calls that share it
-// are ordered by a token: each call's `tok` output is the next call's `prev` input.
+// Split-K: with SK > 1 each block adds its f32 partial tile into its column block's tile in
+// `part` (reductions in L2, in the order of its threads' registers; with NORM it writes its
+// Σ x² after the tiles), bumps `count[column block]` after a fence, and the block that
+// brings it to SK reads the sum back, applies the epilogue and leaves zeros in the tile and
+// the count. `part` and `count` are mlxcel's own scratch (src/kernels/qgemm.rs, made as
+// zeros), written through MLX's const input pointers; calls that share it are ordered by a
+// token: each call's `tok` output is the next call's `prev` input.
 //
 // EPI picks what is written, as in kernels/qgemv.cu:
 //   0: y[M, N]   = x·Wᵀ
@@ -158,6 +159,16 @@
 // same ring without it: the wait at a step's end is not what bounds the loop.
 #ifndef MLXCEL_QGEMM_CARRY
 #define MLXCEL_QGEMM_CARRY 0
+#endif
+// MLXCEL_QGEMM_SKIP (profiling only: the results are wrong; 0, the default, skips nothing): a
+// bit mask of the loop's parts left out, so that kernel times with and without each show what
+// bounds the loop. 1: the weights' and scales' copies; 2: x's (and the norm weight's) copies;
+// 4: the x pass; 8: the wgmmas (their A fragments still computed; the wgmma flavour only); 16:
+// the dequantizing and the scales' loads from shared memory (the A fragments are the loaded
+// words); 32: x copied from step (s + column block) of the split instead of s, so that the
+// blocks do not read the same lines of x at once.
+#ifndef MLXCEL_QGEMM_SKIP
+#define MLXCEL_QGEMM_SKIP 0
 #endif
 #if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define MLXCEL_HAS_WGMMA 1
@@ -397,6 +408,58 @@ __device__ __forceinline__ void mlxcel_cp_small(void* dst, const void* src, bool
 #endif
 }
 
+// f(I) for I = 0 … N - 1, each I a compile-time constant (mlxcel_int<I>::value)
+template <int I>
+struct mlxcel_int {
+  static constexpr int value = I;
+};
+template <int N, int I = 0, class F>
+__device__ __forceinline__ void mlxcel_unrolled(F&& f) {
+  if constexpr (I < N) {
+    f(mlxcel_int<I>{});
+    mlxcel_unrolled<N, I + 1>(f);
+  }
+}
+
+// p, as a value the compiler cannot compute earlier than here
+template <class P>
+__device__ __forceinline__ P* mlxcel_opaque(P* p) {
+#if defined(__CUDA_ARCH__)
+  asm volatile("mov.b64 %0, %0;" : "+l"(p));
+#endif
+  return p;
+}
+// Split-K partial sums: *p += v in global memory (`red.global.add.v4.f32`, one 16-byte
+// reduction in L2, from sm_90; four f32 ones before), and mlxcel_take4: the sum, read from L2,
+// with zeros left in its place. In the CPU emulation plain adds and copies (it runs one block
+// at a time, and a block's threads add to distinct addresses).
+// (The float4 at p + OFF: the offset an immediate of the instruction, so that the compiler
+// keeps one address for all of a thread's, not one register pair each.)
+template <int OFF>
+__device__ __forceinline__ void mlxcel_red_add4(float4* p, float4 v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v4.f32 [%0+%5], {%1, %2, %3, %4};\n" ::"l"(p), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w),
+               "n"(OFF * 16)
+               : "memory");
+#elif defined(__CUDA_ARCH__)
+  float* f = reinterpret_cast<float*>(p + OFF);
+  atomicAdd(f, v.x), atomicAdd(f + 1, v.y), atomicAdd(f + 2, v.z), atomicAdd(f + 3, v.w);
+#else
+  p += OFF;
+  p->x += v.x, p->y += v.y, p->z += v.z, p->w += v.w;
+#endif
+}
+__device__ __forceinline__ float4 mlxcel_take4(float4* p) {
+#if defined(__CUDA_ARCH__)
+  const float4 v = __ldcg(p);
+  __stcg(p, make_float4(0.f, 0.f, 0.f, 0.f));
+#else
+  const float4 v = *p;
+  *p = make_float4(0.f, 0.f, 0.f, 0.f);
+#endif
+  return v;
+}
+
 // rows of x: the product of x's first `ndim` dimensions over K. (MLX pads the shape it
 // passes to MAX_NDIM entries without setting the rest, so they hold whatever was in that
 // memory: reading past `ndim` made M garbage, and whole calls wrote nothing.)
@@ -596,11 +659,15 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
   // j·TPB of 2·BN·PR is piece c % PR of row slot (c / PR) % BN's scales (c < BN·PR) or
   // biases; pieces past N or past the split's steps are zeros (not read). (Their sources
   // are worked out at each copy, once per SB steps: held in registers they would take 16 at
-  // 70B TP8 down's 4-byte pieces, 16 a thread.)
+  // 70B TP8 down's 4-byte pieces, 16 a thread; the arrays' addresses are made opaque at each
+  // copy, or the compiler worked the sources out before the loop all the same, and 8-bit
+  // launches of 64 rows spilled them.)
   constexpr int PR = CU > 0 ? 32 / CU : 1;  // pieces a row and kind
   constexpr int PJ = SBLK ? (2 * BN * PR + TPB - 1) / TPB : 1;
   auto copy_scales = [&](int u) {
     char* slot = reinterpret_cast<char*>(sbuf + (u % 2) * 4 * BN);
+    const T* const scales_u = mlxcel_opaque(scales);
+    const T* const biases_u = mlxcel_opaque(biases);
 #pragma unroll
     for (int j = 0; j < PJ; ++j) {
       const int c = tid + j * TPB;
@@ -608,7 +675,7 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
         const int b = c / (BN * PR), at = u * SB * SPS + (c % PR) * (CU / 2);
         const int row = ring_row((c / PR) % BN);
         const bool in = row >= 0 && at < NS * SPS;
-        const T* src = (b ? biases : scales) + (in ? size_t(row) * GPR + split * NS * SPS + at : 0);
+        const T* src = (b ? biases_u : scales_u) + (in ? size_t(row) * GPR + split * NS * SPS + at : 0);
         char* dst = slot + CU * c;  // = kind b, row slot, piece: 32 bytes a row and kind
         if constexpr (CU == 16) {
           mlxcel_cp16z(reinterpret_cast<uint4*>(dst), src, in);
@@ -623,7 +690,7 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
     if (s >= NS) {
       return;
     }
-    if constexpr (SBLK) {
+    if constexpr (SBLK && !(MLXCEL_QGEMM_SKIP & 1)) {
       if (s % SB == 0) {
         copy_scales(s / SB);
       }
@@ -633,24 +700,25 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
     uint4* st = ring + slot * STAGE16;
     const uint32_t* ws = w + size_t(step) * 4 * BITS;
 #pragma unroll
-    for (int j = 0; j < WJ; ++j) {
+    for (int j = 0; j < (MLXCEL_QGEMM_SKIP & 1 ? 0 : WJ); ++j) {
       const int c = tid + j * TPB;
       const int r = c / BITS, q = c % BITS;
       mlxcel_cp16z(st + r * BITS + (BITS == 8 ? (q ^ (r & 1)) : q), ws + (woff[j] >= 0 ? woff[j] : 0),
                    woff[j] >= 0);
     }
 #pragma unroll
-    for (int j = 0; j < XJ; ++j) {
+    for (int j = 0; j < (MLXCEL_QGEMM_SKIP & 2 ? 0 : XJ); ++j) {
       const int m = xm0 + j * (TPB / 16);
       if (X16 % TPB == 0 || m < MT) {
+        const int xk0 = MLXCEL_QGEMM_SKIP & 32 ? (split * NS + (s + cb) % NS) * 128 : k0;
         mlxcel_cp16z(st + W16 + (WG ? wg_x(m, xslot) : m * 16 + xslot),
-                     x + size_t(m < M ? m : 0) * K + k0 + 8 * xw, m < M);
+                     x + size_t(m < M ? m : 0) * K + xk0 + 8 * xw, m < M);
       }
     }
-    if (NORM && tid < 16) {
+    if (NORM && !(MLXCEL_QGEMM_SKIP & 2) && tid < 16) {
       mlxcel_cp16z(st + W16 + X16 + tid, nw + k0 + 8 * tid, true);
     }
-    if constexpr (SSM) {
+    if constexpr (SSM && !(MLXCEL_QGEMM_SKIP & 1)) {
       // chunk r of the scale area: row slot r's scales (bytes 0 …) and biases (bytes 8 …)
 #pragma unroll
       for (int j = 0; j < SJ; ++j) {
@@ -693,6 +761,10 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
   }
   auto prepare_x = [&](int slot) {
     uint4* st = ring + slot * STAGE16;
+    if constexpr ((MLXCEL_QGEMM_SKIP & 4) != 0) {
+      (void)st;
+      return;
+    }
     if constexpr (WG) {
 #pragma unroll
       for (int j = 0; j < XI; ++j) {
@@ -843,7 +915,11 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
               hi = k == 0 ? u.y : u.w;
             }
           }
-          mlxcel_dequant8<T, BITS>(lo, hi, s2[i][h], b2[i][h], a[i][h]);
+          if constexpr ((MLXCEL_QGEMM_SKIP & 16) != 0) {
+            a[i][h][0] = a[i][h][1] = a[i][h][2] = a[i][h][3] = lo ^ hi;
+          } else {
+            mlxcel_dequant8<T, BITS>(lo, hi, s2[i][h], b2[i][h], a[i][h]);
+          }
         }
       }
     };
@@ -888,6 +964,12 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
 #pragma unroll
           for (int h2 = 0; h2 < 2; ++h2) {
             const uint32_t(&f)[2][4] = a[c % AS][i];
+            if constexpr ((MLXCEL_QGEMM_SKIP & 8) != 0) {
+#if defined(__CUDA_ARCH__)
+              asm volatile("" ::"r"(f[0][2 * h2]), "r"(f[1][2 * h2]), "r"(f[0][2 * h2 + 1]), "r"(f[1][2 * h2 + 1]));
+#endif
+              continue;
+            }
             mlxcel_wgmma_cols<T, MT>(&acc[i][0][0], f[0][2 * h2], f[1][2 * h2], f[0][2 * h2 + 1], f[1][2 * h2 + 1],
                                      xa + (4 * c + 2 * h2) * WG_LBO, WG_LBO, WG_SBO, ring);
           }
@@ -1041,17 +1123,21 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
     }
   }
   if constexpr (SK > 1) {
+    // The column block's tile, summed over its splits in place: each block adds its partial
+    // tile (in its threads' register order) into it in L2, and the block that brings the
+    // count to SK reads the sum back, writing zeros as it goes. Every launch leaves the
+    // scratch as it found it, zeros (so launches of other shapes may share it); with NORM
+    // each block's Σ x² per row lands after the tiles and is zeroed likewise. (Each block
+    // wrote its own partial tile and the last one read the other SK - 1, 4 bytes a load:
+    // about 20 of 51 µs of 8B down at 64 rows on one H100, 8 splits.)
     constexpr int NV = 2 * NTW;  // float4s per thread
     float* part = const_cast<float*>(part_in);
-    float4* mine = reinterpret_cast<float4*>(part) + (size_t(cb) * SK + split) * NV * TPB;
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-#pragma unroll
-      for (int j = 0; j < NTW; ++j) {
-        mine[(i * NTW + j) * TPB + tid] = make_float4(acc[i][j][0], acc[i][j][1], acc[i][j][2], acc[i][j][3]);
-      }
-    }
-    float* ssp = part + size_t(CB) * SK * NV * TPB * 4;  // after every block's tile
+    float4* tile = reinterpret_cast<float4*>(part) + size_t(cb) * NV * TPB;
+    mlxcel_unrolled<2 * NTW>([&](auto ij) {
+      constexpr int i = decltype(ij)::value / NTW, j = decltype(ij)::value % NTW;
+      mlxcel_red_add4<(i * NTW + j) * TPB>(tile + tid, make_float4(acc[i][j][0], acc[i][j][1], acc[i][j][2], acc[i][j][3]));
+    });
+    float* ssp = part + size_t(CB) * NV * TPB * 4;  // after every column block's tile
     if constexpr (NORM) {
       __syncthreads();  // ss_sm written
       for (int m = tid; m < MT; m += TPB) {
@@ -1069,28 +1155,21 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
       return;
     }
     __threadfence();
-    for (int o = 0; o < SK; ++o) {
-      if (o == split) {
-        continue;
-      }
-      const float* other = part + (size_t(cb) * SK + o) * NV * TPB * 4;
 #pragma unroll
-      for (int i = 0; i < 2; ++i) {
+    for (int i = 0; i < 2; ++i) {
 #pragma unroll
-        for (int j = 0; j < NTW; ++j) {
-          const float* p = other + (size_t(i * NTW + j) * TPB + tid) * 4;
-#pragma unroll
-          for (int c = 0; c < 4; ++c) {
-            acc[i][j][c] += __ldcg(p + c);
-          }
-        }
+      for (int j = 0; j < NTW; ++j) {
+        const float4 v = mlxcel_take4(tile + (i * NTW + j) * TPB + tid);
+        acc[i][j][0] = v.x, acc[i][j][1] = v.y, acc[i][j][2] = v.z, acc[i][j][3] = v.w;
       }
     }
     if constexpr (NORM) {
       for (int m = tid; m < MT; m += TPB) {
         float v = 0.f;
         for (int o = 0; o < SK; ++o) {
-          v += __ldcg(ssp + (size_t(cb) * SK + o) * MT + m);
+          float* at = ssp + (size_t(cb) * SK + o) * MT + m;
+          v += __ldcg(at);
+          *at = 0.f;
         }
         ss_sm[m] = v;
       }

@@ -214,7 +214,7 @@ class Gemm:
         mt, wr, wn, sk, st = launch or launch_for(m, n, k, bits)
         threads = 32 * wr * wn
         cb = -(-n // (32 * wr))
-        floats = cb * sk * (2 * (mt // 8 // wn) * 4 * threads + mt) if sk > 1 else 0
+        floats = cb * sk * (2 * (mt // 8 // wn) * 4 * threads + mt) if sk > 1 else 0  # (Rust: scratch_floats)
         self.scratch(floats, cb)
         prev = self.prev if (sk > 1 and self.prev is not None) else x
         eps = 0 if norm is None else struct.unpack("<i", struct.pack("<f", norm[1]))[0]

@@ -468,6 +468,9 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
     let wgmma_header = wgmma_with("");
     // with a step's last wgmmas carried into the next (MLXCEL_QGEMM_CARRY)
     let carry_header = wgmma_with("#define MLXCEL_QGEMM_CARRY 1\n");
+    // the profiling switch with every part left out (MLXCEL_QGEMM_SKIP: wrong results by
+    // design, but it must compile for the timings it is for)
+    let skip_header = wgmma_with("#define MLXCEL_QGEMM_SKIP 63\n");
     for (name, t, head, mut c, epi, norm) in [
         // gate/up at 32 rows: SwiGLU with the norm, 2 splits, a ring of 3 stages
         (
@@ -651,6 +654,14 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
             gemm(64, 4096, 14336, 64, 8, 1, 8, 3),
             1,
             0,
+        ),
+        (
+            "custom_kernel_mlxcel_qgemm_test_skip_swiglu_64",
+            bf,
+            &skip_header,
+            gemm(64, 28672, 4096, 64, 4, 1, 1, 3),
+            2,
+            1,
         ),
         (
             "custom_kernel_mlxcel_qgemm_test_wgmma_res_40_f16",
@@ -887,6 +898,11 @@ fn kernels_compile_for_the_cache_with_nvrtc() {
             &[("N", 32 * 1536)],
         ),
     ));
+    // MLXCEL_KERNEL_TEST_ONLY=part: only the kernels whose names contain it (for a quick
+    // look at one variant's registers)
+    if let Ok(only) = std::env::var("MLXCEL_KERNEL_TEST_ONLY") {
+        sources.retain(|(name, _)| name.contains(&only));
+    }
     let jobs: Vec<CompileJob> = sources
         .iter()
         .map(|(name, src)| CompileJob {

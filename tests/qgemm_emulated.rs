@@ -36,8 +36,9 @@ int main() {
   std::vector<int> q;
   // (row 0 of x holds a NaN with NAN_X: every output of row 0 must be NaN, row 1 none)
   draw_quantized(rng, N, K, BITS, NAN_X, x, sc, bi, res, nw, w, q);
-  // split-K scratch: every block's partial tile, then the Σ x² partials; counts start at 0
-  std::vector<float> part(size_t(CB) * SK * (NV * TPB * 4 + MT), -7.f);
+  // split-K scratch: every column block's tile, then every block's Σ x² partials; all zeros,
+  // as the counts, and left so by every run
+  std::vector<float> part(size_t(CB) * (NV * TPB * 4 + SK * MT), 0.f);
   std::vector<int32_t> count(CB, 0);
   // x as a [M, 1, K] array: MLX passes its shape padded to 10 dimensions with whatever
   // was in that memory (here nonzero junk, which the kernel must not read), and its ndim
@@ -61,6 +62,8 @@ int main() {
     }
     for (int c = 0; c < CB; ++c)
       if (count[c] != 0) { std::printf("max_err: count[%d] = %d after the run\n", c, count[c]); return 1; }
+    for (size_t i = 0; i < part.size(); ++i)
+      if (part[i] != 0.f) { std::printf("max_err: part[%zu] = %g after the run\n", i, part[i]); return 1; }
   }
   auto untouched = [&](const std::vector<bf>& v, size_t n, const char* what) {
     for (size_t i = n; i < v.size(); ++i)
@@ -544,7 +547,7 @@ fn qgemm_nan_reaches_its_row_only() {
 /// the scale blocks' slot, and a scale block refilled while still read) each make a run fail.
 #[test]
 fn planted_bugs_are_caught() {
-    let cases: [(&str, &str, &str, Consts); 11] = [
+    let cases: [(&str, &str, &str, Consts); 12] = [
         (
             "pairs",
             "b1 = __byte_perm(v.x, v.z, 0x7632)",
@@ -557,10 +560,18 @@ fn planted_bugs_are_caught() {
             "0x000F0007u) | mlxcel_k16",
             cfg(9, 32, 256, 64, 4, 1, 1, 1),
         ),
+        // split-K: one split's partial tile left out of the sum; the sum left in the scratch
+        // (the next run adds to it)
         (
             "split",
-            "if (o == split) {",
-            "if (o == split || o == 0) {",
+            "      mlxcel_red_add4<(i * NTW + j) * TPB>(tile + tid,",
+            "      if (split != 0) mlxcel_red_add4<(i * NTW + j) * TPB>(tile + tid,",
+            cfg(9, 32, 512, 64, 4, 1, 1, 2),
+        ),
+        (
+            "split-unzeroed",
+            "  *p = make_float4(0.f, 0.f, 0.f, 0.f);",
+            "",
             cfg(9, 32, 512, 64, 4, 1, 1, 2),
         ),
         (

@@ -289,14 +289,16 @@ impl Launch {
     pub fn column_blocks(&self, n: usize) -> usize {
         n.div_ceil(self.rows())
     }
-    /// f32 scratch the split-K reduction takes for an `n`-row weight: every block's tile
-    /// (in its threads' register order) and Σ x² per batch row.
+    /// f32 scratch the split-K reduction takes for an `n`-row weight: every column block's
+    /// tile (its splits' sum, in its threads' register order), then every block's Σ x² per
+    /// batch row; made as large as a tile for every block, the layout of kernel files before
+    /// the sum in place, so that those still run through `MLXCEL_QGEMM_SOURCE` for A/B timings.
     pub fn scratch_floats(&self, n: usize) -> usize {
         if self.sk < 2 {
             return 0;
         }
-        let per_block = 2 * (self.mt / 8 / self.wn) * 4 * self.threads() + self.mt;
-        self.column_blocks(n) * self.sk * per_block
+        let tile = 2 * (self.mt / 8 / self.wn) * 4 * self.threads();
+        self.column_blocks(n) * self.sk * (tile + self.mt)
     }
 }
 
@@ -529,7 +531,8 @@ pub fn bounded(l: Launch) -> Launch {
     }
 }
 
-/// Per thread: the split-K scratch (f32 partial tiles, i32 counts left at zero by every
+/// Per thread: the split-K scratch (f32 column tiles the kernel adds into and Σ x² partials,
+/// i32 counts: all left at zero by every
 /// call) and the last call's `tok` output. A call that uses the scratch takes the previous
 /// one's `tok` as an input, so MLX's graph orders every call on this thread after the one
 /// before (it would otherwise run calls with no data between them side by side). MLX's
