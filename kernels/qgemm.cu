@@ -160,21 +160,13 @@
 #ifndef MLXCEL_QGEMM_CARRY
 #define MLXCEL_QGEMM_CARRY 0
 #endif
-// MLXCEL_QGEMM_ROTATE 1 (default): each column block walks its steps of K starting at its own
-// step and wrapping around (in whole scale blocks where the scales come in blocks), so that the
-// blocks of a launch do not all copy the same lines of x from L2 at once; 0: every block from
-// the split's first step. (On one H100, x alone read at a step of its own per block, a
-// profiling variant, took gate/up at 64 rows from 75.9 to 69.4 µs, at 32 rows from 55.0 to
-// 51.7.)
-#ifndef MLXCEL_QGEMM_ROTATE
-#define MLXCEL_QGEMM_ROTATE 1
-#endif
 // MLXCEL_QGEMM_SKIP (profiling only: the results are wrong; 0, the default, skips nothing): a
 // bit mask of the loop's parts left out, so that kernel times with and without each show what
 // bounds the loop. 1: the weights' and scales' copies; 2: x's (and the norm weight's) copies;
 // 4: the x pass; 8: the wgmmas (their A fragments still computed; the wgmma flavour only); 16:
 // the dequantizing and the scales' loads from shared memory (the A fragments are the loaded
-// words).
+// words); 32: x copied from step (s + column block) of the split instead of s, so that the
+// blocks do not read the same lines of x at once.
 #ifndef MLXCEL_QGEMM_SKIP
 #define MLXCEL_QGEMM_SKIP 0
 #endif
@@ -532,10 +524,6 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
   // bytes) are loaded into registers a step ahead
   constexpr bool SSM = !SBLK && G <= 64;
   constexpr bool SREG = !SBLK && !SSM;
-  // (MLXCEL_QGEMM_ROTATE) the split's scale blocks a rotation may start at (whole ones only),
-  // and this column block's first step: loop step s copies step (s + rot) % NS of the split
-  constexpr int SBN = SBLK ? (NS % SB == 0 ? NS / SB : 1) : NS;
-  const int rot = MLXCEL_QGEMM_ROTATE ? (int(blockIdx.x) / SK) % SBN * (SBLK ? SB : 1) : 0;
   constexpr int HALF = N / 2;
   constexpr int HD2 = HD > 0 ? HD / 2 : 1;
   constexpr int CB = (N + BN - 1) / BN;          // column blocks
@@ -684,8 +672,7 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
     for (int j = 0; j < PJ; ++j) {
       const int c = tid + j * TPB;
       if (PJ * TPB == 2 * BN * PR || c < 2 * BN * PR) {
-        const int ur = SBN > 1 ? (u + rot / SB) % SBN : u;  // (the rotated block: rot is whole blocks)
-        const int b = c / (BN * PR), at = ur * SB * SPS + (c % PR) * (CU / 2);
+        const int b = c / (BN * PR), at = u * SB * SPS + (c % PR) * (CU / 2);
         const int row = ring_row((c / PR) % BN);
         const bool in = row >= 0 && at < NS * SPS;
         const T* src = (b ? biases_u : scales_u) + (in ? size_t(row) * GPR + split * NS * SPS + at : 0);
@@ -708,7 +695,7 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
         copy_scales(s / SB);
       }
     }
-    const int step = split * NS + (s + rot) % NS;
+    const int step = split * NS + s;
     const int k0 = step * 128;
     uint4* st = ring + slot * STAGE16;
     const uint32_t* ws = w + size_t(step) * 4 * BITS;
@@ -723,8 +710,9 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
     for (int j = 0; j < (MLXCEL_QGEMM_SKIP & 2 ? 0 : XJ); ++j) {
       const int m = xm0 + j * (TPB / 16);
       if (X16 % TPB == 0 || m < MT) {
+        const int xk0 = MLXCEL_QGEMM_SKIP & 32 ? (split * NS + (s + cb) % NS) * 128 : k0;
         mlxcel_cp16z(st + W16 + (WG ? wg_x(m, xslot) : m * 16 + xslot),
-                     x + size_t(m < M ? m : 0) * K + k0 + 8 * xw, m < M);
+                     x + size_t(m < M ? m : 0) * K + xk0 + 8 * xw, m < M);
       }
     }
     if (NORM && !(MLXCEL_QGEMM_SKIP & 2) && tid < 16) {
@@ -744,7 +732,7 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
     }
   };
   auto scales_of = [&](int s, uint32_t (&so)[2][2], uint32_t (&bo)[2][2]) {
-    const int gi = ((split * NS + (s + rot) % NS) * 128 + 32 * t) / G;
+    const int gi = ((split * NS + s) * 128 + 32 * t) / G;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
 #pragma unroll

@@ -394,33 +394,6 @@ fn qgemm_wgmma_matches() {
 }
 
 #[test]
-fn qgemm_rotated_steps_match() {
-    // each column block from a step of its own (MLXCEL_QGEMM_ROTATE, the default): blocks of
-    // 256 weight rows with the scales in blocks (3 column blocks, 2 scale blocks a split to
-    // start at: groups of 64 and, split in two, of 32 with wgmma; 8-bit), groups of 128 with
-    // the scales in registers (3 column blocks over 8 steps), and the switch off
-    run(
-        "rot_sblk_g64",
-        &with(cfg(9, 768, 2048, 64, 4, 8, 1, 1), &[("ST", 3)]),
-    );
-    run_switched(
-        "rot_sblk_g32_split2_wgmma",
-        WGMMA,
-        &with(cfg(24, 512, 2048, 32, 4, 8, 1, 2), &[("ST", 3), ("EPI", 1)]),
-    );
-    run(
-        "rot_sblk_8bit_norm",
-        &with(cfg(9, 768, 2048, 64, 8, 8, 1, 1), &[("ST", 2), ("NORM", 1)]),
-    );
-    run("rot_sreg_g128", &cfg(9, 96, 1024, 128, 4, 1, 1, 1));
-    run_switched(
-        "rot_off",
-        "#define MLXCEL_QGEMM_ROTATE 0\n",
-        &with(cfg(9, 768, 2048, 64, 4, 8, 1, 1), &[("ST", 3)]),
-    );
-}
-
-#[test]
 fn qgemm_8bit_matches_dequantize_matmul() {
     // M = 5 (the 8-bit default's smallest batch: one tile, three rows of padding)
     run("8bit_m5_g64", &cfg(5, 64, 256, 64, 8, 2, 1, 1));
@@ -574,7 +547,7 @@ fn qgemm_nan_reaches_its_row_only() {
 /// the scale blocks' slot, and a scale block refilled while still read) each make a run fail.
 #[test]
 fn planted_bugs_are_caught() {
-    let cases: [(&str, &str, &str, Consts); 14] = [
+    let cases: [(&str, &str, &str, Consts); 12] = [
         (
             "pairs",
             "b1 = __byte_perm(v.x, v.z, 0x7632)",
@@ -642,20 +615,6 @@ fn planted_bugs_are_caught() {
             "sbuf + ((s / SB) % 2) * 4 * BN",
             "sbuf + ((s / SB + 1) % 2) * 4 * BN",
             with(cfg(9, 256, 1024, 64, 4, 8, 1, 1), &[("ST", 3)]),
-        ),
-        // a rotated column block's scale blocks copied unrotated; its scales in registers
-        // read for the unrotated step
-        (
-            "rotation-scale-blocks",
-            "at = ur * SB * SPS",
-            "at = u * SB * SPS",
-            with(cfg(9, 768, 2048, 64, 4, 8, 1, 1), &[("ST", 3)]),
-        ),
-        (
-            "rotation-scale-registers",
-            "const int gi = ((split * NS + (s + rot) % NS) * 128",
-            "const int gi = ((split * NS + s) * 128",
-            cfg(9, 96, 1024, 128, 4, 1, 1, 1),
         ),
         (
             "scale-block-refill",
