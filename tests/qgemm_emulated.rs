@@ -541,7 +541,8 @@ fn qgemm_nan_reaches_its_row_only() {
 
 /// The tests above fail when the kernel is wrong: bugs planted in the kernel file (the B
 /// fragments' pairing, in the warps' loads and in the pair pass; one nibble of the 4-bit
-/// unpacking, one split's partial left out, the 8-bit byte order, the epilogue's rows of the
+/// unpacking, one split's partial left out of the sum, the sum left in the scratch for the
+/// next call, the 8-bit byte order, the epilogue's rows of the
 /// second tile, x's slots in a stage, the 8-bit weights' swizzle, the words the pipelined
 /// loop reads from the stage above 32 rows, a step copied into the slot still being read,
 /// the scale blocks' slot, and a scale block refilled while still read) each make a run fail.

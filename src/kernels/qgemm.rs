@@ -532,11 +532,10 @@ pub fn bounded(l: Launch) -> Launch {
 }
 
 /// Per thread: the split-K scratch (f32 column tiles the kernel adds into and Σ x² partials,
-/// i32 counts: all left at zero by every
-/// call) and the last call's `tok` output. A call that uses the scratch takes the previous
-/// one's `tok` as an input, so MLX's graph orders every call on this thread after the one
-/// before (it would otherwise run calls with no data between them side by side). MLX's
-/// state is per thread, so is this.
+/// i32 counts: all left at zero by every call) and the last call's `tok` output. A call
+/// that uses the scratch takes the previous one's `tok` as an input, so MLX's graph orders
+/// every call on this thread after the one before (it would otherwise run calls with no
+/// data between them side by side). MLX's state is per thread, so is this.
 struct Scratch {
     part: Array,
     count: Array,
