@@ -408,19 +408,6 @@ __device__ __forceinline__ void mlxcel_cp_small(void* dst, const void* src, bool
 #endif
 }
 
-// f(I) for I = 0 … N - 1, each I a compile-time constant (mlxcel_int<I>::value)
-template <int I>
-struct mlxcel_int {
-  static constexpr int value = I;
-};
-template <int N, int I = 0, class F>
-__device__ __forceinline__ void mlxcel_unrolled(F&& f) {
-  if constexpr (I < N) {
-    f(mlxcel_int<I>{});
-    mlxcel_unrolled<N, I + 1>(f);
-  }
-}
-
 // p, as a value the compiler cannot compute earlier than here
 template <class P>
 __device__ __forceinline__ P* mlxcel_opaque(P* p) {
@@ -433,19 +420,14 @@ __device__ __forceinline__ P* mlxcel_opaque(P* p) {
 // reduction in L2, from sm_90; four f32 ones before), and mlxcel_take4: the sum, read from L2,
 // with zeros left in its place. In the CPU emulation plain adds and copies (it runs one block
 // at a time, and a block's threads add to distinct addresses).
-// (The float4 at p + OFF, the offset an immediate of the instruction: one address register
-// pair for all of a thread's.)
-template <int OFF>
 __device__ __forceinline__ void mlxcel_red_add4(float4* p, float4 v) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("red.global.add.v4.f32 [%0+%5], {%1, %2, %3, %4};\n" ::"l"(p), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w),
-               "n"(OFF * 16)
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w)
                : "memory");
 #elif defined(__CUDA_ARCH__)
-  float* f = reinterpret_cast<float*>(p + OFF);
+  float* f = reinterpret_cast<float*>(p);
   atomicAdd(f, v.x), atomicAdd(f + 1, v.y), atomicAdd(f + 2, v.z), atomicAdd(f + 3, v.w);
 #else
-  p += OFF;
   p->x += v.x, p->y += v.y, p->z += v.z, p->w += v.w;
 #endif
 }
@@ -1134,10 +1116,14 @@ __device__ __forceinline__ void mlxcel_qgemm(const T* x, const uint32_t* w, cons
     constexpr int NV = 2 * NTW;  // float4s per thread
     float* part = const_cast<float*>(part_in);
     float4* tile = reinterpret_cast<float4*>(part) + size_t(cb) * NV * TPB;
-    mlxcel_unrolled<2 * NTW>([&](auto ij) {
-      constexpr int i = decltype(ij)::value / NTW, j = decltype(ij)::value % NTW;
-      mlxcel_red_add4<(i * NTW + j) * TPB>(tile + tid, make_float4(acc[i][j][0], acc[i][j][1], acc[i][j][2], acc[i][j][3]));
-    });
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+#pragma unroll
+      for (int j = 0; j < NTW; ++j) {
+        mlxcel_red_add4(tile + (i * NTW + j) * TPB + tid,
+                        make_float4(acc[i][j][0], acc[i][j][1], acc[i][j][2], acc[i][j][3]));
+      }
+    }
     float* ssp = part + size_t(CB) * NV * TPB * 4;  // after every column block's tile
     if constexpr (NORM) {
       __syncthreads();  // ss_sm written

@@ -565,8 +565,8 @@ fn planted_bugs_are_caught() {
         // (the next run adds to it)
         (
             "split",
-            "      mlxcel_red_add4<(i * NTW + j) * TPB>(tile + tid,",
-            "      if (split != 0) mlxcel_red_add4<(i * NTW + j) * TPB>(tile + tid,",
+            "        mlxcel_red_add4(tile + (i * NTW + j) * TPB + tid,",
+            "        if (split != 0) mlxcel_red_add4(tile + (i * NTW + j) * TPB + tid,",
             cfg(9, 32, 512, 64, 4, 1, 1, 2),
         ),
         (
