@@ -55,14 +55,16 @@ PY
 q4cfg() { qcfg 4; }
 q8cfg() { qcfg 8; }
 
-# one `mlxcel bench` line: decode tok/s at batch 1 and at the comma-separated batches, batch
-# 1's host time per token. bench_line ENV MODEL BATCHES [bench flags...]; ENV: VAR=value
-# settings for this run (X=1: none); DECODE_TOKENS (256) per decode run
+# one `mlxcel bench` line: decode tok/s at batch 1 and at the comma-separated batches (each
+# with its host build + eval + wait ms a step), batch 1's host time per token. bench_line ENV
+# MODEL BATCHES [bench flags...]; ENV: VAR=value settings for this run (X=1: none);
+# DECODE_TOKENS (256) per decode run
 bench_line() {
   local e=$1 m=$2 batches=$3; shift 3
   env $e timeout ${BENCH_S:-150} $B bench -m "$m" --prompt-lens 128 --decode-tokens ${DECODE_TOKENS:-256} --decode-batch "$batches" \
     --repeats 1 "$@" 2>/dev/null | tail -1 | python3 -c 'import json,sys; d=json.load(sys.stdin)
-print("b1", round(d["decode"]["tokens_per_second"],1), " ".join("b%d %.1f" % (x["batch"], x["tokens_per_second"]) for x in d["decode_batched"]), "tok/s; b1 host", {k: round(v,3) for k,v in d["decode"]["host_per_token"].items()}, *([d["decode"]["ops_per_layer"], "ops/layer"] if "ops_per_layer" in d["decode"] else []))'
+h = lambda x: " (host %.2f+%.2f+%.2f ms)" % tuple(x["host_per_step"][k] for k in ("build_ms", "eval_ms", "wait_ms")) if "host_per_step" in x else ""
+print("b1", round(d["decode"]["tokens_per_second"],1), " ".join("b%d %.1f%s" % (x["batch"], x["tokens_per_second"], h(x)) for x in d["decode_batched"]), "tok/s; b1 host", {k: round(v,3) for k,v in d["decode"]["host_per_token"].items()}, *([d["decode"]["ops_per_layer"], "ops/layer"] if "ops_per_layer" in d["decode"] else []))'
 }
 
 # decode of the 8B 4-bit config (dummy weights) once per environment setting (X=1: the

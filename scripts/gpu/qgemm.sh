@@ -25,6 +25,10 @@
 #                                               # ("name=path ...", default the embedded file); the plain product,
 #                                               # without the norm or an epilogue unless a SPEC ends in :fused
 #                                               # (< 1 min each)
+#   NCU_CACHE=none (for steps and times): Nsight leaves the caches as the previous kernel left
+#   them, as a decode step finds them (x just written, in L2); its default, all, flushes them
+#   before each kernel. With times, also set QGEMM_WARM_X=1 (scripts/prof_qgemm.py: the
+#   weights pushed out of L2 and x written anew before each launch).
 #   bash scripts/gpu/qgemm.sh all               # check and bench
 # Targets (issue 25): 4-bit decode ≥ 1.3× bf16 at batch 8, 32 and 64 and rising with the batch;
 # 8-bit ≥ bf16 at 32 and 64. Environment: scripts/gpu/lib.sh; BATCHES (8,16,32,64), RUNS,
@@ -59,7 +63,7 @@ steps() {
   local b=${STEP_BATCH:-64} m
   for m in ${STEP_MODELS:-c8b-q4 c8b-q8 c8b}; do
     step "Nsight: one decode step at batch $b, $m"
-    timeout ${NCU_S:-150} ncu --profile-from-start off --clock-control none --csv --page raw \
+    timeout ${NCU_S:-150} ncu --profile-from-start off --clock-control none --cache-control ${NCU_CACHE:-all} --csv --page raw \
       --metrics gpu__time_duration.sum $B bench -m "$CK/$m" --load-format dummy --prompt-lens 128 \
       --decode-tokens 16 --decode-batch "$b" --repeats 1 --profile-steps 2 > "$OUT/ncu-step-$m-b$b.csv" 2> "$OUT/ncu-step-$m-b$b.err" ||
       { echo "failed:"; tail -3 "$OUT/ncu-step-$m-b$b.err"; continue; }
@@ -92,7 +96,7 @@ times() {
     step "Nsight kernel times, kernel file $name${path:+ ($path)}"
     echo "| product | launch (MT WR WN SK ST) | µs | TB/s of weights |"
     echo "|---|---|---|---|"
-    MLXCEL_QGEMM_SOURCE=$path timeout ${NCU_S:-150} ncu --clock-control none --csv --metrics gpu__time_duration.sum -k regex:qgemm \
+    MLXCEL_QGEMM_SOURCE=$path timeout ${NCU_S:-150} ncu --clock-control none --cache-control ${NCU_CACHE:-all} --csv --metrics gpu__time_duration.sum -k regex:qgemm \
       python3 scripts/prof_qgemm.py run $specs > "$OUT/ncu-times-$name.csv" 2> "$OUT/ncu-times-$name.err" &&
       python3 scripts/prof_qgemm.py times "$OUT/ncu-times-$name.csv" $specs || tail -3 "$OUT/ncu-times-$name.err"
   done 2>&1 | tee -a "$OUT/qgemm-times.txt"
