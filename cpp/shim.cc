@@ -463,6 +463,9 @@ uint64_t buffer_id(const array& a) {
   if (!a.data_shared_ptr()) return 0;
   return reinterpret_cast<uint64_t>(a.buffer().ptr());
 }
+// whether a's contents are there: evaluated and, where an asynchronous evaluation queued
+// it, run by the device (its event signalled); never waits
+bool is_available(const array& a) { return a.is_available(); }
 
 ArrayPtr slice_update(const array& src, const array& update, rust::Slice<const int32_t> start,
                       rust::Slice<const int32_t> stop, rust::Slice<const int32_t> strides) {

@@ -147,6 +147,7 @@ std::unique_ptr<ArrayVec> unowned_slices(const array& a, rust::Slice<const int32
 // The identity of `a`'s buffer (0 while it has none, e.g. not yet evaluated): equal for
 // two arrays that share one buffer, so an update that reused its input's buffer keeps it.
 uint64_t buffer_id(const array& a);
+bool is_available(const array& a);
 ArrayPtr slice_update(const array& src, const array& update, rust::Slice<const int32_t> start,
                       rust::Slice<const int32_t> stop, rust::Slice<const int32_t> strides);
 ArrayPtr slice_update_dynamic(const array& src, const array& update, const array& start,

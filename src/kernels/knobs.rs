@@ -130,6 +130,12 @@ pub struct Knobs {
     /// write rows, block tables) in device memory on CUDA (`crate::mlx::device_inputs`);
     /// 0: host arrays in MLX's unified memory, as before.
     pub device_inputs: bool,
+    /// `MLXCEL_STEP_STAGING` (default 1): those inputs are written into host arrays kept
+    /// from step to step, each reused once the device has copied it
+    /// (`crate::mlx::device_inputs`); 0: a new host array each step, as before (on CUDA MLX
+    /// may give it a cached device buffer, which it moves to unified memory with a
+    /// synchronous copy).
+    pub step_staging: bool,
     /// `MLXCEL_DEVICE_CONSTS` (default 1): small constant arrays the decode kernels read
     /// every layer (RoPE's frequencies, weights under 1 MiB: norms, biases) copied into
     /// device memory on CUDA once at load (`crate::mlx::device_inputs::device_copy`); 0: as
@@ -221,6 +227,7 @@ impl Default for Knobs {
             qkv_bias: true,
             qk_rope: true,
             device_inputs: true,
+            step_staging: true,
             device_consts: true,
             kv_fused: true,
             pool_view: true,
@@ -274,6 +281,7 @@ pub const VARS: &[&str] = &[
     "MLXCEL_QKV_BIAS",
     "MLXCEL_QK_ROPE",
     "MLXCEL_DEVICE_INPUTS",
+    "MLXCEL_STEP_STAGING",
     "MLXCEL_DEVICE_CONSTS",
     "MLXCEL_KV_FUSED",
     "MLXCEL_POOL_VIEW",
@@ -317,6 +325,7 @@ const SWITCHES: &[(&str, Field)] = &[
     ("MLXCEL_QKV_BIAS", |k| &mut k.qkv_bias),
     ("MLXCEL_QK_ROPE", |k| &mut k.qk_rope),
     ("MLXCEL_DEVICE_INPUTS", |k| &mut k.device_inputs),
+    ("MLXCEL_STEP_STAGING", |k| &mut k.step_staging),
     ("MLXCEL_DEVICE_CONSTS", |k| &mut k.device_consts),
     ("MLXCEL_KV_FUSED", |k| &mut k.kv_fused),
     ("MLXCEL_POOL_VIEW", |k| &mut k.pool_view),
@@ -484,6 +493,7 @@ fn parsed() -> &'static Result<Knobs, KnobError> {
         let k = Knobs::from_lookup(|v| std::env::var_os(v));
         if let Ok(k) = &k {
             mlx::fast::set_kernel_reuse(k.kernel_reuse);
+            mlx::device_inputs::set_staging(k.step_staging);
         }
         k
     })

@@ -14,7 +14,19 @@
 //! allocates in device memory: a run of consecutive values (a single sequence's position)
 //! as an `arange`, which reads no memory at all; anything else through one copy of one
 //! host array holding all the parts (one fault for the step, in that copy), each part then
-//! a view of the copy. Other backends get the host arrays as they are.
+//! a view of the copy. The copy is an op that computes (`· 1`, [`materialized`]): MLX's own
+//! copy op shares its input's buffer, so until it was replaced every such input was the
+//! unified host array itself. Other backends get the host arrays as they are.
+//!
+//! That host array is one of a few kept from step to step ([`set_staging`], on by
+//! default), rewritten once the device has run the copy that read it last. A new one each
+//! step came from MLX's buffer cache, which hands out any cached buffer of about the size
+//! asked, device memory too; MLX then moves such a buffer to unified memory with a new
+//! managed allocation and a synchronous `cudaMemcpy`, on the thread building the step.
+use std::cell::RefCell;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use super::host_written::HostWritten;
 use super::{backend, Array, Backend, Dtype, Result, Stream};
 
 /// Elements of a device array: MLX's results of at most 8 bytes are unified memory.
@@ -41,7 +53,7 @@ fn made_by_ops(parts: &[(&[i32], &[i32])], stream: &Stream) -> Result<Vec<Array>
         }
         _ => {
             all.resize(n, 0);
-            Array::from_slice(&all, &[n as i32])?.copy_to_stream(stream)?
+            staged_copy(&all, stream)?
         }
     };
     let mut out = Vec::with_capacity(parts.len());
@@ -54,6 +66,86 @@ fn made_by_ops(parts: &[(&[i32], &[i32])], stream: &Stream) -> Result<Vec<Array>
     Ok(out)
 }
 
+/// `a` computed anew into a buffer of its own by an op on `stream` (on a GPU stream, device
+/// memory): `a · 1`, exact for every value. (MLX's copy op shares its input's buffer, on
+/// every backend, so a copy of a host array is that host array.)
+fn materialized(a: &Array, stream: &Stream) -> Result<Array> {
+    a.copy_to_stream(stream)?.mul_scalar(1.0)
+}
+
+/// Whether [`made_by_ops`] writes its values into the kept host arrays (`MLXCEL_STEP_STAGING`).
+static STAGING: AtomicBool = AtomicBool::new(true);
+
+/// Turn the kept host arrays of the step inputs on or off (for A/B runs).
+pub fn set_staging(on: bool) {
+    STAGING.store(on, Ordering::Relaxed);
+}
+
+/// Most host arrays a thread keeps for [`staged_copy`]: a decode step uses one, and at
+/// most two steps are in flight; a graph built and dropped unevaluated leaves its array
+/// waiting for a copy that never runs (see [`staged_copy`]).
+const STAGED_MAX: usize = 8;
+
+/// Fewest elements of a kept host array.
+const STAGED_MIN_LEN: usize = 1024;
+
+/// A kept host array and the copy that reads it last (none yet: free).
+struct Staged {
+    host: HostWritten<i32>,
+    reader: Option<Array>,
+}
+
+thread_local! {
+    // per thread, as MLX's streams are
+    static STAGED: RefCell<Vec<Staged>> = const { RefCell::new(Vec::new()) };
+}
+
+/// `values` copied on `stream`, from a kept host array whose last copy has run (see the
+/// module docs), or from a new host array where none is free and no more may be kept.
+fn staged_copy(values: &[i32], stream: &Stream) -> Result<Array> {
+    let n = values.len();
+    if !STAGING.load(Ordering::Relaxed) {
+        return materialized(&Array::from_slice(values, &[n as i32])?, stream);
+    }
+    STAGED.with(|cell| {
+        let mut kept = cell.borrow_mut();
+        let free = |s: &Staged| {
+            s.host.array().size() >= n && s.reader.as_ref().is_none_or(Array::is_available)
+        };
+        let i = match kept.iter().position(free) {
+            Some(i) => i,
+            None => {
+                if kept.len() >= STAGED_MAX {
+                    // the arrays whose copy was never evaluated (its graph may have been
+                    // dropped) are given up: never written again, so a graph that still
+                    // holds one reads what it was given
+                    kept.retain(|s| s.reader.as_ref().is_none_or(|r| r.buffer_id() != 0));
+                }
+                if kept.len() >= STAGED_MAX {
+                    return materialized(&Array::from_slice(values, &[n as i32])?, stream);
+                }
+                let len = n.next_power_of_two().max(STAGED_MIN_LEN);
+                kept.push(Staged {
+                    host: HostWritten::new(&[len as i32])?,
+                    reader: None,
+                });
+                kept.len() - 1
+            }
+        };
+        let s = &mut kept[i];
+        // SAFETY: the only graphs that read this host array are the copies made here, and
+        // the last one has run (`is_available`: evaluated and its event signalled, so every
+        // earlier one has too) or there is none; the new copy is built after the write.
+        unsafe {
+            let (_, writer) = s.host.parts();
+            writer.fill(0)[..n].copy_from_slice(values);
+        }
+        let copy = materialized(&s.host.array().slice_axis(0, 0, n as i32)?, stream)?;
+        s.reader = Some(copy.clone());
+        Ok(copy)
+    })
+}
+
 /// At least `len` int32 zeros (a 1-D array) that land in device memory on CUDA: a kernel's
 /// own counts, which its blocks update with atomics. MLX keeps results of 8 bytes or less
 /// in unified memory, where every atomic add was a page round trip (a kernel of two stages
@@ -64,7 +156,7 @@ pub fn counts_i32(len: usize) -> Result<Array> {
     Array::zeros(&[len.max(MIN_LEN) as i32], Dtype::I32)
 }
 
-/// `a` copied into device memory on CUDA (a copy op on the GPU stream, evaluated): an
+/// `a` copied into device memory on CUDA ([`materialized`] on the GPU stream, evaluated): an
 /// array made from host data (a loaded weight, a table computed on the host) lives in
 /// unified memory, and a small one may share its pages with arrays the host writes while
 /// the device runs a step, so that a kernel reading it every layer would take page faults
@@ -74,7 +166,7 @@ pub fn device_copy(a: &Array) -> Result<Array> {
     if backend() != Backend::Cuda || a.nbytes() <= 8 {
         return Ok(a.clone());
     }
-    let d = a.copy_to_stream(&Stream::default_for(true)?)?;
+    let d = materialized(a, &Stream::default_for(true)?)?;
     d.eval()?;
     Ok(d)
 }
@@ -88,6 +180,40 @@ pub fn device_i32(values: &[i32], shape: &[i32]) -> Result<Array> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A kept host array is rewritten only once the copy that read it has run: copies
+    /// still to be evaluated keep their values whatever is staged after them, and one that
+    /// has run frees its array for the next (no new one is kept for it).
+    #[test]
+    fn staged_copies_keep_their_values_until_they_have_run() {
+        let cpu = Stream::new_cpu().unwrap();
+        let kept = || STAGED.with(|c| c.borrow().len());
+        let before = kept();
+        let a = staged_copy(&[1, 2, 3], &cpu).unwrap();
+        let b = staged_copy(&[4, 5, 6, 7], &cpu).unwrap();
+        assert_eq!(
+            kept(),
+            before + 2,
+            "a's array is still to be read: b gets another"
+        );
+        assert_eq!(b.to_vec::<i32>().unwrap(), [4, 5, 6, 7]);
+        assert_eq!(a.to_vec::<i32>().unwrap(), [1, 2, 3]);
+        let c = staged_copy(&[8, 9], &cpu).unwrap();
+        assert_eq!(kept(), before + 2, "a and b have run: c reuses an array");
+        assert_eq!(c.to_vec::<i32>().unwrap(), [8, 9]);
+        assert_eq!(a.to_vec::<i32>().unwrap(), [1, 2, 3]);
+        // copies that are never evaluated: once every kept array waits for one, those
+        // arrays are given up and new ones kept, and nothing a pending copy reads changes
+        let pending: Vec<Array> = (0..STAGED_MAX as i32)
+            .map(|i| staged_copy(&[100 + i], &cpu).unwrap())
+            .collect();
+        let d = staged_copy(&[42, 43], &cpu).unwrap();
+        assert_eq!(d.to_vec::<i32>().unwrap(), [42, 43]);
+        for (i, p) in pending.iter().enumerate() {
+            assert_eq!(p.to_vec::<i32>().unwrap(), [100 + i as i32]);
+        }
+        assert!(kept() <= STAGED_MAX);
+    }
 
     /// Every part comes back with its values and shape, from an `arange` (one value, or a
     /// run) or from the copy (anything else), padded or not.

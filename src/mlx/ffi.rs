@@ -225,6 +225,7 @@ pub(crate) mod ffi {
         fn unowned_slice(a: &Array, start: &[i32], stop: &[i32]) -> Result<UniquePtr<Array>>;
         fn unowned_slices(a: &Array, starts: &[i32], stops: &[i32]) -> Result<UniquePtr<ArrayVec>>;
         fn buffer_id(a: &Array) -> u64;
+        fn is_available(a: &Array) -> bool;
         fn slice_update(
             src: &Array,
             update: &Array,

@@ -220,6 +220,12 @@ impl Array {
         ffi::buffer_id(self.raw())
     }
 
+    /// Whether the contents are there: evaluated and, if an asynchronous evaluation queued
+    /// it, run by the device (never waits; false for an array not yet evaluated).
+    pub fn is_available(&self) -> bool {
+        ffi::is_available(self.raw())
+    }
+
     /// `self[..., start:stop, ...]` on one axis (negative axis counts from the end).
     pub fn slice_axis(&self, axis: i32, start: i32, stop: i32) -> Result<Array> {
         let shape = self.shape();
