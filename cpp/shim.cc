@@ -466,6 +466,10 @@ uint64_t buffer_id(const array& a) {
 // whether a's contents are there: evaluated and, where an asynchronous evaluation queued
 // it, run by the device (its event signalled); never waits
 bool is_available(const array& a) { return a.is_available(); }
+// whether a was handed to an evaluation (queued or run), or made from data
+bool is_scheduled(const array& a) { return a.status() != array::Status::unscheduled; }
+// whether a and b are one array (one node of a graph), not two with equal contents
+bool same_array(const array& a, const array& b) { return a.id() == b.id(); }
 
 ArrayPtr slice_update(const array& src, const array& update, rust::Slice<const int32_t> start,
                       rust::Slice<const int32_t> stop, rust::Slice<const int32_t> strides) {

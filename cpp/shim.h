@@ -148,6 +148,8 @@ std::unique_ptr<ArrayVec> unowned_slices(const array& a, rust::Slice<const int32
 // two arrays that share one buffer, so an update that reused its input's buffer keeps it.
 uint64_t buffer_id(const array& a);
 bool is_available(const array& a);
+bool is_scheduled(const array& a);
+bool same_array(const array& a, const array& b);
 ArrayPtr slice_update(const array& src, const array& update, rust::Slice<const int32_t> start,
                       rust::Slice<const int32_t> stop, rust::Slice<const int32_t> strides);
 ArrayPtr slice_update_dynamic(const array& src, const array& update, const array& start,

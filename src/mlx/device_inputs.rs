@@ -119,7 +119,7 @@ fn staged_copy(values: &[i32], stream: &Stream) -> Result<Array> {
                     // the arrays whose copy was never evaluated (its graph may have been
                     // dropped) are given up: never written again, so a graph that still
                     // holds one reads what it was given
-                    kept.retain(|s| s.reader.as_ref().is_none_or(|r| r.buffer_id() != 0));
+                    kept.retain(|s| s.reader.as_ref().is_none_or(|r| r.is_scheduled()));
                 }
                 if kept.len() >= STAGED_MAX {
                     return materialized(&Array::from_slice(values, &[n as i32])?, stream);

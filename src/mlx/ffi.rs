@@ -226,6 +226,8 @@ pub(crate) mod ffi {
         fn unowned_slices(a: &Array, starts: &[i32], stops: &[i32]) -> Result<UniquePtr<ArrayVec>>;
         fn buffer_id(a: &Array) -> u64;
         fn is_available(a: &Array) -> bool;
+        fn is_scheduled(a: &Array) -> bool;
+        fn same_array(a: &Array, b: &Array) -> bool;
         fn slice_update(
             src: &Array,
             update: &Array,

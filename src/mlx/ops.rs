@@ -226,6 +226,17 @@ impl Array {
         ffi::is_available(self.raw())
     }
 
+    /// Whether an evaluation took it (queued or run; an array made from data counts too):
+    /// its graph is no longer held through it.
+    pub fn is_scheduled(&self) -> bool {
+        ffi::is_scheduled(self.raw())
+    }
+
+    /// Whether `self` and `other` are one array (one node of a graph, clones of each other).
+    pub fn same_as(&self, other: &Array) -> bool {
+        ffi::same_array(self.raw(), other.raw())
+    }
+
     /// `self[..., start:stop, ...]` on one axis (negative axis counts from the end).
     pub fn slice_axis(&self, axis: i32, start: i32, stop: i32) -> Result<Array> {
         let shape = self.shape();

@@ -696,6 +696,12 @@ impl Model {
                     let into = pool.as_ref().map(|p| (p, index.kv_dst()));
                     let positions = index.positions();
                     let (q, kv) = a.qkv(h, norm, b, 1, &self.rope, positions, into)?;
+                    // (the GEMM of 9-128 rows, and a dense product the GEMV does not take,
+                    // return the keys and values: the view made for them is dropped here)
+                    if let (Some(p), false) = (&pool, matches!(kv, NewKv::Written)) {
+                        cache.forget_unused_view(li, p);
+                        pool = None;
+                    }
                     (Some(q), Some(kv))
                 }
                 _ => (None, None),
