@@ -565,6 +565,14 @@ impl Model {
             };
             let into = pool.as_ref().zip(dst.as_ref());
             let (q, kv) = a.qkv(&h, &block.input_layernorm, 1, t, &self.rope, &offset, into)?;
+            // (a q/k/v product that returned its keys and values left the view unused)
+            let pool = match pool {
+                Some(p) if !matches!(kv, NewKv::Written) => {
+                    cache.forget_unused_view(li, &p);
+                    None
+                }
+                p => p,
+            };
             let o = match (&single, &pool, &kv) {
                 // the pool view the q/k/v kernel wrote through, read by mlxcel's kernel
                 (Some((table, scratch)), Some(p), NewKv::Written) => {
