@@ -565,14 +565,7 @@ impl Model {
             };
             let into = pool.as_ref().zip(dst.as_ref());
             let (q, kv) = a.qkv(&h, &block.input_layernorm, 1, t, &self.rope, &offset, into)?;
-            // (a q/k/v product that returned its keys and values left the view unused)
-            let pool = match pool {
-                Some(p) if !matches!(kv, NewKv::Written) => {
-                    cache.forget_unused_view(li, &p);
-                    None
-                }
-                p => p,
-            };
+            let pool = Self::pool_written(cache, li, pool, &kv);
             let o = match (&single, &pool, &kv) {
                 // the pool view the q/k/v kernel wrote through, read by mlxcel's kernel
                 (Some((table, scratch)), Some(p), NewKv::Written) => {
@@ -704,12 +697,7 @@ impl Model {
                     let into = pool.as_ref().map(|p| (p, index.kv_dst()));
                     let positions = index.positions();
                     let (q, kv) = a.qkv(h, norm, b, 1, &self.rope, positions, into)?;
-                    // (the GEMM of 9-128 rows, and a dense product the GEMV does not take,
-                    // return the keys and values: the view made for them is dropped here)
-                    if let (Some(p), false) = (&pool, matches!(kv, NewKv::Written)) {
-                        cache.forget_unused_view(li, p);
-                        pool = None;
-                    }
+                    pool = Self::pool_written(cache, li, pool, &kv);
                     (Some(q), Some(kv))
                 }
                 _ => (None, None),
@@ -731,7 +719,7 @@ impl Model {
                     // cover), a view made after that write, which the attention op depends on)
                     Some(scratch) => a.decode_attention(
                         q,
-                        &match pool.take().filter(|_| matches!(kv_d, Some(NewKv::Written))) {
+                        &match pool.take() {
                             Some(p) => p,
                             None => cache.pool_view(li)?,
                         },
@@ -909,6 +897,25 @@ impl Model {
         match a.qkv_on_kernel() && cache.pool(layer).dtype() == h.dtype() {
             true => Ok(Some(cache.pool_view(layer)?)),
             false => Ok(None),
+        }
+    }
+
+    /// `pool` ([`Model::pool_for`]'s view of `layer`'s pool) where the q/k/v product wrote
+    /// `kv` through it; where it returned them instead (the GEMM of 9-128 rows, a shape or
+    /// switch the GEMV's pool write does not take) the view is forgotten
+    /// ([`KvCache::forget_unused_view`]) and `None` comes back.
+    fn pool_written(
+        cache: &KvCache,
+        layer: usize,
+        pool: Option<Array>,
+        kv: &NewKv,
+    ) -> Option<Array> {
+        match pool {
+            Some(p) if !matches!(kv, NewKv::Written) => {
+                cache.forget_unused_view(layer, &p);
+                None
+            }
+            p => p,
         }
     }
 
