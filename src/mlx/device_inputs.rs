@@ -15,12 +15,12 @@
 //! as an `arange`, which reads no memory at all; anything else through one copy of one
 //! host array holding all the parts (one fault for the step, in that copy), each part then
 //! a view of the copy. The copy is an op that computes (`· 1`, [`materialized`]): MLX's own
-//! copy op shares its input's buffer, so until it was replaced every such input was the
-//! unified host array itself. Other backends get the host arrays as they are.
+//! copy op shares its input's buffer, so it would leave every such input in the unified
+//! host array. Other backends get the host arrays as they are.
 //!
 //! That host array is one of a few kept from step to step ([`set_staging`], on by
 //! default), rewritten once the device has run the copy that read it last. A new one each
-//! step came from MLX's buffer cache, which hands out any cached buffer of about the size
+//! step comes from MLX's buffer cache, which hands out any cached buffer of about the size
 //! asked, device memory too; MLX then moves such a buffer to unified memory with a new
 //! managed allocation and a synchronous `cudaMemcpy`, on the thread building the step.
 use std::cell::RefCell;
