@@ -151,6 +151,11 @@ pub struct Knobs {
     /// it whole), and a sequence's keys and values are read as two views made by one op;
     /// 0: a new whole-pool view every step, one op per view.
     pub pool_view: bool,
+    /// `MLXCEL_FORGET_VIEW` (default 1): a whole-pool view made for a q/k/v kernel that
+    /// returned its keys and values instead of writing them (the batched GEMM) is forgotten
+    /// (`KvCache::forget_unused_view`); 0: kept, so each layer's
+    /// cache write evaluates it on its own first, as before.
+    pub forget_view: bool,
     /// `MLXCEL_TP_RESIDUAL=1`: under tensor parallelism a row-parallel linear that feeds
     /// the residual stream (o_proj, down_proj) has rank 0 add the residual to its partial
     /// product (in the GEMV/GEMM kernel's epilogue where one runs), so the reduction
@@ -231,6 +236,7 @@ impl Default for Knobs {
             device_consts: true,
             kv_fused: true,
             pool_view: true,
+            forget_view: true,
             tp_residual: false,
             warm_background: false,
             nvrtc_processes: true,
@@ -285,6 +291,7 @@ pub const VARS: &[&str] = &[
     "MLXCEL_DEVICE_CONSTS",
     "MLXCEL_KV_FUSED",
     "MLXCEL_POOL_VIEW",
+    "MLXCEL_FORGET_VIEW",
     "MLXCEL_TP_RESIDUAL",
     "MLXCEL_WARM_BACKGROUND",
     "MLXCEL_NVRTC_PROCESSES",
@@ -329,6 +336,7 @@ const SWITCHES: &[(&str, Field)] = &[
     ("MLXCEL_DEVICE_CONSTS", |k| &mut k.device_consts),
     ("MLXCEL_KV_FUSED", |k| &mut k.kv_fused),
     ("MLXCEL_POOL_VIEW", |k| &mut k.pool_view),
+    ("MLXCEL_FORGET_VIEW", |k| &mut k.forget_view),
     ("MLXCEL_TP_RESIDUAL", |k| &mut k.tp_residual),
     ("MLXCEL_WARM_BACKGROUND", |k| &mut k.warm_background),
     ("MLXCEL_NVRTC_PROCESSES", |k| &mut k.nvrtc_processes),

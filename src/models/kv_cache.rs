@@ -539,7 +539,7 @@ impl KvCache {
     /// driver: 90% of the host's samples of a batched 4-bit decode step on an H100, every
     /// layer). Views already evaluated, and any other, are left as they are.
     pub fn forget_unused_view(&self, layer: usize, view: &Array) {
-        if view.is_scheduled() {
+        if view.is_scheduled() || !kernels::knobs::get().forget_view {
             return;
         }
         if let Some(r) = self.reads.borrow_mut().get_mut(layer) {
