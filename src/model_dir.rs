@@ -392,18 +392,12 @@ fn list_weights(root: &Path) -> Result<(Vec<PathBuf>, Option<PathBuf>), ModelDir
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::atomic::{AtomicUsize, Ordering};
-
-    fn temp_dir(tag: &str) -> PathBuf {
-        static N: AtomicUsize = AtomicUsize::new(0);
-        let d = std::env::temp_dir().join(format!(
-            "mlxcel-md-test-{}-{tag}-{}",
-            std::process::id(),
-            N.fetch_add(1, Ordering::Relaxed)
-        ));
-        let _ = std::fs::remove_dir_all(&d);
-        std::fs::create_dir_all(&d).unwrap();
-        d
+    /// A fresh empty folder under the system temp dir, removed when the guard drops.
+    fn temp_dir(tag: &str) -> tempfile::TempDir {
+        tempfile::Builder::new()
+            .prefix(&format!("mlxcel-md-test-{tag}-"))
+            .tempdir()
+            .unwrap()
     }
 
     fn touch(p: &Path, content: &str) {
@@ -413,7 +407,8 @@ mod tests {
 
     #[test]
     fn single_file_folder() {
-        let d = temp_dir("single");
+        let tmp_d = temp_dir("single");
+        let d = tmp_d.path();
         touch(&d.join("config.json"), "{}");
         touch(&d.join("model.safetensors"), "");
         let md = ModelDir::resolve(d.to_str().unwrap()).unwrap();
@@ -426,7 +421,8 @@ mod tests {
 
     #[test]
     fn sharded_index() {
-        let d = temp_dir("sharded");
+        let tmp_d = temp_dir("sharded");
+        let d = tmp_d.path();
         touch(&d.join("config.json"), "{}");
         touch(&d.join("model-00002-of-00002.safetensors"), "");
         touch(&d.join("model-00001-of-00002.safetensors"), "");
@@ -435,7 +431,7 @@ mod tests {
             &d.join(INDEX_FILE),
             r#"{"metadata": {}, "weight_map": {"a": "model-00002-of-00002.safetensors", "b": "model-00001-of-00002.safetensors", "c": "model-00002-of-00002.safetensors"}}"#,
         );
-        let md = ModelDir::open(&d).unwrap();
+        let md = ModelDir::open(d).unwrap();
         assert_eq!(
             md.weights,
             vec![
@@ -446,7 +442,7 @@ mod tests {
         assert_eq!(md.index, Some(d.join(INDEX_FILE)));
 
         std::fs::remove_file(d.join("model-00002-of-00002.safetensors")).unwrap();
-        let err = ModelDir::open(&d).unwrap_err();
+        let err = ModelDir::open(d).unwrap_err();
         assert!(matches!(err, ModelDirError::IndexMissingFile { .. }));
         let msg = err.to_string();
         assert!(
@@ -456,7 +452,7 @@ mod tests {
 
         touch(&d.join(INDEX_FILE), "{");
         assert!(matches!(
-            ModelDir::open(&d),
+            ModelDir::open(d),
             Err(ModelDirError::BadIndex(..))
         ));
         touch(
@@ -464,16 +460,17 @@ mod tests {
             r#"{"weight_map": {"a": "../x.safetensors"}}"#,
         );
         assert!(matches!(
-            ModelDir::open(&d),
+            ModelDir::open(d),
             Err(ModelDirError::IndexMissingFile { .. })
         ));
     }
 
     #[test]
     fn glob_fallback_and_missing() {
-        let d = temp_dir("glob");
+        let tmp_d = temp_dir("glob");
+        let d = tmp_d.path();
         touch(&d.join("config.json"), "{}");
-        let err = ModelDir::open(&d).unwrap_err();
+        let err = ModelDir::open(d).unwrap_err();
         assert!(matches!(err, ModelDirError::NoWeights(_)));
         assert!(err.to_string().contains(&d.display().to_string()));
         // config-only works without weights
@@ -482,19 +479,20 @@ mod tests {
 
         touch(&d.join("weights.safetensors"), "");
         assert_eq!(
-            ModelDir::open(&d).unwrap().weights,
+            ModelDir::open(d).unwrap().weights,
             vec![d.join("weights.safetensors")]
         );
         touch(&d.join("model-b.safetensors"), "");
         touch(&d.join("model-a.safetensors"), "");
         assert_eq!(
-            ModelDir::open(&d).unwrap().weights,
+            ModelDir::open(d).unwrap().weights,
             vec![d.join("model-a.safetensors"), d.join("model-b.safetensors")]
         );
 
-        let e = temp_dir("noconfig");
+        let tmp_e = temp_dir("noconfig");
+        let e = tmp_e.path();
         touch(&e.join("model.safetensors"), "");
-        let err = ModelDir::open(&e).unwrap_err();
+        let err = ModelDir::open(e).unwrap_err();
         assert!(matches!(err, ModelDirError::MissingConfig(_)));
         assert!(err
             .to_string()
@@ -535,7 +533,8 @@ mod tests {
 
     #[test]
     fn hf_cache_lookup() {
-        let cache = temp_dir("hub");
+        let tmp_cache = temp_dir("hub");
+        let cache = tmp_cache.path();
         let repo = cache.join("models--org--name");
         let old = repo.join("snapshots").join("aaa");
         let new = repo.join("snapshots").join("bbb");
@@ -544,21 +543,21 @@ mod tests {
         touch(&new.join("config.json"), "{}");
         touch(&new.join("model.safetensors"), "");
         // no refs/main: only/newest snapshot (equal mtimes are broken by name)
-        let root = find_root("org/name", Some(&cache)).unwrap();
+        let root = find_root("org/name", Some(cache)).unwrap();
         assert!(root == new || root == old);
         // refs/main wins
         touch(&repo.join("refs").join("main"), "aaa\n");
-        assert_eq!(find_root("org/name", Some(&cache)).unwrap(), old);
+        assert_eq!(find_root("org/name", Some(cache)).unwrap(), old);
         assert_eq!(
             ModelDir::open(&old).unwrap().weights,
             vec![old.join("model.safetensors")]
         );
         // refs/main naming a missing snapshot falls back
         touch(&repo.join("refs").join("main"), "zzz");
-        assert!(find_root("org/name", Some(&cache)).is_ok());
+        assert!(find_root("org/name", Some(cache)).is_ok());
 
         // not cached: the error names what was tried, incl. the cache path
-        let err = find_root("org/other", Some(&cache)).unwrap_err();
+        let err = find_root("org/other", Some(cache)).unwrap_err();
         let msg = err.to_string();
         assert!(msg.contains("org/other"), "{msg}");
         assert!(
@@ -569,12 +568,12 @@ mod tests {
         // repo folder without snapshots
         std::fs::create_dir_all(cache.join("models--org--empty")).unwrap();
         assert!(matches!(
-            find_root("org/empty", Some(&cache)),
+            find_root("org/empty", Some(cache)),
             Err(ModelDirError::NoSnapshot { .. })
         ));
 
         // not a repo id: only the path was tried
-        match find_root("a/b/c", Some(&cache)).unwrap_err() {
+        match find_root("a/b/c", Some(cache)).unwrap_err() {
             ModelDirError::NotFound { tried, .. } => {
                 assert_eq!(tried, vec![PathBuf::from("a/b/c")])
             }

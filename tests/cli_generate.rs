@@ -14,11 +14,12 @@ fn mlxcel(args: &[&str], cache: &Path) -> Output {
         .expect("run mlxcel")
 }
 
-fn tmp(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("mlxcel-test-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+/// A fresh empty folder under the temp dir, removed when the guard drops.
+fn tmp(name: &str) -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix(&format!("mlxcel-test-{name}-"))
+        .tempdir()
+        .unwrap()
 }
 
 fn fixture(name: &str) -> PathBuf {
@@ -36,8 +37,9 @@ fn last_json(out: &Output) -> Value {
 
 #[test]
 fn demo_model_writes_itself_and_prints_stats() {
-    let cache = tmp("demo");
-    let out = mlxcel(&["generate", "-m", "demo", "-n", "12"], &cache);
+    let tmp_cache = tmp("demo");
+    let cache = tmp_cache.path();
+    let out = mlxcel(&["generate", "-m", "demo", "-n", "12"], cache);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success(),
@@ -51,8 +53,9 @@ fn demo_model_writes_itself_and_prints_stats() {
     );
     assert!(cache.join("demo-llama-v2/model.safetensors").is_file());
     // the demo model is written deterministically: a second fresh cache gives the same bytes
-    let cache2 = tmp("demo2");
-    assert!(mlxcel(&["generate", "-m", "demo", "-n", "1"], &cache2)
+    let tmp_cache2 = tmp("demo2");
+    let cache2 = tmp_cache2.path();
+    assert!(mlxcel(&["generate", "-m", "demo", "-n", "1"], cache2)
         .status
         .success());
     let a = std::fs::read(cache.join("demo-llama-v2/model.safetensors")).unwrap();
@@ -62,13 +65,14 @@ fn demo_model_writes_itself_and_prints_stats() {
 
 #[test]
 fn json_output_seeds_and_context_limit() {
-    let cache = tmp("json");
+    let tmp_cache = tmp("json");
+    let cache = tmp_cache.path();
     let m = fixture("llama3");
     let m = m.to_str().unwrap();
     let run = |extra: &[&str]| {
         let mut args = vec!["generate", "-m", m, "--json", "--raw"];
         args.extend_from_slice(extra);
-        let out = mlxcel(&args, &cache);
+        let out = mlxcel(&args, cache);
         assert!(
             out.status.success(),
             "stderr: {}",
@@ -164,7 +168,8 @@ fn json_output_seeds_and_context_limit() {
 
 #[test]
 fn stop_strings_end_generation_and_are_not_printed() {
-    let cache = tmp("stop");
+    let tmp_cache = tmp("stop");
+    let cache = tmp_cache.path();
     let m = fixture("qwen2");
     let m = m.to_str().unwrap();
     let base = mlxcel(
@@ -180,7 +185,7 @@ fn stop_strings_end_generation_and_are_not_printed() {
             "--ignore-eos",
             "--json",
         ],
-        &cache,
+        cache,
     );
     let full = last_json(&base)["text"].as_str().unwrap().to_string();
     // pick a stop string from the middle of the greedy text
@@ -202,7 +207,7 @@ fn stop_strings_end_generation_and_are_not_printed() {
             "--stop",
             &stop,
         ],
-        &cache,
+        cache,
     );
     let j = last_json(&out);
     let text = j["text"].as_str().unwrap();
@@ -212,7 +217,8 @@ fn stop_strings_end_generation_and_are_not_printed() {
 
 #[test]
 fn dummy_weights_need_only_config_json() {
-    let dir = tmp("dummy");
+    let tmp_dir = tmp("dummy");
+    let dir = tmp_dir.path();
     for f in ["config.json", "tokenizer.json", "tokenizer_config.json"] {
         std::fs::copy(fixture("qwen3").join(f), dir.join(f)).unwrap();
     }
@@ -227,7 +233,7 @@ fn dummy_weights_need_only_config_json() {
             "4",
             "--json",
         ],
-        &dir,
+        dir,
     );
     assert!(
         out.status.success(),
@@ -249,7 +255,8 @@ fn dummy_weights_need_only_config_json() {
 /// flag; a bad N or no --json is an error naming the flag.
 #[test]
 fn logprobs_with_json() {
-    let cache = tmp("logprobs");
+    let tmp_cache = tmp("logprobs");
+    let cache = tmp_cache.path();
     let m = fixture("qwen3");
     let m = m.to_str().unwrap();
     let base = [
@@ -266,7 +273,7 @@ fn logprobs_with_json() {
     let run = |extra: &[&str]| {
         let mut args = base.to_vec();
         args.extend_from_slice(extra);
-        mlxcel(&args, &cache)
+        mlxcel(&args, cache)
     };
     let out = run(&["--json", "--logprobs", "3"]);
     assert!(
@@ -306,13 +313,14 @@ fn logprobs_with_json() {
 }
 
 fn expect_error(name: &str, needle: &str, f: impl FnOnce(&Path)) {
-    let dir = tmp(name);
+    let tmp_dir = tmp(name);
+    let dir = tmp_dir.path();
     for e in std::fs::read_dir(fixture("llama3")).unwrap() {
         let e = e.unwrap();
         std::fs::copy(e.path(), dir.join(e.file_name())).unwrap();
     }
-    f(&dir);
-    let out = mlxcel(&["generate", "-m", dir.to_str().unwrap(), "-n", "2"], &dir);
+    f(dir);
+    let out = mlxcel(&["generate", "-m", dir.to_str().unwrap(), "-n", "2"], dir);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{name}: expected failure");
     assert!(!stderr.contains("panicked"), "{name}: panic: {stderr}");
@@ -365,7 +373,8 @@ fn bad_model_folders_give_one_line_errors() {
 
 #[test]
 fn bench_reports_prefill_decode_and_batched_decode() {
-    let cache = tmp("bench");
+    let tmp_cache = tmp("bench");
+    let cache = tmp_cache.path();
     let model = fixture("llama3");
     let m = model.to_str().unwrap();
     let args = [
@@ -389,7 +398,7 @@ fn bench_reports_prefill_decode_and_batched_decode() {
         "--workload-tokens",
         "5",
     ];
-    let out = mlxcel(&args, &cache);
+    let out = mlxcel(&args, cache);
     assert!(
         out.status.success(),
         "{}",
@@ -426,7 +435,7 @@ fn bench_reports_prefill_decode_and_batched_decode() {
 
     let mut bad = args.to_vec();
     bad[10] = "2,0";
-    let out = mlxcel(&bad, &cache);
+    let out = mlxcel(&bad, cache);
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--decode-batch"), "{err}");

@@ -52,11 +52,11 @@ fn check_fixture(name: &str) {
     let dir = fixture(name);
     check_fixture_dir(name, &dir);
     if dir.join("config.legacy.json").is_file() {
-        let legacy = std::env::temp_dir().join(format!(
-            "mlxcel-legacy-config-{name}-{}",
-            std::process::id()
-        ));
-        std::fs::create_dir_all(&legacy).unwrap();
+        let tmp = tempfile::Builder::new()
+            .prefix(&format!("mlxcel-legacy-config-{name}-"))
+            .tempdir()
+            .unwrap();
+        let legacy = tmp.path();
         for entry in std::fs::read_dir(&dir).unwrap() {
             let path = entry.unwrap().path();
             let file = path.file_name().unwrap();
@@ -65,8 +65,7 @@ fn check_fixture(name: &str) {
             }
         }
         std::fs::copy(dir.join("config.legacy.json"), legacy.join("config.json")).unwrap();
-        check_fixture_dir(&format!("{name} (legacy config)"), &legacy);
-        std::fs::remove_dir_all(&legacy).unwrap();
+        check_fixture_dir(&format!("{name} (legacy config)"), legacy);
     }
 }
 

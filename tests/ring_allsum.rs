@@ -49,11 +49,13 @@ fn try_ring(
         .iter()
         .map(|p| vec![format!("127.0.0.1:{p}")])
         .collect();
-    let hostfile = std::env::temp_dir().join(format!(
-        "mlxcel-ring-{}-{n}-{attempt}.json",
-        std::process::id()
-    ));
-    std::fs::write(&hostfile, serde_json::to_string(&hosts).unwrap()).unwrap();
+    // removed when this try returns, whichever way
+    let hostfile = tempfile::Builder::new()
+        .prefix(&format!("mlxcel-ring-{n}-{attempt}-"))
+        .suffix(".json")
+        .tempfile()
+        .unwrap();
+    std::fs::write(hostfile.path(), serde_json::to_string(&hosts).unwrap()).unwrap();
 
     let mut ranks = Vec::new();
     for rank in 0..n {
@@ -62,7 +64,7 @@ fn try_ring(
             .args(["--count", &count.to_string(), "--seed", &seed.to_string()])
             .env("MLX_RANK", rank.to_string())
             .env("MLX_WORLD_SIZE", n.to_string())
-            .env("MLX_HOSTFILE", &hostfile)
+            .env("MLX_HOSTFILE", hostfile.path())
             .env_remove("RUST_LOG")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -91,14 +93,13 @@ fn try_ring(
         }
         if Instant::now() >= deadline {
             kill_all(&mut ranks);
-            let _ = std::fs::remove_file(&hostfile);
             return Err(format!(
                 "ranks did not finish within {RANK_TIMEOUT:?} (killed)"
             ));
         }
         std::thread::sleep(Duration::from_millis(20));
     }
-    let _ = std::fs::remove_file(&hostfile);
+    drop(hostfile);
 
     let mut reports = Vec::new();
     let mut errors = Vec::new();

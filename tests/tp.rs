@@ -137,15 +137,21 @@ fn alive(pid: u32) -> bool {
         .unwrap_or(false)
 }
 
-/// Start a long TP=2 generation; return the child and the rank pids once loaded.
+/// Start a long TP=2 generation; return the child and the rank pids once loaded, and
+/// the guard of its cache and temporary folder (removed when the guard drops: keep it
+/// while the child runs).
 fn start_long_generation(
     extra_env: &[(&str, &str)],
 ) -> (
     std::process::Child,
     Vec<u32>,
     std::sync::mpsc::Receiver<String>,
+    tempfile::TempDir,
 ) {
-    let cache = std::env::temp_dir().join(format!("mlxcel-tp-test-{}", std::process::id()));
+    let cache = tempfile::Builder::new()
+        .prefix("mlxcel-tp-test-")
+        .tempdir()
+        .unwrap();
     let mut cmd = mlxcel();
     cmd.args([
         "generate",
@@ -160,7 +166,9 @@ fn start_long_generation(
         "--ctx-size",
         "8000",
     ])
-    .env("MLXCEL_CACHE", &cache)
+    .env("MLXCEL_CACHE", cache.path())
+    // the driver's own temporary files (its ring hostfile) too: a killed driver cannot remove them
+    .env("TMPDIR", cache.path())
     .stdout(Stdio::null())
     .stderr(Stdio::piped());
     for (k, v) in extra_env {
@@ -193,7 +201,7 @@ fn start_long_generation(
         }
     }
     std::thread::sleep(Duration::from_millis(500)); // let decoding start
-    (child, pids, rx)
+    (child, pids, rx, cache)
 }
 
 fn wait_exit(child: &mut std::process::Child, limit: Duration) -> std::process::ExitStatus {
@@ -215,7 +223,7 @@ fn collect(rx: &std::sync::mpsc::Receiver<String>) -> String {
 #[test]
 fn killed_rank_stops_everything_and_names_the_rank() {
     let _g = serial();
-    let (mut child, pids, rx) = start_long_generation(&[]);
+    let (mut child, pids, rx, _cache) = start_long_generation(&[]);
     unsafe { libc::kill(pids[1] as i32, libc::SIGKILL) };
     let t = Instant::now();
     let st = wait_exit(&mut child, Duration::from_secs(5));
@@ -233,7 +241,7 @@ fn killed_rank_stops_everything_and_names_the_rank() {
 #[test]
 fn stalled_rank_is_caught_by_the_step_deadline() {
     let _g = serial();
-    let (mut child, pids, rx) = start_long_generation(&[("MLXCEL_TP_STEP_TIMEOUT", "2")]);
+    let (mut child, pids, rx, _cache) = start_long_generation(&[("MLXCEL_TP_STEP_TIMEOUT", "2")]);
     unsafe { libc::kill(pids[1] as i32, libc::SIGSTOP) };
     let st = wait_exit(&mut child, Duration::from_secs(10));
     assert!(!st.success());
@@ -256,7 +264,7 @@ fn stalled_rank_is_caught_by_the_step_deadline() {
 #[test]
 fn killed_driver_takes_its_ranks_along() {
     let _g = serial();
-    let (mut child, pids, _rx) = start_long_generation(&[]);
+    let (mut child, pids, _rx, _cache) = start_long_generation(&[]);
     child.kill().unwrap();
     let _ = child.wait();
     let t = Instant::now();
@@ -296,9 +304,11 @@ fn bad_splits_are_refused_before_spawning() {
     );
     // 4-bit fixture: o_proj has 8*32 = 256 input columns, group 32 → at most 8 ways; down_proj 256 → 8;
     // so make the group too coarse for 4 ways by editing a copy of its config
-    let dir = std::env::temp_dir().join(format!("mlxcel-tp-q4-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let tmp = tempfile::Builder::new()
+        .prefix("mlxcel-tp-q4-")
+        .tempdir()
+        .unwrap();
+    let dir = tmp.path();
     for e in std::fs::read_dir(fixture("llama_q4")).unwrap() {
         let e = e.unwrap();
         std::fs::copy(e.path(), dir.join(e.file_name())).unwrap();
@@ -513,15 +523,15 @@ fn one_rank_over_ring_runs_and_matches_one_process() {
 
 /// A copy of fixture `name` with a vocabulary of `vocab` rows (the first rows of the
 /// embedding and lm_head, and of their scales and biases when quantized), so that it
-/// does not divide by the TP sizes: the uneven vocab-parallel split.
-fn with_vocab(name: &str, vocab: usize) -> PathBuf {
+/// does not divide by the TP sizes: the uneven vocab-parallel split. The copy is removed
+/// when the returned guard drops.
+fn with_vocab(name: &str, vocab: usize) -> tempfile::TempDir {
     let src = fixture(name);
-    let dir = std::env::temp_dir().join(format!(
-        "mlxcel-vocab-{name}-{vocab}-{}",
-        std::process::id()
-    ));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let tmp = tempfile::Builder::new()
+        .prefix(&format!("mlxcel-vocab-{name}-{vocab}-"))
+        .tempdir()
+        .unwrap();
+    let dir = tmp.path();
     let mut config: Value =
         serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
     config["vocab_size"] = vocab.into();
@@ -548,7 +558,7 @@ fn with_vocab(name: &str, vocab: usize) -> PathBuf {
         })
         .collect();
     safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
-    dir
+    tmp
 }
 
 /// A sampled token with its log-probabilities as bits, compared exactly.
@@ -672,10 +682,12 @@ fn sample_everything(exec: &mut dyn Executor, vocab: usize) -> (Vec<Vec<u32>>, V
 #[test]
 fn vocab_parallel_samples_exactly_like_replicated_tp2_tp4() {
     let _g = serial();
+    let q4 = with_vocab("llama_q4", 381);
+    let tied = with_vocab("llama_gqa2_tied", 381);
     let models = [
         (fixture("llama3"), 384),
-        (with_vocab("llama_q4", 381), 381),
-        (with_vocab("llama_gqa2_tied", 381), 381),
+        (q4.path().to_path_buf(), 381),
+        (tied.path().to_path_buf(), 381),
     ];
     for (dir, vocab) in &models {
         let md = ModelDir::open(dir).unwrap();
@@ -715,8 +727,5 @@ fn vocab_parallel_samples_exactly_like_replicated_tp2_tp4() {
                 );
             }
         }
-    }
-    for (dir, _) in &models[1..] {
-        let _ = std::fs::remove_dir_all(dir);
     }
 }

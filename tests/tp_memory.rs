@@ -25,11 +25,12 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-fn tmp(tag: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("mlxcel-tpmem-{}-{tag}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+/// A fresh empty folder under the temp dir, removed when the guard drops.
+fn tmp(tag: &str) -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix(&format!("mlxcel-tpmem-{tag}-"))
+        .tempdir()
+        .unwrap()
 }
 
 fn fixture(name: &str) -> PathBuf {
@@ -252,10 +253,10 @@ fn ranks_read_only_their_share_tp2_tp4() {
         layers: 4,
         dtype: "float32",
     };
-    let dir = tmp("f32");
-    shape.write(&dir, 3);
-    check_bytes_read(&shape, &dir, &[2, 4]);
-    let _ = std::fs::remove_dir_all(&dir);
+    let tmp_dir = tmp("f32");
+    let dir = tmp_dir.path();
+    shape.write(dir, 3);
+    check_bytes_read(&shape, dir, &[2, 4]);
 }
 
 #[test]
@@ -271,11 +272,12 @@ fn peak_rss_during_load_stays_near_the_share() {
         layers: 32,
         dtype: "bfloat16",
     };
-    let dir = tmp("bf16");
-    shape.write(&dir, 4);
+    let tmp_dir = tmp("bf16");
+    let dir = tmp_dir.path();
+    shape.write(dir, 4);
     let (split, replicated) = shape.bytes();
     assert!(split + replicated > 200_000_000);
-    let reports = check_bytes_read(&shape, &dir, &[2]).remove(0);
+    let reports = check_bytes_read(&shape, dir, &[2]).remove(0);
     let share = split / 2 + replicated;
     for r in &reports {
         let rss = r
@@ -304,7 +306,6 @@ fn peak_rss_during_load_stays_near_the_share() {
         // weights held equal the bytes read (nothing materialised beyond the shard)
         assert_eq!(r.weight_bytes, r.bytes_read, "{}", r.summary());
     }
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
@@ -319,9 +320,10 @@ fn dummy_rank_weights_match_the_plan() {
         layers: 4,
         dtype: "bfloat16",
     };
-    let dir = tmp("dummy");
+    let tmp_dir = tmp("dummy");
+    let dir = tmp_dir.path();
     std::fs::write(dir.join("config.json"), shape.config().to_string()).unwrap();
-    let md = ModelDir::open_config_only(&dir).unwrap();
+    let md = ModelDir::open_config_only(dir).unwrap();
     let cfg = models::read_config(&md).unwrap();
     for n in [2, 4] {
         let input = PlanInput {
@@ -342,7 +344,7 @@ fn dummy_rank_weights_match_the_plan() {
             (p.sharded_total_bytes, p.replicated_total_bytes),
             (split, replicated)
         );
-        let reports = launch(&dir, n, LoadFormat::Dummy);
+        let reports = launch(dir, n, LoadFormat::Dummy);
         for r in &reports {
             assert!(
                 within(r.weight_bytes, expected, 1.05),
@@ -354,7 +356,6 @@ fn dummy_rank_weights_match_the_plan() {
             assert_eq!(r.bytes_read, 0);
         }
     }
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 fn mlxcel(args: &[&str], memory: Option<u64>) -> Output {

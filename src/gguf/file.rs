@@ -445,8 +445,11 @@ mod tests {
     /// wrapped round to a small size that passes the bounds check.
     #[test]
     fn impossible_tensor_sizes_are_refused() {
-        let dir = std::env::temp_dir().join(format!("mlxcel-gguf-size-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let tmp = tempfile::Builder::new()
+            .prefix("mlxcel-gguf-size-")
+            .tempdir()
+            .unwrap();
+        let dir = tmp.path();
         for (i, dims) in [[1u64 << 40, 1 << 40], [1 << 62, 8], [1 << 20, 1 << 20]]
             .iter()
             .enumerate()
@@ -476,6 +479,5 @@ mod tests {
                 "{dims:?}: {msg}"
             );
         }
-        let _ = std::fs::remove_dir_all(&dir);
     }
 }

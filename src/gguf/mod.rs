@@ -454,9 +454,11 @@ mod tests {
 
     #[test]
     fn split_part_names() {
-        let dir = std::env::temp_dir().join(format!("mlxcel-gguf-split-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
+        let tmp = tempfile::Builder::new()
+            .prefix("mlxcel-gguf-split-")
+            .tempdir()
+            .unwrap();
+        let dir = tmp.path();
         let p = |i: usize| dir.join(format!("m-q4-{i:05}-of-00003.gguf"));
         std::fs::write(p(1), b"").unwrap();
         std::fs::write(p(2), b"").unwrap();
@@ -466,6 +468,5 @@ mod tests {
         assert_eq!(split_parts(&p(1)).unwrap(), vec![p(1), p(2), p(3)]);
         let single = dir.join("model.gguf");
         assert_eq!(split_parts(&single).unwrap(), vec![single.clone()]);
-        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -1447,8 +1447,11 @@ mod tests {
 
     #[test]
     fn the_header_goes_to_a_file_that_one_include_line_names() {
-        let dir = std::env::temp_dir().join(format!("mlxcel-incl-test-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
+        let tmp = tempfile::Builder::new()
+            .prefix("mlxcel-incl-test-")
+            .tempdir()
+            .unwrap();
+        let dir = tmp.path();
         let header = split_source(EMBEDDED).unwrap().header;
         let line = include_header(&dir.join("kernels"), "mlxcel_qgemv_x", &header).unwrap();
         let path = std::fs::canonicalize(dir.join("kernels/mlxcel_qgemv_x.cuh")).unwrap();
@@ -1467,7 +1470,6 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("#include"));
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -444,8 +444,11 @@ mod tests {
 
     #[test]
     fn blocks_read_their_bytes_and_convert_exactly() {
-        let dir = std::env::temp_dir().join(format!("mlxcel-gguf-src-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let tmp = tempfile::Builder::new()
+            .prefix("mlxcel-gguf-src-")
+            .tempdir()
+            .unwrap();
+        let dir = tmp.path();
         let path = dir.join("m.gguf");
         let (q8, q4) = write_model(&path);
         let src = GgufSource::open_as(&path, Dtype::F32).unwrap();
@@ -557,6 +560,5 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("attn_q") || e.contains("q_proj"), "{e}");
-        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -899,17 +899,18 @@ mod tests {
         safetensors::serialize_to_file(views, None, path).unwrap();
     }
 
-    /// An empty folder of this test process under the temp dir.
-    fn fresh_dir(tag: &str) -> PathBuf {
-        let dir = std::env::temp_dir().join(format!("mlxcel-{tag}-test-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        dir
+    /// An empty folder of this test under the temp dir, removed when the guard drops.
+    fn fresh_dir(tag: &str) -> tempfile::TempDir {
+        tempfile::Builder::new()
+            .prefix(&format!("mlxcel-{tag}-test-"))
+            .tempdir()
+            .unwrap()
     }
 
     #[test]
     fn indexed_files_open_lazily_and_blocks_read_only_their_bytes() {
-        let dir = fresh_dir("weights");
+        let tmp = fresh_dir("weights");
+        let dir = tmp.path();
         let w: Vec<f32> = (0..6 * 8).map(|i| i as f32).collect();
         write(&dir.join("a.safetensors"), &[("w", vec![6, 8], w.clone())]);
         write(
@@ -944,7 +945,6 @@ mod tests {
         assert!(e.to_string().contains("missing"), "{e}");
         let e = src.load("w", &[6, 9], TensorKind::Float).unwrap_err();
         assert!(e.to_string().contains("a.safetensors"), "{e}");
-        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
@@ -992,7 +992,8 @@ mod tests {
 
     #[test]
     fn load_concat_stacks_row_blocks_as_read() {
-        let dir = fresh_dir("concat");
+        let tmp = fresh_dir("concat");
+        let dir = tmp.path();
         let a: Vec<f32> = (0..4 * 3).map(|i| i as f32).collect();
         let b: Vec<f32> = (0..2 * 3).map(|i| 100.0 + i as f32).collect();
         let path = dir.join("m.safetensors");
@@ -1016,6 +1017,5 @@ mod tests {
         let missing = vec![("nope".to_string(), vec![1, 3], None)];
         let e = src.load_concat(&missing, TensorKind::Float).unwrap_err();
         assert!(e.to_string().contains("nope"), "{e}");
-        let _ = std::fs::remove_dir_all(&dir);
     }
 }

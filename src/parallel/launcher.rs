@@ -1751,8 +1751,11 @@ mod tests {
 
     #[test]
     fn ranks_die_with_the_driver() {
-        let path = std::env::temp_dir().join(format!("mlxcel-fake-driver-{}", std::process::id()));
-        let _ = std::fs::remove_file(&path);
+        let tmp = tempfile::Builder::new()
+            .prefix("mlxcel-fake-driver-")
+            .tempdir()
+            .unwrap();
+        let path = tmp.path().join("pids");
         struct Reap(Child);
         impl Drop for Reap {
             fn drop(&mut self) {

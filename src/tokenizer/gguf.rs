@@ -206,8 +206,11 @@ mod tests {
 
     #[test]
     fn gpt2_vocabulary_from_metadata() {
-        let dir = std::env::temp_dir().join(format!("mlxcel-gguf-tok-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let tmp = tempfile::Builder::new()
+            .prefix("mlxcel-gguf-tok-")
+            .tempdir()
+            .unwrap();
+        let dir = tmp.path();
         let p = dir.join("t.gguf");
         tiny_gguf(&p, "smollm", "gpt2");
         let t = Tokenizer::from_dir(&p, &json!({"eos_token_id": 0})).unwrap();
@@ -238,6 +241,5 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("SentencePiece"), "{e}");
-        let _ = std::fs::remove_dir_all(&dir);
     }
 }

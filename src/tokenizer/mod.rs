@@ -577,19 +577,12 @@ fn load_chat_template(
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use std::sync::atomic::{AtomicUsize, Ordering};
-
-    /// A fresh empty folder under the system temp dir.
-    pub(crate) fn temp_dir(tag: &str) -> PathBuf {
-        static N: AtomicUsize = AtomicUsize::new(0);
-        let d = std::env::temp_dir().join(format!(
-            "mlxcel-tok-test-{}-{tag}-{}",
-            std::process::id(),
-            N.fetch_add(1, Ordering::Relaxed)
-        ));
-        let _ = std::fs::remove_dir_all(&d);
-        std::fs::create_dir_all(&d).expect("create temp dir");
-        d
+    /// A fresh empty folder under the system temp dir, removed when the guard drops.
+    pub(crate) fn temp_dir(tag: &str) -> tempfile::TempDir {
+        tempfile::Builder::new()
+            .prefix(&format!("mlxcel-tok-test-{tag}-"))
+            .tempdir()
+            .expect("create temp dir")
     }
 
     /// A byte-level BPE tokenizer (GPT-2 / Llama-3 style): all 256 byte symbols, a few merges,
@@ -696,10 +689,11 @@ pub(crate) mod tests {
     }
 
     /// Writes a model folder with the given tokenizer JSON and tokenizer_config.
-    pub(crate) fn write_folder(tag: &str, tok_json: &str, tok_cfg: &Value) -> PathBuf {
+    /// The folder is removed when the returned guard drops.
+    pub(crate) fn write_folder(tag: &str, tok_json: &str, tok_cfg: &Value) -> tempfile::TempDir {
         let d = temp_dir(tag);
-        std::fs::write(d.join(TOKENIZER_FILE), tok_json).unwrap();
-        std::fs::write(d.join(TOKENIZER_CONFIG_FILE), tok_cfg.to_string()).unwrap();
+        std::fs::write(d.path().join(TOKENIZER_FILE), tok_json).unwrap();
+        std::fs::write(d.path().join(TOKENIZER_CONFIG_FILE), tok_cfg.to_string()).unwrap();
         d
     }
 
@@ -711,13 +705,13 @@ pub(crate) mod tests {
             "chat_template": "{{ bos_token }}{% for m in messages %}<{{ m.role }}>{{ m.content | trim }}{{ eos_token }}{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
         });
         let d = write_folder("bl", &byte_level_json(), &cfg);
-        Tokenizer::from_dir(&d, &serde_json::json!({"eos_token_id": [264, 5]})).unwrap()
+        Tokenizer::from_dir(d.path(), &serde_json::json!({"eos_token_id": [264, 5]})).unwrap()
     }
 
     pub(crate) fn metaspace_tokenizer() -> Tokenizer {
         let cfg = serde_json::json!({"bos_token": "<s>", "eos_token": "</s>"});
         let d = write_folder("ms", &metaspace_json(), &cfg);
-        Tokenizer::from_dir(&d, &serde_json::json!({"eos_token_id": 2})).unwrap()
+        Tokenizer::from_dir(d.path(), &serde_json::json!({"eos_token_id": 2})).unwrap()
     }
 
     #[test]
@@ -732,11 +726,11 @@ pub(crate) mod tests {
     #[test]
     fn missing_tokenizer_json_names_path() {
         let d = temp_dir("missing");
-        let err = Tokenizer::from_dir(&d, &Value::Null).unwrap_err();
+        let err = Tokenizer::from_dir(d.path(), &Value::Null).unwrap_err();
         let msg = err.to_string();
         assert!(matches!(err, TokenizerError::MissingTokenizerJson(_)));
         assert!(
-            msg.contains(&d.join("tokenizer.json").display().to_string()),
+            msg.contains(&d.path().join("tokenizer.json").display().to_string()),
             "{msg}"
         );
     }
@@ -744,13 +738,13 @@ pub(crate) mod tests {
     #[test]
     fn bad_json_names_file() {
         let d = write_folder("badcfg", &byte_level_json(), &Value::Null);
-        std::fs::write(d.join(TOKENIZER_CONFIG_FILE), "{not json").unwrap();
-        let msg = Tokenizer::from_dir(&d, &Value::Null)
+        std::fs::write(d.path().join(TOKENIZER_CONFIG_FILE), "{not json").unwrap();
+        let msg = Tokenizer::from_dir(d.path(), &Value::Null)
             .unwrap_err()
             .to_string();
         assert!(msg.contains("tokenizer_config.json"), "{msg}");
-        std::fs::write(d.join(TOKENIZER_FILE), "{}").unwrap();
-        let msg = Tokenizer::from_dir(&d, &Value::Null)
+        std::fs::write(d.path().join(TOKENIZER_FILE), "{}").unwrap();
+        let msg = Tokenizer::from_dir(d.path(), &Value::Null)
             .unwrap_err()
             .to_string();
         assert!(msg.contains("tokenizer.json"), "{msg}");
@@ -792,11 +786,11 @@ pub(crate) mod tests {
             &serde_json::json!({"eos_token": "<|begin_of_text|>"}),
         );
         std::fs::write(
-            d.join(GENERATION_CONFIG_FILE),
+            d.path().join(GENERATION_CONFIG_FILE),
             r#"{"eos_token_id": [7, 264], "temperature": 0.6, "top_p": 0.9, "top_k": 20, "do_sample": true}"#,
         )
         .unwrap();
-        let t = Tokenizer::from_dir(&d, &serde_json::json!({"eos_token_id": 264})).unwrap();
+        let t = Tokenizer::from_dir(d.path(), &serde_json::json!({"eos_token_id": 264})).unwrap();
         assert_eq!(t.eos_token_ids(), &[264, 7, 263]);
         let g = t.generation_defaults();
         assert_eq!(g.temperature, Some(0.6));
@@ -821,7 +815,7 @@ pub(crate) mod tests {
 
         // no template
         let d = write_folder("nochat", &byte_level_json(), &serde_json::json!({}));
-        let t = Tokenizer::from_dir(&d, &Value::Null).unwrap();
+        let t = Tokenizer::from_dir(d.path(), &Value::Null).unwrap();
         assert!(!t.has_chat_template());
         let msg = t.apply_chat_template(&msgs, true).unwrap_err().to_string();
         assert!(
@@ -835,23 +829,27 @@ pub(crate) mod tests {
             {"name": "default", "template": "D{{ messages | length }}"}
         ]});
         let d = write_folder("list", &byte_level_json(), &cfg);
-        let t = Tokenizer::from_dir(&d, &Value::Null).unwrap();
+        let t = Tokenizer::from_dir(d.path(), &Value::Null).unwrap();
         assert_eq!(t.apply_chat_template(&msgs, true).unwrap(), "D1");
-        std::fs::write(d.join(CHAT_TEMPLATE_FILE), "J{{ messages[0].role }}\n").unwrap();
-        let t = Tokenizer::from_dir(&d, &Value::Null).unwrap();
+        std::fs::write(
+            d.path().join(CHAT_TEMPLATE_FILE),
+            "J{{ messages[0].role }}\n",
+        )
+        .unwrap();
+        let t = Tokenizer::from_dir(d.path(), &Value::Null).unwrap();
         assert_eq!(t.apply_chat_template(&msgs, true).unwrap(), "Juser");
 
         // list without default
         let cfg = serde_json::json!({"chat_template": [{"name": "tool_use", "template": "T"}]});
         let d = write_folder("nodefault", &byte_level_json(), &cfg);
-        let t = Tokenizer::from_dir(&d, &Value::Null).unwrap();
+        let t = Tokenizer::from_dir(d.path(), &Value::Null).unwrap();
         let msg = t.apply_chat_template(&msgs, true).unwrap_err().to_string();
         assert!(msg.contains("default") && msg.contains("tool_use"), "{msg}");
 
         // broken template: loads, but using it errors
         let cfg = serde_json::json!({"chat_template": "{% if %}"});
         let d = write_folder("broken", &byte_level_json(), &cfg);
-        let t = Tokenizer::from_dir(&d, &Value::Null).unwrap();
+        let t = Tokenizer::from_dir(d.path(), &Value::Null).unwrap();
         assert!(matches!(
             t.apply_chat_template(&msgs, true),
             Err(TokenizerError::BadChatTemplate { .. })

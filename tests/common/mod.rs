@@ -3,7 +3,6 @@
 //! barriers for `__syncthreads` and warp shuffles, so a kernel's shuffle counts must be
 //! uniform over its block) and a helper that compiles and runs a test program.
 #![allow(dead_code)]
-use std::path::PathBuf;
 
 /// The header and body of a one-body kernel file `kernels/{file}` (its `// @@header` and
 /// `// @@body` parts).
@@ -441,9 +440,11 @@ static int min(int a, int b) { return a < b ? a : b; }
 
 /// Compile `src` (C++20, the host's `c++` or `$CXX`) and run it; (exit status ok, stdout).
 pub fn compile_and_run(tag: &str, src: &str) -> (bool, String) {
-    let dir: PathBuf =
-        std::env::temp_dir().join(format!("mlxcel-emu-{}-{tag}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let tmp = tempfile::Builder::new()
+        .prefix(&format!("mlxcel-emu-{tag}-"))
+        .tempdir()
+        .unwrap();
+    let dir = tmp.path();
     let cpp = dir.join("kernel.cpp");
     let exe = dir.join("kernel");
     std::fs::write(&cpp, src).unwrap();
@@ -461,7 +462,6 @@ pub fn compile_and_run(tag: &str, src: &str) -> (bool, String) {
     );
     let res = Command::new(&exe).output().unwrap();
     let text = String::from_utf8_lossy(&res.stdout).to_string();
-    let _ = std::fs::remove_dir_all(&dir);
     (res.status.success(), text)
 }
 
