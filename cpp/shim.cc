@@ -896,6 +896,141 @@ std::unique_ptr<ArrayVec> cuda_kernel(uint64_t variant, bool reuse, rust::Str na
   return out;
 }
 
+// ---- kernels launched by one op ----
+namespace {
+
+// y[i] = x[i] + 1 for i < n (PTX, compiled by the driver when loaded)
+const char kAddOnePtx[] = R"(.version 7.0
+.target sm_70
+.address_size 64
+.visible .entry mlxcel_add_one(.param .u64 x, .param .u64 y, .param .u32 n) {
+  .reg .pred p;
+  .reg .b32 r<6>;
+  .reg .f32 f<3>;
+  .reg .b64 d<8>;
+  ld.param.u64 d1, [x];
+  ld.param.u64 d2, [y];
+  ld.param.u32 r1, [n];
+  mov.u32 r2, %ctaid.x;
+  mov.u32 r3, %ntid.x;
+  mov.u32 r4, %tid.x;
+  mad.lo.s32 r5, r2, r3, r4;
+  setp.ge.u32 p, r5, r1;
+  @p bra DONE;
+  cvta.to.global.u64 d3, d1;
+  cvta.to.global.u64 d4, d2;
+  mul.wide.u32 d5, r5, 4;
+  add.s64 d6, d3, d5;
+  add.s64 d7, d4, d5;
+  ld.global.f32 f1, [d6];
+  add.f32 f2, f1, 0f3F800000;
+  st.global.f32 [d7], f2;
+DONE:
+  ret;
+}
+)";
+
+// CUDA's dim3, passed by value as the encoder's functions take it
+struct Dim3 {
+  unsigned x, y, z;
+};
+
+// MLX's CUDA command encoder (mlx/backend/cuda/device.h), reached through the exported
+// symbols of the loaded CUDA library (this shim links against whichever MLX library is
+// present at build time, where they may not exist): member functions called with the
+// encoder as their first argument, as the Itanium C++ ABI passes `this`.
+struct EncoderApi {
+  void* (*encoder)(mx::Stream) = nullptr;
+  void (*set_input)(void*, const array&) = nullptr;
+  void (*set_output)(void*, const array&) = nullptr;
+  void (*add_kernel)(void*, void*, Dim3, Dim3, Dim3, uint32_t, void**) = nullptr;
+  int (*module_load)(void**, const void*) = nullptr;
+  int (*get_function)(void**, void*, const char*) = nullptr;
+  std::string missing;
+};
+
+const EncoderApi& encoder_api() {
+  static const EncoderApi api = [] {
+    EncoderApi a;
+    auto sym = [&](auto& f, void* lib, const char* s) {
+      f = reinterpret_cast<std::decay_t<decltype(f)>>(dlsym(lib, s));
+      if (!f) a.missing += std::string(a.missing.empty() ? "" : ", ") + s;
+    };
+    sym(a.encoder, RTLD_DEFAULT, "_ZN3mlx4core2cu19get_command_encoderENS0_6StreamE");
+    sym(a.set_input, RTLD_DEFAULT, "_ZN3mlx4core2cu14CommandEncoder15set_input_arrayERKNS0_5arrayE");
+    sym(a.set_output, RTLD_DEFAULT, "_ZN3mlx4core2cu14CommandEncoder16set_output_arrayERKNS0_5arrayE");
+    sym(a.add_kernel, RTLD_DEFAULT,
+        "_ZN3mlx4core2cu14CommandEncoder19add_kernel_node_rawEP9CUfunc_st4dim3S5_S5_jPPv");
+    void* cuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+    if (!cuda) cuda = dlopen("libcuda.so.1", RTLD_NOW);
+    if (cuda) {
+      sym(a.module_load, cuda, "cuModuleLoadData");
+      sym(a.get_function, cuda, "cuModuleGetFunction");
+    } else {
+      a.missing += std::string(a.missing.empty() ? "" : ", ") + "libcuda.so.1";
+    }
+    return a;
+  }();
+  return api;
+}
+
+class LaunchChain : public mx::UnaryPrimitive {
+ public:
+  LaunchChain(mx::Stream s, int k) : mx::UnaryPrimitive(s), k_(k) {}
+
+  void eval_cpu(const std::vector<array>&, array&) override {
+    throw std::runtime_error("launch_chain runs on a CUDA stream only");
+  }
+  void eval_gpu(const std::vector<array>& inputs, array& out) override {
+    const auto& api = encoder_api();
+    if (!api.missing.empty()) throw std::runtime_error("launch_chain: not found: " + api.missing);
+    // (loaded on the thread that evaluates, whose CUDA context MLX made current)
+    thread_local void* fn = nullptr;
+    if (!fn) {
+      void* module = nullptr;
+      if (int rc = api.module_load(&module, kAddOnePtx); rc != 0) {
+        throw std::runtime_error("launch_chain: cuModuleLoadData failed: " + std::to_string(rc));
+      }
+      if (int rc = api.get_function(&fn, module, "mlxcel_add_one"); rc != 0) {
+        throw std::runtime_error("launch_chain: cuModuleGetFunction failed: " + std::to_string(rc));
+      }
+    }
+    const array& x = inputs[0];
+    if (!x.flags().row_contiguous) throw std::runtime_error("launch_chain: a row-contiguous input needed");
+    // (MLX's own ops allocate with its stream-ordered device allocator, which it does not
+    // export; this buffer may be unified memory, which changes the device's time, not the
+    // host's)
+    out.set_data(mx::allocator::malloc(out.nbytes()));
+    void* enc = api.encoder(stream());
+    uint32_t n = uint32_t(x.size());
+    Dim3 block{256, 1, 1}, grid{(n + 255) / 256, 1, 1}, cluster{1, 1, 1};
+    const void* dst = out.data<void>();
+    for (int i = 0; i < k_; ++i) {
+      // the encoder orders a kernel node after the last writer of each buffer named
+      // before it, and forgets the names once the node is added: so before every node
+      api.set_input(enc, i == 0 ? x : out);
+      api.set_output(enc, out);
+      const void* src = i == 0 ? x.data<void>() : dst;
+      void* params[] = {&src, &dst, &n};
+      api.add_kernel(enc, fn, grid, block, cluster, 0, params);
+    }
+  }
+  const char* name() const override { return "LaunchChain"; }
+  bool is_equivalent(const mx::Primitive&) const override { return false; }
+
+ private:
+  int k_;
+};
+
+}  // namespace
+
+ArrayPtr launch_chain(const array& x, int32_t k, const StreamRef& s) {
+  if (x.dtype() != mx::float32 || k < 1) throw std::invalid_argument("launch_chain: float32 input and k >= 1");
+  return wrap(array(x.shape(), mx::float32, std::make_shared<LaunchChain>(to_stream(s), k),
+                    std::vector<array>{x}));
+}
+rust::String launch_chain_unavailable() { return rust::String(encoder_api().missing); }
+
 // ---- quantization ----
 ArrayPtr quantized_matmul(const array& x, const array& w, const array& scales, const array& biases,
                           bool transpose, int32_t group_size, int32_t bits) {

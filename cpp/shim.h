@@ -222,6 +222,17 @@ std::unique_ptr<ArrayVec> cuda_kernel(uint64_t variant, bool reuse, rust::Str na
                                       Dtype tdtype, rust::Slice<const int32_t> grid,
                                       rust::Slice<const int32_t> threadgroup, int32_t shared_memory);
 
+// ---- kernels launched by one op ----
+// `k` kernels, each adding 1 to every element, launched by one op on the GPU stream `s`
+// (`x` + `k`; `x` float32, row-contiguous when evaluated): the kernel nodes go straight into MLX's CUDA
+// command encoder, so the host's cost per launch can be told from its cost per op. CUDA
+// only (its encoder's functions are found in the loaded MLX library at run time);
+// elsewhere evaluation throws.
+ArrayPtr launch_chain(const array& x, int32_t k, const StreamRef& s);
+// Why `launch_chain` cannot run here (empty: it can): MLX's CUDA encoder functions or the
+// driver's module functions not found.
+rust::String launch_chain_unavailable();
+
 // ---- quantization ----
 ArrayPtr quantized_matmul(const array& x, const array& w, const array& scales, const array& biases,
                           bool transpose, int32_t group_size, int32_t bits);

@@ -12,6 +12,10 @@
 #                                                  # the 70B TP=8 proxies: sdpa (default) vs MLXCEL_ATTN_SINGLE=1
 #                                                  # with each file (MLXCEL_ATTN_SOURCE), alternated (< 6 min)
 #   bash scripts/gpu/kernels.sh op-costs           # host time per MLX op (scripts/op_costs.py)
+#   bash scripts/gpu/kernels.sh launch-costs       # host time per kernel: an op each (MLX's add, a custom kernel)
+#                                                  # against 1/2/6/8/32 kernels launched by one op (mlxcel
+#                                                  # _launch-costs), at mlxcel's buffer settings (100 ops / 4,000 MB)
+#                                                  # and at 20 ops / 100 MB a buffer
 #   bash scripts/gpu/kernels.sh gemv-mma           # the dense GEMV's tensor-core path: check_gemv.py --mma --quick at
 #                                                  # 4/8/16 rows, both paths' and MLX matmul's bandwidth at 1/4/8/16 rows
 #                                                  # (8B and 70B TP=8 shapes), then bf16 decode at batches 2-16 of
@@ -89,5 +93,11 @@ op-costs)
   step "host cost per MLX op (scripts/op_costs.py)"
   timeout 120 python3 scripts/op_costs.py 2>&1 | tee "$OUT/op-costs.txt"
   ;;
-*) echo "unknown: $cmd (check, ncu, sections, attn, attn-ab, op-costs, gemv-mma)" >&2; exit 2 ;;
+launch-costs)
+  for e in X=1 "MLX_MAX_OPS_PER_BUFFER=20 MLX_MAX_MB_PER_BUFFER=100"; do
+    step "host µs per kernel, an op each vs several launched by one op [$e]"
+    env $e timeout 120 $B _launch-costs --repeats 7 2>/dev/null | tee -a "$OUT/launch-costs.txt"
+  done
+  ;;
+*) echo "unknown: $cmd (check, ncu, sections, attn, attn-ab, op-costs, launch-costs, gemv-mma)" >&2; exit 2 ;;
 esac

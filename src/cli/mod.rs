@@ -15,6 +15,7 @@ pub mod bench;
 pub mod bench_masks;
 pub mod devices;
 pub mod generate;
+pub mod launch_costs;
 pub mod plan;
 pub mod probe;
 pub mod tp_parity;
@@ -70,6 +71,11 @@ pub enum Command {
     #[command(name = "_allsum-probe", hide = true)]
     AllsumProbe(probe::AllsumProbeArgs),
 
+    /// (internal) The host's cost per GPU kernel launched as an op of its own or several by
+    /// one op; prints a JSON line per way (CUDA only).
+    #[command(name = "_launch-costs", hide = true)]
+    LaunchCosts(launch_costs::LaunchCostsArgs),
+
     /// (internal) Compile one kernel with NVRTC for the compiled-kernel cache: a job
     /// (JSON) on stdin, the binary on stdout (`kernels::cache::WORKER_COMMAND`).
     #[command(name = "_nvrtc", hide = true)]
@@ -100,6 +106,7 @@ pub fn main() -> Result<()> {
         Command::Rank(args) => crate::parallel::rank::run(&args),
         Command::ProbeDevice(args) => probe::probe_device(&args),
         Command::AllsumProbe(args) => probe::allsum_probe(&args),
+        Command::LaunchCosts(args) => launch_costs::run(&args),
         Command::Nvrtc => unreachable!("handled before the start-up"),
     }
 }

@@ -348,6 +348,9 @@ pub(crate) mod ffi {
             shared_memory: i32,
         ) -> Result<UniquePtr<ArrayVec>>;
 
+        fn launch_chain(x: &Array, k: i32, s: &StreamRef) -> Result<UniquePtr<Array>>;
+        fn launch_chain_unavailable() -> String;
+
         fn quantized_matmul(
             x: &Array,
             w: &Array,

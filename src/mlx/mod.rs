@@ -29,7 +29,10 @@ pub use device::{
     set_default_gpu, set_default_stream, synchronize, version, Backend, DeviceInfo, Stream,
 };
 pub use ffi::ffi::Dtype;
-pub use ops::{async_eval, concatenate, eval, eval_fresh, split_sections, stack, where_};
+pub use ops::{
+    async_eval, concatenate, eval, eval_fresh, launch_chain_unavailable, split_sections, stack,
+    where_,
+};
 
 /// Errors from the MLX layer.
 #[derive(Debug, thiserror::Error)]

@@ -347,6 +347,18 @@ impl Array {
             &stream.raw,
         )?))
     }
+
+    /// `self + k` (float32) computed by `k` kernels that one op launches on `stream`, each
+    /// adding 1: the kernel nodes go straight into MLX's CUDA command encoder, so the host's
+    /// cost per kernel launch can be told from its cost per op (`mlxcel _launch-costs`).
+    /// CUDA only ([`launch_chain_unavailable`]); evaluating it elsewhere is an error.
+    pub fn launch_chain(&self, k: i32, stream: &super::Stream) -> Result<Array> {
+        Ok(Array::from_ptr(ffi::launch_chain(
+            self.raw(),
+            k,
+            &stream.raw,
+        )?))
+    }
 }
 
 impl Array {
@@ -402,4 +414,11 @@ pub fn async_eval(arrays: &[&Array]) -> Result<()> {
     super::kernel_cache::wait_pending();
     let list = ArrayList::new(arrays.iter().copied());
     Ok(ffi::async_eval_many(list.raw())?)
+}
+
+/// Why [`Array::launch_chain`] cannot run in this process (MLX's CUDA command encoder or
+/// the CUDA driver's module functions not found), or `None` where it can.
+pub fn launch_chain_unavailable() -> Option<String> {
+    let why = ffi::launch_chain_unavailable();
+    (!why.is_empty()).then_some(why)
 }

@@ -562,3 +562,22 @@ fn unowned_slices_are_one_op_that_reads_like_slices() {
         .is_err());
     assert!(x.unowned_slices(&[]).is_err());
 }
+
+#[test]
+fn kernels_launched_by_one_op_are_an_error_off_cuda_not_a_crash() {
+    if super::backend() == super::Backend::Cuda {
+        return;
+    }
+    // the CPU library exports no CUDA command encoder: the reason names what is missing
+    let why = super::launch_chain_unavailable().expect("unavailable off CUDA");
+    assert!(why.contains("get_command_encoder"), "{why}");
+    let x = Array::from_slice(&[1.0f32, 2.0], &[2]).unwrap();
+    let s = super::Stream::default_for(false).unwrap();
+    let y = x.launch_chain(3, &s).unwrap();
+    let err = super::eval(&[&y]).unwrap_err().to_string();
+    assert!(err.contains("CUDA stream"), "{err}");
+    // a bad request is refused when the op is made
+    assert!(x.launch_chain(0, &s).is_err());
+    let ints = Array::from_slice(&[1i32], &[1]).unwrap();
+    assert!(ints.launch_chain(1, &s).is_err());
+}
