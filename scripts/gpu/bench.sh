@@ -9,6 +9,10 @@
 #   bash scripts/gpu/bench.sh knobs SETTING...   # 8B 4-bit decode (dummy weights) at batch 1 and BATCHES
 #                                         # (default 4,8) per setting, alternated RUNS (default 2) times;
 #                                         # e.g. `knobs MLXCEL_ATTN=0 X=1` (X=1: the defaults)
+#   bash scripts/gpu/bench.sh batched SETTING... # 8B 4-bit, bf16 and 8-bit decode (dummy weights) at BATCHES
+#                                         # (default 8,32,64), each with its host build + eval + wait a step,
+#                                         # per setting alternated, RUNS (default 2) times (8-bit once);
+#                                         # e.g. `batched MLXCEL_FORGET_VIEW=0 X=1` (< 8 min; LIMIT s caps it)
 #   bash scripts/gpu/bench.sh agree SETTING...   # greedy token ids of 8B 4-bit dummy weights per setting
 #   bash scripts/gpu/bench.sh long SETTING...    # decode after a 2048-token prompt per setting
 #   bash scripts/gpu/bench.sh peak        # prefill(2048) peak memory and batched decode 2/4/8, bf16 and 4-bit
@@ -56,6 +60,19 @@ knobs)
   [ $# -gt 0 ] || set -- X=1
   step "decode 8B 4-bit (dummy weights): $*, alternated, batches ${BATCHES:-4,8}"
   for r in $(seq ${RUNS:-2}); do q4decode "${BATCHES:-4,8}" "$@"; done 2>&1 | tee -a "$OUT/decode-knobs.txt"
+  ;;
+batched)
+  [ $# -gt 0 ] || set -- X=1
+  q4cfg; q8cfg
+  T0=${T0:-$(date +%s)}
+  step "batched decode 8B (dummy weights) at ${BATCHES:-8,32,64}: $*, alternated"
+  for r in $(seq ${RUNS:-2}); do for m in c8b-q4 c8b c8b-q8; do
+    [ $r -gt 1 ] && [ $m = c8b-q8 ] && continue
+    for e in "$@"; do
+      [ $(( ${LIMIT:-100000} - ($(date +%s) - T0) )) -lt 40 ] && break 3
+      echo "$m [$e] run $r: $(DECODE_TOKENS=${DECODE_TOKENS:-128} bench_line "$e" "$CK/$m" "${BATCHES:-8,32,64}" --load-format dummy)"
+    done
+  done; done 2>&1 | tee -a "$OUT/decode-batched.txt"
   ;;
 agree)
   [ $# -gt 0 ] || set -- X=1
