@@ -900,8 +900,8 @@ std::unique_ptr<ArrayVec> cuda_kernel(uint64_t variant, bool reuse, rust::Str na
 namespace {
 
 // y[i] = x[i] + 1 for i < n (PTX, compiled by the driver when loaded)
-const char kAddOnePtx[] = R"(.version 7.0
-.target sm_70
+const char kAddOnePtx[] = R"(.version 7.5
+.target sm_75
 .address_size 64
 .visible .entry mlxcel_add_one(.param .u64 x, .param .u64 y, .param .u32 n) {
   .reg .pred p;
@@ -984,6 +984,7 @@ class LaunchChain : public mx::UnaryPrimitive {
   void eval_gpu(const std::vector<array>& inputs, array& out) override {
     const auto& api = encoder_api();
     if (!api.missing.empty()) throw std::runtime_error("launch_chain: not found: " + api.missing);
+    void* enc = api.encoder(stream());
     // (loaded on the thread that evaluates, whose CUDA context MLX made current)
     thread_local void* fn = nullptr;
     if (!fn) {
@@ -1001,7 +1002,6 @@ class LaunchChain : public mx::UnaryPrimitive {
     // export; this buffer may be unified memory, which changes the device's time, not the
     // host's)
     out.set_data(mx::allocator::malloc(out.nbytes()));
-    void* enc = api.encoder(stream());
     uint32_t n = uint32_t(x.size());
     Dim3 block{256, 1, 1}, grid{(n + 255) / 256, 1, 1}, cluster{1, 1, 1};
     const void* dst = out.data<void>();
