@@ -163,6 +163,38 @@ mod tempfile_path {
     }
 }
 
+/// Start of a ring hostfile's name, then the driver's pid, `-`, its first port, `.json`.
+const HOSTFILE_PREFIX: &str = "mlxcel-ring-";
+
+/// Remove the ring hostfiles in `dir` left by drivers that no longer run (a driver
+/// removes its own on drop, which a killed one never reaches). Files of live processes,
+/// and any other file, are left alone; failures are ignored.
+fn remove_stale_hostfiles(dir: &std::path::Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix(HOSTFILE_PREFIX))
+            .and_then(|n| n.strip_suffix(".json"))
+            .and_then(|n| n.split_once('-'))
+            .filter(|(_, port)| port.parse::<u16>().is_ok())
+            .and_then(|(pid, _)| pid.parse::<i32>().ok())
+            .filter(|&pid| pid > 0)
+        else {
+            continue;
+        };
+        // SAFETY: signal 0 only checks that the process exists.
+        let gone = unsafe { libc::kill(pid, 0) } != 0
+            && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
+        if gone {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
+}
+
 /// GPUs this process can use, counted without creating a context on them.
 fn visible_gpus() -> usize {
     mlx::gpu_device_count()
@@ -286,8 +318,10 @@ impl TpExecutor {
                     .iter()
                     .map(|p| vec![format!("127.0.0.1:{p}")])
                     .collect();
-                let path = std::env::temp_dir().join(format!(
-                    "mlxcel-ring-{}-{}.json",
+                let dir = std::env::temp_dir();
+                remove_stale_hostfiles(&dir);
+                let path = dir.join(format!(
+                    "{HOSTFILE_PREFIX}{}-{}.json",
                     std::process::id(),
                     ports[0]
                 ));
@@ -740,5 +774,33 @@ impl Drop for TpExecutor {
             let _ = self.group.broadcast(&ToRank::Shutdown);
         }
         self.group.shutdown(Duration::from_secs(2));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hostfiles_of_drivers_that_are_gone_are_removed_and_nothing_else() {
+        let dir = tempfile::tempdir().unwrap();
+        // the pid of a child that has exited and been reaped
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let gone = child.id();
+        child.wait().unwrap();
+        let live = std::process::id();
+        let names = [
+            format!("{HOSTFILE_PREFIX}{gone}-40000.json"),
+            format!("{HOSTFILE_PREFIX}{live}-40001.json"),
+            format!("{HOSTFILE_PREFIX}{gone}-port.json"),
+            format!("{HOSTFILE_PREFIX}{gone}-40002.txt"),
+            "other.json".to_string(),
+        ];
+        for n in &names {
+            std::fs::write(dir.path().join(n), "[]").unwrap();
+        }
+        remove_stale_hostfiles(dir.path());
+        let kept: Vec<bool> = names.iter().map(|n| dir.path().join(n).exists()).collect();
+        assert_eq!(kept, [false, true, true, true, true]);
     }
 }
