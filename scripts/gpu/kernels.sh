@@ -96,7 +96,8 @@ op-costs)
 launch-costs)
   for e in X=1 "MLX_MAX_OPS_PER_BUFFER=20 MLX_MAX_MB_PER_BUFFER=100"; do
     step "host µs per kernel, an op each vs several launched by one op [$e]"
-    env $e timeout 120 $B _launch-costs --repeats 7 2>/dev/null | tee -a "$OUT/launch-costs.txt"
+    env $e timeout 120 $B _launch-costs --repeats 7 2> "$OUT/launch-costs-err.txt" | tee -a "$OUT/launch-costs.txt"
+    [ "${PIPESTATUS[0]}" = 0 ] || { echo "failed:"; tail -5 "$OUT/launch-costs-err.txt"; }
   done
   ;;
 *) echo "unknown: $cmd (check, ncu, sections, attn, attn-ab, op-costs, launch-costs, gemv-mma)" >&2; exit 2 ;;
