@@ -11,7 +11,8 @@
 #                                         # e.g. `knobs MLXCEL_ATTN=0 X=1` (X=1: the defaults)
 #   bash scripts/gpu/bench.sh batched SETTING... # 8B 4-bit, bf16 and 8-bit decode (dummy weights) at BATCHES
 #                                         # (default 8,32,64), each with its host build + eval + wait a step,
-#                                         # per setting alternated, RUNS (default 2) times (8-bit once);
+#                                         # per setting alternated, RUNS (default 2) times (8-bit once;
+#                                         # MODELS picks from c8b-q4 c8b c8b-q8);
 #                                         # e.g. `batched MLXCEL_FORGET_VIEW=0 X=1` (< 8 min; LIMIT s caps it)
 #   bash scripts/gpu/bench.sh agree SETTING...   # greedy token ids of 8B 4-bit dummy weights per setting
 #   bash scripts/gpu/bench.sh long SETTING...    # decode after a 2048-token prompt per setting
@@ -66,7 +67,7 @@ batched)
   q4cfg; q8cfg
   T0=${T0:-$(date +%s)}
   step "batched decode 8B (dummy weights) at ${BATCHES:-8,32,64}: $*, alternated"
-  for r in $(seq ${RUNS:-2}); do for m in c8b-q4 c8b c8b-q8; do
+  for r in $(seq ${RUNS:-2}); do for m in ${MODELS:-c8b-q4 c8b c8b-q8}; do
     [ $r -gt 1 ] && [ $m = c8b-q8 ] && continue
     for e in "$@"; do
       [ $(( ${LIMIT:-100000} - ($(date +%s) - T0) )) -lt 40 ] && break 3
