@@ -70,19 +70,19 @@ pub fn run(args: &LaunchCostsArgs) -> Result<()> {
     let n = args.elements as i32;
     let x = Array::zeros(&[n], Dtype::F32)?.add_scalar(0.0)?;
     mlx::eval(&[&x])?;
-    let mut ways = vec!["add".to_string(), "custom".to_string()];
-    ways.extend(args.per_op.iter().map(|g| format!("chain/{g}")));
+    let mut ways = vec![Way::Add, Way::Custom];
+    ways.extend(args.per_op.iter().map(|&g| Way::Chain(g)));
     let mut failed = Vec::new();
-    for way in &ways {
+    for &way in &ways {
         // a way that fails is reported and the others still run
         match time_way(way, &x, args, &stream) {
             Ok(r) => println!("{}", serde_json::to_string(&r)?),
             Err(e) => {
                 println!(
                     "{}",
-                    serde_json::json!({ "way": way, "error": format!("{e:#}") })
+                    serde_json::json!({ "way": way.to_string(), "error": format!("{e:#}") })
                 );
-                failed.push(way.as_str());
+                failed.push(way.to_string());
             }
         }
     }
@@ -91,7 +91,7 @@ pub fn run(args: &LaunchCostsArgs) -> Result<()> {
 }
 
 /// The host's time per kernel of `way` (the run with the least of it), the result checked.
-fn time_way(way: &str, x: &Array, args: &LaunchCostsArgs, stream: &Stream) -> Result<WayReport> {
+fn time_way(way: Way, x: &Array, args: &LaunchCostsArgs, stream: &Stream) -> Result<WayReport> {
     let build = |x: &Array| -> Result<(Array, u32)> { chain(way, x, args.kernels, stream) };
     // (first run untimed: module loads and compiles)
     let (y, _) = build(x)?;
@@ -127,27 +127,38 @@ fn time_way(way: &str, x: &Array, args: &LaunchCostsArgs, stream: &Stream) -> Re
     best.context("no timed run")
 }
 
+/// A way of launching the chain's kernels (see the module docs).
+#[derive(Debug, Clone, Copy)]
+enum Way {
+    Add,
+    Custom,
+    /// Ops of this many kernels each.
+    Chain(u32),
+}
+
+impl std::fmt::Display for Way {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Way::Add => f.write_str("add"),
+            Way::Custom => f.write_str("custom"),
+            Way::Chain(g) => write!(f, "chain/{g}"),
+        }
+    }
+}
+
 /// `x` + `kernels`, by `way`; the ops it built.
-fn chain(way: &str, x: &Array, kernels: u32, stream: &Stream) -> Result<(Array, u32)> {
+fn chain(way: Way, x: &Array, kernels: u32, stream: &Stream) -> Result<(Array, u32)> {
+    let ops = match way {
+        Way::Chain(g) => kernels / g,
+        _ => kernels,
+    };
     let mut y = x.clone();
-    let mut ops = 0;
-    match way.strip_prefix("chain/") {
-        Some(g) => {
-            let g: u32 = g.parse()?;
-            for _ in 0..kernels / g {
-                y = y.launch_chain(g as i32, stream)?;
-                ops += 1;
-            }
-        }
-        None => {
-            for _ in 0..kernels {
-                y = match way {
-                    "add" => y.add_scalar(1.0)?,
-                    _ => add_one_kernel(&y)?,
-                };
-                ops += 1;
-            }
-        }
+    for _ in 0..ops {
+        y = match way {
+            Way::Add => y.add_scalar(1.0)?,
+            Way::Custom => add_one_kernel(&y)?,
+            Way::Chain(g) => y.launch_chain(g as i32, stream)?,
+        };
     }
     Ok((y, ops))
 }
@@ -178,7 +189,7 @@ fn add_one_kernel(x: &Array) -> Result<Array> {
 }
 
 /// Every element of `y` is `kernels` (the chain started at 0).
-fn check(y: &Array, kernels: u32, way: &str) -> Result<()> {
+fn check(y: &Array, kernels: u32, way: Way) -> Result<()> {
     let v = y.to_vec::<f32>()?;
     let want = kernels as f32;
     match v.iter().position(|&e| e != want) {
