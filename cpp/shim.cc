@@ -17,6 +17,7 @@
 #include "mlx/backend/common/utils.h"
 #include "mlx/fast_primitives.h"
 #include "mlx/scheduler.h"
+#include "mlx/backend/cpu/encoder.h"
 
 #include <chrono>
 #include <condition_variable>
@@ -1030,6 +1031,179 @@ ArrayPtr launch_chain(const array& x, int32_t k, const StreamRef& s) {
                     std::vector<array>{x}));
 }
 rust::String launch_chain_unavailable() { return rust::String(encoder_api().missing); }
+
+// ---- a graph evaluated as one op ----
+namespace {
+
+// MLX's CUDA encoder's commit functions (see EncoderApi), looked up on first use
+struct CommitApi {
+  void* (*encoder)(mx::Stream) = nullptr;
+  bool (*needs_commit)(void*) = nullptr;
+  void (*commit)(void*) = nullptr;
+  void (*add_completed_handler)(void*, std::function<void()>) = nullptr;
+  std::string missing;
+};
+
+const CommitApi& commit_api() {
+  static const CommitApi api = [] {
+    CommitApi a;
+    auto sym = [&](auto& f, const char* s) {
+      f = reinterpret_cast<std::decay_t<decltype(f)>>(dlsym(RTLD_DEFAULT, s));
+      if (!f) a.missing += std::string(a.missing.empty() ? "" : ", ") + s;
+    };
+    sym(a.encoder, "_ZN3mlx4core2cu19get_command_encoderENS0_6StreamE");
+    sym(a.needs_commit, "_ZN3mlx4core2cu14CommandEncoder12needs_commitEv");
+    sym(a.commit, "_ZN3mlx4core2cu14CommandEncoder6commitEv");
+    sym(a.add_completed_handler, "_ZN3mlx4core2cu14CommandEncoder21add_completed_handlerESt8functionIFvvEE");
+    return a;
+  }();
+  return api;
+}
+
+// The ops of a graph (`tape_`: each op's first output, inputs before their readers),
+// evaluated in one op: MLX's evaluation loop (its tape, events, fences and status per
+// array) runs once for all of them, and each op's own `eval_gpu`/`eval_cpu` encodes its
+// kernels as it would. The outputs take the buffers of `exports_`. An op an earlier
+// evaluation already ran (one shared with another graph) is skipped. Each op's arrays are
+// marked evaluated and detached once it has run, as MLX's loop leaves them, and the buffers it
+// would hold (each op's inputs') are held until the device is done with them (on CUDA by
+// the command buffer's completion handler; on the CPU by a task queued after the ops').
+class FusedGraph : public mx::Primitive {
+ public:
+  FusedGraph(mx::Stream s, std::vector<array> tape, std::vector<array> exports)
+      : mx::Primitive(s), tape_(std::move(tape)), exports_(std::move(exports)) {}
+
+  void eval_cpu(const std::vector<array>&, std::vector<array>& outputs) override { run(outputs, false); }
+  void eval_gpu(const std::vector<array>&, std::vector<array>& outputs) override { run(outputs, true); }
+  const char* name() const override { return "FusedGraph"; }
+  bool is_equivalent(const mx::Primitive&) const override { return false; }
+
+ private:
+  void run(std::vector<array>& outputs, bool gpu) {
+    void* enc = nullptr;
+    if (gpu) {
+      const auto& api = commit_api();
+      if (!api.missing.empty()) throw std::runtime_error("fused graph: not found: " + api.missing);
+      enc = api.encoder(stream());
+    }
+    // the outputs' event (an asynchronous evaluation attaches it before this runs): an
+    // op's array held elsewhere is not read before the device has run it
+    const mx::Event event = outputs[0].event();
+    std::vector<std::shared_ptr<array::Data>> keep;
+    for (auto& slot : tape_) {
+      // (taken out of the tape, as MLX's loop pops its tape: an output the tape held would
+      // not be updated in place by the op reading it, a KV cache's second write)
+      array a = std::move(slot);
+      if (a.status() != array::Status::unscheduled) continue;
+      auto outs = a.outputs();
+      if (gpu) {
+        a.primitive().eval_gpu(a.inputs(), outs);
+      } else {
+        a.primitive().eval_cpu(a.inputs(), outs);
+      }
+      // as MLX's loop keeps them: the inputs' buffers (not an input's whose buffer an
+      // output took over), and the outputs' of a multi-output op
+      for (const auto& in : a.inputs()) {
+        if (in.data_shared_ptr() != a.data_shared_ptr()) keep.push_back(in.data_shared_ptr());
+      }
+      if (outs.size() > 1) {
+        for (const auto& o : outs) keep.push_back(o.data_shared_ptr());
+      }
+      // evaluated and detached at once, as MLX's loop leaves each op, so that an input
+      // no later op reads is not held (a KV cache write updates its pool in place only
+      // where nothing else holds the pool: here a first step's whole-pool view read it)
+      for (auto& o : outs) {
+        if (event.valid()) o.attach_event(event);
+        o.set_status(array::Status::evaluated);
+      }
+      if (!a.is_tracer()) a.detach();
+      // as MLX's loop does after each op: a full command buffer goes to the device, so
+      // that it starts on the first kernels while the host encodes the rest
+      if (gpu && commit_api().needs_commit(enc)) {
+        auto s = stream();
+        mx::scheduler::notify_new_task(s);
+        commit_api().add_completed_handler(enc, [s]() { mx::scheduler::notify_task_completion(s); });
+        commit_api().commit(enc);
+      }
+    }
+    for (size_t i = 0; i < outputs.size(); ++i) {
+      outputs[i].copy_shared_buffer(exports_[i]);
+    }
+    tape_.clear();
+    exports_.clear();
+    if (gpu) {
+      commit_api().add_completed_handler(enc, [keep = std::move(keep)]() {});
+    } else {
+      mx::cpu::get_command_encoder(stream()).dispatch([keep = std::move(keep)]() {});
+    }
+  }
+
+  std::vector<array> tape_;
+  std::vector<array> exports_;
+};
+
+}  // namespace
+
+std::unique_ptr<ArrayVec> fuse_graph(const ArrayVec& outputs) {
+  // the ops: arrays with a primitive that no evaluation has scheduled, reached from the
+  // outputs; everything else (weights, evaluated arrays) is an input of the fused op
+  std::unordered_set<std::uintptr_t> seen;
+  std::unordered_set<std::uintptr_t> inputs_seen;
+  std::vector<array> tape;
+  std::vector<array> inputs;
+  std::optional<mx::Stream> stream;
+  // iterative depth-first walk, each op appended after its inputs
+  std::vector<std::pair<array, bool>> todo;
+  for (const auto& o : outputs.items) todo.emplace_back(o, false);
+  while (!todo.empty()) {
+    auto [a, expanded] = std::move(todo.back());
+    todo.pop_back();
+    const bool op = a.has_primitive() && a.status() == array::Status::unscheduled;
+    if (!op) {
+      if (inputs_seen.insert(a.id()).second) inputs.push_back(a);
+      continue;
+    }
+    if (expanded) {
+      tape.push_back(a);
+      continue;
+    }
+    if (!seen.insert(a.id()).second) continue;
+    for (const auto& sib : a.siblings()) seen.insert(sib.id());
+    if (!stream) stream = a.primitive().stream();
+    if (a.primitive().stream() != *stream) {
+      throw std::invalid_argument(std::string("fuse_graph: ops on two streams (") + a.primitive().name() + ")");
+    }
+    if (a.is_tracer()) throw std::invalid_argument("fuse_graph: an array being traced by a transform");
+    todo.emplace_back(a, true);
+    for (const auto& in : a.inputs()) {
+      if (!seen.count(in.id())) todo.emplace_back(in, false);
+    }
+  }
+  auto out = std::make_unique<ArrayVec>();
+  if (tape.empty()) {
+    out->items = outputs.items;
+    return out;
+  }
+  // Inputs of the fused op: only arrays of another stream, whose events MLX's loop must
+  // wait for. The others are ordered by the stream and kept alive by the ops that read
+  // them; an input the fused op held would also keep an op from updating its buffer in
+  // place (a KV cache write whose pool no one else holds).
+  std::erase_if(inputs, [&](const array& a) {
+    const bool other = (a.has_primitive() && a.primitive().stream() != *stream) ||
+                       (a.event().valid() && a.event().stream() != *stream);
+    return !other;
+  });
+  std::vector<mx::Shape> shapes;
+  std::vector<mx::Dtype> dtypes;
+  for (const auto& o : outputs.items) {
+    shapes.push_back(o.shape());
+    dtypes.push_back(o.dtype());
+  }
+  out->items = array::make_arrays(std::move(shapes), std::move(dtypes),
+                                  std::make_shared<FusedGraph>(*stream, std::move(tape), outputs.items),
+                                  std::move(inputs));
+  return out;
+}
 
 // ---- quantization ----
 ArrayPtr quantized_matmul(const array& x, const array& w, const array& scales, const array& biases,

@@ -233,6 +233,14 @@ ArrayPtr launch_chain(const array& x, int32_t k, const StreamRef& s);
 // driver's module functions not found.
 rust::String launch_chain_unavailable();
 
+// ---- a graph evaluated as one op ----
+// The ops reached from `outputs` that no evaluation has scheduled, as one op whose outputs
+// are `outputs`' values (MLX's evaluation loop runs once for all of them; each op encodes
+// its own kernels as before). Arrays with data, or that an evaluation scheduled, are its
+// inputs. `outputs` as they are when nothing is left to evaluate. Throws for ops on two
+// streams.
+std::unique_ptr<ArrayVec> fuse_graph(const ArrayVec& outputs);
+
 // ---- quantization ----
 ArrayPtr quantized_matmul(const array& x, const array& w, const array& scales, const array& biases,
                           bool transpose, int32_t group_size, int32_t bits);

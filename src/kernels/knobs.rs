@@ -156,6 +156,11 @@ pub struct Knobs {
     /// (`KvCache::forget_unused_view`); 0: kept, so each layer's
     /// cache write evaluates it on its own first, as before.
     pub forget_view: bool,
+    /// `MLXCEL_FUSED_STEP=1`: a single sequence's decode step evaluates its layers as one
+    /// op ([`crate::mlx::fuse_graph`]: MLX's evaluation loop runs once for the layers'
+    /// ops instead of once per op; each op encodes its kernels as before). Off by default
+    /// until timed on a GPU.
+    pub fused_step: bool,
     /// `MLXCEL_TP_RESIDUAL=1`: under tensor parallelism a row-parallel linear that feeds
     /// the residual stream (o_proj, down_proj) has rank 0 add the residual to its partial
     /// product (in the GEMV/GEMM kernel's epilogue where one runs), so the reduction
@@ -237,6 +242,7 @@ impl Default for Knobs {
             kv_fused: true,
             pool_view: true,
             forget_view: true,
+            fused_step: false,
             tp_residual: false,
             warm_background: false,
             nvrtc_processes: true,
@@ -292,6 +298,7 @@ pub const VARS: &[&str] = &[
     "MLXCEL_KV_FUSED",
     "MLXCEL_POOL_VIEW",
     "MLXCEL_FORGET_VIEW",
+    "MLXCEL_FUSED_STEP",
     "MLXCEL_TP_RESIDUAL",
     "MLXCEL_WARM_BACKGROUND",
     "MLXCEL_NVRTC_PROCESSES",
@@ -337,6 +344,7 @@ const SWITCHES: &[(&str, Field)] = &[
     ("MLXCEL_KV_FUSED", |k| &mut k.kv_fused),
     ("MLXCEL_POOL_VIEW", |k| &mut k.pool_view),
     ("MLXCEL_FORGET_VIEW", |k| &mut k.forget_view),
+    ("MLXCEL_FUSED_STEP", |k| &mut k.fused_step),
     ("MLXCEL_TP_RESIDUAL", |k| &mut k.tp_residual),
     ("MLXCEL_WARM_BACKGROUND", |k| &mut k.warm_background),
     ("MLXCEL_NVRTC_PROCESSES", |k| &mut k.nvrtc_processes),

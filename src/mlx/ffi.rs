@@ -350,6 +350,7 @@ pub(crate) mod ffi {
 
         fn launch_chain(x: &Array, k: i32, s: &StreamRef) -> Result<UniquePtr<Array>>;
         fn launch_chain_unavailable() -> String;
+        fn fuse_graph(outputs: &ArrayVec) -> Result<UniquePtr<ArrayVec>>;
 
         fn quantized_matmul(
             x: &Array,

@@ -30,8 +30,8 @@ pub use device::{
 };
 pub use ffi::ffi::Dtype;
 pub use ops::{
-    async_eval, concatenate, eval, eval_fresh, launch_chain_unavailable, split_sections, stack,
-    where_,
+    async_eval, concatenate, eval, eval_fresh, fuse_graph, launch_chain_unavailable,
+    split_sections, stack, where_,
 };
 
 /// Errors from the MLX layer.

@@ -416,6 +416,18 @@ pub fn async_eval(arrays: &[&Array]) -> Result<()> {
     Ok(ffi::async_eval_many(list.raw())?)
 }
 
+/// `outputs` computed by one op: every op reached from them that no evaluation has
+/// scheduled runs inside it, in order, each encoding its own kernels as it would, so that
+/// MLX's evaluation loop (its per-op tape, events, fences and status) runs once for all of
+/// them instead of once each. Arrays with data (weights, evaluated arrays) are its inputs.
+/// The results are those of `outputs`; an op an earlier evaluation already ran is skipped,
+/// and after the evaluation every op's array is evaluated as MLX's loop leaves it. `outputs`
+/// themselves when nothing is left to evaluate. Ops on two streams are an error.
+pub fn fuse_graph(outputs: &[&Array]) -> Result<Vec<Array>> {
+    let list = ArrayList::new(outputs.iter().copied());
+    ArrayList(ffi::fuse_graph(list.raw())?).into_vec()
+}
+
 /// Why [`Array::launch_chain`] cannot run in this process (MLX's CUDA command encoder or
 /// the CUDA driver's module functions not found), or `None` where it can.
 pub fn launch_chain_unavailable() -> Option<String> {

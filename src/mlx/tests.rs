@@ -581,3 +581,94 @@ fn kernels_launched_by_one_op_are_an_error_off_cuda_not_a_crash() {
     let ints = Array::from_slice(&[1i32], &[1]).unwrap();
     assert!(ints.launch_chain(1, &s).is_err());
 }
+
+#[test]
+fn a_fused_graph_computes_its_outputs_in_one_op() {
+    use super::graph::count_ops;
+    let xs = rand_vec(8);
+    let ys = rand_vec(8);
+    // (x + y) · x split in two halves, their sum's exp; and x + y itself
+    let build = || -> (Array, Array, Array) {
+        let x = Array::from_slice(&xs, &[2, 4]).unwrap();
+        let y = Array::from_slice(&ys, &[2, 4]).unwrap();
+        let a = x.add(&y).unwrap();
+        let b = a.mul(&x).unwrap();
+        let halves = split_sections(&b, &[1], 0).unwrap();
+        let out = halves[0].add(&halves[1]).unwrap().exp().unwrap();
+        (out, a, b)
+    };
+    let (want_out, want_a, _) = build();
+    eval(&[&want_out, &want_a]).unwrap();
+    let (out, a, b) = build();
+    let fused = fuse_graph(&[&out, &a]).unwrap();
+    let c = count_ops(&[&fused[0], &fused[1]], &[]);
+    assert_eq!((c.total(), c.get("FusedGraph")), (1, 1), "{c:?}");
+    assert_eq!(fused[0].shape(), vec![1, 4]);
+    eval(&[&fused[0], &fused[1]]).unwrap();
+    assert_eq!(
+        fused[0].to_vec::<f32>().unwrap(),
+        want_out.to_vec::<f32>().unwrap()
+    );
+    assert_eq!(
+        fused[1].to_vec::<f32>().unwrap(),
+        want_a.to_vec::<f32>().unwrap()
+    );
+    // an op's array held elsewhere is left evaluated, not run again by a later graph
+    assert!(b.is_available());
+    assert_eq!(count_ops(&[&b.add(&b).unwrap()], &[]).total(), 1);
+    // nothing left to evaluate: the arrays themselves
+    let again = fuse_graph(&[&fused[0]]).unwrap();
+    assert_eq!(count_ops(&[&again[0]], &[]).total(), 0);
+    assert_eq!(
+        again[0].to_vec::<f32>().unwrap(),
+        want_out.to_vec::<f32>().unwrap()
+    );
+}
+
+#[test]
+fn fused_graphs_that_share_an_op_give_its_values_in_either_order() {
+    let xs = rand_vec(4);
+    for first in [0, 1] {
+        let x = Array::from_slice(&xs, &[4]).unwrap();
+        let two = Array::from_slice(&[2.0f32], &[1]).unwrap();
+        let p = x.mul(&two).unwrap();
+        let g = [
+            fuse_graph(&[&p.add(&two).unwrap()]).unwrap().remove(0),
+            fuse_graph(&[&p.mul(&p).unwrap()]).unwrap().remove(0),
+        ];
+        eval(&[&g[first]]).unwrap();
+        eval(&[&g[1 - first]]).unwrap();
+        let want: Vec<f32> = xs.iter().map(|v| v * 2.0 + 2.0).collect();
+        assert_eq!(g[0].to_vec::<f32>().unwrap(), want);
+        let want: Vec<f32> = xs.iter().map(|v| (v * 2.0) * (v * 2.0)).collect();
+        assert_eq!(g[1].to_vec::<f32>().unwrap(), want);
+        assert!(p.is_available());
+    }
+}
+
+#[test]
+fn updates_in_a_fused_graph_reuse_their_buffer_as_unfused() {
+    // two updates in a row of an evaluated buffer that nothing else holds (a KV cache's
+    // key and value writes): both in place, fused or not
+    for fused in [false, true] {
+        let pool = Array::zeros(&[2, 8], Dtype::F32).unwrap();
+        pool.eval().unwrap();
+        let id = pool.buffer_id();
+        let ones = Array::full(&[1, 8], 1.0, Dtype::F32).unwrap();
+        let twos = Array::full(&[1, 8], 2.0, Dtype::F32).unwrap();
+        let first = pool.slice_update(&ones, &[0, 0], &[1, 8], &[1, 1]).unwrap();
+        drop(pool);
+        let second = first
+            .slice_update(&twos, &[1, 0], &[2, 8], &[1, 1])
+            .unwrap();
+        drop(first);
+        let out = match fused {
+            true => fuse_graph(&[&second]).unwrap().remove(0),
+            false => second,
+        };
+        eval(&[&out]).unwrap();
+        assert_eq!(out.buffer_id(), id, "fused: {fused}");
+        let want: Vec<f32> = [1.0f32; 8].into_iter().chain([2.0; 8]).collect();
+        assert_eq!(out.to_vec::<f32>().unwrap(), want);
+    }
+}

@@ -59,6 +59,21 @@ fn bound_in_flight(rows: usize) -> bool {
         && !BUILD_ONLY.with(|b| b.get())
 }
 
+/// A decode step's layers as one op (`MLXCEL_FUSED_STEP`, [`mlx::fuse_graph`]), or `h` as
+/// it is where they cannot be (ops on two streams), said once.
+fn fused_layers(h: Array) -> Array {
+    match mlx::fuse_graph(&[&h]) {
+        Ok(mut v) => v.remove(0),
+        Err(e) => {
+            static SAID: std::sync::Once = std::sync::Once::new();
+            SAID.call_once(|| {
+                tracing::warn!("MLXCEL_FUSED_STEP: the layers stay separate ops: {e}")
+            });
+            h
+        }
+    }
+}
+
 /// At most two layers of a long input in flight, where `bound` (else nothing is done).
 struct TwoInFlight {
     bound: bool,
@@ -595,6 +610,9 @@ impl Model {
             }
         }
         cache.advance(slot, t as usize);
+        if t == 1 && kernels::knobs::get().fused_step && probe.is_none() {
+            h = fused_layers(h);
+        }
         let h = if mode == Logits::Last && t > 1 {
             h.slice_axis(1, t - 1, t)?
         } else {
