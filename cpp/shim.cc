@@ -1109,9 +1109,8 @@ class FusedGraph : public mx::Primitive {
       if (outs.size() > 1) {
         for (const auto& o : outs) keep.push_back(o.data_shared_ptr());
       }
-      // evaluated and detached at once, as MLX's loop leaves each op, so that an input
-      // no later op reads is not held (a KV cache write updates its pool in place only
-      // where nothing else holds the pool: here a first step's whole-pool view read it)
+      // evaluated and detached at once, as MLX's loop leaves each op: it holds its inputs
+      // no longer than there
       for (auto& o : outs) {
         if (event.valid()) o.attach_event(event);
         o.set_status(array::Status::evaluated);
