@@ -158,8 +158,9 @@ pub struct Knobs {
     pub forget_view: bool,
     /// `MLXCEL_FUSED_STEP=1`: a single sequence's decode step evaluates its layers as one
     /// op ([`crate::mlx::fuse_graph`]: MLX's evaluation loop runs once for the layers'
-    /// ops instead of once per op; each op encodes its kernels as before). Off by default
-    /// until timed on a GPU.
+    /// ops instead of once per op; each op encodes its kernels as before). Off by default:
+    /// on one H100 it was no faster (its graph walk cost the build what it saved the
+    /// evaluation; docs/benchmarks.md).
     pub fused_step: bool,
     /// `MLXCEL_TP_RESIDUAL=1`: under tensor parallelism a row-parallel linear that feeds
     /// the residual stream (o_proj, down_proj) has rank 0 add the residual to its partial
