@@ -236,9 +236,9 @@ rust::String launch_chain_unavailable();
 // ---- a graph evaluated as one op ----
 // The ops reached from `outputs` that no evaluation has scheduled, as one op whose outputs
 // are `outputs`' values (MLX's evaluation loop runs once for all of them; each op encodes
-// its own kernels as before). Arrays with data, or that an evaluation scheduled, are its
-// inputs. `outputs` as they are when nothing is left to evaluate. Throws for ops on two
-// streams.
+// its own kernels as before). Arrays with data, or that an evaluation scheduled, are read as
+// they are; only those of another stream are the fused op's inputs. `outputs` as they are
+// when nothing is left to evaluate. Throws for ops on two streams.
 std::unique_ptr<ArrayVec> fuse_graph(const ArrayVec& outputs);
 
 // ---- quantization ----

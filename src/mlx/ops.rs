@@ -419,7 +419,9 @@ pub fn async_eval(arrays: &[&Array]) -> Result<()> {
 /// `outputs` computed by one op: every op reached from them that no evaluation has
 /// scheduled runs inside it, in order, each encoding its own kernels as it would, so that
 /// MLX's evaluation loop (its per-op tape, events, fences and status) runs once for all of
-/// them instead of once each. Arrays with data (weights, evaluated arrays) are its inputs.
+/// them instead of once each. Arrays with data (weights, evaluated arrays) are read as they
+/// are (only those of another stream are the fused op's inputs, so that an op may still
+/// update a buffer in place that nothing else holds).
 /// The results are those of `outputs`; an op an earlier evaluation already ran is skipped,
 /// and after the evaluation every op's array is evaluated as MLX's loop leaves it. `outputs`
 /// themselves when nothing is left to evaluate. Ops on two streams are an error.
