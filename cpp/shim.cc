@@ -950,14 +950,21 @@ struct EncoderApi {
   std::string missing;
 };
 
+// `f` = the function `name` of `lib`; a name not found is added to `missing`
+template <class F>
+void find_function(F& f, void* lib, const char* name, std::string& missing) {
+  f = reinterpret_cast<F>(dlsym(lib, name));
+  if (!f) missing += std::string(missing.empty() ? "" : ", ") + name;
+}
+
+// mlx::core::cu::get_command_encoder(Stream), mangled
+constexpr const char* kGetCommandEncoder = "_ZN3mlx4core2cu19get_command_encoderENS0_6StreamE";
+
 const EncoderApi& encoder_api() {
   static const EncoderApi api = [] {
     EncoderApi a;
-    auto sym = [&](auto& f, void* lib, const char* s) {
-      f = reinterpret_cast<std::decay_t<decltype(f)>>(dlsym(lib, s));
-      if (!f) a.missing += std::string(a.missing.empty() ? "" : ", ") + s;
-    };
-    sym(a.encoder, RTLD_DEFAULT, "_ZN3mlx4core2cu19get_command_encoderENS0_6StreamE");
+    auto sym = [&](auto& f, void* lib, const char* s) { find_function(f, lib, s, a.missing); };
+    sym(a.encoder, RTLD_DEFAULT, kGetCommandEncoder);
     sym(a.set_input, RTLD_DEFAULT, "_ZN3mlx4core2cu14CommandEncoder15set_input_arrayERKNS0_5arrayE");
     sym(a.set_output, RTLD_DEFAULT, "_ZN3mlx4core2cu14CommandEncoder16set_output_arrayERKNS0_5arrayE");
     sym(a.add_kernel, RTLD_DEFAULT,
@@ -1047,11 +1054,8 @@ struct CommitApi {
 const CommitApi& commit_api() {
   static const CommitApi api = [] {
     CommitApi a;
-    auto sym = [&](auto& f, const char* s) {
-      f = reinterpret_cast<std::decay_t<decltype(f)>>(dlsym(RTLD_DEFAULT, s));
-      if (!f) a.missing += std::string(a.missing.empty() ? "" : ", ") + s;
-    };
-    sym(a.encoder, "_ZN3mlx4core2cu19get_command_encoderENS0_6StreamE");
+    auto sym = [&](auto& f, const char* s) { find_function(f, RTLD_DEFAULT, s, a.missing); };
+    sym(a.encoder, kGetCommandEncoder);
     sym(a.needs_commit, "_ZN3mlx4core2cu14CommandEncoder12needs_commitEv");
     sym(a.commit, "_ZN3mlx4core2cu14CommandEncoder6commitEv");
     sym(a.add_completed_handler, "_ZN3mlx4core2cu14CommandEncoder21add_completed_handlerESt8functionIFvvEE");
@@ -1080,9 +1084,9 @@ class FusedGraph : public mx::Primitive {
 
  private:
   void run(std::vector<array>& outputs, bool gpu) {
+    const CommitApi& api = commit_api();
     void* enc = nullptr;
     if (gpu) {
-      const auto& api = commit_api();
       if (!api.missing.empty()) throw std::runtime_error("fused graph: not found: " + api.missing);
       enc = api.encoder(stream());
     }
@@ -1118,11 +1122,11 @@ class FusedGraph : public mx::Primitive {
       if (!a.is_tracer()) a.detach();
       // as MLX's loop does after each op: a full command buffer goes to the device, so
       // that it starts on the first kernels while the host encodes the rest
-      if (gpu && commit_api().needs_commit(enc)) {
+      if (gpu && api.needs_commit(enc)) {
         auto s = stream();
         mx::scheduler::notify_new_task(s);
-        commit_api().add_completed_handler(enc, [s]() { mx::scheduler::notify_task_completion(s); });
-        commit_api().commit(enc);
+        api.add_completed_handler(enc, [s]() { mx::scheduler::notify_task_completion(s); });
+        api.commit(enc);
       }
     }
     for (size_t i = 0; i < outputs.size(); ++i) {
@@ -1131,7 +1135,7 @@ class FusedGraph : public mx::Primitive {
     tape_.clear();
     exports_.clear();
     if (gpu) {
-      commit_api().add_completed_handler(enc, [keep = std::move(keep)]() {});
+      api.add_completed_handler(enc, [keep = std::move(keep)]() {});
     } else {
       mx::cpu::get_command_encoder(stream()).dispatch([keep = std::move(keep)]() {});
     }
@@ -1145,53 +1149,52 @@ class FusedGraph : public mx::Primitive {
 
 std::unique_ptr<ArrayVec> fuse_graph(const ArrayVec& outputs) {
   // the ops: arrays with a primitive that no evaluation has scheduled, reached from the
-  // outputs; everything else (weights, evaluated arrays) is an input of the fused op
-  std::unordered_set<std::uintptr_t> seen;
-  std::unordered_set<std::uintptr_t> inputs_seen;
-  std::vector<array> tape;
-  std::vector<array> inputs;
-  std::optional<mx::Stream> stream;
-  // iterative depth-first walk, each op appended after its inputs
-  std::vector<std::pair<array, bool>> todo;
-  for (const auto& o : outputs.items) todo.emplace_back(o, false);
-  while (!todo.empty()) {
-    auto [a, expanded] = std::move(todo.back());
-    todo.pop_back();
-    const bool op = a.has_primitive() && a.status() == array::Status::unscheduled;
-    if (!op) {
-      if (inputs_seen.insert(a.id()).second) inputs.push_back(a);
-      continue;
-    }
-    if (expanded) {
-      tape.push_back(a);
-      continue;
-    }
-    if (!seen.insert(a.id()).second) continue;
-    for (const auto& sib : a.siblings()) seen.insert(sib.id());
-    if (!stream) stream = a.primitive().stream();
-    if (a.primitive().stream() != *stream) {
-      throw std::invalid_argument(std::string("fuse_graph: ops on two streams (") + a.primitive().name() + ")");
-    }
-    if (a.is_tracer()) throw std::invalid_argument("fuse_graph: an array being traced by a transform");
-    todo.emplace_back(a, true);
-    for (const auto& in : a.inputs()) {
-      if (!seen.count(in.id())) todo.emplace_back(in, false);
-    }
-  }
+  // outputs; everything else (weights, evaluated arrays) is read as it is
+  auto is_op = [](const array& a) { return a.has_primitive() && a.status() == array::Status::unscheduled; };
   auto out = std::make_unique<ArrayVec>();
-  if (tape.empty()) {
+  auto first = std::find_if(outputs.items.begin(), outputs.items.end(), is_op);
+  if (first == outputs.items.end()) {
     out->items = outputs.items;
     return out;
   }
+  const mx::Stream stream = first->primitive().stream();
   // Inputs of the fused op: only arrays of another stream, whose events MLX's loop must
   // wait for. The others are ordered by the stream and kept alive by the ops that read
   // them; an input the fused op held would also keep an op from updating its buffer in
   // place (a KV cache write whose pool no one else holds).
-  std::erase_if(inputs, [&](const array& a) {
-    const bool other = (a.has_primitive() && a.primitive().stream() != *stream) ||
-                       (a.event().valid() && a.event().stream() != *stream);
-    return !other;
-  });
+  auto other_stream = [&](const array& a) {
+    return (a.has_primitive() && a.primitive().stream() != stream) ||
+           (a.event().valid() && a.event().stream() != stream);
+  };
+  std::unordered_set<std::uintptr_t> seen;
+  std::vector<array> tape;
+  std::vector<array> inputs;
+  // iterative depth-first walk, each op appended after its inputs (the arrays are alive
+  // through `outputs` for the whole walk, so it holds pointers, not handles)
+  std::vector<std::pair<const array*, bool>> todo;
+  for (const auto& o : outputs.items) todo.emplace_back(&o, false);
+  while (!todo.empty()) {
+    auto [a, expanded] = todo.back();
+    todo.pop_back();
+    if (expanded) {
+      tape.push_back(*a);
+      continue;
+    }
+    if (!seen.insert(a->id()).second) continue;
+    if (!is_op(*a)) {
+      if (other_stream(*a)) inputs.push_back(*a);
+      continue;
+    }
+    for (const auto& sib : a->siblings()) seen.insert(sib.id());
+    if (a->primitive().stream() != stream) {
+      throw std::invalid_argument(std::string("fuse_graph: ops on two streams (") + a->primitive().name() + ")");
+    }
+    if (a->is_tracer()) throw std::invalid_argument("fuse_graph: an array being traced by a transform");
+    todo.emplace_back(a, true);
+    for (const auto& in : a->inputs()) {
+      if (!seen.count(in.id())) todo.emplace_back(&in, false);
+    }
+  }
   std::vector<mx::Shape> shapes;
   std::vector<mx::Dtype> dtypes;
   for (const auto& o : outputs.items) {
@@ -1199,7 +1202,7 @@ std::unique_ptr<ArrayVec> fuse_graph(const ArrayVec& outputs) {
     dtypes.push_back(o.dtype());
   }
   out->items = array::make_arrays(std::move(shapes), std::move(dtypes),
-                                  std::make_shared<FusedGraph>(*stream, std::move(tape), outputs.items),
+                                  std::make_shared<FusedGraph>(stream, std::move(tape), outputs.items),
                                   std::move(inputs));
   return out;
 }
